@@ -1,0 +1,591 @@
+// See Note [Caching allocator replay] in caching_allocator.h for what is mirrored
+// from PyTorch's CUDACachingAllocator.cpp and what is left out.
+
+#include "caching_allocator.h"
+
+#include <algorithm>
+#include <bit>
+#include <initializer_list>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+namespace trainmem::sim {
+
+namespace {
+
+constexpr std::uint64_t kMaxBytes = std::numeric_limits<std::uint64_t>::max();
+
+// Rounds `bytes` up to a multiple of `step` (a power of two); false on overflow.
+bool round_up(std::uint64_t bytes, std::uint64_t step, std::uint64_t& out) noexcept {
+  const std::uint64_t below = bytes & ~(step - 1);
+  if (below == bytes) {
+    out = bytes;
+    return true;
+  }
+  if (below > kMaxBytes - step) return false;
+  out = below + step;
+  return true;
+}
+
+// Same for steps that are not powers of two (the 20 MiB large page).
+bool round_up_any(std::uint64_t bytes, std::uint64_t step, std::uint64_t& out) noexcept {
+  const std::uint64_t rem = bytes % step;
+  if (rem == 0) {
+    out = bytes;
+    return true;
+  }
+  const std::uint64_t pad = step - rem;
+  if (bytes > kMaxBytes - pad) return false;
+  out = bytes + pad;
+  return true;
+}
+
+[[noreturn]] void bug(const char* what) {
+  // An invariant of the model broke: this is never caused by the caller's input.
+  throw std::logic_error(std::string("trainmem bug in the caching allocator model: ") + what +
+                         "; please report it");
+}
+
+}  // namespace
+
+void* CachingAllocator::NodePool::take() {
+  if (free_ != nullptr) {
+    Slot* slot = free_;
+    free_ = slot->next;
+    return slot;
+  }
+  if (used_in_last_chunk_ == kChunkSlots) {
+    chunks_.push_back(std::make_unique_for_overwrite<Slot[]>(kChunkSlots));
+    used_in_last_chunk_ = 0;
+  }
+  return &chunks_.back()[used_in_last_chunk_++];
+}
+
+void CachingAllocator::NodePool::give(void* slot) noexcept {
+  Slot* s = static_cast<Slot*>(slot);
+  s->next = free_;
+  free_ = s;
+}
+
+CachingAllocator::CachingAllocator(AllocatorConfig config)
+    : config_(config),
+      free_{FreeSet(NodeAllocator<SizeKey>(&node_pool_)),
+            FreeSet(NodeAllocator<SizeKey>(&node_pool_))},
+      unmapped_{UnmappedSet(NodeAllocator<AddressKey>(&node_pool_)),
+                UnmappedSet(NodeAllocator<AddressKey>(&node_pool_))} {
+  const unsigned div = config_.roundup_power2_divisions;
+  if (div != 0 && !std::has_single_bit(div)) {
+    throw std::invalid_argument("roundup_power2_divisions=" + std::to_string(div) +
+                                " is not a power of two; use 0 (off), 1, 2, 4, 8 or 16");
+  }
+  if (config_.max_split_size_bytes < kLargeSegmentBytes) {
+    throw std::invalid_argument("max_split_size_bytes=" +
+                                std::to_string(config_.max_split_size_bytes) +
+                                " is below the 20971520-byte (20 MiB) minimum; use at least "
+                                "20 MiB, or UINT64_MAX for no limit");
+  }
+  if (config_.max_non_split_rounding_bytes < kLargeSegmentBytes) {
+    throw std::invalid_argument("max_non_split_rounding_bytes=" +
+                                std::to_string(config_.max_non_split_rounding_bytes) +
+                                " is below the 20971520-byte (20 MiB) minimum; use at least "
+                                "20 MiB");
+  }
+}
+
+CachingAllocator::~CachingAllocator() = default;
+
+// ---- sizing (round_size, roundup_power2_next_division, get_allocation_size) ----
+
+std::uint64_t CachingAllocator::round_up_power2_division(std::uint64_t bytes,
+                                                         unsigned divisions) {
+  if (bytes == 0 || std::has_single_bit(bytes)) return bytes;
+  if (divisions < 2 || !std::has_single_bit(divisions)) {
+    throw std::invalid_argument("roundup_power2_divisions=" + std::to_string(divisions) +
+                                " must be a power of two of at least 2 here");
+  }
+  const std::uint64_t floor = std::bit_floor(bytes);
+  const std::uint64_t step = floor / divisions;
+  // A step of zero means the interval has fewer bytes than divisions: PyTorch
+  // then goes straight to the next power of two (which cannot overflow here,
+  // since floor < 2^63 whenever step is zero).
+  if (step == 0) return floor << 1;
+  std::uint64_t out = 0;
+  if (!round_up(bytes, step, out)) {
+    throw std::overflow_error("cannot round a request of " + std::to_string(bytes) +
+                              " bytes up to the next 1/" + std::to_string(divisions) +
+                              " power-of-two step: the result does not fit in 64 bits");
+  }
+  return out;
+}
+
+std::uint64_t CachingAllocator::round_size(std::uint64_t bytes, const AllocatorConfig& config) {
+  if (bytes < kMinBlockBytes) return kMinBlockBytes;
+  const unsigned div = config.roundup_power2_divisions;
+  // The guard keeps the step at 512 B or more: below 512 × divisions the plain
+  // 512 B rounding applies even when divisions are configured.
+  if (div > 1 && bytes > kMinBlockBytes * div) return round_up_power2_division(bytes, div);
+  std::uint64_t out = 0;
+  if (!round_up(bytes, kMinBlockBytes, out)) {
+    throw std::overflow_error("cannot round a request of " + std::to_string(bytes) +
+                              " bytes up to a multiple of 512 bytes: the result does not fit "
+                              "in 64 bits");
+  }
+  return out;
+}
+
+std::uint64_t CachingAllocator::allocation_size(std::uint64_t rounded_bytes) {
+  if (rounded_bytes <= kSmallRequestMaxBytes) return kSmallSegmentBytes;
+  if (rounded_bytes < kMinLargeAllocBytes) return kLargeSegmentBytes;
+  std::uint64_t out = 0;
+  if (!round_up(rounded_bytes, kLargeRoundBytes, out)) {
+    throw std::overflow_error("cannot size a segment for a block of " +
+                              std::to_string(rounded_bytes) +
+                              " bytes: rounding up to a multiple of 2097152 bytes does not fit "
+                              "in 64 bits");
+  }
+  return out;
+}
+
+std::uint64_t CachingAllocator::page_bytes(Pool pool) noexcept {
+  return pool == kSmallPool ? kSmallPageBytes : kLargePageBytes;
+}
+
+// should_split. With expandable segments every remainder of 512 B or more is
+// split, whatever max_split_size says.
+bool CachingAllocator::should_split(Pool pool, std::uint64_t size,
+                                    std::uint64_t remaining) const noexcept {
+  if (pool == kSmallPool || config_.expandable_segments) return remaining >= kMinBlockBytes;
+  return size < config_.max_split_size_bytes && remaining > kSmallRequestMaxBytes;
+}
+
+// ---- block storage ----
+
+CachingAllocator::BlockId CachingAllocator::new_block() {
+  BlockId id;
+  if (!reusable_ids_.empty()) {
+    id = reusable_ids_.back();
+    reusable_ids_.pop_back();
+    blocks_[id] = Block{};
+  } else {
+    if (blocks_.size() >= kNoBlock) {
+      throw std::length_error("the caching allocator model ran out of 32-bit block ids");
+    }
+    id = static_cast<BlockId>(blocks_.size());
+    blocks_.emplace_back();
+  }
+  blocks_[id].live = true;
+  return id;
+}
+
+void CachingAllocator::recycle(BlockId id) noexcept {
+  blocks_[id].live = false;
+  reusable_ids_.push_back(id);
+}
+
+bool CachingAllocator::is_live_allocation(BlockId id) const noexcept {
+  return id < blocks_.size() && blocks_[id].live && blocks_[id].allocated;
+}
+
+void CachingAllocator::insert_free(BlockId id) {
+  Block& b = blocks_[id];
+  const auto [pos, inserted] = free_[b.pool].insert(SizeKey{b.stream, b.size, b.address, id});
+  if (!inserted) bug("a free block was cached twice");
+  b.free_pos = pos;
+}
+
+void CachingAllocator::erase_free(BlockId id) noexcept {
+  const Block& b = blocks_[id];
+  free_[b.pool].erase(b.free_pos);
+}
+
+void CachingAllocator::insert_unmapped(BlockId id) {
+  Block& b = blocks_[id];
+  const auto [pos, inserted] = unmapped_[b.pool].insert(AddressKey{b.stream, b.address, id});
+  if (!inserted) bug("an unmapped range was recorded twice");
+  b.unmapped_pos = pos;
+}
+
+void CachingAllocator::erase_unmapped(BlockId id) noexcept {
+  const Block& b = blocks_[id];
+  unmapped_[b.pool].erase(b.unmapped_pos);
+}
+
+// ---- allocate ----
+
+CachingAllocator::BlockId CachingAllocator::allocate(std::uint64_t requested_bytes, int stream) {
+  const std::uint64_t size = round_size(requested_bytes, config_);
+  const Pool pool = size <= kSmallRequestMaxBytes ? kSmallPool : kLargePool;
+
+  // Nothing below changes the allocator before the last point that can throw
+  // overflow_error (new_segment / grow_expandable claim address space first).
+  BlockId id = take_free_block(pool, stream, size);
+  if (id == kNoBlock) {
+    id = config_.expandable_segments ? grow_expandable(pool, stream, size)
+                                     : new_segment(pool, stream, allocation_size(size));
+  }
+
+  const std::uint64_t remaining = blocks_[id].size - size;
+  if (should_split(pool, size, remaining)) split_tail(id, size);
+
+  Block& b = blocks_[id];
+  b.allocated = true;
+  allocated_bytes_ += b.size;  // the block's size, not the request: Note [Caching allocator replay]
+  peak_allocated_bytes_ = std::max(peak_allocated_bytes_, allocated_bytes_);
+  return id;
+}
+
+// get_free_block: best fit on the stream, then the max_split_size vetoes on that
+// one candidate (a veto is a miss; no other block is tried).
+CachingAllocator::BlockId CachingAllocator::take_free_block(Pool pool, int stream,
+                                                            std::uint64_t size) {
+  FreeSet& set = free_[pool];
+  auto it = set.lower_bound(SizeKey{stream, size, 0, 0});
+  if (it == set.end() || it->stream != stream) return kNoBlock;
+
+  if (config_.expandable_segments) {
+    // A block that borders unmapped space "fits" as far as it could grow; walk
+    // on while the next block is smaller by that measure, so a block that fits
+    // as it stands beats growing the arena.
+    for (auto next = std::next(it);
+         next != set.end() && next->stream == stream &&
+         expandable_size(next->id) < expandable_size(it->id);
+         ++next) {
+      it = next;
+    }
+  }
+
+  const std::uint64_t max_split = config_.max_split_size_bytes;
+  // A request below max_split_size never takes an oversize block ...
+  if (size < max_split && it->size >= max_split) return kNoBlock;
+  // ... and an oversize request takes one only when the slack is small.
+  if (size >= max_split && it->size - size >= config_.max_non_split_rounding_bytes) {
+    return kNoBlock;
+  }
+  const BlockId id = it->id;
+  set.erase(it);
+  return id;
+}
+
+std::uint64_t CachingAllocator::expandable_size(BlockId id) const noexcept {
+  const Block& b = blocks_[id];
+  if (b.next != kNoBlock && !blocks_[b.next].mapped) return b.size + blocks_[b.next].size;
+  return b.size;
+}
+
+// The block keeps its first keep_bytes; the rest becomes a cached free block.
+void CachingAllocator::split_tail(BlockId id, std::uint64_t keep_bytes) {
+  const BlockId rest = new_block();  // may move blocks_: take references after
+  Block& b = blocks_[id];
+  Block& r = blocks_[rest];
+  r.address = b.address + keep_bytes;
+  r.size = b.size - keep_bytes;
+  r.stream = b.stream;
+  r.pool = b.pool;
+  r.mapped = true;
+  r.prev = id;
+  r.next = b.next;
+  if (b.next != kNoBlock) blocks_[b.next].prev = rest;
+  b.next = rest;
+  b.size = keep_bytes;
+  insert_free(rest);
+}
+
+namespace {
+
+[[noreturn]] void throw_no_address_space(std::uint64_t block_bytes) {
+  throw std::overflow_error("cannot place a block of " + std::to_string(block_bytes) +
+                            " bytes: the allocator model's address space ends at 2^63 bytes");
+}
+
+}  // namespace
+
+// Start of a free range of `bytes` at the end of the model address space, aligned
+// to `align`; throws (naming the block that needed it) when it does not fit.
+std::uint64_t CachingAllocator::claim_address_range(std::uint64_t align, std::uint64_t bytes,
+                                                    std::uint64_t block_bytes) const {
+  std::uint64_t base = 0;
+  if (!round_up_any(next_address_, align, base) || base > kAddressSpaceBytes ||
+      bytes > kAddressSpaceBytes - base) {
+    throw_no_address_space(block_bytes);
+  }
+  return base;
+}
+
+// The one place where reserved memory grows (cudaMalloc or cuMemMap). A device
+// capacity belongs here: on failure PyTorch frees oversize cached blocks, then
+// every unsplit cached block, retries, and only then raises OutOfMemoryError.
+void CachingAllocator::reserve_device_bytes(std::uint64_t bytes) noexcept {
+  reserved_bytes_ += bytes;
+  peak_reserved_bytes_ = std::max(peak_reserved_bytes_, reserved_bytes_);
+}
+
+// alloc_block without expandable segments: one cudaMalloc'd segment.
+CachingAllocator::BlockId CachingAllocator::new_segment(Pool pool, int stream,
+                                                        std::uint64_t segment_bytes) {
+  const std::uint64_t base = claim_address_range(1, segment_bytes, segment_bytes);
+  const BlockId id = new_block();
+  Block& b = blocks_[id];
+  b.address = base;
+  b.size = segment_bytes;
+  b.stream = stream;
+  b.pool = pool;
+  next_address_ = base + segment_bytes;
+  reserve_device_bytes(segment_bytes);
+  ++segment_count_;
+  return id;
+}
+
+// ---- expandable segments (try_allocate_expandable_block) ----
+
+CachingAllocator::BlockId CachingAllocator::grow_expandable(Pool pool, int stream,
+                                                            std::uint64_t size) {
+  BlockId candidate = find_expandable_start(pool, stream, size);
+  if (!blocks_[candidate].mapped) {
+    candidate = map_pages(candidate, std::min(blocks_[candidate].size, size));
+  }
+  // candidate is now a free mapped block followed by unmapped space; map pages
+  // behind it until it is big enough (each map merges into the candidate).
+  while (blocks_[candidate].size < size) {
+    const BlockId next = blocks_[candidate].next;
+    if (next == kNoBlock || blocks_[next].mapped || blocks_[next].allocated) {
+      bug("an expandable arena has no unmapped space where room was found");
+    }
+    const std::uint64_t missing = size - blocks_[candidate].size;
+    candidate = map_pages(next, std::min(missing, blocks_[next].size));
+  }
+  erase_free(candidate);
+  return candidate;
+}
+
+// find_expandable_block: the lowest-address unmapped range on this stream that,
+// together with the free block just below it and whatever free or unmapped space
+// follows, holds `size`; a new arena when none does.
+CachingAllocator::BlockId CachingAllocator::find_expandable_start(Pool pool, int stream,
+                                                                  std::uint64_t size) {
+  UnmappedSet& set = unmapped_[pool];
+  for (auto it = set.lower_bound(AddressKey{stream, 0, 0});
+       it != set.end() && it->stream == stream; ++it) {
+    BlockId start = it->id;
+    const BlockId prev = blocks_[start].prev;
+    if (prev != kNoBlock && !blocks_[prev].allocated) start = prev;
+    if (has_room_from(start, size)) return start;
+  }
+
+  const std::uint64_t page = page_bytes(pool);
+  std::uint64_t needed = 0;
+  if (!round_up_any(size, page, needed)) throw_no_address_space(size);
+  const std::uint64_t arena_bytes = std::max(kExpandableArenaPages * page, needed);
+  const std::uint64_t base = claim_address_range(page, arena_bytes, size);
+  const BlockId id = new_block();
+  Block& b = blocks_[id];
+  b.address = base;
+  b.size = arena_bytes;
+  b.stream = stream;
+  b.pool = pool;
+  b.mapped = false;
+  next_address_ = base + arena_bytes;
+  insert_unmapped(id);
+  ++segment_count_;
+  return id;
+}
+
+bool CachingAllocator::has_room_from(BlockId id, std::uint64_t size) const noexcept {
+  std::uint64_t bytes = 0;
+  while (bytes < size && id != kNoBlock && !blocks_[id].allocated) {
+    bytes += blocks_[id].size;
+    id = blocks_[id].next;
+  }
+  return bytes >= size;
+}
+
+// map_block: maps whole pages at the start of an unmapped range, merges the new
+// memory with free mapped neighbours and caches it. Returns the merged block.
+CachingAllocator::BlockId CachingAllocator::map_pages(BlockId unmapped, std::uint64_t bytes) {
+  const Pool pool = blocks_[unmapped].pool;
+  std::uint64_t mapped = 0;
+  // Cannot overflow: the range is page-aligned and whole pages long, so the
+  // rounded size is at most the range's size.
+  round_up_any(bytes, page_bytes(pool), mapped);
+  if (mapped > blocks_[unmapped].size) bug("mapping ran past an unmapped range");
+
+  erase_unmapped(unmapped);
+  if (mapped < blocks_[unmapped].size) {
+    const BlockId rest = new_block();
+    Block& u = blocks_[unmapped];
+    Block& r = blocks_[rest];
+    r.address = u.address + mapped;
+    r.size = u.size - mapped;
+    r.stream = u.stream;
+    r.pool = u.pool;
+    r.mapped = false;
+    r.prev = unmapped;
+    r.next = u.next;
+    if (u.next != kNoBlock) blocks_[u.next].prev = rest;
+    u.next = rest;
+    u.size = mapped;
+    insert_unmapped(rest);
+  }
+  blocks_[unmapped].mapped = true;
+  try_merge(unmapped, blocks_[unmapped].prev);
+  try_merge(unmapped, blocks_[unmapped].next);
+  insert_free(unmapped);
+  reserve_device_bytes(mapped);
+  return unmapped;
+}
+
+// ---- release ----
+
+void CachingAllocator::release(BlockId block) {
+  if (!is_live_allocation(block)) {
+    throw std::invalid_argument("release: block " + std::to_string(block) +
+                                " is not a live allocation (already released, or never "
+                                "returned by allocate)");
+  }
+  Block& b = blocks_[block];
+  b.allocated = false;
+  allocated_bytes_ -= b.size;
+  // free_block: absorb free neighbours of the same segment, then cache.
+  try_merge(block, blocks_[block].prev);
+  try_merge(block, blocks_[block].next);
+  insert_free(block);
+}
+
+std::uint64_t CachingAllocator::block_bytes(BlockId block) const {
+  if (!is_live_allocation(block)) {
+    throw std::invalid_argument("block_bytes: block " + std::to_string(block) +
+                                " is not a live allocation (already released, or never "
+                                "returned by allocate)");
+  }
+  return blocks_[block].size;
+}
+
+// try_merge_blocks: dst absorbs src when src is a free neighbour in the same
+// mapping state. dst must not be in a free or unmapped set (its key changes).
+void CachingAllocator::try_merge(BlockId dst, BlockId src) noexcept {
+  if (src == kNoBlock) return;
+  Block& s = blocks_[src];
+  Block& d = blocks_[dst];
+  if (s.allocated || s.mapped != d.mapped) return;
+  if (s.mapped) {
+    erase_free(src);
+  } else {
+    erase_unmapped(src);
+  }
+  if (d.prev == src) {
+    d.address = s.address;
+    d.prev = s.prev;
+    if (d.prev != kNoBlock) blocks_[d.prev].next = dst;
+  } else {
+    d.next = s.next;
+    if (d.next != kNoBlock) blocks_[d.next].prev = dst;
+  }
+  d.size += s.size;
+  recycle(src);
+}
+
+// ---- empty_cache (release_cached_blocks / release_blocks) ----
+
+void CachingAllocator::empty_cache() {
+  for (const Pool pool : {kLargePool, kSmallPool}) {
+    scratch_.clear();
+    for (const SizeKey& key : free_[pool]) {
+      const Block& b = blocks_[key.id];
+      if (config_.expandable_segments || (b.prev == kNoBlock && b.next == kNoBlock)) {
+        scratch_.push_back(key.id);
+      }
+    }
+    for (const BlockId id : scratch_) {
+      if (!config_.expandable_segments) {
+        // A whole free segment: cudaFree.
+        erase_free(id);
+        reserved_bytes_ -= blocks_[id].size;
+        --segment_count_;
+        recycle(id);
+        continue;
+      }
+      unmap_free_pages(id);
+      const Block& b = blocks_[id];
+      if (!b.mapped && b.prev == kNoBlock && b.next == kNoBlock) {
+        // Nothing of the arena is mapped any more: drop it.
+        erase_unmapped(id);
+        --segment_count_;
+        recycle(id);
+      }
+    }
+  }
+  scratch_.clear();
+}
+
+// unmap_block: gives back the whole pages inside a free block; the partial pages
+// at either end stay mapped as free blocks of their own.
+void CachingAllocator::unmap_free_pages(BlockId id) {
+  const std::uint64_t page = page_bytes(blocks_[id].pool);
+  const std::uint64_t start = blocks_[id].address;
+  const std::uint64_t end = start + blocks_[id].size;
+  std::uint64_t first = 0;
+  round_up_any(start, page, first);  // addresses stay below 2^63: no overflow
+  const std::uint64_t last = end - end % page;
+  if (first >= last) return;
+
+  erase_free(id);
+  if (first > start) {
+    const BlockId before = new_block();
+    Block& f = blocks_[before];
+    Block& b = blocks_[id];
+    f.address = start;
+    f.size = first - start;
+    f.stream = b.stream;
+    f.pool = b.pool;
+    f.prev = b.prev;
+    f.next = id;
+    if (b.prev != kNoBlock) blocks_[b.prev].next = before;
+    b.prev = before;
+    insert_free(before);
+  }
+  if (last < end) {
+    const BlockId after = new_block();
+    Block& a = blocks_[after];
+    Block& b = blocks_[id];
+    a.address = last;
+    a.size = end - last;
+    a.stream = b.stream;
+    a.pool = b.pool;
+    a.prev = id;
+    a.next = b.next;
+    if (b.next != kNoBlock) blocks_[b.next].prev = after;
+    b.next = after;
+    insert_free(after);
+  }
+  Block& b = blocks_[id];
+  b.address = first;
+  b.size = last - first;
+  b.mapped = false;
+  reserved_bytes_ -= last - first;
+  try_merge(id, blocks_[id].prev);
+  try_merge(id, blocks_[id].next);
+  insert_unmapped(id);
+}
+
+// ---- stats and reuse ----
+
+void CachingAllocator::reset_peak_stats() noexcept {
+  peak_allocated_bytes_ = allocated_bytes_;
+  peak_reserved_bytes_ = reserved_bytes_;
+}
+
+void CachingAllocator::reset() {
+  for (FreeSet& set : free_) set.clear();
+  for (UnmappedSet& set : unmapped_) set.clear();
+  blocks_.clear();
+  reusable_ids_.clear();
+  scratch_.clear();
+  next_address_ = 0;
+  allocated_bytes_ = 0;
+  reserved_bytes_ = 0;
+  peak_allocated_bytes_ = 0;
+  peak_reserved_bytes_ = 0;
+  segment_count_ = 0;
+}
+
+}  // namespace trainmem::sim
