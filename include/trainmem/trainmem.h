@@ -1,0 +1,212 @@
+// trainmem: GPU memory of one training step, simulated op by op.
+//
+// The public API is small on purpose: load a model (catalog name, config.json or model
+// directory), describe a recipe, ask for an Estimate. Everything else lives in src/.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace trainmem {
+
+// Bad input (unknown model, malformed config, impossible recipe). Derives from
+// std::invalid_argument so the Python binding raises ValueError. A broken internal invariant
+// is never reported through this type (see detail::bug in src/).
+class Error : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+// ---- Vocabulary ---------------------------------------------------------------------------
+
+// The seed's categories; docs/schema.md defines what belongs to each.
+enum class Category : std::uint8_t {
+  kWeights,
+  kOptimizerStates,
+  kGradients,
+  kActivations,
+  kTemporaries,
+  kOther,
+};
+inline constexpr std::size_t kCategoryCount = 6;
+std::string_view category_name(Category);
+
+enum class Phase : std::uint8_t { kSetup, kForward, kLoss, kBackward, kOptimizer };
+std::string_view phase_name(Phase);
+
+enum class DType : std::uint8_t { kF32, kBF16, kF16, kI64, kU8 };
+std::string_view dtype_name(DType);
+std::uint64_t dtype_bytes(DType);
+
+// ---- Models -------------------------------------------------------------------------------
+
+enum class Family : std::uint8_t { kGpt2, kLlama, kMistral, kQwen2, kQwen3, kGemma2, kPhi3 };
+std::string_view family_name(Family);
+
+enum class NormKind : std::uint8_t { kRmsNorm, kLayerNorm };
+enum class Activation : std::uint8_t { kSilu, kGeluTanh };
+
+// The shapes that decide memory, read from a Hugging Face config.json.
+struct Architecture {
+  Family family = Family::kLlama;
+  std::string model_type;
+  std::uint64_t hidden_size = 0;
+  std::uint64_t intermediate_size = 0;
+  std::uint64_t num_layers = 0;
+  std::uint64_t num_heads = 0;
+  std::uint64_t num_kv_heads = 0;
+  std::uint64_t head_dim = 0;
+  std::uint64_t vocab_size = 0;
+  std::uint64_t max_positions = 0;
+  bool tie_word_embeddings = false;
+  bool qkv_bias = false;        // bias on q/k/v projections (Qwen2, Llama attention_bias)
+  bool o_bias = false;          // bias on the output projection
+  bool mlp_bias = false;
+  bool qk_norm = false;         // RMSNorm over head_dim on q and k (Qwen3)
+  bool fused_qkv = false;       // one qkv projection, split afterwards (Phi-3, GPT-2)
+  bool fused_gate_up = false;   // one gate_up projection, chunked afterwards (Phi-3)
+  bool gated_mlp = true;        // SwiGLU-style gate * up (all but GPT-2)
+  bool sandwich_norms = false;  // extra post-attention / post-feedforward norms (Gemma-2)
+  bool embedding_scale = false; // embeddings multiplied by sqrt(hidden) (Gemma-2)
+  bool learned_positions = false;  // GPT-2 position embedding table
+  NormKind norm = NormKind::kRmsNorm;
+  Activation activation = Activation::kSilu;
+  double attn_logit_softcap = 0;   // Gemma-2: tanh soft-capping of scores (eager only)
+  double final_logit_softcap = 0;  // Gemma-2: tanh soft-capping of logits
+  DType torch_dtype = DType::kF32; // the dtype the checkpoint was published in
+};
+
+// One named parameter tensor; `count` > 1 for the tensors that every decoder layer repeats.
+struct ParameterGroup {
+  std::string name;  // e.g. "layers.N.mlp.down_proj.weight"
+  std::uint64_t numel = 0;
+  std::uint64_t count = 1;
+  bool matmul_weight = false;  // used by a matmul (autocast casts it; weight decay applies)
+};
+
+struct Model {
+  std::string name;       // catalog name, or the path it was read from
+  std::string hf_id;      // e.g. "Qwen/Qwen3-4B" when known
+  Architecture arch;
+  std::vector<ParameterGroup> parameters;  // layer tensors listed once with count = num_layers
+  std::uint64_t parameter_count = 0;       // exact, tied embeddings counted once
+  bool from_safetensors = false;           // counts were read from *.safetensors headers
+};
+
+// A catalog name ("qwen3-4b"), a Hugging Face id ("Qwen/Qwen3-4B"), a config.json path, or a
+// directory holding config.json (and optionally *.safetensors). Throws Error with close names
+// when nothing matches.
+Model load_model(std::string_view source);
+Model model_from_config_json(std::string_view json_text, std::string name = "config.json");
+
+struct CatalogEntry {
+  std::string name;
+  std::string hf_id;
+  std::uint64_t parameter_count = 0;
+  std::string family;
+};
+std::vector<CatalogEntry> catalog();
+
+// ---- Devices ------------------------------------------------------------------------------
+
+struct Gpu {
+  std::string name;                     // "h100-80gb"
+  std::string description;
+  std::uint64_t capacity_bytes = 0;     // total device memory
+  std::uint64_t context_bytes = 0;      // CUDA context, outside the allocator
+  std::uint64_t cublas_workspace_bytes = 0;  // one cuBLAS workspace (per handle and stream)
+  double bf16_tflops = 0;
+};
+const Gpu& find_gpu(std::string_view name);
+std::vector<Gpu> gpus();
+
+// ---- Recipes ------------------------------------------------------------------------------
+
+enum class Precision : std::uint8_t { kFp32, kBf16Mixed, kFp16Mixed, kBf16Master, kBf16True, kFp16True };
+enum class Optimizer : std::uint8_t { kAdamW, kAdamWFused, kAdamW8bit, kSgd, kAdafactor };
+enum class Checkpointing : std::uint8_t { kNone, kFull };
+enum class Attention : std::uint8_t { kEager, kSdpa, kFlash };
+enum class Loss : std::uint8_t { kStandard, kFused };
+enum class AllocatorMode : std::uint8_t { kDefault, kExpandable };
+
+struct Recipe {
+  std::uint64_t batch = 1;
+  std::uint64_t seq = 2048;
+  std::uint64_t grad_accum = 1;
+  Precision precision = Precision::kBf16Mixed;
+  Optimizer optimizer = Optimizer::kAdamW;
+  Checkpointing checkpointing = Checkpointing::kNone;
+  Attention attention = Attention::kSdpa;
+  Loss loss = Loss::kStandard;
+  std::string gpu = "h100-80gb";
+  AllocatorMode allocator = AllocatorMode::kDefault;
+  std::uint64_t steps = 2;  // step 1 creates optimizer state lazily; step 2 is steady state
+
+  void validate() const;  // throws Error naming the field
+};
+
+std::string_view to_string(Precision);
+std::string_view to_string(Optimizer);
+std::string_view to_string(Checkpointing);
+std::string_view to_string(Attention);
+std::string_view to_string(Loss);
+std::string_view to_string(AllocatorMode);
+// Parse the CLI / JSON spelling; throws Error listing the valid values.
+Precision parse_precision(std::string_view);
+Optimizer parse_optimizer(std::string_view);
+Checkpointing parse_checkpointing(std::string_view);
+Attention parse_attention(std::string_view);
+Loss parse_loss(std::string_view);
+AllocatorMode parse_allocator(std::string_view);
+
+// ---- Estimates ----------------------------------------------------------------------------
+
+using Breakdown = std::array<std::uint64_t, kCategoryCount>;
+
+struct Moment {
+  std::uint64_t step = 0;
+  std::uint64_t micro_batch = 0;
+  Phase phase = Phase::kSetup;
+  std::string op;  // "layer 3 mlp.down_proj", "lm_head", "optimizer.foreach_sqrt"
+};
+
+struct StepPeak {
+  std::uint64_t step = 0;
+  std::uint64_t peak_allocated_bytes = 0;
+  std::uint64_t peak_reserved_bytes = 0;
+};
+
+struct TimelinePoint {
+  std::uint64_t event = 0;  // index in the simulated event stream
+  std::uint64_t allocated_bytes = 0;
+  std::uint64_t reserved_bytes = 0;
+  Moment moment;
+};
+
+struct Estimate {
+  std::string model;
+  std::uint64_t parameters = 0;
+  std::uint64_t trainable_parameters = 0;
+  std::uint64_t peak_allocated_bytes = 0;
+  std::uint64_t peak_reserved_bytes = 0;
+  Breakdown breakdown_at_peak{};  // sums to peak_allocated_bytes
+  Moment peak;
+  std::vector<StepPeak> steps;
+  std::vector<TimelinePoint> timeline;  // filled only when asked for
+  Recipe recipe;
+  Gpu gpu;
+  std::uint64_t events = 0;  // allocator events simulated
+};
+
+struct EstimateOptions {
+  bool timeline = false;             // record a down-sampled allocated/reserved timeline
+  std::uint64_t timeline_points = 400;
+};
+
+Estimate estimate(const Model& model, const Recipe& recipe, const EstimateOptions& = {});
+
+}  // namespace trainmem

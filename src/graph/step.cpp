@@ -1,0 +1,1118 @@
+// The training step of docs/schema.md ("The reference step"), op by op.
+//
+// Each builder mirrors a Hugging Face module of transformers 5.x (modeling_llama.py and its
+// Mistral/Qwen2/Qwen3/Gemma-2/Phi-3 siblings, modeling_gpt2.py, loss_utils.py) and the PyTorch
+// kernels it calls. MEMORY_MECHANICS.md in shared/design lists the saved tensors these builders
+// reproduce; tests/cpp/test_graph.cpp checks them against its closed forms.
+#include "graph/step.h"
+
+#include <algorithm>
+#include <string>
+
+#include "common/checked.h"
+
+namespace trainmem::graph {
+namespace {
+
+constexpr std::int32_t kNoLayer = -1;
+
+// Note [Precision policies]
+// fp32:        fp32 parameters, compute, gradients, optimizer states.
+// *-mixed:     fp32 parameters under torch.autocast. Matmul inputs are cast to half per use; a
+//              weight's cast is cached (it is an fp32 leaf that requires grad) until autocast
+//              exits, and lives on while a backward node saves it. The embedding is not cast,
+//              so the residual stream stays fp32.
+// *-master:    half parameters and gradients; the optimizer keeps an fp32 master copy and fp32
+//              gradients (the seed's 6 bytes/param of weights).
+// *-true:      everything half, optimizer states included (zeros_like of half parameters).
+struct Policy {
+  DType param = DType::kF32;
+  DType compute = DType::kF32;
+  bool autocast = false;
+  bool master = false;
+};
+
+Policy policy_for(Precision p) {
+  switch (p) {
+    case Precision::kFp32: return {DType::kF32, DType::kF32, false, false};
+    case Precision::kBf16Mixed: return {DType::kF32, DType::kBF16, true, false};
+    case Precision::kFp16Mixed: return {DType::kF32, DType::kF16, true, false};
+    case Precision::kBf16Master: return {DType::kBF16, DType::kBF16, false, true};
+    case Precision::kBf16True: return {DType::kBF16, DType::kBF16, false, false};
+    case Precision::kFp16True: return {DType::kF16, DType::kF16, false, false};
+  }
+  return {};
+}
+
+DType promote(DType a, DType b) {
+  if (a == b) return a;
+  return DType::kF32;  // float32 wins against either half type; bf16 × fp16 also promotes to fp32
+}
+
+struct Param {
+  std::uint32_t slot = kNone;  // tape's .grad slot
+  TensorId storage = kNone;
+  std::uint64_t numel = 0;
+  TensorId cast = kNone;       // autocast cache entry
+  TensorId master = kNone;     // bf16-master fp32 copy
+  bool matmul = false;
+  bool decay = false;
+};
+
+// Indices into the parameter table for one decoder layer (kNone where the family has none).
+struct LayerParams {
+  std::uint32_t in_norm = kNone, in_norm_b = kNone, qkv = kNone, qkv_b = kNone, q = kNone,
+                q_b = kNone, k = kNone, k_b = kNone, v = kNone, v_b = kNone, o = kNone, o_b = kNone,
+                q_norm = kNone, k_norm = kNone, post_attn_norm = kNone, post_attn_norm_b = kNone,
+                pre_ff_norm = kNone, post_ff_norm = kNone, gate_up = kNone, gate = kNone,
+                gate_b = kNone, up = kNone, up_b = kNone, down = kNone, down_b = kNone;
+};
+
+class StepBuilder {
+ public:
+  StepBuilder(const Model& m, const Recipe& r, const Gpu& gpu)
+      : m_(m), a_(m.arch), r_(r), gpu_(gpu), pol_(policy_for(r.precision)) {
+    B_ = r.batch;
+    S_ = r.seq;
+    tok_ = detail::mul(B_, S_, "batch * seq");
+    // Every activation-sized product must fit in 64 bits with room for a few factors.
+    detail::mul({tok_, std::max({a_.hidden_size, a_.intermediate_size * 2, a_.vocab_size}), 8},
+                "tokens * width bytes");
+    detail::mul({B_, a_.num_heads, S_, S_, 8}, "attention scores (batch * heads * seq^2) bytes");
+    cuda_ = gpu.name != "cpu";
+    attention_ = r.attention;
+    // Gemma-2 declares no SDPA/flash support in transformers 5: it always runs eager attention.
+    if (a_.family == Family::kGemma2) attention_ = Attention::kEager;
+  }
+
+  Trace build() {
+    t_.at(Phase::kSetup, kNoLayer, "model");
+    create_parameters();
+    if (pol_.master) {
+      t_.at(Phase::kSetup, kNoLayer, "optimizer.master_copy");
+      for (Param& p : params_) p.master = t_.alloc_bytes(p.numel * 4, Category::kWeights);
+    }
+    t_.at(Phase::kSetup, kNoLayer, "batch");
+    input_ids_ = t_.make(tok_, DType::kI64, Category::kOther);
+    labels_ = t_.make(tok_, DType::kI64, Category::kOther);
+    for (std::uint32_t step = 1; step <= r_.steps; ++step) {
+      t_.step = step;
+      for (std::uint32_t micro = 1; micro <= r_.grad_accum; ++micro) {
+        t_.micro = micro;
+        ValueId loss = forward_and_loss();
+        backward(loss);
+      }
+      optimizer_step(step == 1);
+    }
+    return t_.take();
+  }
+
+ private:
+  // ---------------------------------------------------------------- parameters
+  void create_parameters() {
+    const std::uint64_t L = a_.num_layers;
+    layers_.assign(L, LayerParams{});
+    bool in_layers_done = false;
+    const auto& groups = m_.parameters;
+    for (std::size_t gi = 0; gi < groups.size(); ++gi) {
+      if (groups[gi].count == 1) {
+        globals_.push_back({groups[gi].name, add_param(groups[gi])});
+        continue;
+      }
+      if (in_layers_done) continue;
+      // HF creates layer 0's tensors, then layer 1's, ...
+      std::size_t gend = gi;
+      while (gend < groups.size() && groups[gend].count != 1) ++gend;
+      for (std::uint64_t l = 0; l < L; ++l) {
+        for (std::size_t k = gi; k < gend; ++k) bind_layer(layers_[l], groups[k].name, add_param(groups[k]));
+      }
+      in_layers_done = true;
+    }
+    // Rotary inv_freq and original_inv_freq buffers (fp32, head_dim/2 each).
+    if (a_.family != Family::kGpt2) {
+      t_.alloc_bytes(a_.head_dim / 2 * 4, Category::kWeights);
+      t_.alloc_bytes(a_.head_dim / 2 * 4, Category::kWeights);
+    }
+    if (a_.embedding_scale) t_.alloc_bytes(dtype_bytes(pol_.param), Category::kWeights);
+  }
+
+  std::uint32_t add_param(const ParameterGroup& g) {
+    Param p;
+    p.numel = g.numel;
+    p.storage = t_.alloc_bytes(detail::mul(g.numel, dtype_bytes(pol_.param), "parameter bytes"), Category::kWeights);
+    p.slot = t_.new_param(p.storage);
+    p.matmul = g.matmul_weight;
+    params_.push_back(p);
+    return static_cast<std::uint32_t>(params_.size() - 1);
+  }
+
+  static bool ends_with(const std::string& s, std::string_view suffix) {
+    return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+  }
+
+  void bind_layer(LayerParams& lp, const std::string& n, std::uint32_t idx) {
+    struct Binding {
+      std::string_view suffix;
+      std::uint32_t LayerParams::*field;
+    };
+    static constexpr Binding kBindings[] = {
+        {".input_layernorm.weight", &LayerParams::in_norm},
+        {".ln_1.weight", &LayerParams::in_norm},
+        {".ln_1.bias", &LayerParams::in_norm_b},
+        {".qkv_proj.weight", &LayerParams::qkv},
+        {".qkv_proj.bias", &LayerParams::qkv_b},
+        {".c_attn.weight", &LayerParams::qkv},
+        {".c_attn.bias", &LayerParams::qkv_b},
+        {".q_proj.weight", &LayerParams::q},
+        {".q_proj.bias", &LayerParams::q_b},
+        {".k_proj.weight", &LayerParams::k},
+        {".k_proj.bias", &LayerParams::k_b},
+        {".v_proj.weight", &LayerParams::v},
+        {".v_proj.bias", &LayerParams::v_b},
+        {".o_proj.weight", &LayerParams::o},
+        {".o_proj.bias", &LayerParams::o_b},
+        {".attn.c_proj.weight", &LayerParams::o},
+        {".attn.c_proj.bias", &LayerParams::o_b},
+        {".q_norm.weight", &LayerParams::q_norm},
+        {".k_norm.weight", &LayerParams::k_norm},
+        {".post_attention_layernorm.weight", &LayerParams::post_attn_norm},
+        {".ln_2.weight", &LayerParams::post_attn_norm},
+        {".ln_2.bias", &LayerParams::post_attn_norm_b},
+        {".pre_feedforward_layernorm.weight", &LayerParams::pre_ff_norm},
+        {".post_feedforward_layernorm.weight", &LayerParams::post_ff_norm},
+        {".gate_up_proj.weight", &LayerParams::gate_up},
+        {".gate_proj.weight", &LayerParams::gate},
+        {".gate_proj.bias", &LayerParams::gate_b},
+        {".up_proj.weight", &LayerParams::up},
+        {".up_proj.bias", &LayerParams::up_b},
+        {".c_fc.weight", &LayerParams::up},
+        {".c_fc.bias", &LayerParams::up_b},
+        {".down_proj.weight", &LayerParams::down},
+        {".down_proj.bias", &LayerParams::down_b},
+        {".mlp.c_proj.weight", &LayerParams::down},
+        {".mlp.c_proj.bias", &LayerParams::down_b},
+    };
+    for (const auto& b : kBindings) {
+      if (ends_with(n, b.suffix)) {
+        lp.*b.field = idx;
+        return;
+      }
+    }
+    TRAINMEM_ASSERT(false, "unbound layer parameter");
+  }
+
+  std::uint32_t global(std::string_view suffix) const {
+    for (const auto& [name, idx] : globals_) {
+      if (ends_with(name, suffix)) return idx;
+    }
+    return kNone;
+  }
+
+  // ---------------------------------------------------------------- op helpers
+  T fresh(std::uint64_t numel, DType d) { return t_.make(numel, d); }
+
+  void requires_grad(T& out) { out.value = t_.new_value(out.bytes()); }
+
+  Node node(const T& out) {
+    Node n;
+    n.tag = MomentTag{t_.step, t_.micro, Phase::kBackward, layer_, op_};
+    n.output = out.value;
+    return n;
+  }
+
+  static GradIn grad_of(const T& x) { return GradIn{x.value, x.bytes(), false}; }
+  static GradIn pass_to(const T& x) { return GradIn{x.value, 0, true}; }
+
+  void op(std::string_view name) {
+    op_ = name;
+    t_.at(phase_, layer_, name);
+  }
+
+  // x.to(dtype): a new tensor when the dtype changes (ToCopyBackward saves nothing).
+  T to(const T& x, DType d) {
+    if (x.dtype == d) return t_.ref(x);
+    T y = fresh(x.numel, d);
+    if (x.requires_grad()) {
+      requires_grad(y);
+      Node n = node(y);
+      n.inputs.push_back(grad_of(x));
+      t_.record(std::move(n));
+    }
+    return y;
+  }
+
+  // Weight as a matmul sees it: under autocast the cached half copy (see Note [Precision
+  // policies]), otherwise the parameter itself.
+  T weight(std::uint32_t pi) {
+    Param& p = params_[pi];
+    T w;
+    w.numel = p.numel;
+    if (pol_.autocast) {
+      if (p.cast == kNone) {
+        p.cast = t_.alloc_bytes(p.numel * dtype_bytes(pol_.compute), Category::kWeights);
+        casts_.push_back(pi);
+      }
+      w.id = p.cast;
+      w.dtype = pol_.compute;
+    } else {
+      w.id = p.storage;
+      w.dtype = pol_.param;
+    }
+    t_.retain(w.id);
+    return w;
+  }
+
+  void exit_autocast() {
+    for (std::uint32_t pi : casts_) {
+      t_.release(params_[pi].cast);
+      params_[pi].cast = kNone;
+    }
+    casts_.clear();
+  }
+
+  ParamGrad param_grad(std::uint32_t pi, DType computed_in, std::uint64_t scratch = 0) {
+    const Param& p = params_[pi];
+    ParamGrad g;
+    g.param = p.slot;
+    g.compute_bytes = p.numel * dtype_bytes(computed_in);
+    g.scratch_bytes = scratch;
+    if (computed_in != pol_.param) g.param_bytes = p.numel * dtype_bytes(pol_.param);
+    return g;
+  }
+
+  // nn.Linear (or GPT-2's Conv1D addmm): y = x W^T + b over `rows` rows.
+  T linear(const T& x_in, std::uint32_t w, std::uint32_t b, std::uint64_t out_features) {
+    const std::uint64_t rows = x_in.numel / params_[w].numel * out_features;  // = tokens * out
+    T x = pol_.autocast ? to(x_in, pol_.compute) : t_.ref(x_in);
+    T wc = weight(w);
+    T bc;
+    if (b != kNone) bc = weight(b);
+    DType cd = pol_.autocast ? pol_.compute : pol_.param;
+    T y = fresh(rows, cd);
+    ensure_workspace(false);
+    requires_grad(y);
+    Node n = node(y);
+    n.saved = {x.id, wc.id};
+    if (x.requires_grad()) n.inputs.push_back(grad_of(x));
+    n.params.push_back(param_grad(w, cd));
+    if (b != kNone) n.params.push_back(param_grad(b, cd));
+    t_.record(std::move(n));
+    t_.drop(x);
+    t_.drop(wc);
+    if (b != kNone) t_.drop(bc);
+    return y;
+  }
+
+  // Elementwise op producing `numel` elements of `d`; `saved` are kept for backward; each input
+  // that requires grad gets a gradient of its own size.
+  T elementwise(std::initializer_list<const T*> inputs, std::uint64_t numel, DType d,
+                std::initializer_list<TensorId> saved, std::uint64_t scratch = 0,
+                bool save_output = false) {
+    T y = fresh(numel, d);
+    bool any = false;
+    for (const T* x : inputs) any = any || x->requires_grad();
+    if (any) {
+      requires_grad(y);
+      Node n = node(y);
+      n.saved.assign(saved.begin(), saved.end());
+      if (save_output) n.saved.push_back(y.id);
+      for (const T* x : inputs) {
+        if (x->requires_grad()) n.inputs.push_back(grad_of(*x));
+      }
+      if (scratch) n.scratch.push_back(scratch);
+      t_.record(std::move(n));
+    }
+    return y;
+  }
+
+  // a + b where the gradient passes through to both (AddBackward saves nothing).
+  T add(const T& a, const T& b) {
+    T y = fresh(std::max(a.numel, b.numel), promote(a.dtype, b.dtype));
+    requires_grad(y);
+    Node n = node(y);
+    if (a.requires_grad()) n.inputs.push_back(a.dtype == y.dtype ? pass_to(a) : grad_of(a));
+    if (b.requires_grad()) n.inputs.push_back(b.dtype == y.dtype ? pass_to(b) : grad_of(b));
+    t_.record(std::move(n));
+    return y;
+  }
+
+  void ensure_workspace(bool backward) {
+    // cuBLAS workspaces are made lazily at the first GEMM of each (handle, stream): one for the
+    // Python thread's forward, one for the autograd thread's backward. MEMORY_MECHANICS §2.
+    TensorId& ws = backward ? ws_bwd_ : ws_fwd_;
+    if (ws == kNone && gpu_.cublas_workspace_bytes > 0) {
+      ws = t_.alloc_bytes(gpu_.cublas_workspace_bytes, Category::kOther);
+    }
+  }
+
+  // ---------------------------------------------------------------- modules
+  // LlamaRMSNorm: x.to(fp32); pow(2).mean(-1); x * rsqrt(var + eps); weight * x.to(input_dtype).
+  // Gemma2RMSNorm computes x.float() normalised, times (1 + weight.float()), then type_as(x).
+  T rms_norm(const T& x, std::uint32_t w, std::uint64_t rows, std::string_view name) {
+    op(name);
+    const std::uint64_t n = x.numel;
+    T h32 = to(x, DType::kF32);
+    T sq = elementwise({&h32}, n, DType::kF32, {h32.id}, n * 4);
+    T var = elementwise({&sq}, rows, DType::kF32, {});
+    t_.drop(sq);
+    T ve = fresh(rows, DType::kF32);
+    requires_grad(ve);
+    {
+      Node nd = node(ve);
+      nd.inputs.push_back(pass_to(var));
+      t_.record(std::move(nd));
+    }
+    t_.drop(var);
+    T rs = elementwise({&ve}, rows, DType::kF32, {}, rows * 4, /*save_output=*/true);
+    t_.drop(ve);
+    T hn = fresh(n, DType::kF32);
+    requires_grad(hn);
+    {
+      Node nd = node(hn);
+      nd.saved = {h32.id, rs.id};  // mul saves both factors (both require grad)
+      nd.inputs.push_back(grad_of(h32));
+      nd.inputs.push_back(grad_of(rs));
+      nd.scratch.push_back(n * 4);  // grad * x before the sum over the hidden dim
+      t_.record(std::move(nd));
+    }
+    t_.drop(h32);
+    t_.drop(rs);
+    const bool gemma = a_.family == Family::kGemma2;
+    T out;
+    if (gemma) {
+      // output * (1.0 + weight.float()): the fp32 normalised tensor is saved.
+      T hc = t_.ref(hn);
+      out = fresh(n, DType::kF32);
+      requires_grad(out);
+      Node nd = node(out);
+      nd.saved = {hc.id};
+      nd.inputs.push_back(grad_of(hc));
+      nd.params.push_back(param_grad(w, DType::kF32, n * 4));
+      t_.record(std::move(nd));
+      t_.drop(hc);
+      t_.drop(hn);
+      if (x.dtype != DType::kF32) {
+        T cast = to(out, x.dtype);
+        t_.drop(out);
+        out = cast;
+      }
+      return out;
+    }
+    T hc = to(hn, x.dtype);
+    t_.drop(hn);
+    DType od = promote(pol_.param, x.dtype);
+    out = fresh(n, od);
+    requires_grad(out);
+    Node nd = node(out);
+    nd.saved = {hc.id};
+    nd.inputs.push_back(GradIn{hc.value, hc.bytes(), false});
+    nd.params.push_back(param_grad(w, od, n * dtype_bytes(od)));
+    t_.record(std::move(nd));
+    t_.drop(hc);
+    return out;
+  }
+
+  // nn.LayerNorm (GPT-2). Under CUDA autocast layer_norm runs in fp32: a half input is cast up
+  // and the output is fp32. native_layer_norm saves its input, mean and rstd.
+  T layer_norm(const T& x, std::uint32_t w, std::uint32_t b, std::uint64_t rows, std::string_view name) {
+    op(name);
+    T xin = (pol_.autocast && cuda_) ? to(x, DType::kF32) : t_.ref(x);
+    T mean = fresh(rows, DType::kF32);
+    T rstd = fresh(rows, DType::kF32);
+    T out = fresh(x.numel, xin.dtype);
+    requires_grad(out);
+    Node nd = node(out);
+    nd.saved = {xin.id, mean.id, rstd.id};
+    nd.inputs.push_back(grad_of(xin));
+    nd.params.push_back(param_grad(w, xin.dtype));
+    nd.params.push_back(param_grad(b, xin.dtype));
+    t_.record(std::move(nd));
+    t_.drop(mean);
+    t_.drop(rstd);
+    t_.drop(xin);
+    return out;
+  }
+
+  // Dropout with p > 0 in training. CUDA's fused kernel saves a bool mask; the CPU path saves
+  // the scaled noise in the input dtype (ATen Dropout.cpp).
+  T dropout(const T& x) {
+    T mask = cuda_ ? fresh(x.numel, DType::kU8) : fresh(x.numel, x.dtype);
+    T y = elementwise({&x}, x.numel, x.dtype, {mask.id});
+    t_.drop(mask);
+    return y;
+  }
+
+  // Rotary embedding applied to q or k (apply_rotary_pos_emb): q*cos + rotate_half(q)*sin.
+  // cos/sin carry the residual dtype, so under autocast the result is fp32.
+  T rope(const T& q) {
+    DType d = promote(q.dtype, cos_.dtype);
+    T a = elementwise({&q}, q.numel, d, {cos_.id});
+    T neg = elementwise({&q}, q.numel / 2, q.dtype, {});
+    T rot = fresh(q.numel, q.dtype);  // cat((-x2, x1))
+    requires_grad(rot);
+    {
+      Node nd = node(rot);
+      nd.inputs.push_back(GradIn{neg.value, neg.bytes(), false});
+      nd.inputs.push_back(GradIn{q.value, q.bytes(), false});
+      t_.record(std::move(nd));
+    }
+    t_.drop(neg);
+    T b = elementwise({&rot}, q.numel, d, {sin_.id});
+    t_.drop(rot);
+    T y = add(a, b);
+    t_.drop(a);
+    t_.drop(b);
+    return y;
+  }
+
+  // repeat_kv: expand + reshape copies K/V up to the query heads (no copy when groups == 1).
+  T repeat_kv(const T& x) {
+    const std::uint64_t groups = a_.num_heads / a_.num_kv_heads;
+    if (groups == 1) return t_.ref(x);
+    return elementwise({&x}, x.numel * groups, x.dtype, {});
+  }
+
+  T attention_core(T& q, T& k, T& v) {
+    const std::uint64_t heads = a_.num_heads, d = a_.head_dim;
+    const std::uint64_t qn = tok_ * heads * d;
+    const std::uint64_t scores = B_ * heads * S_ * S_;
+    const DType c = pol_.autocast ? pol_.compute : q.dtype;
+    if (attention_ == Attention::kEager) {
+      op("self_attn.attn_weights");
+      T kr = repeat_kv(k);
+      T vr = repeat_kv(v);
+      T qc = pol_.autocast ? to(q, c) : t_.ref(q);
+      T kc = pol_.autocast ? to(kr, c) : t_.ref(kr);
+      t_.drop(kr);
+      ensure_workspace(false);
+      T s0 = fresh(scores, c);  // q @ k^T
+      requires_grad(s0);
+      {
+        Node nd = node(s0);
+        nd.saved = {qc.id, kc.id};
+        nd.inputs.push_back(grad_of(qc));
+        nd.inputs.push_back(grad_of(kc));
+        t_.record(std::move(nd));
+      }
+      t_.drop(qc);
+      t_.drop(kc);
+      T s1 = elementwise({&s0}, scores, c, {});  // * scaling
+      t_.drop(s0);
+      if (a_.attn_logit_softcap > 0) {  // Gemma-2: s / cap, tanh (saves output), * cap
+        T d1 = elementwise({&s1}, scores, c, {});
+        t_.drop(s1);
+        T th = elementwise({&d1}, scores, c, {}, 0, /*save_output=*/true);
+        t_.drop(d1);
+        s1 = elementwise({&th}, scores, c, {});
+        t_.drop(th);
+      }
+      T s2 = add(s1, mask_);  // + causal mask (promotes to the mask dtype)
+      t_.drop(s1);
+      op("self_attn.softmax");
+      T s32 = to(s2, DType::kF32);
+      t_.drop(s2);
+      T p32 = fresh(scores, DType::kF32);
+      requires_grad(p32);
+      {
+        Node nd = node(p32);
+        nd.saved = {p32.id};
+        nd.inputs.push_back(grad_of(s32));
+        t_.record(std::move(nd));
+      }
+      t_.drop(s32);
+      T p = to(p32, q.dtype);  // .to(query.dtype): fp32 under autocast, so a no-op there
+      t_.drop(p32);
+      op("self_attn.attn_output");
+      T pc = pol_.autocast ? to(p, c) : t_.ref(p);
+      t_.drop(p);
+      T vc = pol_.autocast ? to(vr, c) : t_.ref(vr);
+      t_.drop(vr);
+      T o = fresh(qn, c);  // probs @ v
+      requires_grad(o);
+      {
+        Node nd = node(o);
+        nd.saved = {pc.id, vc.id};
+        nd.inputs.push_back(grad_of(pc));
+        nd.inputs.push_back(grad_of(vc));
+        t_.record(std::move(nd));
+      }
+      t_.drop(pc);
+      t_.drop(vc);
+      T oc = elementwise({&o}, qn, c, {});  // transpose(1, 2).contiguous()
+      t_.drop(o);
+      return oc;
+    }
+    // SDPA / flash-attention: q, k, v (as passed), the output and the fp32 log-sum-exp are
+    // saved; scores never exist. Without padding HF passes native GQA (enable_gqa).
+    op("self_attn.sdpa");
+    const bool gqa_native = a_.num_kv_heads != a_.num_heads;
+    T qc = pol_.autocast ? to(q, c) : t_.ref(q);
+    T kc = pol_.autocast ? to(k, c) : t_.ref(k);
+    T vc = pol_.autocast ? to(v, c) : t_.ref(v);
+    T o = fresh(qn, c);
+    T lse = fresh(B_ * heads * S_, DType::kF32);
+    requires_grad(o);
+    {
+      Node nd = node(o);
+      nd.saved = {qc.id, kc.id, vc.id, o.id, lse.id};
+      nd.inputs.push_back(grad_of(qc));
+      nd.inputs.push_back(grad_of(kc));
+      nd.inputs.push_back(grad_of(vc));
+      // Flash backward (flash_api.cpp mha_bwd): a contiguous copy of grad_out, fp32 dq_accum,
+      // fp32 softmax_d, and with GQA dk/dv at the query head count before the group sum.
+      nd.scratch = {qn * dtype_bytes(c), qn * 4, B_ * heads * S_ * 4};
+      if (gqa_native) nd.scratch.insert(nd.scratch.end(), {qn * dtype_bytes(c), qn * dtype_bytes(c)});
+      t_.record(std::move(nd));
+    }
+    t_.drop(lse);
+    t_.drop(qc);
+    t_.drop(kc);
+    t_.drop(vc);
+    T oc = elementwise({&o}, qn, c, {});  // transpose(1, 2).contiguous()
+    t_.drop(o);
+    return oc;
+  }
+
+  T attention(const T& x, const LayerParams& lp) {
+    const std::uint64_t heads = a_.num_heads, kvh = a_.num_kv_heads, d = a_.head_dim;
+    const std::uint64_t qw = heads * d, kvw = kvh * d;
+    T q, k, v;
+    if (lp.qkv != kNone) {
+      op(a_.family == Family::kGpt2 ? "attn.c_attn" : "self_attn.qkv_proj");
+      T qkv = linear(x, lp.qkv, lp.qkv_b, qw + 2 * kvw);
+      // Slices of one output: each slice's backward makes a full-size zero gradient of the
+      // fused output (SliceBackward), summed into one.
+      q = slice(qkv, qw);
+      k = slice(qkv, kvw);
+      v = slice(qkv, kvw);
+      t_.drop(qkv);
+    } else {
+      op("self_attn.q_proj");
+      q = linear(x, lp.q, lp.q_b, qw);
+      op("self_attn.k_proj");
+      k = linear(x, lp.k, lp.k_b, kvw);
+      op("self_attn.v_proj");
+      v = linear(x, lp.v, lp.v_b, kvw);
+    }
+    if (lp.q_norm != kNone) {
+      T qn = rms_norm(q, lp.q_norm, tok_ * heads, "self_attn.q_norm");
+      t_.drop(q);
+      q = qn;
+      T kn = rms_norm(k, lp.k_norm, tok_ * kvh, "self_attn.k_norm");
+      t_.drop(k);
+      k = kn;
+    }
+    if (a_.family != Family::kGpt2) {
+      op("self_attn.rotary");
+      T qr = rope(q);
+      t_.drop(q);
+      q = qr;
+      T kr = rope(k);
+      t_.drop(k);
+      k = kr;
+    }
+    T o = attention_core(q, k, v);
+    t_.drop(q);
+    t_.drop(k);
+    t_.drop(v);
+    op(a_.family == Family::kGpt2 ? "attn.c_proj" : "self_attn.o_proj");
+    T y = linear(o, lp.o, lp.o_b, a_.hidden_size);
+    t_.drop(o);
+    return y;
+  }
+
+  T slice(const T& fused, std::uint64_t width) {
+    T s;
+    s.id = fused.id;
+    t_.retain(s.id);
+    s.dtype = fused.dtype;
+    s.numel = tok_ * width;
+    requires_grad(s);
+    Node nd = node(s);
+    nd.inputs.push_back(GradIn{fused.value, fused.bytes(), false});
+    t_.record(std::move(nd));
+    return s;
+  }
+
+  T mlp(const T& x, const LayerParams& lp) {
+    const std::uint64_t i = a_.intermediate_size, n = tok_ * i;
+    if (!a_.gated_mlp) {  // GPT-2: c_fc, gelu_new, c_proj
+      op("mlp.c_fc");
+      T h = linear(x, lp.up, lp.up_b, i);
+      op("mlp.act");
+      T g = gelu_tanh(h);
+      t_.drop(h);
+      op("mlp.c_proj");
+      T y = linear(g, lp.down, lp.down_b, a_.hidden_size);
+      t_.drop(g);
+      return y;
+    }
+    T gate, up;
+    if (lp.gate_up != kNone) {
+      op("mlp.gate_up_proj");
+      T gu = linear(x, lp.gate_up, kNone, 2 * i);
+      gate = slice(gu, i);
+      up = slice(gu, i);
+      t_.drop(gu);
+    } else {
+      op("mlp.gate_proj");
+      gate = linear(x, lp.gate, lp.gate_b, i);
+    }
+    op("mlp.act_fn");
+    T act = a_.activation == Activation::kSilu ? elementwise({&gate}, n, gate.dtype, {gate.id})
+                                                : gelu_tanh(gate);
+    if (lp.gate_up == kNone) {
+      op("mlp.up_proj");
+      up = linear(x, lp.up, lp.up_b, i);
+    }
+    op("mlp.act_fn*up");
+    T prod = elementwise({&act, &up}, n, promote(act.dtype, up.dtype), {act.id, up.id});
+    t_.drop(act);
+    t_.drop(up);
+    t_.drop(gate);
+    op("mlp.down_proj");
+    T y = linear(prod, lp.down, lp.down_b, a_.hidden_size);
+    t_.drop(prod);
+    return y;
+  }
+
+  // gelu(approximate="tanh") saves its input; GPT-2's NewGELUActivation spells the same formula
+  // out in elementwise ops that save more (x, x^3 terms, tanh output).
+  T gelu_tanh(const T& x) {
+    if (a_.family == Family::kGpt2) {
+      // 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3)))
+      T x3 = elementwise({&x}, x.numel, x.dtype, {x.id});            // pow(x, 3)
+      T m1 = elementwise({&x3}, x.numel, x.dtype, {});               // * 0.044715
+      t_.drop(x3);
+      T s = add(x, m1);
+      t_.drop(m1);
+      T m2 = elementwise({&s}, x.numel, x.dtype, {});                // * sqrt(2/pi)
+      t_.drop(s);
+      T th = elementwise({&m2}, x.numel, x.dtype, {}, 0, /*save_output=*/true);  // tanh
+      t_.drop(m2);
+      T p1 = elementwise({&th}, x.numel, x.dtype, {});               // 1 + tanh
+      t_.drop(th);
+      T hx = elementwise({&x}, x.numel, x.dtype, {});                // 0.5 * x
+      T y = elementwise({&hx, &p1}, x.numel, x.dtype, {hx.id, p1.id});
+      t_.drop(hx);
+      t_.drop(p1);
+      return y;
+    }
+    return elementwise({&x}, x.numel, x.dtype, {x.id});
+  }
+
+  T decoder_layer(const T& x, std::uint32_t l) {
+    const LayerParams& lp = layers_[l];
+    const std::uint64_t h = a_.hidden_size;
+    layer_ = static_cast<std::int32_t>(l);
+    const bool gpt2 = a_.family == Family::kGpt2;
+    T n1 = gpt2 ? layer_norm(x, lp.in_norm, lp.in_norm_b, tok_, "ln_1")
+                : rms_norm(x, lp.in_norm, tok_, "input_layernorm");
+    T att = attention(n1, lp);
+    t_.drop(n1);
+    if (gpt2) {
+      T dr = dropout(att);  // resid_dropout
+      t_.drop(att);
+      att = dr;
+    }
+    if (a_.sandwich_norms) {
+      T pn = rms_norm(att, lp.post_attn_norm, tok_, "post_attention_layernorm");
+      t_.drop(att);
+      att = pn;
+    }
+    op("residual_add");
+    T h1 = add(x, att);
+    t_.drop(att);
+    T n2 = gpt2 ? layer_norm(h1, lp.post_attn_norm, lp.post_attn_norm_b, tok_, "ln_2")
+                : rms_norm(h1, a_.sandwich_norms ? lp.pre_ff_norm : lp.post_attn_norm, tok_,
+                           a_.sandwich_norms ? "pre_feedforward_layernorm" : "post_attention_layernorm");
+    T m = mlp(n2, lp);
+    t_.drop(n2);
+    if (gpt2) {
+      T dr = dropout(m);
+      t_.drop(m);
+      m = dr;
+    }
+    if (a_.sandwich_norms) {
+      T pn = rms_norm(m, lp.post_ff_norm, tok_, "post_feedforward_layernorm");
+      t_.drop(m);
+      m = pn;
+    }
+    op("residual_add");
+    T out = add(h1, m);
+    t_.drop(h1);
+    t_.drop(m);
+    (void)h;
+    return out;
+  }
+
+  // GradientCheckpointingLayer with use_reentrant=False: the forward keeps only the layer input;
+  // backward recomputes the layer (recording its nodes) and runs them.
+  T checkpointed_layer(const T& x, std::uint32_t l) {
+    t_.saving = false;
+    std::size_t before = t_.node_count();
+    T out = decoder_layer(x, l);
+    (void)before;
+    t_.saving = true;
+    // The nodes recorded without saves stand for the graph the checkpoint discards; replace
+    // them by one checkpoint node (their grads flow through the recompute instead).
+    drop_nodes_since(before);
+    T y = out;
+    requires_grad(y);
+    Node nd = node(y);
+    nd.tag.op = "checkpoint";
+    nd.saved = {x.id};
+    T xin = x;
+    std::int32_t layer = static_cast<std::int32_t>(l);
+    nd.recompute = [this, xin, l, layer]() {
+      Phase keep = phase_;
+      phase_ = Phase::kBackward;
+      std::string_view keep_op = op_;
+      T o = decoder_layer(xin, l);
+      exit_autocast();  // the recompute runs in an autocast context of its own
+      layer_ = layer;
+      phase_ = keep;
+      op_ = keep_op;
+      return o;
+    };
+    t_.record(std::move(nd));
+    return y;
+  }
+
+  void drop_nodes_since(std::size_t n) { t_.truncate_nodes(n); }
+
+  // ---------------------------------------------------------------- the step
+  ValueId forward_and_loss() {
+    phase_ = Phase::kForward;
+    layer_ = kNoLayer;
+    const std::uint64_t h = a_.hidden_size;
+    const bool gpt2 = a_.family == Family::kGpt2;
+    op(gpt2 ? "wte" : "embed_tokens");
+    std::uint32_t emb = global(gpt2 ? "wte.weight" : "embed_tokens.weight");
+    T hs = fresh(tok_ * h, pol_.param);
+    requires_grad(hs);
+    {
+      Node nd = node(hs);
+      nd.saved = {input_ids_.id};
+      // embedding_dense_backward: a dense weight-sized gradient plus sort/count scratch.
+      nd.params.push_back(param_grad(emb, pol_.param, tok_ * 8 * 3));
+      t_.record(std::move(nd));
+    }
+    if (gpt2) {
+      op("wpe");
+      std::uint32_t wpe = global("wpe.weight");
+      T pos_ids = fresh(S_, DType::kI64);
+      T pe = fresh(S_ * h, pol_.param);
+      requires_grad(pe);
+      {
+        Node nd = node(pe);
+        nd.saved = {pos_ids.id};
+        nd.params.push_back(param_grad(wpe, pol_.param, S_ * 8 * 3));
+        t_.record(std::move(nd));
+      }
+      t_.drop(pos_ids);
+      T sum = add(hs, pe);
+      t_.drop(hs);
+      t_.drop(pe);
+      op("drop");
+      hs = dropout(sum);
+      t_.drop(sum);
+    }
+    if (a_.embedding_scale) {
+      T scaled = elementwise({&hs}, hs.numel, hs.dtype, {});
+      t_.drop(hs);
+      hs = scaled;
+    }
+    // Causal mask: eager attention materialises [b, 1, s, s] in the embedding dtype; SDPA and
+    // flash use is_causal with no mask when there is no padding.
+    if (attention_ == Attention::kEager) {
+      op("causal_mask");
+      T boolean = fresh(B_ * S_ * S_, DType::kU8);
+      mask_ = fresh(B_ * S_ * S_, hs.dtype);
+      t_.drop(boolean);
+    }
+    if (!gpt2) {
+      op("rotary_emb");
+      T emb_t = fresh(S_ * a_.head_dim, DType::kF32);
+      cos_ = fresh(S_ * a_.head_dim, hs.dtype);
+      sin_ = fresh(S_ * a_.head_dim, hs.dtype);
+      t_.drop(emb_t);
+    }
+    for (std::uint32_t l = 0; l < a_.num_layers; ++l) {
+      T next = r_.checkpointing == Checkpointing::kFull ? checkpointed_layer(hs, l) : decoder_layer(hs, l);
+      t_.drop(hs);
+      hs = next;
+    }
+    layer_ = kNoLayer;
+    T normed = gpt2 ? layer_norm(hs, global("ln_f.weight"), global("ln_f.bias"), tok_, "ln_f")
+                    : rms_norm(hs, global("norm.weight"), tok_, "norm");
+    t_.drop(hs);
+    if (mask_.id != kNone) t_.drop(mask_);
+    if (cos_.id != kNone) {
+      t_.drop(cos_);
+      t_.drop(sin_);
+    }
+    ValueId loss = r_.loss == Loss::kFused ? fused_loss(normed, emb) : standard_loss(normed, emb);
+    exit_autocast();
+    return loss;
+  }
+
+  std::uint32_t lm_head_param(std::uint32_t emb) const {
+    return a_.tie_word_embeddings ? emb : global("lm_head.weight");
+  }
+
+  // ForCausalLMLoss (loss_utils.py): logits.float(), labels padded by one and shifted, then
+  // cross_entropy = log_softmax (saves its output) + nll_loss.
+  ValueId standard_loss(T& normed, std::uint32_t emb) {
+    const std::uint64_t V = a_.vocab_size;
+    op("lm_head");
+    T logits = linear(normed, lm_head_param(emb), kNone, V);
+    t_.drop(normed);
+    if (a_.final_logit_softcap > 0) {  // Gemma-2: logits / cap, tanh, * cap
+      T d1 = elementwise({&logits}, logits.numel, logits.dtype, {});
+      t_.drop(logits);
+      T th = elementwise({&d1}, d1.numel, d1.dtype, {}, 0, /*save_output=*/true);
+      t_.drop(d1);
+      logits = elementwise({&th}, th.numel, th.dtype, {});
+      t_.drop(th);
+    }
+    phase_ = Phase::kLoss;
+    op("loss");
+    T up = to(logits, DType::kF32);
+    T padded = fresh(tok_ + B_, DType::kI64);
+    T shifted = fresh(tok_, DType::kI64);
+    t_.drop(padded);
+    T logp = fresh(logits.numel, DType::kF32);
+    requires_grad(logp);
+    {
+      Node nd = node(logp);
+      nd.saved = {logp.id};
+      nd.inputs.push_back(grad_of(up));
+      t_.record(std::move(nd));
+    }
+    t_.drop(up);
+    T loss = fresh(1, DType::kF32);
+    T total_weight = fresh(1, DType::kF32);
+    requires_grad(loss);
+    {
+      Node nd = node(loss);
+      nd.saved = {logp.id, shifted.id, total_weight.id};
+      nd.inputs.push_back(grad_of(logp));
+      t_.record(std::move(nd));
+    }
+    t_.drop(logp);
+    t_.drop(shifted);
+    t_.drop(total_weight);
+    // The model output (logits) is dropped with the output object, before backward.
+    t_.drop(logits);
+    return scale_loss(loss);
+  }
+
+  // Chunked linear + cross-entropy (the Liger-style fused loss, see docs/schema.md): the
+  // gradients of the hidden states and of the lm_head weight are computed during the forward,
+  // chunk by chunk; full logits never exist.
+  ValueId fused_loss(T& normed, std::uint32_t emb) {
+    const std::uint64_t V = a_.vocab_size, h = a_.hidden_size;
+    phase_ = Phase::kLoss;
+    op("fused_linear_cross_entropy");
+    std::uint32_t w = lm_head_param(emb);
+    DType c = pol_.autocast ? pol_.compute : pol_.param;
+    T x = pol_.autocast ? to(normed, c) : t_.ref(normed);
+    t_.drop(normed);
+    T wc = weight(w);
+    T grad_x = fresh(tok_ * h, c);
+    T grad_w = fresh(V * h, DType::kF32);
+    // chunk = next_pow2(ceil(BT / ceil(V / h))) rows of logits at a time.
+    std::uint64_t ratio = (V + h - 1) / h;
+    std::uint64_t rows = (tok_ + ratio - 1) / ratio, chunk = 1;
+    while (chunk < rows) chunk <<= 1;
+    chunk = std::min(chunk, tok_);
+    T logits_chunk = fresh(chunk * V, c);
+    T grad_chunk = fresh(chunk * V, DType::kF32);
+    t_.drop(grad_chunk);
+    t_.drop(logits_chunk);
+    T loss = fresh(1, DType::kF32);
+    requires_grad(loss);
+    {
+      Node nd = node(loss);
+      nd.saved = {grad_x.id, grad_w.id};
+      nd.inputs.push_back(grad_of(x));
+      ParamGrad pg = param_grad(w, DType::kF32);
+      nd.params.push_back(pg);
+      t_.record(std::move(nd));
+    }
+    t_.drop(grad_x);
+    t_.drop(grad_w);
+    t_.drop(x);
+    t_.drop(wc);
+    return scale_loss(loss);
+  }
+
+  ValueId scale_loss(T& loss) {
+    // (loss / grad_accum).backward()
+    T scaled = elementwise({&loss}, 1, DType::kF32, {});
+    t_.drop(loss);
+    ValueId v = scaled.value;
+    pending_loss_ = scaled;
+    return v;
+  }
+
+  void backward(ValueId loss) {
+    phase_ = Phase::kBackward;
+    t_.at(Phase::kBackward, kNoLayer, "loss");
+    ensure_workspace(true);
+    t_.backward(loss);
+    t_.drop(pending_loss_);
+  }
+
+  // ---------------------------------------------------------------- optimizer
+  void optimizer_step(bool first) {
+    phase_ = Phase::kOptimizer;
+    layer_ = kNoLayer;
+    if (pol_.master) {
+      // fp32 gradients for the master copy, parameter by parameter; the half .grad goes.
+      op("optimizer.master_grads");
+      for (Param& p : params_) {
+        TensorId g = t_.param_grad(p.slot);
+        if (g == kNone) continue;
+        TensorId g32 = t_.alloc_bytes(p.numel * 4, Category::kGradients);
+        t_.release(g);
+        t_.set_param_grad(p.slot, g32);
+      }
+    }
+    const DType state = pol_.master ? DType::kF32 : pol_.param;
+    const std::uint64_t sb = dtype_bytes(state);
+    switch (r_.optimizer) {
+      case Optimizer::kAdamW:
+      case Optimizer::kAdamWFused: {
+        if (first) {
+          op("optimizer.init_state");
+          for (Param& p : params_) {
+            states_.push_back(t_.alloc_bytes(p.numel * sb, Category::kOptimizerStates));  // exp_avg
+            states_.push_back(t_.alloc_bytes(p.numel * sb, Category::kOptimizerStates));  // exp_avg_sq
+            // `step` lives on the device for fused (and capturable); a CPU scalar otherwise.
+            if (r_.optimizer == Optimizer::kAdamWFused)
+              states_.push_back(t_.alloc_bytes(4, Category::kOptimizerStates));
+          }
+        }
+        if (r_.optimizer == Optimizer::kAdamW) {
+          // foreach: exp_avg_sq_sqrt = _foreach_sqrt(exp_avg_sqs) for the whole group, then
+          // in-place ops; the list is freed at the end of the group's update. HF makes two
+          // groups (weight decay / none); torch.optim with one group is the reference here.
+          op("optimizer.foreach_sqrt");
+          std::vector<TensorId> tmp;
+          for (Param& p : params_) tmp.push_back(t_.alloc_bytes(p.numel * sb, Category::kTemporaries));
+          for (TensorId id : tmp) t_.release(id);
+        } else {
+          op("optimizer.fused_adamw");
+        }
+        break;
+      }
+      case Optimizer::kAdamW8bit: {
+        if (first) {
+          op("optimizer.init_state");
+          for (Param& p : params_) {
+            if (p.numel < 4096) {  // bitsandbytes keeps small tensors' states in fp32
+              states_.push_back(t_.alloc_bytes(p.numel * 4, Category::kOptimizerStates));
+              states_.push_back(t_.alloc_bytes(p.numel * 4, Category::kOptimizerStates));
+            } else {
+              std::uint64_t blocks = (p.numel + 255) / 256;
+              states_.push_back(t_.alloc_bytes(p.numel, Category::kOptimizerStates));
+              states_.push_back(t_.alloc_bytes(p.numel, Category::kOptimizerStates));
+              states_.push_back(t_.alloc_bytes(blocks * 4, Category::kOptimizerStates));
+              states_.push_back(t_.alloc_bytes(blocks * 4, Category::kOptimizerStates));
+            }
+          }
+        }
+        op("optimizer.adamw_8bit");
+        break;
+      }
+      case Optimizer::kSgd: {
+        // momentum_buffer = clone(grad) at the first step; foreach in-place afterwards.
+        op(first ? "optimizer.init_state" : "optimizer.sgd");
+        if (first) {
+          for (Param& p : params_) states_.push_back(t_.alloc_bytes(p.numel * sb, Category::kOptimizerStates));
+        }
+        break;
+      }
+      case Optimizer::kAdafactor: {
+        if (first) {
+          op("optimizer.init_state");
+          for (Param& p : params_) {
+            auto [rows, cols] = factor_shape(p);
+            if (cols > 1) {  // factored: row and column second-moment vectors (fp32)
+              states_.push_back(t_.alloc_bytes(rows * 4, Category::kOptimizerStates));
+              states_.push_back(t_.alloc_bytes(cols * 4, Category::kOptimizerStates));
+            } else {
+              states_.push_back(t_.alloc_bytes(p.numel * 4, Category::kOptimizerStates));
+            }
+            states_.push_back(t_.alloc_bytes(4, Category::kOptimizerStates));  // RMS
+          }
+        }
+        // Per parameter, fp32: grad.float() (when half), update = grad^2 + eps, the factored
+        // approximation, all of the parameter's size.
+        op("optimizer.adafactor");
+        for (Param& p : params_) {
+          std::vector<TensorId> tmp;
+          if (state != DType::kF32 || pol_.param != DType::kF32) {
+            tmp.push_back(t_.alloc_bytes(p.numel * 4, Category::kTemporaries));
+            tmp.push_back(t_.alloc_bytes(p.numel * 4, Category::kTemporaries));
+          }
+          tmp.push_back(t_.alloc_bytes(p.numel * 4, Category::kTemporaries));
+          tmp.push_back(t_.alloc_bytes(p.numel * 4, Category::kTemporaries));
+          for (TensorId id : tmp) t_.release(id);
+        }
+        break;
+      }
+    }
+    if (pol_.master) {
+      op("optimizer.copy_to_half");  // in place: p.copy_(master)
+    }
+    op("optimizer.zero_grad");
+    for (Param& p : params_) {
+      TensorId g = t_.param_grad(p.slot);
+      if (g != kNone) {
+        t_.release(g);
+        t_.set_param_grad(p.slot, kNone);
+      }
+    }
+  }
+
+  std::pair<std::uint64_t, std::uint64_t> factor_shape(const Param& p) const {
+    // Matmul weights and embeddings are 2-D; norms and biases 1-D.
+    if (!p.matmul && p.numel % a_.hidden_size != 0) return {p.numel, 1};
+    if (p.numel == a_.hidden_size || p.numel <= a_.head_dim) return {p.numel, 1};
+    std::uint64_t cols = a_.hidden_size;
+    if (p.numel % cols != 0) return {p.numel, 1};
+    return {p.numel / cols, cols};
+  }
+
+  const Model& m_;
+  const Architecture& a_;
+  const Recipe& r_;
+  const Gpu& gpu_;
+  Policy pol_;
+  Attention attention_;
+  bool cuda_ = true;
+  std::uint64_t B_ = 0, S_ = 0, tok_ = 0;
+  Tape t_;
+  std::vector<Param> params_;
+  std::vector<std::pair<std::string, std::uint32_t>> globals_;
+  std::vector<LayerParams> layers_;
+  std::vector<std::uint32_t> casts_;
+  std::vector<TensorId> states_;
+  T input_ids_, labels_, mask_, cos_, sin_, pending_loss_;
+  TensorId ws_fwd_ = kNone, ws_bwd_ = kNone;
+  Phase phase_ = Phase::kForward;
+  std::int32_t layer_ = kNoLayer;
+  std::string_view op_ = "";
+};
+
+}  // namespace
+
+Trace build_training_trace(const Model& model, const Recipe& recipe, const Gpu& gpu) {
+  StepBuilder b(model, recipe, gpu);
+  return b.build();
+}
+
+}  // namespace trainmem::graph

@@ -1,0 +1,247 @@
+// config.json → Architecture.
+//
+// Note [Which config keys matter]
+// Only the shapes that decide parameter and activation sizes are read. Each family's defaults
+// are the defaults of its Hugging Face configuration class (e.g. num_key_value_heads defaults
+// to num_attention_heads, head_dim to hidden_size / num_attention_heads, GPT-2's n_inner to
+// 4 * n_embd). A key that is present but of the wrong type or out of range is an error: a
+// planner that silently falls back to a default prints a plausible wrong number.
+#include <cmath>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "common/checked.h"
+#include "model/model.h"
+
+namespace trainmem::model {
+namespace {
+
+using nlohmann::json;
+
+// Dimensions beyond this are certainly not a real model (2^24 = 16.7M). Keeping dimensions
+// bounded keeps every product of a few of them inside 64 bits after the checked multiplies.
+constexpr std::uint64_t kMaxDimension = std::uint64_t{1} << 24;
+constexpr std::uint64_t kMaxLayers = 100000;
+
+std::uint64_t get_dim(const json& c, const char* key, std::uint64_t max = kMaxDimension) {
+  auto it = c.find(key);
+  if (it == c.end() || it->is_null()) {
+    throw Error(std::string("config.json: missing field '") + key + "'");
+  }
+  const json& v = *it;
+  if (v.is_number_float()) {
+    double d = v.get<double>();
+    if (!std::isfinite(d) || d != std::floor(d)) {
+      throw Error(std::string("config.json: field '") + key + "' must be a whole number, got " + v.dump());
+    }
+    if (d < 1 || d > static_cast<double>(max)) {
+      throw Error(std::string("config.json: field '") + key + "' must be between 1 and " +
+                  std::to_string(max) + ", got " + v.dump());
+    }
+    return static_cast<std::uint64_t>(d);
+  }
+  if (v.is_number_unsigned() || v.is_number_integer()) {
+    if (v.is_number_integer() && !v.is_number_unsigned() && v.get<std::int64_t>() < 1) {
+      throw Error(std::string("config.json: field '") + key + "' must be at least 1, got " + v.dump());
+    }
+    std::uint64_t x = v.get<std::uint64_t>();
+    if (x < 1 || x > max) {
+      throw Error(std::string("config.json: field '") + key + "' must be between 1 and " +
+                  std::to_string(max) + ", got " + v.dump());
+    }
+    return x;
+  }
+  throw Error(std::string("config.json: field '") + key + "' must be a positive integer, got " + v.dump());
+}
+
+std::uint64_t get_dim_or(const json& c, const char* key, std::uint64_t fallback,
+                         std::uint64_t max = kMaxDimension) {
+  auto it = c.find(key);
+  if (it == c.end() || it->is_null()) return fallback;
+  return get_dim(c, key, max);
+}
+
+bool get_bool_or(const json& c, const char* key, bool fallback) {
+  auto it = c.find(key);
+  if (it == c.end() || it->is_null()) return fallback;
+  if (!it->is_boolean()) {
+    throw Error(std::string("config.json: field '") + key + "' must be true or false, got " + it->dump());
+  }
+  return it->get<bool>();
+}
+
+double get_number_or(const json& c, const char* key, double fallback) {
+  auto it = c.find(key);
+  if (it == c.end() || it->is_null()) return fallback;
+  if (!it->is_number()) {
+    throw Error(std::string("config.json: field '") + key + "' must be a number, got " + it->dump());
+  }
+  double d = it->get<double>();
+  if (!std::isfinite(d) || d < 0) {
+    throw Error(std::string("config.json: field '") + key + "' must be a finite number ≥ 0, got " + it->dump());
+  }
+  return d;
+}
+
+DType parse_dtype(const json& c) {
+  // transformers 5 writes "dtype"; older configs "torch_dtype".
+  for (const char* key : {"dtype", "torch_dtype"}) {
+    auto it = c.find(key);
+    if (it == c.end() || it->is_null()) continue;
+    if (!it->is_string()) {
+      throw Error(std::string("config.json: field '") + key + "' must be a string, got " + it->dump());
+    }
+    std::string s = it->get<std::string>();
+    if (s == "float32" || s == "float") return DType::kF32;
+    if (s == "bfloat16") return DType::kBF16;
+    if (s == "float16" || s == "half") return DType::kF16;
+    throw Error(std::string("config.json: field '") + key + "' has unsupported dtype '" + s +
+                "'; expected float32, bfloat16 or float16");
+  }
+  return DType::kF32;
+}
+
+std::string model_type_of(const json& c) {
+  auto it = c.find("model_type");
+  if (it == c.end()) {
+    throw Error("config.json: missing field 'model_type' (expected one of gpt2, llama, mistral, "
+                "qwen2, qwen3, gemma2, phi3)");
+  }
+  if (!it->is_string()) throw Error("config.json: field 'model_type' must be a string, got " + it->dump());
+  return it->get<std::string>();
+}
+
+Activation parse_activation(const json& c, const char* key, Activation fallback) {
+  auto it = c.find(key);
+  if (it == c.end() || it->is_null()) return fallback;
+  if (!it->is_string()) throw Error(std::string("config.json: field '") + key + "' must be a string");
+  std::string s = it->get<std::string>();
+  if (s == "silu" || s == "swish") return Activation::kSilu;
+  if (s == "gelu_new" || s == "gelu_pytorch_tanh" || s == "gelu" || s == "gelu_fast")
+    return Activation::kGeluTanh;
+  throw Error(std::string("config.json: field '") + key + "' has unsupported activation '" + s + "'");
+}
+
+void check_heads(Architecture& a) {
+  if (a.num_heads % a.num_kv_heads != 0) {
+    throw Error("config.json: num_attention_heads=" + std::to_string(a.num_heads) +
+                " is not a multiple of num_key_value_heads=" + std::to_string(a.num_kv_heads));
+  }
+}
+
+Architecture parse_gpt2(const json& c) {
+  Architecture a;
+  a.family = Family::kGpt2;
+  a.hidden_size = get_dim(c, "n_embd");
+  a.num_layers = get_dim(c, "n_layer", kMaxLayers);
+  a.num_heads = get_dim(c, "n_head");
+  a.num_kv_heads = a.num_heads;
+  if (a.hidden_size % a.num_heads != 0) {
+    throw Error("config.json: n_head=" + std::to_string(a.num_heads) + " does not divide n_embd=" +
+                std::to_string(a.hidden_size) + " (GPT-2 splits the width evenly across heads)");
+  }
+  a.head_dim = a.hidden_size / a.num_heads;
+  a.intermediate_size = get_dim_or(c, "n_inner", detail::mul(4, a.hidden_size, "n_inner"));
+  a.vocab_size = get_dim(c, "vocab_size");
+  a.max_positions = get_dim(c, "n_positions");
+  a.tie_word_embeddings = get_bool_or(c, "tie_word_embeddings", true);
+  a.qkv_bias = a.o_bias = a.mlp_bias = true;
+  a.fused_qkv = true;
+  a.gated_mlp = false;
+  a.learned_positions = true;
+  a.norm = NormKind::kLayerNorm;
+  a.activation = parse_activation(c, "activation_function", Activation::kGeluTanh);
+  return a;
+}
+
+Architecture parse_llama_like(const json& c, Family family) {
+  Architecture a;
+  a.family = family;
+  a.hidden_size = get_dim(c, "hidden_size");
+  a.intermediate_size = get_dim(c, "intermediate_size");
+  a.num_layers = get_dim(c, "num_hidden_layers", kMaxLayers);
+  a.num_heads = get_dim(c, "num_attention_heads");
+  a.num_kv_heads = get_dim_or(c, "num_key_value_heads", a.num_heads);
+  a.vocab_size = get_dim(c, "vocab_size");
+  a.max_positions = get_dim_or(c, "max_position_embeddings", 2048, std::uint64_t{1} << 32);
+  // Llama-family configs may set head_dim; then q/k/v widths are heads * head_dim and need not
+  // equal hidden_size. Without it the width must split evenly.
+  if (c.contains("head_dim") && !c["head_dim"].is_null()) {
+    a.head_dim = get_dim(c, "head_dim");
+  } else {
+    if (a.hidden_size % a.num_heads != 0) {
+      throw Error("config.json: num_attention_heads=" + std::to_string(a.num_heads) +
+                  " does not divide hidden_size=" + std::to_string(a.hidden_size) +
+                  " and no head_dim is given");
+    }
+    a.head_dim = a.hidden_size / a.num_heads;
+  }
+  check_heads(a);
+  a.activation = parse_activation(c, "hidden_act", Activation::kSilu);
+  switch (family) {
+    case Family::kLlama: {
+      bool bias = get_bool_or(c, "attention_bias", false);
+      a.qkv_bias = a.o_bias = bias;
+      a.mlp_bias = get_bool_or(c, "mlp_bias", false);
+      a.tie_word_embeddings = get_bool_or(c, "tie_word_embeddings", false);
+      break;
+    }
+    case Family::kMistral:
+      a.tie_word_embeddings = get_bool_or(c, "tie_word_embeddings", false);
+      break;
+    case Family::kQwen2:
+      a.qkv_bias = true;  // Qwen2Attention hard-codes bias on q/k/v, none on o_proj
+      a.tie_word_embeddings = get_bool_or(c, "tie_word_embeddings", false);
+      break;
+    case Family::kQwen3: {
+      bool bias = get_bool_or(c, "attention_bias", false);
+      a.qkv_bias = a.o_bias = bias;
+      a.qk_norm = true;
+      a.tie_word_embeddings = get_bool_or(c, "tie_word_embeddings", false);
+      break;
+    }
+    case Family::kGemma2: {
+      bool bias = get_bool_or(c, "attention_bias", false);
+      a.qkv_bias = a.o_bias = bias;
+      a.sandwich_norms = true;
+      a.embedding_scale = true;
+      a.activation = parse_activation(c, "hidden_activation", Activation::kGeluTanh);
+      a.attn_logit_softcap = get_number_or(c, "attn_logit_softcapping", 0);
+      a.final_logit_softcap = get_number_or(c, "final_logit_softcapping", 0);
+      a.tie_word_embeddings = get_bool_or(c, "tie_word_embeddings", true);
+      break;
+    }
+    case Family::kPhi3:
+      a.fused_qkv = true;
+      a.fused_gate_up = true;
+      a.tie_word_embeddings = get_bool_or(c, "tie_word_embeddings", false);
+      break;
+    case Family::kGpt2:
+      break;
+  }
+  return a;
+}
+
+}  // namespace
+
+Architecture parse_config(const json& c) {
+  if (!c.is_object()) throw Error("config.json: expected a JSON object at the top level");
+  std::string type = model_type_of(c);
+  Architecture a;
+  if (type == "gpt2") a = parse_gpt2(c);
+  else if (type == "llama") a = parse_llama_like(c, Family::kLlama);
+  else if (type == "mistral") a = parse_llama_like(c, Family::kMistral);
+  else if (type == "qwen2") a = parse_llama_like(c, Family::kQwen2);
+  else if (type == "qwen3") a = parse_llama_like(c, Family::kQwen3);
+  else if (type == "gemma2") a = parse_llama_like(c, Family::kGemma2);
+  else if (type == "phi3") a = parse_llama_like(c, Family::kPhi3);
+  else {
+    throw Error("config.json: unsupported model_type '" + type +
+                "'; supported: gpt2, llama, mistral, qwen2, qwen3, gemma2, phi3");
+  }
+  a.model_type = type;
+  a.torch_dtype = parse_dtype(c);
+  return a;
+}
+
+}  // namespace trainmem::model

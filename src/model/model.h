@@ -1,0 +1,32 @@
+// Model sources: config.json, the built-in catalog and safetensors headers, all reduced to an
+// Architecture plus its exact list of parameter tensors.
+#pragma once
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "trainmem/trainmem.h"
+
+namespace trainmem::model {
+
+// Reads the fields of a Hugging Face config.json that decide memory. Throws Error naming the
+// field on anything missing, mistyped or impossible for the architecture.
+Architecture parse_config(const nlohmann::json& config);
+
+// Every parameter tensor the Hugging Face implementation creates, in module order; the decoder
+// layer's tensors are listed once with count = num_layers. Tied lm_head weights are not listed.
+std::vector<ParameterGroup> parameter_groups(const Architecture& arch);
+
+std::uint64_t count_parameters(const std::vector<ParameterGroup>& groups);
+
+// Sum of tensor element counts over the *.safetensors files of a directory (the header only is
+// read). Returns 0 when the directory has none. Throws Error on a malformed header.
+struct SafetensorsSummary {
+  std::uint64_t parameter_count = 0;
+  std::uint64_t tensor_count = 0;
+  std::uint64_t files = 0;
+  DType dominant_dtype = DType::kF32;
+};
+SafetensorsSummary read_safetensors_dir(const std::string& dir);
+SafetensorsSummary parse_safetensors_header(std::string_view header_json, SafetensorsSummary into = {});
+
+}  // namespace trainmem::model

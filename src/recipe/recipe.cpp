@@ -1,0 +1,89 @@
+// Recipe knobs: their spellings (shared by the CLI, the Python API and the JSON output) and the
+// checks on their ranges.
+#include <array>
+#include <string>
+
+#include "common/checked.h"
+
+namespace trainmem {
+namespace {
+
+template <typename E, std::size_t N>
+using Spellings = std::array<std::pair<E, std::string_view>, N>;
+
+constexpr Spellings<Precision, 6> kPrecisions{{{Precision::kFp32, "fp32"},
+                                              {Precision::kBf16Mixed, "bf16-mixed"},
+                                              {Precision::kFp16Mixed, "fp16-mixed"},
+                                              {Precision::kBf16Master, "bf16-master"},
+                                              {Precision::kBf16True, "bf16-true"},
+                                              {Precision::kFp16True, "fp16-true"}}};
+constexpr Spellings<Optimizer, 5> kOptimizers{{{Optimizer::kAdamW, "adamw"},
+                                              {Optimizer::kAdamWFused, "adamw-fused"},
+                                              {Optimizer::kAdamW8bit, "adamw-8bit"},
+                                              {Optimizer::kSgd, "sgd"},
+                                              {Optimizer::kAdafactor, "adafactor"}}};
+constexpr Spellings<Checkpointing, 2> kCheckpointing{{{Checkpointing::kNone, "none"},
+                                                      {Checkpointing::kFull, "full"}}};
+constexpr Spellings<Attention, 3> kAttention{{{Attention::kEager, "eager"},
+                                              {Attention::kSdpa, "sdpa"},
+                                              {Attention::kFlash, "flash"}}};
+constexpr Spellings<Loss, 2> kLoss{{{Loss::kStandard, "standard"}, {Loss::kFused, "fused"}}};
+constexpr Spellings<AllocatorMode, 2> kAllocator{{{AllocatorMode::kDefault, "default"},
+                                                  {AllocatorMode::kExpandable, "expandable"}}};
+
+template <typename E, std::size_t N>
+std::string_view name_of(const Spellings<E, N>& table, E e) {
+  for (const auto& [v, s] : table) {
+    if (v == e) return s;
+  }
+  return "?";
+}
+
+template <typename E, std::size_t N>
+E parse(const Spellings<E, N>& table, std::string_view s, std::string_view field) {
+  for (const auto& [v, name] : table) {
+    if (name == s) return v;
+  }
+  std::string valid;
+  for (const auto& [v, name] : table) valid += (valid.empty() ? "" : ", ") + std::string(name);
+  throw Error(std::string(field) + ": unknown value '" + std::string(s) + "'; expected one of " + valid);
+}
+
+// Largest micro-batch, sequence length or accumulation count we accept. Larger values are not
+// training recipes, and keeping them bounded keeps b*s*s*heads products checkable.
+constexpr std::uint64_t kMaxBatch = std::uint64_t{1} << 24;
+constexpr std::uint64_t kMaxSeq = std::uint64_t{1} << 24;
+constexpr std::uint64_t kMaxAccum = std::uint64_t{1} << 20;
+
+void check_range(std::string_view field, std::uint64_t v, std::uint64_t max) {
+  if (v < 1 || v > max) {
+    throw Error(std::string(field) + ": must be between 1 and " + std::to_string(max) + ", got " +
+                std::to_string(v));
+  }
+}
+
+}  // namespace
+
+std::string_view to_string(Precision x) { return name_of(kPrecisions, x); }
+std::string_view to_string(Optimizer x) { return name_of(kOptimizers, x); }
+std::string_view to_string(Checkpointing x) { return name_of(kCheckpointing, x); }
+std::string_view to_string(Attention x) { return name_of(kAttention, x); }
+std::string_view to_string(Loss x) { return name_of(kLoss, x); }
+std::string_view to_string(AllocatorMode x) { return name_of(kAllocator, x); }
+
+Precision parse_precision(std::string_view s) { return parse(kPrecisions, s, "precision"); }
+Optimizer parse_optimizer(std::string_view s) { return parse(kOptimizers, s, "optimizer"); }
+Checkpointing parse_checkpointing(std::string_view s) { return parse(kCheckpointing, s, "checkpointing"); }
+Attention parse_attention(std::string_view s) { return parse(kAttention, s, "attention"); }
+Loss parse_loss(std::string_view s) { return parse(kLoss, s, "loss"); }
+AllocatorMode parse_allocator(std::string_view s) { return parse(kAllocator, s, "allocator"); }
+
+void Recipe::validate() const {
+  check_range("batch", batch, kMaxBatch);
+  check_range("seq", seq, kMaxSeq);
+  check_range("grad_accum", grad_accum, kMaxAccum);
+  check_range("steps", steps, 100);
+  find_gpu(gpu);
+}
+
+}  // namespace trainmem
