@@ -72,6 +72,12 @@ int main(int argc, char** argv) {
   bool gpus_json = false;
   gpus->add_flag("--json", gpus_json, "Print as JSON");
 
+  if (argc > 1 && argv[1][0] != '-') {
+    std::string cmd = argv[1];
+    if (cmd != "estimate" && cmd != "models" && cmd != "gpus") {
+      return fail("unknown command '" + cmd + "'; expected estimate, models or gpus (see --help)");
+    }
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

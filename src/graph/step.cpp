@@ -761,15 +761,24 @@ class StepBuilder {
     requires_grad(y);
     Node nd = node(y);
     nd.tag.op = "checkpoint";
+    // The checkpoint keeps the layer's arguments for the recompute: the hidden states and the
+    // shared position embeddings and mask (torch.utils.checkpoint holds its inputs).
     nd.saved = {x.id};
-    T xin = x;
+    for (const T* shared : {&cos_, &sin_, &mask_}) {
+      if (shared->id != kNone) nd.saved.push_back(shared->id);
+    }
+    T xin = x, cos = cos_, sin = sin_, mask = mask_;
     std::int32_t layer = static_cast<std::int32_t>(l);
-    nd.recompute = [this, xin, l, layer]() {
+    nd.recompute = [this, xin, cos, sin, mask, l, layer]() {
       Phase keep = phase_;
       phase_ = Phase::kBackward;
       std::string_view keep_op = op_;
+      cos_ = cos;
+      sin_ = sin;
+      mask_ = mask;
       T o = decoder_layer(xin, l);
       exit_autocast();  // the recompute runs in an autocast context of its own
+      cos_ = sin_ = mask_ = T{};
       layer_ = layer;
       phase_ = keep;
       op_ = keep_op;

@@ -1,0 +1,64 @@
+# Two commands set everything up on a fresh Debian machine:
+#   make demo   installs what is missing, builds, installs the package, runs an estimate
+#   make test   the same set-up, then every test (C++, CLI, Python API, tracker)
+# .ci/run calls `make test`.
+
+VENV       ?= .venv
+PY         := $(VENV)/bin/python
+PIP        := $(VENV)/bin/pip
+BUILD      ?= build
+JOBS       ?= $(shell nproc)
+TORCH      ?= torch==2.13.0
+APT_PACKAGES := g++ cmake ninja-build python3-venv python3-dev nlohmann-json3-dev libcli11-dev \
+                libgtest-dev libgmock-dev libbenchmark-dev
+
+.PHONY: deps venv build install demo test test-cpp test-python bench clean
+
+# Debian packages, installed only when one is missing (needs root, as on our machines).
+deps:
+	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing: $$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
+
+$(VENV)/.ready: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q scikit-build-core nanobind pytest hypothesis
+	touch $@
+
+venv: deps $(VENV)/.ready
+
+# The measuring side needs torch; the CPU build is installed first so that nothing pulls a CUDA one.
+$(VENV)/.measure: $(VENV)/.ready
+	$(PIP) install -q $(TORCH)
+	$(PIP) install -q "transformers>=4.46" safetensors numpy
+	touch $@
+
+build: deps
+	cmake -S . -B $(BUILD) -G Ninja -DTRAINMEM_BUILD_TESTS=ON >/dev/null
+	cmake --build $(BUILD) -j $(JOBS)
+
+install: venv
+	$(PIP) install -q .
+
+demo: build install
+	$(VENV)/bin/trainmem models
+	$(VENV)/bin/trainmem estimate qwen3-4b --batch 16 --seq 512 --precision bf16-master --optimizer adamw
+
+test-cpp: build
+	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+
+test-python: install $(VENV)/.measure
+	TRAINMEM_BIN=$(abspath $(BUILD))/trainmem $(PY) -m pytest -q tests/python
+
+test: test-cpp test-python
+
+bench: deps
+	cmake -S . -B $(BUILD)-bench -G Ninja -DTRAINMEM_BUILD_BENCH=ON -DTRAINMEM_BUILD_TESTS=OFF >/dev/null
+	cmake --build $(BUILD)-bench -j $(JOBS)
+	$(BUILD)-bench/bench/trainmem_bench
+
+clean:
+	rm -rf $(BUILD) $(BUILD)-bench build/py-*

@@ -1,0 +1,39 @@
+"""The Python API returns what the CLI prints."""
+import json
+import subprocess
+
+import pytest
+
+trainmem = pytest.importorskip("trainmem")
+
+
+def test_python_matches_cli(trainmem_bin):
+    est = trainmem.estimate("llama-3.2-1b", batch=2, seq=512, checkpointing="full")
+    cli = json.loads(subprocess.run([trainmem_bin, "estimate", "llama-3.2-1b", "--batch", "2", "--seq", "512",
+                                     "--checkpointing", "full", "--json"], capture_output=True, text=True,
+                                    check=True).stdout)
+    assert est.to_dict()["peak_allocated_bytes"] == cli["peak_allocated_bytes"]
+    d = est.to_dict()
+    d.pop("_text", None)
+    assert d == cli
+
+
+def test_bad_input_raises_value_error():
+    with pytest.raises(ValueError, match="unknown model 'nope'"):
+        trainmem.estimate("nope")
+    with pytest.raises(ValueError, match="batch: must be a positive integer, got 0"):
+        trainmem.estimate("gpt2", batch=0)
+    with pytest.raises(ValueError, match="precision: unknown value"):
+        trainmem.estimate("gpt2", precision="int3")
+    with pytest.raises(ValueError, match="seq: must be a positive integer"):
+        trainmem.estimate("gpt2", seq=1.5)
+
+
+def test_str_is_the_terminal_picture():
+    text = str(trainmem.estimate("gpt2", batch=1, seq=128))
+    assert "peak allocated" in text and "activations" in text
+
+
+def test_models_catalog():
+    names = {m["name"] for m in trainmem.models()}
+    assert {"gpt2", "llama-3.1-70b", "qwen3-4b", "gemma-2-2b", "phi-3-mini-4k-instruct"} <= names

@@ -1,0 +1,147 @@
+"""The trainmem command as a user drives it: output shape, JSON contract, bad input."""
+import json
+
+import pytest
+
+CATEGORIES = ["weights", "optimizer_states", "gradients", "activations", "temporaries", "other"]
+
+
+def test_estimate_json_contract(run):
+    r = run("estimate", "qwen3-0.6b", "--batch", "2", "--seq", "256", "--json")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == ""
+    j = json.loads(r.stdout)
+    for key in ("parameters", "peak_allocated_bytes", "peak_reserved_bytes", "breakdown_at_peak",
+                "peak", "recipe", "steps", "device", "source"):
+        assert key in j
+    assert list(j["breakdown_at_peak"]) == CATEGORIES
+    assert sum(j["breakdown_at_peak"].values()) == j["peak_allocated_bytes"]
+    assert j["peak_reserved_bytes"] >= j["peak_allocated_bytes"]
+    assert j["parameters"] == 596049920
+    assert set(j["peak"]) == {"step", "micro_batch", "phase", "op"}
+    assert j["recipe"] == {"batch": 2, "seq": 256, "grad_accum": 1, "precision": "bf16-mixed",
+                           "optimizer": "adamw", "checkpointing": "none", "attention": "sdpa",
+                           "loss": "standard", "gpu": "h100-80gb", "allocator": "default",
+                           "steps": 2}
+    assert [s["step"] for s in j["steps"]] == [1, 2]
+
+
+def test_text_output_names_every_category_and_the_peak_op(run):
+    r = run("estimate", "llama-3.2-1b", "--batch", "4", "--seq", "1024")
+    assert r.returncode == 0, r.stderr
+    for c in CATEGORIES:
+        assert c in r.stdout
+    assert "peak allocated" in r.stdout and "peak reserved" in r.stdout
+    assert "peak at         step" in r.stdout
+
+
+def test_hf_id_and_catalog_name_agree(run):
+    a = json.loads(run("estimate", "Qwen/Qwen3-4B", "--json").stdout)
+    b = json.loads(run("estimate", "qwen3-4b", "--json").stdout)
+    a.pop("model"), b.pop("model")
+    assert a == b
+
+
+def test_config_path_and_model_directory(run, tmp_path):
+    from pathlib import Path
+    src = Path(__file__).resolve().parents[2] / "data" / "models" / "qwen3-0.6b.json"
+    cfg = tmp_path / "config.json"
+    cfg.write_text(src.read_text())
+    by_path = json.loads(run("estimate", cfg, "--json").stdout)
+    by_dir = json.loads(run("estimate", tmp_path, "--json").stdout)
+    by_name = json.loads(run("estimate", "qwen3-0.6b", "--json").stdout)
+    assert by_path["peak_allocated_bytes"] == by_name["peak_allocated_bytes"]
+    assert by_dir["peak_allocated_bytes"] == by_name["peak_allocated_bytes"]
+
+
+def test_models_and_gpus_list(run):
+    models = json.loads(run("models", "--json").stdout)
+    assert len(models) >= 15
+    assert {"name": "llama-3.1-8b", "hf_id": "meta-llama/Llama-3.1-8B", "family": "llama",
+            "parameters": 8030261248} in models
+    gpus = json.loads(run("gpus", "--json").stdout)
+    assert any(g["name"] == "h100-80gb" for g in gpus)
+
+
+def test_deterministic(run):
+    a = run("estimate", "gpt2", "--batch", "8", "--seq", "1024", "--json").stdout
+    b = run("estimate", "gpt2", "--batch", "8", "--seq", "1024", "--json").stdout
+    assert a == b
+
+
+@pytest.mark.parametrize("args, message", [
+    (["estimate", "qwen3-4", "--json"], "unknown model 'qwen3-4'; did you mean: qwen3-4b"),
+    (["estimate", "qwen3-4b", "--batch", "0"], "batch: must be between 1 and"),
+    (["estimate", "qwen3-4b", "--batch", "-3"], "batch: must be a positive integer, got '-3'"),
+    (["estimate", "qwen3-4b", "--seq", "4k"], "seq: must be a positive integer, got '4k'"),
+    (["estimate", "qwen3-4b", "--seq", "99999999999999999999999"], "seq: must be a positive integer"),
+    (["estimate", "qwen3-4b", "--precision", "bf32"], "precision: unknown value 'bf32'; expected one of fp32, bf16-mixed"),
+    (["estimate", "qwen3-4b", "--optimizer", "lion"], "optimizer: unknown value 'lion'"),
+    (["estimate", "qwen3-4b", "--gpu", "h100"], "gpu: unknown GPU 'h100'; known: h100-80gb"),
+    (["estimate", "qwen3-4b", "--seq", "16777216", "--batch", "16777216"], "overflows a 64-bit byte count"),
+    (["estimate"], "model is required"),
+    (["frobnicate"], "frobnicate"),
+])
+def test_bad_arguments_exit_2_with_one_line(run, args, message):
+    r = run(*args)
+    assert r.returncode == 2
+    assert r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("trainmem: error: ")
+    assert message in lines[0]
+
+
+BAD_CONFIGS = [
+    ("not json", "not valid JSON"),
+    ("[1, 2]", "expected a JSON object"),
+    ('{"model_type": "bert"}', "unsupported model_type 'bert'"),
+    ('{"hidden_size": 8}', "missing field 'model_type'"),
+    ('{"model_type": "llama", "hidden_size": 64}', "missing field 'intermediate_size'"),
+    ('{"model_type": "gpt2", "n_embd": 768, "n_layer": 2, "n_head": 5, "vocab_size": 100, "n_positions": 64}',
+     "n_head=5 does not divide n_embd=768"),
+    ('{"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, '
+     '"num_attention_heads": 8, "num_key_value_heads": 3, "vocab_size": 100}',
+     "num_attention_heads=8 is not a multiple of num_key_value_heads=3"),
+    ('{"model_type": "llama", "hidden_size": -64, "intermediate_size": 128, "num_hidden_layers": 2, '
+     '"num_attention_heads": 8, "vocab_size": 100}', "field 'hidden_size' must be at least 1, got -64"),
+    ('{"model_type": "llama", "hidden_size": 64.5, "intermediate_size": 128, "num_hidden_layers": 2, '
+     '"num_attention_heads": 8, "vocab_size": 100}', "field 'hidden_size' must be a whole number"),
+    ('{"model_type": "llama", "hidden_size": NaN}', "not valid JSON"),
+    ('{"model_type": "llama", "hidden_size": "4096"}', "field 'hidden_size' must be a positive integer"),
+    ('{"model_type": "llama", "hidden_size": 1e15, "intermediate_size": 128, "num_hidden_layers": 2, '
+     '"num_attention_heads": 8, "vocab_size": 100}', "field 'hidden_size' must be between 1 and 16777216"),
+    ('{"model_type": "llama", "hidden_size": 16777216, "intermediate_size": 16777216, "num_hidden_layers": 100000, '
+     '"num_attention_heads": 1, "vocab_size": 16777216}', "overflows a 64-bit byte count"),
+]
+
+
+@pytest.mark.parametrize("text, message", BAD_CONFIGS)
+def test_bad_config_json(run, tmp_path, text, message):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(text)
+    r = run("estimate", cfg)
+    assert r.returncode == 2, r.stdout
+    assert r.stdout == ""
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert message in r.stderr
+
+
+def test_hostile_files(run, tmp_path):
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 200000 + "]" * 200000)
+    r = run("estimate", deep)
+    assert r.returncode == 2 and r.stdout == ""
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b"\xff\xfe\x00garbage\x80\x81")
+    r = run("estimate", binary)
+    assert r.returncode == 2 and "not valid JSON" in r.stderr
+    big = tmp_path / "big.json"
+    with open(big, "wb") as f:
+        f.truncate(100 * 1024 * 1024)
+    r = run("estimate", big)
+    assert r.returncode == 2 and "too large to be a config.json" in r.stderr
+    empty_dir = tmp_path / "empty"
+    empty_dir.mkdir()
+    r = run("estimate", empty_dir)
+    assert r.returncode == 2 and "directory has no config.json" in r.stderr
