@@ -39,7 +39,11 @@ class Estimate:
     source: str = "engine"
 
     def to_dict(self) -> dict[str, Any]:
-        return json.loads(json.dumps(self.__dict__))
+        """The object `trainmem estimate --json` prints (timeline only when recorded)."""
+        d = {k: v for k, v in self.__dict__.items() if k != "_text"}
+        if not d["timeline"]:
+            del d["timeline"]
+        return json.loads(json.dumps(d))
 
     def __str__(self) -> str:  # the terminal picture, as the CLI prints it
         return self._text
