@@ -86,6 +86,7 @@ struct ParameterGroup {
   std::uint64_t numel = 0;
   std::uint64_t count = 1;
   bool matmul_weight = false;  // used by a matmul (autocast casts it; weight decay applies)
+  std::uint64_t rows = 0;      // first dimension of a 2-D tensor as stored; 0 for 1-D tensors
 };
 
 struct Model {

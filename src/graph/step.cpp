@@ -56,7 +56,7 @@ struct Param {
   TensorId cast = kNone;       // autocast cache entry
   TensorId master = kNone;     // bf16-master fp32 copy
   bool matmul = false;
-  bool decay = false;
+  std::uint64_t rows = 0;  // 2-D tensors: first dimension as stored; 0 for 1-D
 };
 
 // Indices into the parameter table for one decoder layer (kNone where the family has none).
@@ -142,6 +142,7 @@ class StepBuilder {
     p.storage = t_.alloc_bytes(detail::mul(g.numel, dtype_bytes(pol_.param), "parameter bytes"), Category::kWeights);
     p.slot = t_.new_param(p.storage);
     p.matmul = g.matmul_weight;
+    p.rows = g.rows;
     params_.push_back(p);
     return static_cast<std::uint32_t>(params_.size() - 1);
   }
@@ -958,9 +959,20 @@ class StepBuilder {
   }
 
   ValueId scale_loss(T& loss) {
-    // (loss / grad_accum).backward()
+    // (loss / grad_accum).backward(); fp16-mixed goes through GradScaler.scale(), which makes
+    // its scale and growth tracker on first use and multiplies the loss by the scale.
     T scaled = elementwise({&loss}, 1, DType::kF32, {});
     t_.drop(loss);
+    if (r_.precision == Precision::kFp16Mixed) {
+      if (scaler_scale_ == kNone) {
+        scaler_scale_ = t_.alloc_bytes(4, Category::kOther);
+        t_.alloc_bytes(4, Category::kOther);  // _growth_tracker, kept for the run
+      }
+      T by_scale = elementwise({&scaled}, 1, DType::kF32, {});
+      t_.drop(scaled);
+      scaled = by_scale;
+      t_.set_category(scaled.id, Category::kOther);
+    }
     ValueId v = scaled.value;
     pending_loss_ = scaled;
     return v;
@@ -978,6 +990,14 @@ class StepBuilder {
   void optimizer_step(bool first) {
     phase_ = Phase::kOptimizer;
     layer_ = kNoLayer;
+    TensorId found_inf = kNone;
+    if (r_.precision == Precision::kFp16Mixed) {
+      // GradScaler.step → unscale_: found_inf and the inverse scale, gradients unscaled in place.
+      op("grad_scaler.unscale_");
+      found_inf = t_.alloc_bytes(4, Category::kOther);
+      TensorId inv_scale = t_.alloc_bytes(4, Category::kOther);
+      t_.release(inv_scale);
+    }
     if (pol_.master) {
       // fp32 gradients for the master copy, parameter by parameter; the half .grad goes.
       op("optimizer.master_grads");
@@ -996,12 +1016,13 @@ class StepBuilder {
       case Optimizer::kAdamWFused: {
         if (first) {
           op("optimizer.init_state");
+          // _init_group, parameter by parameter: `step` (on the device for fused, a CPU scalar
+          // for foreach), then exp_avg and exp_avg_sq as zeros_like(param).
           for (Param& p : params_) {
-            states_.push_back(t_.alloc_bytes(p.numel * sb, Category::kOptimizerStates));  // exp_avg
-            states_.push_back(t_.alloc_bytes(p.numel * sb, Category::kOptimizerStates));  // exp_avg_sq
-            // `step` lives on the device for fused (and capturable); a CPU scalar otherwise.
             if (r_.optimizer == Optimizer::kAdamWFused)
               states_.push_back(t_.alloc_bytes(4, Category::kOptimizerStates));
+            states_.push_back(t_.alloc_bytes(p.numel * sb, Category::kOptimizerStates));
+            states_.push_back(t_.alloc_bytes(p.numel * sb, Category::kOptimizerStates));
           }
         }
         if (r_.optimizer == Optimizer::kAdamW) {
@@ -1045,31 +1066,37 @@ class StepBuilder {
         break;
       }
       case Optimizer::kAdafactor: {
-        if (first) {
-          op("optimizer.init_state");
-          for (Param& p : params_) {
-            auto [rows, cols] = factor_shape(p);
-            if (cols > 1) {  // factored: row and column second-moment vectors (fp32)
-              states_.push_back(t_.alloc_bytes(rows * 4, Category::kOptimizerStates));
-              states_.push_back(t_.alloc_bytes(cols * 4, Category::kOptimizerStates));
-            } else {
-              states_.push_back(t_.alloc_bytes(p.numel * 4, Category::kOptimizerStates));
-            }
-            states_.push_back(t_.alloc_bytes(4, Category::kOptimizerStates));  // RMS
-          }
-        }
-        // Per parameter, fp32: grad.float() (when half), update = grad^2 + eps, the factored
-        // approximation, all of the parameter's size.
-        op("optimizer.adafactor");
+        // transformers.optimization.Adafactor, parameter by parameter (factored, no beta1).
+        // State: row and column means of grad^2 for 2-D parameters, the full grad^2 average for
+        // 1-D ones, in the dtype of the fp32 gradient copy; step and RMS are Python numbers.
+        // Temporaries, all fp32 and parameter-sized (G): grad.float() and p.float() for half
+        // parameters (alive for the whole update), grad**2 and grad**2 + eps, the factored
+        // approximation (or rsqrt of the average), and -update for the final add.
+        op(first ? "optimizer.adafactor_init" : "optimizer.adafactor");
         for (Param& p : params_) {
-          std::vector<TensorId> tmp;
-          if (state != DType::kF32 || pol_.param != DType::kF32) {
-            tmp.push_back(t_.alloc_bytes(p.numel * 4, Category::kTemporaries));
-            tmp.push_back(t_.alloc_bytes(p.numel * 4, Category::kTemporaries));
+          const std::uint64_t g = p.numel * 4;
+          const bool half = pol_.param != DType::kF32 && !pol_.master;
+          const bool factored = p.rows != 0;
+          TensorId grad32 = half ? t_.alloc_bytes(g, Category::kTemporaries) : kNone;
+          if (first) {
+            if (factored) {
+              states_.push_back(t_.alloc_bytes(p.rows * 4, Category::kOptimizerStates));
+              states_.push_back(t_.alloc_bytes(p.numel / p.rows * 4, Category::kOptimizerStates));
+            } else {
+              states_.push_back(t_.alloc_bytes(g, Category::kOptimizerStates));
+            }
           }
-          tmp.push_back(t_.alloc_bytes(p.numel * 4, Category::kTemporaries));
-          tmp.push_back(t_.alloc_bytes(p.numel * 4, Category::kTemporaries));
-          for (TensorId id : tmp) t_.release(id);
+          TensorId p32 = half ? t_.alloc_bytes(g, Category::kTemporaries) : kNone;
+          TensorId sq = t_.alloc_bytes(g, Category::kTemporaries);
+          TensorId upd = t_.alloc_bytes(g, Category::kTemporaries);
+          t_.release(sq);
+          TensorId approx = t_.alloc_bytes(g, Category::kTemporaries);
+          t_.release(upd);
+          TensorId neg = t_.alloc_bytes(g, Category::kTemporaries);
+          t_.release(neg);
+          t_.release(approx);
+          t_.release(p32);
+          t_.release(grad32);
         }
         break;
       }
@@ -1077,6 +1104,7 @@ class StepBuilder {
     if (pol_.master) {
       op("optimizer.copy_to_half");  // in place: p.copy_(master)
     }
+    if (found_inf != kNone) t_.release(found_inf);  // GradScaler.update() drops its per-step state
     op("optimizer.zero_grad");
     for (Param& p : params_) {
       TensorId g = t_.param_grad(p.slot);
@@ -1085,15 +1113,6 @@ class StepBuilder {
         t_.set_param_grad(p.slot, kNone);
       }
     }
-  }
-
-  std::pair<std::uint64_t, std::uint64_t> factor_shape(const Param& p) const {
-    // Matmul weights and embeddings are 2-D; norms and biases 1-D.
-    if (!p.matmul && p.numel % a_.hidden_size != 0) return {p.numel, 1};
-    if (p.numel == a_.hidden_size || p.numel <= a_.head_dim) return {p.numel, 1};
-    std::uint64_t cols = a_.hidden_size;
-    if (p.numel % cols != 0) return {p.numel, 1};
-    return {p.numel / cols, cols};
   }
 
   const Model& m_;
@@ -1112,6 +1131,7 @@ class StepBuilder {
   std::vector<TensorId> states_;
   T input_ids_, labels_, mask_, cos_, sin_, pending_loss_;
   TensorId ws_fwd_ = kNone, ws_bwd_ = kNone;
+  TensorId scaler_scale_ = kNone;
   Phase phase_ = Phase::kForward;
   std::int32_t layer_ = kNoLayer;
   std::string_view op_ = "";

@@ -119,6 +119,7 @@ class Tape {
     t.id = kNone;
   }
   Category category(TensorId id) const { return trace_.storages[id].category; }
+  void set_category(TensorId id, Category c) { trace_.storages[id].category = c; }
 
   // ---- autograd ----
   ValueId new_value(std::uint64_t grad_bytes);

@@ -11,9 +11,9 @@ struct Lister {
   std::vector<ParameterGroup>& out;
   std::uint64_t count;
   void add(std::string name, std::uint64_t rows, std::uint64_t cols, bool matmul) {
-    out.push_back({std::move(name), detail::mul(rows, cols, "parameter size"), count, matmul});
+    out.push_back({std::move(name), detail::mul(rows, cols, "parameter size"), count, matmul, rows});
   }
-  void vec(std::string name, std::uint64_t n) { out.push_back({std::move(name), n, count, false}); }
+  void vec(std::string name, std::uint64_t n) { out.push_back({std::move(name), n, count, false, 0}); }
 };
 
 void list_gpt2(const Architecture& a, std::vector<ParameterGroup>& out) {
