@@ -206,6 +206,8 @@ struct Estimate {
 struct EstimateOptions {
   bool timeline = false;             // record a down-sampled allocated/reserved timeline
   std::uint64_t timeline_points = 400;
+  std::string trace_path;            // write every alloc/free event as JSON lines (same fields as
+                                     // trainmem-measure --trace); empty: none
 };
 
 Estimate estimate(const Model& model, const Recipe& recipe, const EstimateOptions& = {});

@@ -44,6 +44,7 @@ int main(int argc, char** argv) {
   std::string precision = "bf16-mixed", optimizer = "adamw", ckpt = "none", attention = "sdpa",
               loss = "standard", gpu = "h100-80gb", allocator = "default";
   bool as_json = false, timeline = false;
+  std::string trace_path;
   est->add_option("model", model,
                   "Catalog name (qwen3-4b), Hugging Face id (Qwen/Qwen3-4B), config.json path or model directory")
       ->required();
@@ -64,6 +65,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   est->add_flag("--json", as_json, "Print the JSON object of docs/schema.md");
   est->add_flag("--timeline", timeline, "Include an allocated/reserved timeline in --json");
+  est->add_option("--trace", trace_path, "Write every simulated alloc/free event to FILE as JSON lines");
 
   auto* models = app.add_subcommand("models", "List the built-in model catalog");
   bool models_json = false;
@@ -110,6 +112,7 @@ int main(int argc, char** argv) {
       trainmem::Model m = trainmem::load_model(model);
       trainmem::EstimateOptions opt;
       opt.timeline = timeline;
+      opt.trace_path = trace_path;
       trainmem::Estimate e = trainmem::estimate(m, r, opt);
       out = as_json ? trainmem::report::to_json(e) + "\n" : trainmem::report::to_text(e);
     } else if (*models) {

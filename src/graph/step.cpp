@@ -114,15 +114,16 @@ class StepBuilder {
     layers_.assign(L, LayerParams{});
     bool in_layers_done = false;
     const auto& groups = m_.parameters;
+    auto is_layer = [](const ParameterGroup& g) { return g.name.find(".N.") != std::string::npos; };
     for (std::size_t gi = 0; gi < groups.size(); ++gi) {
-      if (groups[gi].count == 1) {
+      if (!is_layer(groups[gi])) {
         globals_.push_back({groups[gi].name, add_param(groups[gi])});
         continue;
       }
       if (in_layers_done) continue;
       // HF creates layer 0's tensors, then layer 1's, ...
       std::size_t gend = gi;
-      while (gend < groups.size() && groups[gend].count != 1) ++gend;
+      while (gend < groups.size() && is_layer(groups[gend])) ++gend;
       for (std::uint64_t l = 0; l < L; ++l) {
         for (std::size_t k = gi; k < gend; ++k) bind_layer(layers_[l], groups[k].name, add_param(groups[k]));
       }
@@ -283,13 +284,15 @@ class StepBuilder {
 
   // nn.Linear (or GPT-2's Conv1D addmm): y = x W^T + b over `rows` rows.
   T linear(const T& x_in, std::uint32_t w, std::uint32_t b, std::uint64_t out_features) {
-    const std::uint64_t rows = x_in.numel / params_[w].numel * out_features;  // = tokens * out
+    const std::uint64_t in_features = params_[w].numel / out_features;
+    const std::uint64_t rows = x_in.numel / in_features;  // tokens
+    const std::uint64_t out_numel = rows * out_features;
     T x = pol_.autocast ? to(x_in, pol_.compute) : t_.ref(x_in);
     T wc = weight(w);
     T bc;
     if (b != kNone) bc = weight(b);
     DType cd = pol_.autocast ? pol_.compute : pol_.param;
-    T y = fresh(rows, cd);
+    T y = fresh(out_numel, cd);
     ensure_workspace(false);
     requires_grad(y);
     Node n = node(y);
@@ -569,9 +572,10 @@ class StepBuilder {
     t_.drop(qc);
     t_.drop(kc);
     t_.drop(vc);
-    T oc = elementwise({&o}, qn, c, {});  // transpose(1, 2).contiguous()
-    t_.drop(o);
-    return oc;
+    // The flash kernels (CUDA and CPU) return a [b, s, heads, d] buffer viewed as
+    // [b, heads, s, d], so HF's transpose(1, 2).contiguous() is a no-op: o_proj saves the very
+    // storage SDPA saved as its output.
+    return o;
   }
 
   T attention(const T& x, const LayerParams& lp) {
@@ -1018,9 +1022,10 @@ class StepBuilder {
           op("optimizer.init_state");
           // _init_group, parameter by parameter: `step` (on the device for fused, a CPU scalar
           // for foreach), then exp_avg and exp_avg_sq as zeros_like(param).
+          // On a CPU run the foreach step counter lives on the measured device too.
+          const bool step_on_device = r_.optimizer == Optimizer::kAdamWFused || !cuda_;
           for (Param& p : params_) {
-            if (r_.optimizer == Optimizer::kAdamWFused)
-              states_.push_back(t_.alloc_bytes(4, Category::kOptimizerStates));
+            if (step_on_device) states_.push_back(t_.alloc_bytes(4, Category::kOptimizerStates));
             states_.push_back(t_.alloc_bytes(p.numel * sb, Category::kOptimizerStates));
             states_.push_back(t_.alloc_bytes(p.numel * sb, Category::kOptimizerStates));
           }
@@ -1041,6 +1046,9 @@ class StepBuilder {
       case Optimizer::kAdamW8bit: {
         if (first) {
           op("optimizer.init_state");
+          // The two 256-entry fp32 quantization maps (signed and unsigned dynamic), once.
+          states_.push_back(t_.alloc_bytes(256 * 4, Category::kOptimizerStates));
+          states_.push_back(t_.alloc_bytes(256 * 4, Category::kOptimizerStates));
           for (Param& p : params_) {
             if (p.numel < 4096) {  // bitsandbytes keeps small tensors' states in fp32
               states_.push_back(t_.alloc_bytes(p.numel * 4, Category::kOptimizerStates));

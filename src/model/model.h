@@ -2,6 +2,7 @@
 // Architecture plus its exact list of parameter tensors.
 #pragma once
 
+#include <array>
 #include <nlohmann/json_fwd.hpp>
 
 #include "trainmem/trainmem.h"
@@ -25,6 +26,7 @@ struct SafetensorsSummary {
   std::uint64_t tensor_count = 0;
   std::uint64_t files = 0;
   DType dominant_dtype = DType::kF32;
+  std::array<std::uint64_t, 5> elements_by_dtype{};  // indexed by DType
 };
 SafetensorsSummary read_safetensors_dir(const std::string& dir);
 SafetensorsSummary parse_safetensors_header(std::string_view header_json, SafetensorsSummary into = {});

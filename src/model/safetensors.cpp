@@ -23,7 +23,6 @@ constexpr std::uint64_t kMaxHeaderBytes = 100ull << 20;
 SafetensorsSummary parse_safetensors_header(std::string_view header, SafetensorsSummary s) {
   nlohmann::json j = nlohmann::json::parse(header, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) throw Error("safetensors: header is not a JSON object");
-  std::array<std::uint64_t, 5> by_dtype{};
   for (auto it = j.begin(); it != j.end(); ++it) {
     if (it.key() == "__metadata__") continue;
     const auto& t = it.value();
@@ -40,9 +39,11 @@ SafetensorsSummary parse_safetensors_header(std::string_view header, Safetensors
     ++s.tensor_count;
     std::string dt = t["dtype"].get<std::string>();
     DType d = dt == "BF16" ? DType::kBF16 : dt == "F16" ? DType::kF16 : DType::kF32;
-    by_dtype[static_cast<int>(d)] += numel;
+    s.elements_by_dtype[static_cast<int>(d)] += numel;
   }
-  s.dominant_dtype = static_cast<DType>(std::max_element(by_dtype.begin(), by_dtype.end()) - by_dtype.begin());
+  // Across shards: the dtype holding most elements of all headers read so far.
+  s.dominant_dtype = static_cast<DType>(
+      std::max_element(s.elements_by_dtype.begin(), s.elements_by_dtype.end()) - s.elements_by_dtype.begin());
   return s;
 }
 

@@ -1,5 +1,7 @@
 #include "sim/simulator.h"
 
+#include <cstdio>
+#include <memory>
 #include <string>
 
 #include "common/checked.h"
@@ -36,10 +38,26 @@ Estimate simulate(const graph::Trace& trace, const Recipe& recipe, const Estimat
   const std::uint64_t stride =
       options.timeline ? std::max<std::uint64_t>(1, trace.events.size() / std::max<std::uint64_t>(1, options.timeline_points)) : 0;
 
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> out(nullptr, &std::fclose);
+  if (!options.trace_path.empty()) {
+    out.reset(std::fopen(options.trace_path.c_str(), "w"));
+    if (!out) throw Error("trace: cannot write '" + options.trace_path + "'");
+  }
+
   for (std::size_t i = 0; i < trace.events.size(); ++i) {
     const graph::Event& e = trace.events[i];
     const graph::Storage& s = trace.storages[e.tensor];
     const auto cat = static_cast<std::size_t>(s.category);
+    if (out) {
+      const graph::MomentTag& m = trace.moments[e.moment];
+      Moment mo = to_moment(m);
+      std::fprintf(out.get(),
+                   "{\"i\":%zu,\"event\":\"%s\",\"sid\":%u,\"nbytes\":%llu,\"category\":\"%s\","
+                   "\"phase\":\"%s\",\"step\":%u,\"micro_batch\":%u,\"op\":\"%s\"}\n",
+                   i, e.alloc ? "alloc" : "free", e.tensor, static_cast<unsigned long long>(s.bytes),
+                   std::string(category_name(s.category)).c_str(), std::string(phase_name(m.phase)).c_str(),
+                   m.step, m.micro, mo.op.c_str());
+    }
     if (e.alloc) {
       auto id = alloc.allocate(s.bytes);
       block[e.tensor] = id;
