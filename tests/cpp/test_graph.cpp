@@ -1,0 +1,683 @@
+// Tests for the graph stage (src/graph/step.h): the op graph of one training step, checked
+// against the closed forms of /work/shared/design/MEMORY_MECHANICS.md (§3 mixed precision,
+// §4 optimizers, §5 gradients, §6 activations, §7 the loss head) on small models, and the
+// model-state bytes the Estimate API reports.
+//
+// Units: b = batch, s = seq, h = heads · head_dim (= hidden here), a = heads, kv = KV heads,
+// i = intermediate, V = vocab, d = head_dim, N = parameters. "Raw" bytes are Storage::bytes;
+// "rounded" bytes are what the allocator charges with expandable segments (every request
+// rounded up to a multiple of 512 B, at least 512 B; docs/schema.md "Categories").
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <vector>
+
+#include "graph/step.h"
+#include "trainmem/trainmem.h"
+
+namespace trainmem {
+namespace {
+
+using graph::MomentTag;
+using graph::Trace;
+using nlohmann::json;
+
+constexpr std::size_t kWeights = static_cast<std::size_t>(Category::kWeights);
+constexpr std::size_t kStates = static_cast<std::size_t>(Category::kOptimizerStates);
+constexpr std::size_t kGrads = static_cast<std::size_t>(Category::kGradients);
+constexpr std::size_t kActs = static_cast<std::size_t>(Category::kActivations);
+constexpr std::size_t kTemps = static_cast<std::size_t>(Category::kTemporaries);
+constexpr std::size_t kOther = static_cast<std::size_t>(Category::kOther);
+
+std::uint64_t round512(std::uint64_t bytes) { return std::max<std::uint64_t>(512, (bytes + 511) / 512 * 512); }
+
+// ---- trace replay -------------------------------------------------------------------------
+
+struct Live {
+  Breakdown raw{};
+  Breakdown rounded{};
+  std::uint64_t total_rounded() const {
+    std::uint64_t t = 0;
+    for (auto b : rounded) t += b;
+    return t;
+  }
+};
+
+void apply(const Trace& t, std::size_t i, Live& live) {
+  const graph::Event& e = t.events[i];
+  const graph::Storage& s = t.storages[e.tensor];
+  const auto c = static_cast<std::size_t>(s.category);
+  if (e.alloc) {
+    live.raw[c] += s.bytes;
+    live.rounded[c] += round512(s.bytes);
+  } else {
+    live.raw[c] -= s.bytes;
+    live.rounded[c] -= round512(s.bytes);
+  }
+}
+
+using MomentPred = std::function<bool(const MomentTag&)>;
+
+// Live bytes just before the first event whose moment satisfies `pred`.
+Live live_before_first(const Trace& t, const MomentPred& pred) {
+  Live live;
+  for (std::size_t i = 0; i < t.events.size(); ++i) {
+    if (pred(t.moments[t.events[i].moment])) return live;
+    apply(t, i, live);
+  }
+  ADD_FAILURE() << "no event matches";
+  return live;
+}
+
+// The largest value of `metric` over the states right after each event whose moment satisfies
+// `pred`.
+std::uint64_t max_after(const Trace& t, const MomentPred& pred, const std::function<std::uint64_t(const Live&)>& metric) {
+  Live live;
+  std::uint64_t best = 0;
+  bool any = false;
+  for (std::size_t i = 0; i < t.events.size(); ++i) {
+    apply(t, i, live);
+    if (pred(t.moments[t.events[i].moment])) {
+      best = std::max(best, metric(live));
+      any = true;
+    }
+  }
+  EXPECT_TRUE(any) << "no event matches";
+  return best;
+}
+
+MomentPred first_backward_of(std::uint32_t step) {
+  return [step](const MomentTag& m) { return m.step == step && m.phase == Phase::kBackward; };
+}
+MomentPred in(std::uint32_t step, Phase phase, std::uint32_t micro = 1) {
+  return [=](const MomentTag& m) { return m.step == step && m.micro == micro && m.phase == phase; };
+}
+
+// ---- models -------------------------------------------------------------------------------
+
+// The layer of MEMORY_MECHANICS §6.2's probe: h = 256, a = 8, kv = 2, i = 688 (d = 32).
+Model small_llama(std::uint64_t layers, std::uint64_t vocab = 1000) {
+  json c = {{"model_type", "llama"},        {"hidden_size", 256},       {"intermediate_size", 688},
+            {"num_hidden_layers", layers},  {"num_attention_heads", 8}, {"num_key_value_heads", 2},
+            {"vocab_size", vocab},          {"max_position_embeddings", 2048}};
+  return model_from_config_json(c.dump());
+}
+
+// Dimensions whose byte sizes are not multiples of 512, so rounding shows in the sums.
+Model odd_llama(bool tied = false) {
+  json c = {{"model_type", "llama"},   {"hidden_size", 200},       {"intermediate_size", 530},
+            {"num_hidden_layers", 2},  {"num_attention_heads", 4}, {"num_key_value_heads", 2},
+            {"vocab_size", 1001},      {"tie_word_embeddings", tied}};
+  return model_from_config_json(c.dump());
+}
+
+Recipe cpu_recipe(Precision p, Attention a, std::uint64_t batch = 2, std::uint64_t seq = 64) {
+  Recipe r;
+  r.batch = batch;
+  r.seq = seq;
+  r.precision = p;
+  r.attention = a;
+  r.optimizer = Optimizer::kAdamW;
+  r.gpu = "cpu";
+  r.allocator = AllocatorMode::kExpandable;
+  return r;
+}
+
+Trace trace_of(const Model& m, const Recipe& r) { return graph::build_training_trace(m, r, find_gpu(r.gpu)); }
+
+// Σ over parameter tensors of the rounded size of one tensor of `bytes_per_element`.
+std::uint64_t rounded_params(const Model& m, std::uint64_t bytes_per_element) {
+  std::uint64_t sum = 0;
+  for (const ParameterGroup& g : m.parameters) sum += round512(g.numel * bytes_per_element) * g.count;
+  return sum;
+}
+
+std::uint64_t param_tensors(const Model& m) {
+  std::uint64_t n = 0;
+  for (const ParameterGroup& g : m.parameters) n += g.count;
+  return n;
+}
+
+// AdamW's `step` counters (torch/optim/adam.py _init_group): a 0-dim fp32 tensor per parameter
+// tensor, on the parameter's device for fused (and capturable), otherwise a CPU scalar. A CPU
+// scalar is outside the CUDA allocator but is measured on the cpu device. 512 B each.
+std::uint64_t adamw_step_counters(const Model& m, const Recipe& r) {
+  const bool on_measured_device = r.optimizer == Optimizer::kAdamWFused || r.gpu == "cpu";
+  return on_measured_device ? 512 * param_tensors(m) : 0;
+}
+
+// The rotary inv_freq and original_inv_freq buffers: fp32, d/2 elements each.
+std::uint64_t rope_buffers_rounded(const Model& m) { return 2 * round512(m.arch.head_dim / 2 * 4); }
+
+// ---- §6: saved activations per decoder layer ----------------------------------------------
+
+struct Dims {
+  std::uint64_t b, s, h, a, kv, i, d, V;
+  std::uint64_t bsh() const { return b * s * h; }
+  std::uint64_t bsi() const { return b * s * i; }
+  std::uint64_t bas2() const { return b * a * s * s; }
+  std::uint64_t bas() const { return b * a * s; }
+  std::uint64_t bs() const { return b * s; }
+  std::uint64_t bsV() const { return b * s * V; }
+  std::uint64_t bsh_kv() const { return b * s * h * kv / a; }  // bsh · kv/a
+};
+
+constexpr Dims kProbe{2, 64, 256, 8, 2, 688, 32, 1000};  // MEMORY_MECHANICS §6.2's probe shapes
+
+// Activations live at the end of the forward of step 2 (just before its first backward event):
+// every layer's saved tensors plus those outside the layers.
+Live end_of_forward(std::uint64_t layers, Precision p, Attention a, Checkpointing c = Checkpointing::kNone) {
+  Recipe r = cpu_recipe(p, a);
+  r.checkpointing = c;
+  return live_before_first(trace_of(small_llama(layers), r), first_backward_of(2));
+}
+
+void expect_one_layer_saves(Precision p, Attention a, std::uint64_t expected) {
+  const Live two = end_of_forward(2, p, a);
+  const Live three = end_of_forward(3, p, a);
+  EXPECT_EQ(three.raw[kActs] - two.raw[kActs], expected);
+}
+
+// §6.2, pure bf16 model, eager attention: A_layer = 24·bsh + 8·bsi + 6·bas² + 8·bs
+// (1,885,184 B for the probe's shapes, the probe's own total).
+TEST(GraphActivations, EagerBf16PerLayer) {
+  const Dims x = kProbe;
+  const std::uint64_t want = 24 * x.bsh() + 8 * x.bsi() + 6 * x.bas2() + 8 * x.bs();
+  EXPECT_EQ(want, 1885184u);
+  expect_one_layer_saves(Precision::kBf16True, Attention::kEager, want);
+}
+
+// SDPA per layer. The flash and memory-efficient kernels (CUDA, and ATen's CPU flash kernel)
+// write their output as [b, s, heads, d] and return it transposed to [b, heads, s, d], so HF's
+// attn_output.transpose(1, 2).contiguous() is a no-op and o_proj saves the very storage SDPA
+// saves as its output. MEMORY_MECHANICS §6.2 counts the two separately (22·bsh + ...); with one
+// shared tensor, and native GQA:
+//   A_layer(sdpa, bf16)     = 20·bsh + 4·bsh·(kv/a) + 8·bsi + 4·bas + 8·bs
+//   A_layer(sdpa, autocast) = 30·bsh + 4·bsh·(kv/a) + 8·bsi + 4·bas + 8·bs
+std::uint64_t sdpa_bf16_layer(const Dims& x) {
+  return 20 * x.bsh() + 4 * x.bsh_kv() + 8 * x.bsi() + 4 * x.bas() + 8 * x.bs();
+}
+std::uint64_t sdpa_autocast_layer(const Dims& x) {
+  return 30 * x.bsh() + 4 * x.bsh_kv() + 8 * x.bsi() + 4 * x.bas() + 8 * x.bs();
+}
+
+TEST(GraphActivations, SdpaBf16PerLayer) {
+  const Dims x = kProbe;
+  expect_one_layer_saves(Precision::kBf16True, Attention::kSdpa,
+                         sdpa_bf16_layer(x));
+}
+
+// §6.3, autocast over fp32 weights, eager: 34·bsh + 8·bsi + 6·bas² + 8·bs (2,212,864 B for the
+// probe's shapes, the probe's autocast total).
+TEST(GraphActivations, EagerAutocastPerLayer) {
+  const Dims x = kProbe;
+  const std::uint64_t want = 34 * x.bsh() + 8 * x.bsi() + 6 * x.bas2() + 8 * x.bs();
+  EXPECT_EQ(want, 2212864u);
+  expect_one_layer_saves(Precision::kBf16Mixed, Attention::kEager, want);
+}
+
+// §6.3, autocast, SDPA, with the shared output of sdpa_bf16_layer's note (§6.3 says 32·bsh).
+TEST(GraphActivations, SdpaAutocastPerLayer) {
+  const Dims x = kProbe;
+  expect_one_layer_saves(Precision::kBf16Mixed, Attention::kSdpa,
+                         sdpa_autocast_layer(x));
+}
+
+// Not in MEMORY_MECHANICS; the §6.2 save rules with every tensor fp32. x.to(fp32) in the norm is
+// a no-op (x itself is saved) and so is softmax's .to(query.dtype), so the PV matmul saves the
+// softmax output the softmax already saves: 40·bsh + 16·bsi + 4·bas² + 8·bs.
+TEST(GraphActivations, EagerFp32PerLayer) {
+  const Dims x = kProbe;
+  expect_one_layer_saves(Precision::kFp32, Attention::kEager,
+                         40 * x.bsh() + 16 * x.bsi() + 4 * x.bas2() + 8 * x.bs());
+}
+
+// fp16 autocast saves exactly what bf16 autocast saves (same element sizes). GradScaler adds
+// its scalars to "other" (docs/schema.md): the scale and the growth tracker, made on first use
+// and kept, and the scaled loss (4 B each) in place of the plain scaled loss.
+TEST(GraphActivations, Fp16MixedSavesWhatBf16MixedSaves) {
+  const Live bf = end_of_forward(2, Precision::kBf16Mixed, Attention::kSdpa);
+  const Live fp = end_of_forward(2, Precision::kFp16Mixed, Attention::kSdpa);
+  EXPECT_EQ(fp.raw[kActs], bf.raw[kActs]);
+  EXPECT_EQ(fp.raw[kWeights], bf.raw[kWeights]);
+  EXPECT_EQ(fp.raw[kStates], bf.raw[kStates]);
+  EXPECT_EQ(fp.raw[kGrads], 0u);
+  EXPECT_EQ(bf.raw[kTemps], 4u);
+  EXPECT_EQ(fp.raw[kTemps], 0u);
+  EXPECT_EQ(fp.raw[kOther], bf.raw[kOther] + 3 * 4);
+}
+
+// Everything live at the end of the forward, bf16 model, eager: L·A_layer plus §6.4's terms
+// outside the layers: final RMSNorm 6·bsh + 4·bs, lm_head input 2·bsh, the log_softmax output
+// 4·bsV (§7), nll_loss's target (int64, 8·bs) and total_weight (4 B), and cos/sin, shared by
+// all layers: [1, s, d] each (position_ids = cache_position.unsqueeze(0)), bf16.
+TEST(GraphActivations, Bf16EndOfForwardInFull) {
+  const Dims x = kProbe;
+  const Live live = end_of_forward(2, Precision::kBf16True, Attention::kEager);
+  const std::uint64_t layer = 24 * x.bsh() + 8 * x.bsi() + 6 * x.bas2() + 8 * x.bs();
+  const std::uint64_t outside = 8 * x.bsh() + 4 * x.bs() + 2 * (x.s * x.d * 2) + 4 * x.bsV() + 8 * x.bs() + 4;
+  EXPECT_EQ(live.raw[kActs], 2 * layer + outside);
+  // Weights: the bf16 parameters and the two fp32 rotary buffers; nothing cast.
+  const Model m = small_llama(2);
+  EXPECT_EQ(live.raw[kWeights], 2 * m.parameter_count + 2 * (x.d / 2 * 4));
+  // AdamW's two zeros_like(param), bf16, and on the cpu device the 4-byte `step` counters.
+  EXPECT_EQ(live.raw[kStates], 4 * m.parameter_count + 4 * param_tensors(m));
+  EXPECT_EQ(live.raw[kGrads], 0u);                      // zero_grad(set_to_none=True) after step 1
+  EXPECT_EQ(live.raw[kOther], 2 * 8 * x.bs());          // input_ids and labels
+  EXPECT_EQ(live.raw[kTemps], 4u);                      // only the scaled loss
+}
+
+// The same under autocast: the fp32 residual makes each norm 8·bsh + 4·bs; the lm_head saves
+// its bf16 cast of the final norm's output; cos/sin are fp32. Weights: fp32 parameters plus the
+// bf16 casts of every matmul weight (all of them are still saved at the end of the forward, §3.1).
+TEST(GraphActivations, AutocastEndOfForwardInFull) {
+  const Dims x = kProbe;
+  const Live live = end_of_forward(2, Precision::kBf16Mixed, Attention::kSdpa);
+  const std::uint64_t layer = sdpa_autocast_layer(x);
+  const std::uint64_t outside = 8 * x.bsh() + 4 * x.bs() + 2 * x.bsh() + 2 * (x.s * x.d * 4) + 4 * x.bsV() + 8 * x.bs() + 4;
+  EXPECT_EQ(live.raw[kActs], 2 * layer + outside);
+  const Model m = small_llama(2);
+  std::uint64_t matmul = 0;
+  for (const ParameterGroup& g : m.parameters) matmul += g.matmul_weight ? g.numel * g.count : 0;
+  EXPECT_EQ(matmul, 2u * (2 * 65536 + 2 * 16384 + 3 * 176128) + 256000);  // q, k, v, o, mlp; lm_head
+  EXPECT_EQ(live.raw[kWeights], 4 * m.parameter_count + 2 * matmul + 2 * (x.d / 2 * 4));
+  EXPECT_EQ(live.raw[kStates], 8 * m.parameter_count + 4 * param_tensors(m));
+  EXPECT_EQ(live.raw[kGrads], 0u);
+  EXPECT_EQ(live.raw[kTemps], 4u);
+}
+
+// ---- §6.5: gradient checkpointing ---------------------------------------------------------
+
+// With every layer checkpointed, the forward keeps only each layer's input (2·bsh in bf16)
+// and the shared arguments the checkpoint holds for the recompute (cos/sin; the eager mask),
+// plus the terms outside the layers.
+TEST(GraphCheckpointing, ForwardKeepsOnlyLayerInputs) {
+  const Dims x = kProbe;
+  const std::uint64_t outside = 8 * x.bsh() + 4 * x.bs() + 4 * x.bsV() + 8 * x.bs() + 4;
+  const std::uint64_t rope = 2 * (x.s * x.d * 2);
+  for (std::uint64_t L : {2u, 3u}) {
+    SCOPED_TRACE(L);
+    const Live live = end_of_forward(L, Precision::kBf16True, Attention::kSdpa, Checkpointing::kFull);
+    EXPECT_EQ(live.raw[kActs], L * 2 * x.bsh() + rope + outside);
+  }
+  // Eager attention: the [b, 1, s, s] bf16 causal mask is an argument of every layer too.
+  const Live eager = end_of_forward(2, Precision::kBf16True, Attention::kEager, Checkpointing::kFull);
+  EXPECT_EQ(eager.raw[kActs], 2 * 2 * x.bsh() + rope + x.b * x.s * x.s * 2 + outside);
+}
+
+// In backward one layer is recomputed at a time, so at most one full A_layer exists on top of
+// the saved layer inputs (§6.5); the most is reached when the last layer has been recomputed.
+TEST(GraphCheckpointing, BackwardHoldsOneRecomputedLayer) {
+  const Dims x = kProbe;
+  const std::uint64_t layer = sdpa_bf16_layer(x);
+  for (std::uint64_t L : {2u, 3u}) {
+    SCOPED_TRACE(L);
+    Recipe r = cpu_recipe(Precision::kBf16True, Attention::kSdpa);
+    r.checkpointing = Checkpointing::kFull;
+    const Trace t = trace_of(small_llama(L), r);
+    const std::uint64_t most = max_after(t, in(2, Phase::kBackward), [](const Live& l) { return l.raw[kActs]; });
+    EXPECT_EQ(most, L * 2 * x.bsh() + 2 * (x.s * x.d * 2) + layer);
+  }
+}
+
+// When activations decide the peak, checkpointing lowers it and moves it out of the forward.
+TEST(GraphCheckpointing, ReducesAnActivationPeak) {
+  const Model m = small_llama(3);
+  Recipe r = cpu_recipe(Precision::kBf16True, Attention::kEager, 2, 256);
+  const Estimate plain = estimate(m, r);
+  EXPECT_NE(plain.peak.phase, Phase::kOptimizer);
+  r.checkpointing = Checkpointing::kFull;
+  const Estimate ckpt = estimate(m, r);
+  EXPECT_LT(ckpt.peak_allocated_bytes, plain.peak_allocated_bytes);
+}
+
+// ---- §3, §4: model states through the Estimate API ----------------------------------------
+
+// With a tiny batch the step peak is the foreach AdamW update: weights, states, gradients and
+// _foreach_sqrt(exp_avg_sqs), one temporary per parameter (§4.1, P_step = W + O + G + 4N).
+struct StateBytes {
+  std::uint64_t weights, states, grads, temps;
+};
+
+void expect_optimizer_peak(const Model& m, Precision p, const StateBytes& want) {
+  const Recipe r = cpu_recipe(p, Attention::kSdpa, 1, 8);
+  const Estimate e = estimate(m, r);
+  EXPECT_EQ(e.peak.phase, Phase::kOptimizer);
+  EXPECT_EQ(e.peak.op, "optimizer.foreach_sqrt");
+  const Breakdown& got = e.breakdown_at_peak;
+  EXPECT_EQ(got[kWeights], want.weights + rope_buffers_rounded(m));
+  EXPECT_EQ(got[kStates], want.states + adamw_step_counters(m, r));
+  EXPECT_EQ(got[kGrads], want.grads);
+  EXPECT_EQ(got[kTemps], want.temps);
+  EXPECT_EQ(got[kActs], 0u);
+  EXPECT_EQ(got[kOther], 2 * round512(8 * r.batch * r.seq));  // input_ids, labels
+  std::uint64_t sum = 0;
+  for (auto b : got) sum += b;
+  EXPECT_EQ(sum, e.peak_allocated_bytes);
+  // With expandable segments nothing is charged beyond the rounded sizes.
+  EXPECT_EQ(e.peak_allocated_bytes, want.weights + rope_buffers_rounded(m) + want.states +
+                                        adamw_step_counters(m, r) + want.grads + want.temps + got[kOther]);
+}
+
+// fp32 + AdamW: weights 4N, states 8N, gradients 4N (+ the 4N foreach temporary).
+TEST(GraphModelStates, Fp32AdamW) {
+  const Model m = odd_llama();
+  const std::uint64_t w4 = rounded_params(m, 4);
+  expect_optimizer_peak(m, Precision::kFp32, {w4, 2 * w4, w4, w4});
+}
+
+// bf16-master: bf16 weights plus an fp32 master copy (6N), fp32 gradients for the master copy,
+// fp32 states (§3.3).
+TEST(GraphModelStates, Bf16MasterKeepsSixBytesOfWeights) {
+  const Model m = odd_llama();
+  const std::uint64_t w2 = rounded_params(m, 2), w4 = rounded_params(m, 4);
+  expect_optimizer_peak(m, Precision::kBf16Master, {w2 + w4, 2 * w4, w4, w4});
+}
+
+// bf16-true: everything bf16, AdamW's zeros_like states included (4N of states, §3.2).
+TEST(GraphModelStates, Bf16TrueStatesAreHalf) {
+  const Model m = odd_llama();
+  const std::uint64_t w2 = rounded_params(m, 2);
+  expect_optimizer_peak(m, Precision::kBf16True, {w2, 2 * w2, w2, w2});
+}
+
+// bf16-mixed: fp32 parameters, so 4N + 8N + 4N as fp32; the bf16 casts are gone by the step.
+TEST(GraphModelStates, Bf16MixedIsFp32ModelStates) {
+  const Model m = odd_llama();
+  const std::uint64_t w4 = rounded_params(m, 4);
+  expect_optimizer_peak(m, Precision::kBf16Mixed, {w4, 2 * w4, w4, w4});
+}
+
+// A tied lm_head is one parameter: one weight, one gradient, one pair of states.
+TEST(GraphModelStates, TiedEmbeddingCountsOnce) {
+  const Model m = odd_llama(true);
+  EXPECT_EQ(m.parameter_count, odd_llama(false).parameter_count - 1001u * 200);
+  const std::uint64_t w4 = rounded_params(m, 4);
+  expect_optimizer_peak(m, Precision::kFp32, {w4, 2 * w4, w4, w4});
+}
+
+// Optimizer states live at the start of step 2 (all created by step 1, none freed).
+std::uint64_t states_at_step2(const Model& m, Precision p, Optimizer o) {
+  Recipe r = cpu_recipe(p, Attention::kSdpa, 1, 8);
+  r.optimizer = o;
+  return live_before_first(trace_of(m, r), in(2, Phase::kForward)).rounded[kStates];
+}
+
+// bitsandbytes AdamW8bit (§4.2): tensors of at least 4096 elements keep two uint8 states and
+// two fp32 absmax vectors of ceil(n/256) blocks; smaller ones keep two fp32 states. The
+// optimizer also moves its two 256-entry fp32 quantization maps to the device once.
+TEST(GraphModelStates, AdamW8bitLayout) {
+  const Model m = odd_llama();
+  std::uint64_t want = 2 * round512(256 * 4);
+  for (const ParameterGroup& g : m.parameters) {
+    const std::uint64_t n = g.numel;
+    const std::uint64_t per = n < 4096 ? 2 * round512(4 * n) : 2 * round512(n) + 2 * round512((n + 255) / 256 * 4);
+    want += per * g.count;
+  }
+  EXPECT_EQ(states_at_step2(m, Precision::kBf16True, Optimizer::kAdamW8bit), want);
+  EXPECT_EQ(states_at_step2(m, Precision::kFp32, Optimizer::kAdamW8bit), want);  // independent of the dtype
+}
+
+// Fused AdamW keeps its `step` counters on the device: one 0-dim fp32 tensor (512 B) per
+// parameter tensor (§4.1); foreach AdamW keeps them on the CPU, outside a GPU's allocator.
+TEST(GraphModelStates, FusedAdamWKeepsStepOnDevice) {
+  const Model m = odd_llama();
+  EXPECT_EQ(param_tensors(m), 21u);  // embed, 2 × 9 layer tensors, norm, lm_head
+  for (const char* gpu : {"cpu", "h100-80gb"}) {
+    SCOPED_TRACE(gpu);
+    for (Optimizer o : {Optimizer::kAdamWFused, Optimizer::kAdamW}) {
+      Recipe r = cpu_recipe(Precision::kFp32, Attention::kSdpa, 1, 8);
+      r.optimizer = o;
+      r.gpu = gpu;
+      const std::uint64_t states = live_before_first(trace_of(m, r), in(2, Phase::kForward)).rounded[kStates];
+      EXPECT_EQ(states, 2 * rounded_params(m, 4) + adamw_step_counters(m, r)) << to_string(o);
+    }
+  }
+  Recipe fused_on_gpu = cpu_recipe(Precision::kFp32, Attention::kSdpa, 1, 8);
+  fused_on_gpu.optimizer = Optimizer::kAdamWFused;
+  fused_on_gpu.gpu = "h100-80gb";
+  EXPECT_EQ(adamw_step_counters(m, fused_on_gpu), 21u * 512);
+}
+
+// SGD with momentum: one momentum buffer of the parameter's dtype (§4.2).
+TEST(GraphModelStates, SgdMomentumBuffer) {
+  const Model m = odd_llama();
+  EXPECT_EQ(states_at_step2(m, Precision::kBf16True, Optimizer::kSgd), rounded_params(m, 2));
+  EXPECT_EQ(states_at_step2(m, Precision::kFp32, Optimizer::kSgd), rounded_params(m, 4));
+}
+
+// Fused AdamW has no list-sized temporaries (§4.1): its step peak is W + G + O.
+TEST(GraphModelStates, FusedAdamWHasNoStepTemporaries) {
+  const Model m = odd_llama();
+  Recipe r = cpu_recipe(Precision::kFp32, Attention::kSdpa, 1, 8);
+  r.optimizer = Optimizer::kAdamWFused;
+  const Trace t = trace_of(m, r);
+  const std::uint64_t most = max_after(t, in(2, Phase::kOptimizer), [](const Live& l) { return l.rounded[kTemps]; });
+  EXPECT_EQ(most, 0u);
+}
+
+// §4.1: state is created lazily in the first step(), so step 1's forward has no optimizer
+// states; step 2's forward peak is higher by exactly the states.
+TEST(GraphModelStates, StepOneForwardHasNoStates) {
+  const Model m = small_llama(2);
+  const Trace t = trace_of(m, cpu_recipe(Precision::kFp32, Attention::kSdpa));
+  auto total = [](const Live& l) { return l.total_rounded(); };
+  const std::uint64_t fwd1 = max_after(t, in(1, Phase::kForward), total);
+  const std::uint64_t fwd2 = max_after(t, in(2, Phase::kForward), total);
+  const std::uint64_t states = 2 * rounded_params(m, 4) + adamw_step_counters(m, cpu_recipe(Precision::kFp32, Attention::kSdpa));
+  EXPECT_EQ(max_after(t, in(1, Phase::kForward), [](const Live& l) { return l.rounded[kStates]; }), 0u);
+  EXPECT_EQ(fwd2 - fwd1, states);
+  EXPECT_LT(fwd1, fwd2);
+}
+
+// ---- §5.2: gradient accumulation ----------------------------------------------------------
+
+// .grad persists through micro-batch 2's forward (and is None again after the optimizer step).
+TEST(GraphGradAccum, GradientsPersistThroughTheNextMicroBatch) {
+  const Model m = small_llama(2);
+  Recipe r = cpu_recipe(Precision::kBf16True, Attention::kSdpa);
+  r.grad_accum = 2;
+  const Trace t = trace_of(m, r);
+  const std::uint64_t g = rounded_params(m, 2);
+  for (std::uint32_t step : {1u, 2u}) {
+    SCOPED_TRACE(step);
+    EXPECT_EQ(live_before_first(t, in(step, Phase::kForward, 1)).rounded[kGrads], 0u);
+    EXPECT_EQ(live_before_first(t, in(step, Phase::kForward, 2)).rounded[kGrads], g);
+    EXPECT_EQ(max_after(t, in(step, Phase::kForward, 2), [](const Live& l) { return l.rounded[kGrads]; }), g);
+  }
+  auto total = [](const Live& l) { return l.total_rounded(); };
+  EXPECT_EQ(max_after(t, in(2, Phase::kForward, 2), total) - max_after(t, in(2, Phase::kForward, 1), total), g);
+}
+
+// ---- §7: the loss head ---------------------------------------------------------------------
+
+// A large vocabulary with small layers (two of them), so the loss head is the peak. Every byte size here is a
+// multiple of 512 except the 4-byte scalars, so rounded sizes are the raw ones.
+constexpr Dims kWide{1, 128, 64, 4, 2, 172, 16, 32000};
+
+Model wide_vocab_llama() {
+  json c = {{"model_type", "llama"},       {"hidden_size", 64},        {"intermediate_size", 172},
+            {"num_hidden_layers", 2},      {"num_attention_heads", 4}, {"num_key_value_heads", 2},
+            {"vocab_size", 32000}};
+  return model_from_config_json(c.dump());
+}
+
+// §7 timeline, current ForCausalLMLoss: at the log_softmax backward the fp32 log-probs (saved,
+// 4·bsV), the nll_loss gradient w.r.t. them (4·bsV) and log_softmax's gradient input (4·bsV)
+// coexist: 12·bsV. That is the step's peak.
+TEST(GraphLossHead, SpikeAtLogSoftmaxBackward) {
+  const Dims x = kWide;
+  const Model m = wide_vocab_llama();
+  const Recipe r = cpu_recipe(Precision::kBf16True, Attention::kSdpa, x.b, x.s);
+  const Estimate e = estimate(m, r);
+  EXPECT_EQ(e.peak.step, 2u);
+  EXPECT_EQ(e.peak.phase, Phase::kBackward);
+  EXPECT_EQ(e.peak.op, "loss");
+  const std::uint64_t layer = sdpa_bf16_layer(x);
+  // Saved: the layer, the final norm (6·bsh + 4·bs), the lm_head input (2·bsh), cos/sin, and the
+  // log-probs; nll_loss's target and total_weight went with its node.
+  const std::uint64_t acts = 2 * layer + 8 * x.bsh() + 4 * x.bs() + 2 * (x.s * x.d * 2) + 4 * x.bsV();
+  const std::uint64_t temps = 2 * 4 * x.bsV() + 512;  // + the scaled loss, 4 B → 512 B
+  const Breakdown& got = e.breakdown_at_peak;
+  EXPECT_EQ(got[kActs], acts);
+  EXPECT_EQ(got[kTemps], temps);
+  EXPECT_EQ(got[kGrads], 0u);  // the lm_head has not run yet
+  EXPECT_EQ(got[kWeights], rounded_params(m, 2) + rope_buffers_rounded(m));
+  EXPECT_EQ(got[kStates], 2 * rounded_params(m, 2) + adamw_step_counters(m, r));
+  EXPECT_EQ(got[kOther], 2 * 8 * x.bs());
+  EXPECT_EQ(e.peak_allocated_bytes, acts + temps + got[kWeights] + got[kStates] + got[kOther]);
+  // The loss head's own share: 12·bsV.
+  EXPECT_EQ(got[kActs] + got[kTemps] - 512 - (2 * layer + 8 * x.bsh() + 4 * x.bs() + 2 * (x.s * x.d * 2)),
+            12 * x.bsV());
+}
+
+// §7: 10·bsV at the end of the forward: bf16 logits (2), the fp32 upcast (4) and the
+// log_softmax output (4) while the loss is computed.
+TEST(GraphLossHead, TenBsvInsideTheLoss) {
+  const Dims x = kWide;
+  const Model m = wide_vocab_llama();
+  const Trace t = trace_of(m, cpu_recipe(Precision::kBf16True, Attention::kSdpa, x.b, x.s));
+  const Live before = live_before_first(t, in(2, Phase::kLoss));
+  const std::uint64_t most = max_after(t, in(2, Phase::kLoss), [](const Live& l) { return l.raw[kActs] + l.raw[kTemps]; });
+  // Entering the loss: the bf16 logits (2·bsV) are the only loss-head tensor.
+  EXPECT_EQ(before.raw[kTemps], 2 * x.bsV());
+  // Most inside: logits 2 + upcast 4 + log-probs 4, with the shifted labels (8·bs).
+  EXPECT_EQ(most - (before.raw[kActs] + before.raw[kTemps]), 8 * x.bsV() + 8 * x.bs());
+}
+
+// ---- buffers -------------------------------------------------------------------------------
+
+// After setup the weights are the parameters plus the non-persistent buffers that
+// tools/param_counts.py found on the real modules (rotary inv_freq/original_inv_freq, fp32 in
+// both loads; Gemma-2's embed_scale in the load dtype).
+TEST(GraphSetup, WeightsAreParametersPlusBuffers) {
+  std::ifstream file(std::string(TRAINMEM_DATA_DIR) + "/models/param_counts.json");
+  const json doc = json::parse(file);
+  for (const auto& ref : doc.at("models")) {
+    const std::string name = ref.at("name").get<std::string>();
+    SCOPED_TRACE(name);
+    const Model m = load_model(name);
+    for (const auto& [precision, bytes, key] :
+         {std::tuple{Precision::kFp32, 4u, "float32_load"}, std::tuple{Precision::kBf16True, 2u, "bfloat16_load"}}) {
+      Recipe r = cpu_recipe(precision, Attention::kSdpa, 1, 1);
+      r.steps = 1;
+      const Live setup = live_before_first(trace_of(m, r), [](const MomentTag& t) { return t.phase != Phase::kSetup; });
+      EXPECT_EQ(setup.raw[kWeights], bytes * m.parameter_count + ref.at("buffer_bytes").at(key).get<std::uint64_t>())
+          << key;
+    }
+  }
+}
+
+// ---- whole estimates -----------------------------------------------------------------------
+
+TEST(GraphEstimate, BreakdownSumsToThePeak) {
+  const Model m = small_llama(2);
+  for (Precision p : {Precision::kFp32, Precision::kBf16Mixed, Precision::kBf16Master, Precision::kBf16True}) {
+    for (Attention a : {Attention::kEager, Attention::kSdpa}) {
+      for (AllocatorMode mode : {AllocatorMode::kDefault, AllocatorMode::kExpandable}) {
+        Recipe r = cpu_recipe(p, a);
+        r.allocator = mode;
+        r.gpu = "h100-80gb";
+        const Estimate e = estimate(m, r);
+        std::uint64_t sum = 0;
+        for (auto b : e.breakdown_at_peak) sum += b;
+        SCOPED_TRACE(std::string(to_string(p)) + " " + std::string(to_string(a)) + " " + std::string(to_string(mode)));
+        EXPECT_EQ(sum, e.peak_allocated_bytes);
+        EXPECT_GE(e.peak_reserved_bytes, e.peak_allocated_bytes);
+        ASSERT_EQ(e.steps.size(), 2u);
+        EXPECT_EQ(std::max(e.steps[0].peak_allocated_bytes, e.steps[1].peak_allocated_bytes), e.peak_allocated_bytes);
+        EXPECT_EQ(e.steps[e.peak.step - 1].peak_allocated_bytes, e.peak_allocated_bytes);
+      }
+    }
+  }
+}
+
+// With expandable segments on the cpu device the peak is the largest sum of rounded live sizes.
+TEST(GraphEstimate, ExpandablePeakIsTheLargestRoundedSum) {
+  const Model m = small_llama(2);
+  const Recipe r = cpu_recipe(Precision::kBf16Mixed, Attention::kEager);
+  const Estimate e = estimate(m, r);
+  const Trace t = trace_of(m, r);
+  const std::uint64_t most = max_after(t, [](const MomentTag&) { return true; }, [](const Live& l) { return l.total_rounded(); });
+  EXPECT_EQ(e.peak_allocated_bytes, most);
+  EXPECT_EQ(e.events, t.events.size());
+}
+
+TEST(GraphEstimate, Deterministic) {
+  const Model m = load_model("qwen3-0.6b");
+  Recipe r;
+  r.seq = 256;
+  EstimateOptions opt;
+  opt.timeline = true;
+  opt.timeline_points = 50;
+  const Estimate a = estimate(m, r, opt);
+  const Estimate b = estimate(m, r, opt);
+  EXPECT_EQ(a.peak_allocated_bytes, b.peak_allocated_bytes);
+  EXPECT_EQ(a.peak_reserved_bytes, b.peak_reserved_bytes);
+  EXPECT_EQ(a.breakdown_at_peak, b.breakdown_at_peak);
+  EXPECT_EQ(a.peak.op, b.peak.op);
+  EXPECT_EQ(a.peak.step, b.peak.step);
+  EXPECT_EQ(a.events, b.events);
+  ASSERT_EQ(a.timeline.size(), b.timeline.size());
+  for (std::size_t k = 0; k < a.timeline.size(); ++k) {
+    EXPECT_EQ(a.timeline[k].allocated_bytes, b.timeline[k].allocated_bytes);
+    EXPECT_EQ(a.timeline[k].reserved_bytes, b.timeline[k].reserved_bytes);
+  }
+  const Trace t1 = trace_of(m, r), t2 = trace_of(m, r);
+  ASSERT_EQ(t1.events.size(), t2.events.size());
+  for (std::size_t k = 0; k < t1.events.size(); ++k) {
+    ASSERT_EQ(t1.events[k].tensor, t2.events[k].tensor);
+    ASSERT_EQ(t1.events[k].alloc, t2.events[k].alloc);
+  }
+}
+
+// A one-layer model: its layer tensors have count 1 like the global ones.
+TEST(GraphTrace, OneLayerModel) {
+  json c = {{"model_type", "llama"},      {"hidden_size", 256},       {"intermediate_size", 688},
+            {"num_hidden_layers", 1},     {"num_attention_heads", 8}, {"num_key_value_heads", 2},
+            {"vocab_size", 1000}};
+  const Model one = model_from_config_json(c.dump());
+  const Dims x = kProbe;
+  const Live live = live_before_first(trace_of(one, cpu_recipe(Precision::kBf16True, Attention::kEager)),
+                                      first_backward_of(2));
+  const std::uint64_t layer = 24 * x.bsh() + 8 * x.bsi() + 6 * x.bas2() + 8 * x.bs();
+  const std::uint64_t outside = 8 * x.bsh() + 4 * x.bs() + 2 * (x.s * x.d * 2) + 4 * x.bsV() + 8 * x.bs() + 4;
+  EXPECT_EQ(live.raw[kActs], layer + outside);
+}
+
+// Every storage is allocated once and freed at most once, never before it is allocated.
+TEST(GraphTrace, EveryStorageHasOneLifetime) {
+  const Model m = small_llama(2);
+  for (Checkpointing c : {Checkpointing::kNone, Checkpointing::kFull}) {
+    for (Precision p : {Precision::kFp32, Precision::kBf16Mixed, Precision::kBf16Master, Precision::kBf16True}) {
+      for (Attention a : {Attention::kEager, Attention::kSdpa}) {
+        Recipe r = cpu_recipe(p, a);
+        r.checkpointing = c;
+        r.grad_accum = 2;
+        const Trace t = trace_of(m, r);
+        std::vector<int> allocs(t.storages.size()), frees(t.storages.size());
+        int bad = 0;
+        for (const auto& e : t.events) {
+          if (e.alloc) bad += (allocs[e.tensor]++ != 0 || frees[e.tensor] != 0);
+          else bad += (allocs[e.tensor] != 1 || frees[e.tensor]++ != 0);
+        }
+        EXPECT_EQ(bad, 0) << to_string(p) << " " << to_string(a) << " " << to_string(c);
+        // Only the parameters, buffers, optimizer states and the batch outlive the run.
+        Live end;
+        for (std::size_t i = 0; i < t.events.size(); ++i) apply(t, i, end);
+        EXPECT_EQ(end.raw[kGrads] + end.raw[kActs] + end.raw[kTemps], 0u) << to_string(p) << " " << to_string(a);
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace trainmem

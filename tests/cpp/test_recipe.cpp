@@ -1,0 +1,271 @@
+// Tests for the recipe knobs of include/trainmem/trainmem.h (src/recipe/recipe.cpp): the
+// spellings shared by the CLI, the Python API and the JSON output (docs/schema.md, "Recipe
+// knobs"), their exact error messages, and the ranges Recipe::validate accepts.
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <typeinfo>
+#include <utility>
+#include <vector>
+
+#include "trainmem/trainmem.h"
+
+namespace trainmem {
+namespace {
+
+// Runs fn, expects it to throw exactly trainmem::Error, and returns what() ("" if it did not).
+template <typename Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    std::forward<Fn>(fn)();
+  } catch (const Error& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "expected trainmem::Error, got " << typeid(e).name() << ": " << e.what();
+    return "";
+  }
+  ADD_FAILURE() << "expected an exception";
+  return "";
+}
+
+// ---- spellings ----------------------------------------------------------------------------
+
+// Every value of an enum, with the spelling docs/schema.md gives it.
+template <typename E>
+using Table = std::vector<std::pair<E, std::string_view>>;
+
+const Table<Precision> kPrecisions = {{Precision::kFp32, "fp32"},
+                                      {Precision::kBf16Mixed, "bf16-mixed"},
+                                      {Precision::kFp16Mixed, "fp16-mixed"},
+                                      {Precision::kBf16Master, "bf16-master"},
+                                      {Precision::kBf16True, "bf16-true"},
+                                      {Precision::kFp16True, "fp16-true"}};
+const Table<Optimizer> kOptimizers = {{Optimizer::kAdamW, "adamw"},
+                                      {Optimizer::kAdamWFused, "adamw-fused"},
+                                      {Optimizer::kAdamW8bit, "adamw-8bit"},
+                                      {Optimizer::kSgd, "sgd"},
+                                      {Optimizer::kAdafactor, "adafactor"}};
+const Table<Checkpointing> kCheckpointing = {{Checkpointing::kNone, "none"},
+                                             {Checkpointing::kFull, "full"}};
+const Table<Attention> kAttention = {
+    {Attention::kEager, "eager"}, {Attention::kSdpa, "sdpa"}, {Attention::kFlash, "flash"}};
+const Table<Loss> kLoss = {{Loss::kStandard, "standard"}, {Loss::kFused, "fused"}};
+const Table<AllocatorMode> kAllocator = {{AllocatorMode::kDefault, "default"},
+                                         {AllocatorMode::kExpandable, "expandable"}};
+
+template <typename E, typename Parse>
+void expect_round_trips(const Table<E>& table, Parse parse) {
+  for (const auto& [value, spelling] : table) {
+    EXPECT_EQ(to_string(value), spelling);
+    EXPECT_EQ(parse(spelling), value) << spelling;
+    EXPECT_EQ(to_string(parse(to_string(value))), spelling);
+  }
+}
+
+TEST(RecipeSpellings, PrecisionRoundTrips) { expect_round_trips(kPrecisions, parse_precision); }
+TEST(RecipeSpellings, OptimizerRoundTrips) { expect_round_trips(kOptimizers, parse_optimizer); }
+TEST(RecipeSpellings, CheckpointingRoundTrips) {
+  expect_round_trips(kCheckpointing, parse_checkpointing);
+}
+TEST(RecipeSpellings, AttentionRoundTrips) { expect_round_trips(kAttention, parse_attention); }
+TEST(RecipeSpellings, LossRoundTrips) { expect_round_trips(kLoss, parse_loss); }
+TEST(RecipeSpellings, AllocatorRoundTrips) { expect_round_trips(kAllocator, parse_allocator); }
+
+// The tables above cover every enumerator: the enums are dense from 0.
+TEST(RecipeSpellings, TablesCoverEveryValue) {
+  EXPECT_EQ(kPrecisions.size(), static_cast<std::size_t>(Precision::kFp16True) + 1);
+  EXPECT_EQ(kOptimizers.size(), static_cast<std::size_t>(Optimizer::kAdafactor) + 1);
+  EXPECT_EQ(kCheckpointing.size(), static_cast<std::size_t>(Checkpointing::kFull) + 1);
+  EXPECT_EQ(kAttention.size(), static_cast<std::size_t>(Attention::kFlash) + 1);
+  EXPECT_EQ(kLoss.size(), static_cast<std::size_t>(Loss::kFused) + 1);
+  EXPECT_EQ(kAllocator.size(), static_cast<std::size_t>(AllocatorMode::kExpandable) + 1);
+}
+
+// ---- bad values ---------------------------------------------------------------------------
+
+TEST(RecipeSpellings, UnknownPrecisionListsTheValidValues) {
+  EXPECT_EQ(error_of([] { parse_precision("bf16"); }),
+            "precision: unknown value 'bf16'; expected one of fp32, bf16-mixed, fp16-mixed, "
+            "bf16-master, bf16-true, fp16-true");
+}
+
+TEST(RecipeSpellings, UnknownOptimizerListsTheValidValues) {
+  EXPECT_EQ(error_of([] { parse_optimizer("adam"); }),
+            "optimizer: unknown value 'adam'; expected one of adamw, adamw-fused, adamw-8bit, sgd, "
+            "adafactor");
+}
+
+TEST(RecipeSpellings, UnknownCheckpointingListsTheValidValues) {
+  EXPECT_EQ(error_of([] { parse_checkpointing("selective"); }),
+            "checkpointing: unknown value 'selective'; expected one of none, full");
+}
+
+TEST(RecipeSpellings, UnknownAttentionListsTheValidValues) {
+  EXPECT_EQ(error_of([] { parse_attention("flash_attention_2"); }),
+            "attention: unknown value 'flash_attention_2'; expected one of eager, sdpa, flash");
+}
+
+TEST(RecipeSpellings, UnknownLossListsTheValidValues) {
+  EXPECT_EQ(error_of([] { parse_loss("liger"); }),
+            "loss: unknown value 'liger'; expected one of standard, fused");
+}
+
+TEST(RecipeSpellings, UnknownAllocatorListsTheValidValues) {
+  EXPECT_EQ(error_of([] { parse_allocator("expandable_segments:True"); }),
+            "allocator: unknown value 'expandable_segments:True'; expected one of default, "
+            "expandable");
+}
+
+TEST(RecipeSpellings, EmptyValueIsRejected) {
+  EXPECT_EQ(error_of([] { parse_loss(""); }), "loss: unknown value ''; expected one of standard, fused");
+}
+
+// Spellings are matched exactly: no case folding, no surrounding blanks.
+TEST(RecipeSpellings, MatchingIsExact) {
+  EXPECT_EQ(error_of([] { parse_precision("FP32"); }),
+            "precision: unknown value 'FP32'; expected one of fp32, bf16-mixed, fp16-mixed, "
+            "bf16-master, bf16-true, fp16-true");
+  EXPECT_EQ(error_of([] { parse_attention(" sdpa"); }),
+            "attention: unknown value ' sdpa'; expected one of eager, sdpa, flash");
+}
+
+TEST(RecipeSpellings, ErrorIsAnInvalidArgument) {
+  // So the Python binding raises ValueError (STYLE.md habit 4).
+  static_assert(std::is_base_of_v<std::invalid_argument, Error>);
+  EXPECT_THROW(parse_optimizer("lion"), std::invalid_argument);
+}
+
+// ---- defaults -----------------------------------------------------------------------------
+
+// docs/schema.md, "Recipe knobs": the default column.
+TEST(RecipeDefaults, MatchTheSchema) {
+  const Recipe r;
+  EXPECT_EQ(r.batch, 1u);
+  EXPECT_EQ(r.seq, 2048u);
+  EXPECT_EQ(r.grad_accum, 1u);
+  EXPECT_EQ(r.precision, Precision::kBf16Mixed);
+  EXPECT_EQ(r.optimizer, Optimizer::kAdamW);
+  EXPECT_EQ(r.checkpointing, Checkpointing::kNone);
+  EXPECT_EQ(r.attention, Attention::kSdpa);
+  EXPECT_EQ(r.loss, Loss::kStandard);
+  EXPECT_EQ(r.gpu, "h100-80gb");
+  EXPECT_EQ(r.allocator, AllocatorMode::kDefault);
+  EXPECT_EQ(r.steps, 2u);  // "Two optimizer steps are simulated"
+  EXPECT_NO_THROW(r.validate());
+}
+
+// ---- Recipe::validate ---------------------------------------------------------------------
+
+constexpr std::uint64_t k2to24 = std::uint64_t{1} << 24;  // 16777216
+constexpr std::uint64_t k2to20 = std::uint64_t{1} << 20;  // 1048576
+
+TEST(RecipeValidate, BatchZero) {
+  Recipe r;
+  r.batch = 0;
+  EXPECT_EQ(error_of([&] { r.validate(); }), "batch: must be between 1 and 16777216, got 0");
+}
+
+TEST(RecipeValidate, BatchUpperBound) {
+  Recipe r;
+  r.batch = k2to24;
+  EXPECT_NO_THROW(r.validate());
+  r.batch = k2to24 + 1;
+  EXPECT_EQ(error_of([&] { r.validate(); }), "batch: must be between 1 and 16777216, got 16777217");
+}
+
+TEST(RecipeValidate, SeqZero) {
+  Recipe r;
+  r.seq = 0;
+  EXPECT_EQ(error_of([&] { r.validate(); }), "seq: must be between 1 and 16777216, got 0");
+}
+
+TEST(RecipeValidate, SeqOver2To24) {
+  Recipe r;
+  r.seq = k2to24;
+  EXPECT_NO_THROW(r.validate());
+  r.seq = k2to24 + 1;
+  EXPECT_EQ(error_of([&] { r.validate(); }), "seq: must be between 1 and 16777216, got 16777217");
+  r.seq = UINT64_MAX;
+  EXPECT_EQ(error_of([&] { r.validate(); }),
+            "seq: must be between 1 and 16777216, got 18446744073709551615");
+}
+
+TEST(RecipeValidate, GradAccumRange) {
+  Recipe r;
+  r.grad_accum = 0;
+  EXPECT_EQ(error_of([&] { r.validate(); }), "grad_accum: must be between 1 and 1048576, got 0");
+  r.grad_accum = k2to20;
+  EXPECT_NO_THROW(r.validate());
+  r.grad_accum = k2to20 + 1;
+  EXPECT_EQ(error_of([&] { r.validate(); }), "grad_accum: must be between 1 and 1048576, got 1048577");
+}
+
+TEST(RecipeValidate, StepsRange) {
+  Recipe r;
+  r.steps = 0;
+  EXPECT_EQ(error_of([&] { r.validate(); }), "steps: must be between 1 and 100, got 0");
+  r.steps = 1;
+  EXPECT_NO_THROW(r.validate());
+  r.steps = 100;
+  EXPECT_NO_THROW(r.validate());
+  r.steps = 101;
+  EXPECT_EQ(error_of([&] { r.validate(); }), "steps: must be between 1 and 100, got 101");
+}
+
+TEST(RecipeValidate, TheFirstBadFieldIsNamed) {
+  Recipe r;
+  r.batch = 0;
+  r.seq = 0;
+  r.gpu = "nope";
+  EXPECT_EQ(error_of([&] { r.validate(); }), "batch: must be between 1 and 16777216, got 0");
+  r.batch = 1;
+  EXPECT_EQ(error_of([&] { r.validate(); }), "seq: must be between 1 and 16777216, got 0");
+}
+
+TEST(RecipeValidate, UnknownGpuListsTheCatalog) {
+  Recipe r;
+  r.gpu = "h100";
+  EXPECT_EQ(error_of([&] { r.validate(); }),
+            "gpu: unknown GPU 'h100'; known: h100-80gb, h200-141gb, b200-192gb, a100-80gb, "
+            "a100-40gb, l40s-48gb, a10g-24gb, rtx-4090, rtx-3090, v100-32gb, t4-16gb, cpu");
+}
+
+TEST(RecipeValidate, GpuNamesIgnoreCase) {
+  Recipe r;
+  r.gpu = "A100-80GB";
+  EXPECT_NO_THROW(r.validate());
+  EXPECT_EQ(find_gpu("A100-80GB").name, "a100-80gb");
+  r.gpu = "cpu";
+  EXPECT_NO_THROW(r.validate());
+}
+
+// The cpu pseudo-device: no cuBLAS workspace and no context (docs/schema.md, `gpu` knob).
+TEST(RecipeValidate, CpuDeviceHasNoWorkspaceAndNoContext) {
+  const Gpu& cpu = find_gpu("cpu");
+  EXPECT_EQ(cpu.cublas_workspace_bytes, 0u);
+  EXPECT_EQ(cpu.context_bytes, 0u);
+  EXPECT_EQ(cpu.capacity_bytes, 0u);
+  // And the Hopper default: 32 MiB per cuBLAS workspace (data/gpus.json source note).
+  EXPECT_EQ(find_gpu("h100-80gb").cublas_workspace_bytes, 32ull << 20);
+}
+
+// estimate() validates before simulating, so a bad recipe never reaches the graph builder.
+TEST(RecipeValidate, EstimateValidatesTheRecipe) {
+  const Model m = load_model("gpt2");
+  Recipe r;
+  r.seq = k2to24 + 1;
+  EXPECT_EQ(error_of([&] { estimate(m, r); }), "seq: must be between 1 and 16777216, got 16777217");
+  r.seq = 16;
+  r.gpu = "tpu-v5";
+  EXPECT_EQ(error_of([&] { estimate(m, r); }),
+            "gpu: unknown GPU 'tpu-v5'; known: h100-80gb, h200-141gb, b200-192gb, a100-80gb, "
+            "a100-40gb, l40s-48gb, a10g-24gb, rtx-4090, rtx-3090, v100-32gb, t4-16gb, cpu");
+}
+
+}  // namespace
+}  // namespace trainmem
