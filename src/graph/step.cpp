@@ -766,17 +766,18 @@ class StepBuilder {
     requires_grad(y);
     Node nd = node(y);
     nd.tag.op = "checkpoint";
-    // The checkpoint keeps the layer's arguments for the recompute: the hidden states and the
-    // shared position embeddings and mask (torch.utils.checkpoint holds its inputs).
+    // torch.utils.checkpoint (non-reentrant) saves the positional tensor arguments (the hidden
+    // states) with save_for_backward; the keyword arguments (mask, position embeddings,
+    // position ids) are only referenced by the recompute closure.
     nd.saved = {x.id};
-    for (const T* shared : {&cos_, &sin_, &mask_}) {
-      if (shared->id != kNone) nd.saved.push_back(shared->id);
+    for (const T* shared : {&cos_, &sin_, &mask_, &position_ids_}) {
+      if (shared->id != kNone) nd.kept.push_back(shared->id);
     }
     T xin = x, cos = cos_, sin = sin_, mask = mask_;
     std::int32_t layer = static_cast<std::int32_t>(l);
     nd.recompute = [this, xin, cos, sin, mask, l, layer]() {
       Phase keep = phase_;
-      phase_ = Phase::kBackward;
+      phase_ = Phase::kForward;  // labelled "recompute" (the tape knows it is recomputing)
       std::string_view keep_op = op_;
       cos_ = cos;
       sin_ = sin;
@@ -846,11 +847,32 @@ class StepBuilder {
       t_.drop(boolean);
     }
     if (!gpt2) {
+      // position_ids = arange(s) + past_seen_tokens (kept by the model's forward).
+      op("position_ids");
+      T ar = fresh(S_, DType::kI64);
+      position_ids_ = fresh(S_, DType::kI64);
+      t_.drop(ar);
+      // LlamaRotaryEmbedding: freqs = position_ids[..., None].float() * inv_freq;
+      // emb = cat(freqs, freqs); cos/sin = emb.cos()/sin() * attention_scaling, cast to x.dtype.
       op("rotary_emb");
-      T emb_t = fresh(S_ * a_.head_dim, DType::kF32);
-      cos_ = fresh(S_ * a_.head_dim, hs.dtype);
-      sin_ = fresh(S_ * a_.head_dim, hs.dtype);
-      t_.drop(emb_t);
+      const std::uint64_t d = a_.head_dim;
+      T pf = fresh(S_, DType::kF32);
+      T freqs = fresh(S_ * d / 2, DType::kF32);
+      t_.drop(pf);
+      T emb = fresh(S_ * d, DType::kF32);
+      t_.drop(freqs);
+      auto trig = [&]() {
+        T raw = fresh(S_ * d, DType::kF32);
+        T scaled = fresh(S_ * d, DType::kF32);
+        t_.drop(raw);
+        if (hs.dtype == DType::kF32) return scaled;
+        T cast = fresh(S_ * d, hs.dtype);
+        t_.drop(scaled);
+        return cast;
+      };
+      cos_ = trig();
+      sin_ = trig();
+      t_.drop(emb);
     }
     for (std::uint32_t l = 0; l < a_.num_layers; ++l) {
       T next = r_.checkpointing == Checkpointing::kFull ? checkpointed_layer(hs, l) : decoder_layer(hs, l);
@@ -865,6 +887,7 @@ class StepBuilder {
     if (cos_.id != kNone) {
       t_.drop(cos_);
       t_.drop(sin_);
+      t_.drop(position_ids_);
     }
     ValueId loss = r_.loss == Loss::kFused ? fused_loss(normed, emb) : standard_loss(normed, emb);
     exit_autocast();
@@ -1137,7 +1160,7 @@ class StepBuilder {
   std::vector<LayerParams> layers_;
   std::vector<std::uint32_t> casts_;
   std::vector<TensorId> states_;
-  T input_ids_, labels_, mask_, cos_, sin_, pending_loss_;
+  T input_ids_, labels_, mask_, cos_, sin_, position_ids_, pending_loss_;
   TensorId ws_fwd_ = kNone, ws_bwd_ = kNone;
   TensorId scaler_scale_ = kNone;
   Phase phase_ = Phase::kForward;

@@ -7,7 +7,7 @@ namespace trainmem::graph {
 Tape::Tape() { trace_.moments.push_back(tag_); }
 
 void Tape::at(Phase phase, std::int32_t layer, std::string_view op) {
-  tag_ = MomentTag{step, micro, phase, layer, op};
+  tag_ = MomentTag{step, micro, phase, layer, op, recomputing && phase != Phase::kBackward};
   trace_.moments.push_back(tag_);
   moment_ = static_cast<std::uint32_t>(trace_.moments.size() - 1);
 }
@@ -51,6 +51,7 @@ std::uint32_t Tape::new_param(TensorId) {
 }
 
 void Tape::record(Node node) {
+  for (TensorId id : node.kept) retain(id);
   if (saving) {
     for (TensorId id : node.saved) {
       retain(id);
@@ -99,6 +100,7 @@ void Tape::run_node(Node& n) {
   if (n.output != kNone) value_grad_[n.output] = kNone;
   if (incoming == kNone && n.output != kNone) {
     for (TensorId id : n.saved) release(id);
+    for (TensorId id : n.kept) release(id);
     return;
   }
   if (n.recompute) {
@@ -106,18 +108,26 @@ void Tape::run_node(Node& n) {
     // recompute appends to nodes_, so take what we need from `n` before it may move.
     auto recompute = std::move(n.recompute);
     std::vector<TensorId> saved = std::move(n.saved);
+    std::vector<TensorId> kept = std::move(n.kept);
     MomentTag tag = n.tag;
     std::size_t begin = nodes_.size();
     bool was = saving;
     saving = true;
+    recomputing = true;
     T out = recompute();
+    recomputing = false;
     saving = was;
     at(Phase::kBackward, tag.layer, tag.op);
     release(out.id);
     deliver(out.value, incoming);
-    for (TensorId id : saved) release(id);
     run(begin, nodes_.size());
     nodes_.resize(begin);
+    // The checkpoint's inputs are saved by a node created before the layer's ops, so they are
+    // released after the layer's backward; the recompute closure (with the keyword arguments)
+    // lives as long as that graph.
+    at(Phase::kBackward, tag.layer, tag.op);
+    for (TensorId id : saved) release(id);
+    for (TensorId id : kept) release(id);
     return;
   }
   std::vector<TensorId> scratch;
@@ -145,7 +155,9 @@ void Tape::run_node(Node& n) {
   for (TensorId id : scratch) release(id);
   release(incoming);
   for (TensorId id : n.saved) release(id);
+  for (TensorId id : n.kept) release(id);
   n.saved.clear();
+  n.kept.clear();
   // The weight's cast back to its parameter dtype and AccumulateGrad run next: they have the
   // highest priority in the ready queue.
   for (std::size_t k = 0; k < n.params.size(); ++k) {
@@ -169,10 +181,13 @@ void Tape::run(std::size_t begin, std::size_t end) {
 }
 
 void Tape::backward(ValueId root) {
-  // The seed gradient of the scalar loss (torch.ones_like(loss)).
+  // The seed gradient of the scalar loss (torch.ones_like(loss)). torch.autograd.backward
+  // holds it in its grad_tensors for the whole call, so it outlives the first node.
   TensorId seed = alloc_bytes(4, Category::kTemporaries);
+  retain(seed);
   deliver(root, seed);
   run(0, nodes_.size());
+  release(seed);
   nodes_.clear();
   for (TensorId& g : value_grad_) {
     if (g != kNone) {

@@ -50,6 +50,7 @@ struct MomentTag {
   Phase phase = Phase::kSetup;
   std::int32_t layer = -1;
   std::string_view op;  // static strings only
+  bool recompute = false;  // a checkpointed layer's forward, re-run during backward
 };
 
 // What the graph stage hands to the simulator.
@@ -87,6 +88,7 @@ struct Node {
   MomentTag tag;
   ValueId output = kNone;
   std::vector<TensorId> saved;
+  std::vector<TensorId> kept;  // referenced until the node runs, but not saved by autograd
   std::vector<GradIn> inputs;
   std::vector<std::uint64_t> scratch;  // transient buffers alive while the node runs
   std::vector<ParamGrad> params;
@@ -102,6 +104,7 @@ class Tape {
   // ---- where we are (labels every event until changed) ----
   std::uint32_t step = 0;
   std::uint32_t micro = 0;
+  bool recomputing = false;
   void at(Phase phase, std::int32_t layer, std::string_view op);
   Phase phase() const { return tag_.phase; }
 

@@ -14,9 +14,12 @@ Moment to_moment(const graph::MomentTag& m) {
   Moment out;
   out.step = m.step;
   out.micro_batch = m.micro;
-  out.phase = m.phase;
-  if (m.layer >= 0) out.op = "layer " + std::to_string(m.layer) + " " + std::string(m.op);
-  else out.op = std::string(m.op);
+  // A checkpointed layer's forward re-run happens inside backward: phase backward, op named
+  // "layer N recompute <op>".
+  out.phase = m.recompute ? Phase::kBackward : m.phase;
+  std::string op = m.recompute ? "recompute " + std::string(m.op) : std::string(m.op);
+  if (m.layer >= 0) out.op = "layer " + std::to_string(m.layer) + " " + op;
+  else out.op = op;
   return out;
 }
 
@@ -55,7 +58,7 @@ Estimate simulate(const graph::Trace& trace, const Recipe& recipe, const Estimat
                    "{\"i\":%zu,\"event\":\"%s\",\"sid\":%u,\"nbytes\":%llu,\"category\":\"%s\","
                    "\"phase\":\"%s\",\"step\":%u,\"micro_batch\":%u,\"op\":\"%s\"}\n",
                    i, e.alloc ? "alloc" : "free", e.tensor, static_cast<unsigned long long>(s.bytes),
-                   std::string(category_name(s.category)).c_str(), std::string(phase_name(m.phase)).c_str(),
+                   std::string(category_name(s.category)).c_str(), std::string(phase_name(mo.phase)).c_str(),
                    m.step, m.micro, mo.op.c_str());
     }
     if (e.alloc) {
