@@ -310,7 +310,7 @@ class StepBuilder {
   // Elementwise op producing `numel` elements of `d`; `saved` are kept for backward; each input
   // that requires grad gets a gradient of its own size.
   T elementwise(std::initializer_list<const T*> inputs, std::uint64_t numel, DType d,
-                std::initializer_list<TensorId> saved, std::uint64_t scratch = 0,
+                std::initializer_list<TensorId> saved, std::initializer_list<std::uint64_t> scratch = {},
                 bool save_output = false) {
     T y = fresh(numel, d);
     bool any = false;
@@ -323,7 +323,7 @@ class StepBuilder {
       for (const T* x : inputs) {
         if (x->requires_grad()) n.inputs.push_back(grad_of(*x));
       }
-      if (scratch) n.scratch.push_back(scratch);
+      n.scratch.assign(scratch.begin(), scratch.end());
       t_.record(std::move(n));
     }
     return y;
@@ -356,7 +356,8 @@ class StepBuilder {
     op(name);
     const std::uint64_t n = x.numel;
     T h32 = to(x, DType::kF32);
-    T sq = elementwise({&h32}, n, DType::kF32, {h32.id}, n * 4);
+    // pow's backward, grad * (2 * x.pow(1)): both expression temporaries live until the product.
+    T sq = elementwise({&h32}, n, DType::kF32, {h32.id}, {n * 4, n * 4});
     T var = elementwise({&sq}, rows, DType::kF32, {});
     t_.drop(sq);
     T ve = fresh(rows, DType::kF32);
@@ -367,7 +368,8 @@ class StepBuilder {
       t_.record(std::move(nd));
     }
     t_.drop(var);
-    T rs = elementwise({&ve}, rows, DType::kF32, {}, rows * 4, /*save_output=*/true);
+    // rsqrt's backward, -0.5 * grad * result.pow(3): two temporaries, then the product.
+    T rs = elementwise({&ve}, rows, DType::kF32, {}, {rows * 4, rows * 4}, /*save_output=*/true);
     t_.drop(ve);
     T hn = fresh(n, DType::kF32);
     requires_grad(hn);
@@ -505,7 +507,7 @@ class StepBuilder {
       if (a_.attn_logit_softcap > 0) {  // Gemma-2: s / cap, tanh (saves output), * cap
         T d1 = elementwise({&s1}, scores, c, {});
         t_.drop(s1);
-        T th = elementwise({&d1}, scores, c, {}, 0, /*save_output=*/true);
+        T th = elementwise({&d1}, scores, c, {}, {}, /*save_output=*/true);
         t_.drop(d1);
         s1 = elementwise({&th}, scores, c, {});
         t_.drop(th);
@@ -693,7 +695,7 @@ class StepBuilder {
       t_.drop(m1);
       T m2 = elementwise({&s}, x.numel, x.dtype, {});                // * sqrt(2/pi)
       t_.drop(s);
-      T th = elementwise({&m2}, x.numel, x.dtype, {}, 0, /*save_output=*/true);  // tanh
+      T th = elementwise({&m2}, x.numel, x.dtype, {}, {}, /*save_output=*/true);  // tanh
       t_.drop(m2);
       T p1 = elementwise({&th}, x.numel, x.dtype, {});               // 1 + tanh
       t_.drop(th);
@@ -908,7 +910,7 @@ class StepBuilder {
     if (a_.final_logit_softcap > 0) {  // Gemma-2: logits / cap, tanh, * cap
       T d1 = elementwise({&logits}, logits.numel, logits.dtype, {});
       t_.drop(logits);
-      T th = elementwise({&d1}, d1.numel, d1.dtype, {}, 0, /*save_output=*/true);
+      T th = elementwise({&d1}, d1.numel, d1.dtype, {}, {}, /*save_output=*/true);
       t_.drop(d1);
       logits = elementwise({&th}, th.numel, th.dtype, {});
       t_.drop(th);
@@ -945,43 +947,118 @@ class StepBuilder {
     return scale_loss(loss);
   }
 
-  // Chunked linear + cross-entropy (the Liger-style fused loss, see docs/schema.md): the
-  // gradients of the hidden states and of the lm_head weight are computed during the forward,
-  // chunk by chunk; full logits never exist.
-  ValueId fused_loss(T& normed, std::uint32_t emb) {
-    const std::uint64_t V = a_.vocab_size, h = a_.hidden_size;
+  // Chunked linear + cross-entropy, `--loss fused`: the reference is the tracker's
+  // python/trainmem/measure/fused_loss.py (see its Note [Fused loss allocations]); it behaves
+  // like Liger-Kernel's fused linear cross-entropy. The gradients of the hidden states and of
+  // the lm_head weight are computed in the forward, chunk by chunk; full logits never exist.
+  ValueId fused_loss(T& hidden, std::uint32_t emb) {
+    const std::uint64_t V = a_.vocab_size, h = a_.hidden_size, rows = tok_;
     phase_ = Phase::kLoss;
     op("fused_linear_cross_entropy");
-    std::uint32_t w = lm_head_param(emb);
-    DType c = pol_.autocast ? pol_.compute : pol_.param;
-    T x = pol_.autocast ? to(normed, c) : t_.ref(normed);
-    t_.drop(normed);
-    T wc = weight(w);
-    T grad_x = fresh(tok_ * h, c);
-    T grad_w = fresh(V * h, DType::kF32);
-    // chunk = next_pow2(ceil(BT / ceil(V / h))) rows of logits at a time.
-    std::uint64_t ratio = (V + h - 1) / h;
-    std::uint64_t rows = (tok_ + ratio - 1) / ratio, chunk = 1;
-    while (chunk < rows) chunk <<= 1;
-    chunk = std::min(chunk, tok_);
-    T logits_chunk = fresh(chunk * V, c);
-    T grad_chunk = fresh(chunk * V, DType::kF32);
-    t_.drop(grad_chunk);
-    t_.drop(logits_chunk);
-    T loss = fresh(1, DType::kF32);
+    const std::uint32_t w = lm_head_param(emb);
+    const DType cd = pol_.autocast ? pol_.compute : pol_.param;
+    const DType md = cd == DType::kF32 ? DType::kF32 : DType::kF32;  // the math dtype is fp32
+    const std::uint64_t cb = dtype_bytes(cd);
+    // shift_labels: pad by one ignore_index, drop the first column, contiguous.
+    T padded = fresh(rows + B_, DType::kI64);
+    T targets = fresh(rows, DType::kI64);
+    t_.drop(padded);
+    TensorId wc = kNone;  // weight.to(compute dtype), when the weight is not in it already
+    if (pol_.param != cd) wc = t_.alloc_bytes(V * h * cb, Category::kWeights);
+    T grad_x = fresh(rows * h, cd);
+    const bool first_grad = t_.param_grad(params_[w].slot) == kNone;
+    TensorId grad_w = t_.alloc_bytes(V * h * cb, Category::kTemporaries);
+    T valid = fresh(rows, DType::kU8);
+    T nsum = fresh(1, DType::kI64);
+    T n_valid = fresh(1, md);
+    t_.drop(nsum);
+    T loss_sum = fresh(1, md);
+    T safe_t = fresh(rows, DType::kI64);
+    // Liger's chunk: about as many logits per chunk as there are hidden-state elements.
+    const std::uint64_t inc = (V + h - 1) / h;
+    const std::uint64_t want = (rows + inc - 1) / inc;
+    std::uint64_t step = 1;
+    while (step < want) step <<= 1;
+    std::vector<TensorId> smalls;  // last iteration's vc, row_max, target, row_sum (rebound)
+    for (std::uint64_t start = 0; start < rows; start += step) {
+      const std::uint64_t c = std::min(step, rows - start);
+      TensorId xc = hidden.dtype != cd ? t_.alloc_bytes(c * h * cb, Category::kTemporaries) : kNone;
+      ensure_workspace(false);
+      TensorId logits = t_.alloc_bytes(c * V * cb, Category::kTemporaries);
+      TensorId z = logits;
+      if (cd != md) {
+        z = t_.alloc_bytes(c * V * 4, Category::kTemporaries);
+        t_.release(logits);
+      }
+      TensorId tanh = kNone;
+      if (a_.final_logit_softcap > 0) tanh = t_.alloc_bytes(c * V * 4, Category::kTemporaries);
+      std::vector<TensorId> next;
+      for (int k = 0; k < 4; ++k) {  // vc, row_max, target, row_sum (c fp32 values each)
+        next.push_back(t_.alloc_bytes(c * 4, Category::kTemporaries));
+        if (k == 0 || k == 1 || k == 3) {
+          // each replaces last iteration's tensor of the same name after it is made
+        }
+      }
+      // The loss term: ((row_sum.log() - target) * vc).sum() added into loss_sum.
+      TensorId lg = t_.alloc_bytes(c * 4, Category::kTemporaries);
+      TensorId diff = t_.alloc_bytes(c * 4, Category::kTemporaries);
+      t_.release(lg);
+      TensorId prod = t_.alloc_bytes(c * 4, Category::kTemporaries);
+      t_.release(diff);
+      TensorId sum = t_.alloc_bytes(4, Category::kTemporaries);
+      t_.release(prod);
+      t_.release(sum);
+      TensorId neg = t_.alloc_bytes(c * 4, Category::kTemporaries);  // vc.neg() for scatter_add_
+      t_.release(neg);
+      TensorId scale = t_.alloc_bytes(c * 4, Category::kTemporaries);  // vc / n_valid
+      t_.release(scale);
+      if (tanh != kNone) t_.release(tanh);
+      TensorId g = z;
+      if (cd != md) {
+        g = t_.alloc_bytes(c * V * cb, Category::kTemporaries);
+        t_.release(z);
+      }
+      t_.release(g);
+      if (xc != kNone) t_.release(xc);
+      for (TensorId id : smalls) t_.release(id);
+      smalls = std::move(next);
+    }
+    if (wc != kNone) t_.release(wc);
+    if (grad_x.dtype != hidden.dtype) {
+      T gx = fresh(grad_x.numel, hidden.dtype);
+      t_.drop(grad_x);
+      grad_x = gx;
+    }
+    if (cd != pol_.param) {
+      TensorId gw = t_.alloc_bytes(V * h * dtype_bytes(pol_.param), Category::kTemporaries);
+      t_.release(grad_w);
+      grad_w = gw;
+    }
+    // grad_w becomes the weight's .grad when it has none yet; otherwise it is added into it.
+    t_.set_category(grad_w, first_grad ? Category::kGradients : Category::kTemporaries);
+    T loss = fresh(1, md);  // loss_sum / n_valid
     requires_grad(loss);
     {
       Node nd = node(loss);
-      nd.saved = {grad_x.id, grad_w.id};
-      nd.inputs.push_back(grad_of(x));
-      ParamGrad pg = param_grad(w, DType::kF32);
+      nd.saved = {grad_x.id};
+      nd.kept = {grad_w};  // ctx.grad_w
+      GradIn gi = grad_of(hidden);
+      gi.reuse = grad_x.id;
+      nd.inputs.push_back(gi);
+      ParamGrad pg = param_grad(w, pol_.param);
+      pg.reuse = grad_w;
       nd.params.push_back(pg);
       t_.record(std::move(nd));
     }
+    t_.release(grad_w);
     t_.drop(grad_x);
-    t_.drop(grad_w);
-    t_.drop(x);
-    t_.drop(wc);
+    for (TensorId id : smalls) t_.release(id);
+    t_.drop(loss_sum);
+    t_.drop(n_valid);
+    t_.drop(valid);
+    t_.drop(safe_t);
+    t_.drop(targets);
+    t_.drop(hidden);
     return scale_loss(loss);
   }
 
@@ -1104,26 +1181,61 @@ class StepBuilder {
         // parameters (alive for the whole update), grad**2 and grad**2 + eps, the factored
         // approximation (or rsqrt of the average), and -update for the final add.
         op(first ? "optimizer.adafactor_init" : "optimizer.adafactor");
-        for (Param& p : params_) {
+        if (rms_.size() < params_.size()) rms_.assign(params_.size(), kNone);
+        // _rms(x) = x.norm(2) / sqrt(numel): two 0-dim tensors, the norm freed.
+        auto rms = [&]() {
+          TensorId norm = t_.alloc_bytes(4, Category::kTemporaries);
+          TensorId r = t_.alloc_bytes(4, Category::kTemporaries);
+          t_.release(norm);
+          return r;
+        };
+        for (std::size_t pi = 0; pi < params_.size(); ++pi) {
+          const Param& p = params_[pi];
           const std::uint64_t g = p.numel * 4;
           const bool half = pol_.param != DType::kF32 && !pol_.master;
           const bool factored = p.rows != 0;
+          const std::uint64_t cols = factored ? p.numel / p.rows : 0;
           TensorId grad32 = half ? t_.alloc_bytes(g, Category::kTemporaries) : kNone;
           if (first) {
             if (factored) {
               states_.push_back(t_.alloc_bytes(p.rows * 4, Category::kOptimizerStates));
-              states_.push_back(t_.alloc_bytes(p.numel / p.rows * 4, Category::kOptimizerStates));
+              states_.push_back(t_.alloc_bytes(cols * 4, Category::kOptimizerStates));
             } else {
               states_.push_back(t_.alloc_bytes(g, Category::kOptimizerStates));
             }
           }
           TensorId p32 = half ? t_.alloc_bytes(g, Category::kTemporaries) : kNone;
-          TensorId sq = t_.alloc_bytes(g, Category::kTemporaries);
-          TensorId upd = t_.alloc_bytes(g, Category::kTemporaries);
+          TensorId r = rms();  // state["RMS"] replaces last step's
+          t_.set_category(r, Category::kOptimizerStates);
+          if (rms_[pi] != kNone) t_.release(rms_[pi]);
+          rms_[pi] = r;
+          TensorId sq = t_.alloc_bytes(g, Category::kTemporaries);   // grad ** 2
+          TensorId upd = t_.alloc_bytes(g, Category::kTemporaries);  // + eps
           t_.release(sq);
-          TensorId approx = t_.alloc_bytes(g, Category::kTemporaries);
+          TensorId approx;
+          if (factored) {
+            // Row and column means of the update, added into the state in place.
+            t_.release(t_.alloc_bytes(p.rows * 4, Category::kTemporaries));
+            t_.release(t_.alloc_bytes(cols * 4, Category::kTemporaries));
+            // _approx_sq_grad: (row / row.mean()).rsqrt_() and col.rsqrt(), then their outer
+            // product, the full-size update.
+            TensorId mean = t_.alloc_bytes(4, Category::kTemporaries);
+            TensorId rf = t_.alloc_bytes(p.rows * 4, Category::kTemporaries);
+            t_.release(mean);
+            TensorId cf = t_.alloc_bytes(cols * 4, Category::kTemporaries);
+            approx = t_.alloc_bytes(g, Category::kTemporaries);
+            t_.release(rf);
+            t_.release(cf);
+          } else {
+            approx = t_.alloc_bytes(g, Category::kTemporaries);  // exp_avg_sq.rsqrt()
+          }
           t_.release(upd);
-          TensorId neg = t_.alloc_bytes(g, Category::kTemporaries);
+          // update.div_((_rms(update) / clip_threshold).clamp_(min=1.0))
+          TensorId ur = rms();
+          TensorId clip = t_.alloc_bytes(4, Category::kTemporaries);
+          t_.release(ur);
+          t_.release(clip);
+          TensorId neg = t_.alloc_bytes(g, Category::kTemporaries);  // p.add_(-update)
           t_.release(neg);
           t_.release(approx);
           t_.release(p32);
@@ -1163,6 +1275,7 @@ class StepBuilder {
   T input_ids_, labels_, mask_, cos_, sin_, position_ids_, pending_loss_;
   TensorId ws_fwd_ = kNone, ws_bwd_ = kNone;
   TensorId scaler_scale_ = kNone;
+  std::vector<TensorId> rms_;  // Adafactor's per-parameter state["RMS"]
   Phase phase_ = Phase::kForward;
   std::int32_t layer_ = kNoLayer;
   std::string_view op_ = "";

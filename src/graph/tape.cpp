@@ -139,6 +139,9 @@ void Tape::run_node(Node& n) {
     if (in.passthrough) {
       retain(incoming);
       grads[k] = incoming;
+    } else if (in.reuse != kNone) {
+      retain(in.reuse);
+      grads[k] = in.reuse;
     } else {
       grads[k] = alloc_bytes(in.bytes, Category::kTemporaries);
     }
@@ -146,6 +149,11 @@ void Tape::run_node(Node& n) {
   std::vector<TensorId> pgrads(n.params.size(), kNone);
   for (std::size_t k = 0; k < n.params.size(); ++k) {
     const ParamGrad& pg = n.params[k];
+    if (pg.reuse != kNone) {
+      pgrads[k] = pg.reuse;  // the node holds it until now (see kept)
+      retain(pg.reuse);
+      continue;
+    }
     TensorId sc = pg.scratch_bytes ? alloc_bytes(pg.scratch_bytes, Category::kTemporaries) : kNone;
     bool cast = pg.param_bytes != 0;
     Category c = (!cast && param_grads_[pg.param] == kNone) ? Category::kGradients : Category::kTemporaries;

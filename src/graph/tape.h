@@ -75,6 +75,7 @@ struct GradIn {
   ValueId value = kNone;
   std::uint64_t bytes = 0;   // size of the gradient the node allocates for this input
   bool passthrough = false;  // the node hands on its incoming gradient (add, view, no-op)
+  TensorId reuse = kNone;    // the gradient is this existing storage (computed in the forward)
 };
 
 struct ParamGrad {
@@ -82,6 +83,7 @@ struct ParamGrad {
   std::uint64_t compute_bytes = 0;  // the gradient as the op computes it
   std::uint64_t scratch_bytes = 0;  // e.g. the full-size product before a broadcast reduction
   std::uint64_t param_bytes = 0;    // after the cast to the parameter dtype; 0 when no cast
+  TensorId reuse = kNone;           // the gradient is this existing storage (made in the forward)
 };
 
 struct Node {
