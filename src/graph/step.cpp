@@ -423,8 +423,10 @@ class StepBuilder {
   T layer_norm(const T& x, std::uint32_t w, std::uint32_t b, std::uint64_t rows, std::string_view name) {
     op(name);
     T xin = (pol_.autocast && cuda_) ? to(x, DType::kF32) : t_.ref(x);
-    T mean = fresh(rows, DType::kF32);
-    T rstd = fresh(rows, DType::kF32);
+    // CUDA keeps mean/rstd in fp32; the CPU kernel in the input dtype.
+    const DType stat = cuda_ ? DType::kF32 : xin.dtype;
+    T mean = fresh(rows, stat);
+    T rstd = fresh(rows, stat);
     T out = fresh(x.numel, xin.dtype);
     requires_grad(out);
     Node nd = node(out);
@@ -580,6 +582,135 @@ class StepBuilder {
     return o;
   }
 
+  // Note [GPT-2 attention]
+  // q, k and v are strided views into the Conv1D output (split + view + transpose), which
+  // changes what the kernels copy and save (transformers models/gpt2/modeling_gpt2.py):
+  //  * eager: matmul reshapes each strided operand for bmm, so q, k^T and v are copied and the
+  //    copies saved; softmax takes no dtype argument (CUDA autocast runs it in fp32, CPU
+  //    autocast in the input dtype), .type(value.dtype) casts back, and attention dropout
+  //    (attn_pdrop, 0.1) is active in training; the output is transposed and copied.
+  //  * sdpa on CUDA: the flash kernel takes the views (their storage, the Conv1D output, is
+  //    what stays saved) and supports dropout; the output needs no copy.
+  //  * sdpa on CPU with dropout: no fused kernel takes dropout, so the math kernel runs: half
+  //    inputs are upcast to fp32, q and k^T are scaled separately and copied for bmm, the
+  //    causal mask is built as [s, s] bool and float, softmax and the dropout noise and output
+  //    are saved, and the result is cast back.
+  T gpt2_attention_core(T& q, T& k, T& v) {
+    const std::uint64_t heads = a_.num_heads;
+    const std::uint64_t qn = q.numel, scores = B_ * heads * S_ * S_;
+    const DType c = q.dtype;  // the Conv1D output dtype: the compute dtype
+    auto copy = [&](const T& x, DType d) { return elementwise({&x}, x.numel, d, {}); };
+    auto bmm = [&](T& a, T& b, std::uint64_t out_numel, DType d) {
+      T y = fresh(out_numel, d);
+      requires_grad(y);
+      Node nd = node(y);
+      nd.saved = {a.id, b.id};
+      nd.inputs.push_back(grad_of(a));
+      nd.inputs.push_back(grad_of(b));
+      t_.record(std::move(nd));
+      return y;
+    };
+    auto drop_out = [&](T& x) {  // dropout(p > 0) on probabilities: see dropout()
+      T y = dropout(x);
+      t_.drop(x);
+      x = y;
+    };
+    if (attention_ == Attention::kEager) {
+      op("attn.attn_weights");
+      T qc = copy(q, c);
+      T kc = copy(k, c);
+      ensure_workspace(false);
+      T s0 = bmm(qc, kc, scores, c);
+      t_.drop(qc);
+      t_.drop(kc);
+      T s1 = elementwise({&s0}, scores, c, {});  // * scaling
+      t_.drop(s0);
+      T s2 = add(s1, mask_);
+      t_.drop(s1);
+      op("attn.softmax");
+      const DType sd = (pol_.autocast && cuda_) ? DType::kF32 : s2.dtype;
+      T sin = to(s2, sd);
+      t_.drop(s2);
+      T p = fresh(scores, sd);
+      requires_grad(p);
+      {
+        Node nd = node(p);
+        nd.saved = {p.id};
+        nd.inputs.push_back(grad_of(sin));
+        t_.record(std::move(nd));
+      }
+      t_.drop(sin);
+      T pv = to(p, v.dtype);  // .type(value.dtype)
+      t_.drop(p);
+      drop_out(pv);
+      op("attn.attn_output");
+      T vc = copy(v, v.dtype);
+      T o = bmm(pv, vc, qn, c);
+      t_.drop(pv);
+      t_.drop(vc);
+      T oc = copy(o, c);  // transpose(1, 2).reshape(...).contiguous()
+      t_.drop(o);
+      return oc;
+    }
+    if (cuda_) {
+      op("attn.sdpa");
+      T o = fresh(qn, c);
+      T lse = fresh(B_ * heads * S_, DType::kF32);
+      requires_grad(o);
+      Node nd = node(o);
+      nd.saved = {q.id, k.id, v.id, o.id, lse.id};
+      nd.inputs.push_back(GradIn{q.value, q.bytes(), false});
+      nd.inputs.push_back(GradIn{k.value, k.bytes(), false});
+      nd.inputs.push_back(GradIn{v.value, v.bytes(), false});
+      nd.scratch = {qn * dtype_bytes(c), qn * 4, B_ * heads * S_ * 4};
+      t_.record(std::move(nd));
+      t_.drop(lse);
+      return o;
+    }
+    // CPU: the math kernel (aten _scaled_dot_product_attention_math).
+    op("attn.sdpa_math");
+    const DType md = DType::kF32;
+    T causal = fresh(S_ * S_, DType::kU8);
+    T fmask = fresh(S_ * S_, md);
+    t_.drop(causal);
+    T qa = to(q, md), ka = to(k, md), va = to(v, md);
+    T qs = elementwise({&qa}, qn, md, {});  // q * sqrt(scale)
+    T ks = elementwise({&ka}, qn, md, {});  // k^T * sqrt(scale)
+    T qc = copy(qs, md);
+    T kc = copy(ks, md);
+    t_.drop(qs);
+    t_.drop(ks);
+    ensure_workspace(false);
+    T sc = bmm(qc, kc, scores, md);  // the mask is added in place
+    t_.drop(qc);
+    t_.drop(kc);
+    T p = fresh(scores, md);  // _safe_softmax saves its output
+    requires_grad(p);
+    {
+      Node nd = node(p);
+      nd.saved = {p.id};
+      nd.inputs.push_back(grad_of(sc));
+      t_.record(std::move(nd));
+    }
+    t_.drop(sc);
+    t_.drop(fmask);
+    drop_out(p);
+    T vc = copy(va, md);
+    T o = bmm(p, vc, qn, md);
+    t_.drop(vc);
+    T oc = to(o, c);
+    t_.drop(o);
+    T pw = to(p, c);  // the returned attention weights, dropped by the caller
+    t_.drop(pw);
+    t_.drop(p);
+    t_.drop(qa);
+    t_.drop(ka);
+    t_.drop(va);
+    T out = copy(oc, c);  // transpose(1, 2).reshape(...).contiguous()
+    t_.drop(oc);
+    return out;
+  }
+
   T attention(const T& x, const LayerParams& lp) {
     const std::uint64_t heads = a_.num_heads, kvh = a_.num_kv_heads, d = a_.head_dim;
     const std::uint64_t qw = heads * d, kvw = kvh * d;
@@ -618,7 +749,7 @@ class StepBuilder {
       t_.drop(k);
       k = kr;
     }
-    T o = attention_core(q, k, v);
+    T o = a_.family == Family::kGpt2 ? gpt2_attention_core(q, k, v) : attention_core(q, k, v);
     t_.drop(q);
     t_.drop(k);
     t_.drop(v);

@@ -84,11 +84,23 @@ void Tape::deliver(ValueId v, TensorId g) {
   }
 }
 
+// AccumulateGrad. Measured with torch 2.13 (a plain Embedding tied to a Linear, ops logged
+// with a dispatch mode): the first gradient is stolen into .grad; a later backward pass adds
+// in place (add_), but a second gradient within the same pass is summed out of place (add) and
+// the sum becomes .grad, so the stolen tensor ends up a temporary.
 void Tape::accumulate_param(const ParamGrad& pg, TensorId g) {
   TensorId& slot = param_grads_[pg.param];
+  if (param_pass_.size() < param_grads_.size()) param_pass_.resize(param_grads_.size(), 0);
   if (slot == kNone) {
     trace_.storages[g].category = Category::kGradients;  // stolen into .grad
     slot = g;
+    param_pass_[pg.param] = pass_;
+  } else if (param_pass_[pg.param] == pass_) {
+    TensorId sum = alloc_bytes(trace_.storages[slot].bytes, Category::kGradients);
+    trace_.storages[slot].category = Category::kTemporaries;
+    release(slot);
+    release(g);
+    slot = sum;
   } else {
     release(g);  // added in place into the existing .grad
   }
@@ -191,6 +203,7 @@ void Tape::run(std::size_t begin, std::size_t end) {
 void Tape::backward(ValueId root) {
   // The seed gradient of the scalar loss (torch.ones_like(loss)). torch.autograd.backward
   // holds it in its grad_tensors for the whole call, so it outlives the first node.
+  ++pass_;
   TensorId seed = alloc_bytes(4, Category::kTemporaries);
   retain(seed);
   deliver(root, seed);

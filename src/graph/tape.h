@@ -159,6 +159,8 @@ class Tape {
   std::vector<TensorId> value_grad_;
   std::vector<std::uint64_t> value_bytes_;
   std::vector<TensorId> param_grads_;
+  std::vector<std::uint32_t> param_pass_;  // backward pass that last stole each .grad
+  std::uint32_t pass_ = 0;
 };
 
 }  // namespace trainmem::graph
