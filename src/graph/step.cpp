@@ -386,15 +386,21 @@ class StepBuilder {
     const bool gemma = a_.family == Family::kGemma2;
     T out;
     if (gemma) {
-      // output * (1.0 + weight.float()): the fp32 normalised tensor is saved.
+      // output * (1.0 + weight.float()): the mul saves both factors, the fp32 normalised
+      // tensor and the [h] fp32 (1 + weight).
+      const std::uint64_t h = params_[w].numel;
+      TensorId wf = pol_.param != DType::kF32 ? t_.alloc_bytes(h * 4, Category::kTemporaries) : kNone;
+      T onep = fresh(h, DType::kF32);
+      if (wf != kNone) t_.release(wf);
       T hc = t_.ref(hn);
       out = fresh(n, DType::kF32);
       requires_grad(out);
       Node nd = node(out);
-      nd.saved = {hc.id};
+      nd.saved = {hc.id, onep.id};
       nd.inputs.push_back(grad_of(hc));
       nd.params.push_back(param_grad(w, DType::kF32, n * 4));
       t_.record(std::move(nd));
+      t_.drop(onep);
       t_.drop(hc);
       t_.drop(hn);
       if (x.dtype != DType::kF32) {
@@ -470,6 +476,7 @@ class StepBuilder {
     T y = add(a, b);
     t_.drop(a);
     t_.drop(b);
+    y.bshd = q.bshd;  // elementwise outputs follow their strided input's layout
     return y;
   }
 
@@ -489,8 +496,17 @@ class StepBuilder {
       op("self_attn.attn_weights");
       T kr = repeat_kv(k);
       T vr = repeat_kv(v);
-      T qc = pol_.autocast ? to(q, c) : t_.ref(q);
-      T kc = pol_.autocast ? to(kr, c) : t_.ref(kr);
+      // matmul reshapes each operand to 3-D for bmm: a [b, s, h, d]-laid-out one is copied.
+      auto for_bmm = [&](const T& x) {
+        T y = pol_.autocast ? to(x, c) : t_.ref(x);
+        y.bshd = x.bshd;
+        if (!y.bshd) return y;
+        T copy = elementwise({&y}, y.numel, y.dtype, {});
+        t_.drop(y);
+        return copy;
+      };
+      T qc = for_bmm(q);
+      T kc = for_bmm(kr);
       t_.drop(kr);
       ensure_workspace(false);
       T s0 = fresh(scores, c);  // q @ k^T
@@ -533,7 +549,7 @@ class StepBuilder {
       op("self_attn.attn_output");
       T pc = pol_.autocast ? to(p, c) : t_.ref(p);
       t_.drop(p);
-      T vc = pol_.autocast ? to(vr, c) : t_.ref(vr);
+      T vc = for_bmm(vr);
       t_.drop(vr);
       T o = fresh(qn, c);  // probs @ v
       requires_grad(o);
@@ -576,10 +592,13 @@ class StepBuilder {
     t_.drop(qc);
     t_.drop(kc);
     t_.drop(vc);
-    // The flash kernels (CUDA and CPU) return a [b, s, heads, d] buffer viewed as
-    // [b, heads, s, d], so HF's transpose(1, 2).contiguous() is a no-op: o_proj saves the very
-    // storage SDPA saved as its output.
-    return o;
+    // The flash kernels allocate their output with q's layout. When q is laid out as
+    // [b, s, heads, d] (a projection view), HF's transpose(1, 2).contiguous() is a no-op and
+    // o_proj saves the very storage SDPA saved; otherwise (Phi-3's cat) it copies.
+    if (q.bshd) return o;
+    T oc = elementwise({&o}, qn, c, {});
+    t_.drop(o);
+    return oc;
   }
 
   // Note [GPT-2 attention]
@@ -732,6 +751,11 @@ class StepBuilder {
       op("self_attn.v_proj");
       v = linear(x, lp.v, lp.v_b, kvw);
     }
+    // Note [Attention layouts]: q, k, v are views (view + transpose) of the projection outputs,
+    // laid out as [b, s, heads, d]; rope keeps that layout, Phi-3's cat and repeat_kv make
+    // contiguous [b, heads, s, d] tensors. Whether eager matmul copies an operand, and whether
+    // the attention output needs a copy, follows from it.
+    q.bshd = k.bshd = v.bshd = true;
     if (lp.q_norm != kNone) {
       T qn = rms_norm(q, lp.q_norm, tok_ * heads, "self_attn.q_norm");
       t_.drop(q);
@@ -739,15 +763,28 @@ class StepBuilder {
       T kn = rms_norm(k, lp.k_norm, tok_ * kvh, "self_attn.k_norm");
       t_.drop(k);
       k = kn;
+      q.bshd = k.bshd = true;  // normalised over head_dim before the transpose
     }
     if (a_.family != Family::kGpt2) {
       op("self_attn.rotary");
-      T qr = rope(q);
-      t_.drop(q);
-      q = qr;
-      T kr = rope(k);
-      t_.drop(k);
-      k = kr;
+      // Phi-3 rotates the first rotary_dim channels and concatenates the rest (empty with
+      // partial_rotary_factor 1.0): torch.cat copies the rotated q and k once more.
+      auto rotate = [&](T& x) {
+        T r = rope(x);
+        t_.drop(x);
+        if (a_.family == Family::kPhi3) {
+          T c = fresh(r.numel, r.dtype);
+          requires_grad(c);
+          Node nd = node(c);
+          nd.inputs.push_back(pass_to(r));  // CatBackward hands on narrowed views
+          t_.record(std::move(nd));
+          t_.drop(r);
+          r = c;
+        }
+        x = r;
+      };
+      rotate(q);
+      rotate(k);
     }
     T o = a_.family == Family::kGpt2 ? gpt2_attention_core(q, k, v) : attention_core(q, k, v);
     t_.drop(q);

@@ -67,6 +67,9 @@ struct T {
   std::uint64_t numel = 0;
   DType dtype = DType::kF32;
   ValueId value = kNone;
+  // Attention tensors: logically [b, heads, s, d] but laid out as [b, s, heads, d] (a view of a
+  // projection output). See Note [Attention layouts] in step.cpp.
+  bool bshd = false;
   std::uint64_t bytes() const { return numel * dtype_bytes(dtype); }
   bool requires_grad() const { return value != kNone; }
 };
