@@ -4,6 +4,10 @@
 // input one line "trainmem: error: ..." goes to stderr, exit code 2, and nothing to stdout.
 #include <CLI/CLI.hpp>
 #include <charconv>
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
 #include <cstdio>
 #include <iostream>
 #include <string>
@@ -28,6 +32,81 @@ std::uint64_t parse_count(const std::string& s, const char* field) {
 int fail(const std::string& msg) {
   std::fprintf(stderr, "trainmem: error: %s\n", msg.c_str());
   return 2;
+}
+
+// `trainmem compare`: re-estimates the measured model and recipe and reports the differences.
+// CPU and fake-tensor measurements sum 512-byte blocks with no cuBLAS workspace, so they are
+// compared with `--gpu cpu --allocator expandable`; CUDA measurements with their own recipe.
+std::string compare(const std::string& path, bool as_json) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error("compare: cannot read '" + path + "'");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  nlohmann::json m = nlohmann::json::parse(ss.str(), nullptr, false);
+  if (m.is_discarded() || !m.is_object()) throw Error("compare: '" + path + "' is not a JSON object");
+  for (const char* key : {"model", "recipe", "peak_allocated_bytes", "breakdown_at_peak", "source"}) {
+    if (!m.contains(key)) throw Error(std::string("compare: '") + path + "' has no '" + key + "' (is it trainmem-measure --json output?)");
+  }
+  const nlohmann::json& jr = m["recipe"];
+  auto text = [&](const char* k, const char* d) { return jr.contains(k) ? jr[k].get<std::string>() : std::string(d); };
+  auto count = [&](const char* k, std::uint64_t d) {
+    if (!jr.contains(k)) return d;
+    if (!jr[k].is_number_unsigned()) throw Error(std::string("compare: recipe.") + k + " must be a positive integer");
+    return jr[k].get<std::uint64_t>();
+  };
+  trainmem::Recipe r;
+  r.batch = count("batch", 1);
+  r.seq = count("seq", 2048);
+  r.grad_accum = count("grad_accum", 1);
+  r.precision = trainmem::parse_precision(text("precision", "bf16-mixed"));
+  r.optimizer = trainmem::parse_optimizer(text("optimizer", "adamw"));
+  r.checkpointing = trainmem::parse_checkpointing(text("checkpointing", "none"));
+  r.attention = trainmem::parse_attention(text("attention", "sdpa"));
+  r.loss = trainmem::parse_loss(text("loss", "standard"));
+  const std::string source = m["source"].get<std::string>();
+  const bool on_cpu = source != "measured-cuda";
+  r.gpu = on_cpu ? "cpu" : text("gpu", "h100-80gb");
+  r.allocator = on_cpu ? trainmem::AllocatorMode::kExpandable : trainmem::parse_allocator(text("allocator", "default"));
+  r.validate();
+  const trainmem::Estimate e = trainmem::estimate(trainmem::load_model(m["model"].get<std::string>()), r);
+
+  const double peak_m = m["peak_allocated_bytes"].get<double>();
+  const double err = peak_m > 0 ? (static_cast<double>(e.peak_allocated_bytes) - peak_m) / peak_m * 100 : 0;
+  nlohmann::ordered_json j;
+  j["model"] = m["model"];
+  j["source"] = source;
+  j["recipe"] = nlohmann::json::parse(trainmem::report::recipe_json(r));
+  j["measured_peak_allocated_bytes"] = m["peak_allocated_bytes"];
+  j["predicted_peak_allocated_bytes"] = e.peak_allocated_bytes;
+  j["peak_error_pct"] = err;
+  j["measured_peak"] = m.value("peak", nlohmann::json::object());
+  j["predicted_peak"] = {{"step", e.peak.step}, {"micro_batch", e.peak.micro_batch},
+                         {"phase", trainmem::phase_name(e.peak.phase)}, {"op", e.peak.op}};
+  nlohmann::ordered_json cats;
+  std::string rows;
+  char line[200];
+  for (std::size_t c = 0; c < trainmem::kCategoryCount; ++c) {
+    const std::string name(trainmem::category_name(static_cast<trainmem::Category>(c)));
+    const double mv = m["breakdown_at_peak"].value(name, 0.0);
+    const double pv = static_cast<double>(e.breakdown_at_peak[c]);
+    const double share = peak_m > 0 ? (pv - mv) / peak_m * 100 : 0;
+    cats[name] = {{"measured", static_cast<std::uint64_t>(mv)}, {"predicted", e.breakdown_at_peak[c]},
+                  {"diff_pct_of_peak", share}};
+    std::snprintf(line, sizeof line, "  %-17s %14.0f %14.0f %+8.2f%%\n", name.c_str(), mv, pv, share);
+    rows += line;
+  }
+  j["categories"] = cats;
+  if (as_json) return j.dump(2) + "\n";
+  std::string out = m["model"].get<std::string>() + " (" + source + ")\n";
+  std::snprintf(line, sizeof line, "  %-17s %14s %14s %9s\n", "", "measured", "predicted", "diff");
+  out += line;
+  std::snprintf(line, sizeof line, "  %-17s %14.0f %14llu %+8.2f%%\n", "peak allocated", peak_m,
+                static_cast<unsigned long long>(e.peak_allocated_bytes), err);
+  out += line + rows;
+  out += "  measured peak at:  " + j["measured_peak"].value("phase", std::string("?")) + ", " +
+         j["measured_peak"].value("op", std::string("?")) + "\n";
+  out += "  predicted peak at: " + std::string(trainmem::phase_name(e.peak.phase)) + ", " + e.peak.op + "\n";
+  return out;
 }
 
 }  // namespace
@@ -67,6 +146,12 @@ int main(int argc, char** argv) {
   est->add_flag("--timeline", timeline, "Include an allocated/reserved timeline in --json");
   est->add_option("--trace", trace_path, "Write every simulated alloc/free event to FILE as JSON lines");
 
+  auto* cmp = app.add_subcommand("compare", "Compare a trainmem-measure JSON with the engine's prediction for it");
+  std::string measured_path;
+  bool cmp_json = false;
+  cmp->add_option("measured", measured_path, "JSON written by trainmem-measure --json")->required();
+  cmp->add_flag("--json", cmp_json, "Print the comparison as JSON");
+
   auto* models = app.add_subcommand("models", "List the built-in model catalog");
   bool models_json = false;
   models->add_flag("--json", models_json, "Print as JSON");
@@ -76,8 +161,8 @@ int main(int argc, char** argv) {
 
   if (argc > 1 && argv[1][0] != '-') {
     std::string cmd = argv[1];
-    if (cmd != "estimate" && cmd != "models" && cmd != "gpus") {
-      return fail("unknown command '" + cmd + "'; expected estimate, models or gpus (see --help)");
+    if (cmd != "estimate" && cmd != "compare" && cmd != "models" && cmd != "gpus") {
+      return fail("unknown command '" + cmd + "'; expected estimate, compare, models or gpus (see --help)");
     }
   }
   try {
@@ -115,6 +200,8 @@ int main(int argc, char** argv) {
       opt.trace_path = trace_path;
       trainmem::Estimate e = trainmem::estimate(m, r, opt);
       out = as_json ? trainmem::report::to_json(e) + "\n" : trainmem::report::to_text(e);
+    } else if (*cmp) {
+      out = compare(measured_path, cmp_json);
     } else if (*models) {
       auto cat = trainmem::catalog();
       if (models_json) {

@@ -1,5 +1,7 @@
 #include "graph/tape.h"
 
+#include <algorithm>
+
 #include "common/checked.h"
 
 namespace trainmem::graph {
@@ -84,24 +86,30 @@ void Tape::deliver(ValueId v, TensorId g) {
   }
 }
 
-// AccumulateGrad. Measured with torch 2.13 (a plain Embedding tied to a Linear, ops logged
-// with a dispatch mode): the first gradient is stolen into .grad; a later backward pass adds
-// in place (add_), but a second gradient within the same pass is summed out of place (add) and
-// the sum becomes .grad, so the stolen tensor ends up a temporary.
+// AccumulateGrad for a parameter. Its node runs once per backward pass, after every node that
+// uses the parameter has delivered a gradient into its input buffer; several gradients (a tied
+// embedding: lm_head and the embedding) are summed out of place first (measured with torch
+// 2.13: `add`, both parts freed). Then the gradient is stolen into an empty .grad, or added in
+// place (`add_`) into the existing one and freed.
 void Tape::accumulate_param(const ParamGrad& pg, TensorId g) {
+  std::vector<TensorId>& pending = param_pending_[pg.param];
+  pending.push_back(g);
+  if (pending.size() < std::max<std::uint32_t>(1, param_uses_[pg.param])) return;
   TensorId& slot = param_grads_[pg.param];
-  if (param_pass_.size() < param_grads_.size()) param_pass_.resize(param_grads_.size(), 0);
+  if (pending.size() > 1) {
+    TensorId sum = alloc_bytes(trace_.storages[g].bytes, Category::kTemporaries);
+    for (TensorId part : pending) {
+      trace_.storages[part].category = Category::kTemporaries;
+      release(part);
+    }
+    g = sum;
+  }
+  pending.clear();
   if (slot == kNone) {
     trace_.storages[g].category = Category::kGradients;  // stolen into .grad
     slot = g;
-    param_pass_[pg.param] = pass_;
-  } else if (param_pass_[pg.param] == pass_) {
-    TensorId sum = alloc_bytes(trace_.storages[slot].bytes, Category::kGradients);
-    trace_.storages[slot].category = Category::kTemporaries;
-    release(slot);
-    release(g);
-    slot = sum;
   } else {
+    trace_.storages[g].category = Category::kTemporaries;
     release(g);  // added in place into the existing .grad
   }
 }
@@ -203,7 +211,11 @@ void Tape::run(std::size_t begin, std::size_t end) {
 void Tape::backward(ValueId root) {
   // The seed gradient of the scalar loss (torch.ones_like(loss)). torch.autograd.backward
   // holds it in its grad_tensors for the whole call, so it outlives the first node.
-  ++pass_;
+  param_uses_.assign(param_grads_.size(), 0);
+  param_pending_.assign(param_grads_.size(), {});
+  for (const Node& n : nodes_) {
+    for (const ParamGrad& pg : n.params) ++param_uses_[pg.param];
+  }
   TensorId seed = alloc_bytes(4, Category::kTemporaries);
   retain(seed);
   deliver(root, seed);

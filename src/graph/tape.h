@@ -162,8 +162,10 @@ class Tape {
   std::vector<TensorId> value_grad_;
   std::vector<std::uint64_t> value_bytes_;
   std::vector<TensorId> param_grads_;
-  std::vector<std::uint32_t> param_pass_;  // backward pass that last stole each .grad
-  std::uint32_t pass_ = 0;
+  // A parameter used by several nodes (a tied embedding) has one AccumulateGrad node whose
+  // input buffer collects every gradient of the pass before it runs.
+  std::vector<std::uint32_t> param_uses_;
+  std::vector<std::vector<TensorId>> param_pending_;
 };
 
 }  // namespace trainmem::graph

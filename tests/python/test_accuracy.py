@@ -1,0 +1,81 @@
+"""The accuracy gate: the engine against every measurement in data/ground_truth/.
+
+Each measurement was made with the PyTorch tracker (trainmem.measure) and records its own
+provenance; `trainmem compare` re-estimates the same model and recipe. The gate, from issue 3:
+peak allocated bytes within 3 % at the median and 8 % at worst, and every category within 5 % of
+the measured peak. The per-configuration table is printed (pytest -s, or on failure).
+"""
+import json
+import statistics
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CORPUS = ROOT / "data" / "ground_truth"
+MEDIAN_LIMIT_PCT = 3.0
+WORST_LIMIT_PCT = 8.0
+CATEGORY_LIMIT_PCT = 5.0
+
+
+def measurements():
+    return sorted(p for p in CORPUS.glob("*.json") if p.name not in ("index.json", "matrix.json"))
+
+
+def test_corpus_is_large_and_varied():
+    files = measurements()
+    assert len(files) >= 40, f"only {len(files)} measurements"
+    recipes = [json.loads(p.read_text())["recipe"] for p in files]
+    for knob, values in {"precision": {"fp32", "bf16-mixed", "bf16-true", "bf16-master"},
+                         "optimizer": {"adamw", "adamw-fused", "sgd", "adafactor"},
+                         "checkpointing": {"none", "full"}, "attention": {"eager", "sdpa"},
+                         "loss": {"standard", "fused"}}.items():
+        seen = {r[knob] for r in recipes}
+        assert values <= seen, f"{knob}: corpus lacks {values - seen}"
+    assert any(r["grad_accum"] > 1 for r in recipes)
+    sources = {json.loads(p.read_text())["source"] for p in files}
+    assert {"measured-cpu", "measured-fake"} <= sources
+
+
+@pytest.fixture(scope="module")
+def comparisons(trainmem_bin):
+    rows = []
+    for path in measurements():
+        out = subprocess.run([trainmem_bin, "compare", str(path), "--json"], capture_output=True, text=True,
+                             cwd=ROOT, timeout=120)
+        assert out.returncode == 0, f"{path.name}: {out.stderr}"
+        rows.append((path.stem, json.loads(out.stdout)))
+    return rows
+
+
+def _table(rows):
+    lines = [f"{'configuration':58s} {'measured':>15s} {'predicted':>15s} {'error':>8s} {'worst cat':>9s}"]
+    for name, c in rows:
+        worst = max(abs(v["diff_pct_of_peak"]) for v in c["categories"].values())
+        lines.append(f"{name:58s} {c['measured_peak_allocated_bytes']:>15d} {c['predicted_peak_allocated_bytes']:>15d} "
+                     f"{c['peak_error_pct']:>+7.2f}% {worst:>8.2f}%")
+    return "\n".join(lines)
+
+
+def test_peak_allocated_within_limits(comparisons):
+    print("\n" + _table(comparisons))
+    errors = [abs(c["peak_error_pct"]) for _, c in comparisons]
+    median, worst = statistics.median(errors), max(errors)
+    print(f"\n{len(errors)} configurations: median |error| {median:.3f} %, worst {worst:.3f} %")
+    assert median <= MEDIAN_LIMIT_PCT, _table(comparisons)
+    assert worst <= WORST_LIMIT_PCT, _table(comparisons)
+
+
+def test_every_category_within_limit(comparisons):
+    bad = [(name, cat, v["diff_pct_of_peak"]) for name, c in comparisons for cat, v in c["categories"].items()
+           if abs(v["diff_pct_of_peak"]) > CATEGORY_LIMIT_PCT]
+    assert not bad, bad
+
+
+def test_compare_rejects_non_measurements(run, tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text('{"model": "gpt2"}')
+    r = run("compare", bad)
+    assert r.returncode == 2
+    assert "has no 'recipe' (is it trainmem-measure --json output?)" in r.stderr
