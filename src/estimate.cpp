@@ -1,4 +1,5 @@
-// trainmem::estimate: model → op graph (graph/) → allocator replay (sim/).
+// trainmem::estimate: model → op graph (graph/) → allocator replay (sim/), every layer replayed
+// (Note [Estimates are not extrapolated over layers] in model/depth.cpp says why).
 #include "graph/step.h"
 #include "sim/simulator.h"
 

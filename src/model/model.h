@@ -19,6 +19,10 @@ std::vector<ParameterGroup> parameter_groups(const Architecture& arch);
 
 std::uint64_t count_parameters(const std::vector<ParameterGroup>& groups);
 
+// The same model with `layers` decoder layers (parameters recounted). See Note [Estimates are
+// not extrapolated over layers] in depth.cpp for why estimates never scale over depth.
+Model with_layers(const Model& model, std::uint64_t layers);
+
 // Sum of tensor element counts over the *.safetensors files of a directory (the header only is
 // read). Returns 0 when the directory has none. Throws Error on a malformed header.
 struct SafetensorsSummary {
