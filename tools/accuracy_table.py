@@ -1,0 +1,39 @@
+"""Writes the accuracy table of docs/accuracy.md: `trainmem compare` over data/ground_truth.
+
+    python tools/accuracy_table.py [--bin build/trainmem] > table.md
+"""
+import argparse
+import json
+import statistics
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bin", default=str(ROOT / "build" / "trainmem"))
+    args = ap.parse_args()
+    rows, errors = [], []
+    for path in sorted((ROOT / "data" / "ground_truth").glob("*.json")):
+        if path.name in ("index.json", "matrix.json"):
+            continue
+        c = json.loads(subprocess.run([args.bin, "compare", str(path), "--json"], capture_output=True, text=True,
+                                      check=True, cwd=ROOT).stdout)
+        worst_cat = max(c["categories"].items(), key=lambda kv: abs(kv[1]["diff_pct_of_peak"]))
+        r = c["recipe"]
+        knobs = f"{r['precision']} {r['optimizer']} {r['attention']} ck={r['checkpointing']} ga={r['grad_accum']} {r['loss']}"
+        rows.append(f"| {path.stem} | {c['source'].replace('measured-', '')} | b{r['batch']}×s{r['seq']} {knobs} | "
+                    f"{c['measured_peak_allocated_bytes'] / 2**20:,.1f} | {c['predicted_peak_allocated_bytes'] / 2**20:,.1f} | "
+                    f"{c['peak_error_pct']:+.3f} % | {worst_cat[0]} {worst_cat[1]['diff_pct_of_peak']:+.3f} % |")
+        errors.append(abs(c["peak_error_pct"]))
+    print("| configuration | run | recipe | measured MiB | predicted MiB | peak error | worst category (share of peak) |")
+    print("|---|---|---|---:|---:|---:|---|")
+    print("\n".join(rows))
+    print(f"\n{len(errors)} configurations; median |peak error| {statistics.median(errors):.3f} %, "
+          f"worst {max(errors):.3f} %; {sum(e == 0 for e in errors)} exact to the byte.")
+
+
+if __name__ == "__main__":
+    main()
