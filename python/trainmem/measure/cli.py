@@ -1,0 +1,146 @@
+"""`trainmem-measure`: the same model argument and flags as `trainmem estimate`, measured.
+
+    trainmem-measure qwen3-0.6b --batch 1 --seq 512 --precision bf16-mixed --json
+    trainmem-measure llama-3.1-70b --seq 4096 --checkpointing full --fake --json
+    trainmem-measure path/to/config.json --device cuda --trace events.jsonl
+
+Exit codes: 0 success, 2 bad input (one line on stderr), 1 the measurement itself failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+
+from .recipe import (ALLOCATORS, ATTENTIONS, CHECKPOINTING, LOSSES, OPTIMIZERS, PRECISIONS, Recipe,
+                     RecipeError)
+
+PROG = "trainmem-measure"
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line instead of argparse's usage block
+        raise _UsageError(message)
+
+
+def _parser() -> _Parser:
+    defaults = Recipe()
+    p = _Parser(prog=PROG, description="Measure what PyTorch allocates in two training steps, by category.")
+    p.add_argument("model", help="catalog name, path to a config.json, or a directory holding one")
+    p.add_argument("--batch", type=int, default=defaults.batch, help="micro-batch size (default %(default)s)")
+    p.add_argument("--seq", type=int, default=defaults.seq, help="tokens per sequence (default %(default)s)")
+    p.add_argument("--grad-accum", type=int, default=defaults.grad_accum,
+                   help="micro-batches per optimizer step (default %(default)s)")
+    p.add_argument("--precision", choices=PRECISIONS, default=defaults.precision)
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=defaults.optimizer)
+    p.add_argument("--checkpointing", choices=CHECKPOINTING, default=defaults.checkpointing)
+    p.add_argument("--attention", choices=ATTENTIONS, default=defaults.attention)
+    p.add_argument("--loss", choices=LOSSES, default=defaults.loss)
+    p.add_argument("--gpu", default=None,
+                   help="recorded as recipe.gpu (default: cpu, or the CUDA device's name with --device cuda)")
+    p.add_argument("--allocator", choices=ALLOCATORS, default=defaults.allocator,
+                   help="with --device cuda, expandable sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    p.add_argument("--json", action="store_true", help="print the JSON document (docs/schema.md)")
+    p.add_argument("--fake", action="store_true", help="fake tensors: no compute, no memory (any model size)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--trace", metavar="FILE", help="write every allocation and free as JSON lines")
+    return p
+
+
+def _error(message: str, code: int) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = _parser().parse_args(argv)
+    except _UsageError as e:
+        return _error(str(e), 2)
+    if args.device == "cuda" and args.allocator == "expandable" and not args.fake:
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+        if "expandable_segments" not in conf:
+            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [conf, "expandable_segments:True"]))
+    if args.trace:
+        try:
+            open(args.trace, "w").close()
+        except OSError as e:
+            return _error(f"cannot write the trace file {args.trace}: {e.strerror}", 2)
+
+    from .models import ModelError
+    from .run import DeviceError, measure, quiet_libraries
+
+    quiet_libraries()
+
+    gpu = args.gpu
+    if gpu is None:
+        gpu = "cpu"
+        if args.device == "cuda" and not args.fake:
+            import torch
+
+            if torch.cuda.is_available():
+                gpu = torch.cuda.get_device_name().lower().replace("nvidia", "").strip().replace(" ", "-")
+    try:
+        recipe = Recipe(batch=args.batch, seq=args.seq, grad_accum=args.grad_accum, precision=args.precision,
+                        optimizer=args.optimizer, checkpointing=args.checkpointing, attention=args.attention,
+                        loss=args.loss, gpu=gpu, allocator=args.allocator)
+        command = shlex.join([PROG, *argv])
+        result = measure(args.model, recipe, device=args.device, fake=args.fake, trace=args.trace,
+                         command=command)
+    except (RecipeError, ModelError, DeviceError) as e:
+        return _error(str(e), 2)
+    except Exception as e:  # the measurement failed (out of memory, an unsupported model...)
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        return _error(f"measurement failed: {type(e).__name__}: {first_line}", 1)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(render_text(result))
+    return 0
+
+
+def format_bytes(n: int | None) -> str:
+    """Binary units, as torch prints them."""
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def render_text(result: dict) -> str:
+    r = result["recipe"]
+    peak = result["peak"]
+    lines = [
+        f"{result['model']}: {result['parameters']:,} parameters, batch {r['batch']} x seq {r['seq']}"
+        f" (grad_accum {r['grad_accum']}), {r['precision']}, {r['optimizer']}, checkpointing {r['checkpointing']},"
+        f" attention {r['attention']}, loss {r['loss']} [{result['source']}]",
+        f"peak allocated {format_bytes(result['peak_allocated_bytes'])} at step {peak['step']}"
+        f" micro-batch {peak['micro_batch']}, {peak['phase']}: {peak['op']}",
+    ]
+    total = result["peak_allocated_bytes"] or 1
+    for category, value in result["breakdown_at_peak"].items():
+        lines.append(f"  {category:<17} {format_bytes(value):>12}  {100.0 * value / total:5.1f} %")
+    lines.append("  " + ", ".join(f"step {s['step']} peak {format_bytes(s['peak_allocated_bytes'])}"
+                                  for s in result["steps"]))
+    if "torch" in result:
+        t = result["torch"]
+        lines.append(f"torch.cuda: max_memory_allocated {format_bytes(t.get('max_memory_allocated'))},"
+                     f" max_memory_reserved {format_bytes(t.get('max_memory_reserved'))},"
+                     f" context {format_bytes(t.get('context_bytes'))}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,194 @@
+"""Model resolution and construction for the measuring side.
+
+The model argument is the one `trainmem estimate` takes: a catalog name or alias from
+`data/models/index.json`, a path to a Hugging Face `config.json`, or a directory that holds one.
+The model is always built from that config with random weights; nothing is downloaded.
+
+Three ways to build it:
+
+* real (CPU or CUDA): `AutoModelForCausalLM.from_config` inside Hugging Face's `no_init_weights`
+  (the initialisers are skipped, the tied embeddings are tied again afterwards), then every
+  parameter is filled with a fixed pseudo-random pattern. The values never change what is
+  allocated, and this is much faster on a small CPU than the initialisers;
+* fake: built on the meta device, then every parameter and buffer is replaced by a FakeTensor
+  of the same shape and dtype (no memory, no compute), so 70B shapes can be measured anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from .recipe import HF_ATTENTION, Recipe, RecipeError
+
+
+class ModelError(ValueError):
+    """The model argument does not name a catalog entry or a readable config (exit code 2)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    name: str          # what the output's "model" key says
+    config: dict       # the config.json content
+    source: str        # where it came from (catalog file or path)
+
+
+def data_dir() -> Path:
+    """The repository's data/ folder (TRAINMEM_DATA_DIR overrides)."""
+    env = os.environ.get("TRAINMEM_DATA_DIR")
+    if env:
+        return Path(env)
+    here = Path(__file__).resolve()
+    for parent in here.parents:
+        if (parent / "data" / "models" / "index.json").is_file():
+            return parent / "data"
+    return here.parents[3] / "data"
+
+
+def catalog() -> list[dict]:
+    index = data_dir() / "models" / "index.json"
+    if not index.is_file():
+        return []
+    with open(index) as f:
+        return json.load(f)
+
+
+def _read_config(path: Path) -> dict:
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelError(f"cannot read model config {path}: {e}") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ModelError(f"{path} is not a Hugging Face config.json (no model_type key)")
+    return config
+
+
+def resolve_model(arg: str) -> ModelSpec:
+    """Catalog name/alias/hf_id (case-insensitive), a config.json path, or a model directory."""
+    wanted = arg.strip().lower()
+    for entry in catalog():
+        names = [entry.get("name", ""), entry.get("hf_id", ""), *entry.get("aliases", [])]
+        if wanted in (n.lower() for n in names if n):
+            path = data_dir() / "models" / entry["file"]
+            return ModelSpec(entry["name"], _read_config(path), str(path))
+    path = Path(arg)
+    if path.is_dir():
+        path = path / "config.json"
+        if not path.is_file():
+            raise ModelError(f"{arg} is a directory without a config.json")
+    if path.is_file():
+        return ModelSpec(arg, _read_config(path), str(path))
+    names = sorted(e["name"] for e in catalog())
+    hint = f"; catalog names: {', '.join(names)}" if names else " (no catalog found under data/models)"
+    raise ModelError(f"unknown model {arg!r}: not a catalog name and not a config.json path{hint}")
+
+
+def hf_config(config: dict):
+    from transformers import AutoConfig
+
+    data = {k: v for k, v in config.items() if not k.startswith("_")}
+    model_type = data.pop("model_type")
+    try:
+        return AutoConfig.for_model(model_type, **data)
+    except (ValueError, KeyError) as e:
+        raise ModelError(f"transformers cannot build a config for model_type={model_type!r}: {e}") from None
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def model_dtype(recipe: Recipe) -> torch.dtype:
+    return _DTYPES[recipe.weight_dtype_name]
+
+
+def _causal_lm_from_config(cfg, recipe: Recipe):
+    from transformers import AutoModelForCausalLM
+
+    attn = HF_ATTENTION[recipe.attention]
+    try:
+        return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=model_dtype(recipe))
+    except ImportError as e:  # flash_attention_2 without the flash-attn package
+        raise RecipeError(f"attention={recipe.attention} is not available here: {e}") from None
+    except ValueError as e:
+        if "attn" in str(e).lower() or "attention" in str(e).lower():
+            raise RecipeError(f"attention={recipe.attention} is not available for this model here: {e}") from None
+        raise
+
+
+@torch.no_grad()
+def _fill_pattern(model: torch.nn.Module, seed: int = 0) -> None:
+    """Fill every parameter with a fixed pattern of N(0, 0.02) values (cheap, finite, deterministic)."""
+    gen = torch.Generator().manual_seed(seed)
+    base = (torch.randn(1 << 20, generator=gen) * 0.02)
+    seen = set()
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        flat = p.data.view(-1)
+        src = base.to(device=flat.device, dtype=flat.dtype)
+        for start in range(0, flat.numel(), src.numel()):
+            n = min(src.numel(), flat.numel() - start)
+            flat[start:start + n].copy_(src[:n])
+
+
+def build_real_model(spec: ModelSpec, recipe: Recipe, device: str):
+    from transformers.initialization import no_init_weights
+
+    cfg = hf_config(spec.config)
+    with torch.device(device), no_init_weights():
+        model = _causal_lm_from_config(cfg, recipe)
+    model.tie_weights()
+    _fill_pattern(model)
+    model.train()
+    return model
+
+
+def build_fake_model(spec: ModelSpec, recipe: Recipe, fake_mode, device: str):
+    """Meta construction, then every parameter, buffer and tensor attribute becomes a FakeTensor."""
+    cfg = hf_config(spec.config)
+    with torch.device("meta"):
+        model = _causal_lm_from_config(cfg, recipe)
+    model.tie_weights()
+    memo: dict[int, torch.Tensor] = {}  # id of the meta tensor -> its fake replacement
+    originals: list[torch.Tensor] = []  # keeps the meta tensors alive so that ids stay unique
+
+    def fake_like(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in memo:
+            originals.append(t)
+            with fake_mode:
+                memo[id(t)] = torch.empty(t.shape, dtype=t.dtype, device=device)
+        return memo[id(t)]
+
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in memo:
+                originals.append(p)
+                with fake_mode:
+                    data = torch.empty(p.shape, dtype=p.dtype, device=device)
+                memo[id(p)] = torch.nn.Parameter(data, requires_grad=p.requires_grad)
+            module._parameters[name] = memo[id(p)]
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                module._buffers[name] = fake_like(b)
+        for name, value in list(vars(module).items()):
+            if isinstance(value, torch.Tensor) and value.device.type == "meta":
+                setattr(module, name, fake_like(value))
+    model.train()
+    return model
+
+
+def enable_checkpointing(model) -> None:
+    """Hugging Face's full activation checkpointing, non-reentrant (see the package docstring)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:  # older transformers
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

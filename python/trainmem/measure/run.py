@@ -1,0 +1,305 @@
+"""One measurement: build the model, run the reference steps under the tracker, assemble the JSON."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import shlex
+import time
+
+import torch
+
+from .models import (ModelError, ModelSpec, build_fake_model, build_real_model, enable_checkpointing,
+                     resolve_model)
+from .recipe import Recipe, RecipeError
+from .tracker import CATEGORIES, MemoryTracker
+from .training import hf_loss_fn, run_steps
+
+SEED = 0
+
+
+class DeviceError(ValueError):
+    """The requested device cannot be used here (exit code 2)."""
+
+
+def versions(recipe: Recipe | None = None) -> dict:
+    import transformers
+
+    out = {"torch": torch.__version__, "transformers": transformers.__version__,
+           "python": platform.python_version()}
+    if recipe is not None and recipe.optimizer == "adamw-8bit":
+        try:
+            import bitsandbytes
+
+            out["bitsandbytes"] = bitsandbytes.__version__
+        except ImportError:
+            pass
+    return out
+
+
+def quiet_libraries() -> None:
+    """Keep transformers' advice (deprecations, loss_type, use_cache) off the CLI's stderr."""
+    import warnings
+
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning, module="torch")
+
+
+def expandable_segments_enabled() -> bool:
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    return "expandable_segments:true" in conf.replace(" ", "").lower()
+
+
+def check_device(device: str, fake: bool, recipe: Recipe) -> None:
+    if device not in ("cpu", "cuda"):
+        raise DeviceError(f"device {device!r} is not one of cpu, cuda")
+    if device == "cuda":
+        if fake and not torch.backends.cuda.is_built():
+            raise DeviceError(
+                "--fake --device cuda needs a CUDA build of PyTorch: on this CPU-only build autograd "
+                "aborts the process on fake CUDA tensors; use --fake --device cpu")
+        if not fake and not torch.cuda.is_available():
+            raise DeviceError("--device cuda: no CUDA device is available here; use --device cpu or --fake")
+    if recipe.attention == "flash" and (device != "cuda" or fake):
+        raise RecipeError("attention=flash (flash_attention_2) runs on a real CUDA device only; "
+                          "use --attention sdpa or eager here")
+
+
+def _cuda_device_name() -> str:
+    name = torch.cuda.get_device_name()
+    return name.lower().replace("nvidia", "").strip().replace(" ", "-")
+
+
+def measure(model: str | ModelSpec, recipe: Recipe, *, device: str = "cpu", fake: bool = False,
+            trace: str | None = None, command: str | None = None, steps: int = 2) -> dict:
+    """Measure `steps` optimizer steps of the reference loop; returns the schema's JSON dict."""
+    spec = resolve_model(model) if isinstance(model, str) else model
+    check_device(device, fake, recipe)
+    started = time.perf_counter()
+    torch.manual_seed(SEED)
+    is_cuda = device == "cuda" and not fake
+    cuda_info: dict = {}
+    if is_cuda:
+        _cuda_clean()
+    fake_mode = None
+    if fake:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        fake_mode = FakeTensorMode()
+        model_obj = build_fake_model(spec, recipe, fake_mode, device)
+    else:
+        model_obj = build_real_model(spec, recipe, device)
+    if recipe.checkpointing == "full":
+        enable_checkpointing(model_obj)
+    built = time.perf_counter()
+
+    tracker = MemoryTracker(device, fake=fake, cuda_probe=is_cuda, detect_untracked=is_cuda and expandable_segments_enabled())
+    tracker.attach_model(model_obj)
+    forward_and_loss = hf_loss_fn(model_obj, recipe, tracker)
+    vocab = model_obj.get_input_embeddings().weight.shape[0]
+
+    def make_batch():
+        input_ids = torch.randint(vocab, (recipe.batch, recipe.seq), device=device)
+        return input_ids, input_ids.clone()
+
+    step_hooks = {}
+    if is_cuda:
+        cuda_info = {"steps": []}
+        torch.cuda.synchronize()
+        cuda_info["memory_allocated_before_steps"] = torch.cuda.memory_allocated()
+
+        def on_step_start(step):
+            if step > 1:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+
+        def on_step_end(step):
+            torch.cuda.synchronize()
+            cuda_info["steps"].append({"step": step,
+                                       "max_memory_allocated": torch.cuda.max_memory_allocated(),
+                                       "max_memory_reserved": torch.cuda.max_memory_reserved()})
+
+        step_hooks = {"on_step_start": on_step_start, "on_step_end": on_step_end}
+
+    with contextlib.ExitStack() as stack:
+        if fake_mode is not None:
+            stack.enter_context(fake_hf_patches())
+            stack.enter_context(fake_mode)
+        stack.enter_context(tracker)
+        run_steps(model_obj, recipe, tracker, device=device, make_batch=make_batch,
+                  forward_and_loss=forward_and_loss, steps=steps, fake_mode=fake_mode, **step_hooks)
+    tracker.close()
+    finished = time.perf_counter()
+    if is_cuda:
+        cuda_info.update(_cuda_context())
+    analysis = tracker.analyze()
+    result = _result(spec, recipe, model_obj, tracker, analysis, device=device, fake=fake,
+                     cuda_info=cuda_info, command=command)
+    result["diagnostics"]["build_seconds"] = round(built - started, 3)
+    result["diagnostics"]["steps_seconds"] = round(finished - built, 3)
+    if trace:
+        with open(trace, "w") as f:
+            for row in tracker.trace_rows():
+                f.write(json.dumps(row, separators=(",", ":")) + "\n")
+    del model_obj
+    return result
+
+
+@contextlib.contextmanager
+def fake_hf_patches():
+    """Make Hugging Face take the same path under fake tensors as with real ones.
+
+    transformers checks whether the position ids describe packed sequences (several sequences
+    in one row) with a data-dependent `.all()`, which it skips when it sees a fake tensor, and
+    then treats the batch as packed: the mask and the attention path would differ from a real
+    run. Our batches are never packed (position ids are 0..s-1 in every row), so the check is
+    replaced by one that makes the same tensors as the real check and returns its real answer,
+    None.
+    """
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+
+    def one_sequence_per_row(position_ids):
+        starts = position_ids[:, :1] - 1
+        steps = torch.diff(position_ids, prepend=starts, dim=-1)
+        sequence_index = (steps != 1).cumsum(-1)
+        (sequence_index[:, -1] == 0).all()
+        return None
+
+    masking_utils.find_packed_sequence_indices = one_sequence_per_row
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
+def _cuda_clean() -> None:
+    import gc
+
+    gc.collect()
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def _cuda_context() -> dict:
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    reserved = torch.cuda.memory_reserved()
+    return {"device_name": torch.cuda.get_device_name(), "total_memory": total,
+            "memory_reserved_at_end": reserved, "memory_allocated_at_end": torch.cuda.memory_allocated(),
+            "context_bytes": (total - free) - reserved,
+            "allocator_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF", "")),
+            "expandable_segments": expandable_segments_enabled()}
+
+
+def _result(spec: ModelSpec, recipe: Recipe, model, tracker: MemoryTracker, analysis: dict, *, device: str,
+            fake: bool, cuda_info: dict, command: str | None) -> dict:
+    params = list({id(p): p for p in model.parameters()}.values())
+    n_params = sum(p.numel() for p in params)
+    n_trainable = sum(p.numel() for p in params if p.requires_grad)
+    is_cuda = device == "cuda" and not fake
+    recipe_dict = recipe.as_dict()
+    if is_cuda:
+        source = "measured-cuda"
+        steps = []
+        for entry, raw in zip(analysis["steps"], cuda_info.get("steps", [])):
+            steps.append({**entry, "peak_reserved_bytes": raw["max_memory_reserved"]})
+        peak_reserved = max((s["max_memory_reserved"] for s in cuda_info.get("steps", [])), default=None)
+        device_info = {"name": cuda_info.get("device_name", "cuda"), "capacity_bytes": cuda_info.get("total_memory"),
+                       "context_bytes": cuda_info.get("context_bytes")}
+        torch_figures = {
+            "max_memory_allocated": max((s["max_memory_allocated"] for s in cuda_info.get("steps", [])), default=None),
+            "max_memory_reserved": peak_reserved,
+            "context_bytes": cuda_info.get("context_bytes"),
+            **{k: v for k, v in cuda_info.items() if k not in ("context_bytes",)},
+        }
+    else:
+        source = "measured-fake" if fake else "measured-cpu"
+        steps = [{**entry, "peak_reserved_bytes": None} for entry in analysis["steps"]]
+        peak_reserved = None
+        device_info = {"name": f"fake-{device}" if fake else "cpu",
+                       "capacity_bytes": None if fake else _physical_memory(), "context_bytes": 0}
+        torch_figures = None
+    breakdown = {c: analysis["breakdown_at_peak"].get(c, 0) for c in CATEGORIES}
+    out = {
+        "model": spec.name,
+        "parameters": n_params,
+        "trainable_parameters": n_trainable,
+        "peak_allocated_bytes": analysis["peak_allocated_bytes"],
+        "peak_reserved_bytes": peak_reserved,
+        "breakdown_at_peak": breakdown,
+        "peak": analysis["peak"],
+        "steps": steps,
+        "device": device_info,
+        "recipe": recipe_dict,
+        "source": source,
+        "versions": versions(recipe),
+        "command": command or default_command(spec, recipe, device=device, fake=fake),
+    }
+    if torch_figures is not None:
+        out["torch"] = torch_figures
+    stats = tracker.stats
+    out["diagnostics"] = {
+        "storages": len(tracker.records),
+        "events": len(tracker.events),
+        "ops": stats["ops"],
+        "autocast_weight_casts": stats["weight_casts"],
+        "untracked_inputs": stats["untracked_inputs"],
+        "freed_by_gc_bytes": stats["freed_by_gc_bytes"],
+        "attention_kernels": {k.split(":", 1)[1]: v for k, v in stats.items() if k.startswith("kernel:")},
+        "peak_requested_bytes": analysis["peak_requested_bytes"],
+        "allocated_bytes_by_category": analysis["allocated_bytes_by_category"],
+        "requested_bytes_by_category": analysis["requested_bytes_by_category"],
+        "live_bytes_at_end": analysis["live_bytes_at_end"],
+    }
+    for key in ("untracked_allocated_bytes", "op_internal_transients", "recomputation_hook_not_patched"):
+        if stats.get(key):
+            out["diagnostics"][key] = stats[key]
+    return out
+
+
+def _physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def default_command(spec: ModelSpec, recipe: Recipe, *, device: str, fake: bool) -> str:
+    args = ["trainmem-measure", spec.name]
+    defaults = Recipe()
+    for key, flag in (("batch", "--batch"), ("seq", "--seq"), ("grad_accum", "--grad-accum"),
+                      ("precision", "--precision"), ("optimizer", "--optimizer"),
+                      ("checkpointing", "--checkpointing"), ("attention", "--attention"), ("loss", "--loss"),
+                      ("allocator", "--allocator")):
+        value = getattr(recipe, key)
+        if value != getattr(defaults, key):
+            args += [flag, str(value)]
+    if fake:
+        args.append("--fake")
+    if device != "cpu":
+        args += ["--device", device]
+    args.append("--json")
+    return shlex.join(args)
+
+
+__all__ = ["measure", "DeviceError", "ModelError", "RecipeError", "versions"]

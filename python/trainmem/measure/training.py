@@ -1,0 +1,236 @@
+"""The reference training step, driven under the tracker.
+
+Both trainmem sides model this loop (the engine predicts it, this package measures it):
+
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=..., dtype=...)
+    input_ids = randint(vocab, (batch, seq)); labels = input_ids.clone()   # no attention_mask
+    for step in 1, 2:
+        for micro in range(grad_accum):
+            with autocast (only *-mixed):
+                loss = model(input_ids=input_ids, labels=labels, use_cache=False).loss  # output dropped at once
+            (loss / grad_accum).backward()                 # fp16-mixed: scaler.scale(loss / grad_accum)
+        [bf16-master: master.grad = p.grad.float(); p.grad = None, parameter by parameter]
+        [fp16-mixed: scaler.unscale_(optimizer)]
+        optimizer.step()                                   # fp16-mixed: scaler.step(optimizer); scaler.update()
+        [bf16-master: p.copy_(master) for every parameter]
+        optimizer.zero_grad(set_to_none=True)
+
+Choices made here (the engine mirrors them):
+
+* Precision: `fp32` (everything fp32); `bf16-mixed` / `fp16-mixed` (fp32 model, `torch.autocast`
+  around the forward and the loss only; fp16 adds `torch.amp.GradScaler`); `bf16-master` (bf16
+  model; the optimizer holds an fp32 master copy of every parameter, created before step 1,
+  category weights; grads are converted to fp32 before the step); `bf16-true` / `fp16-true`
+  (model, grads and optimizer states all half, no scaler).
+* The GradScaler always takes the optimizer step. A real one skips the step when it finds
+  inf/NaN gradients, which a fresh fp16 run does on its first steps; a skipped step would not
+  create the optimizer states, and that is not the step we want to measure.
+* Optimizers, one param group with every parameter, lr 1e-3:
+  `adamw` = torch.optim.AdamW(foreach=True) (forced: foreach is the CUDA default, not the CPU
+  one); `adamw-fused` = AdamW(fused=True) (torch 2.13 has a CPU fused kernel, so this runs on
+  CPU too); `adamw-8bit` = bitsandbytes.optim.AdamW8bit (runs on CPU with bitsandbytes ≥ 0.45's
+  CPU backend; its CPU kernel works in fp32 copies that the tracker does not see, because they
+  are made inside one custom op: the CUDA kernel makes none either); `sgd` = SGD(momentum=0.9,
+  foreach=True); `adafactor` = transformers' Adafactor(scale_parameter=False,
+  relative_step=False, lr=1e-3): factored, no first moment.
+* Checkpointing `full` = Hugging Face activation checkpointing with `use_reentrant=False`:
+  it is what transformers 5 uses when no kwargs are given and what PyTorch recommends, it needs
+  no input that requires grad, and the recompute stops early once the last saved tensor is
+  rebuilt. The checkpoint keeps each decoder layer's positional input (the hidden states),
+  saved through the saved-tensor hooks, so those count as activations.
+* `use_cache` is left at the config's value. For every catalog model that is True, so in
+  training the Hugging Face forward builds a DynamicCache holding every layer's key and value
+  states (after RoPE, kv heads) until the output object is dropped (with SDPA these are the same
+  tensors SDPA saves; with eager and GQA the un-repeated ones are extra). With checkpointing
+  Hugging Face turns the cache off.
+* Loss `standard` = the model's own loss (ForCausalLMLoss: logits.float(), labels padded and
+  shifted, cross-entropy). `fused` = `fused_loss.fused_linear_cross_entropy` on the base
+  model's last hidden state (base-model output dropped at once): see Note [Fused loss
+  allocations] there.
+* Phases: `setup` (step 0: inputs, master copies), `forward` (model call up to the loss
+  function), `loss` (the loss function, dropping the output, the division by grad_accum and
+  the scaler's scaling), `backward`, `optimizer` (master conversion, unscale, step, update,
+  copy-back, zero_grad; its micro_batch is the last micro-batch's number).
+* `gc` is disabled while measuring and `gc.collect()` runs after each backward and each
+  optimizer step, so frees do not depend on when Python's collector happens to run (the
+  diagnostics report any bytes such a collection freed: they would mean a reference cycle).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .fused_loss import fused_linear_cross_entropy
+from .recipe import Recipe, RecipeError
+from .tracker import LOSS, MemoryTracker
+
+LEARNING_RATE = 1e-3
+
+
+class _AlwaysStepGradScaler(torch.amp.GradScaler):
+    """GradScaler that never skips the step (and so never calls .item(): fake tensors work)."""
+
+    def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
+        return optimizer.step(*args, **kwargs)
+
+
+def make_optimizer(name: str, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=LEARNING_RATE, foreach=True)
+    if name == "adamw-fused":
+        return torch.optim.AdamW(params, lr=LEARNING_RATE, fused=True)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=LEARNING_RATE, momentum=0.9, foreach=True)
+    if name == "adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(params, lr=LEARNING_RATE, scale_parameter=False, relative_step=False)
+    if name == "adamw-8bit":
+        try:
+            import bitsandbytes as bnb
+        except ImportError as e:
+            raise RecipeError(f"optimizer=adamw-8bit needs the bitsandbytes package: {e}") from None
+        return bnb.optim.AdamW8bit(params, lr=LEARNING_RATE)
+    raise RecipeError(f"unknown optimizer {name!r}")
+
+
+def _unique_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def hf_loss_fn(model, recipe: Recipe, tracker: MemoryTracker):
+    """The per-micro-batch forward + loss for a Hugging Face causal LM."""
+    if recipe.loss == "standard":
+        original = model.loss_function
+
+        def loss_function(*args, **kwargs):
+            tracker.set_phase("loss")
+            with tracker.scope(LOSS):
+                loss = original(*args, **kwargs)
+            tracker.label_graph(loss, LOSS)
+            return loss
+
+        model.loss_function = loss_function
+
+        def forward_and_loss(batch):
+            input_ids, labels = batch
+            return model(input_ids=input_ids, labels=labels, use_cache=False).loss
+
+        return forward_and_loss
+
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise RecipeError("loss=fused supports an lm_head without bias only")
+    base = getattr(model, model.base_model_prefix)
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    if recipe.autocast_dtype_name:
+        compute_dtype = getattr(torch, recipe.autocast_dtype_name)
+    else:
+        compute_dtype = head.weight.dtype
+
+    def forward_and_loss(batch):
+        input_ids, labels = batch
+        hidden = base(input_ids=input_ids, use_cache=False).last_hidden_state
+        tracker.set_phase("loss")
+        with tracker.scope(LOSS):
+            loss = fused_linear_cross_entropy(hidden, head.weight, labels,
+                                              compute_dtype=compute_dtype, softcap=softcap)
+        tracker.label_graph(loss, LOSS)
+        return loss
+
+    return forward_and_loss
+
+
+def _build_optimizer(recipe: Recipe, params, tracker: MemoryTracker, fake_mode):
+    if recipe.optimizer != "adamw-8bit":
+        return make_optimizer(recipe.optimizer, params)
+    # bitsandbytes computes its quantization maps with .tolist() when it is constructed, which
+    # fake tensors cannot do. Construct it outside the tracker and the fake mode (real and fake
+    # runs alike, so their traces agree) and register the maps afterwards: they are small CPU
+    # tensors that init_state moves to the parameters' device at the first step.
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        optimizer = make_optimizer(recipe.optimizer, params)
+    qmaps = getattr(optimizer, "name2qmap", {})
+    for key, qmap in list(qmaps.items()):
+        if fake_mode is not None and isinstance(qmap, torch.Tensor):
+            qmaps[key] = qmap = fake_mode.from_tensor(qmap)
+        tracker.register(qmap, f"bitsandbytes qmap {key}")
+    return optimizer
+
+
+def run_steps(model: torch.nn.Module, recipe: Recipe, tracker: MemoryTracker, *, device: str,
+              make_batch, forward_and_loss, steps: int = 2, on_step_start=None, on_step_end=None,
+              fake_mode=None) -> None:
+    """Run `steps` optimizer steps of the reference loop under an active tracker.
+
+    make_batch() makes the inputs (category other); forward_and_loss(batch) returns the loss.
+    """
+    device_type = torch.device(device).type
+    params = _unique_params(model)
+    tracker.set_phase("setup", 0, 0)
+    with tracker.forced("other"):
+        batch = make_batch()
+    masters: list[torch.Tensor] = []
+    if recipe.uses_master_weights:
+        with tracker.forced("weights"):
+            masters = [torch.nn.Parameter(p.detach().float()) for p in params]
+    optimizer = _build_optimizer(recipe, masters or params, tracker, fake_mode)
+    scaler = _AlwaysStepGradScaler(device_type) if recipe.uses_grad_scaler else None
+    tracker.autocast = recipe.autocast_dtype_name is not None
+    if recipe.autocast_dtype_name:
+        autocast_dtype = getattr(torch, recipe.autocast_dtype_name)
+
+        def autocast():
+            return torch.autocast(device_type, dtype=autocast_dtype)
+    else:
+        autocast = contextlib.nullcontext
+
+    for step in range(1, steps + 1):
+        if on_step_start is not None:
+            on_step_start(step)
+        for micro in range(1, recipe.grad_accum + 1):
+            tracker.set_phase("forward", step, micro)
+            with autocast():
+                loss = forward_and_loss(batch)
+            tracker.set_phase("loss")
+            with tracker.scope(LOSS):
+                scaled = loss / recipe.grad_accum
+                del loss
+                if scaler is not None:
+                    with tracker.forced("other"):
+                        scaled = scaler.scale(scaled)
+            tracker.label_graph(scaled, LOSS)
+            tracker.set_phase("backward")
+            scaled.backward()
+            del scaled
+            tracker.collect_garbage()
+            tracker.mark_gradients(params)
+
+        tracker.set_phase("optimizer")
+        if masters:
+            for p, master in zip(params, masters):
+                master.grad = p.grad.float() if p.grad is not None else None
+                tracker.mark(master.grad, "gradients")
+                p.grad = None
+        if scaler is not None:
+            with tracker.forced("other"):
+                scaler.unscale_(optimizer)
+            scaler.step(optimizer)
+            with tracker.forced("other"):
+                scaler.update()
+        else:
+            optimizer.step()
+        if masters:
+            with torch.no_grad():
+                for p, master in zip(params, masters):
+                    p.copy_(master)
+        tracker.mark_optimizer_state(optimizer)
+        tracker.mark_gradients(masters or params)
+        optimizer.zero_grad(set_to_none=True)
+        tracker.collect_garbage()
+        if on_step_end is not None:
+            on_step_end(step)

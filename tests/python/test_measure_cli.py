@@ -1,0 +1,93 @@
+"""`trainmem-measure`: flags, exit codes, JSON keys (docs/schema.md), --trace, --fake."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+from measure_common import load_measure  # noqa: E402
+
+load_measure()
+from trainmem.measure.cli import main  # noqa: E402
+
+SCHEMA_KEYS = {"model", "parameters", "trainable_parameters", "peak_allocated_bytes", "peak_reserved_bytes",
+               "breakdown_at_peak", "peak", "steps", "device", "recipe", "source", "versions", "command"}
+CATEGORIES = ["weights", "optimizer_states", "gradients", "activations", "temporaries", "other"]
+RECIPE_KEYS = {"batch", "seq", "grad_accum", "precision", "optimizer", "checkpointing", "attention", "loss", "gpu",
+               "allocator"}
+
+
+@pytest.fixture
+def tiny_config(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128,
+                                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                "head_dim": 16, "vocab_size": 256, "tie_word_embeddings": True}))
+    return path
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["nope"], "unknown model 'nope'"),
+    (["gpt2", "--batch", "0"], "batch must be an integer >= 1, got 0"),
+    (["gpt2", "--batch", "x"], "argument --batch: invalid int value: 'x'"),
+    (["gpt2", "--precision", "int3"], "argument --precision: invalid choice: 'int3'"),
+    (["gpt2", "--attention", "flash"], "attention=flash (flash_attention_2) runs on a real CUDA device only"),
+    ([], "the following arguments are required: model"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("trainmem-measure: error: ")
+    assert message in err
+
+
+def test_json_has_the_schema_keys(capsys, tiny_config, tmp_path):
+    trace = tmp_path / "events.jsonl"
+    argv = [str(tiny_config), "--batch", "2", "--seq", "8", "--precision", "bf16-mixed", "--checkpointing", "full",
+            "--json", "--trace", str(trace)]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert SCHEMA_KEYS <= set(out)
+    assert list(out["breakdown_at_peak"]) == CATEGORIES
+    assert sum(out["breakdown_at_peak"].values()) == out["peak_allocated_bytes"]
+    assert set(out["recipe"]) == RECIPE_KEYS and out["recipe"]["checkpointing"] == "full"
+    assert {"step", "micro_batch", "phase", "op"} <= set(out["peak"])
+    assert [s["step"] for s in out["steps"]] == [1, 2]
+    assert out["source"] == "measured-cpu" and out["recipe"]["gpu"] == "cpu"
+    assert out["command"].startswith("trainmem-measure ") and "--checkpointing full" in out["command"]
+    assert {"torch", "transformers"} <= set(out["versions"])
+    rows = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert len(rows) == out["diagnostics"]["events"]
+    assert max(r["live_bytes"] for r in rows) == out["peak_allocated_bytes"]
+    assert {r["category"] for r in rows} <= set(CATEGORIES)
+
+
+def test_fake_catalog_model(capsys):
+    assert main(["gpt2", "--batch", "1", "--seq", "32", "--fake", "--json", "--optimizer", "sgd"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["source"] == "measured-fake" and out["model"] == "gpt2"
+    assert out["parameters"] == 124439808
+    # gpt2 ties lm_head to wte: 124,439,808 fp32 parameters plus the fp32 momentum buffers are alive at the peak
+    assert out["breakdown_at_peak"]["weights"] >= 4 * 124439808
+
+
+def test_text_output(capsys, tiny_config):
+    assert main([str(tiny_config), "--batch", "1", "--seq", "8", "--precision", "fp32"]) == 0
+    text = capsys.readouterr().out
+    assert "peak allocated" in text and "measured-cpu" in text
+
+
+def test_python_dash_m_runs_when_the_package_is_installed(tiny_config):
+    probe = subprocess.run([sys.executable, "-c", "import trainmem.measure.cli"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip("trainmem is not importable without the source-tree loader (package not installed)")
+    run = subprocess.run([sys.executable, "-m", "trainmem.measure", "nope"], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 2 and "unknown model 'nope'" in run.stderr

@@ -1,0 +1,34 @@
+"""Shared by the measuring tools: import trainmem.measure from this source tree.
+
+`trainmem/__init__.py` imports the C++ extension `_core`, which exists only once the package is
+built and installed. The measuring side does not need it, so when the package cannot be
+imported (or an older installed copy would shadow this tree), `trainmem` is made to resolve
+`trainmem.measure` from `python/trainmem/measure` here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE = ROOT / "python" / "trainmem"
+
+
+def load_measure():
+    """The trainmem.measure package of this source tree."""
+    if "trainmem" not in sys.modules:
+        sys.path.insert(0, str(ROOT / "python"))
+        try:
+            importlib.import_module("trainmem")
+        except ImportError:
+            sys.modules.pop("trainmem", None)
+            package = types.ModuleType("trainmem")
+            package.__path__ = [str(SOURCE)]
+            sys.modules["trainmem"] = package
+    package = sys.modules["trainmem"]
+    if str(SOURCE) not in list(package.__path__):
+        package.__path__.insert(0, str(SOURCE))
+    return importlib.import_module("trainmem.measure")
