@@ -979,8 +979,9 @@ class StepBuilder {
     {
       Node nd = node(hs);
       nd.saved = {input_ids_.id};
-      // embedding_dense_backward: a dense weight-sized gradient plus sort/count scratch.
-      nd.params.push_back(param_grad(emb, pol_.param, tok_ * 8 * 3));
+      // embedding_dense_backward: a dense weight-sized gradient; the CUDA kernel also sorts the
+      // indices (sorted ids, original positions, segment offsets: int64 each), the CPU one not.
+      nd.params.push_back(param_grad(emb, pol_.param, cuda_ ? tok_ * 8 * 3 : 0));
       t_.record(std::move(nd));
     }
     if (gpt2) {
@@ -992,7 +993,7 @@ class StepBuilder {
       {
         Node nd = node(pe);
         nd.saved = {pos_ids.id};
-        nd.params.push_back(param_grad(wpe, pol_.param, S_ * 8 * 3));
+        nd.params.push_back(param_grad(wpe, pol_.param, cuda_ ? S_ * 8 * 3 : 0));
         t_.record(std::move(nd));
       }
       t_.drop(pos_ids);
