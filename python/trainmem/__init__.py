@@ -13,8 +13,6 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _core
-
 __all__ = ["Estimate", "estimate", "models", "CATEGORIES"]
 __version__ = "0.1.0"
 
@@ -74,6 +72,8 @@ def estimate(
             raise ValueError(f"{name}: must be a positive integer, got {value}")
         if value >= 2**64:
             raise ValueError(f"{name}: must be between 1 and 2^64-1, got {value}")
+    from . import _core  # the compiled engine; imported here so trainmem.measure works without it
+
     core = _core.estimate(str(model), batch, seq, grad_accum, precision, optimizer, checkpointing,
                           attention, loss, gpu, allocator, timeline)
     data = json.loads(core.to_json())
@@ -83,4 +83,6 @@ def estimate(
 
 def models() -> list[dict[str, Any]]:
     """The built-in catalog: name, hf_id, family, parameters."""
+    from . import _core
+
     return json.loads(_core.catalog_json())
