@@ -29,8 +29,20 @@ std::uint64_t parse_count(const std::string& s, const char* field) {
   return v;
 }
 
+// Error lines echo user input (model names, paths); control characters are escaped so the
+// message stays one line whatever was typed.
 int fail(const std::string& msg) {
-  std::fprintf(stderr, "trainmem: error: %s\n", msg.c_str());
+  std::string line;
+  for (unsigned char c : msg) {
+    if (c < 0x20 || c == 0x7f) {
+      char esc[8];
+      std::snprintf(esc, sizeof esc, "\\x%02x", c);
+      line += esc;
+    } else {
+      line += static_cast<char>(c);
+    }
+  }
+  std::fprintf(stderr, "trainmem: error: %s\n", line.c_str());
   return 2;
 }
 
@@ -96,7 +108,7 @@ std::string compare(const std::string& path, bool as_json) {
     rows += line;
   }
   j["categories"] = cats;
-  if (as_json) return j.dump(2) + "\n";
+  if (as_json) return j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
   std::string out = m["model"].get<std::string>() + " (" + source + ")\n";
   std::snprintf(line, sizeof line, "  %-17s %14s %14s %9s\n", "", "measured", "predicted", "diff");
   out += line;

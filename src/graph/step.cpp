@@ -79,6 +79,8 @@ class StepBuilder {
     detail::mul({tok_, std::max({a_.hidden_size, a_.intermediate_size * 2, a_.vocab_size}), 8},
                 "tokens * width bytes");
     detail::mul({B_, a_.num_heads, S_, S_, 8}, "attention scores (batch * heads * seq^2) bytes");
+    detail::mul({tok_, a_.num_heads, a_.head_dim, 8}, "tokens * heads * head_dim bytes");
+    detail::mul({tok_, a_.num_heads + 2 * a_.num_kv_heads, a_.head_dim, 8}, "tokens * qkv width bytes");
     cuda_ = gpu.name != "cpu";
     attention_ = r.attention;
     // Gemma-2 declares no SDPA/flash support in transformers 5: it always runs eager attention.

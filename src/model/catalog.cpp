@@ -106,7 +106,8 @@ json parse_json_text(std::string_view text, const std::string& what) {
 
 Model load_directory(const std::filesystem::path& dir, const std::string& label) {
   auto cfg = dir / "config.json";
-  if (!std::filesystem::is_regular_file(cfg)) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(cfg, ec)) {
     throw Error(label + ": directory has no config.json");
   }
   Model m = load_model(cfg.string());

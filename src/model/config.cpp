@@ -23,6 +23,16 @@ using nlohmann::json;
 constexpr std::uint64_t kMaxDimension = std::uint64_t{1} << 24;
 constexpr std::uint64_t kMaxLayers = 100000;
 
+// A value as it may appear in a one-line message: scalars as written, containers by kind (a
+// deeply nested value would overflow the stack when dumped, and would not be one line anyway).
+std::string describe(const json& v) {
+  if (v.is_object()) return "an object";
+  if (v.is_array()) return "an array";
+  std::string s = v.dump(-1, ' ', false, json::error_handler_t::replace);
+  if (s.size() > 40) s = s.substr(0, 40) + "...";
+  return s;
+}
+
 std::uint64_t get_dim(const json& c, const char* key, std::uint64_t max = kMaxDimension) {
   auto it = c.find(key);
   if (it == c.end() || it->is_null()) {
@@ -32,26 +42,26 @@ std::uint64_t get_dim(const json& c, const char* key, std::uint64_t max = kMaxDi
   if (v.is_number_float()) {
     double d = v.get<double>();
     if (!std::isfinite(d) || d != std::floor(d)) {
-      throw Error(std::string("config.json: field '") + key + "' must be a whole number, got " + v.dump());
+      throw Error(std::string("config.json: field '") + key + "' must be a whole number, got " + describe(v));
     }
     if (d < 1 || d > static_cast<double>(max)) {
       throw Error(std::string("config.json: field '") + key + "' must be between 1 and " +
-                  std::to_string(max) + ", got " + v.dump());
+                  std::to_string(max) + ", got " + describe(v));
     }
     return static_cast<std::uint64_t>(d);
   }
   if (v.is_number_unsigned() || v.is_number_integer()) {
     if (v.is_number_integer() && !v.is_number_unsigned() && v.get<std::int64_t>() < 1) {
-      throw Error(std::string("config.json: field '") + key + "' must be at least 1, got " + v.dump());
+      throw Error(std::string("config.json: field '") + key + "' must be at least 1, got " + describe(v));
     }
     std::uint64_t x = v.get<std::uint64_t>();
     if (x < 1 || x > max) {
       throw Error(std::string("config.json: field '") + key + "' must be between 1 and " +
-                  std::to_string(max) + ", got " + v.dump());
+                  std::to_string(max) + ", got " + describe(v));
     }
     return x;
   }
-  throw Error(std::string("config.json: field '") + key + "' must be a positive integer, got " + v.dump());
+  throw Error(std::string("config.json: field '") + key + "' must be a positive integer, got " + describe(v));
 }
 
 std::uint64_t get_dim_or(const json& c, const char* key, std::uint64_t fallback,
@@ -65,7 +75,7 @@ bool get_bool_or(const json& c, const char* key, bool fallback) {
   auto it = c.find(key);
   if (it == c.end() || it->is_null()) return fallback;
   if (!it->is_boolean()) {
-    throw Error(std::string("config.json: field '") + key + "' must be true or false, got " + it->dump());
+    throw Error(std::string("config.json: field '") + key + "' must be true or false, got " + describe(*it));
   }
   return it->get<bool>();
 }
@@ -74,11 +84,11 @@ double get_number_or(const json& c, const char* key, double fallback) {
   auto it = c.find(key);
   if (it == c.end() || it->is_null()) return fallback;
   if (!it->is_number()) {
-    throw Error(std::string("config.json: field '") + key + "' must be a number, got " + it->dump());
+    throw Error(std::string("config.json: field '") + key + "' must be a number, got " + describe(*it));
   }
   double d = it->get<double>();
   if (!std::isfinite(d) || d < 0) {
-    throw Error(std::string("config.json: field '") + key + "' must be a finite number ≥ 0, got " + it->dump());
+    throw Error(std::string("config.json: field '") + key + "' must be a finite number ≥ 0, got " + describe(*it));
   }
   return d;
 }
@@ -89,7 +99,7 @@ DType parse_dtype(const json& c) {
     auto it = c.find(key);
     if (it == c.end() || it->is_null()) continue;
     if (!it->is_string()) {
-      throw Error(std::string("config.json: field '") + key + "' must be a string, got " + it->dump());
+      throw Error(std::string("config.json: field '") + key + "' must be a string, got " + describe(*it));
     }
     std::string s = it->get<std::string>();
     if (s == "float32" || s == "float") return DType::kF32;
@@ -107,7 +117,7 @@ std::string model_type_of(const json& c) {
     throw Error("config.json: missing field 'model_type' (expected one of gpt2, llama, mistral, "
                 "qwen2, qwen3, gemma2, phi3)");
   }
-  if (!it->is_string()) throw Error("config.json: field 'model_type' must be a string, got " + it->dump());
+  if (!it->is_string()) throw Error("config.json: field 'model_type' must be a string, got " + describe(*it));
   return it->get<std::string>();
 }
 

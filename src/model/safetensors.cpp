@@ -53,7 +53,13 @@ SafetensorsSummary read_safetensors_dir(const std::string& dir) {
   std::vector<fs::path> files;
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(dir, ec)) {
-    if (e.path().extension() == ".safetensors") files.push_back(e.path());
+    if (e.path().extension() != ".safetensors") continue;
+    // Checked before opening: a FIFO named *.safetensors would block the read forever.
+    std::error_code fec;
+    if (!fs::is_regular_file(e.path(), fec)) {
+      throw Error("safetensors: " + e.path().string() + " is not a regular file");
+    }
+    files.push_back(e.path());
   }
   std::sort(files.begin(), files.end());
   for (const auto& f : files) {
@@ -73,6 +79,9 @@ SafetensorsSummary read_safetensors_dir(const std::string& dir) {
     }
     s = parse_safetensors_header(header, s);
     ++s.files;
+  }
+  if (s.files > 0 && s.parameter_count == 0) {
+    throw Error("safetensors: the checkpoint in " + dir + " holds no tensors");
   }
   return s;
 }

@@ -53,7 +53,9 @@ E parse(const Spellings<E, N>& table, std::string_view s, std::string_view field
 // training recipes, and keeping them bounded keeps b*s*s*heads products checkable.
 constexpr std::uint64_t kMaxBatch = std::uint64_t{1} << 24;
 constexpr std::uint64_t kMaxSeq = std::uint64_t{1} << 24;
-constexpr std::uint64_t kMaxAccum = std::uint64_t{1} << 20;
+// Every micro-batch is simulated (about as long as one forward and backward), so the count is
+// capped where an estimate still takes seconds, not hours.
+constexpr std::uint64_t kMaxAccum = 1024;
 
 void check_range(std::string_view field, std::uint64_t v, std::uint64_t max) {
   if (v < 1 || v > max) {

@@ -38,7 +38,9 @@ ordered_json moment_object(const Moment& m) {
 
 }  // namespace
 
-std::string recipe_json(const Recipe& r) { return recipe_object(r).dump(); }
+std::string recipe_json(const Recipe& r) {
+  return recipe_object(r).dump(-1, ' ', false, ordered_json::error_handler_t::replace);
+}
 
 std::string to_json(const Estimate& e, bool pretty) {
   ordered_json j;
@@ -75,7 +77,9 @@ std::string to_json(const Estimate& e, bool pretty) {
     j["timeline"] = t;
   }
   j["source"] = "engine";
-  return pretty ? j.dump(2) : j.dump();
+  // Model names are paths the user gave; bytes that are not UTF-8 are replaced, not fatal.
+  return pretty ? j.dump(2, ' ', false, ordered_json::error_handler_t::replace)
+                : j.dump(-1, ' ', false, ordered_json::error_handler_t::replace);
 }
 
 std::string to_text(const Estimate& e) {
