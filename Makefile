@@ -1,6 +1,7 @@
 # Two commands set everything up on a fresh Debian machine:
 #   make demo   installs what is missing, builds, installs the package, runs an estimate
-#   make test   the same set-up, then every test (C++, CLI, Python API, tracker)
+#   make test   the same set-up, then every test (C++, CLI, Python API, tracker, accuracy gate,
+#               sanitizers, a short fuzz run)
 # .ci/run calls `make test`.
 
 VENV       ?= .venv
@@ -53,7 +54,8 @@ test-cpp: build
 test-python: install $(VENV)/.measure
 	TRAINMEM_BIN=$(abspath $(BUILD))/trainmem $(PY) -m pytest -q tests/python
 
-test: test-cpp test-python
+# Sanitizers and a short fuzz run are part of every test run (mk/hardening.mk).
+test: test-cpp test-python test-sanitize fuzz-smoke
 
 bench: deps
 	cmake -S . -B $(BUILD)-bench -G Ninja -DTRAINMEM_BUILD_BENCH=ON -DTRAINMEM_BUILD_TESTS=OFF >/dev/null
@@ -62,3 +64,5 @@ bench: deps
 
 clean:
 	rm -rf $(BUILD) $(BUILD)-bench build/py-*
+
+include mk/hardening.mk

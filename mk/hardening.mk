@@ -1,0 +1,51 @@
+# Hardening: fuzzing and sanitizers (included from the Makefile).
+#
+#   make fuzz-smoke      builds the libFuzzer targets (clang, ASan + UBSan) into build-fuzz/, replays
+#                        tests/fuzz/regressions/, fuzzes each target ~25 s (4 targets: < 2 minutes)
+#   make fuzz-long       the same for FUZZ_SECONDS (default 600) per target: tests/fuzz/run_long.sh
+#   make test-sanitize   the C++ tests built with -DTRAINMEM_SANITIZE=ON (ASan + UBSan) in
+#                        build-asan/ under ctest, then the CLI under the sanitizers over a spread of
+#                        catalog models and recipes, and the CLI's bad-input tests against that binary
+#
+# tests/fuzz/README.md says what each target covers and what counts as a finding.
+
+FUZZ_BUILD      ?= build-fuzz
+FUZZ_CXX        ?= clang++-14
+FUZZ_SECONDS    ?= 600
+FUZZ_SMOKE_SECONDS ?= 25
+ASAN_BUILD      ?= build-asan
+ASAN_BUILD_TYPE ?= Debug
+HARDENING_APT   := clang-14 libclang-rt-14-dev
+
+SANITIZER_ENV := ASAN_OPTIONS=abort_on_error=1:detect_leaks=1:strict_string_checks=1 \
+                 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+
+.PHONY: hardening-deps fuzz-build fuzz-smoke fuzz-long test-sanitize
+
+# clang and its libFuzzer/sanitizer runtimes, only for the fuzz build.
+hardening-deps: deps
+	@missing=$$(for p in $(HARDENING_APT); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing: $$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
+
+fuzz-build: hardening-deps
+	cmake -S . -B $(FUZZ_BUILD) -G Ninja -DCMAKE_CXX_COMPILER=$(FUZZ_CXX) -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DTRAINMEM_BUILD_FUZZ=ON -DTRAINMEM_BUILD_TESTS=OFF >/dev/null
+	cmake --build $(FUZZ_BUILD) -j $(JOBS) --target fuzz_config fuzz_safetensors fuzz_recipe fuzz_cli
+
+fuzz-smoke: fuzz-build
+	tests/fuzz/run_long.sh -B -t $(FUZZ_SMOKE_SECONDS)
+
+fuzz-long: fuzz-build
+	tests/fuzz/run_long.sh -B -t $(FUZZ_SECONDS)
+
+test-sanitize: deps $(VENV)/.ready
+	cmake -S . -B $(ASAN_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=$(ASAN_BUILD_TYPE) -DTRAINMEM_SANITIZE=ON \
+	  -DTRAINMEM_BUILD_TESTS=ON >/dev/null
+	cmake --build $(ASAN_BUILD) -j $(JOBS)
+	cd $(ASAN_BUILD) && $(SANITIZER_ENV) ctest --output-on-failure -j $(JOBS)
+	$(SANITIZER_ENV) tests/fuzz/sanitize_cli.sh $(ASAN_BUILD)/trainmem
+	$(SANITIZER_ENV) TRAINMEM_BIN=$(abspath $(ASAN_BUILD))/trainmem $(PY) -m pytest -q -p no:cacheprovider \
+	  tests/python/test_cli.py tests/python/test_bad_input.py

@@ -1,0 +1,190 @@
+// Fuzzes the recipe side: the parse_* spellings, Recipe::validate and trainmem::estimate over
+// fuzzed recipes on fuzzed (mostly valid) architectures, so the graph builder and the
+// simulator see every knob on every family with odd shapes (head_dim 1, GQA groups, tied or
+// untied embeddings, biases, soft-capping) and extreme batch/seq values.
+//
+// For every cheap estimate it also checks the checkpointing property: with
+// checkpointing=full the activations live at the start of backward are never more than with
+// checkpointing=none (the same model and recipe otherwise).
+//
+// Input: FuzzedDataProvider bytes (see README.md). Seeds: corpus/fuzz_recipe/.
+#include <fuzzer/FuzzedDataProvider.h>
+
+#include <nlohmann/json.hpp>
+#include <vector>
+
+#include "fuzz_common.h"
+
+namespace {
+
+constexpr const char* kPrecisions[] = {"fp32", "bf16-mixed", "fp16-mixed", "bf16-master", "bf16-true", "fp16-true"};
+constexpr const char* kOptimizers[] = {"adamw", "adamw-fused", "adamw-8bit", "sgd", "adafactor"};
+constexpr const char* kCheckpointing[] = {"none", "full"};
+constexpr const char* kAttention[] = {"sdpa", "eager", "flash"};
+constexpr const char* kLoss[] = {"standard", "fused"};
+constexpr const char* kAllocator[] = {"default", "expandable"};
+constexpr const char* kGpus[] = {"h100-80gb", "cpu", "a100-40gb", "t4-16gb", "rtx-4090"};
+constexpr const char* kFamilies[] = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt2"};
+constexpr const char* kDtypes[] = {"float32", "bfloat16", "float16"};
+
+// A valid spelling most of the time, otherwise a fuzzed string (typos, case, empty, bytes).
+template <std::size_t N>
+std::string pick(FuzzedDataProvider& p, const char* const (&valid)[N]) {
+  std::uint8_t b = p.ConsumeIntegral<std::uint8_t>();
+  if (b < 240) return valid[b % N];
+  return p.ConsumeRandomLengthString(24);
+}
+
+// A count: small, moderate, any 64-bit value, or a power of two ± 1.
+std::uint64_t count(FuzzedDataProvider& p, std::uint64_t small_max) {
+  switch (p.ConsumeIntegral<std::uint8_t>() % 5) {
+    case 0:
+    case 1: return p.ConsumeIntegralInRange<std::uint64_t>(1, small_max);
+    case 2: return p.ConsumeIntegralInRange<std::uint64_t>(0, 1u << 16);
+    case 3: return p.ConsumeIntegral<std::uint64_t>();
+    default: {
+      std::uint64_t v = std::uint64_t{1} << p.ConsumeIntegralInRange(0, 63);
+      return v + static_cast<std::uint64_t>(p.ConsumeIntegralInRange(-1, 1));
+    }
+  }
+}
+
+// A config.json object. Shapes are chosen to be valid most of the time (heads × head_dim =
+// hidden, kv heads dividing heads); some fields are then replaced by fuzzed JSON values.
+nlohmann::json make_config(FuzzedDataProvider& p) {
+  using nlohmann::json;
+  json c;
+  const std::string family = kFamilies[p.ConsumeIntegralInRange<std::size_t>(0, 6)];
+  c["model_type"] = family;
+  // Now and then widths at the reader's limits (2^k ± 1 up to 2^24): each is accepted alone,
+  // and their products with batch × seq are what the overflow checks must catch.
+  const bool at_limits = p.ConsumeIntegral<std::uint8_t>() < 48;
+  auto width = [&](std::uint64_t small_max) -> std::uint64_t {
+    if (!at_limits) return p.ConsumeIntegralInRange<std::uint64_t>(1, small_max);
+    std::uint64_t v = std::uint64_t{1} << p.ConsumeIntegralInRange(0, 24);
+    return std::max<std::uint64_t>(1, v + static_cast<std::uint64_t>(p.ConsumeIntegralInRange(-1, 1)));
+  };
+  const std::uint64_t heads = width(16);
+  const std::uint64_t head_dim = width(64);
+  std::vector<std::uint64_t> divisors;  // small ones, the powers of two, and heads itself
+  for (std::uint64_t d = 1; d <= std::min<std::uint64_t>(heads, 16); ++d) if (heads % d == 0) divisors.push_back(d);
+  for (std::uint64_t d = 32; d <= heads; d <<= 1) if (heads % d == 0) divisors.push_back(d);
+  divisors.push_back(heads);
+  const std::uint64_t kv = divisors[p.ConsumeIntegralInRange<std::size_t>(0, divisors.size() - 1)];
+  const std::uint64_t hidden = heads * head_dim;
+  const std::uint64_t layers = p.ConsumeIntegralInRange<std::uint64_t>(1, 4);
+  const std::uint64_t inter = width(512);
+  const std::uint64_t vocab = p.ConsumeBool() ? width(1024) : p.ConsumeIntegralInRange<std::uint64_t>(1, 1u << 24);
+  if (family == "gpt2") {
+    c["n_embd"] = hidden <= (1u << 24) ? hidden : width(1024);
+    c["n_head"] = heads;
+    c["n_layer"] = layers;
+    c["n_positions"] = p.ConsumeIntegralInRange<std::uint64_t>(1, 4096);
+    if (p.ConsumeBool()) c["n_inner"] = inter;
+  } else {
+    c["hidden_size"] = p.ConsumeBool() && hidden <= (1u << 24) ? hidden : width(1024);
+    if (p.ConsumeBool()) c["head_dim"] = head_dim;
+    c["num_attention_heads"] = heads;
+    c["num_key_value_heads"] = kv;
+    c["num_hidden_layers"] = layers;
+    c["intermediate_size"] = inter;
+    if (p.ConsumeBool()) c["max_position_embeddings"] = p.ConsumeIntegral<std::uint32_t>();
+    if (p.ConsumeBool()) c["attention_bias"] = p.ConsumeBool();
+    if (p.ConsumeBool()) c["mlp_bias"] = p.ConsumeBool();
+    if (family == "gemma2") {
+      if (p.ConsumeBool()) c["attn_logit_softcapping"] = p.ConsumeFloatingPointInRange<double>(0, 100);
+      if (p.ConsumeBool()) c["final_logit_softcapping"] = p.ConsumeFloatingPointInRange<double>(0, 100);
+    }
+  }
+  c["vocab_size"] = vocab;
+  if (p.ConsumeBool()) c["tie_word_embeddings"] = p.ConsumeBool();
+  if (p.ConsumeBool()) c["torch_dtype"] = kDtypes[p.ConsumeIntegralInRange<std::size_t>(0, 2)];
+  // Now and then, one field of any kind replaced by a fuzzed value.
+  static constexpr const char* kKeys[] = {"hidden_size", "intermediate_size", "num_hidden_layers",
+                                          "num_attention_heads", "num_key_value_heads", "head_dim",
+                                          "vocab_size", "n_embd", "n_head", "n_inner", "torch_dtype",
+                                          "hidden_act", "tie_word_embeddings", "model_type"};
+  while (p.remaining_bytes() > 0 && p.ConsumeIntegral<std::uint8_t>() >= 224) {
+    const char* key = kKeys[p.ConsumeIntegralInRange<std::size_t>(0, std::size(kKeys) - 1)];
+    switch (p.ConsumeIntegralInRange(0, 5)) {
+      case 0: c[key] = p.ConsumeIntegral<std::int64_t>(); break;
+      case 1: c[key] = p.ConsumeIntegral<std::uint64_t>(); break;
+      case 2: c[key] = p.ConsumeFloatingPoint<double>(); break;
+      case 3: c[key] = p.ConsumeRandomLengthString(16); break;
+      case 4: c[key] = nullptr; break;
+      default: c.erase(key); break;
+    }
+  }
+  return c;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  FuzzedDataProvider p(data, size);
+  const bool from_catalog = p.ConsumeIntegral<std::uint8_t>() < 32;
+  std::string catalog_name;
+  nlohmann::json config;
+  if (from_catalog) {
+    static const std::vector<trainmem::CatalogEntry> kCatalog = trainmem::catalog();
+    catalog_name = kCatalog[p.ConsumeIntegralInRange<std::size_t>(0, kCatalog.size() - 1)].name;
+  } else {
+    config = make_config(p);
+  }
+  const std::string precision = pick(p, kPrecisions), optimizer = pick(p, kOptimizers),
+                    checkpointing = pick(p, kCheckpointing), attention = pick(p, kAttention),
+                    loss = pick(p, kLoss), allocator = pick(p, kAllocator), gpu = pick(p, kGpus);
+  const std::uint64_t batch = count(p, 8), seq = count(p, 512), accum = count(p, 3);
+  const std::uint64_t steps = p.ConsumeIntegralInRange<std::uint64_t>(0, 3);
+  // The name a config is known by is the path the user typed: any bytes.
+  const std::string name = p.ConsumeBool() ? p.ConsumeRandomLengthString(12) : "fuzz/config.json";
+
+  if (std::getenv("TRAINMEM_FUZZ_VERBOSE")) {  // to read a reproducer: what the bytes decode to
+    std::fprintf(stderr, "model: %s\nname: %s\nrecipe: precision=%s optimizer=%s checkpointing=%s "
+                 "attention=%s loss=%s allocator=%s gpu=%s batch=%llu seq=%llu grad_accum=%llu steps=%llu\n",
+                 from_catalog ? catalog_name.c_str()
+                              : config.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str(),
+                 nlohmann::json(name).dump(-1, ' ', true, nlohmann::json::error_handler_t::replace).c_str(),
+                 precision.c_str(), optimizer.c_str(), checkpointing.c_str(), attention.c_str(), loss.c_str(),
+                 allocator.c_str(), gpu.c_str(), static_cast<unsigned long long>(batch),
+                 static_cast<unsigned long long>(seq), static_cast<unsigned long long>(accum),
+                 static_cast<unsigned long long>(steps));
+  }
+  fuzz::expected_outcome([&] {
+    trainmem::Recipe r;
+    r.batch = batch;
+    r.seq = seq;
+    r.grad_accum = accum;
+    r.steps = steps;
+    r.precision = trainmem::parse_precision(precision);
+    r.optimizer = trainmem::parse_optimizer(optimizer);
+    r.checkpointing = trainmem::parse_checkpointing(checkpointing);
+    r.attention = trainmem::parse_attention(attention);
+    r.loss = trainmem::parse_loss(loss);
+    r.allocator = trainmem::parse_allocator(allocator);
+    r.gpu = gpu;
+    r.validate();
+    // Round trip of every spelling.
+    FUZZ_CHECK(trainmem::parse_precision(trainmem::to_string(r.precision)) == r.precision);
+    FUZZ_CHECK(trainmem::parse_optimizer(trainmem::to_string(r.optimizer)) == r.optimizer);
+    FUZZ_CHECK(trainmem::parse_allocator(trainmem::to_string(r.allocator)) == r.allocator);
+    trainmem::Model m = from_catalog ? trainmem::load_model(catalog_name)
+                                     : trainmem::model_from_config_json(
+                                           config.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace),
+                                           name);
+    fuzz::check_estimate(m, r);
+    if (fuzz::cheap(m, r) && r.checkpointing == trainmem::Checkpointing::kNone) {
+      trainmem::Recipe full = r;
+      full.checkpointing = trainmem::Checkpointing::kFull;
+      const auto act = trainmem::Category::kActivations;
+      std::uint64_t none_bytes = fuzz::live_at_backward_start(m, r, act);
+      std::uint64_t full_bytes = fuzz::live_at_backward_start(m, full, act);
+      if (full_bytes > none_bytes) {
+        std::string d = "checkpointing=full has " + std::to_string(full_bytes) +
+                        " B of activations at the start of backward, none has " + std::to_string(none_bytes);
+        fuzz::finding("property broken:", d.c_str());
+      }
+    }
+  });
+  return 0;
+}
