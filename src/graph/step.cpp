@@ -795,7 +795,7 @@ class StepBuilder {
     op(a_.family == Family::kGpt2 ? "attn.c_proj" : "self_attn.o_proj");
     T y = linear(o, lp.o, lp.o_b, a_.hidden_size);
     t_.drop(o);
-    return y;
+    return a_.family == Family::kGpt2 ? gpt2_residual_dropout(y) : y;
   }
 
   T slice(const T& fused, std::uint64_t width) {
@@ -822,7 +822,7 @@ class StepBuilder {
       op("mlp.c_proj");
       T y = linear(g, lp.down, lp.down_b, a_.hidden_size);
       t_.drop(g);
-      return y;
+      return gpt2_residual_dropout(y);  // GPT2MLP's dropout
     }
     T gate, up;
     if (lp.gate_up != kNone) {
@@ -880,48 +880,48 @@ class StepBuilder {
 
   T decoder_layer(const T& x, std::uint32_t l) {
     const LayerParams& lp = layers_[l];
-    const std::uint64_t h = a_.hidden_size;
     layer_ = static_cast<std::int32_t>(l);
     const bool gpt2 = a_.family == Family::kGpt2;
     T n1 = gpt2 ? layer_norm(x, lp.in_norm, lp.in_norm_b, tok_, "ln_1")
                 : rms_norm(x, lp.in_norm, tok_, "input_layernorm");
-    T att = attention(n1, lp);
+    T att = attention(n1, lp);  // GPT-2's residual dropout happens inside, as in GPT2Attention
     t_.drop(n1);
-    if (gpt2) {
-      T dr = dropout(att);  // resid_dropout
-      t_.drop(att);
-      att = dr;
-    }
-    if (a_.sandwich_norms) {
-      T pn = rms_norm(att, lp.post_attn_norm, tok_, "post_attention_layernorm");
-      t_.drop(att);
-      att = pn;
-    }
-    op("residual_add");
-    T h1 = add(x, att);
-    t_.drop(att);
+    att = post_norm(att, lp.post_attn_norm, "post_attention_layernorm");
+    T h1 = residual_add(x, att);
     T n2 = gpt2 ? layer_norm(h1, lp.post_attn_norm, lp.post_attn_norm_b, tok_, "ln_2")
                 : rms_norm(h1, a_.sandwich_norms ? lp.pre_ff_norm : lp.post_attn_norm, tok_,
                            a_.sandwich_norms ? "pre_feedforward_layernorm" : "post_attention_layernorm");
     T m = mlp(n2, lp);
     t_.drop(n2);
-    if (gpt2) {
-      T dr = dropout(m);
-      t_.drop(m);
-      m = dr;
-    }
-    if (a_.sandwich_norms) {
-      T pn = rms_norm(m, lp.post_ff_norm, tok_, "post_feedforward_layernorm");
-      t_.drop(m);
-      m = pn;
-    }
-    op("residual_add");
-    T out = add(h1, m);
+    m = post_norm(m, lp.post_ff_norm, "post_feedforward_layernorm");
+    T out = residual_add(h1, m);
     t_.drop(h1);
-    t_.drop(m);
-    (void)h;
     return out;
   }
+
+  // Gemma-2's sandwich norms: the sub-layer output is normalised again before the residual add
+  // (after the layer has rebound hidden_states, so the sub-layer's input is already dropped).
+  T post_norm(T y, std::uint32_t norm, std::string_view name) {
+    if (!a_.sandwich_norms) return y;
+    T pn = rms_norm(y, norm, tok_, name);
+    t_.drop(y);
+    return pn;
+  }
+
+  T gpt2_residual_dropout(T y) {
+    T dr = dropout(y);
+    t_.drop(y);
+    return dr;
+  }
+
+  // residual + branch; the branch output is dropped, the residual stays with the caller.
+  T residual_add(const T& residual, T& branch) {
+    op("residual_add");
+    T sum = add(residual, branch);
+    t_.drop(branch);
+    return sum;
+  }
+
 
   // GradientCheckpointingLayer with use_reentrant=False: the forward keeps only the layer input;
   // backward recomputes the layer (recording its nodes) and runs them.
