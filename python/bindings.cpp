@@ -19,18 +19,8 @@ trainmem::Estimate run_estimate(const std::string& model, std::uint64_t batch, s
                                 const std::string& optimizer, const std::string& checkpointing,
                                 const std::string& attention, const std::string& loss,
                                 const std::string& gpu, const std::string& allocator, bool timeline) {
-  trainmem::Recipe r;
-  r.batch = batch;
-  r.seq = seq;
-  r.grad_accum = grad_accum;
-  r.precision = trainmem::parse_precision(precision);
-  r.optimizer = trainmem::parse_optimizer(optimizer);
-  r.checkpointing = trainmem::parse_checkpointing(checkpointing);
-  r.attention = trainmem::parse_attention(attention);
-  r.loss = trainmem::parse_loss(loss);
-  r.gpu = gpu;
-  r.allocator = trainmem::parse_allocator(allocator);
-  r.validate();
+  const trainmem::Recipe r = trainmem::parse_recipe(
+      {batch, seq, grad_accum, precision, optimizer, checkpointing, attention, loss, gpu, allocator});
   trainmem::EstimateOptions opt;
   opt.timeline = timeline;
   return trainmem::estimate(trainmem::load_model(model), r, opt);

@@ -156,6 +156,22 @@ std::string_view to_string(Checkpointing);
 std::string_view to_string(Attention);
 std::string_view to_string(Loss);
 std::string_view to_string(AllocatorMode);
+// The knobs as a person spells them (CLI flags, Python keywords, the JSON `recipe` object).
+struct RecipeSpelling {
+  std::uint64_t batch = 1;
+  std::uint64_t seq = 2048;
+  std::uint64_t grad_accum = 1;
+  std::string precision = "bf16-mixed";
+  std::string optimizer = "adamw";
+  std::string checkpointing = "none";
+  std::string attention = "sdpa";
+  std::string loss = "standard";
+  std::string gpu = "h100-80gb";
+  std::string allocator = "default";
+};
+// Parses and validates every knob; throws Error naming the first bad field.
+Recipe parse_recipe(const RecipeSpelling& spelling);
+
 // Parse the CLI / JSON spelling; throws Error listing the valid values.
 Precision parse_precision(std::string_view);
 Optimizer parse_optimizer(std::string_view);

@@ -80,6 +80,22 @@ Attention parse_attention(std::string_view s) { return parse(kAttention, s, "att
 Loss parse_loss(std::string_view s) { return parse(kLoss, s, "loss"); }
 AllocatorMode parse_allocator(std::string_view s) { return parse(kAllocator, s, "allocator"); }
 
+Recipe parse_recipe(const RecipeSpelling& in) {
+  Recipe r;
+  r.batch = in.batch;
+  r.seq = in.seq;
+  r.grad_accum = in.grad_accum;
+  r.precision = parse_precision(in.precision);
+  r.optimizer = parse_optimizer(in.optimizer);
+  r.checkpointing = parse_checkpointing(in.checkpointing);
+  r.attention = parse_attention(in.attention);
+  r.loss = parse_loss(in.loss);
+  r.gpu = in.gpu;
+  r.allocator = parse_allocator(in.allocator);
+  r.validate();
+  return r;
+}
+
 void Recipe::validate() const {
   check_range("batch", batch, kMaxBatch);
   check_range("seq", seq, kMaxSeq);

@@ -151,18 +151,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
                  static_cast<unsigned long long>(steps));
   }
   fuzz::expected_outcome([&] {
-    trainmem::Recipe r;
-    r.batch = batch;
-    r.seq = seq;
-    r.grad_accum = accum;
+    trainmem::Recipe r = trainmem::parse_recipe(
+        {batch, seq, accum, precision, optimizer, checkpointing, attention, loss, gpu, allocator});
     r.steps = steps;
-    r.precision = trainmem::parse_precision(precision);
-    r.optimizer = trainmem::parse_optimizer(optimizer);
-    r.checkpointing = trainmem::parse_checkpointing(checkpointing);
-    r.attention = trainmem::parse_attention(attention);
-    r.loss = trainmem::parse_loss(loss);
-    r.allocator = trainmem::parse_allocator(allocator);
-    r.gpu = gpu;
     r.validate();
     // Round trip of every spelling.
     FUZZ_CHECK(trainmem::parse_precision(trainmem::to_string(r.precision)) == r.precision);
