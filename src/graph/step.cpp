@@ -81,6 +81,14 @@ class StepBuilder {
     detail::mul({B_, a_.num_heads, S_, S_, 8}, "attention scores (batch * heads * seq^2) bytes");
     detail::mul({tok_, a_.num_heads, a_.head_dim, 8}, "tokens * heads * head_dim bytes");
     detail::mul({tok_, a_.num_heads + 2 * a_.num_kv_heads, a_.head_dim, 8}, "tokens * qkv width bytes");
+    // Every layer of every micro-batch is simulated: bound the work, so the largest accepted
+    // input finishes in seconds (Llama-3.1-70B with 1024 micro-batches is 81,920 layer passes).
+    constexpr std::uint64_t kMaxLayerPasses = std::uint64_t{1} << 17;
+    if (detail::mul(a_.num_layers, r.grad_accum, "layers * grad_accum") > kMaxLayerPasses) {
+      throw Error("num_hidden_layers * grad_accum = " + std::to_string(a_.num_layers * r.grad_accum) +
+                  " layer passes per step is more than trainmem simulates (" +
+                  std::to_string(kMaxLayerPasses) + "); use a smaller grad_accum");
+    }
     cuda_ = gpu.name != "cpu";
     attention_ = r.attention;
     // Gemma-2 declares no SDPA/flash support in transformers 5: it always runs eager attention.

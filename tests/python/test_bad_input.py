@@ -348,7 +348,19 @@ def test_largest_grad_accum_finishes(trainmem_bin):
     assert r.returncode == 2 and b"grad_accum: must be between 1 and 1024" in r.stderr
 
 
+def test_deepest_model_with_most_micro_batches_is_bounded(trainmem_bin, tmp_path):
+    """The largest accepted layers x micro-batches must be refused or finish, not run for hours."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(with_(LLAMA, hidden_size=8, intermediate_size=8, num_attention_heads=1, vocab_size=8,
+                         num_hidden_layers=100000))
+    try:
+        r = run_cli(trainmem_bin, ["estimate", cfg, "--seq", "8", "--grad-accum", "1024"], timeout=15)
+    except subprocess.TimeoutExpired:
+        pytest.fail("100000 layers x grad_accum 1024 still running after 15 s")
+    assert_bad_input(r, "num_hidden_layers * grad_accum", "layer passes")
+
+
 def test_input_count():
     """The size of the suite, for the record (README of tests/fuzz quotes it)."""
-    n = len(BAD_ARGS) + len(BAD_CONFIGS) + len(BAD_SIZES) + len(BAD_PATHS) + len(ODD_BUT_VALID) + 1  # + grad_accum
+    n = len(BAD_ARGS) + len(BAD_CONFIGS) + len(BAD_SIZES) + len(BAD_PATHS) + len(ODD_BUT_VALID) + 2  # + the two work bounds
     assert n >= 100, n
