@@ -3,13 +3,15 @@
 # regressions/<target>/, then fuzzes each target for a while, one after the other.
 #
 #   tests/fuzz/run_long.sh                      # the long campaign: 600 s per target
-#   tests/fuzz/run_long.sh -t 25                # what `make fuzz-smoke` runs
+#   tests/fuzz/run_long.sh -S -t 20             # what `make fuzz-smoke` runs
 #   tests/fuzz/run_long.sh -t 3600 fuzz_config  # one target, an hour
 #   TRAINMEM_FUZZ_SKIP_KNOWN=1 tests/fuzz/run_long.sh   # step around the known findings
 #                                                       # (Note [Known findings], fuzz_common.h)
 #
 # Options: -t SECONDS per target (default 600), -j JOBS parallel libFuzzer workers per target
-# (default 1), -B skip the build (default: `make fuzz-build` first).
+# (default 1), -B skip the build (default: `make fuzz-build` first), -S smoke: start from the
+# committed seeds only, in a scratch corpus (a grown corpus of thousands of inputs takes most
+# of a short run just to load).
 #
 # What it keeps, under build-fuzz/ (never in the repo):
 #   corpus/<target>/     the grown corpus, seeded from tests/fuzz/corpus/<target>/; kept between
@@ -28,11 +30,13 @@ BUILD="${FUZZ_BUILD:-build-fuzz}"
 SECONDS_PER_TARGET=600
 JOBS=1
 DO_BUILD=1
-while getopts "t:j:B" opt; do
+SMOKE=0
+while getopts "t:j:BS" opt; do
   case "$opt" in
     t) SECONDS_PER_TARGET="$OPTARG" ;;
     j) JOBS="$OPTARG" ;;
     B) DO_BUILD=0 ;;
+    S) SMOKE=1 ;;
     *) sed -n '2,25p' "$0"; exit 2 ;;
   esac
 done
@@ -87,7 +91,12 @@ for t in "${TARGETS[@]}"; do
   [ "$reg_fail" -gt 0 ] && status=1
 
   # 2. fuzzing
-  mkdir -p "$BUILD/corpus/$t" "$BUILD/artifacts/$t" "$BUILD/logs"
+  corpus="$BUILD/corpus/$t"
+  if [ "$SMOKE" = 1 ]; then
+    corpus="$BUILD/smoke-corpus/$t"
+    rm -rf "$corpus"
+  fi
+  mkdir -p "$corpus" "$BUILD/artifacts/$t" "$BUILD/logs"
   before=$(ls "$BUILD/artifacts/$t" | wc -l)
   log="$BUILD/logs/$t.log"
   echo "== $t: ${SECONDS_PER_TARGET}s, $JOBS job(s), log $log"
@@ -95,13 +104,13 @@ for t in "${TARGETS[@]}"; do
   [ "$JOBS" -gt 1 ] && fork=(-fork="$JOBS" -ignore_crashes=1)
   "$bin" $(flags_for "$t") "${fork[@]}" -max_total_time="$SECONDS_PER_TARGET" -timeout=20 \
     -rss_limit_mb=4096 -print_final_stats=1 -artifact_prefix="$BUILD/artifacts/$t/" \
-    "$BUILD/corpus/$t" "$FUZZ/corpus/$t" >"$log" 2>&1
+    "$corpus" "$FUZZ/corpus/$t" >"$log" 2>&1
   rc=$?
   after=$(ls "$BUILD/artifacts/$t" | wc -l)
   execs=$(grep -m1 -o 'stat::number_of_executed_units: [0-9]*' "$log" | grep -o '[0-9]*$')
   [ -z "$execs" ] && execs=$(grep -o '^#[0-9]*' "$log" | tail -1 | tr -d '#')
   cov=$(grep -o 'cov: [0-9]*' "$log" | tail -1)
-  corpus=$(ls "$BUILD/corpus/$t" | wc -l)
+  corpus_size=$(ls "$corpus" | wc -l)
   new=$((after - before))
   if [ "$rc" -ne 0 ] || [ "$new" -gt 0 ]; then
     status=1
@@ -109,7 +118,7 @@ for t in "${TARGETS[@]}"; do
     grep -m5 -E "ERROR: |FUZZ FINDING|runtime error|terminate called|SUMMARY" "$log" | sed 's/^/    /'
   fi
   summary+=("$(printf '%-17s %12s execs  %-10s corpus %5s  regressions %d/%d pass  new artifacts %d  exit %d' \
-    "$t" "${execs:-?}" "${cov:-cov: ?}" "$corpus" $((reg_total - reg_fail)) "$reg_total" "$new" "$rc")")
+    "$t" "${execs:-?}" "${cov:-cov: ?}" "$corpus_size" $((reg_total - reg_fail)) "$reg_total" "$new" "$rc")")
 done
 
 echo

@@ -18,10 +18,6 @@ peak_reserved_bytes is NOT monotone in batch or seq, and no test claims it is: t
 allocator sizes a segment by the request (20 MiB for a large request under 10 MiB, the request
 rounded up to 2 MiB above), so larger tensors can pack into fewer reserved bytes.
 test_reserved_can_shrink_when_seq_grows pins one such case.
-
-Models have at least two layers here: a one-layer model crashes the engine (a known finding,
-tests/fuzz/regressions/fuzz_config/one-layer-segv.json, and test_bad_input.py), which would take
-the whole pytest process down with it.
 """
 from __future__ import annotations
 
@@ -39,7 +35,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-PROPS = settings(max_examples=30, deadline=None, derandomize=True,
+PROPS = settings(max_examples=100, deadline=None, derandomize=True,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 PRECISIONS = ["fp32", "bf16-mixed", "fp16-mixed", "bf16-master", "bf16-true", "fp16-true"]
@@ -69,7 +65,7 @@ def configs(draw) -> dict:
     heads = draw(st.integers(1, 16))
     kv = draw(st.sampled_from([d for d in range(1, heads + 1) if heads % d == 0]))
     head_dim = draw(st.integers(1, 32) | st.sampled_from([64, 128]))
-    layers = draw(st.integers(2, 3))
+    layers = draw(st.integers(1, 3))
     vocab = draw(st.integers(1, 3000) | st.integers(3000, 160000))
     inter = draw(st.integers(1, 256) | st.integers(256, 8192))
     if family == "gpt2":
@@ -233,7 +229,7 @@ def test_full_checkpointing_never_adds_activations_at_backward_start(cfg, recipe
 
 # ---- determinism and agreement -------------------------------------------------------------------
 
-@settings(max_examples=12, deadline=None, derandomize=True)
+@settings(max_examples=25, deadline=None, derandomize=True)
 @given(configs(), recipes(), st.booleans())
 def test_repeatable_and_cli_agrees(trainmem_bin, cfg, recipe, timeline):
     path = config_path(cfg)
