@@ -339,6 +339,17 @@ class StepBuilder {
     return y;
   }
 
+  // softmax over the last dim, in x's dtype: the output is what its backward saves.
+  T softmax(const T& x) {
+    T p = fresh(x.numel, x.dtype);
+    requires_grad(p);
+    Node nd = node(p);
+    nd.saved = {p.id};
+    nd.inputs.push_back(grad_of(x));
+    t_.record(std::move(nd));
+    return p;
+  }
+
   // a + b where the gradient passes through to both (AddBackward saves nothing).
   T add(const T& a, const T& b) {
     T y = fresh(std::max(a.numel, b.numel), promote(a.dtype, b.dtype));
@@ -545,14 +556,7 @@ class StepBuilder {
       op("self_attn.softmax");
       T s32 = to(s2, DType::kF32);
       t_.drop(s2);
-      T p32 = fresh(scores, DType::kF32);
-      requires_grad(p32);
-      {
-        Node nd = node(p32);
-        nd.saved = {p32.id};
-        nd.inputs.push_back(grad_of(s32));
-        t_.record(std::move(nd));
-      }
+      T p32 = softmax(s32);
       t_.drop(s32);
       T p = to(p32, q.dtype);  // .to(query.dtype): fp32 under autocast, so a no-op there
       t_.drop(p32);
@@ -660,14 +664,7 @@ class StepBuilder {
       const DType sd = (pol_.autocast && cuda_) ? DType::kF32 : s2.dtype;
       T sin = to(s2, sd);
       t_.drop(s2);
-      T p = fresh(scores, sd);
-      requires_grad(p);
-      {
-        Node nd = node(p);
-        nd.saved = {p.id};
-        nd.inputs.push_back(grad_of(sin));
-        t_.record(std::move(nd));
-      }
+      T p = softmax(sin);
       t_.drop(sin);
       T pv = to(p, v.dtype);  // .type(value.dtype)
       t_.drop(p);
@@ -713,14 +710,7 @@ class StepBuilder {
     T sc = bmm(qc, kc, scores, md);  // the mask is added in place
     t_.drop(qc);
     t_.drop(kc);
-    T p = fresh(scores, md);  // _safe_softmax saves its output
-    requires_grad(p);
-    {
-      Node nd = node(p);
-      nd.saved = {p.id};
-      nd.inputs.push_back(grad_of(sc));
-      t_.record(std::move(nd));
-    }
+    T p = softmax(sc);  // _safe_softmax
     t_.drop(sc);
     t_.drop(fmask);
     drop_out(p);
