@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -44,12 +44,16 @@ ATTENTION = ["sdpa", "eager", "flash"]
 GPUS = ["h100-80gb", "cpu", "t4-16gb"]
 CATEGORIES = ("weights", "optimizer_states", "gradients", "activations", "temporaries", "other")
 
-# Configs are files because the engine reads models from paths; one directory for the session,
-# one file per distinct config (named by its hash, so equal configs share a path and a name).
-_CONFIG_DIR = Path(tempfile.mkdtemp(prefix="trainmem-props-"))
+# Configs are files because the engine reads models from paths; one directory for the module
+# (made on first use, removed by teardown_module), one file per distinct config (named by its
+# hash, so equal configs share a path and a name).
+_CONFIG_DIR: Path | None = None
 
 
 def config_path(cfg: dict) -> str:
+    global _CONFIG_DIR
+    if _CONFIG_DIR is None:
+        _CONFIG_DIR = Path(tempfile.mkdtemp(prefix="trainmem-props-"))
     text = json.dumps(cfg, sort_keys=True)
     p = _CONFIG_DIR / (hashlib.sha1(text.encode()).hexdigest()[:16] + ".json")
     if not p.exists():
@@ -249,6 +253,5 @@ def test_repeatable_and_cli_agrees(trainmem_bin, cfg, recipe, timeline):
 
 
 def teardown_module():
-    for p in _CONFIG_DIR.glob("*.json"):
-        p.unlink()
-    os.rmdir(_CONFIG_DIR)
+    if _CONFIG_DIR is not None:
+        shutil.rmtree(_CONFIG_DIR, ignore_errors=True)
