@@ -339,6 +339,18 @@ class StepBuilder {
     return y;
   }
 
+  // Batched matmul a @ b: both operands are saved, each gets a gradient of its own size.
+  T bmm(const T& a, const T& b, std::uint64_t out_numel, DType d) {
+    T y = fresh(out_numel, d);
+    requires_grad(y);
+    Node nd = node(y);
+    nd.saved = {a.id, b.id};
+    nd.inputs.push_back(grad_of(a));
+    nd.inputs.push_back(grad_of(b));
+    t_.record(std::move(nd));
+    return y;
+  }
+
   // softmax over the last dim, in x's dtype: the output is what its backward saves.
   T softmax(const T& x) {
     T p = fresh(x.numel, x.dtype);
@@ -530,15 +542,7 @@ class StepBuilder {
       T kc = for_bmm(kr);
       t_.drop(kr);
       ensure_workspace(false);
-      T s0 = fresh(scores, c);  // q @ k^T
-      requires_grad(s0);
-      {
-        Node nd = node(s0);
-        nd.saved = {qc.id, kc.id};
-        nd.inputs.push_back(grad_of(qc));
-        nd.inputs.push_back(grad_of(kc));
-        t_.record(std::move(nd));
-      }
+      T s0 = bmm(qc, kc, scores, c);  // q @ k^T
       t_.drop(qc);
       t_.drop(kc);
       T s1 = elementwise({&s0}, scores, c, {});  // * scaling
@@ -565,15 +569,7 @@ class StepBuilder {
       t_.drop(p);
       T vc = for_bmm(vr);
       t_.drop(vr);
-      T o = fresh(qn, c);  // probs @ v
-      requires_grad(o);
-      {
-        Node nd = node(o);
-        nd.saved = {pc.id, vc.id};
-        nd.inputs.push_back(grad_of(pc));
-        nd.inputs.push_back(grad_of(vc));
-        t_.record(std::move(nd));
-      }
+      T o = bmm(pc, vc, qn, c);  // probs @ v
       t_.drop(pc);
       t_.drop(vc);
       T oc = elementwise({&o}, qn, c, {});  // transpose(1, 2).contiguous()
@@ -633,16 +629,6 @@ class StepBuilder {
     const std::uint64_t qn = q.numel, scores = B_ * heads * S_ * S_;
     const DType c = q.dtype;  // the Conv1D output dtype: the compute dtype
     auto copy = [&](const T& x, DType d) { return elementwise({&x}, x.numel, d, {}); };
-    auto bmm = [&](T& a, T& b, std::uint64_t out_numel, DType d) {
-      T y = fresh(out_numel, d);
-      requires_grad(y);
-      Node nd = node(y);
-      nd.saved = {a.id, b.id};
-      nd.inputs.push_back(grad_of(a));
-      nd.inputs.push_back(grad_of(b));
-      t_.record(std::move(nd));
-      return y;
-    };
     auto drop_out = [&](T& x) {  // dropout(p > 0) on probabilities: see dropout()
       T y = dropout(x);
       t_.drop(x);
