@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "model/model.h"
+#include "test_util.h"
 #include "trainmem/trainmem.h"
 
 namespace trainmem {
@@ -27,20 +28,7 @@ namespace {
 
 using nlohmann::json;
 
-// Runs fn, expects it to throw trainmem::Error, and returns what() ("" if it did not).
-template <typename Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    std::forward<Fn>(fn)();
-  } catch (const Error& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "expected trainmem::Error, got " << typeid(e).name() << ": " << e.what();
-    return "";
-  }
-  ADD_FAILURE() << "expected an exception";
-  return "";
-}
+using testing::error_of;
 
 const json& param_counts() {
   static const json kDoc = [] {

@@ -13,25 +13,13 @@
 #include <utility>
 #include <vector>
 
+#include "test_util.h"
 #include "trainmem/trainmem.h"
 
 namespace trainmem {
 namespace {
 
-// Runs fn, expects it to throw exactly trainmem::Error, and returns what() ("" if it did not).
-template <typename Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    std::forward<Fn>(fn)();
-  } catch (const Error& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "expected trainmem::Error, got " << typeid(e).name() << ": " << e.what();
-    return "";
-  }
-  ADD_FAILURE() << "expected an exception";
-  return "";
-}
+using testing::error_of;
 
 // ---- spellings ----------------------------------------------------------------------------
 
