@@ -14,13 +14,9 @@ using namespace nb::literals;
 
 namespace {
 
-trainmem::Estimate run_estimate(const std::string& model, std::uint64_t batch, std::uint64_t seq,
-                                std::uint64_t grad_accum, const std::string& precision,
-                                const std::string& optimizer, const std::string& checkpointing,
-                                const std::string& attention, const std::string& loss,
-                                const std::string& gpu, const std::string& allocator, bool timeline) {
-  const trainmem::Recipe r = trainmem::parse_recipe(
-      {batch, seq, grad_accum, precision, optimizer, checkpointing, attention, loss, gpu, allocator});
+trainmem::Estimate run_estimate(const std::string& model, const trainmem::RecipeSpelling& spelling,
+                                bool timeline) {
+  const trainmem::Recipe r = trainmem::parse_recipe(spelling);
   trainmem::EstimateOptions opt;
   opt.timeline = timeline;
   return trainmem::estimate(trainmem::load_model(model), r, opt);
@@ -30,6 +26,23 @@ trainmem::Estimate run_estimate(const std::string& model, std::uint64_t batch, s
 
 NB_MODULE(_core, m) {
   m.doc() = "trainmem engine (C++): GPU memory of a training step, simulated op by op";
+
+  using trainmem::RecipeSpelling;
+  nb::class_<RecipeSpelling>(m, "RecipeSpelling")
+      .def(nb::init<>())
+      .def_rw("batch", &RecipeSpelling::batch)
+      .def_rw("seq", &RecipeSpelling::seq)
+      .def_rw("grad_accum", &RecipeSpelling::grad_accum)
+      .def_rw("precision", &RecipeSpelling::precision)
+      .def_rw("optimizer", &RecipeSpelling::optimizer)
+      .def_rw("checkpointing", &RecipeSpelling::checkpointing)
+      .def_rw("attention", &RecipeSpelling::attention)
+      .def_rw("loss", &RecipeSpelling::loss)
+      .def_rw("gpu", &RecipeSpelling::gpu)
+      .def_rw("allocator", &RecipeSpelling::allocator)
+      .def_rw("lora_rank", &RecipeSpelling::lora_rank)
+      .def_rw("lora_targets", &RecipeSpelling::lora_targets)
+      .def_rw("lora_dropout", &RecipeSpelling::lora_dropout);
 
   nb::class_<trainmem::Estimate>(m, "Estimate")
       .def_ro("model", &trainmem::Estimate::model)
@@ -41,9 +54,7 @@ NB_MODULE(_core, m) {
       .def("to_json", [](const trainmem::Estimate& e) { return trainmem::report::to_json(e); })
       .def("to_text", [](const trainmem::Estimate& e) { return trainmem::report::to_text(e); });
 
-  m.def("estimate", &run_estimate, "model"_a, "batch"_a, "seq"_a, "grad_accum"_a, "precision"_a,
-        "optimizer"_a, "checkpointing"_a, "attention"_a, "loss"_a, "gpu"_a, "allocator"_a,
-        "timeline"_a);
+  m.def("estimate", &run_estimate, "model"_a, "recipe"_a, "timeline"_a);
   m.def("catalog_json", []() {
     std::string out = "[";
     for (const auto& c : trainmem::catalog()) {

@@ -8,11 +8,13 @@ namespace trainmem {
 Estimate estimate(const Model& model, const Recipe& recipe, const EstimateOptions& options) {
   recipe.validate();
   const Gpu& gpu = find_gpu(recipe.gpu);
-  graph::Trace trace = graph::build_training_trace(model, recipe, gpu);
-  Estimate est = sim::simulate(trace, recipe, options);
+  Recipe resolved = recipe;
+  if (resolved.lora.enabled()) resolved.lora.targets = resolve_lora_targets(model.arch, recipe.lora.targets);
+  graph::Trace trace = graph::build_training_trace(model, resolved, gpu);
+  Estimate est = sim::simulate(trace, resolved, options);
   est.model = model.name;
   est.parameters = model.parameter_count;
-  est.trainable_parameters = model.parameter_count;
+  est.trainable_parameters = trace.trainable_parameters;
   est.gpu = gpu;
   return est;
 }

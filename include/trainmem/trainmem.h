@@ -134,6 +134,16 @@ enum class Attention : std::uint8_t { kEager, kSdpa, kFlash };
 enum class Loss : std::uint8_t { kStandard, kFused };
 enum class AllocatorMode : std::uint8_t { kDefault, kExpandable };
 
+// LoRA adapters (peft's LoraConfig): the base model is frozen, every targeted linear layer of
+// every decoder layer gets A (rank × in) and B (out × rank) beside it.
+struct Lora {
+  std::uint64_t rank = 0;            // 0: no adapters, every parameter trains
+  std::vector<std::string> targets;  // module names as peft matches them ("q_proj"); empty, or
+                                     // "default": peft's default for the family; "all-linear"
+  double dropout = 0;                // lora_dropout; 0 is nn.Identity (nothing saved)
+  bool enabled() const { return rank > 0; }
+};
+
 struct Recipe {
   std::uint64_t batch = 1;
   std::uint64_t seq = 2048;
@@ -145,6 +155,7 @@ struct Recipe {
   Loss loss = Loss::kStandard;
   std::string gpu = "h100-80gb";
   AllocatorMode allocator = AllocatorMode::kDefault;
+  Lora lora;
   std::uint64_t steps = 2;  // step 1 creates optimizer state lazily; step 2 is steady state
 
   void validate() const;  // throws Error naming the field
@@ -168,6 +179,9 @@ struct RecipeSpelling {
   std::string loss = "standard";
   std::string gpu = "h100-80gb";
   std::string allocator = "default";
+  std::uint64_t lora_rank = 0;
+  std::string lora_targets = "default";  // comma-separated module names, "default" or "all-linear"
+  double lora_dropout = 0;
 };
 // Parses and validates every knob; throws Error naming the first bad field.
 Recipe parse_recipe(const RecipeSpelling& spelling);
@@ -179,6 +193,12 @@ Checkpointing parse_checkpointing(std::string_view);
 Attention parse_attention(std::string_view);
 Loss parse_loss(std::string_view);
 AllocatorMode parse_allocator(std::string_view);
+
+// The linear modules of one decoder layer that LoRA can target, as peft names them.
+std::vector<std::string> lora_target_modules(const Architecture&);
+// "default" / "all-linear" / an explicit list, resolved for this architecture; throws Error
+// naming a module the architecture does not have.
+std::vector<std::string> resolve_lora_targets(const Architecture&, const std::vector<std::string>& spelled);
 
 // ---- Estimates ----------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Estimate", "estimate", "models", "CATEGORIES"]
+__all__ = ["Estimate", "estimate", "models", "CATEGORIES", "RECIPE_DEFAULTS"]
 __version__ = "0.1.0"
 
 CATEGORIES = ("weights", "optimizer_states", "gradients", "activations", "temporaries", "other")
@@ -49,33 +49,62 @@ class Estimate:
     _text: str = field(default="", repr=False, compare=False)
 
 
-def estimate(
-    model: str,
-    *,
-    batch: int = 1,
-    seq: int = 2048,
-    grad_accum: int = 1,
-    precision: str = "bf16-mixed",
-    optimizer: str = "adamw",
-    checkpointing: str = "none",
-    attention: str = "sdpa",
-    loss: str = "standard",
-    gpu: str = "h100-80gb",
-    allocator: str = "default",
-    timeline: bool = False,
-) -> Estimate:
-    """Peak memory of one training step. Raises ValueError on bad input."""
-    for name, value in (("batch", batch), ("seq", seq), ("grad_accum", grad_accum)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{name}: must be a positive integer, got {value!r}")
-        if value < 1:
-            raise ValueError(f"{name}: must be a positive integer, got {value}")
-        if value >= 2**64:
-            raise ValueError(f"{name}: must be between 1 and 2^64-1, got {value}")
+# Every recipe knob with its default, as docs/schema.md spells it.
+RECIPE_DEFAULTS: dict[str, Any] = {
+    "batch": 1,
+    "seq": 2048,
+    "grad_accum": 1,
+    "precision": "bf16-mixed",
+    "optimizer": "adamw",
+    "checkpointing": "none",
+    "attention": "sdpa",
+    "loss": "standard",
+    "gpu": "h100-80gb",
+    "allocator": "default",
+    "lora_rank": 0,
+    "lora_targets": "default",
+    "lora_dropout": 0.0,
+}
+_COUNTS = ("batch", "seq", "grad_accum")
+
+
+def _spelling(knobs: dict[str, Any]):
+    """A _core.RecipeSpelling from keyword arguments; ValueError on a bad type or name."""
     from . import _core  # the compiled engine; imported here so trainmem.measure works without it
 
-    core = _core.estimate(str(model), batch, seq, grad_accum, precision, optimizer, checkpointing,
-                          attention, loss, gpu, allocator, timeline)
+    unknown = sorted(set(knobs) - set(RECIPE_DEFAULTS))
+    if unknown:
+        raise ValueError(f"unknown recipe knob(s): {', '.join(unknown)}")
+    sp = _core.RecipeSpelling()
+    for name, default in RECIPE_DEFAULTS.items():
+        value = knobs.get(name, default)
+        if name in _COUNTS or name == "lora_rank":
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+            if value < (0 if name == "lora_rank" else 1):
+                raise ValueError(f"{name}: must be a positive integer, got {value}")
+            if value >= 2**64:
+                raise ValueError(f"{name}: must be between 1 and 2^64-1, got {value}")
+        elif name == "lora_dropout":
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"lora_dropout: must be a number, got {value!r}")
+            value = float(value)
+        elif name == "lora_targets" and isinstance(value, (list, tuple)):
+            if not all(isinstance(t, str) for t in value):
+                raise ValueError(f"lora_targets: must be module names, got {value!r}")
+            value = ",".join(value)
+        elif not isinstance(value, str):
+            raise ValueError(f"{name}: must be a string, got {value!r}")
+        setattr(sp, name, value)
+    return sp
+
+
+def estimate(model: str, *, timeline: bool = False, **recipe: Any) -> Estimate:
+    """Peak memory of one training step. Recipe knobs are keyword arguments with the names and
+    defaults of RECIPE_DEFAULTS (the CLI's flags). Raises ValueError on bad input."""
+    from . import _core
+
+    core = _core.estimate(str(model), _spelling(recipe), timeline)
     data = json.loads(core.to_json())
     data["_text"] = core.to_text()
     return Estimate(**data)

@@ -29,6 +29,70 @@ std::uint64_t parse_count(const std::string& s, const char* field) {
   return v;
 }
 
+// A non-negative decimal number ("0.05"); the whole string must parse.
+double parse_fraction(const std::string& s, const char* field) {
+  double v = 0;
+  const char* end = s.data() + s.size();
+  auto [ptr, ec] = std::from_chars(s.data(), end, v);
+  if (s.empty() || ec != std::errc() || ptr != end || !std::isfinite(v)) {
+    throw Error(std::string(field) + ": must be a number, got '" + s + "'");
+  }
+  return v;
+}
+
+// The recipe knobs, shared by `estimate` and `fit`. Values are kept as typed and checked by
+// parse_recipe, so every front end reports the same errors.
+struct RecipeFlags {
+  std::string batch = "1", seq = "2048", accum = "1";
+  std::string precision = "bf16-mixed", optimizer = "adamw", ckpt = "none", attention = "sdpa",
+              loss = "standard", gpu = "h100-80gb", allocator = "default";
+  std::string lora_rank = "0", lora_targets = "default", lora_dropout = "0";
+
+  void add_to(CLI::App* app, bool with_batch = true) {
+    if (with_batch) {
+      app->add_option("--batch", batch, "Micro-batch size")->capture_default_str();
+      app->add_option("--grad-accum", accum, "Micro-batches per optimizer step")->capture_default_str();
+    }
+    app->add_option("--seq", seq, "Sequence length in tokens")->capture_default_str();
+    app->add_option("--precision", precision,
+                    "fp32 | bf16-mixed | fp16-mixed | bf16-master | bf16-true | fp16-true")
+        ->capture_default_str();
+    app->add_option("--optimizer", optimizer, "adamw | adamw-fused | adamw-8bit | sgd | adafactor")
+        ->capture_default_str();
+    app->add_option("--checkpointing", ckpt, "none | full (per decoder layer)")->capture_default_str();
+    app->add_option("--attention", attention, "eager | sdpa | flash")->capture_default_str();
+    app->add_option("--loss", loss, "standard (fp32 logits) | fused (chunked linear + cross-entropy)")
+        ->capture_default_str();
+    app->add_option("--gpu", gpu, "GPU from `trainmem gpus`, or cpu")->capture_default_str();
+    app->add_option("--allocator", allocator, "default | expandable (expandable_segments:True)")
+        ->capture_default_str();
+    app->add_option("--lora", lora_rank, "LoRA rank; 0 trains every parameter")->capture_default_str();
+    app->add_option("--lora-targets", lora_targets,
+                    "Modules LoRA wraps: default (peft's), all-linear, or names (q_proj,v_proj)")
+        ->capture_default_str();
+    app->add_option("--lora-dropout", lora_dropout, "lora_dropout (0: no dropout, nothing saved)")
+        ->capture_default_str();
+  }
+
+  trainmem::RecipeSpelling spelling() const {
+    trainmem::RecipeSpelling sp;
+    sp.batch = parse_count(batch, "batch");
+    sp.seq = parse_count(seq, "seq");
+    sp.grad_accum = parse_count(accum, "grad_accum");
+    sp.precision = precision;
+    sp.optimizer = optimizer;
+    sp.checkpointing = ckpt;
+    sp.attention = attention;
+    sp.loss = loss;
+    sp.gpu = gpu;
+    sp.allocator = allocator;
+    sp.lora_rank = lora_rank == "0" ? 0 : parse_count(lora_rank, "lora_rank");
+    sp.lora_targets = lora_targets;
+    sp.lora_dropout = parse_fraction(lora_dropout, "lora_dropout");
+    return sp;
+  }
+};
+
 // Error lines echo user input (model names, paths); control characters are escaped so the
 // message stays one line whatever was typed.
 int fail(const std::string& msg) {
@@ -79,6 +143,25 @@ std::string compare(const std::string& path, bool as_json) {
   sp.loss = text("loss", sp.loss.c_str());
   sp.gpu = on_cpu ? "cpu" : text("gpu", sp.gpu.c_str());
   sp.allocator = on_cpu ? "expandable" : text("allocator", sp.allocator.c_str());
+  sp.lora_rank = count("lora_rank", 0);
+  if (jr.contains("lora_targets")) {
+    const nlohmann::json& t = jr["lora_targets"];
+    if (t.is_string()) {
+      sp.lora_targets = t.get<std::string>();
+    } else if (t.is_array() && !t.empty()) {
+      sp.lora_targets.clear();
+      for (const auto& x : t) {
+        if (!x.is_string()) throw Error("compare: recipe.lora_targets must be strings");
+        sp.lora_targets += (sp.lora_targets.empty() ? "" : ",") + x.get<std::string>();
+      }
+    } else {
+      throw Error("compare: recipe.lora_targets must be a string or a list of module names");
+    }
+  }
+  if (jr.contains("lora_dropout")) {
+    if (!jr["lora_dropout"].is_number()) throw Error("compare: recipe.lora_dropout must be a number");
+    sp.lora_dropout = jr["lora_dropout"].get<double>();
+  }
   const trainmem::Recipe r = trainmem::parse_recipe(sp);
   const trainmem::Estimate e = trainmem::estimate(trainmem::load_model(m["model"].get<std::string>()), r);
 
@@ -131,29 +214,14 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", std::string("trainmem 0.1.0"));
 
   auto* est = app.add_subcommand("estimate", "Peak memory of one training step for a model and a recipe");
-  std::string model, batch = "1", seq = "2048", accum = "1";
-  std::string precision = "bf16-mixed", optimizer = "adamw", ckpt = "none", attention = "sdpa",
-              loss = "standard", gpu = "h100-80gb", allocator = "default";
+  std::string model;
+  RecipeFlags flags;
   bool as_json = false, timeline = false;
   std::string trace_path;
   est->add_option("model", model,
                   "Catalog name (qwen3-4b), Hugging Face id (Qwen/Qwen3-4B), config.json path or model directory")
       ->required();
-  est->add_option("--batch", batch, "Micro-batch size")->capture_default_str();
-  est->add_option("--seq", seq, "Sequence length in tokens")->capture_default_str();
-  est->add_option("--grad-accum", accum, "Micro-batches per optimizer step")->capture_default_str();
-  est->add_option("--precision", precision,
-                  "fp32 | bf16-mixed | fp16-mixed | bf16-master | bf16-true | fp16-true")
-      ->capture_default_str();
-  est->add_option("--optimizer", optimizer, "adamw | adamw-fused | adamw-8bit | sgd | adafactor")
-      ->capture_default_str();
-  est->add_option("--checkpointing", ckpt, "none | full (per decoder layer)")->capture_default_str();
-  est->add_option("--attention", attention, "eager | sdpa | flash")->capture_default_str();
-  est->add_option("--loss", loss, "standard (fp32 logits) | fused (chunked linear + cross-entropy)")
-      ->capture_default_str();
-  est->add_option("--gpu", gpu, "GPU from `trainmem gpus`, or cpu")->capture_default_str();
-  est->add_option("--allocator", allocator, "default | expandable (expandable_segments:True)")
-      ->capture_default_str();
+  flags.add_to(est);
   est->add_flag("--json", as_json, "Print the JSON object of docs/schema.md");
   est->add_flag("--timeline", timeline, "Include an allocated/reserved timeline in --json");
   est->add_option("--trace", trace_path, "Write every simulated alloc/free event to FILE as JSON lines");
@@ -194,18 +262,7 @@ int main(int argc, char** argv) {
   try {
     std::string out;
     if (*est) {
-      trainmem::RecipeSpelling sp;
-      sp.batch = parse_count(batch, "batch");
-      sp.seq = parse_count(seq, "seq");
-      sp.grad_accum = parse_count(accum, "grad_accum");
-      sp.precision = precision;
-      sp.optimizer = optimizer;
-      sp.checkpointing = ckpt;
-      sp.attention = attention;
-      sp.loss = loss;
-      sp.gpu = gpu;
-      sp.allocator = allocator;
-      const trainmem::Recipe r = trainmem::parse_recipe(sp);
+      const trainmem::Recipe r = trainmem::parse_recipe(flags.spelling());
       trainmem::Model m = trainmem::load_model(model);
       trainmem::EstimateOptions opt;
       opt.timeline = timeline;

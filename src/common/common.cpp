@@ -85,5 +85,16 @@ std::string format_bytes(std::uint64_t bytes) {
   return buf;
 }
 
+// 8030261248 → "8.03 B", 20971520 → "20.97 M" (decimal, as parameter counts are quoted).
+std::string format_count(std::uint64_t n) {
+  char buf[32];
+  const double v = static_cast<double>(n);
+  if (n >= 1000000000ull) std::snprintf(buf, sizeof buf, "%.2f B", v / 1e9);
+  else if (n >= 1000000ull) std::snprintf(buf, sizeof buf, "%.2f M", v / 1e6);
+  else if (n >= 1000ull) std::snprintf(buf, sizeof buf, "%.2f K", v / 1e3);
+  else std::snprintf(buf, sizeof buf, "%llu", static_cast<unsigned long long>(n));
+  return buf;
+}
+
 }  // namespace detail
 }  // namespace trainmem

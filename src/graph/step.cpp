@@ -96,6 +96,7 @@ class StepBuilder {
   }
 
   Trace build() {
+    if (r_.lora.enabled()) throw Error("lora_rank: LoRA adapters are not modelled yet");
     t_.at(Phase::kSetup, kNoLayer, "model");
     create_parameters();
     if (pol_.master) {
@@ -114,7 +115,9 @@ class StepBuilder {
       }
       optimizer_step(step == 1);
     }
-    return t_.take();
+    Trace trace = t_.take();
+    trace.trainable_parameters = m_.parameter_count;
+    return trace;
   }
 
  private:

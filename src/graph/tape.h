@@ -58,6 +58,7 @@ struct Trace {
   std::vector<Storage> storages;
   std::vector<Event> events;
   std::vector<MomentTag> moments;
+  std::uint64_t trainable_parameters = 0;  // elements the optimizer updates
 };
 
 // A tensor as Python code holds it: a reference to a storage (views share it) plus, when it

@@ -2,6 +2,7 @@
 // checks on their ranges.
 #include <array>
 #include <string>
+#include <vector>
 
 #include "common/checked.h"
 
@@ -64,6 +65,23 @@ void check_range(std::string_view field, std::uint64_t v, std::uint64_t max) {
   }
 }
 
+// "q_proj, v_proj" → {"q_proj", "v_proj"}; empty names are an error.
+std::vector<std::string> split_targets(std::string_view s) {
+  std::vector<std::string> out;
+  std::size_t start = 0;
+  while (true) {
+    std::size_t comma = s.find(',', start);
+    std::string_view item = s.substr(start, comma == std::string_view::npos ? std::string_view::npos : comma - start);
+    while (!item.empty() && item.front() == ' ') item.remove_prefix(1);
+    while (!item.empty() && item.back() == ' ') item.remove_suffix(1);
+    if (item.empty()) throw Error("lora_targets: empty module name in '" + std::string(s) + "'");
+    out.emplace_back(item);
+    if (comma == std::string_view::npos) break;
+    start = comma + 1;
+  }
+  return out;
+}
+
 }  // namespace
 
 std::string_view to_string(Precision x) { return name_of(kPrecisions, x); }
@@ -92,6 +110,9 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   r.loss = parse_loss(in.loss);
   r.gpu = in.gpu;
   r.allocator = parse_allocator(in.allocator);
+  r.lora.rank = in.lora_rank;
+  r.lora.dropout = in.lora_dropout;
+  r.lora.targets = split_targets(in.lora_targets);
   r.validate();
   return r;
 }
@@ -102,6 +123,19 @@ void Recipe::validate() const {
   check_range("grad_accum", grad_accum, kMaxAccum);
   check_range("steps", steps, 100);
   find_gpu(gpu);
+  if (lora.enabled()) {
+    // peft's own ranks are small (8-256); beyond 2^16 the adapters outgrow the layers they adapt.
+    check_range("lora_rank", lora.rank, 65536);
+    if (!(lora.dropout >= 0 && lora.dropout < 1)) {
+      throw Error("lora_dropout: must be in [0, 1), got " + std::to_string(lora.dropout));
+    }
+    if (precision == Precision::kBf16Master) {
+      throw Error("precision: bf16-master keeps fp32 masters of half trainable weights, but peft makes "
+                  "LoRA adapters fp32 already; use bf16-true (half base, fp32 adapters) or bf16-mixed");
+    }
+  } else if (lora.dropout != 0) {
+    throw Error("lora_dropout: set without lora_rank (no adapters)");
+  }
 }
 
 }  // namespace trainmem

@@ -23,6 +23,13 @@ ordered_json recipe_object(const Recipe& r) {
   j["loss"] = to_string(r.loss);
   j["gpu"] = r.gpu;
   j["allocator"] = to_string(r.allocator);
+  if (r.lora.enabled()) {
+    j["lora_rank"] = r.lora.rank;
+    j["lora_targets"] = r.lora.targets;
+    j["lora_dropout"] = r.lora.dropout;
+  } else {
+    j["lora_rank"] = 0;
+  }
   j["steps"] = r.steps;
   return j;
 }
@@ -96,6 +103,13 @@ std::string to_text(const Estimate& e) {
       static_cast<unsigned long long>(r.grad_accum), std::string(to_string(r.precision)).c_str(),
       std::string(to_string(r.optimizer)).c_str(), std::string(to_string(r.checkpointing)).c_str(),
       std::string(to_string(r.attention)).c_str(), std::string(to_string(r.loss)).c_str());
+  if (r.lora.enabled()) {
+    std::string targets;
+    for (const auto& t : r.lora.targets) targets += (targets.empty() ? "" : ", ") + t;
+    add("lora: rank %llu on %s (dropout %g), %s trainable parameters\n",
+        static_cast<unsigned long long>(r.lora.rank), targets.c_str(), r.lora.dropout,
+        detail::format_count(e.trainable_parameters).c_str());
+  }
   add("gpu: %s (%s)\n\n", e.gpu.name.c_str(), e.gpu.description.c_str());
   add("peak allocated  %12s   (torch.cuda.max_memory_allocated)\n", detail::format_bytes(e.peak_allocated_bytes).c_str());
   add("peak reserved   %12s   (torch.cuda.max_memory_reserved)\n", detail::format_bytes(e.peak_reserved_bytes).c_str());
