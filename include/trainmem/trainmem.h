@@ -120,7 +120,15 @@ struct Gpu {
   std::uint64_t capacity_bytes = 0;     // total device memory
   std::uint64_t context_bytes = 0;      // CUDA context, outside the allocator
   std::uint64_t cublas_workspace_bytes = 0;  // one cuBLAS workspace (per handle and stream)
-  double bf16_tflops = 0;
+  double half_tflops = 0;   // dense fp16/bf16 tensor-core throughput (fp32 accumulation)
+  bool bf16 = true;         // supports bfloat16 (V100 and T4 do not)
+  double fp32_tflops = 0;   // fp32 without tensor cores (PyTorch's default: TF32 matmuls off)
+  double memory_gbps = 0;   // device memory bandwidth, GB/s
+  std::string interconnect; // "NVLink 4", "PCIe 4"
+  double interconnect_gbps = 0;  // GPU to GPU, GB/s per direction
+  double host_gbps = 0;          // GPU to host (PCIe), GB/s per direction
+  // What a plan may use: the capacity less the CUDA context.
+  std::uint64_t usable_bytes() const { return capacity_bytes > context_bytes ? capacity_bytes - context_bytes : 0; }
 };
 const Gpu& find_gpu(std::string_view name);
 std::vector<Gpu> gpus();
@@ -247,5 +255,62 @@ struct EstimateOptions {
 };
 
 Estimate estimate(const Model& model, const Recipe& recipe, const EstimateOptions& = {});
+
+// ---- Planning -----------------------------------------------------------------------------
+
+// Estimated time of one optimizer step on one GPU (Note [Step time] in src/plan/time.cpp;
+// docs/planner.md states the assumptions). All zero for the cpu pseudo-device.
+struct StepTime {
+  double seconds = 0;
+  double compute_s = 0;   // matmul and attention FLOPs at the assumed efficiency
+  double memory_s = 0;    // elementwise, loss and optimizer traffic at the assumed bandwidth
+  double overhead_s = 0;  // kernel launches
+  double flops = 0;       // per GPU per optimizer step
+};
+StepTime step_time(const Model& model, const Recipe& recipe);
+
+struct Plan {
+  Recipe recipe;
+  std::uint64_t peak_allocated_bytes = 0;
+  std::uint64_t peak_reserved_bytes = 0;  // what must fit in the GPU's usable memory
+  Moment peak;
+  StepTime time;
+  bool simulated = false;  // false: only a lower bound is known (peak_* hold that bound)
+  bool fits = false;
+};
+
+struct FitRequest {
+  Recipe base;                       // the user's recipe; the planner starts from it
+  std::uint64_t gpus = 1;            // data-parallel GPUs (only 1 is modelled so far)
+  std::uint64_t global_batch = 0;    // sequences per optimizer step over all GPUs; 0: batch*grad_accum*gpus
+  std::vector<std::string> fixed;    // knob names the search keeps at the base recipe's value
+  std::size_t top = 10;              // plans to return
+};
+
+// One single-knob change of the base recipe and what it does.
+struct Change {
+  std::string what;  // "checkpointing full", "optimizer adamw-8bit", "batch 2 x grad_accum 8"
+  Plan plan;
+};
+
+struct FitResult {
+  Gpu gpu;
+  std::uint64_t gpus = 1;
+  std::uint64_t global_batch = 0;
+  std::uint64_t capacity_bytes = 0;  // usable memory per GPU the plans were held to
+  std::vector<Plan> plans;           // fitting recipes, fastest first
+  std::uint64_t searched = 0;        // recipes in the search space
+  std::uint64_t simulated = 0;       // of those, replayed through the engine
+  std::uint64_t pruned = 0;          // ruled out by a lower bound without replay
+  Plan baseline;                     // the base recipe as given
+  std::vector<Change> changes;       // single changes from the baseline, biggest saving first
+  bool has_closest_miss = false;     // no plan fits: the recipe that came closest
+  Plan closest_miss;
+};
+
+// Searches the recipe space for `model` on `base.gpu`: micro-batch × grad_accum reaching the
+// global batch, precision, optimizer, checkpointing, loss, allocator (knobs in `fixed` held).
+// Throws Error on a request that cannot be planned (e.g. a global batch the GPUs cannot split).
+FitResult fit(const Model& model, const FitRequest& request);
 
 }  // namespace trainmem

@@ -1,4 +1,4 @@
-// The `trainmem` command: estimate, models, gpus.
+// The `trainmem` command: estimate, fit, compare, models, gpus.
 //
 // Output contract: on success the whole report is built first and printed at once; on bad
 // input one line "trainmem: error: ..." goes to stderr, exit code 2, and nothing to stdout.
@@ -47,31 +47,36 @@ struct RecipeFlags {
   std::string precision = "bf16-mixed", optimizer = "adamw", ckpt = "none", attention = "sdpa",
               loss = "standard", gpu = "h100-80gb", allocator = "default";
   std::string lora_rank = "0", lora_targets = "default", lora_dropout = "0";
+  std::vector<std::pair<std::string, CLI::Option*>> options;  // knob name → its flag
 
-  void add_to(CLI::App* app, bool with_batch = true) {
-    if (with_batch) {
-      app->add_option("--batch", batch, "Micro-batch size")->capture_default_str();
-      app->add_option("--grad-accum", accum, "Micro-batches per optimizer step")->capture_default_str();
+  void add_to(CLI::App* app) {
+    auto opt = [&](const char* knob, const char* flag, std::string& v, const char* help) {
+      CLI::Option* o = app->add_option(flag, v, help)->capture_default_str();
+      options.emplace_back(knob, o);
+    };
+    opt("batch", "--batch", batch, "Micro-batch size");
+    opt("grad_accum", "--grad-accum", accum, "Micro-batches per optimizer step");
+    opt("seq", "--seq", seq, "Sequence length in tokens");
+    opt("precision", "--precision", precision, "fp32 | bf16-mixed | fp16-mixed | bf16-master | bf16-true | fp16-true");
+    opt("optimizer", "--optimizer", optimizer, "adamw | adamw-fused | adamw-8bit | sgd | adafactor");
+    opt("checkpointing", "--checkpointing", ckpt, "none | full (per decoder layer)");
+    opt("attention", "--attention", attention, "eager | sdpa | flash");
+    opt("loss", "--loss", loss, "standard (fp32 logits) | fused (chunked linear + cross-entropy)");
+    opt("gpu", "--gpu", gpu, "GPU from `trainmem gpus`, or cpu");
+    opt("allocator", "--allocator", allocator, "default | expandable (expandable_segments:True)");
+    opt("lora_rank", "--lora", lora_rank, "LoRA rank; 0 trains every parameter");
+    opt("lora_targets", "--lora-targets", lora_targets,
+        "Modules LoRA wraps: default (peft's), all-linear, or names (q_proj,v_proj)");
+    opt("lora_dropout", "--lora-dropout", lora_dropout, "lora_dropout (0: no dropout, nothing saved)");
+  }
+
+  // Knobs the user typed on the command line.
+  std::vector<std::string> given() const {
+    std::vector<std::string> out;
+    for (const auto& [knob, o] : options) {
+      if (o->count() > 0) out.push_back(knob);
     }
-    app->add_option("--seq", seq, "Sequence length in tokens")->capture_default_str();
-    app->add_option("--precision", precision,
-                    "fp32 | bf16-mixed | fp16-mixed | bf16-master | bf16-true | fp16-true")
-        ->capture_default_str();
-    app->add_option("--optimizer", optimizer, "adamw | adamw-fused | adamw-8bit | sgd | adafactor")
-        ->capture_default_str();
-    app->add_option("--checkpointing", ckpt, "none | full (per decoder layer)")->capture_default_str();
-    app->add_option("--attention", attention, "eager | sdpa | flash")->capture_default_str();
-    app->add_option("--loss", loss, "standard (fp32 logits) | fused (chunked linear + cross-entropy)")
-        ->capture_default_str();
-    app->add_option("--gpu", gpu, "GPU from `trainmem gpus`, or cpu")->capture_default_str();
-    app->add_option("--allocator", allocator, "default | expandable (expandable_segments:True)")
-        ->capture_default_str();
-    app->add_option("--lora", lora_rank, "LoRA rank; 0 trains every parameter")->capture_default_str();
-    app->add_option("--lora-targets", lora_targets,
-                    "Modules LoRA wraps: default (peft's), all-linear, or names (q_proj,v_proj)")
-        ->capture_default_str();
-    app->add_option("--lora-dropout", lora_dropout, "lora_dropout (0: no dropout, nothing saved)")
-        ->capture_default_str();
+    return out;
   }
 
   trainmem::RecipeSpelling spelling() const {
@@ -226,6 +231,22 @@ int main(int argc, char** argv) {
   est->add_flag("--timeline", timeline, "Include an allocated/reserved timeline in --json");
   est->add_option("--trace", trace_path, "Write every simulated alloc/free event to FILE as JSON lines");
 
+  auto* fitc = app.add_subcommand(
+      "fit", "Recipes that fit a GPU, fastest first, and what single changes of your recipe save");
+  std::string fit_model, fit_gpus = "1", fit_global = "0", fit_top = "10";
+  RecipeFlags fit_flags;
+  bool fit_json = false;
+  fitc->add_option("model", fit_model, "Catalog name, Hugging Face id, config.json path or model directory")->required();
+  fit_flags.add_to(fitc);
+  fitc->add_option("--gpus", fit_gpus, "Data-parallel GPUs (only 1 is modelled so far)")->capture_default_str();
+  fitc->add_option("--global-batch", fit_global,
+                   "Sequences per optimizer step over all GPUs (default: batch x grad-accum x gpus)");
+  fitc->add_option("--top", fit_top, "How many fitting recipes to list")->capture_default_str();
+  fitc->add_flag("--json", fit_json, "Print capacity_bytes, plans, baseline, changes, closest_miss as JSON");
+  fitc->footer(
+      "Knobs you pass (--precision, --optimizer, --checkpointing, --loss, --allocator, --batch) are held;\n"
+      "the others are searched. Your recipe is also replayed as given, with each single change.");
+
   auto* cmp = app.add_subcommand("compare", "Compare a trainmem-measure JSON with the engine's prediction for it");
   std::string measured_path;
   bool cmp_json = false;
@@ -241,8 +262,8 @@ int main(int argc, char** argv) {
 
   if (argc > 1 && argv[1][0] != '-') {
     std::string cmd = argv[1];
-    if (cmd != "estimate" && cmd != "compare" && cmd != "models" && cmd != "gpus") {
-      return fail("unknown command '" + cmd + "'; expected estimate, compare, models or gpus (see --help)");
+    if (cmd != "estimate" && cmd != "fit" && cmd != "compare" && cmd != "models" && cmd != "gpus") {
+      return fail("unknown command '" + cmd + "'; expected estimate, fit, compare, models or gpus (see --help)");
     }
   }
   try {
@@ -269,6 +290,21 @@ int main(int argc, char** argv) {
       opt.trace_path = trace_path;
       trainmem::Estimate e = trainmem::estimate(m, r, opt);
       out = as_json ? trainmem::report::to_json(e) + "\n" : trainmem::report::to_text(e);
+    } else if (*fitc) {
+      trainmem::FitRequest q;
+      q.base = trainmem::parse_recipe(fit_flags.spelling());
+      q.gpus = parse_count(fit_gpus, "gpus");
+      q.global_batch = fit_global == "0" ? 0 : parse_count(fit_global, "global_batch");
+      q.top = parse_count(fit_top, "top");
+      for (const std::string& k : fit_flags.given()) {
+        if (k == "batch" || k == "precision" || k == "optimizer" || k == "checkpointing" || k == "attention" ||
+            k == "loss" || k == "allocator") {
+          q.fixed.push_back(k);
+        }
+      }
+      const trainmem::Model m = trainmem::load_model(fit_model);
+      const trainmem::FitResult f = trainmem::fit(m, q);
+      out = fit_json ? trainmem::report::fit_to_json(m.name, f) + "\n" : trainmem::report::fit_to_text(m.name, f);
     } else if (*cmp) {
       out = compare(measured_path, cmp_json);
     } else if (*models) {

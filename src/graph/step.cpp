@@ -70,8 +70,8 @@ struct LayerParams {
 
 class StepBuilder {
  public:
-  StepBuilder(const Model& m, const Recipe& r, const Gpu& gpu)
-      : m_(m), a_(m.arch), r_(r), gpu_(gpu), pol_(policy_for(r.precision)) {
+  StepBuilder(const Model& m, const Recipe& r, const Gpu& gpu, const MicroBatchHook& hook)
+      : m_(m), a_(m.arch), r_(r), gpu_(gpu), hook_(hook), pol_(policy_for(r.precision)) {
     B_ = r.batch;
     S_ = r.seq;
     tok_ = detail::mul(B_, S_, "batch * seq");
@@ -112,6 +112,12 @@ class StepBuilder {
         t_.micro = micro;
         ValueId loss = forward_and_loss();
         backward(loss);
+        // The rest of the step's micro-batches would repeat this one: on to the optimizer,
+        // labelled with the last micro-batch (see MicroBatchHook).
+        if (micro < r_.grad_accum && hook_ && hook_(t_.trace(), step, micro)) {
+          t_.micro = static_cast<std::uint32_t>(r_.grad_accum);
+          break;
+        }
       }
       optimizer_step(step == 1);
     }
@@ -1420,6 +1426,7 @@ class StepBuilder {
   const Architecture& a_;
   const Recipe& r_;
   const Gpu& gpu_;
+  const MicroBatchHook& hook_;
   Policy pol_;
   Attention attention_;
   bool cuda_ = true;
@@ -1441,8 +1448,8 @@ class StepBuilder {
 
 }  // namespace
 
-Trace build_training_trace(const Model& model, const Recipe& recipe, const Gpu& gpu) {
-  StepBuilder b(model, recipe, gpu);
+Trace build_training_trace(const Model& model, const Recipe& recipe, const Gpu& gpu, const MicroBatchHook& hook) {
+  StepBuilder b(model, recipe, gpu, hook);
   return b.build();
 }
 

@@ -149,6 +149,7 @@ class Tape {
   void backward(ValueId root);
 
   Trace take();
+  const Trace& trace() const { return trace_; }  // what has been built so far
 
  private:
   void run(std::size_t begin, std::size_t end);

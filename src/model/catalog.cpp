@@ -183,7 +183,13 @@ std::vector<Gpu> gpus() {
       x.capacity_bytes = g.at("capacity_bytes").get<std::uint64_t>();
       x.context_bytes = g.at("context_bytes").get<std::uint64_t>();
       x.cublas_workspace_bytes = g.at("cublas_workspace_bytes").get<std::uint64_t>();
-      x.bf16_tflops = g.at("bf16_tflops").get<double>();
+      x.half_tflops = g.at("half_tflops").get<double>();
+      x.bf16 = g.at("bf16").get<bool>();
+      x.fp32_tflops = g.at("fp32_tflops").get<double>();
+      x.memory_gbps = g.at("memory_gbps").get<double>();
+      x.interconnect = g.at("interconnect").get<std::string>();
+      x.interconnect_gbps = g.at("interconnect_gbps").get<double>();
+      x.host_gbps = g.at("host_gbps").get<double>();
       out.push_back(std::move(x));
     }
     return out;

@@ -1,5 +1,6 @@
 #include "report/report.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
@@ -43,7 +44,140 @@ ordered_json moment_object(const Moment& m) {
   return j;
 }
 
+ordered_json time_object(const StepTime& t) {
+  ordered_json j;
+  j["compute_s"] = t.compute_s;
+  j["memory_s"] = t.memory_s;
+  j["overhead_s"] = t.overhead_s;
+  j["flops"] = t.flops;
+  return j;
+}
+
+ordered_json plan_object(const Plan& p) {
+  ordered_json j;
+  j["recipe"] = recipe_object(p.recipe);
+  j["peak_allocated_bytes"] = p.peak_allocated_bytes;
+  j["peak_reserved_bytes"] = p.peak_reserved_bytes;
+  j["step_time_s"] = p.time.seconds;
+  j["time"] = time_object(p.time);
+  j["fits"] = p.fits;
+  if (p.simulated) j["peak"] = moment_object(p.peak);
+  else j["lower_bound"] = true;  // peak_* are a floor from persistent bytes, not a replay
+  return j;
+}
+
+// "bf16-true adamw-fused ckpt=none loss=fused" and the micro-batch shape, for one table row.
+std::string recipe_words(const Recipe& r) {
+  char buf[200];
+  std::snprintf(buf, sizeof buf, "%4llu x %-4llu %-11s %-11s %-4s %-8s %-10s", static_cast<unsigned long long>(r.batch),
+                static_cast<unsigned long long>(r.grad_accum), std::string(to_string(r.precision)).c_str(),
+                std::string(to_string(r.optimizer)).c_str(), std::string(to_string(r.checkpointing)).c_str(),
+                std::string(to_string(r.loss)).c_str(), std::string(to_string(r.allocator)).c_str());
+  return buf;
+}
+
+std::string signed_bytes(std::int64_t d) {
+  const std::string mag = detail::format_bytes(static_cast<std::uint64_t>(d < 0 ? -d : d));
+  return (d < 0 ? "-" : "+") + mag;
+}
+
 }  // namespace
+
+std::string fit_to_json(const std::string& model, const FitResult& f, bool pretty) {
+  ordered_json j;
+  j["model"] = model;
+  j["device"] = {{"name", f.gpu.name},
+                 {"capacity_bytes", f.gpu.capacity_bytes},
+                 {"context_bytes", f.gpu.context_bytes}};
+  j["gpus"] = f.gpus;
+  j["global_batch"] = f.global_batch;
+  j["capacity_bytes"] = f.capacity_bytes;
+  j["searched"] = f.searched;
+  j["simulated"] = f.simulated;
+  j["pruned"] = f.pruned;
+  ordered_json plans = ordered_json::array();
+  for (const Plan& p : f.plans) plans.push_back(plan_object(p));
+  j["plans"] = plans;
+  j["baseline"] = plan_object(f.baseline);
+  ordered_json changes = ordered_json::array();
+  for (const Change& c : f.changes) {
+    ordered_json x = plan_object(c.plan);
+    x["change"] = c.what;
+    x["saves_bytes"] = static_cast<std::int64_t>(f.baseline.peak_reserved_bytes) -
+                       static_cast<std::int64_t>(c.plan.peak_reserved_bytes);
+    changes.push_back(x);
+  }
+  j["changes"] = changes;
+  if (f.has_closest_miss) {
+    ordered_json m = plan_object(f.closest_miss);
+    m["lacks_bytes"] = f.closest_miss.peak_reserved_bytes > f.capacity_bytes
+                           ? f.closest_miss.peak_reserved_bytes - f.capacity_bytes : 0;
+    j["closest_miss"] = m;
+  } else {
+    j["closest_miss"] = nullptr;
+  }
+  j["source"] = "engine";
+  return pretty ? j.dump(2, ' ', false, ordered_json::error_handler_t::replace)
+                : j.dump(-1, ' ', false, ordered_json::error_handler_t::replace);
+}
+
+std::string fit_to_text(const std::string& model, const FitResult& f) {
+  std::string out;
+  char line[320];
+  auto add = [&](const char* fmt, auto... args) {
+    std::snprintf(line, sizeof line, fmt, args...);
+    out += line;
+  };
+  const Recipe& b = f.baseline.recipe;
+  add("%s on %llu x %s: %s usable per GPU (%s less the CUDA context)\n", model.c_str(),
+      static_cast<unsigned long long>(f.gpus), f.gpu.name.c_str(), detail::format_bytes(f.capacity_bytes).c_str(),
+      detail::format_bytes(f.gpu.capacity_bytes).c_str());
+  add("seq %llu, global batch %llu sequences per optimizer step\n", static_cast<unsigned long long>(b.seq),
+      static_cast<unsigned long long>(f.global_batch));
+  add("searched %llu recipes fastest first: %llu replayed, %llu ruled out by their persistent bytes\n\n",
+      static_cast<unsigned long long>(f.searched), static_cast<unsigned long long>(f.simulated),
+      static_cast<unsigned long long>(f.pruned));
+  if (!f.plans.empty()) {
+    add("%3s %-11s %-11s %-11s %-4s %-8s %-10s %12s %12s %10s\n", "#", "batch x acc", "precision", "optimizer",
+        "ckpt", "loss", "allocator", "reserved", "allocated", "step time");
+    for (std::size_t i = 0; i < f.plans.size(); ++i) {
+      const Plan& p = f.plans[i];
+      add("%3zu %s %12s %12s %9.3gs\n", i + 1, recipe_words(p.recipe).c_str(),
+          detail::format_bytes(p.peak_reserved_bytes).c_str(), detail::format_bytes(p.peak_allocated_bytes).c_str(),
+          p.time.seconds);
+    }
+  } else {
+    add("nothing fits.\n");
+    if (f.has_closest_miss) {
+      const Plan& m = f.closest_miss;
+      add("closest: %s\n  %s%s reserved, %s more than the GPU offers\n", recipe_words(m.recipe).c_str(),
+          m.simulated ? "" : "at least ", detail::format_bytes(m.peak_reserved_bytes).c_str(),
+          detail::format_bytes(m.peak_reserved_bytes - std::min(m.peak_reserved_bytes, f.capacity_bytes)).c_str());
+    }
+  }
+  add("\nyour recipe: %s\n", recipe_words(b).c_str());
+  if (f.baseline.fits) {
+    add("  fits: %s reserved, %s to spare; step time %.3gs\n", detail::format_bytes(f.baseline.peak_reserved_bytes).c_str(),
+        detail::format_bytes(f.capacity_bytes - f.baseline.peak_reserved_bytes).c_str(), f.baseline.time.seconds);
+  } else {
+    add("  does not fit: %s reserved, %s too much; step time %.3gs\n",
+        detail::format_bytes(f.baseline.peak_reserved_bytes).c_str(),
+        detail::format_bytes(f.baseline.peak_reserved_bytes - f.capacity_bytes).c_str(), f.baseline.time.seconds);
+  }
+  if (!f.changes.empty()) {
+    add("\nsingle changes of your recipe (peak reserved, change, step time):\n");
+    for (const Change& c : f.changes) {
+      const std::int64_t d = static_cast<std::int64_t>(c.plan.peak_reserved_bytes) -
+                             static_cast<std::int64_t>(f.baseline.peak_reserved_bytes);
+      const double dt = f.baseline.time.seconds > 0 ? (c.plan.time.seconds / f.baseline.time.seconds - 1) * 100 : 0;
+      add("  %-48s %12s %13s %9.3gs (%+.0f%%)%s\n", c.what.c_str(), detail::format_bytes(c.plan.peak_reserved_bytes).c_str(),
+          signed_bytes(d).c_str(), c.plan.time.seconds, dt, c.plan.fits ? "" : "  does not fit");
+    }
+  }
+  add("\nstep times come from the model of docs/planner.md (FLOPs at %s's data-sheet peak, an assumed efficiency);\n"
+      "memory figures are engine replays, held to peak reserved <= usable memory.\n", f.gpu.name.c_str());
+  return out;
+}
 
 std::string recipe_json(const Recipe& r) {
   return recipe_object(r).dump(-1, ' ', false, ordered_json::error_handler_t::replace);

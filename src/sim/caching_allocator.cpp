@@ -588,4 +588,14 @@ void CachingAllocator::reset() {
   segment_count_ = 0;
 }
 
+void CachingAllocator::layout(std::vector<RangeView>& out) const {
+  out.clear();
+  for (BlockId id = 0; id < blocks_.size(); ++id) {
+    const Block& b = blocks_[id];
+    if (!b.live) continue;
+    out.push_back({id, b.address, b.size, b.allocated, b.mapped, b.stream});
+  }
+  std::sort(out.begin(), out.end(), [](const RangeView& a, const RangeView& b) { return a.address < b.address; });
+}
+
 }  // namespace trainmem::sim

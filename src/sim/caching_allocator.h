@@ -136,6 +136,20 @@ class CachingAllocator {
   // cudaMalloc'd segments plus live expandable arenas (see the Note).
   std::uint64_t segment_count() const noexcept { return segment_count_; }
 
+  // One range of device memory as the allocator holds it, for comparing two allocator states.
+  struct RangeView {
+    BlockId id;
+    std::uint64_t address;
+    std::uint64_t size;
+    bool allocated;
+    bool mapped;
+    int stream;
+  };
+  // Every range of every segment, by address, and the next free device address: together they
+  // decide everything the allocator will do next (block ids do not).
+  void layout(std::vector<RangeView>& out) const;
+  std::uint64_t next_address() const noexcept { return next_address_; }
+
   // torch.cuda.empty_cache(): returns every wholly free segment (with expandable
   // segments: every fully free page) to the device.
   void empty_cache();

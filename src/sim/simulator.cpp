@@ -23,34 +23,73 @@ Moment to_moment(const graph::MomentTag& m) {
   return out;
 }
 
+AllocatorConfig config_for(const Recipe& r) {
+  AllocatorConfig cfg;
+  cfg.expandable_segments = r.allocator == AllocatorMode::kExpandable;
+  return cfg;
+}
+
+bool same_place(const graph::MomentTag& a, const graph::MomentTag& b) {
+  return a.step == b.step && a.phase == b.phase && a.layer == b.layer && a.op == b.op && a.recompute == b.recompute;
+}
+
 }  // namespace
 
-Estimate simulate(const graph::Trace& trace, const Recipe& recipe, const EstimateOptions& options) {
-  AllocatorConfig cfg;
-  cfg.expandable_segments = recipe.allocator == AllocatorMode::kExpandable;
-  CachingAllocator alloc(cfg);
+// Note [Repeated micro-batches]
+// With gradient accumulation every micro-batch after the first runs the same ops on the same
+// persistent tensors (parameters, .grad buffers, workspaces); only its transient tensors are
+// new. The replay is a deterministic function of the allocator state and the event sequence,
+// and the state is decided by the ranges of its segments (addresses, sizes, which tensor holds
+// each one) and the next free device address. So when micro-batch m
+//   (a) produced the same events as micro-batch m-1 (same sizes, categories, ops; persistent
+//       tensors the same, transient ones renamed by one constant offset), and
+//   (b) left the allocator exactly as m-1 left it,
+// then micro-batch m+1 produces the same events from the same state again, and so on: each later
+// micro-batch reaches the same peaks at the same moments (the first occurrence is the one
+// reported) and leaves the same state. Skipping them changes no output but `events` (the events
+// replayed). A timeline or an event trace asks for every event, so then nothing is skipped.
+struct Replay::State {
+  explicit State(const Recipe& r, const EstimateOptions& o) : alloc(config_for(r)), recipe(r), options(o) {}
 
-  std::vector<CachingAllocator::BlockId> block(trace.storages.size(), UINT32_MAX);
+  CachingAllocator alloc;
+  Recipe recipe;
+  EstimateOptions options;
+  std::vector<CachingAllocator::BlockId> block;  // by tensor
+  std::vector<std::uint8_t> cat_of;              // category charged at allocation, by tensor
+  std::vector<std::uint32_t> owner;              // tensor by block id
   Breakdown live{};
   Breakdown at_peak{};
   std::uint32_t peak_moment = 0;
   std::uint64_t peak = 0;
+  std::size_t next = 0;  // first event not replayed yet
   Estimate est;
-  est.recipe = recipe;
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> out{nullptr, &std::fclose};
+  std::uint64_t stride = 0;
 
-  const std::uint64_t stride =
-      options.timeline ? std::max<std::uint64_t>(1, trace.events.size() / std::max<std::uint64_t>(1, options.timeline_points)) : 0;
+  // Micro-batch boundaries of the current step.
+  struct Mark {
+    std::uint32_t step = 0;
+    std::size_t events_begin = 0, events_end = 0;
+    std::size_t storages_begin = 0;
+    std::vector<std::uint64_t> layout;
+  };
+  Mark prev, cur;
+  std::size_t micro_events_begin = 0, micro_storages_begin = 0;
+  std::vector<CachingAllocator::RangeView> ranges;
 
-  std::unique_ptr<std::FILE, int (*)(std::FILE*)> out(nullptr, &std::fclose);
-  if (!options.trace_path.empty()) {
-    out.reset(std::fopen(options.trace_path.c_str(), "w"));
-    if (!out) throw Error("trace: cannot write '" + options.trace_path + "'");
+  void consume(const graph::Trace& trace, std::size_t end_hint);
+  std::vector<std::uint64_t> fingerprint();
+  bool same_events(const graph::Trace& t) const;
+};
+
+void Replay::State::consume(const graph::Trace& trace, std::size_t total_hint) {
+  if (block.size() < trace.storages.size()) {
+    block.resize(trace.storages.size(), UINT32_MAX);
+    cat_of.resize(trace.storages.size(), 0);
   }
-
-  for (std::size_t i = 0; i < trace.events.size(); ++i) {
+  for (std::size_t i = next; i < trace.events.size(); ++i) {
     const graph::Event& e = trace.events[i];
     const graph::Storage& s = trace.storages[e.tensor];
-    const auto cat = static_cast<std::size_t>(s.category);
     if (out) {
       const graph::MomentTag& m = trace.moments[e.moment];
       Moment mo = to_moment(m);
@@ -62,8 +101,12 @@ Estimate simulate(const graph::Trace& trace, const Recipe& recipe, const Estimat
                    m.step, m.micro, mo.op.c_str());
     }
     if (e.alloc) {
+      const auto cat = static_cast<std::size_t>(s.category);
       auto id = alloc.allocate(s.bytes);
       block[e.tensor] = id;
+      cat_of[e.tensor] = static_cast<std::uint8_t>(cat);
+      if (owner.size() <= id) owner.resize(static_cast<std::size_t>(id) + 1, UINT32_MAX);
+      owner[id] = e.tensor;
       live[cat] += alloc.block_bytes(id);
       if (alloc.allocated_bytes() > peak) {
         peak = alloc.allocated_bytes();
@@ -73,7 +116,8 @@ Estimate simulate(const graph::Trace& trace, const Recipe& recipe, const Estimat
     } else {
       auto id = block[e.tensor];
       TRAINMEM_ASSERT(id != UINT32_MAX, "free of a storage never allocated");
-      live[cat] -= alloc.block_bytes(id);
+      live[cat_of[e.tensor]] -= alloc.block_bytes(id);
+      owner[id] = UINT32_MAX;
       alloc.release(id);
     }
     const graph::MomentTag& m = trace.moments[e.moment];
@@ -84,19 +128,93 @@ Estimate simulate(const graph::Trace& trace, const Recipe& recipe, const Estimat
       sp.peak_allocated_bytes = std::max(sp.peak_allocated_bytes, alloc.allocated_bytes());
       sp.peak_reserved_bytes = std::max(sp.peak_reserved_bytes, alloc.reserved_bytes());
     }
-    if (stride && (i % stride == 0 || i + 1 == trace.events.size())) {
+    if (stride && (i % stride == 0 || i + 1 == total_hint)) {
       est.timeline.push_back({i, alloc.allocated_bytes(), alloc.reserved_bytes(), to_moment(m)});
     }
   }
-  est.peak_allocated_bytes = alloc.peak_allocated_bytes();
-  est.peak_reserved_bytes = alloc.peak_reserved_bytes();
-  est.breakdown_at_peak = at_peak;
-  est.peak = to_moment(trace.moments[peak_moment]);
+  next = trace.events.size();
+}
+
+std::vector<std::uint64_t> Replay::State::fingerprint() {
+  alloc.layout(ranges);
+  std::vector<std::uint64_t> f;
+  f.reserve(ranges.size() * 3 + 1);
+  f.push_back(alloc.next_address());
+  for (const auto& r : ranges) {
+    f.push_back(r.address);
+    f.push_back(r.size);
+    const std::uint64_t holder = r.allocated ? owner[r.id] : UINT32_MAX;
+    f.push_back(holder << 8 | (r.mapped ? 2u : 0u) | (r.allocated ? 1u : 0u) | static_cast<std::uint64_t>(r.stream & 0xf) << 2);
+  }
+  return f;
+}
+
+bool Replay::State::same_events(const graph::Trace& t) const {
+  const std::size_t n = prev.events_end - prev.events_begin;
+  if (cur.events_end - cur.events_begin != n) return false;
+  const std::size_t delta = cur.storages_begin - prev.storages_begin;
+  for (std::size_t k = 0; k < n; ++k) {
+    const graph::Event& a = t.events[prev.events_begin + k];
+    const graph::Event& b = t.events[cur.events_begin + k];
+    if (a.alloc != b.alloc) return false;
+    const std::size_t want = a.tensor >= prev.storages_begin ? a.tensor + delta : a.tensor;
+    if (b.tensor != want) return false;
+    const graph::Storage& sa = t.storages[a.tensor];
+    const graph::Storage& sb = t.storages[b.tensor];
+    if (sa.bytes != sb.bytes || sa.category != sb.category) return false;
+    if (!same_place(t.moments[a.moment], t.moments[b.moment])) return false;
+  }
+  return true;
+}
+
+Replay::Replay(const Recipe& recipe, const EstimateOptions& options) : s_(std::make_unique<State>(recipe, options)) {
+  s_->est.recipe = recipe;
+  if (!options.trace_path.empty()) {
+    s_->out.reset(std::fopen(options.trace_path.c_str(), "w"));
+    if (!s_->out) throw Error("trace: cannot write '" + options.trace_path + "'");
+  }
+}
+
+Replay::~Replay() = default;
+
+bool Replay::micro_batch_done(const graph::Trace& trace, std::uint32_t step, std::uint32_t /*micro*/) {
+  State& s = *s_;
+  if (s.options.timeline || s.out) return false;  // every event is wanted
+  s.consume(trace, 0);
+  s.prev = std::move(s.cur);
+  s.cur = State::Mark{};
+  s.cur.step = step;
+  // The micro-batch just replayed began where the last boundary (or the step) left off.
+  s.cur.events_begin = s.micro_events_begin;
+  s.cur.storages_begin = s.micro_storages_begin;
+  s.cur.events_end = trace.events.size();
+  s.cur.layout = s.fingerprint();
+  s.micro_events_begin = trace.events.size();
+  s.micro_storages_begin = trace.storages.size();
+  return s.prev.step == step && s.prev.layout == s.cur.layout && s.same_events(trace);
+}
+
+Estimate Replay::finish(const graph::Trace& trace) {
+  State& s = *s_;
+  s.stride = s.options.timeline
+                 ? std::max<std::uint64_t>(1, trace.events.size() / std::max<std::uint64_t>(1, s.options.timeline_points))
+                 : 0;
+  s.consume(trace, trace.events.size());
+  Estimate est = std::move(s.est);
+  est.peak_allocated_bytes = s.alloc.peak_allocated_bytes();
+  est.peak_reserved_bytes = s.alloc.peak_reserved_bytes();
+  est.breakdown_at_peak = s.at_peak;
+  est.peak = to_moment(trace.moments[s.peak_moment]);
   est.events = trace.events.size();
   std::uint64_t sum = 0;
-  for (auto b : at_peak) sum += b;
+  for (auto b : s.at_peak) sum += b;
   TRAINMEM_ASSERT(sum == est.peak_allocated_bytes, "breakdown does not sum to the peak");
   return est;
+}
+
+Estimate simulate(const graph::Trace& trace, const Recipe& recipe, const EstimateOptions& options) {
+  Replay r(recipe, options);
+  return r.finish(trace);
 }
 
 }  // namespace trainmem::sim

@@ -2,10 +2,35 @@
 // category: peak allocated and reserved bytes, the breakdown at the peak, where it happened.
 #pragma once
 
+#include <memory>
+
 #include "graph/tape.h"
 
 namespace trainmem::sim {
 
+// A replay that can follow a trace while it is being built: consume() takes the events added
+// since the last call, finish() the rest.
+class Replay {
+ public:
+  Replay(const Recipe& recipe, const EstimateOptions& options);
+  ~Replay();
+  Replay(const Replay&) = delete;
+  Replay& operator=(const Replay&) = delete;
+
+  // Called by the graph stage after each micro-batch's backward. True when the micro-batch
+  // just replayed repeated the one before it exactly, in its events and in the allocator state
+  // it left (Note [Repeated micro-batches] in simulator.cpp): every later micro-batch of the
+  // step would repeat it too, so the builder may go on with the optimizer step.
+  bool micro_batch_done(const graph::Trace& trace, std::uint32_t step, std::uint32_t micro);
+
+  Estimate finish(const graph::Trace& trace);
+
+ private:
+  struct State;
+  std::unique_ptr<State> s_;
+};
+
+// The whole trace at once (no micro-batch is skipped).
 Estimate simulate(const graph::Trace& trace, const Recipe& recipe, const EstimateOptions& options);
 
 }  // namespace trainmem::sim

@@ -221,7 +221,7 @@ TEST(RecipeValidate, UnknownGpuListsTheCatalog) {
   r.gpu = "h100";
   EXPECT_EQ(error_of([&] { r.validate(); }),
             "gpu: unknown GPU 'h100'; known: h100-80gb, h200-141gb, b200-192gb, a100-80gb, "
-            "a100-40gb, l40s-48gb, a10g-24gb, rtx-4090, rtx-3090, v100-32gb, t4-16gb, cpu");
+            "a100-40gb, l40s-48gb, a10g-24gb, l4-24gb, rtx-4090, rtx-3090, v100-32gb, t4-16gb, cpu");
 }
 
 TEST(RecipeValidate, GpuNamesIgnoreCase) {
@@ -253,7 +253,7 @@ TEST(RecipeValidate, EstimateValidatesTheRecipe) {
   r.gpu = "tpu-v5";
   EXPECT_EQ(error_of([&] { estimate(m, r); }),
             "gpu: unknown GPU 'tpu-v5'; known: h100-80gb, h200-141gb, b200-192gb, a100-80gb, "
-            "a100-40gb, l40s-48gb, a10g-24gb, rtx-4090, rtx-3090, v100-32gb, t4-16gb, cpu");
+            "a100-40gb, l40s-48gb, a10g-24gb, l4-24gb, rtx-4090, rtx-3090, v100-32gb, t4-16gb, cpu");
 }
 
 }  // namespace

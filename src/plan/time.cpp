@@ -1,0 +1,143 @@
+// The step-time model the planner ranks recipes by. It is a model, not a measurement: its
+// assumptions are stated in docs/planner.md and every constant is named here.
+//
+// Note [Step time]
+// time = compute + memory traffic + launch overhead, with no overlap between the three (real
+// steps overlap some of it, so absolute times are pessimistic; the ranking is what matters).
+//  * compute: matmul and attention FLOPs per GPU per optimizer step at kMatmulEfficiency of the
+//    GPU's dense throughput for the compute dtype (fp16/bf16 tensor cores, or plain fp32: PyTorch
+//    leaves TF32 off). Forward = 2·tokens·(matmul parameters) + attention (QKᵀ and PV, 4·s·d per
+//    head and token; causal SDPA/flash kernels skip the masked half, eager computes it all).
+//    Backward = 2× forward for trainable weights (input and weight gradients), 1× for frozen
+//    ones (input gradients only). Full checkpointing adds one more forward of the decoder layers.
+//  * memory traffic at the GPU's bandwidth: the optimizer update (bytes read and written per
+//    trainable parameter, by optimizer and dtype), the elementwise work of the decoder layers
+//    (norms, activation, rotary, residuals: kElementwisePasses passes over the hidden and
+//    intermediate widths per token) and the loss (the logits written, upcast, normalized and
+//    differentiated; the fused loss never writes the fp32 copies).
+//  * launches: kLaunchSeconds per kernel; kKernelsPerLayer per decoder layer and micro-batch
+//    (forward and backward), more for eager attention and recomputation, and the optimizer's:
+//    a few per tensor for per-parameter loops (8-bit AdamW, Adafactor), a few per group for
+//    foreach and fused ones.
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "common/checked.h"
+
+namespace trainmem {
+namespace {
+
+constexpr double kMatmulEfficiency = 0.40;  // achieved share of dense peak in matmuls
+constexpr double kMemoryEfficiency = 0.70;  // achieved share of memory bandwidth in elementwise ops
+constexpr double kLaunchSeconds = 4e-6;     // per kernel launch, including framework overhead
+constexpr double kKernelsPerLayer = 75;     // ~25 forward + ~50 backward kernels per decoder layer
+constexpr double kElementwisePasses = 3;    // forward, and twice that in backward: 1 + 2
+
+bool half_compute(Precision p) { return p != Precision::kFp32; }
+std::uint64_t param_bytes(Precision p) {
+  return p == Precision::kBf16Master || p == Precision::kBf16True || p == Precision::kFp16True ? 2 : 4;
+}
+
+struct MatmulCounts {
+  double trainable = 0;  // weight elements that get gradients
+  double frozen = 0;
+  double adapters = 0;   // LoRA A and B elements
+  double layer = 0;      // elements inside the decoder layers (recomputed under checkpointing)
+  double tensors = 0;    // parameter tensors the optimizer walks
+  double trainable_elements = 0;
+};
+
+MatmulCounts count(const Model& m, const Recipe& r) {
+  MatmulCounts c;
+  const bool lora = r.lora.enabled();
+  for (const ParameterGroup& g : m.parameters) {
+    const double n = static_cast<double>(g.numel) * static_cast<double>(g.count);
+    const bool in_layer = g.name.find(".N.") != std::string::npos;
+    if (!lora) {
+      c.tensors += static_cast<double>(g.count);
+      c.trainable_elements += n;
+    }
+    if (!g.matmul_weight) continue;
+    (lora ? c.frozen : c.trainable) += n;
+    if (in_layer) c.layer += n;
+    if (!lora || !in_layer) continue;
+    for (const std::string& t : r.lora.targets) {
+      // "self_attn.q_proj" matches "model.layers.N.self_attn.q_proj.weight"
+      if (g.name.find("." + t + ".weight") == std::string::npos) continue;
+      const double rows = static_cast<double>(g.rows), cols = static_cast<double>(g.numel / std::max<std::uint64_t>(1, g.rows));
+      // nn.Linear stores [out, in]; GPT-2's Conv1D stores [in, out]: either way A+B = r·(in+out).
+      const double a = static_cast<double>(r.lora.rank) * (rows + cols) * static_cast<double>(g.count);
+      c.adapters += a;
+      c.tensors += 2 * static_cast<double>(g.count);
+      c.trainable_elements += a;
+    }
+  }
+  c.layer += c.adapters;
+  return c;
+}
+
+}  // namespace
+
+StepTime step_time(const Model& model, const Recipe& spelled) {
+  Recipe recipe = spelled;
+  if (recipe.lora.enabled()) recipe.lora.targets = resolve_lora_targets(model.arch, spelled.lora.targets);
+  const Gpu& gpu = find_gpu(recipe.gpu);
+  const Architecture& a = model.arch;
+  StepTime t;
+  if (gpu.half_tflops <= 0 || gpu.memory_gbps <= 0) return t;  // the cpu pseudo-device: no model
+  const MatmulCounts c = count(model, recipe);
+  const double tokens = static_cast<double>(recipe.batch) * static_cast<double>(recipe.seq);
+  const double micro = static_cast<double>(recipe.grad_accum);
+  const double L = static_cast<double>(a.num_layers);
+
+  // FLOPs of one micro-batch.
+  const double fwd_mm = 2 * tokens * (c.trainable + c.frozen + c.adapters);
+  const double bwd_mm = 2 * 2 * tokens * (c.trainable + c.adapters) + 2 * tokens * c.frozen;
+  const bool eager = recipe.attention == Attention::kEager || a.family == Family::kGemma2;
+  const double causal = eager ? 1.0 : 0.5;
+  const double attn_fwd = 4 * tokens * static_cast<double>(recipe.seq) * static_cast<double>(a.head_dim) *
+                          static_cast<double>(a.num_heads) * L * causal;
+  double per_micro = fwd_mm + bwd_mm + attn_fwd * 3;
+  if (recipe.checkpointing == Checkpointing::kFull) per_micro += 2 * tokens * c.layer + attn_fwd;
+  t.flops = per_micro * micro;
+  const double peak = (half_compute(recipe.precision) ? gpu.half_tflops : gpu.fp32_tflops) * 1e12;
+  t.compute_s = t.flops / (peak * kMatmulEfficiency);
+
+  // Memory traffic.
+  const double act = half_compute(recipe.precision) ? 2 : 4;
+  const double h = static_cast<double>(a.hidden_size), inter = static_cast<double>(a.intermediate_size);
+  double layer_bytes = tokens * L * (10 * h + 4 * inter) * act * kElementwisePasses;
+  if (recipe.checkpointing == Checkpointing::kFull) layer_bytes *= 4.0 / 3.0;
+  const double V = static_cast<double>(a.vocab_size);
+  const double loss_bytes = tokens * V * (recipe.loss == Loss::kFused ? 2 * act + 8 : 2 * (2 * act + 12));
+  const double pb = static_cast<double>(param_bytes(recipe.precision));
+  const bool master = recipe.precision == Precision::kBf16Master;
+  const double sb = master || pb == 4 || recipe.lora.enabled() ? 4 : 2;  // state dtype
+  const double gb = master ? 4 : (recipe.lora.enabled() ? 4 : pb);       // gradient seen by the optimizer
+  const double wb = recipe.lora.enabled() ? 4 : (master ? 4 : pb);       // weight the optimizer updates
+  double per_param = 0;
+  switch (recipe.optimizer) {
+    case Optimizer::kAdamWFused: per_param = (wb + gb + 2 * sb) + (wb + 2 * sb); break;
+    case Optimizer::kAdamW: per_param = 2 * ((wb + gb + 2 * sb) + (wb + 2 * sb)); break;
+    case Optimizer::kAdamW8bit: per_param = (wb + gb + 2) + (wb + 2); break;
+    case Optimizer::kSgd: per_param = (wb + gb + sb) + (wb + sb); break;
+    case Optimizer::kAdafactor: per_param = 8 * 4 * 2; break;  // ~8 fp32 passes, read and write
+  }
+  if (master) per_param += (2 + 4) + (4 + 2);  // grads to fp32, masters back to half
+  const double opt_bytes = per_param * c.trainable_elements;
+  const double bw = gpu.memory_gbps * 1e9 * kMemoryEfficiency;
+  t.memory_s = ((layer_bytes + loss_bytes) * micro + opt_bytes) / bw;
+
+  // Launches.
+  double kernels = kKernelsPerLayer * L * (eager ? 1.2 : 1.0) * (recipe.checkpointing == Checkpointing::kFull ? 4.0 / 3.0 : 1.0);
+  if (recipe.lora.enabled()) kernels += 8 * static_cast<double>(recipe.lora.targets.size()) * L;
+  kernels *= micro;
+  const bool per_tensor = recipe.optimizer == Optimizer::kAdamW8bit || recipe.optimizer == Optimizer::kAdafactor;
+  kernels += per_tensor ? 12 * c.tensors : 40;
+  t.overhead_s = kernels * kLaunchSeconds;
+  t.seconds = t.compute_s + t.memory_s + t.overhead_s;
+  return t;
+}
+
+}  // namespace trainmem
