@@ -3,6 +3,7 @@
 // raises as ValueError.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/array.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -20,6 +21,21 @@ trainmem::Estimate run_estimate(const std::string& model, const trainmem::Recipe
   trainmem::EstimateOptions opt;
   opt.timeline = timeline;
   return trainmem::estimate(trainmem::load_model(model), r, opt);
+}
+
+// Returns (json, text) of trainmem::fit.
+std::pair<std::string, std::string> run_fit(const std::string& model, const trainmem::RecipeSpelling& spelling,
+                                            std::uint64_t gpus, std::uint64_t global_batch,
+                                            const std::vector<std::string>& fixed, std::uint64_t top) {
+  trainmem::FitRequest q;
+  q.base = trainmem::parse_recipe(spelling);
+  q.gpus = gpus;
+  q.global_batch = global_batch;
+  q.fixed = fixed;
+  q.top = static_cast<std::size_t>(top);
+  const trainmem::Model m = trainmem::load_model(model);
+  const trainmem::FitResult f = trainmem::fit(m, q);
+  return {trainmem::report::fit_to_json(m.name, f), trainmem::report::fit_to_text(m.name, f)};
 }
 
 }  // namespace
@@ -55,6 +71,7 @@ NB_MODULE(_core, m) {
       .def("to_text", [](const trainmem::Estimate& e) { return trainmem::report::to_text(e); });
 
   m.def("estimate", &run_estimate, "model"_a, "recipe"_a, "timeline"_a);
+  m.def("fit", &run_fit, "model"_a, "recipe"_a, "gpus"_a, "global_batch"_a, "fixed"_a, "top"_a);
   m.def("catalog_json", []() {
     std::string out = "[";
     for (const auto& c : trainmem::catalog()) {

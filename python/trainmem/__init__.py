@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Estimate", "estimate", "models", "CATEGORIES", "RECIPE_DEFAULTS"]
+__all__ = ["Estimate", "FitResult", "estimate", "fit", "models", "CATEGORIES", "RECIPE_DEFAULTS"]
 __version__ = "0.1.0"
 
 CATEGORIES = ("weights", "optimizer_states", "gradients", "activations", "temporaries", "other")
@@ -108,6 +108,58 @@ def estimate(model: str, *, timeline: bool = False, **recipe: Any) -> Estimate:
     data = json.loads(core.to_json())
     data["_text"] = core.to_text()
     return Estimate(**data)
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """The same fields as `trainmem fit --json` (docs/planner.md)."""
+
+    model: str
+    device: dict[str, Any]
+    gpus: int
+    global_batch: int
+    capacity_bytes: int
+    searched: int
+    simulated: int
+    pruned: int
+    plans: list[dict[str, Any]]
+    baseline: dict[str, Any]
+    changes: list[dict[str, Any]]
+    closest_miss: dict[str, Any] | None
+    source: str = "engine"
+    _text: str = field(default="", repr=False, compare=False)
+
+    def __str__(self) -> str:  # the table `trainmem fit` prints
+        return self._text
+
+
+# Knobs fit() searches unless the caller sets them.
+SEARCHED_KNOBS = ("batch", "precision", "optimizer", "checkpointing", "attention", "loss", "allocator")
+
+
+def fit(model: str, *, gpus: int = 1, global_batch: int | None = None, top: int = 10,
+        **recipe: Any) -> FitResult:
+    """Recipes that fit `gpu` (a recipe knob, default h100-80gb), fastest first, plus what each
+    single change of the given recipe saves. Knobs passed here are held fixed, the others of
+    SEARCHED_KNOBS are searched, as with `trainmem fit`. Raises ValueError on bad input."""
+    from . import _core
+
+    for name, value in (("gpus", gpus), ("top", top), ("global_batch", global_batch or 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 2**64:
+            raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+    fixed = [k for k in SEARCHED_KNOBS if k in recipe]
+    out, text = _core.fit(str(model), _spelling(recipe), gpus, global_batch or 0, fixed, top)
+    data = json.loads(out)
+    data["_text"] = text
+    return FitResult(**data)
+
+
+def __getattr__(name: str) -> Any:  # trainmem.hf without importing it eagerly
+    if name == "hf":
+        import importlib
+
+        return importlib.import_module(".hf", __name__)
+    raise AttributeError(f"module 'trainmem' has no attribute {name!r}")
 
 
 def models() -> list[dict[str, Any]]:

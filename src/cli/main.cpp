@@ -330,20 +330,38 @@ int main(int argc, char** argv) {
     } else if (*gpus) {
       auto list = trainmem::gpus();
       if (gpus_json) {
-        std::string j = "[\n";
-        for (std::size_t i = 0; i < list.size(); ++i) {
-          const auto& g = list[i];
-          j += "  {\"name\": \"" + g.name + "\", \"capacity_bytes\": " + std::to_string(g.capacity_bytes) +
-               ", \"context_bytes\": " + std::to_string(g.context_bytes) +
-               ", \"cublas_workspace_bytes\": " + std::to_string(g.cublas_workspace_bytes) + "}" +
-               (i + 1 < list.size() ? ",\n" : "\n");
-        }
-        out = j + "]\n";
-      } else {
-        char line[200];
+        nlohmann::ordered_json j = nlohmann::ordered_json::array();
         for (const auto& g : list) {
-          std::snprintf(line, sizeof line, "%-12s %8.1f GiB  %s\n", g.name.c_str(),
-                        static_cast<double>(g.capacity_bytes) / (1ull << 30), g.description.c_str());
+          j.push_back({{"name", g.name},
+                       {"description", g.description},
+                       {"capacity_bytes", g.capacity_bytes},
+                       {"context_bytes", g.context_bytes},
+                       {"usable_bytes", g.usable_bytes()},
+                       {"cublas_workspace_bytes", g.cublas_workspace_bytes},
+                       {"half_tflops", g.half_tflops},
+                       {"bf16", g.bf16},
+                       {"fp32_tflops", g.fp32_tflops},
+                       {"memory_gbps", g.memory_gbps},
+                       {"interconnect", g.interconnect},
+                       {"interconnect_gbps", g.interconnect_gbps},
+                       {"host_gbps", g.host_gbps}});
+        }
+        out = j.dump(2) + "\n";
+      } else {
+        char line[300];
+        std::snprintf(line, sizeof line, "%-11s %9s %9s %10s %8s %8s  %-9s %s\n", "name", "memory", "usable",
+                      "half TF/s", "fp32", "mem GB/s", "link", "description");
+        out += line;
+        for (const auto& g : list) {
+          if (g.capacity_bytes == 0) {
+            std::snprintf(line, sizeof line, "%-11s %9s %9s %10s %8s %8s  %-9s %s\n", g.name.c_str(), "-", "-", "-", "-",
+                          "-", "-", g.description.c_str());
+          } else {
+            std::snprintf(line, sizeof line, "%-11s %5.1f GiB %5.1f GiB %10.0f %8.1f %8.0f  %-9s %s\n", g.name.c_str(),
+                          static_cast<double>(g.capacity_bytes) / (1ull << 30),
+                          static_cast<double>(g.usable_bytes()) / (1ull << 30), g.half_tflops, g.fp32_tflops,
+                          g.memory_gbps, g.interconnect.c_str(), g.description.c_str());
+          }
           out += line;
         }
       }

@@ -10,11 +10,14 @@
 // allocator setting costs no time, so it is not a ranking dimension: a recipe is replayed with
 // the default allocator first and with expandable segments only when it does not fit.
 #include <algorithm>
+#include <future>
 #include <map>
+#include <thread>
 #include <numeric>
 #include <string>
 
 #include "common/checked.h"
+#include "plan/plan.h"
 
 namespace trainmem {
 namespace {
@@ -25,28 +28,6 @@ bool is_half_param(Precision p) {
   return p == Precision::kBf16Master || p == Precision::kBf16True || p == Precision::kFp16True;
 }
 
-// Bytes that stay allocated from the optimizer's first step on: a floor under the peak.
-std::uint64_t persistent_floor(const Model& m, const Recipe& r) {
-  const std::uint64_t pb = is_half_param(r.precision) ? 2 : 4;
-  std::uint64_t weights = 0;
-  for (const ParameterGroup& g : m.parameters) {
-    weights = detail::add(weights, detail::mul({g.numel, g.count, pb}, "parameter bytes"), "parameter bytes");
-  }
-  if (r.lora.enabled()) return weights;  // adapters and their states only add
-  const std::uint64_t n = m.parameter_count;
-  std::uint64_t extra = 0;
-  if (r.precision == Precision::kBf16Master) extra = detail::mul(n, 4, "master bytes");
-  const std::uint64_t sb = r.precision == Precision::kBf16True || r.precision == Precision::kFp16True ? 2 : 4;
-  switch (r.optimizer) {
-    case Optimizer::kAdamW:
-    case Optimizer::kAdamWFused: extra = detail::add(extra, detail::mul({n, 2, sb}, "state bytes"), "state bytes"); break;
-    case Optimizer::kAdamW8bit: extra = detail::add(extra, detail::mul(n, 2, "state bytes"), "state bytes"); break;
-    case Optimizer::kSgd: extra = detail::add(extra, detail::mul(n, sb, "state bytes"), "state bytes"); break;
-    case Optimizer::kAdafactor: break;
-  }
-  return detail::add(weights, extra, "persistent bytes");
-}
-
 class Planner {
  public:
   Planner(const Model& m, const Gpu& gpu) : m_(m), usable_(gpu.usable_bytes()) {}
@@ -54,6 +35,34 @@ class Planner {
   Plan replay(const Recipe& r) {
     const std::string key = report_key(r);
     if (auto it = memo_.find(key); it != memo_.end()) return it->second;
+    Plan p = compute(r);
+    ++simulated_;
+    memo_.emplace(key, p);
+    return p;
+  }
+
+  // Replays the recipes not replayed yet on all cores; replay() then finds them. Results do not
+  // depend on the thread count: each replay is independent and deterministic.
+  void prefetch(const std::vector<Recipe>& rs) {
+    std::vector<const Recipe*> todo;
+    for (const Recipe& r : rs) {
+      if (!memo_.count(report_key(r))) todo.push_back(&r);
+    }
+    if (todo.size() < 2) return;
+    std::vector<std::future<Plan>> jobs;
+    for (const Recipe* r : todo) jobs.push_back(std::async(std::launch::async, [this, r] { return compute(*r); }));
+    for (std::size_t i = 0; i < todo.size(); ++i) {
+      Plan p = jobs[i].get();  // rethrows an engine error here, on the planner's thread
+      ++simulated_;
+      memo_.emplace(report_key(*todo[i]), std::move(p));
+    }
+  }
+
+  std::uint64_t usable() const { return usable_; }
+  std::uint64_t simulated() const { return simulated_; }
+
+ private:
+  Plan compute(const Recipe& r) const {
     Plan p;
     p.recipe = r;
     p.time = step_time(m_, r);
@@ -64,15 +73,9 @@ class Planner {
     p.peak = e.peak;
     p.simulated = true;
     p.fits = p.peak_reserved_bytes <= usable_;
-    ++simulated_;
-    memo_.emplace(key, p);
     return p;
   }
 
-  std::uint64_t usable() const { return usable_; }
-  std::uint64_t simulated() const { return simulated_; }
-
- private:
   static std::string report_key(const Recipe& r) {
     std::string k = std::to_string(r.batch) + "/" + std::to_string(r.grad_accum) + "/" + std::to_string(r.seq);
     for (std::string_view s : {to_string(r.precision), to_string(r.optimizer), to_string(r.checkpointing),
@@ -111,6 +114,27 @@ bool valid(const Recipe& r) {
 }
 
 }  // namespace
+
+std::uint64_t plan::persistent_floor(const Model& m, const Recipe& r) {
+  const std::uint64_t pb = is_half_param(r.precision) ? 2 : 4;
+  std::uint64_t weights = 0;
+  for (const ParameterGroup& g : m.parameters) {
+    weights = detail::add(weights, detail::mul({g.numel, g.count, pb}, "parameter bytes"), "parameter bytes");
+  }
+  if (r.lora.enabled()) return weights;  // adapters and their states only add
+  const std::uint64_t n = m.parameter_count;
+  std::uint64_t extra = 0;
+  if (r.precision == Precision::kBf16Master) extra = detail::mul(n, 4, "master bytes");
+  const std::uint64_t sb = r.precision == Precision::kBf16True || r.precision == Precision::kFp16True ? 2 : 4;
+  switch (r.optimizer) {
+    case Optimizer::kAdamW:
+    case Optimizer::kAdamWFused: extra = detail::add(extra, detail::mul({n, 2, sb}, "state bytes"), "state bytes"); break;
+    case Optimizer::kAdamW8bit: extra = detail::add(extra, detail::mul(n, 2, "state bytes"), "state bytes"); break;
+    case Optimizer::kSgd: extra = detail::add(extra, detail::mul(n, sb, "state bytes"), "state bytes"); break;
+    case Optimizer::kAdafactor: break;
+  }
+  return detail::add(weights, extra, "persistent bytes");
+}
 
 FitResult fit(const Model& model, const FitRequest& q) {
   q.base.validate();
@@ -203,7 +227,7 @@ FitResult fit(const Model& model, const FitRequest& q) {
             r.allocator = allocators.front();
             if (!valid(r)) continue;
             out.searched += allocators.size();
-            space.push_back({r, step_time(model, r), persistent_floor(model, r)});
+            space.push_back({r, step_time(model, r), plan::persistent_floor(model, r)});
           }
         }
       }
@@ -222,8 +246,17 @@ FitResult fit(const Model& model, const FitRequest& q) {
       have_miss = true;
     }
   };
-  for (const Candidate& c : space) {
+  const std::size_t window = std::clamp<std::size_t>(std::thread::hardware_concurrency(), 1, 8);
+  for (std::size_t i = 0; i < space.size(); ++i) {
+    const Candidate& c = space[i];
     if (out.plans.size() >= q.top) break;
+    if (i % window == 0) {  // the next window's first replays, in parallel
+      std::vector<Recipe> next;
+      for (std::size_t k = i; k < std::min(space.size(), i + window); ++k) {
+        if (space[k].floor <= planner.usable()) next.push_back(space[k].r);
+      }
+      planner.prefetch(next);
+    }
     if (c.floor > planner.usable()) {
       out.pruned += allocators.size();
       Plan p;

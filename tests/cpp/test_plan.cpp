@@ -1,0 +1,135 @@
+// The planner (src/plan): plans are engine replays that fit, fastest first; the floor that rules
+// recipes out unreplayed is never above a replayed peak; the step-time model moves the way its
+// note says it does.
+
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "model/model.h"
+#include "plan/plan.h"
+#include "test_util.h"
+#include "trainmem/trainmem.h"
+
+namespace trainmem {
+namespace {
+
+using testing::error_of;
+
+Recipe base_recipe(const char* gpu, std::uint64_t seq) {
+  Recipe r;
+  r.gpu = gpu;
+  r.seq = seq;
+  return r;
+}
+
+TEST(Fit, PlansAreReplaysThatFitFastestFirst) {
+  const Model m = load_model("qwen3-0.6b");
+  FitRequest q;
+  q.base = base_recipe("t4-16gb", 1024);
+  q.base.precision = Precision::kFp16Mixed;
+  q.global_batch = 16;
+  q.top = 5;
+  const FitResult f = fit(m, q);
+  ASSERT_FALSE(f.plans.empty());
+  EXPECT_LE(f.plans.size(), 5u);
+  EXPECT_EQ(f.capacity_bytes, find_gpu("t4-16gb").capacity_bytes - find_gpu("t4-16gb").context_bytes);
+  for (std::size_t i = 0; i < f.plans.size(); ++i) {
+    const Plan& p = f.plans[i];
+    EXPECT_TRUE(p.simulated && p.fits);
+    EXPECT_LE(p.peak_reserved_bytes, f.capacity_bytes);
+    EXPECT_EQ(p.recipe.batch * p.recipe.grad_accum, 16u);
+    // The plan's figures are exactly what estimate() says for its recipe.
+    const Estimate e = estimate(m, p.recipe);
+    EXPECT_EQ(e.peak_reserved_bytes, p.peak_reserved_bytes);
+    EXPECT_EQ(e.peak_allocated_bytes, p.peak_allocated_bytes);
+    if (i > 0) EXPECT_LE(f.plans[i - 1].time.seconds, p.time.seconds);
+  }
+  // The precision was given, so it was held; V100/T4 plans never use bf16.
+  for (const Plan& p : f.plans) EXPECT_EQ(p.recipe.precision, Precision::kFp16Mixed);
+  EXPECT_GT(f.searched, 100u);
+  EXPECT_EQ(f.baseline.peak_reserved_bytes, estimate(m, [&] {
+              Recipe r = q.base;
+              r.grad_accum = 16;
+              return r;
+            }()).peak_reserved_bytes);
+}
+
+TEST(Fit, NothingFitsGivesTheClosestMiss) {
+  const Model m = load_model("llama-3.1-70b");
+  FitRequest q;
+  q.base = base_recipe("rtx-4090", 4096);
+  const FitResult f = fit(m, q);
+  EXPECT_TRUE(f.plans.empty());
+  ASSERT_TRUE(f.has_closest_miss);
+  EXPECT_GT(f.closest_miss.peak_reserved_bytes, f.capacity_bytes);
+  // 70B parameters in bf16 alone are 141 GB: every recipe is ruled out by its floor.
+  EXPECT_EQ(f.pruned, f.searched);
+  EXPECT_FALSE(f.closest_miss.simulated);
+}
+
+TEST(Fit, TheFloorIsNeverAboveTheReplayedPeak) {
+  for (const char* name : {"gpt2", "qwen3-0.6b", "gemma-2-2b"}) {
+    const Model m = model::with_layers(load_model(name), 2);
+    for (Precision p : {Precision::kFp32, Precision::kBf16Mixed, Precision::kBf16Master, Precision::kBf16True}) {
+      for (Optimizer o : {Optimizer::kAdamW, Optimizer::kAdamWFused, Optimizer::kAdamW8bit, Optimizer::kSgd,
+                          Optimizer::kAdafactor}) {
+        Recipe r = base_recipe("h100-80gb", 64);
+        r.precision = p;
+        r.optimizer = o;
+        const std::uint64_t floor = plan::persistent_floor(m, r);
+        const Estimate e = estimate(m, r);
+        EXPECT_LE(floor, e.peak_allocated_bytes) << name << " " << to_string(p) << " " << to_string(o);
+        // A floor far below the peak would rule nothing out: weights and states dominate here.
+        EXPECT_GT(floor, e.breakdown_at_peak[0] / 2) << name << " " << to_string(p) << " " << to_string(o);
+      }
+    }
+  }
+}
+
+TEST(Fit, BadRequestsAreErrors) {
+  const Model m = load_model("gpt2");
+  FitRequest q;
+  q.base = base_recipe("cpu", 128);
+  EXPECT_NE(error_of([&] { fit(m, q); }).find("no memory to plan for"), std::string::npos);
+  q.base.gpu = "h100-80gb";
+  q.gpus = 2;
+  EXPECT_NE(error_of([&] { fit(m, q); }).find("only one GPU"), std::string::npos);
+  q.gpus = 1;
+  q.base.batch = 3;
+  q.global_batch = 8;
+  EXPECT_NE(error_of([&] { fit(m, q); }).find("not a multiple of batch 3"), std::string::npos);
+  q.base.batch = 1;
+  q.global_batch = 1 << 20;
+  EXPECT_NE(error_of([&] { fit(m, q); }).find("more than 1024"), std::string::npos);
+  q.global_batch = 8;
+  q.fixed = {"seq"};
+  EXPECT_NE(error_of([&] { fit(m, q); }).find("'seq' is not a knob the planner searches"), std::string::npos);
+}
+
+TEST(StepTime, MovesAsTheModelSays) {
+  const Model m = load_model("llama-3.1-8b");
+  Recipe r = base_recipe("h100-80gb", 4096);
+  const StepTime base = step_time(m, r);
+  EXPECT_GT(base.seconds, 0);
+  // 6 FLOPs per parameter and token, plus attention: within a few percent of the textbook figure.
+  const double tokens = 4096;
+  const double six_nd = 6.0 * static_cast<double>(m.parameter_count) * tokens;
+  EXPECT_GT(base.flops, six_nd * 0.95);
+  EXPECT_LT(base.flops, six_nd * 1.25);
+  r.checkpointing = Checkpointing::kFull;
+  EXPECT_GT(step_time(m, r).flops, base.flops * 1.25);  // one more forward of the layers
+  r.checkpointing = Checkpointing::kNone;
+  r.grad_accum = 4;
+  EXPECT_DOUBLE_EQ(step_time(m, r).flops, base.flops * 4);
+  r.grad_accum = 1;
+  r.precision = Precision::kFp32;
+  EXPECT_GT(step_time(m, r).compute_s, base.compute_s * 10);  // no tensor cores
+  r.precision = Precision::kBf16Mixed;
+  r.lora.rank = 16;
+  EXPECT_LT(step_time(m, r).flops, base.flops * 0.75);  // frozen weights get no weight gradient
+  EXPECT_EQ(step_time(m, base_recipe("cpu", 128)).seconds, 0);
+}
+
+}  // namespace
+}  // namespace trainmem

@@ -1,0 +1,88 @@
+"""`trainmem fit` and trainmem.fit as a user drives them: the JSON contract, held knobs, the
+closest miss, and bad requests."""
+import json
+
+import pytest
+
+import trainmem
+
+
+def test_fit_json_contract(run):
+    r = run("fit", "qwen3-0.6b", "--gpu", "a10g-24gb", "--seq", "1024", "--global-batch", "8", "--top", "3",
+            "--json", timeout=120)
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)
+    for key in ("capacity_bytes", "plans", "baseline", "changes", "closest_miss", "searched", "simulated",
+                "pruned", "global_batch", "device"):
+        assert key in j
+    assert j["capacity_bytes"] == j["device"]["capacity_bytes"] - j["device"]["context_bytes"]
+    assert 1 <= len(j["plans"]) <= 3
+    times = [p["step_time_s"] for p in j["plans"]]
+    assert times == sorted(times)
+    for p in j["plans"]:
+        assert p["fits"] and p["peak_reserved_bytes"] <= j["capacity_bytes"]
+        assert p["recipe"]["batch"] * p["recipe"]["grad_accum"] == 8
+        assert set(p) >= {"recipe", "peak_allocated_bytes", "peak_reserved_bytes", "step_time_s"}
+    assert j["closest_miss"] is None
+    for c in j["changes"]:
+        assert c["saves_bytes"] == j["baseline"]["peak_reserved_bytes"] - c["peak_reserved_bytes"]
+
+
+def test_plans_agree_with_estimate(run):
+    j = json.loads(run("fit", "gpt2", "--gpu", "t4-16gb", "--seq", "1024", "--global-batch", "16", "--top", "2",
+                       "--json", timeout=120).stdout)
+    for p in j["plans"]:
+        rc = p["recipe"]
+        e = json.loads(run("estimate", "gpt2", "--batch", rc["batch"], "--grad-accum", rc["grad_accum"], "--seq",
+                           rc["seq"], "--precision", rc["precision"], "--optimizer", rc["optimizer"],
+                           "--checkpointing", rc["checkpointing"], "--loss", rc["loss"], "--allocator",
+                           rc["allocator"], "--gpu", "t4-16gb", "--json").stdout)
+        assert e["peak_reserved_bytes"] == p["peak_reserved_bytes"]
+        assert rc["precision"] in ("fp16-mixed", "fp32")  # the T4 has no bf16
+
+
+def test_given_knobs_are_held(run):
+    j = json.loads(run("fit", "gpt2", "--gpu", "a10g-24gb", "--seq", "512", "--global-batch", "8",
+                       "--optimizer", "sgd", "--checkpointing", "full", "--json", timeout=120).stdout)
+    assert j["plans"]
+    assert {p["recipe"]["optimizer"] for p in j["plans"]} == {"sgd"}
+    assert {p["recipe"]["checkpointing"] for p in j["plans"]} == {"full"}
+
+
+def test_nothing_fits_names_the_closest_miss(run):
+    r = run("fit", "llama-3.1-70b", "--gpu", "rtx-4090", "--seq", "4096", timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "nothing fits" in r.stdout and "closest:" in r.stdout
+    j = json.loads(run("fit", "llama-3.1-70b", "--gpu", "rtx-4090", "--seq", "4096", "--json", timeout=120).stdout)
+    assert j["plans"] == []
+    assert j["closest_miss"]["lacks_bytes"] > 0
+
+
+@pytest.mark.parametrize("args,message", [
+    (["fit", "gpt2", "--gpu", "cpu"], "no memory to plan for"),
+    (["fit", "gpt2", "--gpus", "2"], "only one GPU"),
+    (["fit", "gpt2", "--batch", "3", "--global-batch", "8"], "not a multiple of batch 3"),
+    (["fit", "gpt2", "--global-batch", "x"], "global_batch: must be a positive integer"),
+    (["fit", "gpt2", "--top", "0"], "top: must be between 1 and 1000"),
+    (["fit", "no-such-model"], "unknown model"),
+])
+def test_bad_fit_requests(run, args, message):
+    r = run(*args)
+    assert r.returncode == 2
+    assert r.stdout == ""
+    assert message in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_python_fit_matches_the_cli(run):
+    f = trainmem.fit("qwen3-0.6b", gpu="a10g-24gb", seq=1024, global_batch=8, top=3)
+    j = json.loads(run("fit", "qwen3-0.6b", "--gpu", "a10g-24gb", "--seq", "1024", "--global-batch", "8",
+                       "--top", "3", "--json", timeout=120).stdout)
+    assert f.plans == j["plans"]
+    assert f.capacity_bytes == j["capacity_bytes"]
+    assert "usable per GPU" in str(f)
+    held = trainmem.fit("gpt2", gpu="a10g-24gb", seq=512, global_batch=4, optimizer="sgd", top=2)
+    assert {p["recipe"]["optimizer"] for p in held.plans} == {"sgd"}
+    with pytest.raises(ValueError, match="gpus"):
+        trainmem.fit("gpt2", gpus=0)
+    with pytest.raises(ValueError, match="unknown recipe knob"):
+        trainmem.fit("gpt2", micro_batch=2)
