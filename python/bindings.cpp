@@ -15,8 +15,12 @@ using namespace nb::literals;
 
 namespace {
 
-trainmem::Estimate run_estimate(const std::string& model, const trainmem::RecipeSpelling& spelling,
+// Model sources arrive as bytes (os.fsencode): a path need not be valid UTF-8.
+std::string source_of(const nb::bytes& model) { return std::string(model.c_str(), model.size()); }
+
+trainmem::Estimate run_estimate(const nb::bytes& model_bytes, const trainmem::RecipeSpelling& spelling,
                                 bool timeline) {
+  const std::string model = source_of(model_bytes);
   const trainmem::Recipe r = trainmem::parse_recipe(spelling);
   trainmem::EstimateOptions opt;
   opt.timeline = timeline;
@@ -24,9 +28,10 @@ trainmem::Estimate run_estimate(const std::string& model, const trainmem::Recipe
 }
 
 // Returns (json, text) of trainmem::fit.
-std::pair<std::string, std::string> run_fit(const std::string& model, const trainmem::RecipeSpelling& spelling,
+std::pair<std::string, nb::bytes> run_fit(const nb::bytes& model_bytes, const trainmem::RecipeSpelling& spelling,
                                             std::uint64_t gpus, std::uint64_t global_batch,
                                             const std::vector<std::string>& fixed, std::uint64_t top) {
+  const std::string model = source_of(model_bytes);
   trainmem::FitRequest q;
   q.base = trainmem::parse_recipe(spelling);
   q.gpus = gpus;
@@ -35,7 +40,8 @@ std::pair<std::string, std::string> run_fit(const std::string& model, const trai
   q.top = static_cast<std::size_t>(top);
   const trainmem::Model m = trainmem::load_model(model);
   const trainmem::FitResult f = trainmem::fit(m, q);
-  return {trainmem::report::fit_to_json(m.name, f), trainmem::report::fit_to_text(m.name, f)};
+  const std::string text = trainmem::report::fit_to_text(m.name, f);
+  return {trainmem::report::fit_to_json(m.name, f), nb::bytes(text.data(), text.size())};
 }
 
 }  // namespace
@@ -68,7 +74,11 @@ NB_MODULE(_core, m) {
       .def_ro("peak_reserved_bytes", &trainmem::Estimate::peak_reserved_bytes)
       .def_ro("events", &trainmem::Estimate::events)
       .def("to_json", [](const trainmem::Estimate& e) { return trainmem::report::to_json(e); })
-      .def("to_text", [](const trainmem::Estimate& e) { return trainmem::report::to_text(e); });
+      // The picture echoes the model path, which need not be UTF-8: bytes, decoded in Python.
+      .def("to_text", [](const trainmem::Estimate& e) {
+        const std::string t = trainmem::report::to_text(e);
+        return nb::bytes(t.data(), t.size());
+      });
 
   m.def("estimate", &run_estimate, "model"_a, "recipe"_a, "timeline"_a);
   m.def("fit", &run_fit, "model"_a, "recipe"_a, "gpus"_a, "global_batch"_a, "fixed"_a, "top"_a);

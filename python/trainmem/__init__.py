@@ -10,6 +10,7 @@ Python objects. The measuring side (PyTorch) lives in trainmem.measure.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +69,15 @@ RECIPE_DEFAULTS: dict[str, Any] = {
 _COUNTS = ("batch", "seq", "grad_accum")
 
 
+def _source(model: Any) -> bytes:
+    """A model name or path as the engine takes it: bytes, so a path that is not UTF-8 works."""
+    if isinstance(model, bytes):
+        return model
+    if isinstance(model, (str, os.PathLike)):
+        return os.fsencode(model)
+    raise ValueError(f"model: expected a name or a path, got {type(model).__name__}")
+
+
 def _spelling(knobs: dict[str, Any]):
     """A _core.RecipeSpelling from keyword arguments; ValueError on a bad type or name."""
     from . import _core  # the compiled engine; imported here so trainmem.measure works without it
@@ -104,9 +114,9 @@ def estimate(model: str, *, timeline: bool = False, **recipe: Any) -> Estimate:
     defaults of RECIPE_DEFAULTS (the CLI's flags). Raises ValueError on bad input."""
     from . import _core
 
-    core = _core.estimate(str(model), _spelling(recipe), timeline)
+    core = _core.estimate(_source(model), _spelling(recipe), timeline)
     data = json.loads(core.to_json())
-    data["_text"] = core.to_text()
+    data["_text"] = core.to_text().decode("utf-8", "replace")
     return Estimate(**data)
 
 
@@ -148,9 +158,9 @@ def fit(model: str, *, gpus: int = 1, global_batch: int | None = None, top: int 
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 2**64:
             raise ValueError(f"{name}: must be a positive integer, got {value!r}")
     fixed = [k for k in SEARCHED_KNOBS if k in recipe]
-    out, text = _core.fit(str(model), _spelling(recipe), gpus, global_batch or 0, fixed, top)
+    out, text = _core.fit(_source(model), _spelling(recipe), gpus, global_batch or 0, fixed, top)
     data = json.loads(out)
-    data["_text"] = text
+    data["_text"] = text.decode("utf-8", "replace")
     return FitResult(**data)
 
 

@@ -372,5 +372,10 @@ int main(int argc, char** argv) {
     return fail(e.what());
   } catch (const std::overflow_error& e) {
     return fail(e.what());
+  } catch (const std::bad_alloc&) {
+    return fail("this machine ran out of memory while simulating the step; use smaller sizes");
+  } catch (const std::exception& e) {
+    // Not bad input and not a known limit: still one line and exit 2, never a crash dump.
+    return fail(std::string("unexpected failure (please report it): ") + e.what());
   }
 }

@@ -150,7 +150,8 @@ Model load_model(std::string_view source) {
   if (fs::is_directory(p, ec)) return load_directory(p, std::string(source));
   if (fs::is_regular_file(p, ec)) {
     auto size = fs::file_size(p, ec);
-    if (ec || size > kMaxConfigBytes) {
+    if (ec) throw Error(std::string(source) + ": cannot read its size (" + ec.message() + ")");
+    if (size > kMaxConfigBytes) {
       throw Error(std::string(source) + ": file is too large to be a config.json (" +
                   detail::format_bytes(size) + ")");
     }

@@ -35,3 +35,28 @@ def test_str_is_the_terminal_picture():
 def test_models_catalog():
     names = {m["name"] for m in trainmem.models()}
     assert {"gpt2", "llama-3.1-70b", "qwen3-4b", "gemma-2-2b", "phi-3-mini-4k-instruct"} <= names
+
+
+def test_paths_that_are_not_utf8_and_path_objects(tmp_path):
+    import os
+    import pathlib
+
+    cfg = json.loads(pathlib.Path(__file__).resolve().parents[2].joinpath("data/models/gpt2.json").read_text())
+    name = tmp_path / os.fsdecode(b"cfg\xff.json")
+    name.write_text(json.dumps(cfg))
+    by_str = trainmem.estimate(str(name), seq=64)
+    by_path = trainmem.estimate(name, seq=64)
+    by_bytes = trainmem.estimate(os.fsencode(name), seq=64)
+    assert by_str.peak_allocated_bytes == by_path.peak_allocated_bytes == by_bytes.peak_allocated_bytes
+    assert by_str.parameters == 124439808
+    with pytest.raises(ValueError, match="model: expected a name or a path"):
+        trainmem.estimate(42)
+
+
+def test_lora_knobs_are_checked():
+    with pytest.raises(ValueError, match="lora_dropout: set without lora_rank"):
+        trainmem.estimate("gpt2", lora_dropout=0.1)
+    with pytest.raises(ValueError, match="lora_targets: 'nope' names no linear layer"):
+        trainmem.estimate("gpt2", lora_rank=8, lora_targets="nope")
+    with pytest.raises(ValueError, match="peft has no default target modules for phi3"):
+        trainmem.estimate("phi-3-mini-4k-instruct", lora_rank=8)
