@@ -8,6 +8,9 @@
 
 #include <algorithm>
 #include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
 
 #include "common/checked.h"
 
@@ -53,6 +56,8 @@ struct Param {
   std::uint32_t slot = kNone;  // tape's .grad slot
   TensorId storage = kNone;
   std::uint64_t numel = 0;
+  DType dtype = DType::kF32;
+  bool trainable = true;       // requires_grad: false for the base model under LoRA
   TensorId cast = kNone;       // autocast cache entry
   TensorId master = kNone;     // bf16-master fp32 copy
   bool matmul = false;
@@ -67,6 +72,42 @@ struct LayerParams {
                 pre_ff_norm = kNone, post_ff_norm = kNone, gate_up = kNone, gate = kNone,
                 gate_b = kNone, up = kNone, up_b = kNone, down = kNone, down_b = kNone;
 };
+
+// peft's lora.Linear beside one projection of one decoder layer: lora_A (rank × in) and lora_B
+// (out × rank), indices into the parameter table.
+struct Adapter {
+  std::string_view path;  // the projection inside the layer, e.g. "self_attn.q_proj"
+  std::uint32_t a = kNone, b = kNone;
+  std::uint64_t in = 0, out = 0;
+};
+
+// The labels of a wrapped projection's ops (static strings: moments outlive the builder), as
+// the module paths peft creates ("<path>.lora_A.default").
+struct LoraLabels {
+  std::string_view path, a, b;
+};
+constexpr LoraLabels kLoraLabels[] = {
+    {"self_attn.q_proj", "self_attn.q_proj.lora_A.default", "self_attn.q_proj.lora_B.default"},
+    {"self_attn.k_proj", "self_attn.k_proj.lora_A.default", "self_attn.k_proj.lora_B.default"},
+    {"self_attn.v_proj", "self_attn.v_proj.lora_A.default", "self_attn.v_proj.lora_B.default"},
+    {"self_attn.o_proj", "self_attn.o_proj.lora_A.default", "self_attn.o_proj.lora_B.default"},
+    {"self_attn.qkv_proj", "self_attn.qkv_proj.lora_A.default", "self_attn.qkv_proj.lora_B.default"},
+    {"mlp.gate_proj", "mlp.gate_proj.lora_A.default", "mlp.gate_proj.lora_B.default"},
+    {"mlp.up_proj", "mlp.up_proj.lora_A.default", "mlp.up_proj.lora_B.default"},
+    {"mlp.down_proj", "mlp.down_proj.lora_A.default", "mlp.down_proj.lora_B.default"},
+    {"mlp.gate_up_proj", "mlp.gate_up_proj.lora_A.default", "mlp.gate_up_proj.lora_B.default"},
+    {"attn.c_attn", "attn.c_attn.lora_A.default", "attn.c_attn.lora_B.default"},
+    {"attn.c_proj", "attn.c_proj.lora_A.default", "attn.c_proj.lora_B.default"},
+    {"mlp.c_fc", "mlp.c_fc.lora_A.default", "mlp.c_fc.lora_B.default"},
+    {"mlp.c_proj", "mlp.c_proj.lora_A.default", "mlp.c_proj.lora_B.default"},
+};
+
+const LoraLabels& lora_labels(std::string_view path) {
+  for (const LoraLabels& l : kLoraLabels) {
+    if (l.path == path) return l;
+  }
+  throw Error("lora_targets: '" + std::string(path) + "' is not a projection trainmem models");
+}
 
 class StepBuilder {
  public:
@@ -96,16 +137,24 @@ class StepBuilder {
   }
 
   Trace build() {
-    if (r_.lora.enabled()) throw Error("lora_rank: LoRA adapters are not modelled yet");
     t_.at(Phase::kSetup, kNoLayer, "model");
     create_parameters();
+    create_adapters();
     if (pol_.master) {
       t_.at(Phase::kSetup, kNoLayer, "optimizer.master_copy");
-      for (Param& p : params_) p.master = t_.alloc_bytes(p.numel * 4, Category::kWeights);
+      for (Param& p : params_) {
+        if (p.trainable) p.master = t_.alloc_bytes(p.numel * 4, Category::kWeights);
+      }
     }
     t_.at(Phase::kSetup, kNoLayer, "batch");
     input_ids_ = t_.make(tok_, DType::kI64, Category::kOther);
     labels_ = t_.make(tok_, DType::kI64, Category::kOther);
+    if (r_.optimizer == Optimizer::kAdamW8bit && !cuda_) {
+      // On the CPU the maps bitsandbytes makes when the optimizer is built are already on the
+      // parameters' device: they exist from the start.
+      t_.at(Phase::kSetup, kNoLayer, "optimizer");
+      bnb_quantization_maps();
+    }
     for (std::uint32_t step = 1; step <= r_.steps; ++step) {
       t_.step = step;
       for (std::uint32_t micro = 1; micro <= r_.grad_accum; ++micro) {
@@ -123,6 +172,12 @@ class StepBuilder {
     }
     Trace trace = t_.take();
     trace.trainable_parameters = m_.parameter_count;
+    if (r_.lora.enabled()) {
+      trace.trainable_parameters = 0;
+      for (const Param& p : params_) {
+        if (p.trainable) trace.trainable_parameters += p.numel;
+      }
+    }
     return trace;
   }
 
@@ -159,6 +214,8 @@ class StepBuilder {
   std::uint32_t add_param(const ParameterGroup& g) {
     Param p;
     p.numel = g.numel;
+    p.dtype = pol_.param;
+    p.trainable = !r_.lora.enabled();  // get_peft_model freezes the whole base model
     p.storage = t_.alloc_bytes(detail::mul(g.numel, dtype_bytes(pol_.param), "parameter bytes"), Category::kWeights);
     p.slot = t_.new_param(p.storage);
     p.matmul = g.matmul_weight;
@@ -166,6 +223,118 @@ class StepBuilder {
     params_.push_back(p);
     return static_cast<std::uint32_t>(params_.size() - 1);
   }
+
+  // Note [LoRA]
+  // get_peft_model(model, LoraConfig) runs on the built model (peft 0.21: tuners/lora/model.py,
+  // layer.py, tuners_utils.py, peft_model.py):
+  //  * every base parameter gets requires_grad=False. A frozen parameter gets no .grad and no
+  //    optimizer state, and autograd only records what the trainable parts need: an op whose
+  //    inputs all do not require grad records no node (the embedding, layer 0's first norm and
+  //    every projection before the first adapter save nothing); mm/addmm save the input only
+  //    for the weight's gradient and the weight only for the input's, mul saves each factor
+  //    only for the other's gradient, a product with a Python scalar saves nothing. Fused
+  //    attention kernels still compute (and drop) the gradient of an input that does not
+  //    require grad; the fused loss makes no grad_w for a frozen lm_head;
+  //  * each targeted projection (named_modules order: layer by layer, the layer's modules as
+  //    registered) becomes lora.Linear: lora_A = nn.Linear(in, r) and lora_B = nn.Linear(r, out),
+  //    no bias, made on the CPU and moved with .to(device, dtype) of the base weight, A then B.
+  //    With autocast_adapter_dtype (the default) cast_adapter_dtype then replaces every bf16 or
+  //    fp16 adapter parameter by an fp32 copy, module by module: the adapters are always fp32;
+  //  * lora.Linear.forward: result = base_layer(x); x = x.to(lora_A.weight.dtype) if it differs
+  //    (kept until the forward returns); result = result + lora_B(lora_A(dropout(x))) * scaling
+  //    (dropout 0 is nn.Identity); result.to(the base result's dtype);
+  //  * under autocast a weight's half cast is cached only for leaves that require grad
+  //    (autocast_mode.cpp cached_cast): the adapters' casts live until autocast exits, while a
+  //    frozen base weight is cast at every use and the cast lives as long as the op, or the
+  //    backward node that saved it, holds it. Both are casts of parameters: weights, saved or
+  //    not (the tracker's Note [Categories]);
+  //  * activation checkpointing makes transformers call enable_input_require_grads
+  //    (modeling_utils.py _activation_checkpointing_enable, main_input_name "input_ids"): a
+  //    forward hook marks the input embedding module's output (Gemma-2's is already scaled)
+  //    requires_grad. It is then a leaf, so everything after it records nodes as in full
+  //    fine-tuning, and its AccumulateGrad node keeps it (and later its .grad) alive until the
+  //    graph is freed after backward.
+  void create_adapters() {
+    if (!r_.lora.enabled()) return;
+    // Nothing would require grad, and backward() would fail as loss.backward() does.
+    if (r_.lora.targets.empty()) throw Error("lora_targets: no module to wrap (resolve the targets first)");
+    t_.at(Phase::kSetup, kNoLayer, "lora.adapters");
+    // The layer's modules in registration order (Phi-3 registers o_proj before qkv_proj).
+    std::vector<std::string> targets = r_.lora.targets;
+    auto rank_of = [&](const std::string& p) {
+      if (a_.family == Family::kPhi3 && p == "self_attn.o_proj") return -1;
+      const auto& t = r_.lora.targets;
+      return static_cast<int>(std::find(t.begin(), t.end(), p) - t.begin());
+    };
+    std::stable_sort(targets.begin(), targets.end(),
+                     [&](const std::string& x, const std::string& y) { return rank_of(x) < rank_of(y); });
+    const std::uint64_t r = r_.lora.rank;
+    adapters_.assign(a_.num_layers, {});
+    for (std::uint64_t l = 0; l < a_.num_layers; ++l) {
+      for (const std::string& path : targets) {
+        Adapter ad;
+        ad.path = lora_labels(path).path;
+        std::tie(ad.in, ad.out) = projection_shape(path);
+        ad.a = add_adapter_param(detail::mul(r, ad.in, "lora_A size"), r);
+        ad.b = add_adapter_param(detail::mul(ad.out, r, "lora_B size"), ad.out);
+        adapters_[l].push_back(ad);
+      }
+    }
+    if (pol_.param != DType::kF32) {
+      t_.at(Phase::kSetup, kNoLayer, "lora.cast_adapter_dtype");
+      for (auto& layer : adapters_) {
+        for (const Adapter& ad : layer) {
+          for (std::uint32_t pi : {ad.a, ad.b}) {
+            Param& p = params_[pi];
+            TensorId f32 = t_.alloc_bytes(p.numel * 4, Category::kWeights);
+            t_.release(p.storage);
+            p.storage = f32;
+            p.dtype = DType::kF32;
+          }
+        }
+      }
+    }
+  }
+
+  std::uint32_t add_adapter_param(std::uint64_t numel, std::uint64_t rows) {
+    Param p;
+    p.numel = numel;
+    p.dtype = pol_.param;
+    p.storage = t_.alloc_bytes(detail::mul(numel, dtype_bytes(p.dtype), "adapter bytes"),
+                               Category::kWeights);
+    p.slot = t_.new_param(p.storage);
+    p.matmul = true;
+    p.rows = rows;
+    params_.push_back(p);
+    return static_cast<std::uint32_t>(params_.size() - 1);
+  }
+
+  // (in_features, out_features) of a projection of the decoder layer.
+  std::pair<std::uint64_t, std::uint64_t> projection_shape(std::string_view path) const {
+    const std::uint64_t h = a_.hidden_size, i = a_.intermediate_size;
+    const std::uint64_t qw = a_.num_heads * a_.head_dim, kvw = a_.num_kv_heads * a_.head_dim;
+    if (path == "self_attn.q_proj") return {h, qw};
+    if (path == "self_attn.k_proj" || path == "self_attn.v_proj") return {h, kvw};
+    if (path == "self_attn.o_proj") return {qw, h};
+    if (path == "self_attn.qkv_proj") return {h, qw + 2 * kvw};
+    if (path == "mlp.gate_proj" || path == "mlp.up_proj" || path == "mlp.c_fc") return {h, i};
+    if (path == "mlp.gate_up_proj") return {h, 2 * i};
+    if (path == "mlp.down_proj" || path == "mlp.c_proj") return {i, h};
+    if (path == "attn.c_attn") return {h, qw + 2 * kvw};
+    if (path == "attn.c_proj") return {qw, h};
+    TRAINMEM_ASSERT(false, "unknown projection");
+    return {0, 0};
+  }
+
+  const Adapter* adapter(std::string_view path) const {
+    if (layer_ < 0 || adapters_.empty()) return nullptr;
+    for (const Adapter& ad : adapters_[static_cast<std::size_t>(layer_)]) {
+      if (ad.path == path) return &ad;
+    }
+    return nullptr;
+  }
+
+  bool trainable(std::uint32_t pi) const { return pi != kNone && params_[pi].trainable; }
 
   static bool ends_with(const std::string& s, std::string_view suffix) {
     return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
@@ -243,6 +412,13 @@ class StepBuilder {
 
   static GradIn grad_of(const T& x) { return GradIn{x.value, x.bytes(), false}; }
   static GradIn pass_to(const T& x) { return GradIn{x.value, 0, true}; }
+  // A fused attention backward computes the gradients of q, k and v together; one whose input
+  // does not require grad (LoRA: layer 0 before the first adapter) is made and dropped.
+  static GradIn fused_grad_of(const T& x) {
+    GradIn g = grad_of(x);
+    g.discard = !x.requires_grad();
+    return g;
+  }
 
   void op(std::string_view name) {
     op_ = name;
@@ -268,6 +444,8 @@ class StepBuilder {
     Param& p = params_[pi];
     T w;
     w.numel = p.numel;
+    // A frozen weight's cast is not cached (Note [LoRA]): a new one at every use.
+    if (pol_.autocast && !p.trainable) return t_.make(p.numel, pol_.compute, Category::kWeights);
     if (pol_.autocast) {
       if (p.cast == kNone) {
         p.cast = t_.alloc_bytes(p.numel * dtype_bytes(pol_.compute), Category::kWeights);
@@ -277,7 +455,7 @@ class StepBuilder {
       w.dtype = pol_.compute;
     } else {
       w.id = p.storage;
-      w.dtype = pol_.param;
+      w.dtype = p.dtype;
     }
     t_.retain(w.id);
     return w;
@@ -297,7 +475,7 @@ class StepBuilder {
     g.param = p.slot;
     g.compute_bytes = p.numel * dtype_bytes(computed_in);
     g.scratch_bytes = scratch;
-    if (computed_in != pol_.param) g.param_bytes = p.numel * dtype_bytes(pol_.param);
+    if (computed_in != p.dtype) g.param_bytes = p.numel * dtype_bytes(p.dtype);
     return g;
   }
 
@@ -310,20 +488,56 @@ class StepBuilder {
     T wc = weight(w);
     T bc;
     if (b != kNone) bc = weight(b);
-    DType cd = pol_.autocast ? pol_.compute : pol_.param;
+    const DType cd = wc.dtype;
     T y = fresh(out_numel, cd);
     ensure_workspace(false);
-    requires_grad(y);
-    Node n = node(y);
-    n.saved = {x.id, wc.id};
-    if (x.requires_grad()) n.inputs.push_back(grad_of(x));
-    n.params.push_back(param_grad(w, cd));
-    if (b != kNone) n.params.push_back(param_grad(b, cd));
-    t_.record(std::move(n));
+    const bool wt = trainable(w), bt = trainable(b);
+    if (x.requires_grad() || wt || bt) {
+      // mm/addmm save the input for the weight's gradient and the weight for the input's.
+      requires_grad(y);
+      Node n = node(y);
+      if (wt) n.saved.push_back(x.id);
+      if (x.requires_grad()) {
+        n.saved.push_back(wc.id);
+        n.inputs.push_back(grad_of(x));
+      }
+      if (wt) n.params.push_back(param_grad(w, cd));
+      if (bt) n.params.push_back(param_grad(b, cd));
+      t_.record(std::move(n));
+    }
     t_.drop(x);
     t_.drop(wc);
     if (b != kNone) t_.drop(bc);
     return y;
+  }
+
+  // A projection of the decoder layer: nn.Linear (GPT-2: Conv1D), or peft's lora.Linear
+  // around it when LoRA targets it (Note [LoRA]).
+  T proj(const T& x, std::string_view path, std::uint32_t w, std::uint32_t b, std::uint64_t out_features) {
+    op(path);
+    T result = linear(x, w, b, out_features);
+    const Adapter* ad = adapter(path);
+    if (ad == nullptr) return result;
+    const LoraLabels& labels = lora_labels(path);
+    const DType result_dtype = result.dtype;
+    T xa = to(x, params_[ad->a].dtype);  // _cast_input_dtype: x is rebound, kept to the end
+    T xd = r_.lora.dropout > 0 ? dropout(xa) : t_.ref(xa);
+    op(labels.a);
+    T down = linear(xd, ad->a, kNone, r_.lora.rank);
+    t_.drop(xd);
+    op(labels.b);
+    T up = linear(down, ad->b, kNone, ad->out);
+    t_.drop(down);
+    op(path);
+    T scaled = elementwise({&up}, up.numel, up.dtype, {});  // * scaling (a Python float)
+    t_.drop(up);
+    T sum = add(result, scaled);
+    t_.drop(scaled);
+    t_.drop(result);
+    T out = to(sum, result_dtype);
+    t_.drop(sum);
+    t_.drop(xa);
+    return out;
   }
 
   // Elementwise op producing `numel` elements of `d`; `saved` are kept for backward; each input
@@ -348,14 +562,31 @@ class StepBuilder {
     return y;
   }
 
-  // Batched matmul a @ b: both operands are saved, each gets a gradient of its own size.
+  // Batched matmul a @ b: each operand is saved for the other's gradient; each operand that
+  // requires grad gets a gradient of its own size.
   T bmm(const T& a, const T& b, std::uint64_t out_numel, DType d) {
     T y = fresh(out_numel, d);
+    if (!a.requires_grad() && !b.requires_grad()) return y;
     requires_grad(y);
     Node nd = node(y);
-    nd.saved = {a.id, b.id};
-    nd.inputs.push_back(grad_of(a));
-    nd.inputs.push_back(grad_of(b));
+    if (b.requires_grad()) nd.saved.push_back(a.id);
+    if (a.requires_grad()) nd.saved.push_back(b.id);
+    if (a.requires_grad()) nd.inputs.push_back(grad_of(a));
+    if (b.requires_grad()) nd.inputs.push_back(grad_of(b));
+    t_.record(std::move(nd));
+    return y;
+  }
+
+  // a * b of two tensors: each factor is saved for the other's gradient.
+  T mul(const T& a, const T& b, std::uint64_t numel, DType d) {
+    T y = fresh(numel, d);
+    if (!a.requires_grad() && !b.requires_grad()) return y;
+    requires_grad(y);
+    Node nd = node(y);
+    if (b.requires_grad()) nd.saved.push_back(a.id);
+    if (a.requires_grad()) nd.saved.push_back(b.id);
+    if (a.requires_grad()) nd.inputs.push_back(grad_of(a));
+    if (b.requires_grad()) nd.inputs.push_back(grad_of(b));
     t_.record(std::move(nd));
     return y;
   }
@@ -363,6 +594,7 @@ class StepBuilder {
   // softmax over the last dim, in x's dtype: the output is what its backward saves.
   T softmax(const T& x) {
     T p = fresh(x.numel, x.dtype);
+    if (!x.requires_grad()) return p;
     requires_grad(p);
     Node nd = node(p);
     nd.saved = {p.id};
@@ -374,6 +606,7 @@ class StepBuilder {
   // a + b where the gradient passes through to both (AddBackward saves nothing).
   T add(const T& a, const T& b) {
     T y = fresh(std::max(a.numel, b.numel), promote(a.dtype, b.dtype));
+    if (!a.requires_grad() && !b.requires_grad()) return y;
     requires_grad(y);
     Node n = node(y);
     if (a.requires_grad()) n.inputs.push_back(a.dtype == y.dtype ? pass_to(a) : grad_of(a));
@@ -403,8 +636,8 @@ class StepBuilder {
     T var = elementwise({&sq}, rows, DType::kF32, {});
     t_.drop(sq);
     T ve = fresh(rows, DType::kF32);
-    requires_grad(ve);
-    {
+    if (var.requires_grad()) {
+      requires_grad(ve);
       Node nd = node(ve);
       nd.inputs.push_back(pass_to(var));
       t_.record(std::move(nd));
@@ -414,8 +647,8 @@ class StepBuilder {
     T rs = elementwise({&ve}, rows, DType::kF32, {}, {rows * 4, rows * 4}, /*save_output=*/true);
     t_.drop(ve);
     T hn = fresh(n, DType::kF32);
-    requires_grad(hn);
-    {
+    if (h32.requires_grad()) {
+      requires_grad(hn);
       Node nd = node(hn);
       nd.saved = {h32.id, rs.id};  // mul saves both factors (both require grad)
       nd.inputs.push_back(grad_of(h32));
@@ -428,20 +661,25 @@ class StepBuilder {
     const bool gemma = a_.family == Family::kGemma2;
     T out;
     if (gemma) {
-      // output * (1.0 + weight.float()): the mul saves both factors, the fp32 normalised
-      // tensor and the [h] fp32 (1 + weight).
+      // output * (1.0 + weight.float()): the mul saves each factor for the other's gradient,
+      // the fp32 normalised tensor and the [h] fp32 (1 + weight).
       const std::uint64_t h = params_[w].numel;
       TensorId wf = pol_.param != DType::kF32 ? t_.alloc_bytes(h * 4, Category::kTemporaries) : kNone;
       T onep = fresh(h, DType::kF32);
       if (wf != kNone) t_.release(wf);
       T hc = t_.ref(hn);
       out = fresh(n, DType::kF32);
-      requires_grad(out);
-      Node nd = node(out);
-      nd.saved = {hc.id, onep.id};
-      nd.inputs.push_back(grad_of(hc));
-      nd.params.push_back(param_grad(w, DType::kF32, n * 4));
-      t_.record(std::move(nd));
+      if (hc.requires_grad() || trainable(w)) {
+        requires_grad(out);
+        Node nd = node(out);
+        if (trainable(w)) nd.saved.push_back(hc.id);
+        if (hc.requires_grad()) {
+          nd.saved.push_back(onep.id);
+          nd.inputs.push_back(grad_of(hc));
+        }
+        if (trainable(w)) nd.params.push_back(param_grad(w, DType::kF32, n * 4));
+        t_.record(std::move(nd));
+      }
       t_.drop(onep);
       t_.drop(hc);
       t_.drop(hn);
@@ -454,13 +692,19 @@ class StepBuilder {
     }
     T hc = to(hn, x.dtype);
     t_.drop(hn);
-    DType od = promote(pol_.param, x.dtype);
+    DType od = promote(params_[w].dtype, x.dtype);
     out = fresh(n, od);
+    if (!hc.requires_grad() && !trainable(w)) {
+      t_.drop(hc);
+      return out;
+    }
+    // weight * x: x is saved for the weight's gradient (the weight, saved for x's, is the
+    // parameter itself).
     requires_grad(out);
     Node nd = node(out);
-    nd.saved = {hc.id};
-    nd.inputs.push_back(GradIn{hc.value, hc.bytes(), false});
-    nd.params.push_back(param_grad(w, od, n * dtype_bytes(od)));
+    if (trainable(w)) nd.saved = {hc.id};
+    if (hc.requires_grad()) nd.inputs.push_back(GradIn{hc.value, hc.bytes(), false});
+    if (trainable(w)) nd.params.push_back(param_grad(w, od, n * dtype_bytes(od)));
     t_.record(std::move(nd));
     t_.drop(hc);
     return out;
@@ -476,13 +720,15 @@ class StepBuilder {
     T mean = fresh(rows, stat);
     T rstd = fresh(rows, stat);
     T out = fresh(x.numel, xin.dtype);
-    requires_grad(out);
-    Node nd = node(out);
-    nd.saved = {xin.id, mean.id, rstd.id};
-    nd.inputs.push_back(grad_of(xin));
-    nd.params.push_back(param_grad(w, xin.dtype));
-    nd.params.push_back(param_grad(b, xin.dtype));
-    t_.record(std::move(nd));
+    if (xin.requires_grad() || trainable(w) || trainable(b)) {
+      requires_grad(out);
+      Node nd = node(out);
+      nd.saved = {xin.id, mean.id, rstd.id};
+      if (xin.requires_grad()) nd.inputs.push_back(grad_of(xin));
+      if (trainable(w)) nd.params.push_back(param_grad(w, xin.dtype));
+      if (trainable(b)) nd.params.push_back(param_grad(b, xin.dtype));
+      t_.record(std::move(nd));
+    }
     t_.drop(mean);
     t_.drop(rstd);
     t_.drop(xin);
@@ -505,8 +751,8 @@ class StepBuilder {
     T a = elementwise({&q}, q.numel, d, {cos_.id});
     T neg = elementwise({&q}, q.numel / 2, q.dtype, {});
     T rot = fresh(q.numel, q.dtype);  // cat((-x2, x1))
-    requires_grad(rot);
-    {
+    if (q.requires_grad()) {
+      requires_grad(rot);
       Node nd = node(rot);
       nd.inputs.push_back(GradIn{neg.value, neg.bytes(), false});
       nd.inputs.push_back(GradIn{q.value, q.bytes(), false});
@@ -529,6 +775,13 @@ class StepBuilder {
     return elementwise({&x}, x.numel * groups, x.dtype, {});
   }
 
+  // matmul of 4-D operands folds [b, heads] into one batch dimension with reshape before bmm.
+  // An operand laid out as [b, s, heads, d] (a projection view, or an elementwise result that
+  // kept its layout) folds as a view only when b == 1; otherwise reshape copies it, and bmm
+  // saves the copy instead of the operand (checked with torch 2.13: expand + view for b = 1,
+  // expand + clone + _unsafe_view for b = 2).
+  bool folds_with_copy(const T& x) const { return x.bshd && B_ > 1; }
+
   T attention_core(T& q, T& k, T& v) {
     const std::uint64_t heads = a_.num_heads, d = a_.head_dim;
     const std::uint64_t qn = tok_ * heads * d;
@@ -538,11 +791,11 @@ class StepBuilder {
       op("self_attn.attn_weights");
       T kr = repeat_kv(k);
       T vr = repeat_kv(v);
-      // matmul reshapes each operand to 3-D for bmm: a [b, s, h, d]-laid-out one is copied.
+      // matmul reshapes each operand to 3-D for bmm (see folds_with_copy).
       auto for_bmm = [&](const T& x) {
         T y = pol_.autocast ? to(x, c) : t_.ref(x);
         y.bshd = x.bshd;
-        if (!y.bshd) return y;
+        if (!folds_with_copy(y)) return y;
         T copy = elementwise({&y}, y.numel, y.dtype, {});
         t_.drop(y);
         return copy;
@@ -594,13 +847,11 @@ class StepBuilder {
     T vc = pol_.autocast ? to(v, c) : t_.ref(v);
     T o = fresh(qn, c);
     T lse = fresh(B_ * heads * S_, DType::kF32);
-    requires_grad(o);
-    {
+    if (qc.requires_grad() || kc.requires_grad() || vc.requires_grad()) {
+      requires_grad(o);
       Node nd = node(o);
       nd.saved = {qc.id, kc.id, vc.id, o.id, lse.id};
-      nd.inputs.push_back(grad_of(qc));
-      nd.inputs.push_back(grad_of(kc));
-      nd.inputs.push_back(grad_of(vc));
+      for (const T* x : {&qc, &kc, &vc}) nd.inputs.push_back(fused_grad_of(*x));
       // Flash backward (flash_api.cpp mha_bwd): a contiguous copy of grad_out, fp32 dq_accum,
       // fp32 softmax_d, and with GQA dk/dv at the query head count before the group sum.
       nd.scratch = {qn * dtype_bytes(c), qn * 4, B_ * heads * S_ * 4};
@@ -623,15 +874,17 @@ class StepBuilder {
   // Note [GPT-2 attention]
   // q, k and v are strided views into the Conv1D output (split + view + transpose), which
   // changes what the kernels copy and save (transformers models/gpt2/modeling_gpt2.py):
-  //  * eager: matmul reshapes each strided operand for bmm, so q, k^T and v are copied and the
-  //    copies saved; softmax takes no dtype argument (CUDA autocast runs it in fp32, CPU
-  //    autocast in the input dtype), .type(value.dtype) casts back, and attention dropout
-  //    (attn_pdrop, 0.1) is active in training; the output is transposed and copied.
+  //  * eager: matmul reshapes each strided operand for bmm, so with b > 1 q, k^T and v are
+  //    copied and the copies saved (b = 1: the views, so the Conv1D output; folds_with_copy);
+  //    softmax takes no dtype argument (CUDA autocast runs it in fp32, CPU autocast in the
+  //    input dtype), .type(value.dtype) casts back, and attention dropout (attn_pdrop, 0.1) is
+  //    active in training; the output is transposed and copied.
   //  * sdpa on CUDA: the flash kernel takes the views (their storage, the Conv1D output, is
   //    what stays saved) and supports dropout; the output needs no copy.
   //  * sdpa on CPU with dropout: no fused kernel takes dropout, so the math kernel runs: half
-  //    inputs are upcast to fp32, q and k^T are scaled separately and copied for bmm, the
-  //    causal mask is built as [s, s] bool and float, softmax and the dropout noise and output
+  //    inputs are upcast to fp32 (contiguous copies), q and k^T are scaled separately (the
+  //    products keep their operand's layout) and folded for bmm as in eager, the causal mask
+  //    is built as [s, s] bool and float, softmax and the dropout noise and output
   //    are saved, and the result is cast back.
   T gpt2_attention_core(T& q, T& k, T& v) {
     const std::uint64_t heads = a_.num_heads;
@@ -645,8 +898,8 @@ class StepBuilder {
     };
     if (attention_ == Attention::kEager) {
       op("attn.attn_weights");
-      T qc = copy(q, c);
-      T kc = copy(k, c);
+      T qc = folds_with_copy(q) ? copy(q, c) : t_.ref(q);
+      T kc = folds_with_copy(k) ? copy(k, c) : t_.ref(k);
       ensure_workspace(false);
       T s0 = bmm(qc, kc, scores, c);
       t_.drop(qc);
@@ -665,7 +918,7 @@ class StepBuilder {
       t_.drop(p);
       drop_out(pv);
       op("attn.attn_output");
-      T vc = copy(v, v.dtype);
+      T vc = folds_with_copy(v) ? copy(v, v.dtype) : t_.ref(v);
       T o = bmm(pv, vc, qn, c);
       t_.drop(pv);
       t_.drop(vc);
@@ -677,14 +930,14 @@ class StepBuilder {
       op("attn.sdpa");
       T o = fresh(qn, c);
       T lse = fresh(B_ * heads * S_, DType::kF32);
-      requires_grad(o);
-      Node nd = node(o);
-      nd.saved = {q.id, k.id, v.id, o.id, lse.id};
-      nd.inputs.push_back(GradIn{q.value, q.bytes(), false});
-      nd.inputs.push_back(GradIn{k.value, k.bytes(), false});
-      nd.inputs.push_back(GradIn{v.value, v.bytes(), false});
-      nd.scratch = {qn * dtype_bytes(c), qn * 4, B_ * heads * S_ * 4};
-      t_.record(std::move(nd));
+      if (q.requires_grad() || k.requires_grad() || v.requires_grad()) {
+        requires_grad(o);
+        Node nd = node(o);
+        nd.saved = {q.id, k.id, v.id, o.id, lse.id};
+        for (const T* x : {&q, &k, &v}) nd.inputs.push_back(fused_grad_of(*x));
+        nd.scratch = {qn * dtype_bytes(c), qn * 4, B_ * heads * S_ * 4};
+        t_.record(std::move(nd));
+      }
       t_.drop(lse);
       return o;
     }
@@ -697,8 +950,9 @@ class StepBuilder {
     T qa = to(q, md), ka = to(k, md), va = to(v, md);
     T qs = elementwise({&qa}, qn, md, {});  // q * sqrt(scale)
     T ks = elementwise({&ka}, qn, md, {});  // k^T * sqrt(scale)
-    T qc = copy(qs, md);
-    T kc = copy(ks, md);
+    qs.bshd = ks.bshd = q.dtype == md;       // a view of the Conv1D output when not upcast
+    T qc = folds_with_copy(qs) ? copy(qs, md) : t_.ref(qs);
+    T kc = folds_with_copy(ks) ? copy(ks, md) : t_.ref(ks);
     t_.drop(qs);
     t_.drop(ks);
     ensure_workspace(false);
@@ -709,7 +963,8 @@ class StepBuilder {
     t_.drop(sc);
     t_.drop(fmask);
     drop_out(p);
-    T vc = copy(va, md);
+    va.bshd = v.dtype == md;
+    T vc = folds_with_copy(va) ? copy(va, md) : t_.ref(va);
     T o = bmm(p, vc, qn, md);
     t_.drop(vc);
     T oc = to(o, c);
@@ -730,8 +985,8 @@ class StepBuilder {
     const std::uint64_t qw = heads * d, kvw = kvh * d;
     T q, k, v;
     if (lp.qkv != kNone) {
-      op(a_.family == Family::kGpt2 ? "attn.c_attn" : "self_attn.qkv_proj");
-      T qkv = linear(x, lp.qkv, lp.qkv_b, qw + 2 * kvw);
+      T qkv = proj(x, a_.family == Family::kGpt2 ? "attn.c_attn" : "self_attn.qkv_proj", lp.qkv, lp.qkv_b,
+                   qw + 2 * kvw);
       // Slices of one output: each slice's backward makes a full-size zero gradient of the
       // fused output (SliceBackward), summed into one.
       q = slice(qkv, qw);
@@ -739,12 +994,9 @@ class StepBuilder {
       v = slice(qkv, kvw);
       t_.drop(qkv);
     } else {
-      op("self_attn.q_proj");
-      q = linear(x, lp.q, lp.q_b, qw);
-      op("self_attn.k_proj");
-      k = linear(x, lp.k, lp.k_b, kvw);
-      op("self_attn.v_proj");
-      v = linear(x, lp.v, lp.v_b, kvw);
+      q = proj(x, "self_attn.q_proj", lp.q, lp.q_b, qw);
+      k = proj(x, "self_attn.k_proj", lp.k, lp.k_b, kvw);
+      v = proj(x, "self_attn.v_proj", lp.v, lp.v_b, kvw);
     }
     // Note [Attention layouts]: q, k, v are views (view + transpose) of the projection outputs,
     // laid out as [b, s, heads, d]; rope keeps that layout, Phi-3's cat and repeat_kv make
@@ -769,10 +1021,12 @@ class StepBuilder {
         t_.drop(x);
         if (a_.family == Family::kPhi3) {
           T c = fresh(r.numel, r.dtype);
-          requires_grad(c);
-          Node nd = node(c);
-          nd.inputs.push_back(pass_to(r));  // CatBackward hands on narrowed views
-          t_.record(std::move(nd));
+          if (r.requires_grad()) {
+            requires_grad(c);
+            Node nd = node(c);
+            nd.inputs.push_back(pass_to(r));  // CatBackward hands on narrowed views
+            t_.record(std::move(nd));
+          }
           t_.drop(r);
           r = c;
         }
@@ -785,8 +1039,8 @@ class StepBuilder {
     t_.drop(q);
     t_.drop(k);
     t_.drop(v);
-    op(a_.family == Family::kGpt2 ? "attn.c_proj" : "self_attn.o_proj");
-    T y = linear(o, lp.o, lp.o_b, a_.hidden_size);
+    T y = proj(o, a_.family == Family::kGpt2 ? "attn.c_proj" : "self_attn.o_proj", lp.o, lp.o_b,
+               a_.hidden_size);
     t_.drop(o);
     return a_.family == Family::kGpt2 ? gpt2_residual_dropout(y) : y;
   }
@@ -797,6 +1051,7 @@ class StepBuilder {
     t_.retain(s.id);
     s.dtype = fused.dtype;
     s.numel = tok_ * width;
+    if (!fused.requires_grad()) return s;
     requires_grad(s);
     Node nd = node(s);
     nd.inputs.push_back(GradIn{fused.value, fused.bytes(), false});
@@ -807,41 +1062,35 @@ class StepBuilder {
   T mlp(const T& x, const LayerParams& lp) {
     const std::uint64_t i = a_.intermediate_size, n = tok_ * i;
     if (!a_.gated_mlp) {  // GPT-2: c_fc, gelu_new, c_proj
-      op("mlp.c_fc");
-      T h = linear(x, lp.up, lp.up_b, i);
+      T h = proj(x, "mlp.c_fc", lp.up, lp.up_b, i);
       op("mlp.act");
       T g = gelu_tanh(h);
       t_.drop(h);
-      op("mlp.c_proj");
-      T y = linear(g, lp.down, lp.down_b, a_.hidden_size);
+      T y = proj(g, "mlp.c_proj", lp.down, lp.down_b, a_.hidden_size);
       t_.drop(g);
       return gpt2_residual_dropout(y);  // GPT2MLP's dropout
     }
     T gate, up;
     if (lp.gate_up != kNone) {
-      op("mlp.gate_up_proj");
-      T gu = linear(x, lp.gate_up, kNone, 2 * i);
+      T gu = proj(x, "mlp.gate_up_proj", lp.gate_up, kNone, 2 * i);
       gate = slice(gu, i);
       up = slice(gu, i);
       t_.drop(gu);
     } else {
-      op("mlp.gate_proj");
-      gate = linear(x, lp.gate, lp.gate_b, i);
+      gate = proj(x, "mlp.gate_proj", lp.gate, lp.gate_b, i);
     }
     op("mlp.act_fn");
     T act = a_.activation == Activation::kSilu ? elementwise({&gate}, n, gate.dtype, {gate.id})
                                                 : gelu_tanh(gate);
     if (lp.gate_up == kNone) {
-      op("mlp.up_proj");
-      up = linear(x, lp.up, lp.up_b, i);
+      up = proj(x, "mlp.up_proj", lp.up, lp.up_b, i);
     }
     op("mlp.act_fn*up");
-    T prod = elementwise({&act, &up}, n, promote(act.dtype, up.dtype), {act.id, up.id});
+    T prod = mul(act, up, n, promote(act.dtype, up.dtype));
     t_.drop(act);
     t_.drop(up);
     t_.drop(gate);
-    op("mlp.down_proj");
-    T y = linear(prod, lp.down, lp.down_b, a_.hidden_size);
+    T y = proj(prod, "mlp.down_proj", lp.down, lp.down_b, a_.hidden_size);
     t_.drop(prod);
     return y;
   }
@@ -970,8 +1219,8 @@ class StepBuilder {
     op(gpt2 ? "wte" : "embed_tokens");
     std::uint32_t emb = global(gpt2 ? "wte.weight" : "embed_tokens.weight");
     T hs = fresh(tok_ * h, pol_.param);
-    requires_grad(hs);
-    {
+    if (trainable(emb)) {
+      requires_grad(hs);
       Node nd = node(hs);
       nd.saved = {input_ids_.id};
       // embedding_dense_backward: a dense weight-sized gradient; the CUDA kernel also sorts the
@@ -979,30 +1228,40 @@ class StepBuilder {
       nd.params.push_back(param_grad(emb, pol_.param, cuda_ ? tok_ * 8 * 3 : 0));
       t_.record(std::move(nd));
     }
+    if (a_.embedding_scale) {  // inside the module (Gemma2TextScaledWordEmbedding)
+      T scaled = elementwise({&hs}, hs.numel, hs.dtype, {});
+      t_.drop(hs);
+      hs = scaled;
+    }
+    if (!trainable(emb) && r_.checkpointing == Checkpointing::kFull) {
+      // enable_input_require_grads' hook on the module's output (Note [LoRA]): a leaf that
+      // requires grad, held by its AccumulateGrad node until the graph is freed.
+      requires_grad(hs);
+      input_leaf_ = t_.ref(hs);
+    }
     if (gpt2) {
       op("wpe");
       std::uint32_t wpe = global("wpe.weight");
-      T pos_ids = fresh(S_, DType::kI64);
+      // position_ids = arange(s) + past_seen_tokens: GPT2Model.forward keeps it and hands it to
+      // every block as a keyword argument (a checkpoint's closure keeps it to that layer's
+      // backward); the embedding's backward saves it too when wpe trains.
+      T ar = fresh(S_, DType::kI64);
+      position_ids_ = fresh(S_, DType::kI64);
+      t_.drop(ar);
       T pe = fresh(S_ * h, pol_.param);
-      requires_grad(pe);
-      {
+      if (trainable(wpe)) {
+        requires_grad(pe);
         Node nd = node(pe);
-        nd.saved = {pos_ids.id};
+        nd.saved = {position_ids_.id};
         nd.params.push_back(param_grad(wpe, pol_.param, cuda_ ? S_ * 8 * 3 : 0));
         t_.record(std::move(nd));
       }
-      t_.drop(pos_ids);
       T sum = add(hs, pe);
       t_.drop(hs);
       t_.drop(pe);
       op("drop");
       hs = dropout(sum);
       t_.drop(sum);
-    }
-    if (a_.embedding_scale) {
-      T scaled = elementwise({&hs}, hs.numel, hs.dtype, {});
-      t_.drop(hs);
-      hs = scaled;
     }
     // Causal mask: eager attention materialises [b, 1, s, s] in the embedding dtype; SDPA and
     // flash use is_causal with no mask when there is no padding.
@@ -1053,8 +1312,8 @@ class StepBuilder {
     if (cos_.id != kNone) {
       t_.drop(cos_);
       t_.drop(sin_);
-      t_.drop(position_ids_);
     }
+    if (position_ids_.id != kNone) t_.drop(position_ids_);
     ValueId loss = r_.loss == Loss::kFused ? fused_loss(normed, emb) : standard_loss(normed, emb);
     exit_autocast();
     return loss;
@@ -1129,9 +1388,10 @@ class StepBuilder {
     t_.drop(padded);
     TensorId wc = kNone;  // weight.to(compute dtype), when the weight is not in it already
     if (pol_.param != cd) wc = t_.alloc_bytes(V * h * cb, Category::kWeights);
+    const bool trains = trainable(w);  // a LoRA run's frozen lm_head has no grad_w at all
     T grad_x = fresh(rows * h, cd);
     const bool first_grad = t_.param_grad(params_[w].slot) == kNone;
-    TensorId grad_w = t_.alloc_bytes(V * h * cb, Category::kTemporaries);
+    TensorId grad_w = trains ? t_.alloc_bytes(V * h * cb, Category::kTemporaries) : kNone;
     T valid = fresh(rows, DType::kU8);
     T nsum = fresh(1, DType::kI64);
     T n_valid = fresh(1, md);
@@ -1157,11 +1417,10 @@ class StepBuilder {
       TensorId tanh = kNone;
       if (a_.final_logit_softcap > 0) tanh = t_.alloc_bytes(c * V * 4, Category::kTemporaries);
       std::vector<TensorId> next;
-      for (int k = 0; k < 4; ++k) {  // vc, row_max, target, row_sum (c fp32 values each)
+      for (std::size_t k = 0; k < 4; ++k) {  // vc, row_max, target, row_sum (c fp32 values each)
         next.push_back(t_.alloc_bytes(c * 4, Category::kTemporaries));
-        if (k == 0 || k == 1 || k == 3) {
-          // each replaces last iteration's tensor of the same name after it is made
-        }
+        // each replaces last iteration's tensor of the same name once it is made
+        if (!smalls.empty()) t_.release(smalls[k]);
       }
       // The loss term: ((row_sum.log() - target) * vc).sum() added into loss_sum.
       TensorId lg = t_.alloc_bytes(c * 4, Category::kTemporaries);
@@ -1184,7 +1443,6 @@ class StepBuilder {
       }
       t_.release(g);
       if (xc != kNone) t_.release(xc);
-      for (TensorId id : smalls) t_.release(id);
       smalls = std::move(next);
     }
     if (wc != kNone) t_.release(wc);
@@ -1193,28 +1451,30 @@ class StepBuilder {
       t_.drop(grad_x);
       grad_x = gx;
     }
-    if (cd != pol_.param) {
+    if (trains && cd != pol_.param) {
       TensorId gw = t_.alloc_bytes(V * h * dtype_bytes(pol_.param), Category::kTemporaries);
       t_.release(grad_w);
       grad_w = gw;
     }
     // grad_w becomes the weight's .grad when it has none yet; otherwise it is added into it.
-    t_.set_category(grad_w, first_grad ? Category::kGradients : Category::kTemporaries);
+    if (trains) t_.set_category(grad_w, first_grad ? Category::kGradients : Category::kTemporaries);
     T loss = fresh(1, md);  // loss_sum / n_valid
     requires_grad(loss);
     {
       Node nd = node(loss);
       nd.saved = {grad_x.id};
-      nd.kept = {grad_w};  // ctx.grad_w
+      if (trains) nd.kept = {grad_w};  // ctx.grad_w
       GradIn gi = grad_of(hidden);
       gi.reuse = grad_x.id;
       nd.inputs.push_back(gi);
-      ParamGrad pg = param_grad(w, pol_.param);
-      pg.reuse = grad_w;
-      nd.params.push_back(pg);
+      if (trains) {
+        ParamGrad pg = param_grad(w, pol_.param);
+        pg.reuse = grad_w;
+        nd.params.push_back(pg);
+      }
       t_.record(std::move(nd));
     }
-    t_.release(grad_w);
+    if (trains) t_.release(grad_w);
     t_.drop(grad_x);
     for (TensorId id : smalls) t_.release(id);
     t_.drop(loss_sum);
@@ -1252,9 +1512,16 @@ class StepBuilder {
     ensure_workspace(true);
     t_.backward(loss);
     t_.drop(pending_loss_);
+    if (input_leaf_.id != kNone) t_.drop(input_leaf_);
   }
 
   // ---------------------------------------------------------------- optimizer
+  // bitsandbytes' two 256-entry fp32 quantization maps (signed and unsigned dynamic).
+  void bnb_quantization_maps() {
+    states_.push_back(t_.alloc_bytes(256 * 4, Category::kOptimizerStates));
+    states_.push_back(t_.alloc_bytes(256 * 4, Category::kOptimizerStates));
+  }
+
   void optimizer_step(bool first) {
     phase_ = Phase::kOptimizer;
     layer_ = kNoLayer;
@@ -1265,6 +1532,13 @@ class StepBuilder {
       found_inf = t_.alloc_bytes(4, Category::kOther);
       TensorId inv_scale = t_.alloc_bytes(4, Category::kOther);
       t_.release(inv_scale);
+    }
+    // An optimizer that takes the scaling itself (fused AdamW: _step_supports_amp_scaling) is
+    // handed optimizer.found_inf = sum(found_inf per device), a new 0-dim tensor that lives
+    // through optimizer.step() (state creation included) and is deleted after it.
+    TensorId found_inf_sum = kNone;
+    if (r_.precision == Precision::kFp16Mixed && r_.optimizer == Optimizer::kAdamWFused) {
+      found_inf_sum = t_.alloc_bytes(4, Category::kTemporaries);
     }
     if (pol_.master) {
       // fp32 gradients for the master copy, parameter by parameter; the half .grad goes.
@@ -1277,8 +1551,13 @@ class StepBuilder {
         t_.set_param_grad(p.slot, g32);
       }
     }
-    const DType state = pol_.master ? DType::kF32 : pol_.param;
-    const std::uint64_t sb = dtype_bytes(state);
+    // The optimizer holds the trainable parameters only (LoRA: the adapters, fp32); states are
+    // zeros_like the parameter (fp32 masters for bf16-master).
+    std::vector<const Param*> opt;
+    for (const Param& p : params_) {
+      if (p.trainable) opt.push_back(&p);
+    }
+    auto sb_of = [&](const Param& p) { return dtype_bytes(pol_.master ? DType::kF32 : p.dtype); };
     switch (r_.optimizer) {
       case Optimizer::kAdamW:
       case Optimizer::kAdamWFused: {
@@ -1288,10 +1567,10 @@ class StepBuilder {
           // for foreach), then exp_avg and exp_avg_sq as zeros_like(param).
           // On a CPU run the foreach step counter lives on the measured device too.
           const bool step_on_device = r_.optimizer == Optimizer::kAdamWFused || !cuda_;
-          for (Param& p : params_) {
+          for (const Param* p : opt) {
             if (step_on_device) states_.push_back(t_.alloc_bytes(4, Category::kOptimizerStates));
-            states_.push_back(t_.alloc_bytes(p.numel * sb, Category::kOptimizerStates));
-            states_.push_back(t_.alloc_bytes(p.numel * sb, Category::kOptimizerStates));
+            states_.push_back(t_.alloc_bytes(p->numel * sb_of(*p), Category::kOptimizerStates));
+            states_.push_back(t_.alloc_bytes(p->numel * sb_of(*p), Category::kOptimizerStates));
           }
         }
         if (r_.optimizer == Optimizer::kAdamW) {
@@ -1300,7 +1579,9 @@ class StepBuilder {
           // groups (weight decay / none); torch.optim with one group is the reference here.
           op("optimizer.foreach_sqrt");
           std::vector<TensorId> tmp;
-          for (Param& p : params_) tmp.push_back(t_.alloc_bytes(p.numel * sb, Category::kTemporaries));
+          for (const Param* p : opt) {
+            tmp.push_back(t_.alloc_bytes(p->numel * sb_of(*p), Category::kTemporaries));
+          }
           for (TensorId id : tmp) t_.release(id);
         } else {
           op("optimizer.fused_adamw");
@@ -1310,17 +1591,15 @@ class StepBuilder {
       case Optimizer::kAdamW8bit: {
         if (first) {
           op("optimizer.init_state");
-          // The two 256-entry fp32 quantization maps (signed and unsigned dynamic), once.
-          states_.push_back(t_.alloc_bytes(256 * 4, Category::kOptimizerStates));
-          states_.push_back(t_.alloc_bytes(256 * 4, Category::kOptimizerStates));
-          for (Param& p : params_) {
-            if (p.numel < 4096) {  // bitsandbytes keeps small tensors' states in fp32
-              states_.push_back(t_.alloc_bytes(p.numel * 4, Category::kOptimizerStates));
-              states_.push_back(t_.alloc_bytes(p.numel * 4, Category::kOptimizerStates));
+          if (cuda_) bnb_quantization_maps();  // moved to the device once
+          for (const Param* p : opt) {
+            if (p->numel < 4096) {  // bitsandbytes keeps small tensors' states in fp32
+              states_.push_back(t_.alloc_bytes(p->numel * 4, Category::kOptimizerStates));
+              states_.push_back(t_.alloc_bytes(p->numel * 4, Category::kOptimizerStates));
             } else {
-              std::uint64_t blocks = (p.numel + 255) / 256;
-              states_.push_back(t_.alloc_bytes(p.numel, Category::kOptimizerStates));
-              states_.push_back(t_.alloc_bytes(p.numel, Category::kOptimizerStates));
+              std::uint64_t blocks = (p->numel + 255) / 256;
+              states_.push_back(t_.alloc_bytes(p->numel, Category::kOptimizerStates));
+              states_.push_back(t_.alloc_bytes(p->numel, Category::kOptimizerStates));
               states_.push_back(t_.alloc_bytes(blocks * 4, Category::kOptimizerStates));
               states_.push_back(t_.alloc_bytes(blocks * 4, Category::kOptimizerStates));
             }
@@ -1333,7 +1612,9 @@ class StepBuilder {
         // momentum_buffer = clone(grad) at the first step; foreach in-place afterwards.
         op(first ? "optimizer.init_state" : "optimizer.sgd");
         if (first) {
-          for (Param& p : params_) states_.push_back(t_.alloc_bytes(p.numel * sb, Category::kOptimizerStates));
+          for (const Param* p : opt) {
+            states_.push_back(t_.alloc_bytes(p->numel * sb_of(*p), Category::kOptimizerStates));
+          }
         }
         break;
       }
@@ -1345,7 +1626,7 @@ class StepBuilder {
         // parameters (alive for the whole update), grad**2 and grad**2 + eps, the factored
         // approximation (or rsqrt of the average), and -update for the final add.
         op(first ? "optimizer.adafactor_init" : "optimizer.adafactor");
-        if (rms_.size() < params_.size()) rms_.assign(params_.size(), kNone);
+        if (rms_.size() < opt.size()) rms_.assign(opt.size(), kNone);
         // _rms(x) = x.norm(2) / sqrt(numel): two 0-dim tensors, the norm freed.
         auto rms = [&]() {
           TensorId norm = t_.alloc_bytes(4, Category::kTemporaries);
@@ -1353,10 +1634,10 @@ class StepBuilder {
           t_.release(norm);
           return r;
         };
-        for (std::size_t pi = 0; pi < params_.size(); ++pi) {
-          const Param& p = params_[pi];
+        for (std::size_t pi = 0; pi < opt.size(); ++pi) {
+          const Param& p = *opt[pi];
           const std::uint64_t g = p.numel * 4;
-          const bool half = pol_.param != DType::kF32 && !pol_.master;
+          const bool half = p.dtype != DType::kF32 && !pol_.master;
           const bool factored = p.rows != 0;
           const std::uint64_t cols = factored ? p.numel / p.rows : 0;
           TensorId grad32 = half ? t_.alloc_bytes(g, Category::kTemporaries) : kNone;
@@ -1408,6 +1689,7 @@ class StepBuilder {
         break;
       }
     }
+    if (found_inf_sum != kNone) t_.release(found_inf_sum);
     if (pol_.master) {
       op("optimizer.copy_to_half");  // in place: p.copy_(master)
     }
@@ -1438,6 +1720,8 @@ class StepBuilder {
   std::vector<std::uint32_t> casts_;
   std::vector<TensorId> states_;
   T input_ids_, labels_, mask_, cos_, sin_, position_ids_, pending_loss_;
+  T input_leaf_;  // LoRA with checkpointing: the embeddings' output, a leaf (Note [LoRA])
+  std::vector<std::vector<Adapter>> adapters_;  // per decoder layer, in module order
   TensorId ws_fwd_ = kNone, ws_bwd_ = kNone;
   TensorId scaler_scale_ = kNone;
   std::vector<TensorId> rms_;  // Adafactor's per-parameter state["RMS"]

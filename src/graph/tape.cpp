@@ -155,6 +155,10 @@ void Tape::run_node(Node& n) {
   std::vector<TensorId> grads(n.inputs.size(), kNone);
   for (std::size_t k = 0; k < n.inputs.size(); ++k) {
     const GradIn& in = n.inputs[k];
+    if (in.discard) {
+      scratch.push_back(alloc_bytes(in.bytes, Category::kTemporaries));
+      continue;
+    }
     if (in.value == kNone) continue;
     if (in.passthrough) {
       retain(incoming);

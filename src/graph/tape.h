@@ -80,6 +80,10 @@ struct GradIn {
   std::uint64_t bytes = 0;   // size of the gradient the node allocates for this input
   bool passthrough = false;  // the node hands on its incoming gradient (add, view, no-op)
   TensorId reuse = kNone;    // the gradient is this existing storage (computed in the forward)
+  // The kernel computes this input's gradient although the input does not require grad (a
+  // fused backward with one output per input): allocated with the others, then dropped
+  // inside the node (value is kNone).
+  bool discard = false;
 };
 
 struct ParamGrad {

@@ -684,5 +684,201 @@ TEST(GraphTrace, EveryStorageHasOneLifetime) {
   }
 }
 
+// matmul folds a [b, heads, s, d] operand laid out as [b, s, heads, d] (a projection view) into
+// [b·heads, s, d] as a view when b = 1 and copies it when b > 1 (torch 2.13: expand + view, or
+// expand + clone + _unsafe_view); eager attention's q @ k^T shows it.
+TEST(GraphActivations, EagerMatmulCopiesStridedOperandsOnlyForBatchAboveOne) {
+  json c = {{"model_type", "llama"},     {"hidden_size", 256},       {"intermediate_size", 688},
+            {"num_hidden_layers", 1},    {"num_attention_heads", 8}, {"num_key_value_heads", 8},
+            {"vocab_size", 1000}};
+  const Model m = model_from_config_json(c.dump());  // no GQA: repeat_kv copies nothing
+  for (std::uint64_t b : {1u, 2u}) {
+    const Trace t = trace_of(m, cpu_recipe(Precision::kFp32, Attention::kEager, b, 64));
+    int copies = 0;
+    for (const graph::Event& e : t.events) {
+      const MomentTag& mt = t.moments[e.moment];
+      if (e.alloc && mt.step == 1 && mt.phase == Phase::kForward && mt.op == "self_attn.attn_weights" &&
+          t.storages[e.tensor].bytes == b * 64 * 256 * 4) {
+        ++copies;
+      }
+    }
+    EXPECT_EQ(copies, b == 1 ? 0 : 2) << "batch " << b;  // q and k^T
+  }
+}
+
+// ---- LoRA (Note [LoRA] in src/graph/step.cpp) ------------------------------------------
+
+// A recipe with peft adapters; `targets` are the resolved module paths estimate() hands on.
+Recipe lora_recipe(Precision p, std::vector<std::string> targets, std::uint64_t rank = 8) {
+  Recipe r = cpu_recipe(p, Attention::kSdpa);
+  r.lora.rank = rank;
+  r.lora.targets = std::move(targets);
+  return r;
+}
+
+// (in, out) of each projection of odd_llama's layers: h = 200, 4 heads of d = 50, 2 KV heads,
+// i = 530.
+struct Proj {
+  const char* path;
+  std::uint64_t in, out;
+};
+constexpr Proj kOddProjections[] = {
+    {"self_attn.q_proj", 200, 200}, {"self_attn.k_proj", 200, 100}, {"self_attn.v_proj", 200, 100},
+    {"self_attn.o_proj", 200, 200}, {"mlp.gate_proj", 200, 530},    {"mlp.up_proj", 200, 530},
+    {"mlp.down_proj", 530, 200},
+};
+
+std::vector<std::string> all_paths() {
+  std::vector<std::string> v;
+  for (const Proj& p : kOddProjections) v.push_back(p.path);
+  return v;
+}
+
+// Σ over targeted projections and layers of f(A numel) + f(B numel).
+std::uint64_t over_adapters(const std::vector<std::string>& targets, std::uint64_t layers, std::uint64_t r,
+                            const std::function<std::uint64_t(std::uint64_t)>& f) {
+  std::uint64_t sum = 0;
+  for (const Proj& p : kOddProjections) {
+    if (std::find(targets.begin(), targets.end(), p.path) == targets.end()) continue;
+    sum += layers * (f(r * p.in) + f(p.out * r));
+  }
+  return sum;
+}
+
+// The optimizer updates r·(in + out) elements per targeted projection and layer; nothing else.
+TEST(GraphLora, TrainableParametersAreTheAdapters) {
+  const Model m = odd_llama();
+  for (const auto& targets : {std::vector<std::string>{"self_attn.q_proj", "self_attn.v_proj"}, all_paths()}) {
+    for (std::uint64_t rank : {1u, 8u, 64u}) {
+      const Trace t = trace_of(m, lora_recipe(Precision::kBf16Mixed, targets, rank));
+      EXPECT_EQ(t.trainable_parameters, over_adapters(targets, 2, rank, [](std::uint64_t n) { return n; }));
+    }
+  }
+  // q_proj + v_proj at rank 8: 2 layers · 8 · ((200 + 200) + (200 + 100)).
+  EXPECT_EQ(trace_of(m, lora_recipe(Precision::kFp32, {"self_attn.q_proj", "self_attn.v_proj"})).trainable_parameters,
+            2u * 8 * (400 + 300));
+  EXPECT_EQ(trace_of(m, cpu_recipe(Precision::kFp32, Attention::kSdpa)).trainable_parameters, m.parameter_count);
+}
+
+// Frozen parameters get no .grad and no optimizer state: at step 2's optimizer the gradients are
+// the adapters' (fp32 under every precision: peft's autocast_adapter_dtype), the AdamW states
+// two fp32 tensors per adapter plus its step counter (a device tensor on the cpu), and the
+// weights the base model in its dtype plus the fp32 adapters.
+TEST(GraphLora, NoGradientsOrStatesForFrozenParameters) {
+  const Model m = odd_llama();
+  const std::vector<std::string> targets = all_paths();
+  const std::uint64_t a4 = over_adapters(targets, 2, 8, [](std::uint64_t n) { return round512(4 * n); });
+  const std::uint64_t tensors = over_adapters(targets, 2, 8, [](std::uint64_t) { return 1; });
+  for (Precision p : {Precision::kFp32, Precision::kBf16Mixed, Precision::kFp16Mixed, Precision::kBf16True,
+                      Precision::kFp16True}) {
+    SCOPED_TRACE(std::string(to_string(p)));
+    const Trace t = trace_of(m, lora_recipe(p, targets));
+    const Live at_step = live_before_first(t, in(2, Phase::kOptimizer));
+    EXPECT_EQ(at_step.rounded[kGrads], a4);
+    const Live step2 = live_before_first(t, in(2, Phase::kForward));
+    EXPECT_EQ(step2.rounded[kStates], 2 * a4 + 512 * tensors);
+    const std::uint64_t base = rounded_params(m, (p == Precision::kBf16True || p == Precision::kFp16True) ? 2 : 4);
+    EXPECT_EQ(step2.rounded[kWeights], base + rope_buffers_rounded(m) + a4);
+    EXPECT_EQ(step2.rounded[kGrads], 0u);
+  }
+}
+
+// With bf16/fp16 base weights peft makes the adapters in the base dtype, then replaces each by
+// an fp32 copy (cast_adapter_dtype): both exist only during setup.
+TEST(GraphLora, HalfAdaptersAreReplacedByFp32Copies) {
+  const Model m = odd_llama();
+  const std::vector<std::string> targets = {"self_attn.q_proj", "self_attn.v_proj"};
+  const Trace t = trace_of(m, lora_recipe(Precision::kBf16True, targets));
+  const std::uint64_t a2 = over_adapters(targets, 2, 8, [](std::uint64_t n) { return round512(2 * n); });
+  const std::uint64_t a4 = over_adapters(targets, 2, 8, [](std::uint64_t n) { return round512(4 * n); });
+  const std::uint64_t setup_peak = max_after(t, [](const MomentTag& mt) { return mt.phase == Phase::kSetup; },
+                                             [](const Live& l) { return l.rounded[kWeights]; });
+  const std::uint64_t base = rounded_params(m, 2) + rope_buffers_rounded(m);
+  EXPECT_GT(setup_peak, base + a4);  // a half adapter and its fp32 copy coexist once
+  EXPECT_LE(setup_peak, base + a2 + a4);
+  EXPECT_EQ(live_before_first(t, in(1, Phase::kForward)).rounded[kWeights], base + a4);
+}
+
+// Autograd records nothing before the first adapter: the embedding and layer 0's input norm
+// save nothing, and with adapters on down_proj only layer 0's attention saves nothing either.
+TEST(GraphLora, NothingIsSavedBeforeTheFirstAdapter) {
+  const Model m = odd_llama();
+  const Trace t = trace_of(m, lora_recipe(Precision::kBf16Mixed, {"mlp.down_proj"}));
+  int saved_early = 0, saved_later = 0;
+  bool early = true;  // each forward, until layer 0's down_proj
+  for (const graph::Event& e : t.events) {
+    const MomentTag& mt = t.moments[e.moment];
+    if (mt.phase != Phase::kForward) continue;
+    if (mt.op == "embed_tokens") early = true;
+    if (mt.layer == 0 && mt.op.substr(0, 13) == "mlp.down_proj") early = false;
+    if (!e.alloc || t.storages[e.tensor].category != Category::kActivations) continue;
+    if (mt.layer != 0 && mt.op != "embed_tokens") continue;  // cos/sin: later layers save them
+    (early ? saved_early : saved_later) += 1;
+  }
+  EXPECT_EQ(saved_early, 0);
+  EXPECT_GT(saved_later, 0);
+}
+
+// A decoder layer whose input requires grad, fp32, SDPA, adapters on q_proj and v_proj (no
+// dropout). Frozen projections save their weight (the parameter: no bytes), not their input,
+// and the norms' weight products save nothing; lora_A saves its input (the norm output, shared
+// by both adapters) and lora_B the b·s·r output of lora_A:
+//   A_layer = 4·(5·bsh + 2·bsh·kv/a + 3·bsi + 2·bs + bas + 2·bs·r)
+// against full fine-tuning's 4·(8·bsh + 2·bsh·kv/a + 4·bsi + 2·bs + bas) (both norms' outputs,
+// the MLP input and down_proj's input are saved there for the weights' gradients).
+TEST(GraphActivations, LoraFp32SdpaPerLayer) {
+  const Dims x = kProbe;
+  const std::uint64_t r = 8;
+  auto layer_saves = [&](bool lora) {
+    auto acts = [&](std::uint64_t layers) {
+      Recipe rc = lora ? lora_recipe(Precision::kFp32, {"self_attn.q_proj", "self_attn.v_proj"}, r)
+                       : cpu_recipe(Precision::kFp32, Attention::kSdpa);
+      return live_before_first(trace_of(small_llama(layers), rc), first_backward_of(2)).raw[kActs];
+    };
+    return acts(3) - acts(2);
+  };
+  EXPECT_EQ(layer_saves(false), 4 * (8 * x.bsh() + 2 * x.bsh_kv() + 4 * x.bsi() + 2 * x.bs() + x.bas()));
+  EXPECT_EQ(layer_saves(true),
+            4 * (5 * x.bsh() + 2 * x.bsh_kv() + 3 * x.bsi() + 2 * x.bs() + x.bas() + 2 * x.bs() * r));
+}
+
+// Under autocast a frozen weight is cast at every use (only casts of leaves that require grad
+// are cached): the casts a layer's backward needs stay alive as saved tensors, counted as
+// weights, while the adapters' casts are cached once. For a layer whose input requires grad
+// all seven projections keep their bf16 weight: 2 bytes per element of the layer's weights.
+TEST(GraphLora, FrozenWeightCastsAreSavedPerUse) {
+  const std::uint64_t layer_weights = 256 * 256 * 2 + 256 * 64 * 2 + 3 * 256 * 688;  // q, o; k, v; mlp
+  auto weights_at_backward = [&](std::uint64_t layers) {
+    return live_before_first(trace_of(small_llama(layers), lora_recipe(Precision::kBf16Mixed, {"self_attn.q_proj"})),
+                             first_backward_of(2)).raw[kWeights];
+  };
+  // One more layer: its fp32 weights, its adapters (fp32 + their cached bf16 casts), and the
+  // bf16 casts its saved nodes keep.
+  const std::uint64_t adapters = 8 * (256 + 256);
+  EXPECT_EQ(weights_at_backward(3) - weights_at_backward(2),
+            4 * layer_weights + 4 * 2 * 256 /* norms */ + 6 * adapters + 2 * layer_weights);
+}
+
+// With activation checkpointing transformers marks the embeddings' output as requiring grad
+// (enable_input_require_grads): a leaf kept until the end of backward.
+TEST(GraphLora, CheckpointingKeepsTheEmbeddingOutputLeaf) {
+  const Model m = odd_llama();
+  Recipe r = lora_recipe(Precision::kFp32, {"self_attn.q_proj"});
+  r.checkpointing = Checkpointing::kFull;
+  const Trace t = trace_of(m, r);
+  std::vector<Phase> freed_in(t.storages.size(), Phase::kSetup);
+  for (const graph::Event& e : t.events) {
+    if (!e.alloc) freed_in[e.tensor] = t.moments[e.moment].phase;
+  }
+  int embeddings = 0;
+  for (const graph::Event& e : t.events) {
+    const MomentTag& mt = t.moments[e.moment];
+    if (!e.alloc || mt.phase != Phase::kForward || mt.op != "embed_tokens" || mt.recompute) continue;
+    ++embeddings;
+    EXPECT_EQ(freed_in[e.tensor], Phase::kBackward);
+  }
+  EXPECT_EQ(embeddings, 2);  // one per step
+}
+
 }  // namespace
 }  // namespace trainmem
