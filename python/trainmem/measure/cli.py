@@ -3,6 +3,7 @@
     trainmem-measure qwen3-0.6b --batch 1 --seq 512 --precision bf16-mixed --json
     trainmem-measure llama-3.1-70b --seq 4096 --checkpointing full --fake --json
     trainmem-measure path/to/config.json --device cuda --trace events.jsonl
+    trainmem-measure qwen3-0.6b --lora 16 --lora-targets all-linear --lora-dropout 0.05 --json
 
 Exit codes: 0 success, 2 bad input (one line on stderr), 1 the measurement itself failed.
 """
@@ -47,6 +48,12 @@ def _parser() -> _Parser:
                    help="recorded as recipe.gpu (default: cpu, or the CUDA device's name with --device cuda)")
     p.add_argument("--allocator", choices=ALLOCATORS, default=defaults.allocator,
                    help="with --device cuda, expandable sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    p.add_argument("--lora", type=int, default=defaults.lora_rank, metavar="RANK",
+                   help="LoRA rank (peft); 0 trains every parameter (default %(default)s)")
+    p.add_argument("--lora-targets", default=defaults.lora_targets, metavar="NAMES",
+                   help="modules LoRA wraps: default (peft's), all-linear, or names (q_proj,v_proj)")
+    p.add_argument("--lora-dropout", type=float, default=defaults.lora_dropout, metavar="P",
+                   help="lora_dropout in [0, 1); 0 is nn.Identity (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print the JSON document (docs/schema.md)")
     p.add_argument("--fake", action="store_true", help="fake tensors: no compute, no memory (any model size)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -91,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         recipe = Recipe(batch=args.batch, seq=args.seq, grad_accum=args.grad_accum, precision=args.precision,
                         optimizer=args.optimizer, checkpointing=args.checkpointing, attention=args.attention,
-                        loss=args.loss, gpu=gpu, allocator=args.allocator)
+                        loss=args.loss, gpu=gpu, allocator=args.allocator, lora_rank=args.lora,
+                        lora_targets=args.lora_targets, lora_dropout=args.lora_dropout)
         command = shlex.join([PROG, *argv])
         result = measure(args.model, recipe, device=args.device, fake=args.fake, trace=args.trace,
                          command=command)
@@ -129,6 +137,11 @@ def render_text(result: dict) -> str:
         f"peak allocated {format_bytes(result['peak_allocated_bytes'])} at step {peak['step']}"
         f" micro-batch {peak['micro_batch']}, {peak['phase']}: {peak['op']}",
     ]
+    if r.get("lora_rank"):
+        targets = r.get("lora_targets")
+        targets = ", ".join(targets) if isinstance(targets, list) else targets
+        lines.insert(1, f"lora: rank {r['lora_rank']} on {targets} (dropout {r.get('lora_dropout', 0):g}),"
+                        f" {result['trainable_parameters']:,} trainable parameters")
     total = result["peak_allocated_bytes"] or 1
     for category, value in result["breakdown_at_peak"].items():
         lines.append(f"  {category:<17} {format_bytes(value):>12}  {100.0 * value / total:5.1f} %")

@@ -15,7 +15,9 @@ Note [Fused loss allocations]
                                                          a cast of a parameter under autocast:
                                                          category weights; freed at the end)
       grad_x  = empty(rows, h, cd)            rows·h·|cd|
-      grad_w  = zeros(V, h, cd)               V·h·|cd|
+      grad_w  = zeros(V, h, cd)               V·h·|cd|  (only if the weight requires grad: a
+                                                         LoRA run's frozen lm_head has none, as
+                                                         in Liger)
       valid (bool, rows), its count (int64 scalar) and n_valid (md scalar), loss_sum (md
       scalar), the targets clamped to ≥ 0 (int64, rows)
     per chunk of c rows (everything below is freed before the next chunk):
@@ -29,7 +31,7 @@ Note [Fused loss allocations]
       subtract 1 at the target, scale by valid / n_valid (softcap: times 1 - t², t freed)
       g       = z.to(cd)                      c·V·|cd|  (only if cd is not md; z freed)
       grad_x[rows] = g @ w_cd                 written in place (mm with out=)
-      grad_w += g.T @ xc                      in place (addmm_)
+      grad_w += g.T @ xc                      in place (addmm_; not with a frozen weight)
     end of the forward:
       grad_x -> hidden's dtype, grad_w -> the weight's dtype (a copy each if they differ; the
       cd buffers are freed), loss = loss_sum / n_valid.
@@ -65,7 +67,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         step = chunk_rows(rows, vocab, h)
         w = weight if weight.dtype == compute_dtype else weight.to(compute_dtype)
         grad_x = torch.empty((rows, h), dtype=compute_dtype, device=x.device)
-        grad_w = torch.zeros((vocab, h), dtype=compute_dtype, device=x.device)
+        grad_w = torch.zeros((vocab, h), dtype=compute_dtype, device=x.device) if weight.requires_grad else None
         math_dtype = torch.float32 if compute_dtype in (torch.float16, torch.bfloat16) else compute_dtype
         valid = t != IGNORE_INDEX
         n_valid = valid.sum().clamp_(min=1).to(math_dtype)
@@ -100,12 +102,13 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             g = z.to(compute_dtype) if compute_dtype != math_dtype else z
             del z
             torch.mm(g, w, out=grad_x[start:end])
-            grad_w.addmm_(g.t(), xc)
+            if grad_w is not None:
+                grad_w.addmm_(g.t(), xc)
             del g, xc
         del w
         if grad_x.dtype != hidden.dtype:
             grad_x = grad_x.to(hidden.dtype)
-        if grad_w.dtype != weight.dtype:
+        if grad_w is not None and grad_w.dtype != weight.dtype:
             grad_w = grad_w.to(weight.dtype)
         ctx.save_for_backward(grad_x)
         ctx.grad_w = grad_w
@@ -117,7 +120,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         (grad_x,) = ctx.saved_tensors
         grad_w, ctx.grad_w = ctx.grad_w, None
         grad_x.mul_(grad_loss)
-        grad_w.mul_(grad_loss)
+        if grad_w is not None:
+            grad_w.mul_(grad_loss)
         return grad_x.view(ctx.hidden_shape), grad_w, None, None, None
 
 

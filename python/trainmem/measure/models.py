@@ -12,6 +12,10 @@ Three ways to build it:
   allocated, and this is much faster on a small CPU than the initialisers;
 * fake: built on the meta device, then every parameter and buffer is replaced by a FakeTensor
   of the same shape and dtype (no memory, no compute), so 70B shapes can be measured anywhere.
+
+With `lora_rank > 0` the built model is wrapped by `peft.get_peft_model` (see `apply_lora`):
+after the pattern fill for a real model, before the fake replacement for a fake one (peft then
+puts the adapters on the meta device like the base layers, and they become fake tensors too).
 """
 
 from __future__ import annotations
@@ -145,6 +149,8 @@ def build_real_model(spec: ModelSpec, recipe: Recipe, device: str):
         model = _causal_lm_from_config(cfg, recipe)
     model.tie_weights()
     _fill_pattern(model)
+    if recipe.uses_lora:
+        model = apply_lora(model, recipe)
     model.train()
     return model
 
@@ -155,6 +161,8 @@ def build_fake_model(spec: ModelSpec, recipe: Recipe, fake_mode, device: str):
     with torch.device("meta"):
         model = _causal_lm_from_config(cfg, recipe)
     model.tie_weights()
+    if recipe.uses_lora:
+        model = apply_lora(model, recipe)
     memo: dict[int, torch.Tensor] = {}  # id of the meta tensor -> its fake replacement
     originals: list[torch.Tensor] = []  # keeps the meta tensors alive so that ids stay unique
 
@@ -183,6 +191,126 @@ def build_fake_model(spec: ModelSpec, recipe: Recipe, fake_mode, device: str):
                 setattr(module, name, fake_like(value))
     model.train()
     return model
+
+
+# ---------------------------------------------------------------------------------------- LoRA
+
+def _path_in_layer(qualname: str) -> str | None:
+    """`model.layers.3.self_attn.q_proj` -> `self_attn.q_proj`; None outside the decoder layers.
+
+    The same rule as the tracker's labels: the part after the first numeric component.
+    """
+    parts = qualname.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit() and i > 0:
+            return ".".join(parts[i + 1:]) or None
+    return None
+
+
+def _linear_types() -> tuple:
+    from transformers.pytorch_utils import Conv1D
+
+    return (torch.nn.Linear, Conv1D)
+
+
+def _peft_matches(qualname: str, target: str) -> bool:
+    """peft's rule for a list of target names: the name itself, or a suffix after a dot."""
+    return qualname == target or qualname.endswith("." + target)
+
+
+def lora_target_paths(model, recipe: Recipe) -> tuple[list[str] | str | None, list[str]]:
+    """Resolve `recipe.lora_targets` for this model, as the engine does (src/recipe/lora.cpp).
+
+    Returns (what to pass as LoraConfig.target_modules, the resolved paths inside a decoder
+    layer in the layer's module order). `default` passes None: peft looks up its own default
+    for the model type; `all-linear` is passed as such (peft then wraps every nn.Linear and
+    Conv1D except the output layer). Names are peft's: they match a module whose qualified name
+    is the name or ends with "." + name. Names that match no linear layer of the decoder layers,
+    or that would also wrap a linear layer outside them (lm_head), are refused as the engine
+    refuses them.
+    """
+    from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as peft_defaults
+
+    model_type = getattr(model.config, "model_type", "?")
+    linear = _linear_types()
+    inside: list[str] = []   # paths in a layer, in module order
+    outside: list[str] = []  # qualified names of linear layers outside the decoder layers
+    for qualname, module in model.named_modules():
+        if not isinstance(module, linear):
+            continue
+        path = _path_in_layer(qualname)
+        if path is None:
+            outside.append(qualname)
+        elif path not in inside:
+            inside.append(path)
+    names = recipe.lora_target_names
+    short = ", ".join(p.rsplit(".", 1)[-1] for p in inside)
+    if names == ["default"]:
+        default = peft_defaults.get(model_type)
+        if not default:
+            raise RecipeError(f"lora_targets: peft has no default target modules for {model_type}; "
+                              f"name them ({short}) or use all-linear")
+        peft_targets, names = None, list(default)
+    elif names == ["all-linear"]:
+        return "all-linear", inside
+    else:
+        peft_targets = names
+    chosen = set()
+    for name in names:
+        hits = [p for p in inside if _peft_matches(p, name)]
+        if not hits:
+            raise RecipeError(f"lora_targets: {name!r} names no linear layer of {model_type} decoder layers; "
+                              f"expected some of {short}, default or all-linear")
+        stray = [q for q in outside if _peft_matches(q, name)]
+        if stray:
+            raise RecipeError(f"lora_targets: {name!r} would also wrap {', '.join(stray)} outside the decoder "
+                              "layers; name the layers' modules only")
+        chosen.update(hits)
+    return peft_targets, [p for p in inside if p in chosen]
+
+
+def apply_lora(model, recipe: Recipe):
+    """Wrap a built model with peft's LoRA, as a user does: `get_peft_model(model, LoraConfig(...))`.
+
+    r = lora_rank, lora_alpha = 2·r, lora_dropout, bias="none", peft's defaults otherwise:
+    autocast_adapter_dtype=True (bf16/fp16 adapters are made fp32), init_lora_weights=True
+    (A kaiming-uniform, B zeros). GPT-2's Conv1D layers need fan_in_fan_out=True. peft freezes
+    every base parameter; only the adapters require grad. The resolved paths are kept on the
+    returned PeftModel as `trainmem_lora_targets` (the JSON's `recipe.lora_targets`).
+    """
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as e:
+        raise RecipeError(f"lora_rank > 0 needs the peft package: {e}") from None
+    from transformers.pytorch_utils import Conv1D
+
+    peft_targets, paths = lora_target_paths(model, recipe)
+    fan_in_fan_out = any(isinstance(m, Conv1D) for q, m in model.named_modules() if _path_in_layer(q) in paths)
+    config = LoraConfig(r=recipe.lora_rank, lora_alpha=2 * recipe.lora_rank, lora_dropout=float(recipe.lora_dropout),
+                        target_modules=peft_targets, bias="none", fan_in_fan_out=fan_in_fan_out)
+    peft_model = get_peft_model(model, config)
+    wrapped = []
+    for qualname, module in peft_model.named_modules():
+        if hasattr(module, "lora_A") and hasattr(module, "base_layer"):
+            path = _path_in_layer(qualname)
+            if path is None:
+                raise RuntimeError(f"peft wrapped {qualname}, outside the decoder layers")
+            if path not in wrapped:
+                wrapped.append(path)
+    if set(wrapped) != set(paths):  # our resolution and peft's disagree: the JSON would lie
+        raise RuntimeError(f"peft wrapped {wrapped}, but lora_targets resolved to {paths}")
+    peft_model.trainmem_lora_targets = paths
+    return peft_model
+
+
+def lora_targets_of(model) -> list[str] | None:
+    return getattr(model, "trainmem_lora_targets", None)
+
+
+def underlying_model(model):
+    """The Hugging Face model inside a PeftModel (the model itself otherwise)."""
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) else model
 
 
 def enable_checkpointing(model) -> None:

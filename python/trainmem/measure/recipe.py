@@ -10,6 +10,8 @@ CHECKPOINTING = ("none", "full")
 ATTENTIONS = ("eager", "sdpa", "flash")
 LOSSES = ("standard", "fused")
 ALLOCATORS = ("default", "expandable")
+LORA_TARGET_KEYWORDS = ("default", "all-linear")
+MAX_LORA_RANK = 65536  # the engine's bound: beyond it the adapters outgrow the layers they adapt
 
 # Hugging Face's attn_implementation for each --attention value.
 HF_ATTENTION = {"eager": "eager", "sdpa": "sdpa", "flash": "flash_attention_2"}
@@ -31,6 +33,11 @@ class Recipe:
     loss: str = "standard"
     gpu: str = "cpu"
     allocator: str = "default"
+    # LoRA (peft): rank 0 trains every parameter. lora_targets is spelled as on the command line
+    # ("default", "all-linear" or comma-separated module names); models.apply_lora resolves it.
+    lora_rank: int = 0
+    lora_targets: str = "default"
+    lora_dropout: float = 0.0
 
     def __post_init__(self) -> None:
         for key in ("batch", "seq", "grad_accum"):
@@ -48,6 +55,43 @@ class Recipe:
             value = getattr(self, key)
             if value not in allowed:
                 raise RecipeError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        """The engine's rules (src/recipe/recipe.cpp): the same knobs are refused for the same reasons."""
+        rank = self.lora_rank
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank <= MAX_LORA_RANK:
+            raise RecipeError(f"lora_rank must be an integer between 0 (no LoRA) and {MAX_LORA_RANK}, got {rank!r}")
+        dropout = self.lora_dropout
+        if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not 0 <= dropout < 1:
+            raise RecipeError(f"lora_dropout must be a number in [0, 1), got {dropout!r}")
+        if not isinstance(self.lora_targets, str):
+            raise RecipeError(f"lora_targets must be a string, got {self.lora_targets!r}")
+        names = self.lora_target_names  # checks the spelling even without adapters, as the engine does
+        if rank == 0:
+            if dropout != 0:
+                raise RecipeError("lora_dropout is set without lora_rank (no adapters)")
+            return
+        if self.precision == "bf16-master":
+            raise RecipeError("precision=bf16-master cannot be combined with LoRA: it keeps fp32 masters of half "
+                              "trainable weights, but peft makes the adapters fp32 already; use bf16-true (half base, "
+                              "fp32 adapters) or bf16-mixed")
+        if len(names) > 1:
+            for keyword in LORA_TARGET_KEYWORDS:
+                if keyword in names:
+                    raise RecipeError(f"lora_targets: {keyword!r} cannot be combined with module names")
+
+    @property
+    def lora_target_names(self) -> list[str]:
+        """`lora_targets` split at commas: ["default"], ["all-linear"] or module names as peft matches them."""
+        names = [item.strip() for item in self.lora_targets.split(",")]
+        if any(not name for name in names):
+            raise RecipeError(f"lora_targets: empty module name in {self.lora_targets!r}")
+        return names
+
+    @property
+    def uses_lora(self) -> bool:
+        return self.lora_rank > 0
 
     # --- what the precision policy means for dtypes -------------------------------------------
 
@@ -76,13 +120,28 @@ class Recipe:
     def uses_master_weights(self) -> bool:
         return self.precision == "bf16-master"
 
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+    def as_dict(self, lora_targets: list[str] | None = None) -> dict:
+        """The JSON `recipe` object, with the engine's keys: `lora_rank` always, and with adapters
+        `lora_targets` (the resolved module paths inside a decoder layer when given, else the
+        spelling) and `lora_dropout`."""
+        out = dataclasses.asdict(self)
+        if not self.uses_lora:
+            del out["lora_targets"], out["lora_dropout"]
+        elif lora_targets is not None:
+            out["lora_targets"] = list(lora_targets)
+        return out
 
     @classmethod
     def from_dict(cls, data: dict) -> "Recipe":
+        """Inverse of as_dict: `lora_targets` may be a list of module names (the JSON's resolved paths)."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise RecipeError(f"unknown recipe key(s): {', '.join(unknown)}")
+        data = dict(data)
+        targets = data.get("lora_targets")
+        if isinstance(targets, (list, tuple)):
+            if not targets or not all(isinstance(t, str) for t in targets):
+                raise RecipeError("lora_targets must be a string or a non-empty list of module names")
+            data["lora_targets"] = ",".join(targets)
         return cls(**data)

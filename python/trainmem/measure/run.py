@@ -12,7 +12,7 @@ import time
 import torch
 
 from .models import (ModelError, ModelSpec, build_fake_model, build_real_model, enable_checkpointing,
-                     resolve_model)
+                     lora_targets_of, resolve_model)
 from .recipe import Recipe, RecipeError
 from .tracker import CATEGORIES, MemoryTracker
 from .training import hf_loss_fn, run_steps
@@ -29,6 +29,13 @@ def versions(recipe: Recipe | None = None) -> dict:
 
     out = {"torch": torch.__version__, "transformers": transformers.__version__,
            "python": platform.python_version()}
+    if recipe is not None and recipe.uses_lora:
+        try:
+            import peft
+
+            out["peft"] = peft.__version__
+        except ImportError:
+            pass
     if recipe is not None and recipe.optimizer == "adamw-8bit":
         try:
             import bitsandbytes
@@ -217,7 +224,7 @@ def _result(spec: ModelSpec, recipe: Recipe, model, tracker: MemoryTracker, anal
     n_params = sum(p.numel() for p in params)
     n_trainable = sum(p.numel() for p in params if p.requires_grad)
     is_cuda = device == "cuda" and not fake
-    recipe_dict = recipe.as_dict()
+    recipe_dict = recipe.as_dict(lora_targets_of(model))
     if is_cuda:
         source = "measured-cuda"
         steps = []
@@ -294,6 +301,12 @@ def default_command(spec: ModelSpec, recipe: Recipe, *, device: str, fake: bool)
         value = getattr(recipe, key)
         if value != getattr(defaults, key):
             args += [flag, str(value)]
+    if recipe.uses_lora:
+        args += ["--lora", str(recipe.lora_rank)]
+        if recipe.lora_targets != defaults.lora_targets:
+            args += ["--lora-targets", recipe.lora_targets]
+        if recipe.lora_dropout != defaults.lora_dropout:
+            args += ["--lora-dropout", repr(float(recipe.lora_dropout))]
     if fake:
         args.append("--fake")
     if device != "cpu":

@@ -13,11 +13,14 @@ Note [Categories]); the peak and its breakdown are then computed by replaying th
 Note [Categories]
     weights           parameter and buffer storages; the fp32 master copies of bf16-master
                       (registered by the driver); when the recipe uses autocast, `aten._to_copy`
-                      outputs whose input is the storage of a parameter that requires grad, made
-                      in forward, loss or backward (the autocast weight casts: the parameters are
-                      fp32 there and nothing else casts them to half; the checkpoint recompute
-                      re-enters autocast and casts again). Without autocast a cast of a parameter
-                      (Gemma's `weight.float()` in bf16) is an ordinary temporary.
+                      outputs whose input is the storage of a parameter, made in forward, loss
+                      or backward (the autocast weight casts: the parameters are fp32 there and
+                      nothing else casts them to half; the checkpoint recompute re-enters
+                      autocast and casts again). Autocast caches the cast of a parameter that
+                      requires grad (one per forward); the frozen base parameters of a LoRA run
+                      are not cached and are cast at every use: each cast is its own storage,
+                      freed after the op unless autograd saved it. Without autocast a cast of a
+                      parameter (Gemma's `weight.float()` in bf16) is an ordinary temporary.
     optimizer_states  storages found in `optimizer.state` after each step
     gradients         storages found as some parameter's (or master's) `.grad`, looked at after
                       every micro-batch's backward, after the master conversion and before
@@ -45,6 +48,11 @@ Note [Labels]
     and a pre hook labels the nodes behind its inputs with the enclosing module. In the backward
     the label is that of `torch._C._current_autograd_node()` (AccumulateGrad: the module owning
     the parameter), and the checkpoint's recompute runs inside its layer's label.
+    A peft model is labelled as the Hugging Face model inside it: the `base_model.model.` prefix is
+    dropped, so is the `base_layer` of a wrapped layer (its base linear is `layer 0
+    self_attn.q_proj`, as without LoRA) and the adapter name after `lora_A`, `lora_B` and
+    `lora_dropout` (`layer 0 self_attn.q_proj.lora_A`); the wrapper's own ops (the casts, the
+    scaling, the addition) are `layer 0 self_attn.q_proj.<aten op>`.
 
 Note [Block size]
     Each storage is charged `max(512, ceil(nbytes / 512) * 512)` bytes: the CUDA caching
@@ -119,6 +127,41 @@ def module_label(qualname: str, module: torch.nn.Module, base_prefix: str) -> La
     return Label(".".join(parts), qualname, not leaf)
 
 
+_PEFT_ADAPTER_DICTS = ("lora_A", "lora_B", "lora_dropout")
+
+
+def _unwrap_peft(model: torch.nn.Module) -> tuple[torch.nn.Module, str | None]:
+    """(the Hugging Face model, its qualified name inside the peft wrapper), or (model, None)."""
+    get = getattr(model, "get_base_model", None)
+    if not callable(get):
+        return model, None
+    inner = get()
+    for qualname, module in model.named_modules():
+        if module is inner:
+            return inner, qualname
+    return model, None
+
+
+def _hf_qualname(qualname: str, wrapper_prefix: str | None) -> str:
+    """A peft module's name as the Hugging Face model names it (see Note [Labels])."""
+    if wrapper_prefix is None:
+        return qualname
+    if wrapper_prefix and (qualname == wrapper_prefix or wrapper_prefix.startswith(qualname + ".") or not qualname):
+        return ""  # the wrappers above the Hugging Face model
+    if wrapper_prefix and qualname.startswith(wrapper_prefix + "."):
+        qualname = qualname[len(wrapper_prefix) + 1:]
+    parts, out, skip = qualname.split("."), [], False
+    for part in parts:
+        if skip:
+            skip = False
+            continue
+        if part == "base_layer":
+            continue
+        out.append(part)
+        skip = part in _PEFT_ADAPTER_DICTS
+    return ".".join(out)
+
+
 def _iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     stack = [obj]
     while stack:
@@ -184,7 +227,7 @@ class MemoryTracker:
         self._live: dict[int, int] = {}  # storage _cdata -> sid
         self._live_bytes = 0  # sum of live blocks
         self._finalizers: dict[int, weakref.finalize] = {}
-        self._weight_cdatas: set[int] = set()  # storages of parameters that require grad
+        self._weight_cdatas: set[int] = set()  # storages of the parameters (for the autocast weight casts)
         self._module_stack: list[Label] = []
         self._module_labels: dict[int, Label] = {}
         self._param_labels: dict[int, Label] = {}
@@ -209,9 +252,10 @@ class MemoryTracker:
 
     def attach_model(self, model: torch.nn.Module) -> None:
         """Hooks for labels, and parameters/buffers registered as `weights`."""
-        base_prefix = getattr(model, "base_model_prefix", "") or ""
+        hf_model, wrapper_prefix = _unwrap_peft(model)
+        base_prefix = getattr(hf_model, "base_model_prefix", "") or ""
         for qualname, module in model.named_modules():
-            label = module_label(qualname, module, base_prefix)
+            label = module_label(_hf_qualname(qualname, wrapper_prefix), module, base_prefix)
             self._module_labels[id(module)] = label
             self._hooks.append(module.register_forward_pre_hook(
                 functools.partial(self._pre_hook, label), with_kwargs=True))
@@ -226,8 +270,7 @@ class MemoryTracker:
                 self._restore.append(functools.partial(setattr, module, "_gradient_checkpointing_func", func))
         for name, p in model.named_parameters():
             self.add_existing(p, "weights", name)
-            if p.requires_grad:
-                self._weight_cdatas.add(p.untyped_storage()._cdata)
+            self._weight_cdatas.add(p.untyped_storage()._cdata)  # frozen ones too (LoRA's base)
         for name, b in model.named_buffers():
             self.add_existing(b, "weights", name)
 

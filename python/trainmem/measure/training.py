@@ -47,6 +47,45 @@ Choices made here (the engine mirrors them):
   shifted, cross-entropy). `fused` = `fused_loss.fused_linear_cross_entropy` on the base
   model's last hidden state (base-model output dropped at once): see Note [Fused loss
   allocations] there.
+* LoRA (`lora_rank` > 0; `models.apply_lora`): the model built as above is wrapped with
+  `peft.get_peft_model(model, LoraConfig(r, lora_alpha=2r, lora_dropout, target_modules, bias="none"))`
+  (`fan_in_fan_out=True` for GPT-2's Conv1D), peft's defaults otherwise; then checkpointing is
+  enabled on the PeftModel, as the HF Trainer does with a model it is handed. So:
+
+      model = AutoModelForCausalLM.from_config(...)            # as above
+      model = get_peft_model(model, LoraConfig(...))           # base frozen, adapters trainable
+      [checkpointing full: model.activation_checkpointing_enable({"use_reentrant": False})]
+      ...the same loop; the optimizer gets the adapters only (requires_grad)
+
+  What this means for memory (seen in the traces, peft 0.21, transformers 5.24, torch 2.13):
+  * Adapters: lora_A (r x in) and lora_B (out x r) per targeted linear of every decoder layer,
+    always fp32: peft makes them fp32 in the default dtype, casts them to the base layer's dtype
+    and, with autocast_adapter_dtype=True, back to fp32 when that was bf16/fp16. They are made
+    after the whole model (so they come after every base parameter), before tracking starts:
+    at setup all are `weights`. Gradients and optimizer states exist for the adapters only.
+  * A wrapped linear computes `base(x) + lora_B(lora_A(dropout(x))) * scaling`, then casts the
+    sum to the base output's dtype. x is first cast to the adapter dtype when it differs
+    (bf16-true: an fp32 copy of x, the adapter path and the sum are fp32, then cast back to
+    bf16). Saved for backward: the input of lora_A (x, or the dropout output, in the dtype the
+    mm runs in: under autocast a bf16 cast of it, made separately from the base layer's own
+    cast of x) and the output of lora_A (b·s·r); with dropout also its mask (on the CPU an
+    x-sized tensor in x's dtype: the non-fused dropout; CUDA's fused dropout saves a bool mask).
+    With lora_dropout 0 the dropout is nn.Identity: nothing. The base linear saves nothing for
+    its frozen weight: not its input; under autocast it saves its own bf16 weight cast when x
+    requires grad (for the input's gradient).
+  * Under autocast the frozen base weights are not cached (autocast caches casts of leaves that
+    require grad only): every use casts again (category weights, see tracker's Note
+    [Categories]); the cast is freed at once where the input does not require grad, else kept
+    until that layer's backward. The adapters' casts are cached as before.
+  * The embedding output does not require grad without checkpointing: nothing before the first
+    adapter of layer 0 saves anything for backward, and the backward stops there. With
+    checkpointing, transformers' activation_checkpointing_enable always calls
+    enable_input_require_grads (for every model whose main input is input_ids, whatever
+    use_reentrant is; peft would call it too had checkpointing been enabled before wrapping):
+    the embedding output is made a leaf that requires grad, so it is kept until the end of the
+    backward and the backward runs through layer 0 down to it (its gradient is freed with the
+    graph).
+  * `loss=fused` with a frozen lm_head computes no lm_head gradient (Liger neither).
 * Phases: `setup` (step 0: inputs, master copies), `forward` (model call up to the loss
   function), `loss` (the loss function, dropping the output, the division by grad_accum and
   the scaler's scaling), `backward`, `optimizer` (master conversion, unscale, step, update,
@@ -63,6 +102,7 @@ import contextlib
 import torch
 
 from .fused_loss import fused_linear_cross_entropy
+from .models import underlying_model
 from .recipe import Recipe, RecipeError
 from .tracker import LOSS, MemoryTracker
 
@@ -102,8 +142,11 @@ def _unique_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 def hf_loss_fn(model, recipe: Recipe, tracker: MemoryTracker):
     """The per-micro-batch forward + loss for a Hugging Face causal LM."""
+    # Through a PeftModel: its forward calls the Hugging Face model's, which calls that model's
+    # loss_function; the decoder and the head are the Hugging Face model's too.
+    hf_model = underlying_model(model)
     if recipe.loss == "standard":
-        original = model.loss_function
+        original = hf_model.loss_function
 
         def loss_function(*args, **kwargs):
             tracker.set_phase("loss")
@@ -112,7 +155,7 @@ def hf_loss_fn(model, recipe: Recipe, tracker: MemoryTracker):
             tracker.label_graph(loss, LOSS)
             return loss
 
-        model.loss_function = loss_function
+        hf_model.loss_function = loss_function
 
         def forward_and_loss(batch):
             input_ids, labels = batch
@@ -120,11 +163,13 @@ def hf_loss_fn(model, recipe: Recipe, tracker: MemoryTracker):
 
         return forward_and_loss
 
-    head = model.get_output_embeddings()
+    head = hf_model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise RecipeError("loss=fused supports an lm_head without bias only")
-    base = getattr(model, model.base_model_prefix)
-    softcap = getattr(model.config, "final_logit_softcapping", None)
+    if not isinstance(head, torch.nn.Linear):
+        raise RecipeError(f"loss=fused needs an nn.Linear lm_head, got {type(head).__name__}")
+    base = getattr(hf_model, hf_model.base_model_prefix)
+    softcap = getattr(hf_model.config, "final_logit_softcapping", None)
     if recipe.autocast_dtype_name:
         compute_dtype = getattr(torch, recipe.autocast_dtype_name)
     else:
