@@ -64,7 +64,10 @@ NB_MODULE(_core, m) {
       .def_rw("allocator", &RecipeSpelling::allocator)
       .def_rw("lora_rank", &RecipeSpelling::lora_rank)
       .def_rw("lora_targets", &RecipeSpelling::lora_targets)
-      .def_rw("lora_dropout", &RecipeSpelling::lora_dropout);
+      .def_rw("lora_dropout", &RecipeSpelling::lora_dropout)
+      .def_rw("mode", &RecipeSpelling::mode)
+      .def_rw("new_tokens", &RecipeSpelling::new_tokens)
+      .def_rw("beams", &RecipeSpelling::beams);
 
   nb::class_<trainmem::Estimate>(m, "Estimate")
       .def_ro("model", &trainmem::Estimate::model)

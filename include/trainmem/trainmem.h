@@ -35,7 +35,9 @@ enum class Category : std::uint8_t {
 inline constexpr std::size_t kCategoryCount = 6;
 std::string_view category_name(Category);
 
-enum class Phase : std::uint8_t { kSetup, kForward, kLoss, kBackward, kOptimizer };
+// Training steps run setup, forward, loss, backward, optimizer; generation (Mode::kInference)
+// runs setup, prefill (the prompt) and decode (one forward per new token).
+enum class Phase : std::uint8_t { kSetup, kForward, kLoss, kBackward, kOptimizer, kPrefill, kDecode };
 std::string_view phase_name(Phase);
 
 enum class DType : std::uint8_t { kF32, kBF16, kF16, kI64, kU8 };
@@ -141,6 +143,10 @@ enum class Checkpointing : std::uint8_t { kNone, kFull };
 enum class Attention : std::uint8_t { kEager, kSdpa, kFlash };
 enum class Loss : std::uint8_t { kStandard, kFused };
 enum class AllocatorMode : std::uint8_t { kDefault, kExpandable };
+// kTraining: two optimizer steps (the reference step of docs/schema.md). kInference: one
+// model.generate() call (greedy, or beam search with beams > 1) under torch.no_grad, with
+// Hugging Face's default DynamicCache (docs/schema.md, "The reference generation").
+enum class Mode : std::uint8_t { kTraining, kInference };
 
 // LoRA adapters (peft's LoraConfig): the base model is frozen, every targeted linear layer of
 // every decoder layer gets A (rank × in) and B (out × rank) beside it.
@@ -164,6 +170,9 @@ struct Recipe {
   std::string gpu = "h100-80gb";
   AllocatorMode allocator = AllocatorMode::kDefault;
   Lora lora;
+  Mode mode = Mode::kTraining;
+  std::uint64_t new_tokens = 128;  // inference: tokens generated after the prompt (max_new_tokens)
+  std::uint64_t beams = 1;         // inference: num_beams (1: greedy)
   std::uint64_t steps = 2;  // step 1 creates optimizer state lazily; step 2 is steady state
 
   void validate() const;  // throws Error naming the field
@@ -175,12 +184,13 @@ std::string_view to_string(Checkpointing);
 std::string_view to_string(Attention);
 std::string_view to_string(Loss);
 std::string_view to_string(AllocatorMode);
+std::string_view to_string(Mode);
 // The knobs as a person spells them (CLI flags, Python keywords, the JSON `recipe` object).
 struct RecipeSpelling {
   std::uint64_t batch = 1;
   std::uint64_t seq = 2048;
   std::uint64_t grad_accum = 1;
-  std::string precision = "bf16-mixed";
+  std::string precision = "";  // "": bf16-mixed for training, bf16-true for inference
   std::string optimizer = "adamw";
   std::string checkpointing = "none";
   std::string attention = "sdpa";
@@ -190,6 +200,9 @@ struct RecipeSpelling {
   std::uint64_t lora_rank = 0;
   std::string lora_targets = "default";  // comma-separated module names, "default" or "all-linear"
   double lora_dropout = 0;
+  std::string mode = "training";  // training | inference
+  std::uint64_t new_tokens = 128;
+  std::uint64_t beams = 1;
 };
 // Parses and validates every knob; throws Error naming the first bad field.
 Recipe parse_recipe(const RecipeSpelling& spelling);
@@ -201,6 +214,7 @@ Checkpointing parse_checkpointing(std::string_view);
 Attention parse_attention(std::string_view);
 Loss parse_loss(std::string_view);
 AllocatorMode parse_allocator(std::string_view);
+Mode parse_mode(std::string_view);
 
 // The linear modules of one decoder layer that LoRA can target, as peft names them.
 std::vector<std::string> lora_target_modules(const Architecture&);

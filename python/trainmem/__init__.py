@@ -55,7 +55,7 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     "batch": 1,
     "seq": 2048,
     "grad_accum": 1,
-    "precision": "bf16-mixed",
+    "precision": "",  # bf16-mixed for training, bf16-true for inference
     "optimizer": "adamw",
     "checkpointing": "none",
     "attention": "sdpa",
@@ -65,8 +65,11 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     "lora_rank": 0,
     "lora_targets": "default",
     "lora_dropout": 0.0,
+    "mode": "training",
+    "new_tokens": 128,
+    "beams": 1,
 }
-_COUNTS = ("batch", "seq", "grad_accum")
+_COUNTS = ("batch", "seq", "grad_accum", "new_tokens", "beams")
 
 
 def _source(model: Any) -> bytes:

@@ -44,9 +44,11 @@ double parse_fraction(const std::string& s, const char* field) {
 // parse_recipe, so every front end reports the same errors.
 struct RecipeFlags {
   std::string batch = "1", seq = "2048", accum = "1";
-  std::string precision = "bf16-mixed", optimizer = "adamw", ckpt = "none", attention = "sdpa",
+  std::string precision = "", optimizer = "adamw", ckpt = "none", attention = "sdpa",
               loss = "standard", gpu = "h100-80gb", allocator = "default";
   std::string lora_rank = "0", lora_targets = "default", lora_dropout = "0";
+  bool inference = false;
+  std::string new_tokens = "128", beams = "1";
   std::vector<std::pair<std::string, CLI::Option*>> options;  // knob name → its flag
 
   void add_to(CLI::App* app) {
@@ -57,7 +59,8 @@ struct RecipeFlags {
     opt("batch", "--batch", batch, "Micro-batch size");
     opt("grad_accum", "--grad-accum", accum, "Micro-batches per optimizer step");
     opt("seq", "--seq", seq, "Sequence length in tokens");
-    opt("precision", "--precision", precision, "fp32 | bf16-mixed | fp16-mixed | bf16-master | bf16-true | fp16-true");
+    opt("precision", "--precision", precision,
+        "fp32 | bf16-mixed | fp16-mixed | bf16-master | bf16-true | fp16-true (default: bf16-mixed; inference bf16-true)");
     opt("optimizer", "--optimizer", optimizer, "adamw | adamw-fused | adamw-8bit | sgd | adafactor");
     opt("checkpointing", "--checkpointing", ckpt, "none | full (per decoder layer)");
     opt("attention", "--attention", attention, "eager | sdpa | flash");
@@ -68,6 +71,10 @@ struct RecipeFlags {
     opt("lora_targets", "--lora-targets", lora_targets,
         "Modules LoRA wraps: default (peft's), all-linear, or names (q_proj,v_proj)");
     opt("lora_dropout", "--lora-dropout", lora_dropout, "lora_dropout (0: no dropout, nothing saved)");
+    CLI::Option* inf = app->add_flag("--inference", inference, "Generation (prefill + decode with a KV cache), not training");
+    options.emplace_back("mode", inf);
+    opt("new_tokens", "--new-tokens", new_tokens, "Inference: tokens generated after the prompt of --seq tokens");
+    opt("beams", "--beams", beams, "Inference: beam-search width (1: greedy)");
   }
 
   // Knobs the user typed on the command line.
@@ -94,6 +101,9 @@ struct RecipeFlags {
     sp.lora_rank = lora_rank == "0" ? 0 : parse_count(lora_rank, "lora_rank");
     sp.lora_targets = lora_targets;
     sp.lora_dropout = parse_fraction(lora_dropout, "lora_dropout");
+    sp.mode = inference ? "inference" : "training";
+    sp.new_tokens = parse_count(new_tokens, "new_tokens");
+    sp.beams = parse_count(beams, "beams");
     return sp;
   }
 };
@@ -149,6 +159,9 @@ std::string compare(const std::string& path, bool as_json) {
   sp.gpu = on_cpu ? "cpu" : text("gpu", sp.gpu.c_str());
   sp.allocator = on_cpu ? "expandable" : text("allocator", sp.allocator.c_str());
   sp.lora_rank = count("lora_rank", 0);
+  sp.mode = text("mode", "training");
+  sp.new_tokens = count("new_tokens", sp.new_tokens);
+  sp.beams = count("beams", sp.beams);
   if (jr.contains("lora_targets")) {
     const nlohmann::json& t = jr["lora_targets"];
     if (t.is_string()) {

@@ -24,6 +24,8 @@ std::string_view phase_name(Phase p) {
     case Phase::kLoss: return "loss";
     case Phase::kBackward: return "backward";
     case Phase::kOptimizer: return "optimizer";
+    case Phase::kPrefill: return "prefill";
+    case Phase::kDecode: return "decode";
   }
   return "?";
 }

@@ -137,6 +137,7 @@ class StepBuilder {
   }
 
   Trace build() {
+    if (r_.mode == Mode::kInference) throw Error("mode: inference (generation) is not modelled yet");
     t_.at(Phase::kSetup, kNoLayer, "model");
     create_parameters();
     create_adapters();

@@ -138,6 +138,7 @@ std::uint64_t plan::persistent_floor(const Model& m, const Recipe& r) {
 
 FitResult fit(const Model& model, const FitRequest& q) {
   q.base.validate();
+  if (q.base.mode != Mode::kTraining) throw Error("mode: fit plans training recipes; estimate a generation with `estimate --inference`");
   const Gpu& gpu = find_gpu(q.base.gpu);
   if (gpu.capacity_bytes == 0) throw Error("gpu: 'cpu' has no memory to plan for; name a GPU (trainmem gpus)");
   if (q.gpus != 1) {

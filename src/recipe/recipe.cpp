@@ -31,6 +31,7 @@ constexpr Spellings<Attention, 3> kAttention{{{Attention::kEager, "eager"},
 constexpr Spellings<Loss, 2> kLoss{{{Loss::kStandard, "standard"}, {Loss::kFused, "fused"}}};
 constexpr Spellings<AllocatorMode, 2> kAllocator{{{AllocatorMode::kDefault, "default"},
                                                   {AllocatorMode::kExpandable, "expandable"}}};
+constexpr Spellings<Mode, 2> kModes{{{Mode::kTraining, "training"}, {Mode::kInference, "inference"}}};
 
 template <typename E, std::size_t N>
 std::string_view name_of(const Spellings<E, N>& table, E e) {
@@ -90,6 +91,7 @@ std::string_view to_string(Checkpointing x) { return name_of(kCheckpointing, x);
 std::string_view to_string(Attention x) { return name_of(kAttention, x); }
 std::string_view to_string(Loss x) { return name_of(kLoss, x); }
 std::string_view to_string(AllocatorMode x) { return name_of(kAllocator, x); }
+std::string_view to_string(Mode x) { return name_of(kModes, x); }
 
 Precision parse_precision(std::string_view s) { return parse(kPrecisions, s, "precision"); }
 Optimizer parse_optimizer(std::string_view s) { return parse(kOptimizers, s, "optimizer"); }
@@ -97,13 +99,19 @@ Checkpointing parse_checkpointing(std::string_view s) { return parse(kCheckpoint
 Attention parse_attention(std::string_view s) { return parse(kAttention, s, "attention"); }
 Loss parse_loss(std::string_view s) { return parse(kLoss, s, "loss"); }
 AllocatorMode parse_allocator(std::string_view s) { return parse(kAllocator, s, "allocator"); }
+Mode parse_mode(std::string_view s) { return parse(kModes, s, "mode"); }
 
 Recipe parse_recipe(const RecipeSpelling& in) {
   Recipe r;
   r.batch = in.batch;
   r.seq = in.seq;
   r.grad_accum = in.grad_accum;
-  r.precision = parse_precision(in.precision);
+  r.mode = parse_mode(in.mode);
+  r.precision = in.precision.empty()
+                    ? (r.mode == Mode::kInference ? Precision::kBf16True : Precision::kBf16Mixed)
+                    : parse_precision(in.precision);
+  r.new_tokens = in.new_tokens;
+  r.beams = in.beams;
   r.optimizer = parse_optimizer(in.optimizer);
   r.checkpointing = parse_checkpointing(in.checkpointing);
   r.attention = parse_attention(in.attention);
@@ -123,6 +131,21 @@ void Recipe::validate() const {
   check_range("grad_accum", grad_accum, kMaxAccum);
   check_range("steps", steps, 100);
   find_gpu(gpu);
+  if (mode == Mode::kInference) {
+    // Generation: weights in one dtype, no optimizer, no accumulation, no adapters (merge them).
+    if (precision != Precision::kFp32 && precision != Precision::kBf16True && precision != Precision::kFp16True) {
+      throw Error("precision: inference loads the weights in one dtype: fp32, bf16-true or fp16-true, got " +
+                  std::string(to_string(precision)));
+    }
+    if (grad_accum != 1) throw Error("grad_accum: inference has no gradient accumulation");
+    if (lora.enabled()) throw Error("lora_rank: inference with adapters is not modelled (merge them first)");
+    if (checkpointing != Checkpointing::kNone) throw Error("checkpointing: inference keeps no activations to recompute");
+    check_range("new_tokens", new_tokens, kMaxSeq);
+    check_range("beams", beams, 64);
+    if (seq > kMaxSeq - new_tokens) throw Error("seq + new_tokens: must be at most " + std::to_string(kMaxSeq));
+  } else if (beams != 1) {
+    throw Error("beams: beam search is an inference knob (mode inference)");
+  }
   if (lora.enabled()) {
     // peft's own ranks are small (8-256); beyond 2^16 the adapters outgrow the layers they adapt.
     check_range("lora_rank", lora.rank, 65536);

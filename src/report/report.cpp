@@ -31,7 +31,13 @@ ordered_json recipe_object(const Recipe& r) {
   } else {
     j["lora_rank"] = 0;
   }
-  j["steps"] = r.steps;
+  j["mode"] = to_string(r.mode);
+  if (r.mode == Mode::kInference) {
+    j["new_tokens"] = r.new_tokens;
+    j["beams"] = r.beams;
+  } else {
+    j["steps"] = r.steps;
+  }
   return j;
 }
 

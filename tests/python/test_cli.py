@@ -22,7 +22,7 @@ def test_estimate_json_contract(run):
     assert j["recipe"] == {"batch": 2, "seq": 256, "grad_accum": 1, "precision": "bf16-mixed",
                            "optimizer": "adamw", "checkpointing": "none", "attention": "sdpa",
                            "loss": "standard", "gpu": "h100-80gb", "allocator": "default",
-                           "lora_rank": 0, "steps": 2}
+                           "lora_rank": 0, "mode": "training", "steps": 2}
     assert [s["step"] for s in j["steps"]] == [1, 2]
 
 
