@@ -6,6 +6,8 @@
 //   BM_CutModels/<model>    the replays a depth extrapolation would need (2, 3 and 4 layers);
 //                           see Note [Estimates are not extrapolated over layers]
 //   BM_Sweep/llama-3.1-8b   1,000 recipes: batch × seq × precision × checkpointing × attention
+//   BM_Fit/<case>           trainmem fit: the recipe space timed, ordered, ruled out or replayed
+//   BM_GradAccum/<n>        one llama-3.1-8b estimate with n micro-batches per step
 #include <benchmark/benchmark.h>
 
 #include <array>
@@ -139,6 +141,46 @@ void BM_Sweep(benchmark::State& state) {
       static_cast<double>(recipes.size()), benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
 }
 
+struct FitCase {
+  const char* model;
+  const char* gpu;
+  std::uint64_t seq, global_batch;
+};
+constexpr std::array kFitCases{FitCase{"llama-3.1-8b", "h100-80gb", 4096, 64},
+                               FitCase{"qwen3-4b", "a100-40gb", 2048, 32},
+                               FitCase{"llama-3.1-70b", "rtx-4090", 4096, 1}};
+
+void BM_Fit(benchmark::State& state) {
+  const FitCase& c = kFitCases[state.range(0)];
+  const Model m = load_model(c.model);
+  FitRequest q;
+  q.base.gpu = c.gpu;
+  q.base.seq = c.seq;
+  q.global_batch = c.global_batch;
+  FitResult f;
+  for (auto _ : state) {
+    f = fit(m, q);
+    benchmark::DoNotOptimize(f.plans.data());
+  }
+  state.SetLabel(std::string(c.model) + " on " + c.gpu + ": " + std::to_string(f.searched) + " searched, " +
+                 std::to_string(f.simulated) + " replayed, " + std::to_string(f.pruned) + " ruled out");
+  state.counters["searched"] = static_cast<double>(f.searched);
+  state.counters["replayed"] = static_cast<double>(f.simulated);
+}
+
+void BM_GradAccum(benchmark::State& state) {
+  const Model m = load_model("llama-3.1-8b");
+  Recipe r = recipe_for(kCases[1]);
+  r.grad_accum = static_cast<std::uint64_t>(state.range(0));
+  std::uint64_t events = 0;
+  for (auto _ : state) {
+    Estimate e = estimate(m, r);
+    events = e.events;
+    benchmark::DoNotOptimize(e.peak_reserved_bytes);
+  }
+  state.counters["events"] = static_cast<double>(events);
+}
+
 void each_model(benchmark::internal::Benchmark* b) {
   b->ArgName("model")->DenseRange(0, kCases.size() - 1)->Unit(benchmark::kMillisecond);
 }
@@ -148,6 +190,8 @@ BENCHMARK(BM_BuildTrace)->Apply(each_model);
 BENCHMARK(BM_Replay)->Apply(each_model);
 BENCHMARK(BM_CutModels)->Apply(each_model);
 BENCHMARK(BM_Sweep)->Iterations(1)->Repetitions(3)->ReportAggregatesOnly(true)->Unit(benchmark::kSecond);
+BENCHMARK(BM_Fit)->ArgName("case")->DenseRange(0, kFitCases.size() - 1)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_GradAccum)->ArgName("grad_accum")->Arg(1)->Arg(2)->Arg(4)->Arg(64)->Unit(benchmark::kMillisecond);
 
 }  // namespace
 }  // namespace trainmem
