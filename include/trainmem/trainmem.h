@@ -320,6 +320,11 @@ struct FitResult {
   std::vector<Change> changes;       // single changes from the baseline, biggest saving first
   bool has_closest_miss = false;     // no plan fits: the recipe that came closest
   Plan closest_miss;
+  struct OtherGpu {
+    std::string gpu;
+    Plan plan;  // the fastest recipe of the search that fits there, replayed on that GPU
+  };
+  std::vector<OtherGpu> fits_on;     // when nothing fits: catalog GPUs with more memory that do fit
 };
 
 // Searches the recipe space for `model` on `base.gpu`: micro-batch × grad_accum reaching the

@@ -5,7 +5,7 @@
 // Note [Search order]
 // The time model (time.cpp) needs no replay, so every recipe of the space is timed first and
 // the space is walked fastest first; replays stop once `top` recipes fit. A recipe is skipped
-// unreplayed when its persistent bytes (weights, fp32 masters, optimizer states: all alive
+// unreplayed when its floor (weights, fp32 masters, every gradient, optimizer states: all alive
 // through step 2, so the peak cannot be lower) already exceed the usable memory. The
 // allocator setting costs no time, so it is not a ranking dimension: a recipe is replayed with
 // the default allocator first and with expandable segments only when it does not fit.
@@ -123,8 +123,9 @@ std::uint64_t plan::persistent_floor(const Model& m, const Recipe& r) {
   }
   if (r.lora.enabled()) return weights;  // adapters and their states only add
   const std::uint64_t n = m.parameter_count;
-  std::uint64_t extra = 0;
-  if (r.precision == Precision::kBf16Master) extra = detail::mul(n, 4, "master bytes");
+  // Every parameter's .grad (in the parameter's dtype) exists when the optimizer step starts.
+  std::uint64_t extra = detail::mul(n, pb, "gradient bytes");
+  if (r.precision == Precision::kBf16Master) extra = detail::add(extra, detail::mul(n, 4, "master bytes"), "master bytes");
   const std::uint64_t sb = r.precision == Precision::kBf16True || r.precision == Precision::kFp16True ? 2 : 4;
   switch (r.optimizer) {
     case Optimizer::kAdamW:
@@ -281,6 +282,29 @@ FitResult fit(const Model& model, const FitRequest& q) {
   if (out.plans.empty() && have_miss) {
     out.has_closest_miss = true;
     out.closest_miss = best_miss;
+    // What it takes: on each catalog GPU with more memory, the fastest recipe of the same space
+    // that fits there (replayed on that GPU: the cuBLAS workspace differs by architecture). At
+    // most kOtherGpuReplays replays per GPU; a GPU where none of those fits is not listed.
+    constexpr int kOtherGpuReplays = 12;
+    for (const Gpu& g : gpus()) {
+      if (g.capacity_bytes == 0 || g.usable_bytes() <= out.capacity_bytes) continue;
+      int replays = 0;
+      for (const Candidate& c : space) {
+        if (replays >= kOtherGpuReplays) break;
+        Recipe r = c.r;
+        r.gpu = g.name;
+        const bool bf16 = r.precision == Precision::kBf16Mixed || r.precision == Precision::kBf16True ||
+                          r.precision == Precision::kBf16Master;
+        if ((bf16 && !g.bf16) || c.floor > g.usable_bytes()) continue;
+        Plan p = planner.replay(r);
+        ++replays;
+        if (p.peak_reserved_bytes <= g.usable_bytes()) {
+          p.fits = true;
+          out.fits_on.push_back({g.name, p});
+          break;
+        }
+      }
+    }
   }
 
   // ---- single changes of the user's recipe

@@ -5,8 +5,8 @@
 
 namespace trainmem::plan {
 
-// Bytes that stay allocated from the optimizer's first step on (weights, fp32 masters,
-// optimizer states): the peak of a two-step estimate is never below it.
+// Bytes alive together when step 2's optimizer step starts (weights, fp32 masters, every
+// parameter's gradient, optimizer states): the peak of a two-step estimate is never below it.
 std::uint64_t persistent_floor(const Model& m, const Recipe& r);
 
 }  // namespace trainmem::plan

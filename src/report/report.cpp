@@ -68,7 +68,7 @@ ordered_json plan_object(const Plan& p) {
   j["time"] = time_object(p.time);
   j["fits"] = p.fits;
   if (p.simulated) j["peak"] = moment_object(p.peak);
-  else j["lower_bound"] = true;  // peak_* are a floor from persistent bytes, not a replay
+  else j["lower_bound"] = true;  // peak_* are the floor (weights, gradients, states), not a replay
   return j;
 }
 
@@ -122,6 +122,13 @@ std::string fit_to_json(const std::string& model, const FitResult& f, bool prett
   } else {
     j["closest_miss"] = nullptr;
   }
+  ordered_json on = ordered_json::array();
+  for (const auto& o : f.fits_on) {
+    ordered_json x = plan_object(o.plan);
+    x["gpu"] = o.gpu;
+    on.push_back(x);
+  }
+  j["fits_on"] = on;
   j["source"] = "engine";
   return pretty ? j.dump(2, ' ', false, ordered_json::error_handler_t::replace)
                 : j.dump(-1, ' ', false, ordered_json::error_handler_t::replace);
@@ -140,7 +147,7 @@ std::string fit_to_text(const std::string& model, const FitResult& f) {
       detail::format_bytes(f.gpu.capacity_bytes).c_str());
   add("seq %llu, global batch %llu sequences per optimizer step\n", static_cast<unsigned long long>(b.seq),
       static_cast<unsigned long long>(f.global_batch));
-  add("searched %llu recipes fastest first: %llu replayed, %llu ruled out by their persistent bytes\n\n",
+  add("searched %llu recipes fastest first: %llu replayed, %llu ruled out by their floor (weights, gradients, states)\n\n",
       static_cast<unsigned long long>(f.searched), static_cast<unsigned long long>(f.simulated),
       static_cast<unsigned long long>(f.pruned));
   if (!f.plans.empty()) {
@@ -159,6 +166,16 @@ std::string fit_to_text(const std::string& model, const FitResult& f) {
       add("closest: %s\n  %s%s reserved, %s more than the GPU offers\n", recipe_words(m.recipe).c_str(),
           m.simulated ? "" : "at least ", detail::format_bytes(m.peak_reserved_bytes).c_str(),
           detail::format_bytes(m.peak_reserved_bytes - std::min(m.peak_reserved_bytes, f.capacity_bytes)).c_str());
+    }
+    if (!f.fits_on.empty()) {
+      add("\nwhat it takes: a GPU with more memory (the fastest recipe that fits there):\n");
+      for (const auto& o : f.fits_on) {
+        add("  %-11s %s %12s %9.3gs\n", o.gpu.c_str(), recipe_words(o.plan.recipe).c_str(),
+            detail::format_bytes(o.plan.peak_reserved_bytes).c_str(), o.plan.time.seconds);
+      }
+    } else {
+      add("no single GPU of the catalog holds any of these recipes; sharding over several GPUs (ZeRO, FSDP)\n"
+          "is not modelled yet.\n");
     }
   }
   add("\nyour recipe: %s\n", recipe_words(b).c_str());
