@@ -85,6 +85,17 @@ def _cuda_device_name() -> str:
     return name.lower().replace("nvidia", "").strip().replace(" ", "-")
 
 
+def _import_step_modules(recipe: Recipe) -> None:
+    """Imports what the step will import, before tracking starts. Some packages make tensors at
+    import time (peft's LoHa default arguments, bitsandbytes' NF4 table: CPU tensors); imported
+    during a tracked CPU step they would be counted, and only by the first run in a process."""
+    if recipe.optimizer == "adafactor":
+        import transformers.optimization  # noqa: F401
+    if recipe.optimizer == "adamw-8bit":
+        with contextlib.suppress(ImportError):
+            import bitsandbytes  # noqa: F401
+
+
 def measure(model: str | ModelSpec, recipe: Recipe, *, device: str = "cpu", fake: bool = False,
             trace: str | None = None, command: str | None = None, steps: int = 2) -> dict:
     """Measure `steps` optimizer steps of the reference loop; returns the schema's JSON dict."""
@@ -108,6 +119,7 @@ def measure(model: str | ModelSpec, recipe: Recipe, *, device: str = "cpu", fake
         enable_checkpointing(model_obj)
     built = time.perf_counter()
 
+    _import_step_modules(recipe)
     tracker = MemoryTracker(device, fake=fake, cuda_probe=is_cuda, detect_untracked=is_cuda and expandable_segments_enabled())
     tracker.attach_model(model_obj)
     forward_and_loss = hf_loss_fn(model_obj, recipe, tracker)
