@@ -259,6 +259,9 @@ struct Estimate {
   Recipe recipe;
   Gpu gpu;
   std::uint64_t events = 0;  // allocator events simulated
+  // False when EstimateOptions::stop_above_reserved_bytes stopped the replay: the peaks are then
+  // what had been reached (more than that limit), not the step's peaks.
+  bool complete = true;
 };
 
 struct EstimateOptions {
@@ -266,6 +269,9 @@ struct EstimateOptions {
   std::uint64_t timeline_points = 400;
   std::string trace_path;            // write every alloc/free event as JSON lines (same fields as
                                      // trainmem-measure --trace); empty: none
+  // Stop the replay once reserved bytes pass this (0: never): the peaks are then only "above it".
+  // Enough to know that a recipe does not fit, for a fraction of the replay (the planner).
+  std::uint64_t stop_above_reserved_bytes = 0;
 };
 
 Estimate estimate(const Model& model, const Recipe& recipe, const EstimateOptions& = {});
@@ -290,6 +296,7 @@ struct Plan {
   Moment peak;
   StepTime time;
   bool simulated = false;  // false: only a lower bound is known (peak_* hold that bound)
+  bool complete = true;    // the replay ran to the end (a probe that stopped says only "too big")
   bool fits = false;
 };
 

@@ -162,15 +162,21 @@ class StepBuilder {
         t_.micro = micro;
         ValueId loss = forward_and_loss();
         backward(loss);
-        // The rest of the step's micro-batches would repeat this one: on to the optimizer,
-        // labelled with the last micro-batch (see MicroBatchHook).
-        if (micro < r_.grad_accum && hook_ && hook_(t_.trace(), step, micro)) {
+        const MicroBatchNext next = hook_ ? hook_(t_.trace(), step, micro) : MicroBatchNext::kGoOn;
+        if (next == MicroBatchNext::kStop) return finish_trace();  // the replay has its answer
+        if (next == MicroBatchNext::kSkipRest) {
+          // The rest of the step's micro-batches would repeat this one: on to the optimizer,
+          // labelled with the last micro-batch.
           t_.micro = static_cast<std::uint32_t>(r_.grad_accum);
           break;
         }
       }
       optimizer_step(step == 1);
     }
+    return finish_trace();
+  }
+
+  Trace finish_trace() {
     Trace trace = t_.take();
     trace.trainable_parameters = m_.parameter_count;
     if (r_.lora.enabled()) {

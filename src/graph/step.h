@@ -7,11 +7,13 @@
 
 namespace trainmem::graph {
 
-// Called after each micro-batch's backward but the last of a step, with the trace so far.
-// Returning true says the remaining micro-batches of the step would repeat the one just built
-// exactly (the simulator proves it: Note [Repeated micro-batches] in sim/simulator.cpp); the
-// builder then goes straight to the optimizer step.
-using MicroBatchHook = std::function<bool(const Trace&, std::uint32_t step, std::uint32_t micro)>;
+// Called after each micro-batch's backward with the trace so far; the answer says how to go on:
+// kSkipRest (only before a step's last micro-batch): the rest of the step's micro-batches would
+// repeat the one just built exactly (the simulator proves it: Note [Repeated micro-batches] in
+// sim/simulator.cpp), so the builder goes straight to the optimizer step; kStop: the replay
+// needs no more events (it was asked to stop once reserved bytes passed a limit).
+enum class MicroBatchNext : std::uint8_t { kGoOn, kSkipRest, kStop };
+using MicroBatchHook = std::function<MicroBatchNext(const Trace&, std::uint32_t step, std::uint32_t micro)>;
 
 Trace build_training_trace(const Model& model, const Recipe& recipe, const Gpu& gpu,
                            const MicroBatchHook& hook = {});

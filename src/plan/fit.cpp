@@ -28,55 +28,79 @@ bool is_half_param(Precision p) {
   return p == Precision::kBf16Master || p == Precision::kBf16True || p == Precision::kFp16True;
 }
 
+// Replays for the planner, memoized by recipe. A probe may stop early (Note [Stopping early] in
+// sim/simulator.cpp): it answers "does it fit under `limit`?" exactly, and its peaks are then only
+// "more than the limit". A full replay always runs to the end.
 class Planner {
  public:
-  Planner(const Model& m, const Gpu& gpu) : m_(m), usable_(gpu.usable_bytes()) {}
+  explicit Planner(const Model& m) : m_(m) {}
 
-  Plan replay(const Recipe& r) {
-    const std::string key = report_key(r);
-    if (auto it = memo_.find(key); it != memo_.end()) return it->second;
-    Plan p = compute(r);
-    ++simulated_;
-    memo_.emplace(key, p);
-    return p;
-  }
+  Plan replay(const Recipe& r) { return run(r, 0); }
 
-  // Replays the recipes not replayed yet on all cores; replay() then finds them. Results do not
-  // depend on the thread count: each replay is independent and deterministic.
-  void prefetch(const std::vector<Recipe>& rs) {
+  // Exact about peak_reserved_bytes <= limit; plan.complete says whether the peaks are the step's.
+  Plan probe(const Recipe& r, std::uint64_t limit) { return run(r, limit); }
+
+  // Probes (limit > 0) or replays (limit 0) the recipes not known yet on all cores; probe() and
+  // replay() then find them. Results do not depend on the thread count: each replay is
+  // independent and deterministic.
+  void prefetch(const std::vector<Recipe>& rs, std::uint64_t limit) {
     std::vector<const Recipe*> todo;
     for (const Recipe& r : rs) {
-      if (!memo_.count(report_key(r))) todo.push_back(&r);
+      if (!known(r, limit)) todo.push_back(&r);
     }
     if (todo.size() < 2) return;
     std::vector<std::future<Plan>> jobs;
-    for (const Recipe* r : todo) jobs.push_back(std::async(std::launch::async, [this, r] { return compute(*r); }));
-    for (std::size_t i = 0; i < todo.size(); ++i) {
-      Plan p = jobs[i].get();  // rethrows an engine error here, on the planner's thread
-      ++simulated_;
-      memo_.emplace(report_key(*todo[i]), std::move(p));
+    for (const Recipe* r : todo) {
+      jobs.push_back(std::async(std::launch::async, [this, r, limit] { return compute(*r, limit); }));
     }
+    for (std::size_t i = 0; i < todo.size(); ++i) remember(*todo[i], jobs[i].get(), limit);  // rethrows here
   }
 
-  std::uint64_t usable() const { return usable_; }
   std::uint64_t simulated() const { return simulated_; }
 
  private:
-  Plan compute(const Recipe& r) const {
+  struct Known {
+    Plan plan;
+    std::uint64_t limit = 0;  // the stop limit it ran under (0: none)
+  };
+
+  // A complete replay answers everything; a stopped one says "peak > its limit", which answers a
+  // probe with a limit no higher.
+  bool known(const Recipe& r, std::uint64_t limit) const {
+    auto it = memo_.find(key(r));
+    if (it == memo_.end()) return false;
+    return it->second.plan.complete || (limit != 0 && limit <= it->second.limit);
+  }
+
+  Plan run(const Recipe& r, std::uint64_t limit) {
+    if (known(r, limit)) return memo_.at(key(r)).plan;
+    Plan p = compute(r, limit);
+    remember(r, p, limit);
+    return p;
+  }
+
+  void remember(const Recipe& r, const Plan& p, std::uint64_t limit) {
+    ++simulated_;
+    memo_[key(r)] = Known{p, limit};
+  }
+
+  Plan compute(const Recipe& r, std::uint64_t limit) const {
     Plan p;
     p.recipe = r;
     p.time = step_time(m_, r);
-    const Estimate e = estimate(m_, r);
+    EstimateOptions opt;
+    opt.stop_above_reserved_bytes = limit;
+    const Estimate e = estimate(m_, r, opt);
     p.recipe = e.recipe;  // LoRA targets resolved
     p.peak_allocated_bytes = e.peak_allocated_bytes;
     p.peak_reserved_bytes = e.peak_reserved_bytes;
     p.peak = e.peak;
     p.simulated = true;
-    p.fits = p.peak_reserved_bytes <= usable_;
+    p.complete = e.complete;
     return p;
   }
 
-  static std::string report_key(const Recipe& r) {
+  static std::string key(const Recipe& r) {
     std::string k = std::to_string(r.batch) + "/" + std::to_string(r.grad_accum) + "/" + std::to_string(r.seq);
     for (std::string_view s : {to_string(r.precision), to_string(r.optimizer), to_string(r.checkpointing),
                                to_string(r.attention), to_string(r.loss), to_string(r.allocator)}) {
@@ -89,10 +113,15 @@ class Planner {
   }
 
   const Model& m_;
-  std::uint64_t usable_;
   std::uint64_t simulated_ = 0;
-  std::map<std::string, Plan> memo_;
+  std::map<std::string, Known> memo_;
 };
+
+// Whether a replayed plan fits `usable` bytes (a stopped probe never does).
+Plan judged(Plan p, std::uint64_t usable) {
+  p.fits = p.complete && p.peak_reserved_bytes <= usable;
+  return p;
+}
 
 bool fixed(const FitRequest& q, std::string_view knob) {
   return std::find(q.fixed.begin(), q.fixed.end(), knob) != q.fixed.end();
@@ -165,7 +194,7 @@ FitResult fit(const Model& model, const FitRequest& q) {
   }
   const std::uint64_t per_gpu = out.global_batch / q.gpus;
 
-  Planner planner(model, gpu);
+  Planner planner(model);
 
   // The user's recipe as given, at the global batch asked for.
   Recipe base = q.base;
@@ -180,7 +209,7 @@ FitResult fit(const Model& model, const FitRequest& q) {
                   std::to_string(base.batch) + "; more than " + std::to_string(kMaxAccum));
     }
   }
-  out.baseline = planner.replay(base);
+  out.baseline = judged(planner.replay(base), out.capacity_bytes);
 
   // ---- the search space (Note [Search order])
   std::vector<std::uint64_t> batches;
@@ -238,68 +267,86 @@ FitResult fit(const Model& model, const FitRequest& q) {
   std::stable_sort(space.begin(), space.end(),
                    [](const Candidate& a, const Candidate& b) { return a.t.seconds < b.t.seconds; });
 
-  Plan best_miss;
-  bool have_miss = false;
-  auto consider_miss = [&](const Plan& p) {
-    if (!have_miss || p.peak_reserved_bytes < best_miss.peak_reserved_bytes ||
-        (p.simulated && !best_miss.simulated)) {
-      if (have_miss && best_miss.simulated && !p.simulated) return;
-      best_miss = p;
-      have_miss = true;
-    }
-  };
+  const std::uint64_t usable = out.capacity_bytes;
   const std::size_t window = std::clamp<std::size_t>(std::thread::hardware_concurrency(), 1, 8);
-  for (std::size_t i = 0; i < space.size(); ++i) {
+  // Probes stop once reserved bytes pass the usable memory: exact about fitting, and most of the
+  // fastest recipes do not fit.
+  for (std::size_t i = 0; i < space.size() && out.plans.size() < q.top; ++i) {
     const Candidate& c = space[i];
-    if (out.plans.size() >= q.top) break;
-    if (i % window == 0) {  // the next window's first replays, in parallel
+    if (i % window == 0) {  // the next window's first probes, in parallel
       std::vector<Recipe> next;
       for (std::size_t k = i; k < std::min(space.size(), i + window); ++k) {
-        if (space[k].floor <= planner.usable()) next.push_back(space[k].r);
+        if (space[k].floor <= usable) next.push_back(space[k].r);
       }
-      planner.prefetch(next);
+      planner.prefetch(next, usable);
     }
-    if (c.floor > planner.usable()) {
+    if (c.floor > usable) {
       out.pruned += allocators.size();
-      Plan p;
-      p.recipe = c.r;
-      p.time = c.t;
-      p.peak_allocated_bytes = p.peak_reserved_bytes = c.floor;
-      consider_miss(p);
       continue;
     }
     for (AllocatorMode a : allocators) {
       Recipe r = c.r;
       r.allocator = a;
-      Plan p = planner.replay(r);
+      const Plan p = judged(planner.probe(r, usable), usable);
       if (p.fits) {
         out.plans.push_back(p);
         break;
       }
-      consider_miss(p);
     }
   }
-  if (out.plans.empty() && have_miss) {
-    out.has_closest_miss = true;
-    out.closest_miss = best_miss;
-    // What it takes: on each catalog GPU with more memory, the fastest recipe of the same space
-    // that fits there (replayed on that GPU: the cuBLAS workspace differs by architecture). At
-    // most kOtherGpuReplays replays per GPU; a GPU where none of those fits is not listed.
-    constexpr int kOtherGpuReplays = 12;
-    for (const Gpu& g : gpus()) {
-      if (g.capacity_bytes == 0 || g.usable_bytes() <= out.capacity_bytes) continue;
-      int replays = 0;
+
+  if (out.plans.empty()) {
+    // The closest miss: every recipe the floor did not rule out, replayed to the end (the
+    // probes only said "too big"); when the floor ruled out everything, the smallest floor.
+    std::vector<Recipe> all;
+    for (const Candidate& c : space) {
+      if (c.floor > usable) continue;
+      for (AllocatorMode a : allocators) {
+        Recipe r = c.r;
+        r.allocator = a;
+        all.push_back(r);
+      }
+    }
+    for (std::size_t i = 0; i < all.size(); i += window) {
+      planner.prefetch({all.begin() + static_cast<std::ptrdiff_t>(i),
+                        all.begin() + static_cast<std::ptrdiff_t>(std::min(all.size(), i + window))}, 0);
+    }
+    for (const Recipe& r : all) {
+      const Plan p = judged(planner.replay(r), usable);
+      if (!out.has_closest_miss || p.peak_reserved_bytes < out.closest_miss.peak_reserved_bytes) {
+        out.closest_miss = p;
+        out.has_closest_miss = true;
+      }
+    }
+    if (!out.has_closest_miss && !space.empty()) {
+      const Candidate* lo = &space.front();
       for (const Candidate& c : space) {
-        if (replays >= kOtherGpuReplays) break;
+        if (c.floor < lo->floor) lo = &c;
+      }
+      Plan p;
+      p.recipe = lo->r;
+      p.time = lo->t;
+      p.peak_allocated_bytes = p.peak_reserved_bytes = lo->floor;
+      out.closest_miss = p;  // simulated false: a floor, the real peak is higher
+      out.has_closest_miss = true;
+    }
+    // What it takes: on each catalog GPU with more memory, the fastest recipe of the same space
+    // that fits there (probed on that GPU: the cuBLAS workspace differs by architecture). At most
+    // kOtherGpuProbes probes per GPU; a GPU where none of those fits is not listed.
+    constexpr int kOtherGpuProbes = 12;
+    for (const Gpu& g : gpus()) {
+      if (g.capacity_bytes == 0 || g.usable_bytes() <= usable) continue;
+      int probes = 0;
+      for (const Candidate& c : space) {
+        if (probes >= kOtherGpuProbes) break;
         Recipe r = c.r;
         r.gpu = g.name;
         const bool bf16 = r.precision == Precision::kBf16Mixed || r.precision == Precision::kBf16True ||
                           r.precision == Precision::kBf16Master;
         if ((bf16 && !g.bf16) || c.floor > g.usable_bytes()) continue;
-        Plan p = planner.replay(r);
-        ++replays;
-        if (p.peak_reserved_bytes <= g.usable_bytes()) {
-          p.fits = true;
+        const Plan p = judged(planner.probe(r, g.usable_bytes()), g.usable_bytes());
+        ++probes;
+        if (p.fits) {
           out.fits_on.push_back({g.name, p});
           break;
         }
@@ -311,7 +358,7 @@ FitResult fit(const Model& model, const FitRequest& q) {
   auto change = [&](std::string what, Recipe r) {
     if (!valid(r)) return;
     try {
-      out.changes.push_back({std::move(what), planner.replay(r)});
+      out.changes.push_back({std::move(what), judged(planner.replay(r), out.capacity_bytes)});
     } catch (const Error&) {
       // a change this model cannot take (e.g. LoRA defaults on Phi-3): not offered
     }

@@ -65,6 +65,8 @@ struct Replay::State {
   Estimate est;
   std::unique_ptr<std::FILE, int (*)(std::FILE*)> out{nullptr, &std::fclose};
   std::uint64_t stride = 0;
+  std::uint64_t stop_above = 0;  // options.stop_above_reserved_bytes
+  bool stopped = false;
 
   // Micro-batch boundaries of the current step.
   struct Mark {
@@ -108,6 +110,7 @@ void Replay::State::consume(const graph::Trace& trace, std::size_t total_hint) {
       if (owner.size() <= id) owner.resize(static_cast<std::size_t>(id) + 1, UINT32_MAX);
       owner[id] = e.tensor;
       live[cat] += alloc.block_bytes(id);
+      if (stop_above && alloc.reserved_bytes() > stop_above) stopped = true;
       if (alloc.allocated_bytes() > peak) {
         peak = alloc.allocated_bytes();
         at_peak = live;
@@ -131,9 +134,20 @@ void Replay::State::consume(const graph::Trace& trace, std::size_t total_hint) {
     if (stride && (i % stride == 0 || i + 1 == total_hint)) {
       est.timeline.push_back({i, alloc.allocated_bytes(), alloc.reserved_bytes(), to_moment(m)});
     }
+    if (stopped) {
+      next = i + 1;
+      return;
+    }
   }
   next = trace.events.size();
 }
+
+// Note [Stopping early]
+// With a stop limit the replay stops at the allocation that takes reserved bytes past it; the
+// builder hears it at the next micro-batch boundary and stops too. The peaks are the peaks so
+// far: above the limit, which is all the planner needs to know. Reserved bytes pass a limit only
+// by an allocation, so "stopped" is exactly "the step's peak reserved bytes exceed the limit".
+
 
 std::vector<std::uint64_t> Replay::State::fingerprint() {
   alloc.layout(ranges);
@@ -169,6 +183,7 @@ bool Replay::State::same_events(const graph::Trace& t) const {
 
 Replay::Replay(const Recipe& recipe, const EstimateOptions& options) : s_(std::make_unique<State>(recipe, options)) {
   s_->est.recipe = recipe;
+  s_->stop_above = options.stop_above_reserved_bytes;
   if (!options.trace_path.empty()) {
     s_->out.reset(std::fopen(options.trace_path.c_str(), "w"));
     if (!s_->out) throw Error("trace: cannot write '" + options.trace_path + "'");
@@ -177,10 +192,13 @@ Replay::Replay(const Recipe& recipe, const EstimateOptions& options) : s_(std::m
 
 Replay::~Replay() = default;
 
-bool Replay::micro_batch_done(const graph::Trace& trace, std::uint32_t step, std::uint32_t /*micro*/) {
+graph::MicroBatchNext Replay::micro_batch_done(const graph::Trace& trace, std::uint32_t step, std::uint32_t micro) {
+  using graph::MicroBatchNext;
   State& s = *s_;
-  if (s.options.timeline || s.out) return false;  // every event is wanted
+  if (s.options.timeline || s.out) return MicroBatchNext::kGoOn;  // every event is wanted
   s.consume(trace, 0);
+  if (s.stopped) return MicroBatchNext::kStop;
+  if (micro >= s.recipe.grad_accum) return MicroBatchNext::kGoOn;  // the optimizer step is next anyway
   s.prev = std::move(s.cur);
   s.cur = State::Mark{};
   s.cur.step = step;
@@ -191,7 +209,8 @@ bool Replay::micro_batch_done(const graph::Trace& trace, std::uint32_t step, std
   s.cur.layout = s.fingerprint();
   s.micro_events_begin = trace.events.size();
   s.micro_storages_begin = trace.storages.size();
-  return s.prev.step == step && s.prev.layout == s.cur.layout && s.same_events(trace);
+  const bool repeated = s.prev.step == step && s.prev.layout == s.cur.layout && s.same_events(trace);
+  return repeated ? MicroBatchNext::kSkipRest : MicroBatchNext::kGoOn;
 }
 
 Estimate Replay::finish(const graph::Trace& trace) {
@@ -199,13 +218,14 @@ Estimate Replay::finish(const graph::Trace& trace) {
   s.stride = s.options.timeline
                  ? std::max<std::uint64_t>(1, trace.events.size() / std::max<std::uint64_t>(1, s.options.timeline_points))
                  : 0;
-  s.consume(trace, trace.events.size());
+  if (!s.stopped) s.consume(trace, trace.events.size());
   Estimate est = std::move(s.est);
+  est.complete = !s.stopped;
   est.peak_allocated_bytes = s.alloc.peak_allocated_bytes();
   est.peak_reserved_bytes = s.alloc.peak_reserved_bytes();
   est.breakdown_at_peak = s.at_peak;
   est.peak = to_moment(trace.moments[s.peak_moment]);
-  est.events = trace.events.size();
+  est.events = s.next;
   std::uint64_t sum = 0;
   for (auto b : s.at_peak) sum += b;
   TRAINMEM_ASSERT(sum == est.peak_allocated_bytes, "breakdown does not sum to the peak");

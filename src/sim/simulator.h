@@ -4,7 +4,7 @@
 
 #include <memory>
 
-#include "graph/tape.h"
+#include "graph/step.h"
 
 namespace trainmem::sim {
 
@@ -17,11 +17,11 @@ class Replay {
   Replay(const Replay&) = delete;
   Replay& operator=(const Replay&) = delete;
 
-  // Called by the graph stage after each micro-batch's backward. True when the micro-batch
+  // Called by the graph stage after each micro-batch's backward. kSkipRest when the micro-batch
   // just replayed repeated the one before it exactly, in its events and in the allocator state
   // it left (Note [Repeated micro-batches] in simulator.cpp): every later micro-batch of the
-  // step would repeat it too, so the builder may go on with the optimizer step.
-  bool micro_batch_done(const graph::Trace& trace, std::uint32_t step, std::uint32_t micro);
+  // step would repeat it too. kStop when reserved bytes passed the options' stop limit.
+  graph::MicroBatchNext micro_batch_done(const graph::Trace& trace, std::uint32_t step, std::uint32_t micro);
 
   Estimate finish(const graph::Trace& trace);
 

@@ -83,3 +83,47 @@ TEST(Replay, ATimelineReplaysEveryMicroBatch) {
 
 }  // namespace
 }  // namespace trainmem
+
+namespace trainmem {
+namespace {
+
+// A replay told to stop above a reserved-bytes limit (the planner's probes) stops exactly when
+// the full replay's peak reserved bytes exceed the limit, and is the full replay otherwise.
+TEST(Replay, StoppingAboveALimitIsExactlyPeakReservedAboveIt) {
+  const Model m = model::with_layers(load_model("llama-3.2-1b"), 3);
+  std::size_t stopped = 0, cases = 0;
+  for (std::uint64_t accum : {1, 4}) {
+    for (Checkpointing c : {Checkpointing::kNone, Checkpointing::kFull}) {
+      for (AllocatorMode a : {AllocatorMode::kDefault, AllocatorMode::kExpandable}) {
+        Recipe r;
+        r.batch = 2;
+        r.seq = 512;
+        r.grad_accum = accum;
+        r.checkpointing = c;
+        r.allocator = a;
+        const Estimate full = estimate(m, r);
+        for (double share : {0.5, 0.9, 0.99, 1.0, 1.01}) {
+          EstimateOptions o;
+          o.stop_above_reserved_bytes = static_cast<std::uint64_t>(static_cast<double>(full.peak_reserved_bytes) * share);
+          const Estimate probe = estimate(m, r, o);
+          const bool above = full.peak_reserved_bytes > o.stop_above_reserved_bytes;
+          EXPECT_EQ(probe.complete, !above) << share;
+          if (probe.complete) {
+            EXPECT_EQ(probe.peak_reserved_bytes, full.peak_reserved_bytes);
+            EXPECT_EQ(probe.peak_allocated_bytes, full.peak_allocated_bytes);
+            EXPECT_EQ(probe.breakdown_at_peak, full.breakdown_at_peak);
+          } else {
+            EXPECT_GT(probe.peak_reserved_bytes, o.stop_above_reserved_bytes);
+            EXPECT_LT(probe.events, full.events);
+            ++stopped;
+          }
+          ++cases;
+        }
+      }
+    }
+  }
+  EXPECT_GT(stopped, cases / 3);
+}
+
+}  // namespace
+}  // namespace trainmem
