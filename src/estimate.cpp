@@ -22,6 +22,7 @@ Estimate run(const Model& model, const Recipe& resolved, const Gpu& gpu, const E
   est.parameters = model.parameter_count;
   est.trainable_parameters = trace.trainable_parameters;
   est.gpu = gpu;
+  graph::recycle(std::move(trace));
   return est;
 }
 

@@ -6,7 +6,27 @@
 
 namespace trainmem::graph {
 
-Tape::Tape() { trace_.moments.push_back(tag_); }
+namespace {
+// Traces of finished estimates, emptied, for the next Tape on this thread (see recycle()).
+thread_local std::vector<Trace> t_spare_traces;
+}  // namespace
+
+void recycle(Trace&& trace) {
+  if (t_spare_traces.size() >= 4) return;
+  trace.storages.clear();
+  trace.events.clear();
+  trace.moments.clear();
+  trace.trainable_parameters = 0;
+  t_spare_traces.push_back(std::move(trace));
+}
+
+Tape::Tape() {
+  if (!t_spare_traces.empty()) {
+    trace_ = std::move(t_spare_traces.back());
+    t_spare_traces.pop_back();
+  }
+  trace_.moments.push_back(tag_);
+}
 
 void Tape::at(Phase phase, std::int32_t layer, std::string_view op) {
   tag_ = MomentTag{step, micro, phase, layer, op, recomputing && phase != Phase::kBackward};

@@ -157,6 +157,11 @@ class CachingAllocator {
   void reset_peak_stats() noexcept;
   // Back to the freshly constructed state with the same config, keeping storage.
   void reset();
+  // reset() with another config (a pooled allocator serving the next replay).
+  void reset(AllocatorConfig config) {
+    reset();
+    config_ = config;
+  }
 
   const AllocatorConfig& config() const noexcept { return config_; }
 

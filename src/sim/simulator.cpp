@@ -49,7 +49,30 @@ bool same_place(const graph::MomentTag& a, const graph::MomentTag& b) {
 // reported) and leaves the same state. Skipping them changes no output but `events` (the events
 // replayed). A timeline or an event trace asks for every event, so then nothing is skipped.
 struct Replay::State {
-  explicit State(const Recipe& r, const EstimateOptions& o) : alloc(config_for(r)), recipe(r), options(o) {}
+  State() = default;
+  // Back to a fresh replay, keeping every buffer's capacity (Note [Pooled replay state]).
+  void start(const Recipe& r, const EstimateOptions& o) {
+    alloc.reset(config_for(r));
+    recipe = r;
+    options = o;
+    block.clear();
+    cat_of.clear();
+    owner.clear();
+    live = {};
+    at_peak = {};
+    peak_moment = 0;
+    peak = 0;
+    next = 0;
+    est = Estimate{};
+    out.reset();
+    stride = 0;
+    stop_above = 0;
+    stopped = false;
+    prev.layout.clear();
+    prev = Mark{};
+    cur = Mark{};
+    micro_events_begin = micro_storages_begin = 0;
+  }
 
   CachingAllocator alloc;
   Recipe recipe;
@@ -181,7 +204,24 @@ bool Replay::State::same_events(const graph::Trace& t) const {
   return true;
 }
 
-Replay::Replay(const Recipe& recipe, const EstimateOptions& options) : s_(std::make_unique<State>(recipe, options)) {
+// Note [Pooled replay state]
+// An estimate fills an allocator model and a few per-tensor tables with tens of thousands of
+// entries; made fresh each time, much of an estimate's time went to the kernel handing out
+// zeroed pages. Each thread keeps the states of finished replays and the next replay takes one
+// back (reset, capacity kept), which matters for the planner's hundreds of replays. Nothing
+// of a previous replay survives start(): the state is a pure function of what it is fed next.
+namespace {
+thread_local std::vector<std::unique_ptr<Replay::State>> t_spare_states;
+}  // namespace
+
+Replay::Replay(const Recipe& recipe, const EstimateOptions& options) {
+  if (t_spare_states.empty()) {
+    s_ = std::make_unique<State>();
+  } else {
+    s_ = std::move(t_spare_states.back());
+    t_spare_states.pop_back();
+  }
+  s_->start(recipe, options);
   s_->est.recipe = recipe;
   s_->stop_above = options.stop_above_reserved_bytes;
   if (!options.trace_path.empty()) {
@@ -190,7 +230,12 @@ Replay::Replay(const Recipe& recipe, const EstimateOptions& options) : s_(std::m
   }
 }
 
-Replay::~Replay() = default;
+Replay::~Replay() {
+  if (s_ && t_spare_states.size() < 4) {
+    s_->out.reset();  // close a trace file now
+    t_spare_states.push_back(std::move(s_));
+  }
+}
 
 graph::MicroBatchNext Replay::micro_batch_done(const graph::Trace& trace, std::uint32_t step, std::uint32_t micro) {
   using graph::MicroBatchNext;

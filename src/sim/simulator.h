@@ -25,8 +25,9 @@ class Replay {
 
   Estimate finish(const graph::Trace& trace);
 
+  struct State;  // defined in simulator.cpp
+
  private:
-  struct State;
   std::unique_ptr<State> s_;
 };
 
