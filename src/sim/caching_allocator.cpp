@@ -70,8 +70,6 @@ void CachingAllocator::NodePool::give(void* slot) noexcept {
 
 CachingAllocator::CachingAllocator(AllocatorConfig config)
     : config_(config),
-      free_{FreeSet(NodeAllocator<SizeKey>(&node_pool_)),
-            FreeSet(NodeAllocator<SizeKey>(&node_pool_))},
       unmapped_{UnmappedSet(NodeAllocator<AddressKey>(&node_pool_)),
                 UnmappedSet(NodeAllocator<AddressKey>(&node_pool_))} {
   const unsigned div = config_.roundup_power2_divisions;
@@ -187,16 +185,88 @@ bool CachingAllocator::is_live_allocation(BlockId id) const noexcept {
   return id < blocks_.size() && blocks_[id].live && blocks_[id].allocated;
 }
 
+// ---- FreeIndex ----
+
+std::size_t CachingAllocator::FreeIndex::bucket_at_least(int stream, std::uint64_t size) const noexcept {
+  const auto it = std::lower_bound(buckets_.begin(), buckets_.end(), std::pair{stream, size},
+                                   [](const Bucket& b, const std::pair<int, std::uint64_t>& k) {
+                                     return b.stream != k.first ? b.stream < k.first : b.size < k.second;
+                                   });
+  return static_cast<std::size_t>(it - buckets_.begin());
+}
+
+bool CachingAllocator::FreeIndex::insert(int stream, std::uint64_t size, std::uint64_t address, BlockId id) {
+  std::size_t bi = bucket_at_least(stream, size);
+  if (bi == buckets_.size() || buckets_[bi].stream != stream || buckets_[bi].size != size) {
+    Bucket nb{stream, size, {}};
+    if (!spare_.empty()) {
+      nb.entries = std::move(spare_.back());
+      spare_.pop_back();
+    }
+    buckets_.insert(buckets_.begin() + static_cast<std::ptrdiff_t>(bi), std::move(nb));
+  }
+  std::vector<Entry>& v = buckets_[bi].entries;
+  const auto pos = std::lower_bound(v.begin(), v.end(), address,
+                                    [](const Entry& e, std::uint64_t a) { return e.address < a; });
+  if (pos != v.end() && pos->address == address) return false;
+  v.insert(pos, Entry{address, id});
+  return true;
+}
+
+void CachingAllocator::FreeIndex::drop_if_empty(std::size_t bi) noexcept {
+  if (!buckets_[bi].entries.empty()) return;
+  spare_.push_back(std::move(buckets_[bi].entries));
+  buckets_.erase(buckets_.begin() + static_cast<std::ptrdiff_t>(bi));
+}
+
+void CachingAllocator::FreeIndex::erase(int stream, std::uint64_t size, std::uint64_t address) noexcept {
+  const std::size_t bi = bucket_at_least(stream, size);
+  std::vector<Entry>& v = buckets_[bi].entries;
+  const auto pos = std::lower_bound(v.begin(), v.end(), address,
+                                    [](const Entry& e, std::uint64_t a) { return e.address < a; });
+  v.erase(pos);
+  drop_if_empty(bi);
+}
+
+void CachingAllocator::FreeIndex::erase(Cursor c) noexcept {
+  std::vector<Entry>& v = buckets_[c.bucket].entries;
+  v.erase(v.begin() + static_cast<std::ptrdiff_t>(c.pos));
+  drop_if_empty(c.bucket);
+}
+
+bool CachingAllocator::FreeIndex::first_at_least(int stream, std::uint64_t size, Cursor& c) const noexcept {
+  const std::size_t bi = bucket_at_least(stream, size);
+  if (bi == buckets_.size() || buckets_[bi].stream != stream) return false;
+  c = Cursor{bi, 0};
+  return true;
+}
+
+bool CachingAllocator::FreeIndex::next(Cursor& c) const noexcept {
+  if (c.pos + 1 < buckets_[c.bucket].entries.size()) {
+    ++c.pos;
+    return true;
+  }
+  if (c.bucket + 1 >= buckets_.size()) return false;
+  c = Cursor{c.bucket + 1, 0};
+  return true;
+}
+
+void CachingAllocator::FreeIndex::clear() noexcept {
+  for (Bucket& b : buckets_) {
+    b.entries.clear();
+    spare_.push_back(std::move(b.entries));
+  }
+  buckets_.clear();
+}
+
 void CachingAllocator::insert_free(BlockId id) {
-  Block& b = blocks_[id];
-  const auto [pos, inserted] = free_[b.pool].insert(SizeKey{b.stream, b.size, b.address, id});
-  if (!inserted) bug("a free block was cached twice");
-  b.free_pos = pos;
+  const Block& b = blocks_[id];
+  if (!free_[b.pool].insert(b.stream, b.size, b.address, id)) bug("a free block was cached twice");
 }
 
 void CachingAllocator::erase_free(BlockId id) noexcept {
   const Block& b = blocks_[id];
-  free_[b.pool].erase(b.free_pos);
+  free_[b.pool].erase(b.stream, b.size, b.address);
 }
 
 void CachingAllocator::insert_unmapped(BlockId id) {
@@ -239,30 +309,30 @@ CachingAllocator::BlockId CachingAllocator::allocate(std::uint64_t requested_byt
 // one candidate (a veto is a miss; no other block is tried).
 CachingAllocator::BlockId CachingAllocator::take_free_block(Pool pool, int stream,
                                                             std::uint64_t size) {
-  FreeSet& set = free_[pool];
-  auto it = set.lower_bound(SizeKey{stream, size, 0, 0});
-  if (it == set.end() || it->stream != stream) return kNoBlock;
+  FreeIndex& set = free_[pool];
+  FreeIndex::Cursor it;
+  if (!set.first_at_least(stream, size, it)) return kNoBlock;
 
   if (config_.expandable_segments) {
     // A block that borders unmapped space "fits" as far as it could grow; walk
     // on while the next block is smaller by that measure, so a block that fits
     // as it stands beats growing the arena.
-    for (auto next = std::next(it);
-         next != set.end() && next->stream == stream &&
-         expandable_size(next->id) < expandable_size(it->id);
-         ++next) {
+    FreeIndex::Cursor next = it;
+    while (set.next(next) && set.stream(next) == stream &&
+           expandable_size(set.id(next)) < expandable_size(set.id(it))) {
       it = next;
     }
   }
 
   const std::uint64_t max_split = config_.max_split_size_bytes;
+  const std::uint64_t found = set.size(it);
   // A request below max_split_size never takes an oversize block ...
-  if (size < max_split && it->size >= max_split) return kNoBlock;
+  if (size < max_split && found >= max_split) return kNoBlock;
   // ... and an oversize request takes one only when the slack is small.
-  if (size >= max_split && it->size - size >= config_.max_non_split_rounding_bytes) {
+  if (size >= max_split && found - size >= config_.max_non_split_rounding_bytes) {
     return kNoBlock;
   }
-  const BlockId id = it->id;
+  const BlockId id = set.id(it);
   set.erase(it);
   return id;
 }
@@ -489,12 +559,12 @@ void CachingAllocator::try_merge(BlockId dst, BlockId src) noexcept {
 void CachingAllocator::empty_cache() {
   for (const Pool pool : {kLargePool, kSmallPool}) {
     scratch_.clear();
-    for (const SizeKey& key : free_[pool]) {
-      const Block& b = blocks_[key.id];
+    free_[pool].for_each([&](BlockId id) {
+      const Block& b = blocks_[id];
       if (config_.expandable_segments || (b.prev == kNoBlock && b.next == kNoBlock)) {
-        scratch_.push_back(key.id);
+        scratch_.push_back(id);
       }
-    }
+    });
     for (const BlockId id : scratch_) {
       if (!config_.expandable_segments) {
         // A whole free segment: cudaFree.
@@ -575,7 +645,7 @@ void CachingAllocator::reset_peak_stats() noexcept {
 }
 
 void CachingAllocator::reset() {
-  for (FreeSet& set : free_) set.clear();
+  for (FreeIndex& set : free_) set.clear();
   for (UnmappedSet& set : unmapped_) set.clear();
   blocks_.clear();
   reusable_ids_.clear();

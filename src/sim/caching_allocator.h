@@ -181,19 +181,6 @@ class CachingAllocator {
   static constexpr BlockId kNoBlock = UINT32_MAX;
   enum Pool : std::uint8_t { kSmallPool = 0, kLargePool = 1 };
 
-  struct SizeKey {  // cached free (mapped) blocks
-    int stream;
-    std::uint64_t size;
-    std::uint64_t address;
-    BlockId id;
-  };
-  struct SizeOrder {
-    bool operator()(const SizeKey& a, const SizeKey& b) const noexcept {
-      if (a.stream != b.stream) return a.stream < b.stream;
-      if (a.size != b.size) return a.size < b.size;
-      return a.address < b.address;
-    }
-  };
   struct AddressKey {  // unmapped ranges of expandable arenas
     int stream;
     std::uint64_t address;
@@ -251,7 +238,50 @@ class CachingAllocator {
       return pool == other.pool;
     }
   };
-  using FreeSet = std::set<SizeKey, SizeOrder, NodeAllocator<SizeKey>>;
+  // Cached free blocks of one pool in best-fit order: (stream, size, address). A replay holds
+  // hundreds of free blocks but only about ten distinct sizes (the layers repeat), so blocks are
+  // kept in one address-sorted vector per (stream, size), and the buckets in a short sorted
+  // vector: a lookup is two binary searches and no tree walk. Empty buckets are dropped (their
+  // storage is kept for the next new size).
+  class FreeIndex {
+   public:
+    struct Cursor {
+      std::size_t bucket = 0;
+      std::size_t pos = 0;
+    };
+    bool insert(int stream, std::uint64_t size, std::uint64_t address, BlockId id);
+    void erase(int stream, std::uint64_t size, std::uint64_t address) noexcept;
+    void erase(Cursor c) noexcept;
+    // The first block of `stream` with a size of at least `size` (lowest address among equals).
+    bool first_at_least(int stream, std::uint64_t size, Cursor& c) const noexcept;
+    // The next block in (stream, size, address) order.
+    bool next(Cursor& c) const noexcept;
+    BlockId id(Cursor c) const noexcept { return buckets_[c.bucket].entries[c.pos].id; }
+    std::uint64_t size(Cursor c) const noexcept { return buckets_[c.bucket].size; }
+    int stream(Cursor c) const noexcept { return buckets_[c.bucket].stream; }
+    template <typename F>
+    void for_each(F&& f) const {
+      for (const Bucket& b : buckets_) {
+        for (const Entry& e : b.entries) f(e.id);
+      }
+    }
+    void clear() noexcept;
+
+   private:
+    struct Entry {
+      std::uint64_t address;
+      BlockId id;
+    };
+    struct Bucket {
+      int stream;
+      std::uint64_t size;
+      std::vector<Entry> entries;  // by address
+    };
+    std::size_t bucket_at_least(int stream, std::uint64_t size) const noexcept;
+    void drop_if_empty(std::size_t bucket) noexcept;
+    std::vector<Bucket> buckets_;  // by (stream, size)
+    std::vector<std::vector<Entry>> spare_;
+  };
   using UnmappedSet = std::set<AddressKey, AddressOrder, NodeAllocator<AddressKey>>;
 
   // A range of one segment (or arena): handed out, cached free, or (expandable
@@ -266,9 +296,8 @@ class CachingAllocator {
     bool allocated = false;
     bool mapped = true;
     bool live = false;  // false while the id sits on the reuse list
-    // Where the block sits in free_ (cached) or unmapped_, so leaving the set
-    // needs no search. Meaningful only while it is in that set.
-    FreeSet::iterator free_pos{};
+    // Where the block sits in unmapped_, so leaving the set needs no search.
+    // Meaningful only while it is in that set.
     UnmappedSet::iterator unmapped_pos{};
   };
 
@@ -300,7 +329,7 @@ class CachingAllocator {
 
   AllocatorConfig config_;
   NodePool node_pool_;  // declared before the sets that draw on it
-  std::array<FreeSet, 2> free_;
+  std::array<FreeIndex, 2> free_;
   std::array<UnmappedSet, 2> unmapped_;
   std::vector<Block> blocks_;
   std::vector<BlockId> reusable_ids_;
