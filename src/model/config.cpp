@@ -232,7 +232,62 @@ Architecture parse_llama_like(const json& c, Family family) {
   return a;
 }
 
+// Note [Which config keys matter], generation part: the sliding window, which layers slide and
+// whether there is a bos token, with each config class's defaults (transformers 5.24): Gemma-2
+// and Mistral 4096 when the key is absent, none when it is null (Gemma-2 on even layers); Phi-3 none unless
+// set; Qwen2/Qwen3 only with use_sliding_window (4096, from max_window_layers = 28 on); Llama and
+// GPT-2 never. Qwen2/Qwen3 configs have no bos token unless they name one.
+void parse_generation_keys(const json& c, Architecture& a) {
+  auto it = c.find("bos_token_id");
+  a.bos_token = it != c.end() ? !it->is_null() : (a.family != Family::kQwen2 && a.family != Family::kQwen3);
+  switch (a.family) {
+    case Family::kGemma2:
+    case Family::kMistral:  // absent: the class default; null: no window
+      a.sliding_window = c.contains("sliding_window") ? get_dim_or(c, "sliding_window", 0) : 4096;
+      break;
+    case Family::kPhi3: a.sliding_window = get_dim_or(c, "sliding_window", 0); break;
+    case Family::kQwen2:
+    case Family::kQwen3:
+      a.sliding_window = get_bool_or(c, "use_sliding_window", false) ? get_dim_or(c, "sliding_window", 4096) : 0;
+      a.max_window_layers = get_dim_or(c, "max_window_layers", 28, kMaxLayers);
+      break;
+    case Family::kLlama:
+    case Family::kGpt2: return;
+  }
+  auto lt = c.find("layer_types");
+  if (lt == c.end() || lt->is_null()) return;
+  if (!lt->is_array() || lt->size() != a.num_layers) {
+    throw Error("config.json: field 'layer_types' must list one type per layer (" + std::to_string(a.num_layers) +
+                "), got " + describe(*lt));
+  }
+  for (const json& t : *lt) {
+    if (!t.is_string() || (t.get<std::string>() != "sliding_attention" && t.get<std::string>() != "full_attention")) {
+      throw Error("config.json: field 'layer_types' must hold \"sliding_attention\" or \"full_attention\", got " +
+                  describe(t));
+    }
+    a.sliding_layer_types.push_back(t.get<std::string>() == "sliding_attention");
+  }
+}
+
 }  // namespace
+
+std::vector<std::uint64_t> attention_windows(const Architecture& a) {
+  std::vector<std::uint64_t> w(a.num_layers, 0);
+  if (a.sliding_window == 0) return w;
+  for (std::uint64_t l = 0; l < a.num_layers; ++l) {
+    bool slides = true;
+    if (!a.sliding_layer_types.empty()) {
+      // A model grown past its config's list (model::with_layers) repeats the list's pattern.
+      slides = a.sliding_layer_types[l % a.sliding_layer_types.size()];
+    } else if (a.family == Family::kGemma2) {
+      slides = l % 2 == 0;
+    } else if (a.family == Family::kQwen2 || a.family == Family::kQwen3) {
+      slides = l >= a.max_window_layers;
+    }
+    if (slides) w[l] = a.sliding_window;
+  }
+  return w;
+}
 
 Architecture parse_config(const json& c) {
   if (!c.is_object()) throw Error("config.json: expected a JSON object at the top level");
@@ -251,6 +306,7 @@ Architecture parse_config(const json& c) {
   }
   a.model_type = type;
   a.torch_dtype = parse_dtype(c);
+  parse_generation_keys(c, a);
   return a;
 }
 

@@ -34,6 +34,8 @@ Model with_layers(const Model& model, std::uint64_t layers) {
   if (layers == 0) throw Error("layers: must be at least 1, got 0");
   Model cut = model;
   cut.arch.num_layers = layers;
+  // As a config of that depth lists them (the corpus's cut configs truncate layer_types).
+  if (layers < cut.arch.sliding_layer_types.size()) cut.arch.sliding_layer_types.resize(layers);
   cut.parameters = parameter_groups(cut.arch);
   cut.parameter_count = count_parameters(cut.parameters);
   cut.from_safetensors = false;  // the count is the architecture's now, not the checkpoint's

@@ -19,6 +19,11 @@ std::vector<ParameterGroup> parameter_groups(const Architecture& arch);
 
 std::uint64_t count_parameters(const std::vector<ParameterGroup>& groups);
 
+// Each decoder layer's attention window in tokens (0: full attention), as DynamicCache(config)
+// and the masks see it: config.layer_types when given, else the family's rule (Gemma-2 even
+// layers, Qwen2/Qwen3 from max_window_layers on, Mistral and Phi-3 every layer).
+std::vector<std::uint64_t> attention_windows(const Architecture& arch);
+
 // The same model with `layers` decoder layers (parameters recounted). See Note [Estimates are
 // not extrapolated over layers] in depth.cpp for why estimates never scale over depth.
 Model with_layers(const Model& model, std::uint64_t layers);

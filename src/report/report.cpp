@@ -255,11 +255,20 @@ std::string to_text(const Estimate& e) {
   };
   add("%s — %.3g B parameters\n", e.model.c_str(), static_cast<double>(e.parameters) / 1e9);
   const Recipe& r = e.recipe;
-  add("recipe: batch %llu × seq %llu, grad_accum %llu, %s, %s, checkpointing %s, attention %s, loss %s\n",
-      static_cast<unsigned long long>(r.batch), static_cast<unsigned long long>(r.seq),
-      static_cast<unsigned long long>(r.grad_accum), std::string(to_string(r.precision)).c_str(),
-      std::string(to_string(r.optimizer)).c_str(), std::string(to_string(r.checkpointing)).c_str(),
-      std::string(to_string(r.attention)).c_str(), std::string(to_string(r.loss)).c_str());
+  if (r.mode == Mode::kInference) {
+    // One generate() call: the prompt, then new_tokens tokens, greedy or beam search.
+    const std::string search = r.beams > 1 ? "beam search, " + std::to_string(r.beams) + " beams" : "greedy";
+    add("recipe: generate, prompt batch %llu × seq %llu, %llu new tokens, %s, %s, attention %s\n",
+        static_cast<unsigned long long>(r.batch), static_cast<unsigned long long>(r.seq),
+        static_cast<unsigned long long>(r.new_tokens), search.c_str(), std::string(to_string(r.precision)).c_str(),
+        std::string(to_string(r.attention)).c_str());
+  } else {
+    add("recipe: batch %llu × seq %llu, grad_accum %llu, %s, %s, checkpointing %s, attention %s, loss %s\n",
+        static_cast<unsigned long long>(r.batch), static_cast<unsigned long long>(r.seq),
+        static_cast<unsigned long long>(r.grad_accum), std::string(to_string(r.precision)).c_str(),
+        std::string(to_string(r.optimizer)).c_str(), std::string(to_string(r.checkpointing)).c_str(),
+        std::string(to_string(r.attention)).c_str(), std::string(to_string(r.loss)).c_str());
+  }
   if (r.lora.enabled()) {
     std::string targets;
     for (const auto& t : r.lora.targets) targets += (targets.empty() ? "" : ", ") + t;

@@ -615,3 +615,42 @@ TEST(Safetensors, ADirectoryWithoutCheckpointReadsNothing) {
 
 }  // namespace
 }  // namespace trainmem
+
+namespace trainmem {
+namespace {
+
+// Which layers slide, from config.json with each config class's defaults (config.cpp,
+// parse_generation_keys): what generate()'s DynamicCache and masks see.
+TEST(ModelConfig, AttentionWindowsFollowEachConfigClass) {
+  auto windows = [](const std::string& extra, const char* type = "qwen3") {
+    const std::string text = std::string(R"({"model_type": ")") + type +
+                             R"(", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+                                 "num_attention_heads": 4, "vocab_size": 100)" +
+                             extra + "}";
+    return model::attention_windows(model_from_config_json(text).arch);
+  };
+  using W = std::vector<std::uint64_t>;
+  EXPECT_EQ(windows(""), (W{0, 0, 0, 0}));  // Qwen3 slides only with use_sliding_window
+  EXPECT_EQ(windows(R"(, "use_sliding_window": true, "sliding_window": 256, "max_window_layers": 2)"),
+            (W{0, 0, 256, 256}));
+  EXPECT_EQ(windows("", "gemma2"), (W{4096, 0, 4096, 0}));
+  EXPECT_EQ(windows(R"(, "sliding_window": null)", "mistral"), (W{0, 0, 0, 0}));
+  EXPECT_EQ(windows("", "mistral"), (W{4096, 4096, 4096, 4096}));
+  EXPECT_EQ(windows("", "llama"), (W{0, 0, 0, 0}));
+  EXPECT_EQ(windows(R"(, "sliding_window": 8, "layer_types": ["full_attention", "sliding_attention",
+                       "sliding_attention", "full_attention"])", "phi3"),
+            (W{0, 8, 8, 0}));
+  EXPECT_NE(testing::error_of([&] { windows(R"(, "sliding_window": 8, "layer_types": ["full_attention"])", "phi3"); })
+                .find("'layer_types' must list one type per layer (4)"),
+            std::string::npos);
+  // Cut models keep the first layers' types, as the corpus's cut configs do.
+  Model m = model_from_config_json(R"({"model_type": "gemma2", "hidden_size": 64, "intermediate_size": 128,
+      "num_hidden_layers": 4, "num_attention_heads": 4, "vocab_size": 100, "sliding_window": 16,
+      "layer_types": ["full_attention", "sliding_attention", "full_attention", "sliding_attention"]})");
+  EXPECT_EQ(model::attention_windows(model::with_layers(m, 2).arch), (W{0, 16}));
+  EXPECT_FALSE(model_from_config_json(R"({"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128,
+      "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 100})").arch.bos_token);
+}
+
+}  // namespace
+}  // namespace trainmem
