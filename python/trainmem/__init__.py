@@ -139,6 +139,7 @@ class FitResult:
     baseline: dict[str, Any]
     changes: list[dict[str, Any]]
     closest_miss: dict[str, Any] | None
+    fits_on: list[dict[str, Any]] = field(default_factory=list)  # when nothing fits: bigger GPUs that do
     source: str = "engine"
     _text: str = field(default="", repr=False, compare=False)
 
