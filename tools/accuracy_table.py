@@ -23,7 +23,10 @@ def main() -> None:
                                       check=True, cwd=ROOT).stdout)
         worst_cat = max(c["categories"].items(), key=lambda kv: abs(kv[1]["diff_pct_of_peak"]))
         r = c["recipe"]
-        knobs = f"{r['precision']} {r['optimizer']} {r['attention']} ck={r['checkpointing']} ga={r['grad_accum']} {r['loss']}"
+        if r.get("mode") == "inference":
+            knobs = f"generate {r['precision']} {r['attention']} new_tokens={r['new_tokens']} beams={r['beams']}"
+        else:
+            knobs = f"{r['precision']} {r['optimizer']} {r['attention']} ck={r['checkpointing']} ga={r['grad_accum']} {r['loss']}"
         if r.get("lora_rank"):
             knobs += f" lora r={r['lora_rank']} on {','.join(t.split('.')[-1] for t in r['lora_targets'])}"
         rows.append(f"| {path.stem} | {c['source'].replace('measured-', '')} | b{r['batch']}×s{r['seq']} {knobs} | "
