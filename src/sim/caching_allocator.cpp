@@ -186,6 +186,13 @@ bool CachingAllocator::is_live_allocation(BlockId id) const noexcept {
 }
 
 // ---- FreeIndex ----
+// Entries are kept by descending address, so the best fit of a bucket (its lowest address) is
+// the last entry and taking it moves nothing. Empty buckets stay (sizes recur) unless there are
+// many; first_at_least and next skip them.
+
+namespace {
+constexpr std::size_t kMaxIdleBuckets = 64;
+}  // namespace
 
 std::size_t CachingAllocator::FreeIndex::bucket_at_least(int stream, std::uint64_t size) const noexcept {
   const auto it = std::lower_bound(buckets_.begin(), buckets_.end(), std::pair{stream, size},
@@ -194,6 +201,14 @@ std::size_t CachingAllocator::FreeIndex::bucket_at_least(int stream, std::uint64
                                    });
   return static_cast<std::size_t>(it - buckets_.begin());
 }
+
+namespace {
+template <typename V>
+auto address_position(V& v, std::uint64_t address) {
+  return std::lower_bound(v.begin(), v.end(), address,
+                          [](const auto& e, std::uint64_t a) { return e.address > a; });
+}
+}  // namespace
 
 bool CachingAllocator::FreeIndex::insert(int stream, std::uint64_t size, std::uint64_t address, BlockId id) {
   std::size_t bi = bucket_at_least(stream, size);
@@ -206,15 +221,14 @@ bool CachingAllocator::FreeIndex::insert(int stream, std::uint64_t size, std::ui
     buckets_.insert(buckets_.begin() + static_cast<std::ptrdiff_t>(bi), std::move(nb));
   }
   std::vector<Entry>& v = buckets_[bi].entries;
-  const auto pos = std::lower_bound(v.begin(), v.end(), address,
-                                    [](const Entry& e, std::uint64_t a) { return e.address < a; });
+  const auto pos = address_position(v, address);
   if (pos != v.end() && pos->address == address) return false;
   v.insert(pos, Entry{address, id});
   return true;
 }
 
 void CachingAllocator::FreeIndex::drop_if_empty(std::size_t bi) noexcept {
-  if (!buckets_[bi].entries.empty()) return;
+  if (!buckets_[bi].entries.empty() || buckets_.size() <= kMaxIdleBuckets) return;
   spare_.push_back(std::move(buckets_[bi].entries));
   buckets_.erase(buckets_.begin() + static_cast<std::ptrdiff_t>(bi));
 }
@@ -222,9 +236,7 @@ void CachingAllocator::FreeIndex::drop_if_empty(std::size_t bi) noexcept {
 void CachingAllocator::FreeIndex::erase(int stream, std::uint64_t size, std::uint64_t address) noexcept {
   const std::size_t bi = bucket_at_least(stream, size);
   std::vector<Entry>& v = buckets_[bi].entries;
-  const auto pos = std::lower_bound(v.begin(), v.end(), address,
-                                    [](const Entry& e, std::uint64_t a) { return e.address < a; });
-  v.erase(pos);
+  v.erase(address_position(v, address));
   drop_if_empty(bi);
 }
 
@@ -235,20 +247,28 @@ void CachingAllocator::FreeIndex::erase(Cursor c) noexcept {
 }
 
 bool CachingAllocator::FreeIndex::first_at_least(int stream, std::uint64_t size, Cursor& c) const noexcept {
-  const std::size_t bi = bucket_at_least(stream, size);
-  if (bi == buckets_.size() || buckets_[bi].stream != stream) return false;
-  c = Cursor{bi, 0};
-  return true;
+  for (std::size_t bi = bucket_at_least(stream, size); bi < buckets_.size(); ++bi) {
+    if (buckets_[bi].stream != stream) return false;
+    if (!buckets_[bi].entries.empty()) {
+      c = Cursor{bi, buckets_[bi].entries.size() - 1};
+      return true;
+    }
+  }
+  return false;
 }
 
 bool CachingAllocator::FreeIndex::next(Cursor& c) const noexcept {
-  if (c.pos + 1 < buckets_[c.bucket].entries.size()) {
-    ++c.pos;
+  if (c.pos > 0) {
+    --c.pos;
     return true;
   }
-  if (c.bucket + 1 >= buckets_.size()) return false;
-  c = Cursor{c.bucket + 1, 0};
-  return true;
+  for (std::size_t bi = c.bucket + 1; bi < buckets_.size(); ++bi) {
+    if (!buckets_[bi].entries.empty()) {
+      c = Cursor{bi, buckets_[bi].entries.size() - 1};
+      return true;
+    }
+  }
+  return false;
 }
 
 void CachingAllocator::FreeIndex::clear() noexcept {

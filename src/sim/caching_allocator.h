@@ -240,9 +240,9 @@ class CachingAllocator {
   };
   // Cached free blocks of one pool in best-fit order: (stream, size, address). A replay holds
   // hundreds of free blocks but only about ten distinct sizes (the layers repeat), so blocks are
-  // kept in one address-sorted vector per (stream, size), and the buckets in a short sorted
-  // vector: a lookup is two binary searches and no tree walk. Empty buckets are dropped (their
-  // storage is kept for the next new size).
+  // kept in one vector per (stream, size), by descending address (the best fit is the last
+  // entry), and the buckets in a short sorted vector: a lookup is two binary searches and no
+  // tree walk.
   class FreeIndex {
    public:
     struct Cursor {
@@ -259,10 +259,11 @@ class CachingAllocator {
     BlockId id(Cursor c) const noexcept { return buckets_[c.bucket].entries[c.pos].id; }
     std::uint64_t size(Cursor c) const noexcept { return buckets_[c.bucket].size; }
     int stream(Cursor c) const noexcept { return buckets_[c.bucket].stream; }
+    // Every block in (stream, size, address) order.
     template <typename F>
     void for_each(F&& f) const {
       for (const Bucket& b : buckets_) {
-        for (const Entry& e : b.entries) f(e.id);
+        for (auto e = b.entries.rbegin(); e != b.entries.rend(); ++e) f(e->id);
       }
     }
     void clear() noexcept;
@@ -275,7 +276,7 @@ class CachingAllocator {
     struct Bucket {
       int stream;
       std::uint64_t size;
-      std::vector<Entry> entries;  // by address
+      std::vector<Entry> entries;  // by descending address
     };
     std::size_t bucket_at_least(int stream, std::uint64_t size) const noexcept;
     void drop_if_empty(std::size_t bucket) noexcept;
