@@ -33,6 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from measure_common import ROOT, load_measure  # noqa: E402
 
 CORPUS = ROOT / "data" / "ground_truth"
+# Multi-process (data-parallel) measurements: a directory of their own, which the accuracy gate
+# (tests/python/test_accuracy.py, data/ground_truth/*.json) does not read until the engine models them.
+PARALLEL_CORPUS = CORPUS / "parallel"
 MATRIX = CORPUS / "matrix.json"
 CATALOG = ROOT / "data" / "models"
 
@@ -57,6 +60,18 @@ def write_derived(matrix: dict) -> dict[str, str]:
     return out
 
 
+def is_parallel(config: dict) -> bool:
+    return config["recipe"].get("parallel", "none") != "none"
+
+
+def result_path(config: dict) -> Path:
+    """data/ground_truth/<id>.json, or data/ground_truth/parallel/<id>.json for a data-parallel run."""
+    if is_parallel(config):
+        PARALLEL_CORPUS.mkdir(exist_ok=True)
+        return PARALLEL_CORPUS / f"{config['id']}.json"
+    return CORPUS / f"{config['id']}.json"
+
+
 def machine() -> dict:
     cpu = platform.processor() or platform.machine()
     try:
@@ -78,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1,
                         help="worker processes; real-compute runs all go to the first one (memory), fake runs "
                              "are spread over the others")
+    parser.add_argument("--trace-dir", metavar="DIR",
+                        help="also write every allocation and free of each run to DIR/<id>.jsonl (trainmem-measure --trace)")
     parser.add_argument("--no-index", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -109,17 +126,21 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     failures = []
     for n, config in enumerate(configs, 1):
-        out_path = CORPUS / f"{config['id']}.json"
+        out_path = result_path(config)
         if args.skip_existing and out_path.exists():
             continue
         model_arg = derived.get(config["model"], config["model"])
-        recipe = measure_pkg.Recipe(**{**defaults, **config["recipe"]})
+        knobs = {**defaults, **config["recipe"]}
+        if config["recipe"].get("mode") == "inference" and "precision" not in config["recipe"]:
+            knobs.pop("precision", None)  # the matrix default is a training precision: use inference's
+        recipe = measure_pkg.Recipe(**knobs)
         fake = config["mode"] == "fake"
         spec = resolve_model(model_arg)
         command = default_command(spec, recipe, device="cpu", fake=fake)
         t0 = time.perf_counter()
         try:
-            result = measure_pkg.measure(spec, recipe, device="cpu", fake=fake, command=command)
+            trace = str(Path(args.trace_dir) / f"{config['id']}.jsonl") if args.trace_dir else None
+            result = measure_pkg.measure(spec, recipe, device="cpu", fake=fake, command=command, trace=trace)
         except Exception as e:  # keep going; the failure is reported at the end
             traceback.print_exc()
             failures.append(config["id"])
@@ -172,6 +193,8 @@ def run_jobs(args, configs: list[dict]) -> int:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--matrix", args.matrix, "--no-index", "--only", *ids]
         if args.skip_existing:
             cmd.append("--skip-existing")
+        if args.trace_dir:
+            cmd += ["--trace-dir", args.trace_dir]
         procs.append(subprocess.Popen(cmd))
     codes = [p.wait() for p in procs]
     total = time.perf_counter() - started
@@ -186,7 +209,7 @@ def write_index(matrix: dict, generation_seconds: float | None) -> None:
     entries = []
     for config in matrix["configurations"]:
         path = CORPUS / f"{config['id']}.json"
-        if not path.exists():
+        if is_parallel(config) or not path.exists():
             continue
         r = json.loads(path.read_text())
         entries.append({
@@ -205,6 +228,34 @@ def write_index(matrix: dict, generation_seconds: float | None) -> None:
         "entries": entries,
     }
     index_path.write_text(json.dumps(doc, indent=1) + "\n")
+    write_parallel_index(matrix)
+
+
+def write_parallel_index(matrix: dict) -> None:
+    """data/ground_truth/parallel/index.json: the data-parallel measurements, rank 0's figures and
+    whether every rank measured the same."""
+    entries = []
+    for config in matrix["configurations"]:
+        path = PARALLEL_CORPUS / f"{config['id']}.json"
+        if not is_parallel(config) or not path.exists():
+            continue
+        r = json.loads(path.read_text())
+        info = r["diagnostics"].get("parallel", {})
+        entries.append({
+            "id": config["id"], "file": path.name, "model": r["model"], "recipe": r["recipe"],
+            "parameters": r["parameters"], "peak_allocated_bytes": r["peak_allocated_bytes"],
+            "breakdown_at_peak": r["breakdown_at_peak"], "peak": r["peak"],
+            "ranks_identical": info.get("ranks_identical"),
+            "rank_peaks": [x["peak_allocated_bytes"] for x in info.get("ranks", [])],
+            "wall_seconds": r["provenance"]["wall_seconds"],
+        })
+    if not entries:
+        return
+    doc = {"description": "Data-parallel ground truth (recipe gpus/parallel): rank 0 of a multi-process CPU run "
+                          "with gloo; see data/ground_truth/README.md and docs/parallelism.md. Not read by the "
+                          "accuracy gate until the engine models these knobs.",
+           "count": len(entries), "entries": entries}
+    (PARALLEL_CORPUS / "index.json").write_text(json.dumps(doc, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ SCHEMA_KEYS = {"model", "parameters", "trainable_parameters", "peak_allocated_by
                "breakdown_at_peak", "peak", "steps", "device", "recipe", "source", "versions", "command"}
 CATEGORIES = ["weights", "optimizer_states", "gradients", "activations", "temporaries", "other"]
 RECIPE_KEYS = {"batch", "seq", "grad_accum", "precision", "optimizer", "checkpointing", "attention", "loss", "gpu",
-               "allocator", "lora_rank"}  # lora_targets and lora_dropout only with lora_rank > 0
+               "allocator", "lora_rank", "mode"}  # lora_targets and lora_dropout only with lora_rank > 0
 
 
 @pytest.fixture

@@ -1,7 +1,9 @@
-"""trainmem's measuring side: what PyTorch really allocates in a training step, by category.
+"""trainmem's measuring side: what PyTorch really allocates in a training step (or a generate()
+call), by category.
 
-See `training` for the reference step both sides model, `tracker` for how every storage is
-recorded and categorised, and `cli` for `trainmem-measure`.
+See `training` for the reference step both sides model, `generation` for the reference
+generation, `tracker` for how every storage is recorded and categorised, and `cli` for
+`trainmem-measure`.
 """
 
 from .recipe import Recipe, RecipeError

@@ -4,6 +4,7 @@
     trainmem-measure llama-3.1-70b --seq 4096 --checkpointing full --fake --json
     trainmem-measure path/to/config.json --device cuda --trace events.jsonl
     trainmem-measure qwen3-0.6b --lora 16 --lora-targets all-linear --lora-dropout 0.05 --json
+    trainmem-measure qwen3-0.6b --inference --seq 64 --new-tokens 16 --beams 4 --precision fp32 --json
 
 Exit codes: 0 success, 2 bad input (one line on stderr), 1 the measurement itself failed.
 """
@@ -16,7 +17,7 @@ import os
 import shlex
 import sys
 
-from .recipe import (ALLOCATORS, ATTENTIONS, CHECKPOINTING, LOSSES, OPTIMIZERS, PRECISIONS, Recipe,
+from .recipe import (ALLOCATORS, ATTENTIONS, CHECKPOINTING, LOSSES, OPTIMIZERS, PARALLELS, PRECISIONS, Recipe,
                      RecipeError)
 
 PROG = "trainmem-measure"
@@ -33,13 +34,15 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> _Parser:
     defaults = Recipe()
-    p = _Parser(prog=PROG, description="Measure what PyTorch allocates in two training steps, by category.")
+    p = _Parser(prog=PROG, description="Measure what PyTorch allocates in two training steps (or one generate() "
+                                       "call with --inference), by category.")
     p.add_argument("model", help="catalog name, path to a config.json, or a directory holding one")
     p.add_argument("--batch", type=int, default=defaults.batch, help="micro-batch size (default %(default)s)")
     p.add_argument("--seq", type=int, default=defaults.seq, help="tokens per sequence (default %(default)s)")
     p.add_argument("--grad-accum", type=int, default=defaults.grad_accum,
                    help="micro-batches per optimizer step (default %(default)s)")
-    p.add_argument("--precision", choices=PRECISIONS, default=defaults.precision)
+    p.add_argument("--precision", choices=PRECISIONS, default="",
+                   help="default bf16-mixed (training), bf16-true (inference: fp32, bf16-true or fp16-true)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=defaults.optimizer)
     p.add_argument("--checkpointing", choices=CHECKPOINTING, default=defaults.checkpointing)
     p.add_argument("--attention", choices=ATTENTIONS, default=defaults.attention)
@@ -48,12 +51,23 @@ def _parser() -> _Parser:
                    help="recorded as recipe.gpu (default: cpu, or the CUDA device's name with --device cuda)")
     p.add_argument("--allocator", choices=ALLOCATORS, default=defaults.allocator,
                    help="with --device cuda, expandable sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    p.add_argument("--gpus", type=int, default=defaults.gpus, metavar="N",
+                   help="world size: N processes on the CPU (gloo), rank 0 reported (default %(default)s)")
+    p.add_argument("--parallel", choices=PARALLELS, default=defaults.parallel,
+                   help="data parallelism across --gpus: ddp (DistributedDataParallel) or fsdp (FSDP2 fully_shard "
+                        "per decoder layer and the root) (default %(default)s)")
     p.add_argument("--lora", type=int, default=defaults.lora_rank, metavar="RANK",
                    help="LoRA rank (peft); 0 trains every parameter (default %(default)s)")
     p.add_argument("--lora-targets", default=defaults.lora_targets, metavar="NAMES",
                    help="modules LoRA wraps: default (peft's), all-linear, or names (q_proj,v_proj)")
     p.add_argument("--lora-dropout", type=float, default=defaults.lora_dropout, metavar="P",
                    help="lora_dropout in [0, 1); 0 is nn.Identity (default %(default)s)")
+    p.add_argument("--inference", action="store_true",
+                   help="measure one model.generate() call (prefill of --seq tokens, then decode) instead of training")
+    p.add_argument("--new-tokens", type=int, default=defaults.new_tokens, metavar="N",
+                   help="inference: max_new_tokens, all generated (default %(default)s)")
+    p.add_argument("--beams", type=int, default=defaults.beams, metavar="K",
+                   help="inference: num_beams (1: greedy search; default %(default)s)")
     p.add_argument("--json", action="store_true", help="print the JSON document (docs/schema.md)")
     p.add_argument("--fake", action="store_true", help="fake tensors: no compute, no memory (any model size)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -99,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         recipe = Recipe(batch=args.batch, seq=args.seq, grad_accum=args.grad_accum, precision=args.precision,
                         optimizer=args.optimizer, checkpointing=args.checkpointing, attention=args.attention,
                         loss=args.loss, gpu=gpu, allocator=args.allocator, lora_rank=args.lora,
-                        lora_targets=args.lora_targets, lora_dropout=args.lora_dropout)
+                        lora_targets=args.lora_targets, lora_dropout=args.lora_dropout,
+                        mode="inference" if args.inference else "training", new_tokens=args.new_tokens,
+                        beams=args.beams, gpus=args.gpus, parallel=args.parallel)
         command = shlex.join([PROG, *argv])
         result = measure(args.model, recipe, device=args.device, fake=args.fake, trace=args.trace,
                          command=command)
@@ -130,10 +146,15 @@ def format_bytes(n: int | None) -> str:
 def render_text(result: dict) -> str:
     r = result["recipe"]
     peak = result["peak"]
+    if r.get("mode") == "inference":
+        what = (f"generate: batch {r['batch']} x prompt {r['seq']} + {r['new_tokens']} new tokens,"
+                f" beams {r['beams']}, {r['precision']}, attention {r['attention']} [{result['source']}]")
+    else:
+        what = (f"batch {r['batch']} x seq {r['seq']}"
+                f" (grad_accum {r['grad_accum']}), {r['precision']}, {r['optimizer']}, checkpointing {r['checkpointing']},"
+                f" attention {r['attention']}, loss {r['loss']} [{result['source']}]")
     lines = [
-        f"{result['model']}: {result['parameters']:,} parameters, batch {r['batch']} x seq {r['seq']}"
-        f" (grad_accum {r['grad_accum']}), {r['precision']}, {r['optimizer']}, checkpointing {r['checkpointing']},"
-        f" attention {r['attention']}, loss {r['loss']} [{result['source']}]",
+        f"{result['model']}: {result['parameters']:,} parameters, {what}",
         f"peak allocated {format_bytes(result['peak_allocated_bytes'])} at step {peak['step']}"
         f" micro-batch {peak['micro_batch']}, {peak['phase']}: {peak['op']}",
     ]

@@ -308,7 +308,9 @@ def lora_targets_of(model) -> list[str] | None:
 
 
 def underlying_model(model):
-    """The Hugging Face model inside a PeftModel (the model itself otherwise)."""
+    """The Hugging Face model inside a PeftModel or DistributedDataParallel (the model itself otherwise)."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model = model.module
     get = getattr(model, "get_base_model", None)
     return get() if callable(get) else model
 

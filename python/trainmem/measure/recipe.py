@@ -10,6 +10,16 @@ CHECKPOINTING = ("none", "full")
 ATTENTIONS = ("eager", "sdpa", "flash")
 LOSSES = ("standard", "fused")
 ALLOCATORS = ("default", "expandable")
+# Data parallelism (docs/parallelism.md): "none" is one process; "ddp" DistributedDataParallel,
+# "fsdp" FSDP2 fully_shard per decoder layer and the root, over `gpus` processes (world size).
+PARALLELS = ("none", "ddp", "fsdp")
+MAX_GPUS = 4096
+MODES = ("training", "inference")
+# Inference loads the weights in one dtype and runs in it: no autocast, no master copy.
+INFERENCE_PRECISIONS = ("fp32", "bf16-true", "fp16-true")
+DEFAULT_PRECISION = {"training": "bf16-mixed", "inference": "bf16-true"}
+MAX_SEQ = 1 << 24     # the engine's kMaxSeq (src/recipe/recipe.cpp): also bounds seq + new_tokens
+MAX_BEAMS = 64        # the engine's bound on num_beams
 LORA_TARGET_KEYWORDS = ("default", "all-linear")
 MAX_LORA_RANK = 65536  # the engine's bound: beyond it the adapters outgrow the layers they adapt
 
@@ -26,7 +36,9 @@ class Recipe:
     batch: int = 1
     seq: int = 2048
     grad_accum: int = 1
-    precision: str = "bf16-mixed"
+    # "" (or None) is the mode's default: bf16-mixed for training, bf16-true for inference;
+    # __post_init__ replaces it, so a Recipe always holds a real precision.
+    precision: str = ""
     optimizer: str = "adamw"
     checkpointing: str = "none"
     attention: str = "sdpa"
@@ -38,9 +50,21 @@ class Recipe:
     lora_rank: int = 0
     lora_targets: str = "default"
     lora_dropout: float = 0.0
+    # Generation (docs/schema.md "The reference generation"): mode "inference" measures one
+    # model.generate() call of new_tokens tokens after a prompt of seq tokens, num_beams = beams.
+    mode: str = "training"
+    new_tokens: int = 128
+    beams: int = 1
+    # World size and data-parallel wrapper (parallel.py): gpus 1 / parallel none is one process.
+    gpus: int = 1
+    parallel: str = "none"
 
     def __post_init__(self) -> None:
-        for key in ("batch", "seq", "grad_accum"):
+        if self.mode not in MODES:
+            raise RecipeError(f"mode={self.mode!r} is not one of {', '.join(MODES)}")
+        if self.precision in ("", None):
+            object.__setattr__(self, "precision", DEFAULT_PRECISION[self.mode])
+        for key in ("batch", "seq", "grad_accum", "new_tokens", "beams"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise RecipeError(f"{key} must be an integer >= 1, got {value!r}")
@@ -56,6 +80,66 @@ class Recipe:
             if value not in allowed:
                 raise RecipeError(f"{key}={value!r} is not one of {', '.join(allowed)}")
         self._check_lora()
+        self._check_mode()
+        self._check_parallel()
+
+    def _check_mode(self) -> None:
+        """The engine's rules for inference (src/recipe/recipe.cpp Recipe::validate)."""
+        if self.mode == "training":
+            if self.beams != 1:
+                raise RecipeError(f"beams={self.beams} is beam search, an inference knob: use mode inference "
+                                  "(--inference) or beams 1")
+            return
+        if self.precision not in INFERENCE_PRECISIONS:
+            raise RecipeError(f"precision={self.precision!r}: inference loads the weights in one dtype: "
+                              f"{', '.join(INFERENCE_PRECISIONS)}")
+        if self.grad_accum != 1:
+            raise RecipeError(f"grad_accum={self.grad_accum}: inference has no gradient accumulation")
+        if self.checkpointing != "none":
+            raise RecipeError(f"checkpointing={self.checkpointing!r}: inference keeps no activations to recompute")
+        if self.lora_rank > 0:
+            raise RecipeError(f"lora_rank={self.lora_rank}: inference with adapters is not measured (merge them first)")
+        if self.beams > MAX_BEAMS:
+            raise RecipeError(f"beams must be at most {MAX_BEAMS}, got {self.beams}")
+        if self.seq + self.new_tokens > MAX_SEQ:
+            raise RecipeError(f"seq + new_tokens must be at most {MAX_SEQ}, got {self.seq + self.new_tokens}")
+
+    def _check_parallel(self) -> None:
+        """What the measuring side can run under data parallelism (docs/parallelism.md)."""
+        gpus = self.gpus
+        if not isinstance(gpus, int) or isinstance(gpus, bool) or not 1 <= gpus <= MAX_GPUS:
+            raise RecipeError(f"gpus must be an integer between 1 and {MAX_GPUS}, got {gpus!r}")
+        if self.parallel not in PARALLELS:
+            raise RecipeError(f"parallel={self.parallel!r} is not one of {', '.join(PARALLELS)}")
+        if self.parallel == "none":
+            if gpus != 1:
+                raise RecipeError(f"gpus={gpus} needs a data-parallel wrapper: parallel ddp or fsdp")
+            return
+        if self.is_inference:
+            raise RecipeError(f"parallel={self.parallel!r} is a training knob: inference runs on one process")
+        if self.uses_lora:
+            raise RecipeError(f"parallel={self.parallel!r} with LoRA is not measured yet")
+        if self.parallel == "fsdp":
+            if self.precision in ("fp16-mixed", "bf16-master"):
+                raise RecipeError(f"parallel=fsdp with precision={self.precision!r} is not measured: FSDP2's form of "
+                                  "bf16 compute over fp32 weights is MixedPrecisionPolicy(param_dtype=bfloat16, "
+                                  "reduce_dtype=float32), not a separate master copy (docs/parallelism.md); use fp32, "
+                                  "bf16-true or bf16-mixed")
+            if self.optimizer in ("adamw-8bit", "adafactor"):
+                raise RecipeError(f"parallel=fsdp with optimizer={self.optimizer!r} is not measured: it would work on "
+                                  "the local shards of DTensor parameters; use adamw, adamw-fused or sgd")
+            if self.loss == "fused":
+                raise RecipeError("parallel=fsdp with loss=fused is not measured: the fused loss calls the base model "
+                                  "and reads lm_head.weight outside the root module's forward, where FSDP2 has not "
+                                  "all-gathered the root's parameters")
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.parallel != "none"
+
+    @property
+    def is_inference(self) -> bool:
+        return self.mode == "inference"
 
     def _check_lora(self) -> None:
         """The engine's rules (src/recipe/recipe.cpp): the same knobs are refused for the same reasons."""
@@ -129,16 +213,21 @@ class Recipe:
             del out["lora_targets"], out["lora_dropout"]
         elif lora_targets is not None:
             out["lora_targets"] = list(lora_targets)
+        if not self.is_inference:  # as the engine writes it: new_tokens and beams for inference only
+            del out["new_tokens"], out["beams"]
+        if not self.is_parallel:  # one process: the keys of a single-GPU recipe, as before
+            del out["gpus"], out["parallel"]
         return out
 
     @classmethod
     def from_dict(cls, data: dict) -> "Recipe":
         """Inverse of as_dict: `lora_targets` may be a list of module names (the JSON's resolved paths)."""
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls)} | {"steps"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise RecipeError(f"unknown recipe key(s): {', '.join(unknown)}")
         data = dict(data)
+        data.pop("steps", None)  # the engine's training JSON carries steps (always 2)
         targets = data.get("lora_targets")
         if isinstance(targets, (list, tuple)):
             if not targets or not all(isinstance(t, str) for t in targets):

@@ -15,6 +15,8 @@ from .models import (ModelError, ModelSpec, build_fake_model, build_real_model, 
                      lora_targets_of, resolve_model)
 from .recipe import Recipe, RecipeError
 from .tracker import CATEGORIES, MemoryTracker
+from .generation import run_generation
+from . import parallel as _parallel
 from .training import hf_loss_fn, run_steps
 
 SEED = 0
@@ -75,6 +77,11 @@ def check_device(device: str, fake: bool, recipe: Recipe) -> None:
                 "aborts the process on fake CUDA tensors; use --fake --device cpu")
         if not fake and not torch.cuda.is_available():
             raise DeviceError("--device cuda: no CUDA device is available here; use --device cpu or --fake")
+    if fake and recipe.is_inference:
+        raise RecipeError("mode=inference cannot run on fake tensors: generate() decides with data-dependent "
+                          "tests (is the attention mask all ones? is every sequence finished? beam search's "
+                          "early stop) that fake tensors cannot answer; measure a reduced-depth model for real "
+                          "on the CPU (its cache and logits scale linearly with the layers)")
     if recipe.attention == "flash" and (device != "cuda" or fake):
         raise RecipeError("attention=flash (flash_attention_2) runs on a real CUDA device only; "
                           "use --attention sdpa or eager here")
@@ -89,6 +96,8 @@ def _import_step_modules(recipe: Recipe) -> None:
     """Imports what the step will import, before tracking starts. Some packages make tensors at
     import time (peft's LoHa default arguments, bitsandbytes' NF4 table: CPU tensors); imported
     during a tracked CPU step they would be counted, and only by the first run in a process."""
+    if recipe.is_inference:
+        return
     if recipe.optimizer == "adafactor":
         import transformers.optimization  # noqa: F401
     if recipe.optimizer == "adamw-8bit":
@@ -98,9 +107,12 @@ def _import_step_modules(recipe: Recipe) -> None:
 
 def measure(model: str | ModelSpec, recipe: Recipe, *, device: str = "cpu", fake: bool = False,
             trace: str | None = None, command: str | None = None, steps: int = 2) -> dict:
-    """Measure `steps` optimizer steps of the reference loop; returns the schema's JSON dict."""
+    """Measure `steps` optimizer steps of the reference loop, or with mode inference one generate()
+    call (generation.py); returns the schema's JSON dict."""
     spec = resolve_model(model) if isinstance(model, str) else model
     check_device(device, fake, recipe)
+    if recipe.is_parallel and not _parallel.in_worker():  # one process per rank, each back here
+        return _parallel.launch(model, recipe, device=device, fake=fake, trace=trace, command=command, steps=steps)
     started = time.perf_counter()
     torch.manual_seed(SEED)
     is_cuda = device == "cuda" and not fake
@@ -117,13 +129,23 @@ def measure(model: str | ModelSpec, recipe: Recipe, *, device: str = "cpu", fake
         model_obj = build_real_model(spec, recipe, device)
     if recipe.checkpointing == "full":
         enable_checkpointing(model_obj)
+    # What the step calls: the model, or its DDP / FSDP2 wrapping in a rank (parallel.py).
+    runner = _parallel.wrap_model(model_obj, recipe, device) if recipe.is_parallel else model_obj
+    if recipe.is_inference:
+        model_obj.eval()
     built = time.perf_counter()
 
     _import_step_modules(recipe)
     tracker = MemoryTracker(device, fake=fake, cuda_probe=is_cuda, detect_untracked=is_cuda and expandable_segments_enabled())
     tracker.attach_model(model_obj)
-    forward_and_loss = hf_loss_fn(model_obj, recipe, tracker)
+    if recipe.is_parallel:
+        _parallel.attach(tracker, runner, recipe)
+    forward_and_loss = None if recipe.is_inference else hf_loss_fn(runner, recipe, tracker)
     vocab = model_obj.get_input_embeddings().weight.shape[0]
+
+    def make_prompt():
+        input_ids = torch.randint(vocab, (recipe.batch, recipe.seq), device=device)
+        return input_ids, torch.ones(recipe.batch, recipe.seq, dtype=torch.int64, device=device)
 
     def make_batch():
         input_ids = torch.randint(vocab, (recipe.batch, recipe.seq), device=device)
@@ -153,8 +175,17 @@ def measure(model: str | ModelSpec, recipe: Recipe, *, device: str = "cpu", fake
             stack.enter_context(fake_hf_patches())
             stack.enter_context(fake_mode)
         stack.enter_context(tracker)
-        run_steps(model_obj, recipe, tracker, device=device, make_batch=make_batch,
-                  forward_and_loss=forward_and_loss, steps=steps, fake_mode=fake_mode, **step_hooks)
+        if recipe.is_inference:
+            if step_hooks:
+                step_hooks["on_step_start"](1)
+            generation_info = run_generation(model_obj, recipe, tracker, device=device, make_inputs=make_prompt,
+                                             fake_mode=fake_mode)
+            if step_hooks:
+                step_hooks["on_step_end"](1)
+        else:
+            generation_info = None
+            run_steps(runner, recipe, tracker, device=device, make_batch=make_batch,
+                      forward_and_loss=forward_and_loss, steps=steps, fake_mode=fake_mode, **step_hooks)
     tracker.close()
     finished = time.perf_counter()
     if is_cuda:
@@ -164,6 +195,8 @@ def measure(model: str | ModelSpec, recipe: Recipe, *, device: str = "cpu", fake
                      cuda_info=cuda_info, command=command)
     result["diagnostics"]["build_seconds"] = round(built - started, 3)
     result["diagnostics"]["steps_seconds"] = round(finished - built, 3)
+    if generation_info is not None:
+        result["diagnostics"]["generation"] = generation_info
     if trace:
         with open(trace, "w") as f:
             for row in tracker.trace_rows():
@@ -305,11 +338,14 @@ def _physical_memory() -> int | None:
 
 def default_command(spec: ModelSpec, recipe: Recipe, *, device: str, fake: bool) -> str:
     args = ["trainmem-measure", spec.name]
-    defaults = Recipe()
+    defaults = Recipe(mode=recipe.mode)
+    if recipe.is_inference:
+        args.append("--inference")
     for key, flag in (("batch", "--batch"), ("seq", "--seq"), ("grad_accum", "--grad-accum"),
+                      ("new_tokens", "--new-tokens"), ("beams", "--beams"),
                       ("precision", "--precision"), ("optimizer", "--optimizer"),
                       ("checkpointing", "--checkpointing"), ("attention", "--attention"), ("loss", "--loss"),
-                      ("allocator", "--allocator")):
+                      ("allocator", "--allocator"), ("gpus", "--gpus"), ("parallel", "--parallel")):
         value = getattr(recipe, key)
         if value != getattr(defaults, key):
             args += [flag, str(value)]

@@ -5,7 +5,8 @@ record with an allocation event and, when its last reference dies, a free event.
 seen with a `TorchDispatchMode` (the outputs of every aten op, forward, backward and optimizer
 alike); frees are seen with a `weakref.finalize` on the storage object, which fires when the C++
 storage dies. Each event carries the context it happened in: phase (setup / forward / loss /
-backward / optimizer), step, micro-batch, and a label naming the module and aten op.
+backward / optimizer; for generation prefill / decode), step, micro-batch, and a label naming the
+module and aten op.
 
 A storage's category is decided once, after the run, from what the storage *became* (see
 Note [Categories]); the peak and its breakdown are then computed by replaying the events.
@@ -38,6 +39,21 @@ Note [Categories]
     When several apply the first in this order wins: weights, optimizer_states, gradients,
     other, activations, temporaries.
 
+    In inference (recipe mode inference, generation.py) nothing is saved for a backward and
+    there is no optimizer; the same flags mean:
+    weights           parameters and buffers (as above; no autocast, so no casts)
+    activations       the KV cache: every storage that is, at some point, a key or value tensor
+                      held by a layer of the cache generate() makes (DynamicCache), marked by the
+                      driver after every `Cache.update` and `Cache.reorder_cache`. A storage
+                      keeps the category for its whole life, so the old cache of a layer, freed
+                      when the next update's `cat` (or beam search's `index_select`) replaces
+                      it, is activations too
+    other             the two inputs the driver makes (input_ids, attention_mask)
+    temporaries       everything else: the copies and growing tensors generate() makes
+                      (input_ids grown by one column per token, position ids, beam search's
+                      sequences and scores), logits, their float32 copy, the scores, the
+                      masks, the layers' intermediates, the token selection
+
 Note [Labels]
     An op's label is the module it ran in, written as the schema's `peak.op`: `embed_tokens`,
     `layer N <path in the layer>` (`layer 3 mlp.down_proj`), `norm`, `lm_head`, `loss`,
@@ -53,6 +69,9 @@ Note [Labels]
     self_attn.q_proj`, as without LoRA) and the adapter name after `lora_A`, `lora_B` and
     `lora_dropout` (`layer 0 self_attn.q_proj.lora_A`); the wrapper's own ops (the casts, the
     scaling, the addition) are `layer 0 self_attn.q_proj.<aten op>`.
+    In generation (phases prefill and decode) the model's ops are labelled as in a training
+    forward; generate()'s own ops outside the model (input preparation, the logits' float32
+    copy, token selection, beam bookkeeping, the cache reordering) are `generate.<aten op>`.
 
 Note [Block size]
     Each storage is charged `max(512, ceil(nbytes / 512) * 512)` bytes: the CUDA caching
@@ -78,7 +97,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 CATEGORIES = ("weights", "optimizer_states", "gradients", "activations", "temporaries", "other")
 _PRIORITY = ("weights", "optimizer_states", "gradients", "other", "activations")
-PHASES = ("setup", "forward", "loss", "backward", "optimizer")
+PHASES = ("setup", "forward", "loss", "backward", "optimizer", "prefill", "decode")
 
 ALLOC, FREE = 0, 1
 _NO_SEQUENCE_NR = 2**64 - 1  # what AccumulateGrad nodes report
@@ -110,6 +129,7 @@ SETUP = Label("setup", "", True)
 ROOT = Label("model", "", True)
 LOSS = Label("loss", "", False)
 OPTIMIZER = Label("optimizer", "", True)
+GENERATE = Label("generate", "", True)  # generate()'s own ops, outside the model: `generate.<aten op>`
 
 
 def module_label(qualname: str, module: torch.nn.Module, base_prefix: str) -> Label:
@@ -162,12 +182,19 @@ def _hf_qualname(qualname: str, wrapper_prefix: str | None) -> str:
     return ".".join(out)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor that owns the memory: a DTensor's local shard (FSDP2's sharded parameters,
+    their gradients and optimizer states are DTensors, wrappers without a storage), else t."""
+    inner = getattr(t, "_local_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else t
+
+
 def _iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     stack = [obj]
     while stack:
         item = stack.pop()
         if isinstance(item, torch.Tensor):
-            yield item
+            yield _local(item)
         elif isinstance(item, (list, tuple)):
             stack.extend(item)
         elif isinstance(item, dict):
@@ -270,7 +297,7 @@ class MemoryTracker:
                 self._restore.append(functools.partial(setattr, module, "_gradient_checkpointing_func", func))
         for name, p in model.named_parameters():
             self.add_existing(p, "weights", name)
-            self._weight_cdatas.add(p.untyped_storage()._cdata)  # frozen ones too (LoRA's base)
+            self._weight_cdatas.add(self._cdata(p))  # frozen ones too (LoRA's base)
         for name, b in model.named_buffers():
             self.add_existing(b, "weights", name)
 
@@ -300,7 +327,8 @@ class MemoryTracker:
             self.step = step
         if micro_batch is not None:
             self.micro_batch = micro_batch
-        label = {"setup": SETUP, "forward": ROOT, "loss": LOSS, "backward": LOSS, "optimizer": OPTIMIZER}[phase]
+        label = {"setup": SETUP, "forward": ROOT, "loss": LOSS, "backward": LOSS, "optimizer": OPTIMIZER,
+                 "prefill": GENERATE, "decode": GENERATE}[phase]
         if phase == "backward":
             self._last_backward_label = LOSS  # the ops before the first labelled node seed the loss gradient
         self._ctx = (phase, self.step, self.micro_batch, label.display, "", "")
@@ -499,7 +527,8 @@ class MemoryTracker:
                 label = self._last_backward_label
             self._last_backward_label = label
             return label
-        return {"forward": ROOT, "loss": LOSS, "optimizer": OPTIMIZER}.get(phase, SETUP)
+        return {"forward": ROOT, "loss": LOSS, "optimizer": OPTIMIZER, "prefill": GENERATE,
+                "decode": GENERATE}.get(phase, SETUP)
 
     def _dispatch(self, func, args, kwargs):
         label = self._current_label()
@@ -589,7 +618,7 @@ class MemoryTracker:
     @staticmethod
     def _cdata(t: torch.Tensor) -> int | None:
         try:
-            return t.untyped_storage()._cdata
+            return _local(t).untyped_storage()._cdata
         except (RuntimeError, NotImplementedError):
             return None
 
@@ -598,6 +627,7 @@ class MemoryTracker:
         return None if cdata is None else self._live.get(cdata)
 
     def _new_record(self, t: torch.Tensor, flags: set, name: str = "") -> int | None:
+        t = _local(t)
         if not self._trackable(t):
             return None
         try:
@@ -632,6 +662,28 @@ class MemoryTracker:
         self._live_bytes -= rec.block_bytes
         if self._in_gc:
             self.stats["freed_by_gc_bytes"] += rec.block_bytes
+
+    def storage_resized(self, tensor: torch.Tensor, flag: str | None = None, name: str = "") -> None:
+        """The storage of `tensor` was resized in place (`untyped_storage().resize_`, which no aten
+        op reports): FSDP2 frees an unsharded parameter by resizing its storage to 0 bytes and
+        allocates it again by resizing it back. The old size is freed (its record ends) and a
+        non-zero new size is a new record, flagged `flag` (or what `forced` imposes)."""
+        t = _local(tensor)
+        if not self._trackable(t):
+            return
+        storage = t.untyped_storage()
+        cdata, nbytes = storage._cdata, storage.nbytes()
+        sid = self._live.get(cdata)
+        if sid is not None:
+            if self.records[sid].nbytes == nbytes:
+                return
+            fin = self._finalizers.get(sid)
+            if fin is not None:
+                fin.detach()
+            self._on_free(cdata, sid)
+        if nbytes > 0:
+            flags = {flag} if flag else ({self._forced} if self._forced else set())
+            self._new_record(t, flags, name)
 
     # ------------------------------------------------------------------ results
 

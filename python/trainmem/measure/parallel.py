@@ -1,0 +1,326 @@
+"""Data-parallel measurements: one rank's memory in a multi-process CPU run (gloo).
+
+`measure()` with a recipe whose `parallel` is "ddp" or "fsdp" calls `launch`, which starts
+`recipe.gpus` processes (multiprocessing, spawn), sets up a gloo process group of that world size
+in each, and runs `measure()` again in every rank: each rank builds the model (same seed, so the
+same weights), wraps it (`wrap_model`), draws its own batch (rank r > 0 reseeds with SEED + r) and
+runs the reference step under its own tracker. Rank 0's result is returned; every rank's peak and
+breakdown are in `diagnostics.parallel.ranks`, and `ranks_identical` says whether they agree.
+
+The wrappers, as the recipe knobs say (docs/parallelism.md):
+
+* ddp: `DistributedDataParallel(model)` with PyTorch's defaults (bucket_cap_mb 25, first bucket
+  1 MiB, gradient_as_bucket_view False, find_unused_parameters False, broadcast_buffers True);
+  no device_ids (CPU).
+* fsdp: FSDP2, `fully_shard(layer, mesh, reshard_after_forward=True)` on every decoder layer (the
+  modules whose class is in the model's `_no_split_modules`, as Accelerate's transformer auto-wrap
+  picks them), then `fully_shard(model, mesh)`; default MixedPrecisionPolicy (none); the mesh is a
+  1-D "cpu" DeviceMesh over the world.
+
+Note [Parallel categories]
+    A storage is categorized by what it holds (see docs/parallelism.md for the reasoning):
+    weights           also FSDP2's sharded parameters (the DTensors' padded local shards, registered
+                      like any parameter), the unsharded parameters each unit all-gathers (one
+                      storage per parameter, resized to full size at each all-gather and to 0 at
+                      each reshard: the tracker sees both through `storage_resized`), and the
+                      all-gather buffers (the flat copy-in/out buffer of a unit, and with a
+                      param_dtype policy the cast shards): everything allocated inside
+                      `foreach_all_gather` and `foreach_all_gather_copy_out`
+    gradients         also DDP's buckets (flat gradient buffers the Reducer allocates in C++ at
+                      construction and again when it rebuilds them at the second forward; the
+                      construction ones are registered at setup), FSDP2's unsharded gradients
+                      (the `.grad` autograd accumulates on an unsharded parameter, marked when the
+                      unit's post-backward takes it) and everything `foreach_reduce` allocates
+                      (the reduce-scatter input, kept until the next unit's reduce-scatter, and
+                      its output, whose views become the sharded `.grad`s)
+    The other categories are unchanged. Memory a collective allocates inside gloo (C++, not
+    through aten) is not seen; on a GPU, NCCL's buffers are outside PyTorch's allocator anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import socket
+import tempfile
+import traceback
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .recipe import Recipe, RecipeError
+
+_WORKER_ENV = "TRAINMEM_PARALLEL_RANK"
+
+
+def in_worker() -> bool:
+    """True inside a rank started by `launch` (its process group is up)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(model, recipe: Recipe, *, device: str, fake: bool, trace: str | None, command: str | None,
+           steps: int, timeout: float | None = None) -> dict:
+    """Run the measurement in `recipe.gpus` processes; rank 0's result with every rank's summary."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if fake:
+        raise RecipeError(f"parallel={recipe.parallel!r} cannot run on fake tensors: the collectives move real data")
+    if device != "cpu":
+        raise RecipeError(f"parallel={recipe.parallel!r} is measured on the CPU (gloo) only")
+    if not (dist.is_available() and dist.is_gloo_available()):
+        raise RecipeError(f"parallel={recipe.parallel!r} needs torch.distributed with the gloo backend")
+    world = recipe.gpus
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="trainmem-parallel-") as tmp:
+        procs = []
+        for rank in range(world):
+            out = os.path.join(tmp, f"rank{rank}.json")
+            rank_trace = trace if (trace is None or rank == 0) else f"{trace}.rank{rank}"
+            proc = ctx.Process(target=_rank_main, args=(rank, world, port, model, recipe, device, rank_trace,
+                                                         command, steps, out), daemon=False)
+            proc.start()
+            procs.append(proc)
+        for proc in procs:
+            proc.join(timeout)
+        results = []
+        for rank, proc in enumerate(procs):
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+            path = os.path.join(tmp, f"rank{rank}.json")
+            if not os.path.exists(path):
+                raise RuntimeError(f"parallel rank {rank} exited with code {proc.exitcode} and no result")
+            doc = json.loads(open(path).read())
+            if "error" in doc:
+                cls = RecipeError if doc.get("type") == "RecipeError" else RuntimeError
+                raise cls(f"parallel rank {rank}: {doc['error']}")
+            results.append(doc)
+    return _merge(results)
+
+
+def _rank_main(rank: int, world: int, port: int, model, recipe: Recipe, device: str, trace, command, steps,
+               out: str) -> None:
+    import torch.distributed as dist
+
+    os.environ[_WORKER_ENV] = str(rank)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    try:
+        from .run import measure, quiet_libraries
+
+        quiet_libraries()
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        try:
+            result = measure(model, recipe, device=device, trace=trace, command=command, steps=steps)
+        finally:
+            dist.destroy_process_group()
+        doc = result
+    except Exception as e:  # reported to the parent, which raises it
+        doc = {"error": f"{type(e).__name__}: {e}", "type": type(e).__name__, "traceback": traceback.format_exc()}
+    with open(out, "w") as f:
+        json.dump(doc, f)
+
+
+def _summary(rank: int, result: dict) -> dict:
+    return {"rank": rank, "peak_allocated_bytes": result["peak_allocated_bytes"],
+            "breakdown_at_peak": result["breakdown_at_peak"], "peak": result["peak"], "steps": result["steps"],
+            "storages": result["diagnostics"]["storages"], "events": result["diagnostics"]["events"]}
+
+
+def _merge(results: list[dict]) -> dict:
+    out = results[0]
+    ranks = [_summary(r, doc) for r, doc in enumerate(results)]
+    keys = ("peak_allocated_bytes", "breakdown_at_peak", "peak", "steps", "storages", "events")
+    identical = all(all(s[k] == ranks[0][k] for k in keys) for s in ranks[1:])
+    info = out["diagnostics"].setdefault("parallel", {})
+    info.update({"world_size": len(results), "rank": 0, "ranks_identical": identical, "ranks": ranks})
+    return out
+
+
+# ---------------------------------------------------------------------------------------- wrapping
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers: modules whose class is in `_no_split_modules` (Accelerate's auto-wrap)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise RecipeError(f"parallel=fsdp: found no decoder layer in {type(model).__name__} "
+                          f"(_no_split_modules={sorted(names)})")
+    return layers
+
+
+class _Capture(TorchDispatchMode):
+    """Weak references to every tensor made while active (DDP's construction, in C++)."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: list[weakref.ref] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        stack = [out]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, torch.Tensor):
+                self.made.append(weakref.ref(item))
+            elif isinstance(item, (list, tuple)):
+                stack.extend(item)
+        return out
+
+
+def wrap_model(model: torch.nn.Module, recipe: Recipe, device: str) -> torch.nn.Module:
+    """The module the step calls: DDP(model), or the model itself after fully_shard (in place).
+
+    Called in a rank after the model is built (and checkpointing enabled), before tracking.
+    """
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != recipe.gpus:
+        raise RecipeError(f"world size {world} differs from gpus={recipe.gpus}")
+    if recipe.parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        capture = _Capture()
+        with capture:  # the Reducer's buckets are made here, in C++, through aten
+            runner = DistributedDataParallel(model)
+        runner._trainmem_made = capture.made
+    elif recipe.parallel == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(torch.device(device).type, (world,))
+        for layer in decoder_layers(model):
+            fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+        fully_shard(model, mesh=mesh)
+        runner = model
+    else:
+        raise RecipeError(f"parallel={recipe.parallel!r}")
+    if rank > 0:  # every rank draws its own batch; rank 0 draws the single-process one
+        from .run import SEED
+
+        torch.manual_seed(SEED + rank)
+    return runner
+
+
+def attach(tracker, runner: torch.nn.Module, recipe: Recipe) -> None:
+    """Register what the wrapper made before tracking, and patch what tracking must see;
+    undone by tracker.close()."""
+    if recipe.parallel == "ddp":
+        _attach_ddp(tracker, runner)
+    elif recipe.parallel == "fsdp":
+        _attach_fsdp(tracker)
+
+
+class _ReducerProxy:
+    """DDP's Reducer with `_rebuild_buckets` run under `forced("gradients")`: the new buckets."""
+
+    def __init__(self, reducer, tracker):
+        object.__setattr__(self, "_reducer", reducer)
+        object.__setattr__(self, "_tracker", tracker)
+
+    def __getattr__(self, name):
+        return getattr(self._reducer, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._reducer, name, value)
+
+    def _rebuild_buckets(self):
+        with self._tracker.forced("gradients"):
+            return self._reducer._rebuild_buckets()
+
+
+def _attach_ddp(tracker, ddp) -> None:
+    params = {p.untyped_storage()._cdata for p in ddp.parameters()}
+    seen = set()
+    n = 0
+    for ref in getattr(ddp, "_trainmem_made", []):
+        t = ref()
+        if t is None:
+            continue
+        cdata = t.untyped_storage()._cdata
+        if cdata in seen or cdata in params or t.untyped_storage().nbytes() == 0:
+            continue
+        seen.add(cdata)
+        # Alive after construction: the buckets' flat gradient buffers (and the Reducer's small
+        # bookkeeping tensors, e.g. the int32 map of locally used parameters).
+        kind = "gradients" if t.is_floating_point() else "other"
+        tracker.add_existing(t, kind, f"ddp reducer {kind} {n}")
+        n += 1
+    del ddp._trainmem_made
+    reducer = ddp.reducer
+    ddp.reducer = _ReducerProxy(reducer, tracker)
+    tracker._restore.append(functools.partial(setattr, ddp, "reducer", reducer))
+
+
+def _attach_fsdp(tracker) -> None:
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    def resized(fn, name):
+        @functools.wraps(fn)
+        def wrapper(tensor):
+            fn(tensor)
+            tracker.storage_resized(tensor, "weights", name)
+            tracker._weight_cdatas.add(tracker._cdata(tensor))
+        return wrapper
+
+    def forced(fn, flag):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with tracker.forced(flag):
+                return fn(*args, **kwargs)
+        return wrapper
+
+    def copy_out(fn):
+        @functools.wraps(fn)
+        def wrapper(all_gather_result, fsdp_params, *args, **kwargs):
+            with tracker.forced("weights"):
+                out = fn(all_gather_result, fsdp_params, *args, **kwargs)
+            for fsdp_param in fsdp_params:  # the unsharded parameters: weights, and cast by autocast
+                for t in fsdp_param.all_gather_outputs:
+                    tracker.mark(t, "weights")
+                    tracker._weight_cdatas.add(tracker._cdata(t))
+            return out
+        return wrapper
+
+    group_cls = _fsdp_param_group.FSDPParamGroup
+    original_post_backward = group_cls.post_backward
+
+    @functools.wraps(original_post_backward)
+    def post_backward(self, *args, **kwargs):
+        for fsdp_param in self.fsdp_params:
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                tracker.mark(unsharded.grad, "gradients")
+            tracker.mark(getattr(fsdp_param, "unsharded_accumulated_grad", None), "gradients")
+        return original_post_backward(self, *args, **kwargs)
+
+    patches = [
+        (_fsdp_param, "alloc_storage", resized(_fsdp_param.alloc_storage, "fsdp unsharded parameter")),
+        (_fsdp_param, "free_storage", resized(_fsdp_param.free_storage, "fsdp unsharded parameter")),
+        (_fsdp_param_group, "alloc_storage", resized(_fsdp_param_group.alloc_storage, "fsdp unsharded parameter")),
+        (_fsdp_param_group, "foreach_all_gather", forced(_fsdp_param_group.foreach_all_gather, "weights")),
+        (_fsdp_param_group, "foreach_all_gather_copy_out", copy_out(_fsdp_param_group.foreach_all_gather_copy_out)),
+        (_fsdp_param_group, "foreach_reduce", forced(_fsdp_param_group.foreach_reduce, "gradients")),
+        (group_cls, "post_backward", post_backward),
+    ]
+    for owner, name, new in patches:
+        old = owner.__dict__[name]
+        setattr(owner, name, new)
+        tracker._restore.append(functools.partial(setattr, owner, name, old))
+
+
+__all__ = ["launch", "in_worker", "wrap_model", "attach", "decoder_layers"]

@@ -1,0 +1,143 @@
+"""Data-parallel measurements (recipe gpus / parallel, python/trainmem/measure/parallel.py)."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+from measure_common import load_measure  # noqa: E402
+
+load_measure()
+from trainmem.measure import measure  # noqa: E402
+from trainmem.measure.cli import main  # noqa: E402
+from trainmem.measure.recipe import Recipe, RecipeError  # noqa: E402
+from trainmem.measure.run import default_command  # noqa: E402
+from trainmem.measure.models import resolve_model  # noqa: E402
+
+
+# ---------------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("knobs,message", [
+    ({"gpus": 2}, "gpus=2 needs a data-parallel wrapper: parallel ddp or fsdp"),
+    ({"gpus": 0, "parallel": "ddp"}, "gpus must be an integer between 1 and 4096, got 0"),
+    ({"gpus": True, "parallel": "ddp"}, "gpus must be an integer"),
+    ({"gpus": 2.0, "parallel": "ddp"}, "gpus must be an integer"),
+    ({"gpus": 2, "parallel": "zero3"}, "parallel='zero3' is not one of none, ddp, fsdp"),
+    ({"gpus": 2, "parallel": "ddp", "mode": "inference", "precision": "bf16-true"}, "is a training knob"),
+    ({"gpus": 2, "parallel": "ddp", "lora_rank": 8}, "with LoRA is not measured"),
+    ({"gpus": 2, "parallel": "fsdp", "precision": "bf16-master"}, "MixedPrecisionPolicy"),
+    ({"gpus": 2, "parallel": "fsdp", "precision": "fp16-mixed"}, "MixedPrecisionPolicy"),
+    ({"gpus": 2, "parallel": "fsdp", "optimizer": "adafactor"}, "local shards of DTensor"),
+    ({"gpus": 2, "parallel": "fsdp", "loss": "fused"}, "loss=fused is not measured"),
+])
+def test_bad_parallel_knobs_are_refused(knobs, message):
+    with pytest.raises(RecipeError, match=None) as info:
+        Recipe(**knobs)
+    assert message in str(info.value)
+
+
+def test_parallel_knobs_accepted():
+    assert Recipe(gpus=1, parallel="ddp").is_parallel
+    assert Recipe(gpus=8, parallel="fsdp", precision="bf16-true").gpus == 8
+    assert Recipe(gpus=2, parallel="ddp", precision="bf16-master", optimizer="adafactor").parallel == "ddp"
+    assert not Recipe().is_parallel
+
+
+def test_single_process_recipe_json_is_unchanged():
+    """gpus 1 / parallel none: the JSON recipe has the keys it had before the knobs existed."""
+    single = Recipe(batch=2, seq=8, precision="fp32").as_dict()
+    assert "gpus" not in single and "parallel" not in single
+    parallel = Recipe(batch=2, seq=8, precision="fp32", gpus=2, parallel="ddp").as_dict()
+    assert parallel["gpus"] == 2 and parallel["parallel"] == "ddp"
+    assert Recipe.from_dict(parallel) == Recipe(batch=2, seq=8, precision="fp32", gpus=2, parallel="ddp")
+    assert Recipe.from_dict(single) == Recipe(batch=2, seq=8, precision="fp32")
+
+
+def test_command_names_the_flags():
+    spec = resolve_model("gpt2")
+    cmd = default_command(spec, Recipe(gpus=2, parallel="fsdp", precision="fp32"), device="cpu", fake=False)
+    assert "--gpus 2 --parallel fsdp" in cmd
+    assert "--gpus" not in default_command(spec, Recipe(precision="fp32"), device="cpu", fake=False)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["gpt2", "--gpus", "2"], "gpus=2 needs a data-parallel wrapper"),
+    (["gpt2", "--gpus", "x", "--parallel", "ddp"], "argument --gpus: invalid int value: 'x'"),
+    (["gpt2", "--parallel", "zero"], "argument --parallel: invalid choice: 'zero'"),
+    (["gpt2", "--gpus", "2", "--parallel", "ddp", "--fake"], "cannot run on fake tensors"),
+])
+def test_bad_parallel_flags_exit_2(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("trainmem-measure: error: ")
+    assert message in err
+
+
+# ---------------------------------------------------------------------------------- a real run
+
+
+def _can_spawn() -> bool:
+    import multiprocessing
+    import time
+
+    try:
+        proc = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(0,))
+        proc.start()
+        proc.join(60)
+        return proc.exitcode == 0
+    except (OSError, RuntimeError):
+        return False
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2(tmp_path_factory):
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("torch.distributed with gloo is not available")
+    if not _can_spawn():
+        pytest.skip("cannot spawn processes here")
+    path = tmp_path_factory.mktemp("parallel") / "config.json"
+    path.write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 64,
+                                "vocab_size": 256, "tie_word_embeddings": True}))
+    return path
+
+
+def _param_bytes(result) -> int:
+    return result["parameters"] * 4  # fp32
+
+
+def test_ddp_world_size_2(tiny_gpt2):
+    base = dict(batch=2, seq=8, precision="fp32", optimizer="sgd")
+    single = measure(str(tiny_gpt2), Recipe(**base))
+    ddp = measure(str(tiny_gpt2), Recipe(**base, gpus=2, parallel="ddp"))
+    info = ddp["diagnostics"]["parallel"]
+    assert info["world_size"] == 2 and info["ranks_identical"], info
+    assert ddp["recipe"]["gpus"] == 2 and ddp["recipe"]["parallel"] == "ddp"
+    assert "--gpus 2 --parallel ddp" in ddp["command"]
+    # Same weights and optimizer states; the Reducer's buckets hold a second copy of the gradients,
+    # allocated once at construction and once more when DDP rebuilds them at the second forward.
+    assert ddp["breakdown_at_peak"]["weights"] == single["breakdown_at_peak"]["weights"]
+    grads = ddp["diagnostics"]["allocated_bytes_by_category"]["gradients"]
+    single_grads = single["diagnostics"]["allocated_bytes_by_category"]["gradients"]
+    assert grads - single_grads >= 2 * _param_bytes(ddp)
+    assert ddp["peak_allocated_bytes"] >= single["peak_allocated_bytes"] + _param_bytes(ddp)
+
+
+def test_fsdp_world_size_2(tiny_gpt2):
+    result = measure(str(tiny_gpt2), Recipe(batch=2, seq=8, precision="fp32", optimizer="adamw", gpus=2,
+                                            parallel="fsdp"))
+    info = result["diagnostics"]["parallel"]
+    assert info["world_size"] == 2 and len(info["ranks"]) == 2
+    assert result["parameters"] > 0  # DTensor numel is the global one
+    end = result["diagnostics"]["live_bytes_at_end"]
+    # After the step only the sharded parameters are left: about half of the model per rank.
+    assert 0.45 * _param_bytes(result) <= end["weights"] <= 0.6 * _param_bytes(result)
+    assert result["diagnostics"]["untracked_inputs"] == 0
