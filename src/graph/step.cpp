@@ -171,6 +171,7 @@ class StepBuilder {
         t_.micro = micro;
         ValueId loss = forward_and_loss();
         backward(loss);
+        t_.seal_categories();  // the replay reads the events so far now
         const MicroBatchNext next = hook_ ? hook_(t_.trace(), step, micro) : MicroBatchNext::kGoOn;
         if (next == MicroBatchNext::kStop) return finish_trace();  // the replay has its answer
         if (next == MicroBatchNext::kSkipRest) {

@@ -34,6 +34,17 @@ void Tape::at(Phase phase, std::int32_t layer, std::string_view op) {
   moment_ = static_cast<std::uint32_t>(trace_.moments.size() - 1);
 }
 
+// A storage's category is read by the replay when it consumes the allocation; every change must
+// come before that (the categories of docs/schema.md are what a storage *becomes*).
+void Tape::recategorize(TensorId id, Category c) {
+  Storage& s = trace_.storages[id];
+  if (s.category == c) return;
+  TRAINMEM_ASSERT(id >= sealed_storages_, "a storage's category changed after the replay read it");
+  s.category = c;
+}
+
+void Tape::set_category(TensorId id, Category c) { recategorize(id, c); }
+
 TensorId Tape::alloc_bytes(std::uint64_t bytes, Category category) {
   TensorId id = static_cast<TensorId>(trace_.storages.size());
   trace_.storages.push_back({bytes, category, 1});
@@ -78,7 +89,7 @@ void Tape::record(Node node) {
     for (TensorId id : node.saved) {
       retain(id);
       Storage& s = trace_.storages[id];
-      if (s.category == Category::kTemporaries) s.category = Category::kActivations;
+      if (s.category == Category::kTemporaries) recategorize(id, Category::kActivations);
     }
   } else if (!node.recompute) {
     node.saved.clear();
@@ -119,17 +130,17 @@ void Tape::accumulate_param(const ParamGrad& pg, TensorId g) {
   if (pending.size() > 1) {
     TensorId sum = alloc_bytes(trace_.storages[g].bytes, Category::kTemporaries);
     for (TensorId part : pending) {
-      trace_.storages[part].category = Category::kTemporaries;
+      recategorize(part, Category::kTemporaries);
       release(part);
     }
     g = sum;
   }
   pending.clear();
   if (slot == kNone) {
-    trace_.storages[g].category = Category::kGradients;  // stolen into .grad
+    recategorize(g, Category::kGradients);  // stolen into .grad
     slot = g;
   } else {
-    trace_.storages[g].category = Category::kTemporaries;
+    recategorize(g, Category::kTemporaries);
     release(g);  // added in place into the existing .grad
   }
 }

@@ -136,7 +136,10 @@ class Tape {
     t.id = kNone;
   }
   Category category(TensorId id) const { return trace_.storages[id].category; }
-  void set_category(TensorId id, Category c) { trace_.storages[id].category = c; }
+  void set_category(TensorId id, Category c);
+  // Called at each micro-batch boundary, where sim::Replay reads the events so far: from then on
+  // the storages allocated before keep their categories (a change asserts).
+  void seal_categories() { sealed_storages_ = static_cast<TensorId>(trace_.storages.size()); }
 
   // ---- autograd ----
   ValueId new_value(std::uint64_t grad_bytes);
@@ -165,7 +168,10 @@ class Tape {
   void deliver(ValueId v, TensorId g);
   void accumulate_param(const ParamGrad& pg, TensorId g);
 
+  void recategorize(TensorId id, Category c);
+
   Trace trace_;
+  TensorId sealed_storages_ = 0;  // storages below this id keep their categories
   MomentTag tag_;
   std::uint32_t moment_ = 0;
   std::vector<Node> nodes_;

@@ -12,7 +12,9 @@
 #include <algorithm>
 #include <future>
 #include <map>
+#include <optional>
 #include <thread>
+#include <tuple>
 #include <numeric>
 #include <string>
 
@@ -56,7 +58,8 @@ class Planner {
     for (std::size_t i = 0; i < todo.size(); ++i) remember(*todo[i], jobs[i].get(), limit);  // rethrows here
   }
 
-  std::uint64_t simulated() const { return simulated_; }
+  // Distinct recipes replayed or probed (a probe later replayed to the end counts once).
+  std::uint64_t recipes_replayed() const { return memo_.size(); }
 
  private:
   struct Known {
@@ -79,10 +82,7 @@ class Planner {
     return p;
   }
 
-  void remember(const Recipe& r, const Plan& p, std::uint64_t limit) {
-    ++simulated_;
-    memo_[key(r)] = Known{p, limit};
-  }
+  void remember(const Recipe& r, const Plan& p, std::uint64_t limit) { memo_[key(r)] = Known{p, limit}; }
 
   Plan compute(const Recipe& r, std::uint64_t limit) const {
     Plan p;
@@ -113,7 +113,6 @@ class Planner {
   }
 
   const Model& m_;
-  std::uint64_t simulated_ = 0;
   std::map<std::string, Known> memo_;
 };
 
@@ -227,10 +226,6 @@ FitResult fit(const Model& model, const FitRequest& q) {
     throw Error("global_batch: " + std::to_string(out.global_batch) + " needs more than " +
                 std::to_string(kMaxAccum) + " micro-batches per GPU at any power-of-two micro-batch");
   }
-  const std::vector<Precision> precisions = values(
-      q, "precision", base.precision,
-      gpu.bf16 ? std::vector<Precision>{Precision::kBf16Mixed, Precision::kBf16True, Precision::kBf16Master, Precision::kFp32}
-               : std::vector<Precision>{Precision::kFp16Mixed, Precision::kFp32});
   const auto optimizers = values(q, "optimizer", base.optimizer,
                                  {Optimizer::kAdamWFused, Optimizer::kAdamW, Optimizer::kAdamW8bit, Optimizer::kAdafactor});
   const auto ckpts = values(q, "checkpointing", base.checkpointing, {Checkpointing::kNone, Checkpointing::kFull});
@@ -242,33 +237,45 @@ FitResult fit(const Model& model, const FitRequest& q) {
     StepTime t;
     std::uint64_t floor = 0;
   };
-  std::vector<Candidate> space;
-  for (std::uint64_t b : batches) {
-    for (Precision p : precisions) {
-      for (Optimizer o : optimizers) {
-        for (Checkpointing c : ckpts) {
-          for (Loss l : losses) {
-            Recipe r = base;
-            r.batch = b;
-            r.grad_accum = per_gpu / b;
-            r.precision = p;
-            r.optimizer = o;
-            r.checkpointing = c;
-            r.loss = l;
-            r.allocator = allocators.front();
-            if (!valid(r)) continue;
-            out.searched += allocators.size();
-            space.push_back({r, step_time(model, r), plan::persistent_floor(model, r)});
+  // The space on one GPU, fastest first there (precisions by what the GPU supports).
+  auto space_on = [&](const Gpu& g) {
+    const std::vector<Precision> precisions = values(
+        q, "precision", base.precision,
+        g.bf16 ? std::vector<Precision>{Precision::kBf16Mixed, Precision::kBf16True, Precision::kBf16Master, Precision::kFp32}
+               : std::vector<Precision>{Precision::kFp16Mixed, Precision::kFp32});
+    std::vector<Candidate> out_space;
+    for (std::uint64_t b : batches) {
+      for (Precision p : precisions) {
+        for (Optimizer o : optimizers) {
+          for (Checkpointing c : ckpts) {
+            for (Loss l : losses) {
+              Recipe r = base;
+              r.gpu = g.name;
+              r.batch = b;
+              r.grad_accum = per_gpu / b;
+              r.precision = p;
+              r.optimizer = o;
+              r.checkpointing = c;
+              r.loss = l;
+              r.allocator = allocators.front();
+              if (!valid(r)) continue;
+              out_space.push_back({r, step_time(model, r), plan::persistent_floor(model, r)});
+            }
           }
         }
       }
     }
-  }
-  std::stable_sort(space.begin(), space.end(),
-                   [](const Candidate& a, const Candidate& b) { return a.t.seconds < b.t.seconds; });
+    std::stable_sort(out_space.begin(), out_space.end(),
+                     [](const Candidate& a, const Candidate& b) { return a.t.seconds < b.t.seconds; });
+    return out_space;
+  };
+  const std::vector<Candidate> space = space_on(gpu);
+  out.searched = space.size() * allocators.size();
 
   const std::uint64_t usable = out.capacity_bytes;
-  const std::size_t window = std::clamp<std::size_t>(std::thread::hardware_concurrency(), 1, 8);
+  // Probes run kWindow at a time, in parallel; a fixed window keeps every count the same on any
+  // machine (a window can probe a few recipes past the last plan).
+  constexpr std::size_t window = 4;
   // Probes stop once reserved bytes pass the usable memory: exact about fitting, and most of the
   // fastest recipes do not fit.
   for (std::size_t i = 0; i < space.size() && out.plans.size() < q.top; ++i) {
@@ -330,24 +337,37 @@ FitResult fit(const Model& model, const FitRequest& q) {
       out.closest_miss = p;  // simulated false: a floor, the real peak is higher
       out.has_closest_miss = true;
     }
-    // What it takes: on each catalog GPU with more memory, the fastest recipe of the same space
-    // that fits there (probed on that GPU: the cuBLAS workspace differs by architecture). At most
-    // kOtherGpuProbes probes per GPU; a GPU where none of those fits is not listed.
-    constexpr int kOtherGpuProbes = 12;
+    // What it takes: on each catalog GPU with more memory, the fastest recipe of the space (timed
+    // and with the precisions of that GPU) that fits there. The GPU is tried only if its
+    // lowest-memory recipe fits (the smallest micro-batch, checkpointing and the fused loss when
+    // they are searched, the smallest floor, either allocator); then the walk, fastest first,
+    // ends at that recipe at the latest.
     for (const Gpu& g : gpus()) {
       if (g.capacity_bytes == 0 || g.usable_bytes() <= usable) continue;
-      int probes = 0;
-      for (const Candidate& c : space) {
-        if (probes >= kOtherGpuProbes) break;
-        Recipe r = c.r;
-        r.gpu = g.name;
-        const bool bf16 = r.precision == Precision::kBf16Mixed || r.precision == Precision::kBf16True ||
-                          r.precision == Precision::kBf16Master;
-        if ((bf16 && !g.bf16) || c.floor > g.usable_bytes()) continue;
-        const Plan p = judged(planner.probe(r, g.usable_bytes()), g.usable_bytes());
-        ++probes;
-        if (p.fits) {
-          out.fits_on.push_back({g.name, p});
+      const std::uint64_t room = g.usable_bytes();
+      const std::vector<Candidate> there = space_on(g);
+      const Candidate* lowest = nullptr;
+      for (const Candidate& c : there) {
+        auto rank = [](const Candidate& x) {
+          return std::tuple(x.r.batch, x.r.checkpointing != Checkpointing::kFull, x.r.loss != Loss::kFused, x.floor);
+        };
+        if (!lowest || rank(c) < rank(*lowest)) lowest = &c;
+      }
+      if (!lowest || lowest->floor > room) continue;
+      auto fits_there = [&](const Candidate& c) -> std::optional<Plan> {
+        if (c.floor > room) return std::nullopt;
+        for (AllocatorMode a : allocators) {
+          Recipe r = c.r;
+          r.allocator = a;
+          const Plan p = judged(planner.probe(r, room), room);
+          if (p.fits) return p;
+        }
+        return std::nullopt;
+      };
+      if (!fits_there(*lowest)) continue;
+      for (const Candidate& c : there) {
+        if (auto p = fits_there(c)) {
+          out.fits_on.push_back({g.name, *p});
           break;
         }
       }
@@ -405,7 +425,7 @@ FitResult fit(const Model& model, const FitRequest& q) {
   std::stable_sort(out.changes.begin(), out.changes.end(), [](const Change& a, const Change& b) {
     return a.plan.peak_reserved_bytes < b.plan.peak_reserved_bytes;
   });
-  out.simulated = planner.simulated();
+  out.simulated = planner.recipes_replayed();
   return out;
 }
 

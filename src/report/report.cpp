@@ -147,9 +147,10 @@ std::string fit_to_text(const std::string& model, const FitResult& f) {
       detail::format_bytes(f.gpu.capacity_bytes).c_str());
   add("seq %llu, global batch %llu sequences per optimizer step\n", static_cast<unsigned long long>(b.seq),
       static_cast<unsigned long long>(f.global_batch));
-  add("searched %llu recipes fastest first: %llu replayed, %llu ruled out by their floor (weights, gradients, states)\n\n",
-      static_cast<unsigned long long>(f.searched), static_cast<unsigned long long>(f.simulated),
-      static_cast<unsigned long long>(f.pruned));
+  add("searched %llu recipes fastest first, %llu of them ruled out by their floor (weights, gradients, states);\n"
+      "%llu recipes replayed or probed in all (your recipe, its single changes and other GPUs included)\n\n",
+      static_cast<unsigned long long>(f.searched), static_cast<unsigned long long>(f.pruned),
+      static_cast<unsigned long long>(f.simulated));
   if (!f.plans.empty()) {
     add("%3s %-11s %-11s %-11s %-4s %-8s %-10s %12s %12s %10s\n", "#", "batch x acc", "precision", "optimizer",
         "ckpt", "loss", "allocator", "reserved", "allocated", "step time");
@@ -174,8 +175,8 @@ std::string fit_to_text(const std::string& model, const FitResult& f) {
             detail::format_bytes(o.plan.peak_reserved_bytes).c_str(), o.plan.time.seconds);
       }
     } else {
-      add("no single GPU of the catalog holds any of these recipes; sharding over several GPUs (ZeRO, FSDP)\n"
-          "is not modelled yet.\n");
+      add("no larger GPU of the catalog fits even the search's lowest-memory recipe (smallest micro-batch,\n"
+          "checkpointing, fused loss, smallest floor); sharding over several GPUs (ZeRO, FSDP) is not modelled yet.\n");
     }
   }
   add("\nyour recipe: %s\n", recipe_words(b).c_str());

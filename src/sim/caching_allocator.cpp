@@ -72,23 +72,33 @@ CachingAllocator::CachingAllocator(AllocatorConfig config)
     : config_(config),
       unmapped_{UnmappedSet(NodeAllocator<AddressKey>(&node_pool_)),
                 UnmappedSet(NodeAllocator<AddressKey>(&node_pool_))} {
-  const unsigned div = config_.roundup_power2_divisions;
+  validate(config_);
+}
+
+void CachingAllocator::validate(const AllocatorConfig& config) {
+  const unsigned div = config.roundup_power2_divisions;
   if (div != 0 && !std::has_single_bit(div)) {
     throw std::invalid_argument("roundup_power2_divisions=" + std::to_string(div) +
                                 " is not a power of two; use 0 (off), 1, 2, 4, 8 or 16");
   }
-  if (config_.max_split_size_bytes < kLargeSegmentBytes) {
+  if (config.max_split_size_bytes < kLargeSegmentBytes) {
     throw std::invalid_argument("max_split_size_bytes=" +
-                                std::to_string(config_.max_split_size_bytes) +
+                                std::to_string(config.max_split_size_bytes) +
                                 " is below the 20971520-byte (20 MiB) minimum; use at least "
                                 "20 MiB, or UINT64_MAX for no limit");
   }
-  if (config_.max_non_split_rounding_bytes < kLargeSegmentBytes) {
+  if (config.max_non_split_rounding_bytes < kLargeSegmentBytes) {
     throw std::invalid_argument("max_non_split_rounding_bytes=" +
-                                std::to_string(config_.max_non_split_rounding_bytes) +
+                                std::to_string(config.max_non_split_rounding_bytes) +
                                 " is below the 20971520-byte (20 MiB) minimum; use at least "
                                 "20 MiB");
   }
+}
+
+void CachingAllocator::reset(AllocatorConfig config) {
+  validate(config);
+  reset();
+  config_ = config;
 }
 
 CachingAllocator::~CachingAllocator() = default;

@@ -84,10 +84,10 @@ struct AllocatorConfig {
   unsigned roundup_power2_divisions = 0;
 };
 
-// Replays one device's caching allocator. Single-threaded; O(log n) per event
-// in the number of cached blocks, and no heap allocation once the replay has
-// warmed up. Not copyable or movable (the free sets draw their nodes from a
-// pool owned by the object); reset() reuses it.
+// Replays one device's caching allocator. Single-threaded; best fit is a binary
+// search over the distinct sizes of cached blocks (FreeIndex), and a warmed-up
+// replay allocates almost nothing. Not copyable or movable (the unmapped-range
+// sets draw their nodes from a pool owned by the object); reset() reuses it.
 class CachingAllocator {
  public:
   using BlockId = std::uint32_t;
@@ -157,11 +157,11 @@ class CachingAllocator {
   void reset_peak_stats() noexcept;
   // Back to the freshly constructed state with the same config, keeping storage.
   void reset();
-  // reset() with another config (a pooled allocator serving the next replay).
-  void reset(AllocatorConfig config) {
-    reset();
-    config_ = config;
-  }
+  // reset() with another config (a pooled allocator serving the next replay); validated as the
+  // constructor validates it.
+  void reset(AllocatorConfig config);
+  // Throws std::invalid_argument for a config PyTorch would not accept (see the constructor).
+  static void validate(const AllocatorConfig& config);
 
   const AllocatorConfig& config() const noexcept { return config_; }
 

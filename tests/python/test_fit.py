@@ -53,7 +53,7 @@ def test_nothing_fits_names_the_closest_miss(run):
     r = run("fit", "llama-3.1-70b", "--gpu", "rtx-4090", "--seq", "4096", timeout=120)
     assert r.returncode == 0, r.stderr
     assert "nothing fits" in r.stdout and "closest:" in r.stdout
-    assert "no single GPU of the catalog" in r.stdout  # 70B weights and gradients alone: 262 GB
+    assert "no larger GPU of the catalog fits" in r.stdout  # 70B weights and gradients alone: 262 GB
     j = json.loads(run("fit", "llama-3.1-70b", "--gpu", "rtx-4090", "--seq", "4096", "--json", timeout=120).stdout)
     assert j["plans"] == [] and j["fits_on"] == []
     assert j["closest_miss"]["lacks_bytes"] > 0
@@ -63,11 +63,21 @@ def test_nothing_fits_says_what_it_takes(run):
     j = json.loads(run("fit", "llama-3.1-8b", "--gpu", "rtx-4090", "--seq", "4096", "--json", timeout=120).stdout)
     assert j["plans"] == []
     on = {o["gpu"]: o for o in j["fits_on"]}
-    assert "h100-80gb" in on and "rtx-3090" not in on
+    assert "h100-80gb" in on and "l40s-48gb" in on and "rtx-3090" not in on
     for name, o in on.items():
         gpu = next(g for g in json.loads(run("gpus", "--json").stdout) if g["name"] == name)
         assert o["fits"] and o["peak_reserved_bytes"] <= gpu["usable_bytes"]
         assert o["recipe"]["gpu"] == name
+
+
+def test_what_it_takes_uses_each_gpus_own_precisions(run):
+    # From a T4 (no bf16) the bigger GPUs are searched with bf16 where they have it.
+    j = json.loads(run("fit", "llama-3.2-3b", "--gpu", "t4-16gb", "--seq", "4096", "--global-batch", "8", "--json",
+                       timeout=300).stdout)
+    assert j["plans"] == []
+    on = {o["gpu"]: o for o in j["fits_on"]}
+    assert "l40s-48gb" in on and "rtx-4090" in on
+    assert on["rtx-4090"]["recipe"]["precision"].startswith("bf16")
 
 
 @pytest.mark.parametrize("args,message", [
