@@ -7,7 +7,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
@@ -167,15 +166,17 @@ TEST(Generation, ReportsSayWhatWasGenerated) {
   EXPECT_NE(json.find("\"trainable_parameters\":0"), std::string::npos) << json;
 }
 
-TEST(Generation, BigModelsStayCheap) {
+// A full-size model with a long generation is estimated (how long it takes is bench/'s business,
+// not a test's): the peak holds the bf16 weights and at least the prompt's KV cache.
+TEST(Generation, FullSizeModelWithALongGeneration) {
   const Model m = load_model("llama-3.1-70b");
   Recipe r = generation(1, 2048, 128, 1);
   r.gpu = "h100-80gb";
-  const auto start = std::chrono::steady_clock::now();
   const Estimate est = estimate(m, r);
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  EXPECT_GT(est.peak_allocated_bytes, 0u);
-  EXPECT_LT(seconds, 5.0);  // about 0.3 s on a laptop core
+  const Architecture& a = m.arch;
+  const std::uint64_t prompt_kv = 2 * a.num_layers * a.num_kv_heads * 2048 * a.head_dim * 2;
+  EXPECT_GE(est.breakdown_at_peak[static_cast<std::size_t>(Category::kWeights)], m.parameter_count * 2);
+  EXPECT_GE(est.breakdown_at_peak[static_cast<std::size_t>(Category::kActivations)], prompt_kv);
 }
 
 TEST(Generation, TooManyLayerPassesIsAnError) {
