@@ -579,9 +579,9 @@ class StepBuilder {
     return y;
   }
 
-  // Batched matmul a @ b: each operand is saved for the other's gradient; each operand that
-  // requires grad gets a gradient of its own size.
-  T bmm(const T& a, const T& b, std::uint64_t out_numel, DType d) {
+  // A product of two tensors (a @ b, a * b): each operand is saved for the other's gradient, and
+  // each operand that requires grad gets a gradient of its own size.
+  T product(const T& a, const T& b, std::uint64_t out_numel, DType d) {
     T y = fresh(out_numel, d);
     if (!a.requires_grad() && !b.requires_grad()) return y;
     requires_grad(y);
@@ -593,20 +593,8 @@ class StepBuilder {
     t_.record(std::move(nd));
     return y;
   }
-
-  // a * b of two tensors: each factor is saved for the other's gradient.
-  T mul(const T& a, const T& b, std::uint64_t numel, DType d) {
-    T y = fresh(numel, d);
-    if (!a.requires_grad() && !b.requires_grad()) return y;
-    requires_grad(y);
-    Node nd = node(y);
-    if (b.requires_grad()) nd.saved.push_back(a.id);
-    if (a.requires_grad()) nd.saved.push_back(b.id);
-    if (a.requires_grad()) nd.inputs.push_back(grad_of(a));
-    if (b.requires_grad()) nd.inputs.push_back(grad_of(b));
-    t_.record(std::move(nd));
-    return y;
-  }
+  T bmm(const T& a, const T& b, std::uint64_t out_numel, DType d) { return product(a, b, out_numel, d); }
+  T mul(const T& a, const T& b, std::uint64_t numel, DType d) { return product(a, b, numel, d); }
 
   // softmax over the last dim, in x's dtype: the output is what its backward saves.
   T softmax(const T& x) {
