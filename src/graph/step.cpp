@@ -2687,20 +2687,7 @@ class StepBuilder {
       k.numel = r * kvw;
       T v = t_.ref(qkv);
       v.numel = r * kvw;
-      op("self_attn.rotary");
-      T qr = g_rope(q);
-      T kr = g_rope(k);
-      t_.drop(q);
-      t_.drop(k);
-      cache_update(l, kr, v);
-      t_.drop(kr);
-      t_.drop(v);
-      T o = g_attention_core(qr, l, false);
-      T y = proj(o, "self_attn.o_proj", lp.o, lp.o_b, a_.hidden_size);
-      t_.drop(o);
-      t_.drop(qkv);
-      t_.drop(qr);
-      return y;
+      return g_attend(q, k, v, l, /*q_bshd=*/false, &qkv);
     }
     T q = proj(x, "self_attn.q_proj", lp.q, lp.q_b, qw);
     if (lp.q_norm != kNone) {
@@ -2715,6 +2702,14 @@ class StepBuilder {
       k = kn;
     }
     T v = proj(x, "self_attn.v_proj", lp.v, lp.v_b, kvw);
+    return g_attend(q, k, v, l, /*q_bshd=*/true, nullptr);
+  }
+
+  // The attention block after its projections: rotary on q and k, the cache update, attention
+  // and o_proj, releasing each tensor where the Python variable dies. `fused` is Phi-3's qkv
+  // output (q, k and v are views of it), released after o_proj.
+  T g_attend(T& q, T& k, T& v, std::uint32_t l, bool q_bshd, T* fused) {
+    const LayerParams& lp = layers_[l];
     op("self_attn.rotary");
     T qr = g_rope(q);
     T kr = g_rope(k);
@@ -2723,9 +2718,10 @@ class StepBuilder {
     cache_update(l, kr, v);
     t_.drop(kr);
     t_.drop(v);
-    T o = g_attention_core(qr, l, true);
+    T o = g_attention_core(qr, l, q_bshd);
     T y = proj(o, "self_attn.o_proj", lp.o, lp.o_b, a_.hidden_size);
     t_.drop(o);
+    if (fused) t_.drop(*fused);
     t_.drop(qr);
     return y;
   }
