@@ -26,10 +26,6 @@ namespace {
 
 constexpr std::uint64_t kMaxAccum = 1024;  // Recipe::validate's bound
 
-bool is_half_param(Precision p) {
-  return p == Precision::kBf16Master || p == Precision::kBf16True || p == Precision::kFp16True;
-}
-
 // Replays for the planner, memoized by recipe. A probe may stop early (Note [Stopping early] in
 // sim/simulator.cpp): it answers "does it fit under `limit`?" exactly, and its peaks are then only
 // "more than the limit". A full replay always runs to the end.
@@ -144,7 +140,7 @@ bool valid(const Recipe& r) {
 }  // namespace
 
 std::uint64_t plan::persistent_floor(const Model& m, const Recipe& r) {
-  const std::uint64_t pb = is_half_param(r.precision) ? 2 : 4;
+  const std::uint64_t pb = parameter_bytes(r.precision);
   std::uint64_t weights = 0;
   for (const ParameterGroup& g : m.parameters) {
     weights = detail::add(weights, detail::mul({g.numel, g.count, pb}, "parameter bytes"), "parameter bytes");
@@ -154,7 +150,7 @@ std::uint64_t plan::persistent_floor(const Model& m, const Recipe& r) {
   // Every parameter's .grad (in the parameter's dtype) exists when the optimizer step starts.
   std::uint64_t extra = detail::mul(n, pb, "gradient bytes");
   if (r.precision == Precision::kBf16Master) extra = detail::add(extra, detail::mul(n, 4, "master bytes"), "master bytes");
-  const std::uint64_t sb = r.precision == Precision::kBf16True || r.precision == Precision::kFp16True ? 2 : 4;
+  const std::uint64_t sb = state_bytes(r.precision);
   switch (r.optimizer) {
     case Optimizer::kAdamW:
     case Optimizer::kAdamWFused: extra = detail::add(extra, detail::mul({n, 2, sb}, "state bytes"), "state bytes"); break;

@@ -5,6 +5,16 @@
 
 namespace trainmem::plan {
 
+// Bytes per parameter element, and per element of full-size optimizer state, under a precision
+// policy (Note [Precision policies] in graph/step.cpp): half weights for bf16-master and the
+// *-true policies; half states only for *-true (bf16-master keeps fp32 masters and states).
+inline std::uint64_t parameter_bytes(Precision p) {
+  return p == Precision::kBf16Master || p == Precision::kBf16True || p == Precision::kFp16True ? 2 : 4;
+}
+inline std::uint64_t state_bytes(Precision p) {
+  return p == Precision::kBf16True || p == Precision::kFp16True ? 2 : 4;
+}
+
 // Bytes alive together when step 2's optimizer step starts (weights, fp32 masters, every
 // parameter's gradient, optimizer states): the peak of a two-step estimate is never below it.
 std::uint64_t persistent_floor(const Model& m, const Recipe& r);

@@ -24,6 +24,7 @@
 #include <string>
 
 #include "common/checked.h"
+#include "plan/plan.h"
 
 namespace trainmem {
 namespace {
@@ -35,9 +36,6 @@ constexpr double kKernelsPerLayer = 75;     // ~25 forward + ~50 backward kernel
 constexpr double kElementwisePasses = 3;    // forward, and twice that in backward: 1 + 2
 
 bool half_compute(Precision p) { return p != Precision::kFp32; }
-std::uint64_t param_bytes(Precision p) {
-  return p == Precision::kBf16Master || p == Precision::kBf16True || p == Precision::kFp16True ? 2 : 4;
-}
 
 struct MatmulCounts {
   double trainable = 0;  // weight elements that get gradients
@@ -111,9 +109,10 @@ StepTime step_time(const Model& model, const Recipe& spelled) {
   if (recipe.checkpointing == Checkpointing::kFull) layer_bytes *= 4.0 / 3.0;
   const double V = static_cast<double>(a.vocab_size);
   const double loss_bytes = tokens * V * (recipe.loss == Loss::kFused ? 2 * act + 8 : 2 * (2 * act + 12));
-  const double pb = static_cast<double>(param_bytes(recipe.precision));
+  const double pb = static_cast<double>(plan::parameter_bytes(recipe.precision));
   const bool master = recipe.precision == Precision::kBf16Master;
-  const double sb = master || pb == 4 || recipe.lora.enabled() ? 4 : 2;  // state dtype
+  // State dtype: LoRA adapters are fp32 whatever the base (Note [LoRA]).
+  const double sb = recipe.lora.enabled() ? 4 : static_cast<double>(plan::state_bytes(recipe.precision));
   const double gb = master ? 4 : (recipe.lora.enabled() ? 4 : pb);       // gradient seen by the optimizer
   const double wb = recipe.lora.enabled() ? 4 : (master ? 4 : pb);       // weight the optimizer updates
   double per_param = 0;
