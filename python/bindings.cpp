@@ -84,6 +84,7 @@ NB_MODULE(_core, m) {
       });
 
   m.def("estimate", &run_estimate, "model"_a, "recipe"_a, "timeline"_a);
+  m.def("fit_knobs", &trainmem::fit_knobs);
   m.def("fit", &run_fit, "model"_a, "recipe"_a, "gpus"_a, "global_batch"_a, "fixed"_a, "top"_a);
   m.def("catalog_json", []() {
     std::string out = "[";

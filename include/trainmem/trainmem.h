@@ -343,5 +343,7 @@ struct FitResult {
 // global batch, precision, optimizer, checkpointing, loss, allocator (knobs in `fixed` held).
 // Throws Error on a request that cannot be planned (e.g. a global batch the GPUs cannot split).
 FitResult fit(const Model& model, const FitRequest& request);
+// The knob names FitRequest::fixed may hold (the recipe spellings of the knobs fit() searches).
+const std::vector<std::string>& fit_knobs();
 
 }  // namespace trainmem

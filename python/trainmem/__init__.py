@@ -147,21 +147,18 @@ class FitResult:
         return self._text
 
 
-# Knobs fit() searches unless the caller sets them.
-SEARCHED_KNOBS = ("batch", "precision", "optimizer", "checkpointing", "attention", "loss", "allocator")
-
-
 def fit(model: str, *, gpus: int = 1, global_batch: int | None = None, top: int = 10,
         **recipe: Any) -> FitResult:
     """Recipes that fit `gpu` (a recipe knob, default h100-80gb), fastest first, plus what each
-    single change of the given recipe saves. Knobs passed here are held fixed, the others of
-    SEARCHED_KNOBS are searched, as with `trainmem fit`. Raises ValueError on bad input."""
+    single change of the given recipe saves. Of the knobs the planner searches (_core.fit_knobs():
+    batch, precision, optimizer, checkpointing, loss, allocator), those passed here are held and
+    the others searched, as with `trainmem fit`. Raises ValueError on bad input."""
     from . import _core
 
     for name, value in (("gpus", gpus), ("top", top), ("global_batch", global_batch or 1)):
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 2**64:
             raise ValueError(f"{name}: must be a positive integer, got {value!r}")
-    fixed = [k for k in SEARCHED_KNOBS if k in recipe]
+    fixed = [k for k in _core.fit_knobs() if k in recipe]
     out, text = _core.fit(_source(model), _spelling(recipe), gpus, global_batch or 0, fixed, top)
     data = json.loads(out)
     data["_text"] = text.decode("utf-8", "replace")

@@ -3,6 +3,7 @@
 // Output contract: on success the whole report is built first and printed at once; on bad
 // input one line "trainmem: error: ..." goes to stderr, exit code 2, and nothing to stdout.
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <fstream>
@@ -310,10 +311,8 @@ int main(int argc, char** argv) {
       q.global_batch = fit_global == "0" ? 0 : parse_count(fit_global, "global_batch");
       q.top = parse_count(fit_top, "top");
       for (const std::string& k : fit_flags.given()) {
-        if (k == "batch" || k == "precision" || k == "optimizer" || k == "checkpointing" || k == "attention" ||
-            k == "loss" || k == "allocator") {
-          q.fixed.push_back(k);
-        }
+        const auto& knobs = trainmem::fit_knobs();
+        if (std::find(knobs.begin(), knobs.end(), k) != knobs.end()) q.fixed.push_back(k);
       }
       const trainmem::Model m = trainmem::load_model(fit_model);
       const trainmem::FitResult f = trainmem::fit(m, q);

@@ -161,6 +161,12 @@ std::uint64_t plan::persistent_floor(const Model& m, const Recipe& r) {
   return detail::add(weights, extra, "persistent bytes");
 }
 
+const std::vector<std::string>& fit_knobs() {
+  static const std::vector<std::string> kKnobs = {"batch", "precision", "optimizer", "checkpointing",
+                                                  "attention", "loss", "allocator"};
+  return kKnobs;
+}
+
 FitResult fit(const Model& model, const FitRequest& q) {
   q.base.validate();
   if (q.base.mode != Mode::kTraining) throw Error("mode: fit plans training recipes; estimate a generation with `estimate --inference`");
@@ -171,9 +177,7 @@ FitResult fit(const Model& model, const FitRequest& q) {
   }
   if (q.top < 1 || q.top > 1000) throw Error("top: must be between 1 and 1000, got " + std::to_string(q.top));
   for (const std::string& k : q.fixed) {
-    static constexpr std::string_view kKnobs[] = {"batch", "precision", "optimizer", "checkpointing",
-                                                   "attention", "loss", "allocator"};
-    if (std::find(std::begin(kKnobs), std::end(kKnobs), k) == std::end(kKnobs)) {
+    if (std::find(fit_knobs().begin(), fit_knobs().end(), k) == fit_knobs().end()) {
       throw Error("fixed: '" + k + "' is not a knob the planner searches");
     }
   }
