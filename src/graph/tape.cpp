@@ -9,6 +9,8 @@ namespace trainmem::graph {
 namespace {
 // Traces of finished estimates, emptied, for the next Tape on this thread (see recycle()).
 thread_local std::vector<Trace> t_spare_traces;
+// The same for the node list's capacity (thousands of nodes per pass).
+thread_local std::vector<std::vector<Node>> t_spare_nodes;
 }  // namespace
 
 void recycle(Trace&& trace) {
@@ -25,7 +27,19 @@ Tape::Tape() {
     trace_ = std::move(t_spare_traces.back());
     t_spare_traces.pop_back();
   }
+  if (!t_spare_nodes.empty()) {
+    nodes_ = std::move(t_spare_nodes.back());
+    t_spare_nodes.pop_back();
+    nodes_.clear();
+  }
   trace_.moments.push_back(tag_);
+}
+
+Tape::~Tape() {
+  if (t_spare_nodes.size() < 4 && nodes_.capacity() > 0) {
+    nodes_.clear();
+    t_spare_nodes.push_back(std::move(nodes_));
+  }
 }
 
 void Tape::at(Phase phase, std::int32_t layer, std::string_view op) {
@@ -158,8 +172,8 @@ void Tape::run_node(Node& n) {
     // Non-reentrant checkpoint: recompute the segment with saving on, then run its nodes. The
     // recompute appends to nodes_, so take what we need from `n` before it may move.
     auto recompute = std::move(n.recompute);
-    std::vector<TensorId> saved = std::move(n.saved);
-    std::vector<TensorId> kept = std::move(n.kept);
+    auto saved = std::move(n.saved);
+    auto kept = std::move(n.kept);
     MomentTag tag = n.tag;
     std::size_t begin = nodes_.size();
     bool was = saving;
@@ -181,9 +195,13 @@ void Tape::run_node(Node& n) {
     for (TensorId id : kept) release(id);
     return;
   }
-  std::vector<TensorId> scratch;
+  // The node's working lists live in the tape (a plain node never re-enters run_node).
+  std::vector<TensorId>& scratch = node_scratch_;
+  std::vector<TensorId>& grads = node_grads_;
+  std::vector<TensorId>& pgrads = node_pgrads_;
+  scratch.clear();
   for (std::uint64_t b : n.scratch) scratch.push_back(alloc_bytes(b, Category::kTemporaries));
-  std::vector<TensorId> grads(n.inputs.size(), kNone);
+  grads.assign(n.inputs.size(), kNone);
   for (std::size_t k = 0; k < n.inputs.size(); ++k) {
     const GradIn& in = n.inputs[k];
     if (in.discard) {
@@ -201,7 +219,7 @@ void Tape::run_node(Node& n) {
       grads[k] = alloc_bytes(in.bytes, Category::kTemporaries);
     }
   }
-  std::vector<TensorId> pgrads(n.params.size(), kNone);
+  pgrads.assign(n.params.size(), kNone);
   for (std::size_t k = 0; k < n.params.size(); ++k) {
     const ParamGrad& pg = n.params[k];
     if (pg.reuse != kNone) {

@@ -20,8 +20,13 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <functional>
+#include <initializer_list>
+#include <new>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "trainmem/trainmem.h"
@@ -31,6 +36,104 @@ namespace trainmem::graph {
 using TensorId = std::uint32_t;
 using ValueId = std::uint32_t;
 inline constexpr std::uint32_t kNone = UINT32_MAX;
+
+// A vector of trivially copyable values that keeps its first N in place: a node's lists
+// (saved tensors, inputs, scratch buffers, parameters) hold a handful of entries, and with a
+// std::vector each was a heap allocation per node, about an eighth of an estimate's time in
+// malloc and free. Only what the node code uses is offered.
+template <typename V, std::size_t N>
+class SmallVec {
+  static_assert(std::is_trivially_copyable_v<V>);
+
+ public:
+  SmallVec() = default;
+  SmallVec(std::initializer_list<V> il) { assign(il.begin(), il.end()); }
+  SmallVec(const SmallVec& o) { assign(o.begin(), o.end()); }
+  SmallVec(SmallVec&& o) noexcept { take(o); }
+  SmallVec& operator=(const SmallVec& o) {
+    if (this != &o) assign(o.begin(), o.end());
+    return *this;
+  }
+  SmallVec& operator=(SmallVec&& o) noexcept {
+    if (this != &o) {
+      std::free(heap_);
+      heap_ = nullptr;
+      take(o);
+    }
+    return *this;
+  }
+  SmallVec& operator=(std::initializer_list<V> il) {
+    assign(il.begin(), il.end());
+    return *this;
+  }
+  ~SmallVec() { std::free(heap_); }
+
+  V* data() noexcept { return heap_ ? heap_ : inline_; }
+  const V* data() const noexcept { return heap_ ? heap_ : inline_; }
+  V* begin() noexcept { return data(); }
+  V* end() noexcept { return data() + size_; }
+  const V* begin() const noexcept { return data(); }
+  const V* end() const noexcept { return data() + size_; }
+  std::size_t size() const noexcept { return size_; }
+  bool empty() const noexcept { return size_ == 0; }
+  V& operator[](std::size_t i) noexcept { return data()[i]; }
+  const V& operator[](std::size_t i) const noexcept { return data()[i]; }
+  void clear() noexcept { size_ = 0; }
+
+  void push_back(const V& v) {
+    if (size_ == cap_) {
+      const V copy = v;  // v may live in this vector
+      grow(size_ + 1);
+      data()[size_++] = copy;
+      return;
+    }
+    data()[size_++] = v;
+  }
+  template <typename It>
+  void assign(It first, It last) {
+    clear();
+    for (; first != last; ++first) push_back(*first);
+  }
+  V* insert(V* pos, std::initializer_list<V> il) {
+    const std::size_t at = static_cast<std::size_t>(pos - data());
+    const std::size_t n = il.size();
+    if (size_ + n > cap_) grow(size_ + n);
+    V* d = data();
+    std::memmove(d + at + n, d + at, (size_ - at) * sizeof(V));
+    std::memcpy(d + at, il.begin(), n * sizeof(V));
+    size_ += n;
+    return d + at;
+  }
+
+ private:
+  void grow(std::size_t want) {
+    std::size_t cap = cap_ * 2;
+    if (cap < want) cap = want;
+    V* h = static_cast<V*>(std::malloc(cap * sizeof(V)));
+    if (!h) throw std::bad_alloc();
+    std::memcpy(h, data(), size_ * sizeof(V));
+    std::free(heap_);
+    heap_ = h;
+    cap_ = cap;
+  }
+  void take(SmallVec& o) noexcept {
+    size_ = o.size_;
+    cap_ = o.cap_;
+    if (o.heap_) {
+      heap_ = o.heap_;
+      o.heap_ = nullptr;
+    } else {
+      std::memcpy(inline_, o.inline_, size_ * sizeof(V));
+    }
+    o.size_ = 0;
+    o.cap_ = N;
+  }
+
+  V* heap_ = nullptr;
+  std::size_t size_ = 0;
+  std::size_t cap_ = N;
+  V inline_[N];
+};
 
 struct Storage {
   std::uint64_t bytes = 0;
@@ -101,11 +204,11 @@ struct ParamGrad {
 struct Node {
   MomentTag tag;
   ValueId output = kNone;
-  std::vector<TensorId> saved;
-  std::vector<TensorId> kept;  // referenced until the node runs, but not saved by autograd
-  std::vector<GradIn> inputs;
-  std::vector<std::uint64_t> scratch;  // transient buffers alive while the node runs
-  std::vector<ParamGrad> params;
+  SmallVec<TensorId, 6> saved;
+  SmallVec<TensorId, 4> kept;  // referenced until the node runs, but not saved by autograd
+  SmallVec<GradIn, 3> inputs;
+  SmallVec<std::uint64_t, 5> scratch;  // transient buffers alive while the node runs
+  SmallVec<ParamGrad, 2> params;
   // Checkpointed segments: re-runs the forward (recording nodes) and returns the recomputed
   // output whose gradient is the checkpoint's incoming gradient.
   std::function<T()> recompute;
@@ -114,6 +217,9 @@ struct Node {
 class Tape {
  public:
   Tape();
+  ~Tape();
+  Tape(const Tape&) = delete;
+  Tape& operator=(const Tape&) = delete;
 
   // ---- where we are (labels every event until changed) ----
   std::uint32_t step = 0;
@@ -182,6 +288,8 @@ class Tape {
   // input buffer collects every gradient of the pass before it runs.
   std::vector<std::uint32_t> param_uses_;
   std::vector<std::vector<TensorId>> param_pending_;
+  // run_node's working lists, kept for their capacity.
+  std::vector<TensorId> node_scratch_, node_grads_, node_pgrads_;
 };
 
 }  // namespace trainmem::graph

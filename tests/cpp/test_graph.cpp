@@ -188,6 +188,30 @@ void expect_one_layer_saves(Precision p, Attention a, std::uint64_t expected) {
 
 // §6.2, pure bf16 model, eager attention: A_layer = 24·bsh + 8·bsi + 6·bas² + 8·bs
 // (1,885,184 B for the probe's shapes, the probe's own total).
+// The node lists keep a few entries in place and spill to the heap past that; both sides must
+// behave like a vector (order kept, copies independent, moves leave the source empty).
+TEST(GraphTape, SmallVecBehavesLikeAVector) {
+  graph::SmallVec<std::uint64_t, 2> v = {1, 2};
+  v.push_back(3);  // past the inline capacity
+  v.insert(v.end(), {4, 5});
+  v.insert(v.begin() + 1, {9});
+  EXPECT_EQ(std::vector<std::uint64_t>(v.begin(), v.end()), (std::vector<std::uint64_t>{1, 9, 2, 3, 4, 5}));
+  graph::SmallVec<std::uint64_t, 2> copy = v;
+  copy[0] = 7;
+  EXPECT_EQ(v[0], 1u);
+  graph::SmallVec<std::uint64_t, 2> moved = std::move(copy);
+  EXPECT_EQ(moved.size(), 6u);
+  EXPECT_EQ(moved[0], 7u);
+  EXPECT_TRUE(copy.empty());  // NOLINT(bugprone-use-after-move): a moved-from list is empty
+  graph::SmallVec<std::uint64_t, 2> small = {8};
+  moved = std::move(small);  // an inline list moved over a spilled one
+  EXPECT_EQ(std::vector<std::uint64_t>(moved.begin(), moved.end()), (std::vector<std::uint64_t>{8}));
+  const std::vector<std::uint64_t> src = {4, 5, 6, 7};
+  moved.assign(src.begin(), src.end());
+  moved.push_back(moved[0]);  // an element of the list itself, across a growth
+  EXPECT_EQ(std::vector<std::uint64_t>(moved.begin(), moved.end()), (std::vector<std::uint64_t>{4, 5, 6, 7, 4}));
+}
+
 TEST(GraphActivations, EagerBf16PerLayer) {
   const Dims x = kProbe;
   const std::uint64_t want = 24 * x.bsh() + 8 * x.bsi() + 6 * x.bas2() + 8 * x.bs();
