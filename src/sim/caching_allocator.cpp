@@ -223,14 +223,17 @@ auto address_position(V& v, std::uint64_t address) {
 bool CachingAllocator::FreeIndex::insert(int stream, std::uint64_t size, std::uint64_t address, BlockId id) {
   std::size_t bi = bucket_at_least(stream, size);
   if (bi == buckets_.size() || buckets_[bi].stream != stream || buckets_[bi].size != size) {
-    Bucket nb{stream, size, {}};
-    if (!spare_.empty()) {
-      nb.entries = std::move(spare_.back());
-      spare_.pop_back();
+    std::uint32_t list;
+    if (!free_lists_.empty()) {
+      list = free_lists_.back();
+      free_lists_.pop_back();
+    } else {
+      list = static_cast<std::uint32_t>(lists_.size());
+      lists_.emplace_back();
     }
-    buckets_.insert(buckets_.begin() + static_cast<std::ptrdiff_t>(bi), std::move(nb));
+    buckets_.insert(buckets_.begin() + static_cast<std::ptrdiff_t>(bi), Bucket{size, stream, list});
   }
-  std::vector<Entry>& v = buckets_[bi].entries;
+  std::vector<Entry>& v = entries(bi);
   const auto pos = address_position(v, address);
   if (pos != v.end() && pos->address == address) return false;
   v.insert(pos, Entry{address, id});
@@ -238,20 +241,20 @@ bool CachingAllocator::FreeIndex::insert(int stream, std::uint64_t size, std::ui
 }
 
 void CachingAllocator::FreeIndex::drop_if_empty(std::size_t bi) noexcept {
-  if (!buckets_[bi].entries.empty() || buckets_.size() <= kMaxIdleBuckets) return;
-  spare_.push_back(std::move(buckets_[bi].entries));
+  if (!entries(bi).empty() || buckets_.size() <= kMaxIdleBuckets) return;
+  free_lists_.push_back(buckets_[bi].list);
   buckets_.erase(buckets_.begin() + static_cast<std::ptrdiff_t>(bi));
 }
 
 void CachingAllocator::FreeIndex::erase(int stream, std::uint64_t size, std::uint64_t address) noexcept {
   const std::size_t bi = bucket_at_least(stream, size);
-  std::vector<Entry>& v = buckets_[bi].entries;
+  std::vector<Entry>& v = entries(bi);
   v.erase(address_position(v, address));
   drop_if_empty(bi);
 }
 
 void CachingAllocator::FreeIndex::erase(Cursor c) noexcept {
-  std::vector<Entry>& v = buckets_[c.bucket].entries;
+  std::vector<Entry>& v = entries(c.bucket);
   v.erase(v.begin() + static_cast<std::ptrdiff_t>(c.pos));
   drop_if_empty(c.bucket);
 }
@@ -259,8 +262,9 @@ void CachingAllocator::FreeIndex::erase(Cursor c) noexcept {
 bool CachingAllocator::FreeIndex::first_at_least(int stream, std::uint64_t size, Cursor& c) const noexcept {
   for (std::size_t bi = bucket_at_least(stream, size); bi < buckets_.size(); ++bi) {
     if (buckets_[bi].stream != stream) return false;
-    if (!buckets_[bi].entries.empty()) {
-      c = Cursor{bi, buckets_[bi].entries.size() - 1};
+    const std::vector<Entry>& v = entries(bi);
+    if (!v.empty()) {
+      c = Cursor{bi, v.size() - 1};
       return true;
     }
   }
@@ -273,8 +277,9 @@ bool CachingAllocator::FreeIndex::next(Cursor& c) const noexcept {
     return true;
   }
   for (std::size_t bi = c.bucket + 1; bi < buckets_.size(); ++bi) {
-    if (!buckets_[bi].entries.empty()) {
-      c = Cursor{bi, buckets_[bi].entries.size() - 1};
+    const std::vector<Entry>& v = entries(bi);
+    if (!v.empty()) {
+      c = Cursor{bi, v.size() - 1};
       return true;
     }
   }
@@ -282,9 +287,9 @@ bool CachingAllocator::FreeIndex::next(Cursor& c) const noexcept {
 }
 
 void CachingAllocator::FreeIndex::clear() noexcept {
-  for (Bucket& b : buckets_) {
-    b.entries.clear();
-    spare_.push_back(std::move(b.entries));
+  for (const Bucket& b : buckets_) {
+    lists_[b.list].clear();
+    free_lists_.push_back(b.list);
   }
   buckets_.clear();
 }

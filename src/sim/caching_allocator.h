@@ -256,14 +256,15 @@ class CachingAllocator {
     bool first_at_least(int stream, std::uint64_t size, Cursor& c) const noexcept;
     // The next block in (stream, size, address) order.
     bool next(Cursor& c) const noexcept;
-    BlockId id(Cursor c) const noexcept { return buckets_[c.bucket].entries[c.pos].id; }
+    BlockId id(Cursor c) const noexcept { return entries(c.bucket)[c.pos].id; }
     std::uint64_t size(Cursor c) const noexcept { return buckets_[c.bucket].size; }
     int stream(Cursor c) const noexcept { return buckets_[c.bucket].stream; }
     // Every block in (stream, size, address) order.
     template <typename F>
     void for_each(F&& f) const {
-      for (const Bucket& b : buckets_) {
-        for (auto e = b.entries.rbegin(); e != b.entries.rend(); ++e) f(e->id);
+      for (std::size_t bi = 0; bi < buckets_.size(); ++bi) {
+        const std::vector<Entry>& v = entries(bi);
+        for (auto e = v.rbegin(); e != v.rend(); ++e) f(e->id);
       }
     }
     void clear() noexcept;
@@ -273,15 +274,20 @@ class CachingAllocator {
       std::uint64_t address;
       BlockId id;
     };
+    // A bucket is a plain key and the index of its entry list in lists_, so making or dropping
+    // one (the small pool's split remainders come and go in many sizes) moves 16-byte records.
     struct Bucket {
-      int stream;
       std::uint64_t size;
-      std::vector<Entry> entries;  // by descending address
+      int stream;
+      std::uint32_t list;
     };
+    std::vector<Entry>& entries(std::size_t bucket) noexcept { return lists_[buckets_[bucket].list]; }
+    const std::vector<Entry>& entries(std::size_t bucket) const noexcept { return lists_[buckets_[bucket].list]; }
     std::size_t bucket_at_least(int stream, std::uint64_t size) const noexcept;
     void drop_if_empty(std::size_t bucket) noexcept;
-    std::vector<Bucket> buckets_;  // by (stream, size)
-    std::vector<std::vector<Entry>> spare_;
+    std::vector<Bucket> buckets_;             // by (stream, size)
+    std::vector<std::vector<Entry>> lists_;   // entry lists by Bucket::list, by descending address
+    std::vector<std::uint32_t> free_lists_;   // lists_ indices no bucket uses (empty, capacity kept)
   };
   using UnmappedSet = std::set<AddressKey, AddressOrder, NodeAllocator<AddressKey>>;
 
