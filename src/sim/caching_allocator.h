@@ -144,6 +144,7 @@ class CachingAllocator {
     bool allocated;
     bool mapped;
     int stream;
+    bool segment_start;  // the first range of its segment (or expandable arena)
   };
   // Every range of every segment, by address, and the next free device address: together they
   // decide everything the allocator will do next (block ids do not).
