@@ -197,12 +197,9 @@ bool CachingAllocator::is_live_allocation(BlockId id) const noexcept {
 
 // ---- FreeIndex ----
 // Entries are kept by descending address, so the best fit of a bucket (its lowest address) is
-// the last entry and taking it moves nothing. Empty buckets stay (sizes recur) unless there are
-// many; first_at_least and next skip them.
-
-namespace {
-constexpr std::size_t kMaxIdleBuckets = 64;
-}  // namespace
+// the last entry and taking it moves nothing. A bucket that empties is dropped at once: it is a
+// 16-byte record and its list keeps its capacity for the next new size, while idle buckets had
+// to be walked past by every search (first_at_least and next still skip any).
 
 std::size_t CachingAllocator::FreeIndex::bucket_at_least(int stream, std::uint64_t size) const noexcept {
   const auto it = std::lower_bound(buckets_.begin(), buckets_.end(), std::pair{stream, size},
@@ -241,7 +238,7 @@ bool CachingAllocator::FreeIndex::insert(int stream, std::uint64_t size, std::ui
 }
 
 void CachingAllocator::FreeIndex::drop_if_empty(std::size_t bi) noexcept {
-  if (!entries(bi).empty() || buckets_.size() <= kMaxIdleBuckets) return;
+  if (!entries(bi).empty()) return;
   free_lists_.push_back(buckets_[bi].list);
   buckets_.erase(buckets_.begin() + static_cast<std::ptrdiff_t>(bi));
 }

@@ -127,12 +127,14 @@ void Replay::State::consume(const graph::Trace& trace, std::size_t total_hint) {
     }
     if (e.alloc) {
       const auto cat = static_cast<std::size_t>(s.category);
+      // The block's charge is what allocated bytes moved by (cheaper than asking for it).
+      const std::uint64_t before = alloc.allocated_bytes();
       auto id = alloc.allocate(s.bytes);
       block[e.tensor] = id;
       cat_of[e.tensor] = static_cast<std::uint8_t>(cat);
       if (owner.size() <= id) owner.resize(static_cast<std::size_t>(id) + 1, UINT32_MAX);
       owner[id] = e.tensor;
-      live[cat] += alloc.block_bytes(id);
+      live[cat] += alloc.allocated_bytes() - before;
       if (stop_above && alloc.reserved_bytes() > stop_above) stopped = true;
       if (alloc.allocated_bytes() > peak) {
         peak = alloc.allocated_bytes();
@@ -142,9 +144,10 @@ void Replay::State::consume(const graph::Trace& trace, std::size_t total_hint) {
     } else {
       auto id = block[e.tensor];
       TRAINMEM_ASSERT(id != UINT32_MAX, "free of a storage never allocated");
-      live[cat_of[e.tensor]] -= alloc.block_bytes(id);
       owner[id] = UINT32_MAX;
+      const std::uint64_t before = alloc.allocated_bytes();
       alloc.release(id);
+      live[cat_of[e.tensor]] -= before - alloc.allocated_bytes();
     }
     const graph::MomentTag& m = trace.moments[e.moment];
     if (m.step > 0) {
