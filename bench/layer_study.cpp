@@ -13,7 +13,8 @@
 //     (offset from its first tensor), allocated by this layer's forward (backward only; offset
 //     from that forward's first tensor), or by absolute id (parameters, the batch, ...).
 // Each boundary is "equal" (a proof by state equality, as Note [Repeated micro-batches] does
-// for micro-batches, would hold), "sizes" (equal once the sizes of free ranges are ignored:
+// for micro-batches, would hold), "periodic" (not equal to the previous boundary's form but to
+// one 2 to 8 layers back: a proof over a group of layers would hold), "sizes" (equal once the sizes of free ranges are ignored:
 // the same ranges, but the free tails of shared segments shrink as they fill), "free" (equal
 // once free ranges are ignored altogether: the live tensors repeat, but free blocks are taken
 // or left behind layer by layer) or "other" (the live tensors the layer can reach differ).
@@ -23,7 +24,7 @@
 //
 //   trainmem_layer_study [seq] [model ...]   (default: 1024; llama-3.1-8b qwen3-4b gemma-2-2b gpt2)
 // prints one Markdown table row per model and pass:
-//   | model | seq | pass | boundaries | equal | sizes | free | other |
+//   | model | seq | pass | boundaries | equal | periodic | sizes | free | other |
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -41,6 +42,7 @@ namespace {
 using graph::Trace;
 
 constexpr std::uint64_t kNever = UINT64_MAX;
+constexpr std::size_t kMaxPeriod = 8;
 
 // Which pass an event belongs to: step, micro-batch, forward or backward (recompute included).
 struct PassKey {
@@ -64,6 +66,7 @@ struct Boundary {
 
 struct Counts {
   int equal = 0, sizes = 0, free = 0, other = 0;
+  int periodic = 0;  // not equal to the previous boundary, but to one 2..kMaxPeriod layers back
 };
 
 // Layer spans: for every pass, the event ranges of consecutive layers.
@@ -187,6 +190,7 @@ void study(const Model& m, const Recipe& r, Result& res) {
   std::vector<sim::CachingAllocator::RangeView> ranges;
   std::size_t bi = 0;
   std::vector<std::uint64_t> prev_full, prev_shape, prev_live;
+  std::vector<std::vector<std::uint64_t>> history;  // full forms of this pass's boundaries, latest last
   PassKey prev_pass{0, 0, false};
   std::int32_t prev_layer = -2;
   for (std::size_t i = 0; i <= t.events.size(); ++i) {
@@ -217,11 +221,19 @@ void study(const Model& m, const Recipe& r, Result& res) {
           dump("prev", prev_full);
           dump("this", full);
         }
+        bool periodic = false;
+        for (std::size_t p = 2; p <= kMaxPeriod && p <= history.size(); ++p) {
+          periodic = periodic || history[history.size() - p] == full;
+        }
         if (full == prev_full) ++c.equal;
+        else if (periodic) ++c.periodic;
         else if (shape == prev_shape) ++c.sizes;
         else if (live == prev_live) ++c.free;
         else ++c.other;
       }
+      if (!consecutive) history.clear();
+      history.push_back(full);
+      if (history.size() > kMaxPeriod) history.erase(history.begin());
       prev_full = std::move(full);
       prev_shape = std::move(shape);
       prev_live = std::move(live);
@@ -272,10 +284,11 @@ int main(int argc, char** argv) {
                 study(m, r, res);
               }
     for (const auto& [pass, c] : res.by_pass) {
-      const int n = c.equal + c.sizes + c.free + c.other;
-      std::printf("| %s | %llu | %s | %d | %.1f%% | %.1f%% | %.1f%% | %.1f%% |\n", name.c_str(),
+      const int n = c.equal + c.periodic + c.sizes + c.free + c.other;
+      std::printf("| %s | %llu | %s | %d | %.1f%% | %.1f%% | %.1f%% | %.1f%% | %.1f%% |\n", name.c_str(),
                   static_cast<unsigned long long>(name == "gpt2" ? std::min<std::uint64_t>(seq, 1024) : seq),
-                  pass.c_str(), n, 100.0 * c.equal / n, 100.0 * c.sizes / n, 100.0 * c.free / n, 100.0 * c.other / n);
+                  pass.c_str(), n, 100.0 * c.equal / n, 100.0 * c.periodic / n, 100.0 * c.sizes / n,
+                  100.0 * c.free / n, 100.0 * c.other / n);
     }
     std::fflush(stdout);
   }
