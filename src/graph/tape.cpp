@@ -183,6 +183,9 @@ void Tape::run_node(Node& n) {
   }
   std::vector<TensorId> scratch;
   for (std::uint64_t b : n.scratch) scratch.push_back(alloc_bytes(b, Category::kTemporaries));
+  TRAINMEM_ASSERT(n.scratch_freed_early <= scratch.size(), "scratch_freed_early past the scratch buffers");
+  for (std::uint32_t k = 0; k < n.scratch_freed_early; ++k) release(scratch[k]);
+  scratch.erase(scratch.begin(), scratch.begin() + n.scratch_freed_early);
   std::vector<TensorId> grads(n.inputs.size(), kNone);
   for (std::size_t k = 0; k < n.inputs.size(); ++k) {
     const GradIn& in = n.inputs[k];

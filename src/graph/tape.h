@@ -105,6 +105,9 @@ struct Node {
   std::vector<TensorId> kept;  // referenced until the node runs, but not saved by autograd
   std::vector<GradIn> inputs;
   std::vector<std::uint64_t> scratch;  // transient buffers alive while the node runs
+  // The first this many scratch buffers die once all are made, before the gradients are
+  // allocated (bitsandbytes' fp32 absmax, freed as soon as the weight is dequantized).
+  std::uint32_t scratch_freed_early = 0;
   std::vector<ParamGrad> params;
   // Checkpointed segments: re-runs the forward (recording nodes) and returns the recomputed
   // output whose gradient is the checkpoint's incoming gradient.
