@@ -172,6 +172,10 @@ class Tape {
   void accumulate_param(const ParamGrad& pg, TensorId g);
 
   void recategorize(TensorId id, Category c);
+  // Removes what a recompute made after event `stop` (a non-reentrant checkpoint's early stop).
+  void stop_recompute_at(std::size_t stop);
+  std::size_t last_saving_event_ = 0;
+  std::size_t op_begin_event_ = 0;     // during a recompute: the events when the previous node was recorded  // during a recompute: the events when the last saving node was recorded
 
   Trace trace_;
   TensorId sealed_storages_ = 0;  // storages below this id keep their categories

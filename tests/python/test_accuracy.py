@@ -81,22 +81,12 @@ def test_compare_rejects_non_measurements(run, tmp_path):
     assert "has no 'recipe' (is it trainmem-measure --json output?)" in r.stderr
 
 
-# Known misses of 4-bit entries, in measured minus predicted temporaries bytes. Phi-3 with
-# checkpointing and no adapter on down_proj: the non-reentrant checkpoint recomputes the layer at
-# the first unpack of a saved tensor, and the first backward nodes of that layer (down_proj's casts
-# and MatMul4Bit, which keeps its weight on ctx, not through save_for_backward) unpack nothing, so
-# the real recompute starts after them with down_proj's input gradient alive; the engine recomputes
-# at the layer's first node.
-KNOWN_4BIT_MISSES = {"cpu-phi3l1-qlora8-bf16true-adamw-eager-ckpt-qkvo-b1s16": 524288}
-
-
 def test_4bit_entries_exact(comparisons):
     """The QLoRA measurements (recipe.load_in_4bit) are reproduced to the byte, peak and categories:
     the packed weights and constants, the dequantized copies and the fp32 stream are all mirrored."""
     quantized = [(name, c) for name, c in comparisons if c["recipe"].get("load_in_4bit")]
     assert len(quantized) >= 5, [name for name, _ in quantized]
     for name, c in quantized:
-        miss = KNOWN_4BIT_MISSES.get(name, 0)
-        assert c["measured_peak_allocated_bytes"] - c["predicted_peak_allocated_bytes"] == miss, name
+        assert c["measured_peak_allocated_bytes"] == c["predicted_peak_allocated_bytes"], name
         for cat, v in c["categories"].items():
-            assert v["measured"] - v["predicted"] == (miss if cat == "temporaries" else 0), (name, cat, v)
+            assert v["measured"] == v["predicted"], (name, cat, v)
