@@ -209,7 +209,7 @@ struct RecipeSpelling {
   std::uint64_t batch = 1;
   std::uint64_t seq = 2048;
   std::uint64_t grad_accum = 1;
-  std::string precision = "";  // "": bf16-mixed for training, bf16-true for inference
+  std::string precision = "";  // "": bf16-mixed for training, bf16-true for inference or a 4-bit base
   std::string optimizer = "adamw";
   std::string checkpointing = "none";
   std::string attention = "sdpa";

@@ -110,8 +110,9 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   r.seq = in.seq;
   r.grad_accum = in.grad_accum;
   r.mode = parse_mode(in.mode);
+  // The default: the weights' dtype for inference and for a 4-bit base (its matmuls' dtype).
   r.precision = in.precision.empty()
-                    ? (r.mode == Mode::kInference ? Precision::kBf16True : Precision::kBf16Mixed)
+                    ? (r.mode == Mode::kInference || in.load_in_4bit ? Precision::kBf16True : Precision::kBf16Mixed)
                     : parse_precision(in.precision);
   r.new_tokens = in.new_tokens;
   r.beams = in.beams;

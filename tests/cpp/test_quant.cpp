@@ -71,6 +71,17 @@ TEST(QloraRecipe, Parses) {
   EXPECT_EQ(parse_quant_type("fp4"), QuantType::kFp4);
 }
 
+// Without a precision a 4-bit base runs in bf16-true, its matmuls' dtype (bf16-mixed is refused).
+TEST(QloraRecipe, DefaultPrecisionIsBf16True) {
+  RecipeSpelling s = qlora_spelling();
+  s.precision = "";
+  EXPECT_EQ(parse_recipe(s).precision, Precision::kBf16True);
+  s.load_in_4bit = false;
+  s.bnb_4bit_quant_type = "fp4";
+  s.bnb_4bit_use_double_quant = false;
+  EXPECT_EQ(parse_recipe(s).precision, Precision::kBf16Mixed);
+}
+
 TEST(QloraRecipe, Errors) {
   RecipeSpelling s = qlora_spelling();
   s.bnb_4bit_quant_type = "int4";

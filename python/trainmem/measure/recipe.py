@@ -73,8 +73,8 @@ class Recipe:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise RecipeError(f"mode={self.mode!r} is not one of {', '.join(MODES)}")
-        if self.precision in ("", None):
-            object.__setattr__(self, "precision", DEFAULT_PRECISION[self.mode])
+        if self.precision in ("", None):  # a 4-bit base defaults to its matmuls' dtype, as the engine does
+            object.__setattr__(self, "precision", "bf16-true" if self.load_in_4bit is True else DEFAULT_PRECISION[self.mode])
         for key in ("batch", "seq", "grad_accum", "new_tokens", "beams"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
