@@ -1628,9 +1628,15 @@ class StepBuilder {
 
   // ---------------------------------------------------------------- optimizer
   // bitsandbytes' two 256-entry fp32 quantization maps (signed and unsigned dynamic).
+  // optimizer.state holds them (qmap1, qmap2) only for a tensor with 8-bit states (4096 elements
+  // or more); when every trainable tensor is smaller (small LoRA adapters) they are temporaries
+  // that live as long as the optimizer.
   void bnb_quantization_maps() {
-    states_.push_back(t_.alloc_bytes(256 * 4, Category::kOptimizerStates));
-    states_.push_back(t_.alloc_bytes(256 * 4, Category::kOptimizerStates));
+    bool eight_bit = false;
+    for (const Param& p : params_) eight_bit = eight_bit || (p.trainable && p.numel >= 4096);
+    const Category c = eight_bit ? Category::kOptimizerStates : Category::kTemporaries;
+    states_.push_back(t_.alloc_bytes(256 * 4, c));
+    states_.push_back(t_.alloc_bytes(256 * 4, c));
   }
 
   void optimizer_step(bool first) {

@@ -83,12 +83,14 @@ def test_quantized_build_is_what_prepare_model_for_kbit_training_leaves():
 
 
 @pytest.mark.parametrize("argv", [
-    ["--qlora", "--checkpointing", "full"],
-    ["--load-in-4bit", "--bnb-4bit-quant-type", "fp4", "--lora-targets", "all-linear"],
+    ["--precision", "bf16-true", "--qlora", "--checkpointing", "full"],
+    ["--precision", "bf16-true", "--load-in-4bit", "--bnb-4bit-quant-type", "fp4", "--lora-targets", "all-linear"],
+    ["--precision", "fp16-true", "--load-in-4bit", "--bnb-4bit-use-double-quant", "--lora-dropout", "0.1"],
+    ["--precision", "fp32", "--qlora", "--checkpointing", "full", "--lora-targets", "all-linear",
+     "--optimizer", "adamw-8bit"],
 ])
 def test_tiny_measurement_matches_the_engine_to_the_byte(tmp_path, config_path, trainmem_bin, capsys, argv):
-    assert main([config_path, "--batch", "2", "--seq", "8", "--precision", "bf16-true", "--lora", "4", *argv,
-                 "--json"]) == 0
+    assert main([config_path, "--batch", "2", "--seq", "8", "--lora", "4", *argv, "--json"]) == 0
     measured = tmp_path / "m.json"
     measured.write_text(capsys.readouterr().out)
     out = subprocess.run([trainmem_bin, "compare", str(measured), "--json"], capture_output=True, text=True,
