@@ -65,6 +65,9 @@ NB_MODULE(_core, m) {
       .def_rw("lora_rank", &RecipeSpelling::lora_rank)
       .def_rw("lora_targets", &RecipeSpelling::lora_targets)
       .def_rw("lora_dropout", &RecipeSpelling::lora_dropout)
+      .def_rw("load_in_4bit", &RecipeSpelling::load_in_4bit)
+      .def_rw("bnb_4bit_quant_type", &RecipeSpelling::bnb_4bit_quant_type)
+      .def_rw("bnb_4bit_use_double_quant", &RecipeSpelling::bnb_4bit_use_double_quant)
       .def_rw("mode", &RecipeSpelling::mode)
       .def_rw("new_tokens", &RecipeSpelling::new_tokens)
       .def_rw("beams", &RecipeSpelling::beams);

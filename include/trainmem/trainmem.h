@@ -163,6 +163,18 @@ struct Lora {
   bool enabled() const { return rank > 0; }
 };
 
+// A 4-bit base model (QLoRA): transformers' BitsAndBytesConfig(load_in_4bit=True,
+// bnb_4bit_quant_type, bnb_4bit_use_double_quant, bnb_4bit_compute_dtype = the precision's dtype),
+// then peft's prepare_model_for_kbit_training. The linear layers of the decoder layers hold
+// bitsandbytes' packed weights; everything else is fp32 (Note [QLoRA] in src/graph/quant.h).
+enum class QuantType : std::uint8_t { kFp4, kNf4 };
+struct Quantization {
+  bool load_in_4bit = false;
+  QuantType quant_type = QuantType::kFp4;  // transformers' default; QLoRA uses nf4
+  bool double_quant = false;               // the block constants quantized again (8-bit)
+  bool enabled() const { return load_in_4bit; }
+};
+
 struct Recipe {
   std::uint64_t batch = 1;
   std::uint64_t seq = 2048;
@@ -175,6 +187,7 @@ struct Recipe {
   std::string gpu = "h100-80gb";
   AllocatorMode allocator = AllocatorMode::kDefault;
   Lora lora;
+  Quantization quant;
   Mode mode = Mode::kTraining;
   std::uint64_t new_tokens = 128;  // inference: tokens generated after the prompt (max_new_tokens)
   std::uint64_t beams = 1;         // inference: num_beams (1: greedy)
@@ -190,12 +203,13 @@ std::string_view to_string(Attention);
 std::string_view to_string(Loss);
 std::string_view to_string(AllocatorMode);
 std::string_view to_string(Mode);
+std::string_view to_string(QuantType);
 // The knobs as a person spells them (CLI flags, Python keywords, the JSON `recipe` object).
 struct RecipeSpelling {
   std::uint64_t batch = 1;
   std::uint64_t seq = 2048;
   std::uint64_t grad_accum = 1;
-  std::string precision = "";  // "": bf16-mixed for training, bf16-true for inference
+  std::string precision = "";  // "": bf16-mixed for training, bf16-true for inference or a 4-bit base
   std::string optimizer = "adamw";
   std::string checkpointing = "none";
   std::string attention = "sdpa";
@@ -205,6 +219,9 @@ struct RecipeSpelling {
   std::uint64_t lora_rank = 0;
   std::string lora_targets = "default";  // comma-separated module names, "default" or "all-linear"
   double lora_dropout = 0;
+  bool load_in_4bit = false;                  // BitsAndBytesConfig's spellings
+  std::string bnb_4bit_quant_type = "fp4";    // fp4 | nf4
+  bool bnb_4bit_use_double_quant = false;
   std::string mode = "training";  // training | inference
   std::uint64_t new_tokens = 128;
   std::uint64_t beams = 1;
@@ -220,6 +237,7 @@ Attention parse_attention(std::string_view);
 Loss parse_loss(std::string_view);
 AllocatorMode parse_allocator(std::string_view);
 Mode parse_mode(std::string_view);
+QuantType parse_quant_type(std::string_view);
 
 // The linear modules of one decoder layer that LoRA can target, as peft names them.
 std::vector<std::string> lora_target_modules(const Architecture&);

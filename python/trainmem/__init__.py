@@ -65,6 +65,9 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     "lora_rank": 0,
     "lora_targets": "default",
     "lora_dropout": 0.0,
+    "load_in_4bit": False,  # BitsAndBytesConfig's spellings (QLoRA: True, "nf4", True)
+    "bnb_4bit_quant_type": "fp4",
+    "bnb_4bit_use_double_quant": False,
     "mode": "training",
     "new_tokens": 128,
     "beams": 1,
@@ -102,6 +105,9 @@ def _spelling(knobs: dict[str, Any]):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"lora_dropout: must be a number, got {value!r}")
             value = float(value)
+        elif name in ("load_in_4bit", "bnb_4bit_use_double_quant"):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}: must be True or False, got {value!r}")
         elif name == "lora_targets" and isinstance(value, (list, tuple)):
             if not all(isinstance(t, str) for t in value):
                 raise ValueError(f"lora_targets: must be module names, got {value!r}")

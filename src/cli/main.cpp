@@ -49,6 +49,8 @@ struct RecipeFlags {
               loss = "standard", gpu = "h100-80gb", allocator = "default";
   std::string lora_rank = "0", lora_targets = "default", lora_dropout = "0";
   bool inference = false;
+  bool load_in_4bit = false, double_quant = false, qlora = false;
+  std::string quant_type = "";
   std::string new_tokens = "128", beams = "1";
   std::vector<std::pair<std::string, CLI::Option*>> options;  // knob name → its flag
 
@@ -72,6 +74,15 @@ struct RecipeFlags {
     opt("lora_targets", "--lora-targets", lora_targets,
         "Modules LoRA wraps: default (peft's), all-linear, or names (q_proj,v_proj)");
     opt("lora_dropout", "--lora-dropout", lora_dropout, "lora_dropout (0: no dropout, nothing saved)");
+    options.emplace_back("load_in_4bit", app->add_flag("--load-in-4bit", load_in_4bit,
+                                                       "4-bit base weights (bitsandbytes); needs --lora"));
+    opt("bnb_4bit_quant_type", "--bnb-4bit-quant-type", quant_type, "With --load-in-4bit: fp4 (transformers' default) | nf4");
+    options.emplace_back("bnb_4bit_use_double_quant",
+                         app->add_flag("--bnb-4bit-use-double-quant", double_quant,
+                                       "With --load-in-4bit: quantize the block constants again"));
+    options.emplace_back("load_in_4bit", app->add_flag("--qlora", qlora,
+                                                       "QLoRA's base: --load-in-4bit --bnb-4bit-quant-type nf4 "
+                                                       "--bnb-4bit-use-double-quant"));
     CLI::Option* inf = app->add_flag("--inference", inference, "Generation (prefill + decode with a KV cache), not training");
     options.emplace_back("mode", inf);
     opt("new_tokens", "--new-tokens", new_tokens, "Inference: tokens generated after the prompt of --seq tokens");
@@ -102,6 +113,9 @@ struct RecipeFlags {
     sp.lora_rank = lora_rank == "0" ? 0 : parse_count(lora_rank, "lora_rank");
     sp.lora_targets = lora_targets;
     sp.lora_dropout = parse_fraction(lora_dropout, "lora_dropout");
+    sp.load_in_4bit = load_in_4bit || qlora;
+    sp.bnb_4bit_quant_type = !quant_type.empty() ? quant_type : (qlora ? "nf4" : sp.bnb_4bit_quant_type);
+    sp.bnb_4bit_use_double_quant = double_quant || qlora;
     sp.mode = inference ? "inference" : "training";
     sp.new_tokens = parse_count(new_tokens, "new_tokens");
     sp.beams = parse_count(beams, "beams");
@@ -177,6 +191,14 @@ std::string compare(const std::string& path, bool as_json) {
       throw Error("compare: recipe.lora_targets must be a string or a list of module names");
     }
   }
+  auto flag = [&](const char* k, bool d) {
+    if (!jr.contains(k)) return d;
+    if (!jr[k].is_boolean()) throw Error(std::string("compare: recipe.") + k + " must be true or false");
+    return jr[k].get<bool>();
+  };
+  sp.load_in_4bit = flag("load_in_4bit", false);
+  sp.bnb_4bit_quant_type = text("bnb_4bit_quant_type", sp.bnb_4bit_quant_type.c_str());
+  sp.bnb_4bit_use_double_quant = flag("bnb_4bit_use_double_quant", false);
   if (jr.contains("lora_dropout")) {
     if (!jr["lora_dropout"].is_number()) throw Error("compare: recipe.lora_dropout must be a number");
     sp.lora_dropout = jr["lora_dropout"].get<double>();

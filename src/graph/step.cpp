@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common/checked.h"
+#include "graph/quant.h"
 #include "model/model.h"
 
 namespace trainmem::graph {
@@ -63,6 +64,7 @@ struct Param {
   TensorId master = kNone;     // bf16-master fp32 copy
   bool matmul = false;
   std::uint64_t rows = 0;  // 2-D tensors: first dimension as stored; 0 for 1-D
+  bool quantized = false;  // bitsandbytes 4-bit (Note [QLoRA]): storage is the packed weight
 };
 
 // Indices into the parameter table for one decoder layer (kNone where the family has none).
@@ -121,7 +123,20 @@ const LoraLabels& lora_labels(std::string_view path) {
 class StepBuilder {
  public:
   StepBuilder(const Model& m, const Recipe& r, const Gpu& gpu, const MicroBatchHook& hook)
-      : m_(m), a_(m.arch), r_(r), gpu_(gpu), hook_(hook), pol_(policy_for(r.precision)) {
+      : m_(m),
+        a_(m.arch),
+        r_(r),
+        gpu_(gpu),
+        hook_(hook),
+        // A 4-bit base runs in fp32 outside its matmuls, whose dtype is the precision's (Note [QLoRA]).
+        pol_(policy_for(r.quant.enabled() ? Precision::kFp32 : r.precision)),
+        quant_dtype_(policy_for(r.precision).param) {
+    if (r.quant.enabled() && (a_.family == Family::kGpt2 || a_.qkv_bias || a_.o_bias || a_.mlp_bias)) {
+      // Linear4bit.forward recasts a bias's .data to the compute dtype at the first forward.
+      throw Error("load_in_4bit: " + std::string(family_name(a_.family)) +
+                  " has biases on its linear layers, which bitsandbytes recasts in the first forward; "
+                  "not modelled yet (Llama, Mistral, Qwen3, Gemma-2 and Phi-3 have none)");
+    }
     B_ = r.batch;
     S_ = r.seq;
     tok_ = detail::mul(B_, S_, "batch * seq");
@@ -216,7 +231,9 @@ class StepBuilder {
       std::size_t gend = gi;
       while (gend < groups.size() && is_layer(groups[gend])) ++gend;
       for (std::uint64_t l = 0; l < L; ++l) {
-        for (std::size_t k = gi; k < gend; ++k) bind_layer(layers_[l], groups[k].name, add_param(groups[k]));
+        for (std::size_t k = gi; k < gend; ++k) {
+          bind_layer(layers_[l], groups[k].name, add_param(groups[k], /*in_layer=*/true));
+        }
       }
       in_layers_done = true;
     }
@@ -228,12 +245,23 @@ class StepBuilder {
     if (a_.embedding_scale) t_.alloc_bytes(dtype_bytes(pol_.param), Category::kWeights);
   }
 
-  std::uint32_t add_param(const ParameterGroup& g) {
+  std::uint32_t add_param(const ParameterGroup& g, bool in_layer = false) {
     Param p;
     p.numel = g.numel;
     p.dtype = pol_.param;
     p.trainable = !r_.lora.enabled();  // get_peft_model freezes the whole base model
-    p.storage = t_.alloc_bytes(detail::mul(g.numel, dtype_bytes(pol_.param), "parameter bytes"), Category::kWeights);
+    p.quantized = r_.quant.enabled() && in_layer && g.matmul_weight;
+    if (p.quantized) {
+      // Params4bit and its QuantState's tensors (Note [QLoRA]); none requires grad.
+      const Packed4bit q = packed_4bit(g.numel, r_.quant.double_quant);
+      p.dtype = DType::kU8;
+      p.storage = t_.alloc_bytes(q.packed_bytes, Category::kWeights);
+      for (std::uint64_t b : {q.absmax_bytes, q.code_bytes, q.offset_bytes, q.nested_absmax_bytes, q.nested_code_bytes}) {
+        if (b != 0) t_.alloc_bytes(b, Category::kWeights);
+      }
+    } else {
+      p.storage = t_.alloc_bytes(detail::mul(g.numel, dtype_bytes(pol_.param), "parameter bytes"), Category::kWeights);
+    }
     p.slot = t_.new_param(p.storage);
     p.matmul = g.matmul_weight;
     p.rows = g.rows;
@@ -496,8 +524,50 @@ class StepBuilder {
     return g;
   }
 
+  // bnb.nn.Linear4bit (no bias: see the constructor): the input cast to the compute dtype, the
+  // weight dequantized for the matmul and again in its backward (Note [QLoRA]).
+  T linear_4bit(const T& x_in, std::uint32_t w, std::uint64_t out_features) {
+    const std::uint64_t numel = params_[w].numel;
+    const std::uint64_t rows = x_in.numel / (numel / out_features);
+    const Packed4bit q = packed_4bit(numel, r_.quant.double_quant);
+    const std::uint64_t absmax_f32_bytes = detail::mul(q.blocks, 4, "absmax bytes");
+    T x = to(x_in, quant_dtype_);  // kept until forward returns
+    // gemm_4bit: the fp32 absmax (double quant: dequantize_blockwise, then + offset), the
+    // dequantized weight, F.linear.
+    TensorId absmax = kNone;
+    if (r_.quant.double_quant) {
+      TensorId blockwise = t_.alloc_bytes(absmax_f32_bytes, Category::kTemporaries);
+      absmax = t_.alloc_bytes(absmax_f32_bytes, Category::kTemporaries);
+      t_.release(blockwise);
+    }
+    T wd = fresh(numel, quant_dtype_);
+    ensure_workspace(false);
+    T y = fresh(rows * out_features, quant_dtype_);
+    if (absmax != kNone) t_.release(absmax);
+    t_.drop(wd);
+    if (x.requires_grad()) {
+      // MatMul4Bit saves only the packed weight (a parameter). Its backward: the fp32 absmax
+      // (double quant; dies once the weight is made), the weight in its load dtype, grad_A.
+      requires_grad(y);
+      Node n = node(y);
+      if (r_.quant.double_quant) n.scratch.push_back(absmax_f32_bytes);
+      n.scratch.push_back(numel * dtype_bytes(quant_dtype_));
+      n.scratch_freed_early = r_.quant.double_quant ? 1 : 0;
+      n.inputs.push_back(grad_of(x));
+      t_.record(std::move(n));
+    }
+    T out = to(y, x_in.dtype);
+    t_.drop(y);
+    t_.drop(x);
+    return out;
+  }
+
   // nn.Linear (or GPT-2's Conv1D addmm): y = x W^T + b over `rows` rows.
   T linear(const T& x_in, std::uint32_t w, std::uint32_t b, std::uint64_t out_features) {
+    if (params_[w].quantized) {
+      TRAINMEM_ASSERT(b == kNone, "a 4-bit linear layer with a bias");
+      return linear_4bit(x_in, w, out_features);
+    }
     const std::uint64_t in_features = params_[w].numel / out_features;
     const std::uint64_t rows = x_in.numel / in_features;  // tokens
     const std::uint64_t out_numel = rows * out_features;
@@ -536,6 +606,7 @@ class StepBuilder {
     const Adapter* ad = adapter(path);
     if (ad == nullptr) return result;
     const LoraLabels& labels = lora_labels(path);
+    if (params_[w].quantized) return lora_4bit(x, result, *ad, labels);
     const DType result_dtype = result.dtype;
     T xa = to(x, params_[ad->a].dtype);  // _cast_input_dtype: x is rebound, kept to the end
     T xd = r_.lora.dropout > 0 ? dropout(xa) : t_.ref(xa);
@@ -555,6 +626,36 @@ class StepBuilder {
     t_.drop(sum);
     t_.drop(xa);
     return out;
+  }
+
+  // peft's lora.bnb.Linear4bit around a 4-bit projection whose output is `base` (Note [QLoRA]).
+  T lora_4bit(const T& x, T& base, const Adapter& ad, const LoraLabels& labels) {
+    T result = fresh(base.numel, base.dtype);  // result.clone(): CloneBackward hands its gradient on
+    if (base.requires_grad()) {
+      requires_grad(result);
+      Node n = node(result);
+      n.inputs.push_back(pass_to(base));
+      t_.record(std::move(n));
+    }
+    t_.drop(base);
+    T xa = to(x, params_[ad.a].dtype);  // _cast_input_dtype (no autocast here)
+    T xd = r_.lora.dropout > 0 ? dropout(xa) : t_.ref(xa);
+    op(labels.a);
+    T down = linear(xd, ad.a, kNone, r_.lora.rank);
+    t_.drop(xd);
+    op(labels.b);
+    T up = linear(down, ad.b, kNone, ad.out);
+    t_.drop(down);
+    op(labels.path);
+    T scaled = elementwise({&up}, up.numel, up.dtype, {});  // * scaling (a Python float)
+    t_.drop(up);
+    T cast = to(scaled, result.dtype);
+    t_.drop(scaled);
+    T sum = add(result, cast);
+    t_.drop(cast);
+    t_.drop(result);
+    t_.drop(xa);
+    return sum;
   }
 
   // Elementwise op producing `numel` elements of `d`; `saved` are kept for backward; each input
@@ -1238,6 +1339,9 @@ class StepBuilder {
       t_.drop(hs);
       hs = scaled;
     }
+    // The model's forward keeps `inputs_embeds` (GPT-2 also `position_embeds`) to its return.
+    T inputs_embeds = t_.ref(hs);
+    T position_embeds;
     if (!trainable(emb) && r_.checkpointing == Checkpointing::kFull) {
       // enable_input_require_grads' hook on the module's output (Note [LoRA]): a leaf that
       // requires grad, held by its AccumulateGrad node until the graph is freed.
@@ -1263,7 +1367,7 @@ class StepBuilder {
       }
       T sum = add(hs, pe);
       t_.drop(hs);
-      t_.drop(pe);
+      position_embeds = pe;
       op("drop");
       hs = dropout(sum);
       t_.drop(sum);
@@ -1319,6 +1423,8 @@ class StepBuilder {
       t_.drop(sin_);
     }
     if (position_ids_.id != kNone) t_.drop(position_ids_);
+    t_.drop(inputs_embeds);
+    if (position_embeds.id != kNone) t_.drop(position_embeds);
     ValueId loss = r_.loss == Loss::kFused ? fused_loss(normed, emb) : standard_loss(normed, emb);
     exit_autocast();
     return loss;
@@ -1522,9 +1628,15 @@ class StepBuilder {
 
   // ---------------------------------------------------------------- optimizer
   // bitsandbytes' two 256-entry fp32 quantization maps (signed and unsigned dynamic).
+  // optimizer.state holds them (qmap1, qmap2) only for a tensor with 8-bit states (4096 elements
+  // or more); when every trainable tensor is smaller (small LoRA adapters) they are temporaries
+  // that live as long as the optimizer.
   void bnb_quantization_maps() {
-    states_.push_back(t_.alloc_bytes(256 * 4, Category::kOptimizerStates));
-    states_.push_back(t_.alloc_bytes(256 * 4, Category::kOptimizerStates));
+    bool eight_bit = false;
+    for (const Param& p : params_) eight_bit = eight_bit || (p.trainable && p.numel >= 4096);
+    const Category c = eight_bit ? Category::kOptimizerStates : Category::kTemporaries;
+    states_.push_back(t_.alloc_bytes(256 * 4, c));
+    states_.push_back(t_.alloc_bytes(256 * 4, c));
   }
 
   void optimizer_step(bool first) {
@@ -2846,6 +2958,7 @@ class StepBuilder {
   const Gpu& gpu_;
   const MicroBatchHook& hook_;
   Policy pol_;
+  DType quant_dtype_;  // a 4-bit base: the load and compute dtype of its matmuls (Note [QLoRA])
   Attention attention_;
   bool cuda_ = true;
   std::uint64_t B_ = 0, S_ = 0, tok_ = 0;

@@ -108,7 +108,42 @@ void Tape::record(Node node) {
   } else if (!node.recompute) {
     node.saved.clear();
   }
+  if (recomputing && saving) {
+    // Early stop fires in the pack hook of the op's last saved tensor: autograd saves an op's
+    // inputs before running it, so the stop is right after the newest saved tensor was made,
+    // but not before this op began (after the previous node was recorded).
+    if (!node.saved.empty()) {
+      std::size_t stop = op_begin_event_;
+      for (std::size_t i = trace_.events.size(); i-- > op_begin_event_;) {
+        const Event& e = trace_.events[i];
+        if (e.alloc && std::find(node.saved.begin(), node.saved.end(), e.tensor) != node.saved.end()) {
+          stop = i + 1;
+          break;
+        }
+      }
+      last_saving_event_ = stop;
+    }
+    op_begin_event_ = trace_.events.size();
+  }
   nodes_.push_back(std::move(node));
+}
+
+void Tape::stop_recompute_at(std::size_t stop) {
+  // Storages born after the stop were never made; those born before it die where it stops.
+  std::vector<TensorId> born;
+  std::size_t frees = 0;
+  for (std::size_t i = stop; i < trace_.events.size(); ++i) {
+    if (trace_.events[i].alloc) born.push_back(trace_.events[i].tensor);
+  }
+  std::sort(born.begin(), born.end());
+  auto is_born = [&](TensorId id) { return std::binary_search(born.begin(), born.end(), id); };
+  for (std::size_t i = stop; i < trace_.events.size(); ++i) {
+    if (!trace_.events[i].alloc && is_born(trace_.events[i].tensor)) ++frees;
+  }
+  if (frees != born.size()) return;  // something made after the stop lives on: keep the full recompute
+  trace_.events.erase(std::remove_if(trace_.events.begin() + static_cast<std::ptrdiff_t>(stop), trace_.events.end(),
+                                     [&](const Event& e) { return is_born(e.tensor); }),
+                      trace_.events.end());
 }
 
 void Tape::deliver(ValueId v, TensorId g) {
@@ -176,6 +211,9 @@ void Tape::run_node(Node& n) {
     auto kept = std::move(n.kept);
     MomentTag tag = n.tag;
     std::size_t begin = nodes_.size();
+    const std::size_t recompute_events = trace_.events.size();
+    last_saving_event_ = recompute_events;
+    op_begin_event_ = recompute_events;
     bool was = saving;
     saving = true;
     recomputing = true;
@@ -184,8 +222,23 @@ void Tape::run_node(Node& n) {
     saving = was;
     at(Phase::kBackward, tag.layer, tag.op);
     release(out.id);
+    // Early stop (set_checkpoint_early_stop, on by default): the recompute ends once the last
+    // tensor to be saved is made; what the forward would do after it never runs.
+    stop_recompute_at(last_saving_event_);
     deliver(out.value, incoming);
-    run(begin, nodes_.size());
+    // The recompute runs when the first saved tensor is unpacked (torch/utils/checkpoint.py,
+    // _checkpoint_hook.unpack_hook): the segment's last nodes that save nothing (a residual add,
+    // bitsandbytes' casts and MatMul4Bit, which keeps its weight on ctx) run before it. Their
+    // events are moved ahead of the recompute's.
+    std::size_t first_saving = nodes_.size();
+    while (first_saving > begin && nodes_[first_saving - 1].saved.empty() && !nodes_[first_saving - 1].recompute) {
+      --first_saving;
+    }
+    const std::size_t recomputed_events = trace_.events.size();
+    run(first_saving, nodes_.size());
+    std::rotate(trace_.events.begin() + static_cast<std::ptrdiff_t>(recompute_events),
+                trace_.events.begin() + static_cast<std::ptrdiff_t>(recomputed_events), trace_.events.end());
+    run(begin, first_saving);
     nodes_.resize(begin);
     // The checkpoint's inputs are saved by a node created before the layer's ops, so they are
     // released after the layer's backward; the recompute closure (with the keyword arguments)
@@ -201,6 +254,9 @@ void Tape::run_node(Node& n) {
   std::vector<TensorId>& pgrads = node_pgrads_;
   scratch.clear();
   for (std::uint64_t b : n.scratch) scratch.push_back(alloc_bytes(b, Category::kTemporaries));
+  TRAINMEM_ASSERT(n.scratch_freed_early <= scratch.size(), "scratch_freed_early past the scratch buffers");
+  for (std::uint32_t k = 0; k < n.scratch_freed_early; ++k) release(scratch[k]);
+  scratch.erase(scratch.begin(), scratch.begin() + n.scratch_freed_early);
   grads.assign(n.inputs.size(), kNone);
   for (std::size_t k = 0; k < n.inputs.size(); ++k) {
     const GradIn& in = n.inputs[k];

@@ -208,6 +208,9 @@ struct Node {
   SmallVec<TensorId, 4> kept;  // referenced until the node runs, but not saved by autograd
   SmallVec<GradIn, 3> inputs;
   SmallVec<std::uint64_t, 5> scratch;  // transient buffers alive while the node runs
+  // The first this many scratch buffers die once all are made, before the gradients are
+  // allocated (bitsandbytes' fp32 absmax, freed as soon as the weight is dequantized).
+  std::uint32_t scratch_freed_early = 0;
   SmallVec<ParamGrad, 2> params;
   // Checkpointed segments: re-runs the forward (recording nodes) and returns the recomputed
   // output whose gradient is the checkpoint's incoming gradient.
@@ -275,6 +278,10 @@ class Tape {
   void accumulate_param(const ParamGrad& pg, TensorId g);
 
   void recategorize(TensorId id, Category c);
+  // Removes what a recompute made after event `stop` (a non-reentrant checkpoint's early stop).
+  void stop_recompute_at(std::size_t stop);
+  std::size_t last_saving_event_ = 0;
+  std::size_t op_begin_event_ = 0;     // during a recompute: the events when the previous node was recorded  // during a recompute: the events when the last saving node was recorded
 
   Trace trace_;
   TensorId sealed_storages_ = 0;  // storages below this id keep their categories

@@ -19,6 +19,7 @@
 #include <string>
 
 #include "common/checked.h"
+#include "graph/quant.h"
 #include "plan/plan.h"
 
 namespace trainmem {
@@ -105,6 +106,9 @@ class Planner {
     }
     k += "/" + r.gpu + "/lora" + std::to_string(r.lora.rank) + "/" + std::to_string(r.lora.dropout);
     for (const std::string& t : r.lora.targets) k += "/" + t;
+    if (r.quant.enabled()) {
+      k += "/4bit/" + std::string(to_string(r.quant.quant_type)) + (r.quant.double_quant ? "/dq" : "");
+    }
     return k;
   }
 
@@ -143,7 +147,11 @@ std::uint64_t plan::persistent_floor(const Model& m, const Recipe& r) {
   const std::uint64_t pb = parameter_bytes(r.precision);
   std::uint64_t weights = 0;
   for (const ParameterGroup& g : m.parameters) {
-    weights = detail::add(weights, detail::mul({g.numel, g.count, pb}, "parameter bytes"), "parameter bytes");
+    // A 4-bit base (Note [QLoRA]): the layers' linear weights packed, everything else fp32.
+    const bool packed = r.quant.enabled() && g.matmul_weight && g.name.find(".N.") != std::string::npos;
+    const std::uint64_t one = packed ? graph::packed_4bit(g.numel, r.quant.double_quant).packed_bytes
+                                     : detail::mul(g.numel, r.quant.enabled() ? 4 : pb, "parameter bytes");
+    weights = detail::add(weights, detail::mul(one, g.count, "parameter bytes"), "parameter bytes");
   }
   if (r.lora.enabled()) return weights;  // adapters and their states only add
   const std::uint64_t n = m.parameter_count;
@@ -421,6 +429,24 @@ FitResult fit(const Model& model, const FitRequest& q) {
     r.lora.targets = {"default"};
     if (r.precision == Precision::kBf16Master) r.precision = Precision::kBf16True;
     change("lora 16 (default targets; trains adapters only)", r);
+  }
+  if (!base.quant.enabled()) {
+    // QLoRA: the same adapters (or LoRA 16) on a 4-bit nf4 base with double quant, in a
+    // precision a 4-bit base runs with.
+    Recipe r = base;
+    if (!r.lora.enabled()) {
+      r.lora.rank = 16;
+      r.lora.targets = {"default"};
+    }
+    r.quant.load_in_4bit = true;
+    r.quant.quant_type = QuantType::kNf4;
+    r.quant.double_quant = true;
+    if (r.precision != Precision::kFp32 && r.precision != Precision::kFp16True) {
+      r.precision = gpu.bf16 ? Precision::kBf16True : Precision::kFp16True;
+    }
+    change(std::string(base.lora.enabled() ? "qlora" : "qlora 16 (default targets)") + ": nf4 base, double quant, " +
+               std::string(to_string(r.precision)),
+           r);
   }
   std::stable_sort(out.changes.begin(), out.changes.end(), [](const Change& a, const Change& b) {
     return a.plan.peak_reserved_bytes < b.plan.peak_reserved_bytes;

@@ -31,6 +31,7 @@ constexpr Spellings<Attention, 3> kAttention{{{Attention::kEager, "eager"},
 constexpr Spellings<Loss, 2> kLoss{{{Loss::kStandard, "standard"}, {Loss::kFused, "fused"}}};
 constexpr Spellings<AllocatorMode, 2> kAllocator{{{AllocatorMode::kDefault, "default"},
                                                   {AllocatorMode::kExpandable, "expandable"}}};
+constexpr Spellings<QuantType, 2> kQuantTypes{{{QuantType::kFp4, "fp4"}, {QuantType::kNf4, "nf4"}}};
 constexpr Spellings<Mode, 2> kModes{{{Mode::kTraining, "training"}, {Mode::kInference, "inference"}}};
 
 template <typename E, std::size_t N>
@@ -92,6 +93,7 @@ std::string_view to_string(Attention x) { return name_of(kAttention, x); }
 std::string_view to_string(Loss x) { return name_of(kLoss, x); }
 std::string_view to_string(AllocatorMode x) { return name_of(kAllocator, x); }
 std::string_view to_string(Mode x) { return name_of(kModes, x); }
+std::string_view to_string(QuantType x) { return name_of(kQuantTypes, x); }
 
 Precision parse_precision(std::string_view s) { return parse(kPrecisions, s, "precision"); }
 Optimizer parse_optimizer(std::string_view s) { return parse(kOptimizers, s, "optimizer"); }
@@ -100,6 +102,7 @@ Attention parse_attention(std::string_view s) { return parse(kAttention, s, "att
 Loss parse_loss(std::string_view s) { return parse(kLoss, s, "loss"); }
 AllocatorMode parse_allocator(std::string_view s) { return parse(kAllocator, s, "allocator"); }
 Mode parse_mode(std::string_view s) { return parse(kModes, s, "mode"); }
+QuantType parse_quant_type(std::string_view s) { return parse(kQuantTypes, s, "bnb_4bit_quant_type"); }
 
 Recipe parse_recipe(const RecipeSpelling& in) {
   Recipe r;
@@ -107,8 +110,9 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   r.seq = in.seq;
   r.grad_accum = in.grad_accum;
   r.mode = parse_mode(in.mode);
+  // The default: the weights' dtype for inference and for a 4-bit base (its matmuls' dtype).
   r.precision = in.precision.empty()
-                    ? (r.mode == Mode::kInference ? Precision::kBf16True : Precision::kBf16Mixed)
+                    ? (r.mode == Mode::kInference || in.load_in_4bit ? Precision::kBf16True : Precision::kBf16Mixed)
                     : parse_precision(in.precision);
   r.new_tokens = in.new_tokens;
   r.beams = in.beams;
@@ -121,6 +125,9 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   r.lora.rank = in.lora_rank;
   r.lora.dropout = in.lora_dropout;
   r.lora.targets = split_targets(in.lora_targets);
+  r.quant.load_in_4bit = in.load_in_4bit;
+  r.quant.quant_type = parse_quant_type(in.bnb_4bit_quant_type);
+  r.quant.double_quant = in.bnb_4bit_use_double_quant;
   r.validate();
   return r;
 }
@@ -158,6 +165,23 @@ void Recipe::validate() const {
     }
   } else if (lora.dropout != 0) {
     throw Error("lora_dropout: set without lora_rank (no adapters)");
+  }
+  if (!quant.load_in_4bit) {
+    if (quant.quant_type != QuantType::kFp4 || quant.double_quant) {
+      throw Error("bnb_4bit_quant_type / bnb_4bit_use_double_quant: set without load_in_4bit");
+    }
+  } else {
+    if (mode == Mode::kInference) throw Error("load_in_4bit: inference with 4-bit weights is not modelled yet");
+    if (!lora.enabled()) {
+      throw Error("load_in_4bit: a 4-bit base model cannot be trained itself; add LoRA adapters (lora_rank > 0): "
+                  "that is QLoRA");
+    }
+    // The precision's dtype is the load dtype and bnb_4bit_compute_dtype; prepare_model_for_kbit_training
+    // makes everything else fp32. Autocast over that, or a master copy, is not modelled.
+    if (precision != Precision::kFp32 && precision != Precision::kBf16True && precision != Precision::kFp16True) {
+      throw Error("precision: load_in_4bit runs with fp32, bf16-true or fp16-true (the 4-bit matmuls' dtype), got " +
+                  std::string(to_string(precision)));
+    }
   }
 }
 

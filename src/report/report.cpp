@@ -31,6 +31,11 @@ ordered_json recipe_object(const Recipe& r) {
   } else {
     j["lora_rank"] = 0;
   }
+  if (r.quant.enabled()) {  // only for a 4-bit base, as trainmem-measure writes them
+    j["load_in_4bit"] = true;
+    j["bnb_4bit_quant_type"] = to_string(r.quant.quant_type);
+    j["bnb_4bit_use_double_quant"] = r.quant.double_quant;
+  }
   j["mode"] = to_string(r.mode);
   if (r.mode == Mode::kInference) {
     j["new_tokens"] = r.new_tokens;
@@ -276,6 +281,10 @@ std::string to_text(const Estimate& e) {
     add("lora: rank %llu on %s (dropout %g), %s trainable parameters\n",
         static_cast<unsigned long long>(r.lora.rank), targets.c_str(), r.lora.dropout,
         detail::format_count(e.trainable_parameters).c_str());
+  }
+  if (r.quant.enabled()) {
+    add("4-bit base: %s%s (bitsandbytes), the rest fp32 (prepare_model_for_kbit_training)\n",
+        std::string(to_string(r.quant.quant_type)).c_str(), r.quant.double_quant ? ", double quant" : "");
   }
   add("gpu: %s (%s)\n\n", e.gpu.name.c_str(), e.gpu.description.c_str());
   add("peak allocated  %12s   (torch.cuda.max_memory_allocated)\n", detail::format_bytes(e.peak_allocated_bytes).c_str());

@@ -20,7 +20,9 @@
 #include <tuple>
 #include <vector>
 
+#include "graph/quant.h"
 #include "graph/step.h"
+#include "test_util.h"
 #include "trainmem/trainmem.h"
 
 namespace trainmem {
@@ -902,6 +904,81 @@ TEST(GraphLora, CheckpointingKeepsTheEmbeddingOutputLeaf) {
     EXPECT_EQ(freed_in[e.tensor], Phase::kBackward);
   }
   EXPECT_EQ(embeddings, 2);  // one per step
+}
+
+
+// ---- QLoRA (Note [QLoRA] in src/graph/quant.h) -----------------------------------------
+
+Recipe qlora_recipe(Precision p, bool double_quant) {
+  Recipe r = lora_recipe(p, {"self_attn.q_proj", "self_attn.v_proj"});
+  r.quant.load_in_4bit = true;
+  r.quant.quant_type = QuantType::kNf4;
+  r.quant.double_quant = double_quant;
+  return r;
+}
+
+// The base's weights: each linear weight of the layers as bitsandbytes stores it (packed uint8
+// plus its QuantState's tensors, each its own storage), every other parameter fp32 whatever the
+// precision (prepare_model_for_kbit_training), the adapters fp32.
+TEST(GraphQlora, WeightsArePackedAndTheRestFp32) {
+  const Model m = odd_llama();
+  const std::vector<std::string> targets = {"self_attn.q_proj", "self_attn.v_proj"};
+  const std::uint64_t a4 = over_adapters(targets, 2, 8, [](std::uint64_t n) { return round512(4 * n); });
+  for (bool dq : {false, true}) {
+    std::uint64_t base = 0;
+    for (const ParameterGroup& g : m.parameters) {
+      const bool packed = g.matmul_weight && g.name.find(".N.") != std::string::npos;
+      std::uint64_t one = round512(4 * g.numel);
+      if (packed) {
+        const graph::Packed4bit q = graph::packed_4bit(g.numel, dq);
+        one = 0;
+        for (std::uint64_t b : {q.packed_bytes, q.absmax_bytes, q.code_bytes, q.offset_bytes, q.nested_absmax_bytes,
+                                q.nested_code_bytes}) {
+          if (b != 0) one += round512(b);
+        }
+      }
+      base += one * g.count;
+    }
+    for (Precision p : {Precision::kBf16True, Precision::kFp32}) {
+      SCOPED_TRACE(std::string(to_string(p)) + (dq ? " double quant" : ""));
+      const Trace t = trace_of(m, qlora_recipe(p, dq));
+      EXPECT_EQ(live_before_first(t, in(2, Phase::kForward)).rounded[kWeights], base + rope_buffers_rounded(m) + a4);
+    }
+  }
+}
+
+// Every 4-bit matmul dequantizes its whole weight to the precision's dtype, in the forward and
+// again in the backward of each layer whose input needs a gradient (with q_proj and v_proj
+// adapters: every layer's down_proj; layer 0's k_proj input needs none).
+TEST(GraphQlora, DequantizedCopyPerMatmul) {
+  const Model m = odd_llama();
+  const Trace t = trace_of(m, qlora_recipe(Precision::kBf16True, true));
+  auto count = [&](Phase phase, const char* op, std::uint64_t bytes) {
+    int n = 0;
+    for (const graph::Event& e : t.events) {
+      const MomentTag& mt = t.moments[e.moment];
+      if (e.alloc && mt.step == 1 && mt.phase == phase && mt.op == op && t.storages[e.tensor].bytes == bytes) ++n;
+    }
+    return n;
+  };
+  EXPECT_EQ(count(Phase::kForward, "mlp.down_proj", 530u * 200 * 2), 2);
+  EXPECT_EQ(count(Phase::kBackward, "mlp.down_proj", 530u * 200 * 2), 2);
+  EXPECT_EQ(count(Phase::kForward, "self_attn.k_proj", 200u * 100 * 2), 2);
+  EXPECT_EQ(count(Phase::kBackward, "self_attn.k_proj", 200u * 100 * 2), 1);
+  // Double quant: the fp32 absmax per block of 64 (530·200/64 → 1657 blocks), twice in the
+  // forward (dequantize_blockwise, then + offset) and once in the backward.
+  EXPECT_EQ(count(Phase::kForward, "mlp.down_proj", 1657u * 4), 4);
+  EXPECT_EQ(count(Phase::kBackward, "mlp.down_proj", 1657u * 4), 2);
+}
+
+TEST(GraphQlora, RefusesLinearBiases) {
+  json c = {{"model_type", "qwen2"}, {"hidden_size", 64},  {"intermediate_size", 128}, {"num_hidden_layers", 1},
+            {"num_attention_heads", 4}, {"num_key_value_heads", 2}, {"vocab_size", 100}};
+  const Model m = model_from_config_json(c.dump());
+  Recipe r = qlora_recipe(Precision::kBf16True, true);
+  EXPECT_EQ(testing::error_of([&] { trace_of(m, r); }),
+            "load_in_4bit: qwen2 has biases on its linear layers, which bitsandbytes recasts in the first forward; "
+            "not modelled yet (Llama, Mistral, Qwen3, Gemma-2 and Phi-3 have none)");
 }
 
 }  // namespace

@@ -87,6 +87,34 @@ TEST(Fit, TheFloorIsNeverAboveTheReplayedPeak) {
   }
 }
 
+// With a 4-bit base the floor counts the packed weights and fp32 for the rest: still below the
+// replayed peak, and the planner offers QLoRA as a single change of a full fine-tuning recipe.
+TEST(Fit, QloraFloorAndSingleChange) {
+  const Model m = model::with_layers(load_model("llama-3.2-1b"), 2);
+  for (bool dq : {false, true}) {
+    Recipe r = base_recipe("h100-80gb", 64);
+    r.precision = Precision::kBf16True;
+    r.lora.rank = 8;
+    r.lora.targets = {"default"};
+    r.quant.load_in_4bit = true;
+    r.quant.double_quant = dq;
+    const Estimate e = estimate(m, r);
+    EXPECT_LE(plan::persistent_floor(m, r), e.breakdown_at_peak[0]);
+    EXPECT_GT(plan::persistent_floor(m, r), e.breakdown_at_peak[0] * 9 / 10);
+  }
+  FitRequest q;
+  q.base = base_recipe("a100-40gb", 512);
+  const FitResult f = fit(m, q);
+  bool offered = false;
+  for (const Change& c : f.changes) {
+    if (c.what != "qlora 16 (default targets): nf4 base, double quant, bf16-true") continue;
+    offered = true;
+    EXPECT_TRUE(c.plan.recipe.quant.enabled() && c.plan.recipe.lora.rank == 16);
+    EXPECT_EQ(c.plan.peak_reserved_bytes, estimate(m, c.plan.recipe).peak_reserved_bytes);
+  }
+  EXPECT_TRUE(offered);
+}
+
 TEST(Fit, BadRequestsAreErrors) {
   const Model m = load_model("gpt2");
   FitRequest q;

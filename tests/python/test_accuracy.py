@@ -79,3 +79,14 @@ def test_compare_rejects_non_measurements(run, tmp_path):
     r = run("compare", bad)
     assert r.returncode == 2
     assert "has no 'recipe' (is it trainmem-measure --json output?)" in r.stderr
+
+
+def test_4bit_entries_exact(comparisons):
+    """The QLoRA measurements (recipe.load_in_4bit) are reproduced to the byte, peak and categories:
+    the packed weights and constants, the dequantized copies and the fp32 stream are all mirrored."""
+    quantized = [(name, c) for name, c in comparisons if c["recipe"].get("load_in_4bit")]
+    assert len(quantized) >= 5, [name for name, _ in quantized]
+    for name, c in quantized:
+        assert c["measured_peak_allocated_bytes"] == c["predicted_peak_allocated_bytes"], name
+        for cat, v in c["categories"].items():
+            assert v["measured"] == v["predicted"], (name, cat, v)

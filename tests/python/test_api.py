@@ -60,3 +60,19 @@ def test_lora_knobs_are_checked():
         trainmem.estimate("gpt2", lora_rank=8, lora_targets="nope")
     with pytest.raises(ValueError, match="peft has no default target modules for phi3"):
         trainmem.estimate("phi-3-mini-4k-instruct", lora_rank=8)
+
+
+def test_qlora_keywords_match_the_cli(run):
+    knobs = dict(lora_rank=8, load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                 precision="bf16-true", seq=256)
+    est = trainmem.estimate("llama-3.2-1b", **knobs)
+    cli = json.loads(run("estimate", "llama-3.2-1b", "--lora", "8", "--qlora", "--precision", "bf16-true",
+                         "--seq", "256", "--json").stdout)
+    assert est.peak_allocated_bytes == cli["peak_allocated_bytes"]
+    assert est.recipe["bnb_4bit_quant_type"] == "nf4" and est.recipe["load_in_4bit"] is True
+    with pytest.raises(ValueError, match="load_in_4bit: must be True or False"):
+        trainmem.estimate("llama-3.2-1b", lora_rank=8, load_in_4bit="yes", precision="bf16-true")
+    with pytest.raises(ValueError, match="precision: load_in_4bit runs with fp32, bf16-true or fp16-true"):
+        trainmem.estimate("llama-3.2-1b", lora_rank=8, load_in_4bit=True)
+    with pytest.raises(ValueError, match="load_in_4bit: qwen2 has biases on its linear layers"):
+        trainmem.estimate("qwen2.5-0.5b", lora_rank=8, load_in_4bit=True, precision="bf16-true")

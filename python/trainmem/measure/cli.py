@@ -4,6 +4,7 @@
     trainmem-measure llama-3.1-70b --seq 4096 --checkpointing full --fake --json
     trainmem-measure path/to/config.json --device cuda --trace events.jsonl
     trainmem-measure qwen3-0.6b --lora 16 --lora-targets all-linear --lora-dropout 0.05 --json
+    trainmem-measure qwen3-0.6b --lora 16 --qlora --precision bf16-true --json
     trainmem-measure qwen3-0.6b --inference --seq 64 --new-tokens 16 --beams 4 --precision fp32 --json
 
 Exit codes: 0 success, 2 bad input (one line on stderr), 1 the measurement itself failed.
@@ -17,8 +18,8 @@ import os
 import shlex
 import sys
 
-from .recipe import (ALLOCATORS, ATTENTIONS, CHECKPOINTING, LOSSES, OPTIMIZERS, PARALLELS, PRECISIONS, Recipe,
-                     RecipeError)
+from .recipe import (ALLOCATORS, ATTENTIONS, BNB_4BIT_QUANT_TYPES, CHECKPOINTING, LOSSES, OPTIMIZERS, PARALLELS,
+                     PRECISIONS, Recipe, RecipeError)
 
 PROG = "trainmem-measure"
 
@@ -62,6 +63,14 @@ def _parser() -> _Parser:
                    help="modules LoRA wraps: default (peft's), all-linear, or names (q_proj,v_proj)")
     p.add_argument("--lora-dropout", type=float, default=defaults.lora_dropout, metavar="P",
                    help="lora_dropout in [0, 1); 0 is nn.Identity (default %(default)s)")
+    p.add_argument("--load-in-4bit", action="store_true",
+                   help="4-bit base weights (bitsandbytes, BitsAndBytesConfig(load_in_4bit=True)); needs --lora")
+    p.add_argument("--bnb-4bit-quant-type", choices=BNB_4BIT_QUANT_TYPES, default=None,
+                   help=f"with --load-in-4bit: the 4-bit code (default {defaults.bnb_4bit_quant_type}, as transformers')")
+    p.add_argument("--bnb-4bit-use-double-quant", action="store_true",
+                   help="with --load-in-4bit: quantize the block constants again (8-bit, blocks of 256)")
+    p.add_argument("--qlora", action="store_true",
+                   help="QLoRA's base: --load-in-4bit --bnb-4bit-quant-type nf4 --bnb-4bit-use-double-quant")
     p.add_argument("--inference", action="store_true",
                    help="measure one model.generate() call (prefill of --seq tokens, then decode) instead of training")
     p.add_argument("--new-tokens", type=int, default=defaults.new_tokens, metavar="N",
@@ -73,6 +82,10 @@ def _parser() -> _Parser:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--trace", metavar="FILE", help="write every allocation and free as JSON lines")
     return p
+
+
+def defaults_quant_type() -> str:
+    return Recipe().bnb_4bit_quant_type
 
 
 def _error(message: str, code: int) -> int:
@@ -109,13 +122,16 @@ def main(argv: list[str] | None = None) -> int:
 
             if torch.cuda.is_available():
                 gpu = torch.cuda.get_device_name().lower().replace("nvidia", "").strip().replace(" ", "-")
+    quant_type = args.bnb_4bit_quant_type or ("nf4" if args.qlora else defaults_quant_type())
     try:
         recipe = Recipe(batch=args.batch, seq=args.seq, grad_accum=args.grad_accum, precision=args.precision,
                         optimizer=args.optimizer, checkpointing=args.checkpointing, attention=args.attention,
                         loss=args.loss, gpu=gpu, allocator=args.allocator, lora_rank=args.lora,
                         lora_targets=args.lora_targets, lora_dropout=args.lora_dropout,
                         mode="inference" if args.inference else "training", new_tokens=args.new_tokens,
-                        beams=args.beams, gpus=args.gpus, parallel=args.parallel)
+                        beams=args.beams, gpus=args.gpus, parallel=args.parallel,
+                        load_in_4bit=args.load_in_4bit or args.qlora, bnb_4bit_quant_type=quant_type,
+                        bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant or args.qlora)
         command = shlex.join([PROG, *argv])
         result = measure(args.model, recipe, device=args.device, fake=args.fake, trace=args.trace,
                          command=command)
@@ -163,6 +179,9 @@ def render_text(result: dict) -> str:
         targets = ", ".join(targets) if isinstance(targets, list) else targets
         lines.insert(1, f"lora: rank {r['lora_rank']} on {targets} (dropout {r.get('lora_dropout', 0):g}),"
                         f" {result['trainable_parameters']:,} trainable parameters")
+    if r.get("load_in_4bit"):
+        lines.insert(2, f"4-bit base: {r['bnb_4bit_quant_type']}"
+                        f"{', double quant' if r.get('bnb_4bit_use_double_quant') else ''} (bitsandbytes)")
     total = result["peak_allocated_bytes"] or 1
     for category, value in result["breakdown_at_peak"].items():
         lines.append(f"  {category:<17} {format_bytes(value):>12}  {100.0 * value / total:5.1f} %")

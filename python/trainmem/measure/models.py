@@ -149,6 +149,8 @@ def build_real_model(spec: ModelSpec, recipe: Recipe, device: str):
         model = _causal_lm_from_config(cfg, recipe)
     model.tie_weights()
     _fill_pattern(model)
+    if recipe.load_in_4bit:
+        model = build_quantized_model(model, recipe, device)
     if recipe.uses_lora:
         model = apply_lora(model, recipe)
     model.train()
@@ -191,6 +193,75 @@ def build_fake_model(spec: ModelSpec, recipe: Recipe, fake_mode, device: str):
                 setattr(module, name, fake_like(value))
     model.train()
     return model
+
+
+# ---------------------------------------------------------------------------------------- QLoRA
+
+def bnb_config(recipe: Recipe):
+    """transformers' BitsAndBytesConfig as a QLoRA script writes it; bnb_4bit_compute_dtype is the
+    precision's dtype (transformers' own default would be float32)."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=recipe.bnb_4bit_quant_type,
+                              bnb_4bit_use_double_quant=recipe.bnb_4bit_use_double_quant,
+                              bnb_4bit_compute_dtype=model_dtype(recipe))
+
+
+def build_quantized_model(model, recipe: Recipe, device: str):
+    """The base model as a QLoRA user gets it: a checkpoint loaded with a BitsAndBytesConfig, then
+    `peft.prepare_model_for_kbit_training`.
+
+    Nothing can be downloaded, so the checkpoint is the built (pattern-filled) model saved to a
+    temporary directory. `from_pretrained` replaces every linear layer of the decoder layers by
+    bitsandbytes' Linear4bit and quantizes its weight as it is loaded (Params4bit: packed uint8 and
+    a QuantState); the embeddings, lm_head and norms stay in the load dtype.
+    prepare_model_for_kbit_training then freezes every parameter and casts every bf16/fp16
+    parameter that is not 4-bit to float32 (`param.data = param.data.to(torch.float32)`: the
+    embeddings, norms and lm_head become fp32, and so does the residual stream). It is called with
+    use_gradient_checkpointing=False: with True (its default) it would turn on Hugging Face's
+    *reentrant* checkpointing; the recipe's checkpointing knob turns on the non-reentrant one
+    instead (enable_checkpointing), as for every other recipe.
+    """
+    import tempfile
+
+    try:
+        import bitsandbytes  # noqa: F401
+        from peft import prepare_model_for_kbit_training
+    except ImportError as e:
+        raise RecipeError(f"load_in_4bit needs the bitsandbytes and peft packages: {e}") from None
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the save and load bars would fill the CLI's stderr
+    with tempfile.TemporaryDirectory(prefix="trainmem-qlora-") as tmp:
+        model.save_pretrained(tmp)
+        del model
+        quantized = AutoModelForCausalLM.from_pretrained(
+            tmp, quantization_config=bnb_config(recipe), dtype=model_dtype(recipe), device_map=device,
+            attn_implementation=HF_ATTENTION[recipe.attention])
+    return prepare_model_for_kbit_training(quantized, use_gradient_checkpointing=False)
+
+
+def quant_state_tensors(model) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of every 4-bit weight's QuantState, which are neither parameters nor buffers:
+    absmax (fp32 per block of 64, or with double quant uint8) and the 16-entry code, and with
+    double quant the offset and the nested state's fp32 absmax and 256-entry code. Module order."""
+    out = []
+    for name, p in model.named_parameters():
+        state = getattr(p, "quant_state", None)
+        if state is None:
+            continue
+        for key in ("absmax", "code", "offset"):
+            t = getattr(state, key, None)
+            if isinstance(t, torch.Tensor):
+                out.append((f"{name}.quant_state.{key}", t))
+        nested = getattr(state, "state2", None)
+        if nested is not None:
+            for key in ("absmax", "code"):
+                t = getattr(nested, key, None)
+                if isinstance(t, torch.Tensor):
+                    out.append((f"{name}.quant_state.state2.{key}", t))
+    return out
 
 
 # ---------------------------------------------------------------------------------------- LoRA

@@ -22,6 +22,11 @@ MAX_SEQ = 1 << 24     # the engine's kMaxSeq (src/recipe/recipe.cpp): also bound
 MAX_BEAMS = 64        # the engine's bound on num_beams
 LORA_TARGET_KEYWORDS = ("default", "all-linear")
 MAX_LORA_RANK = 65536  # the engine's bound: beyond it the adapters outgrow the layers they adapt
+# bitsandbytes 4-bit base weights (transformers' BitsAndBytesConfig): the codes of
+# bnb_4bit_quant_type, whose default "fp4" is transformers' own; the precisions a 4-bit base runs with
+# (the precision's dtype is the load dtype and bnb_4bit_compute_dtype; no autocast, no master copy).
+BNB_4BIT_QUANT_TYPES = ("fp4", "nf4")
+QUANTIZED_PRECISIONS = ("fp32", "bf16-true", "fp16-true")
 
 # Hugging Face's attn_implementation for each --attention value.
 HF_ATTENTION = {"eager": "eager", "sdpa": "sdpa", "flash": "flash_attention_2"}
@@ -50,6 +55,12 @@ class Recipe:
     lora_rank: int = 0
     lora_targets: str = "default"
     lora_dropout: float = 0.0
+    # QLoRA: the base model loaded with BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type,
+    # bnb_4bit_use_double_quant, bnb_4bit_compute_dtype=the precision's dtype), then peft's
+    # prepare_model_for_kbit_training (models.build_quantized_model). The spellings are transformers'.
+    load_in_4bit: bool = False
+    bnb_4bit_quant_type: str = "fp4"
+    bnb_4bit_use_double_quant: bool = False
     # Generation (docs/schema.md "The reference generation"): mode "inference" measures one
     # model.generate() call of new_tokens tokens after a prompt of seq tokens, num_beams = beams.
     mode: str = "training"
@@ -62,8 +73,8 @@ class Recipe:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise RecipeError(f"mode={self.mode!r} is not one of {', '.join(MODES)}")
-        if self.precision in ("", None):
-            object.__setattr__(self, "precision", DEFAULT_PRECISION[self.mode])
+        if self.precision in ("", None):  # a 4-bit base defaults to its matmuls' dtype, as the engine does
+            object.__setattr__(self, "precision", "bf16-true" if self.load_in_4bit is True else DEFAULT_PRECISION[self.mode])
         for key in ("batch", "seq", "grad_accum", "new_tokens", "beams"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -80,6 +91,7 @@ class Recipe:
             if value not in allowed:
                 raise RecipeError(f"{key}={value!r} is not one of {', '.join(allowed)}")
         self._check_lora()
+        self._check_quantization()
         self._check_mode()
         self._check_parallel()
 
@@ -165,6 +177,27 @@ class Recipe:
                 if keyword in names:
                     raise RecipeError(f"lora_targets: {keyword!r} cannot be combined with module names")
 
+    def _check_quantization(self) -> None:
+        """The engine's rules for a 4-bit base (src/recipe/recipe.cpp)."""
+        for key in ("load_in_4bit", "bnb_4bit_use_double_quant"):
+            if not isinstance(getattr(self, key), bool):
+                raise RecipeError(f"{key} must be true or false, got {getattr(self, key)!r}")
+        if self.bnb_4bit_quant_type not in BNB_4BIT_QUANT_TYPES:
+            raise RecipeError(f"bnb_4bit_quant_type={self.bnb_4bit_quant_type!r} is not one of "
+                              f"{', '.join(BNB_4BIT_QUANT_TYPES)}")
+        if not self.load_in_4bit:
+            if self.bnb_4bit_quant_type != "fp4" or self.bnb_4bit_use_double_quant:
+                raise RecipeError("bnb_4bit_quant_type / bnb_4bit_use_double_quant are set without load_in_4bit")
+            return
+        if self.mode == "inference":
+            raise RecipeError("load_in_4bit: inference with 4-bit weights is not measured yet")
+        if not self.uses_lora:
+            raise RecipeError("load_in_4bit: a 4-bit base model cannot be trained itself; add LoRA adapters "
+                              "(lora_rank > 0): that is QLoRA")
+        if self.precision not in QUANTIZED_PRECISIONS:
+            raise RecipeError(f"precision={self.precision!r} with load_in_4bit is not measured: the precision's dtype "
+                              f"is the load and compute dtype; use {', '.join(QUANTIZED_PRECISIONS)}")
+
     @property
     def lora_target_names(self) -> list[str]:
         """`lora_targets` split at commas: ["default"], ["all-linear"] or module names as peft matches them."""
@@ -213,6 +246,8 @@ class Recipe:
             del out["lora_targets"], out["lora_dropout"]
         elif lora_targets is not None:
             out["lora_targets"] = list(lora_targets)
+        if not self.load_in_4bit:  # as the engine writes it: the 4-bit keys only for a 4-bit base
+            del out["load_in_4bit"], out["bnb_4bit_quant_type"], out["bnb_4bit_use_double_quant"]
         if not self.is_inference:  # as the engine writes it: new_tokens and beams for inference only
             del out["new_tokens"], out["beams"]
         if not self.is_parallel:  # one process: the keys of a single-GPU recipe, as before

@@ -12,7 +12,7 @@ import time
 import torch
 
 from .models import (ModelError, ModelSpec, build_fake_model, build_real_model, enable_checkpointing,
-                     lora_targets_of, resolve_model)
+                     lora_targets_of, quant_state_tensors, resolve_model)
 from .recipe import Recipe, RecipeError
 from .tracker import CATEGORIES, MemoryTracker
 from .generation import run_generation
@@ -38,7 +38,7 @@ def versions(recipe: Recipe | None = None) -> dict:
             out["peft"] = peft.__version__
         except ImportError:
             pass
-    if recipe is not None and recipe.optimizer == "adamw-8bit":
+    if recipe is not None and (recipe.optimizer == "adamw-8bit" or recipe.load_in_4bit):
         try:
             import bitsandbytes
 
@@ -77,6 +77,9 @@ def check_device(device: str, fake: bool, recipe: Recipe) -> None:
                 "aborts the process on fake CUDA tensors; use --fake --device cpu")
         if not fake and not torch.cuda.is_available():
             raise DeviceError("--device cuda: no CUDA device is available here; use --device cpu or --fake")
+    if fake and recipe.load_in_4bit:
+        raise RecipeError("load_in_4bit cannot run on fake tensors: bitsandbytes quantizes real weights as they "
+                          "are loaded; measure a reduced-depth model for real on the CPU")
     if fake and recipe.is_inference:
         raise RecipeError("mode=inference cannot run on fake tensors: generate() decides with data-dependent "
                           "tests (is the attention mask all ones? is every sequence finished? beam search's "
@@ -100,7 +103,7 @@ def _import_step_modules(recipe: Recipe) -> None:
         return
     if recipe.optimizer == "adafactor":
         import transformers.optimization  # noqa: F401
-    if recipe.optimizer == "adamw-8bit":
+    if recipe.optimizer == "adamw-8bit" or recipe.load_in_4bit:
         with contextlib.suppress(ImportError):
             import bitsandbytes  # noqa: F401
 
@@ -138,6 +141,8 @@ def measure(model: str | ModelSpec, recipe: Recipe, *, device: str = "cpu", fake
     _import_step_modules(recipe)
     tracker = MemoryTracker(device, fake=fake, cuda_probe=is_cuda, detect_untracked=is_cuda and expandable_segments_enabled())
     tracker.attach_model(model_obj)
+    for name, t in quant_state_tensors(model_obj):  # 4-bit weights' constants: weights too
+        tracker.add_weight(t, name)
     if recipe.is_parallel:
         _parallel.attach(tracker, runner, recipe)
     forward_and_loss = None if recipe.is_inference else hf_loss_fn(runner, recipe, tracker)
@@ -175,6 +180,8 @@ def measure(model: str | ModelSpec, recipe: Recipe, *, device: str = "cpu", fake
             stack.enter_context(fake_hf_patches())
             stack.enter_context(fake_mode)
         stack.enter_context(tracker)
+        if recipe.load_in_4bit and not fake:
+            stack.enter_context(bnb_composites_visible())
         if recipe.is_inference:
             if step_hooks:
                 step_hooks["on_step_start"](1)
@@ -203,6 +210,38 @@ def measure(model: str | ModelSpec, recipe: Recipe, *, device: str = "cpu", fake
                 f.write(json.dumps(row, separators=(",", ":")) + "\n")
     del model_obj
     return result
+
+
+@contextlib.contextmanager
+def bnb_composites_visible():
+    """Let the tracker see inside bitsandbytes' gemm_4bit op.
+
+    MatMul4Bit (bitsandbytes/autograd/_functions.py) calls `torch.ops.bitsandbytes.gemm_4bit`, a
+    custom op. On the CPU its kernel is the Python "default" one (backends/default/ops.py,
+    `_gemm_4bit_default_impl`): with double quant `dequantize_blockwise` of the 8-bit absmax plus
+    the offset, then `dequantize_4bit` of the whole weight to the input's dtype, then `F.linear`.
+    A dispatch mode sees a custom op as one op, so the dequantized weight, which is really
+    allocated and freed inside it, would never reach the tracker. For the steps the op is
+    replaced by that same Python function: the same ops run, each now dispatched on its own.
+    (On CUDA, gemm_4bit takes that path too for more than 1536 rows of input; below that it may
+    run a fused kernel that dequantizes nothing; the CUDA probe sees either.)
+    """
+    try:
+        from bitsandbytes.backends.default import ops as default_ops
+    except ImportError:
+        yield
+        return
+    namespace = torch.ops.bitsandbytes
+    original = namespace.gemm_4bit
+
+    class _Visible:
+        default = staticmethod(default_ops._gemm_4bit_default_impl)
+
+    setattr(namespace, "gemm_4bit", _Visible)
+    try:
+        yield
+    finally:
+        setattr(namespace, "gemm_4bit", original)
 
 
 @contextlib.contextmanager
@@ -355,6 +394,13 @@ def default_command(spec: ModelSpec, recipe: Recipe, *, device: str, fake: bool)
             args += ["--lora-targets", recipe.lora_targets]
         if recipe.lora_dropout != defaults.lora_dropout:
             args += ["--lora-dropout", repr(float(recipe.lora_dropout))]
+    if recipe.load_in_4bit:
+        if recipe.bnb_4bit_quant_type == "nf4" and recipe.bnb_4bit_use_double_quant:
+            args.append("--qlora")
+        else:
+            args += ["--load-in-4bit", "--bnb-4bit-quant-type", recipe.bnb_4bit_quant_type]
+            if recipe.bnb_4bit_use_double_quant:
+                args.append("--bnb-4bit-use-double-quant")
     if fake:
         args.append("--fake")
     if device != "cpu":

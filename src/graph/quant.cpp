@@ -1,0 +1,25 @@
+#include "graph/quant.h"
+
+#include "common/checked.h"
+
+namespace trainmem::graph {
+
+// See Note [QLoRA].
+Packed4bit packed_4bit(std::uint64_t numel, bool double_quant) {
+  Packed4bit p;
+  p.packed_bytes = numel / 2 + numel % 2;
+  p.blocks = numel / kBnb4bitBlockSize + (numel % kBnb4bitBlockSize != 0);
+  p.code_bytes = kBnb4bitCodeEntries * 4;
+  if (!double_quant) {
+    p.absmax_bytes = detail::mul(p.blocks, 4, "absmax bytes");
+    return p;
+  }
+  p.absmax_bytes = p.blocks;
+  p.offset_bytes = 4;
+  const std::uint64_t nested = p.blocks / kBnbNestedBlockSize + (p.blocks % kBnbNestedBlockSize != 0);
+  p.nested_absmax_bytes = detail::mul(nested, 4, "nested absmax bytes");
+  p.nested_code_bytes = kBnbDynamicCodeEntries * 4;
+  return p;
+}
+
+}  // namespace trainmem::graph

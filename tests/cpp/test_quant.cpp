@@ -1,0 +1,108 @@
+// Tests for bitsandbytes' 4-bit layout (src/graph/quant.h, Note [QLoRA]) and the QLoRA recipe
+// knobs: the packed sizes per parameter, and the exact errors of Recipe::validate.
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <string>
+
+#include "graph/quant.h"
+#include "test_util.h"
+#include "trainmem/trainmem.h"
+
+namespace trainmem {
+namespace {
+
+using graph::packed_4bit;
+using testing::error_of;
+
+// 0.5 B/param packed plus one fp32 absmax per 64: 0.5625 B/param, and the 16-entry code.
+TEST(Packed4bit, WithoutDoubleQuant) {
+  const std::uint64_t n = 4096ull * 14336;
+  const graph::Packed4bit q = packed_4bit(n, false);
+  EXPECT_EQ(q.packed_bytes, n / 2);
+  EXPECT_EQ(q.blocks, n / 64);
+  EXPECT_EQ(q.absmax_bytes, n / 64 * 4);
+  EXPECT_EQ(q.code_bytes, 64u);
+  EXPECT_EQ(q.offset_bytes + q.nested_absmax_bytes + q.nested_code_bytes, 0u);
+  EXPECT_DOUBLE_EQ(static_cast<double>(q.packed_bytes + q.absmax_bytes) / static_cast<double>(n), 0.5625);
+}
+
+// Double quant: uint8 absmax (1/64 B/param), an fp32 absmax per 256 blocks (4/(64·256)), the
+// 0-dim fp32 offset and the 256-entry dynamic code beside the 16-entry one.
+TEST(Packed4bit, WithDoubleQuant) {
+  const std::uint64_t n = 4096ull * 4096;
+  const graph::Packed4bit q = packed_4bit(n, true);
+  EXPECT_EQ(q.absmax_bytes, n / 64);
+  EXPECT_EQ(q.nested_absmax_bytes, n / 64 / 256 * 4);
+  EXPECT_EQ(q.offset_bytes, 4u);
+  EXPECT_EQ(q.code_bytes, 64u);
+  EXPECT_EQ(q.nested_code_bytes, 1024u);
+  EXPECT_DOUBLE_EQ(static_cast<double>(q.packed_bytes + q.absmax_bytes + q.nested_absmax_bytes) / static_cast<double>(n),
+                   0.5 + 1.0 / 64 + 4.0 / (64 * 256));
+  EXPECT_EQ(q.total_bytes(), n / 2 + n / 64 + n / 64 / 256 * 4 + 4 + 64 + 1024);
+}
+
+// Partial blocks round up, and an odd count still takes a whole last byte.
+TEST(Packed4bit, PartialBlocksRoundUp) {
+  const graph::Packed4bit q = packed_4bit(530 * 200 + 1, true);
+  EXPECT_EQ(q.packed_bytes, 53001u);
+  EXPECT_EQ(q.blocks, 1657u);  // ceil(106001 / 64)
+  EXPECT_EQ(q.absmax_bytes, 1657u);
+  EXPECT_EQ(q.nested_absmax_bytes, 7u * 4);  // ceil(1657 / 256) = 7
+}
+
+RecipeSpelling qlora_spelling() {
+  RecipeSpelling s;
+  s.precision = "bf16-true";
+  s.lora_rank = 8;
+  s.load_in_4bit = true;
+  s.bnb_4bit_quant_type = "nf4";
+  s.bnb_4bit_use_double_quant = true;
+  return s;
+}
+
+TEST(QloraRecipe, Parses) {
+  const Recipe r = parse_recipe(qlora_spelling());
+  EXPECT_TRUE(r.quant.enabled());
+  EXPECT_EQ(r.quant.quant_type, QuantType::kNf4);
+  EXPECT_TRUE(r.quant.double_quant);
+  EXPECT_EQ(to_string(QuantType::kFp4), "fp4");
+  EXPECT_EQ(parse_quant_type("fp4"), QuantType::kFp4);
+}
+
+// Without a precision a 4-bit base runs in bf16-true, its matmuls' dtype (bf16-mixed is refused).
+TEST(QloraRecipe, DefaultPrecisionIsBf16True) {
+  RecipeSpelling s = qlora_spelling();
+  s.precision = "";
+  EXPECT_EQ(parse_recipe(s).precision, Precision::kBf16True);
+  s.load_in_4bit = false;
+  s.bnb_4bit_quant_type = "fp4";
+  s.bnb_4bit_use_double_quant = false;
+  EXPECT_EQ(parse_recipe(s).precision, Precision::kBf16Mixed);
+}
+
+TEST(QloraRecipe, Errors) {
+  RecipeSpelling s = qlora_spelling();
+  s.bnb_4bit_quant_type = "int4";
+  EXPECT_EQ(error_of([&] { parse_recipe(s); }), "bnb_4bit_quant_type: unknown value 'int4'; expected one of fp4, nf4");
+  s = qlora_spelling();
+  s.lora_rank = 0;
+  EXPECT_EQ(error_of([&] { parse_recipe(s); }),
+            "load_in_4bit: a 4-bit base model cannot be trained itself; add LoRA adapters (lora_rank > 0): that is QLoRA");
+  s = qlora_spelling();
+  s.precision = "bf16-mixed";
+  EXPECT_EQ(error_of([&] { parse_recipe(s); }),
+            "precision: load_in_4bit runs with fp32, bf16-true or fp16-true (the 4-bit matmuls' dtype), got bf16-mixed");
+  s = RecipeSpelling{};
+  s.bnb_4bit_use_double_quant = true;
+  EXPECT_EQ(error_of([&] { parse_recipe(s); }),
+            "bnb_4bit_quant_type / bnb_4bit_use_double_quant: set without load_in_4bit");
+  s = qlora_spelling();
+  s.lora_rank = 0;
+  s.mode = "inference";
+  EXPECT_EQ(error_of([&] { parse_recipe(s); }), "load_in_4bit: inference with 4-bit weights is not modelled yet");
+}
+
+}  // namespace
+}  // namespace trainmem
