@@ -32,6 +32,8 @@ constexpr Spellings<Loss, 2> kLoss{{{Loss::kStandard, "standard"}, {Loss::kFused
 constexpr Spellings<AllocatorMode, 2> kAllocator{{{AllocatorMode::kDefault, "default"},
                                                   {AllocatorMode::kExpandable, "expandable"}}};
 constexpr Spellings<Mode, 2> kModes{{{Mode::kTraining, "training"}, {Mode::kInference, "inference"}}};
+constexpr Spellings<Parallel, 3> kParallel{{{Parallel::kNone, "none"}, {Parallel::kDdp, "ddp"},
+                                            {Parallel::kFsdp, "fsdp"}}};
 
 template <typename E, std::size_t N>
 std::string_view name_of(const Spellings<E, N>& table, E e) {
@@ -58,6 +60,8 @@ constexpr std::uint64_t kMaxSeq = std::uint64_t{1} << 24;
 // Every micro-batch is simulated (about as long as one forward and backward), so the count is
 // capped where an estimate still takes seconds, not hours.
 constexpr std::uint64_t kMaxAccum = 1024;
+// Data-parallel ranks: the measuring side's bound (python/trainmem/measure/recipe.py MAX_GPUS).
+constexpr std::uint64_t kMaxGpus = 4096;
 
 void check_range(std::string_view field, std::uint64_t v, std::uint64_t max) {
   if (v < 1 || v > max) {
@@ -83,6 +87,36 @@ std::vector<std::string> split_targets(std::string_view s) {
   return out;
 }
 
+// What the engine models of data parallelism: what the measuring side runs
+// (python/trainmem/measure/recipe.py _check_parallel, docs/parallelism.md) and nothing more.
+void validate_parallel(const Recipe& r) {
+  check_range("gpus", r.gpus, kMaxGpus);
+  if (r.parallel == Parallel::kNone) {
+    if (r.gpus != 1) {
+      throw Error("gpus: " + std::to_string(r.gpus) + " GPUs need a data-parallel wrapper: parallel ddp or fsdp");
+    }
+    return;
+  }
+  const std::string p(to_string(r.parallel));
+  if (r.mode == Mode::kInference) throw Error("parallel: " + p + " is a training knob; inference runs on one GPU");
+  if (r.lora.enabled()) throw Error("parallel: " + p + " with LoRA is not modelled yet");
+  if (r.parallel == Parallel::kFsdp) {
+    if (r.precision == Precision::kFp16Mixed || r.precision == Precision::kBf16Master) {
+      throw Error("precision: " + std::string(to_string(r.precision)) +
+                  " under parallel fsdp is not modelled (FSDP2 keeps no separate master copy: its bf16 compute "
+                  "over fp32 weights is a MixedPrecisionPolicy); use fp32, bf16-true or bf16-mixed");
+    }
+    if (r.optimizer == Optimizer::kAdamW8bit || r.optimizer == Optimizer::kAdafactor) {
+      throw Error("optimizer: " + std::string(to_string(r.optimizer)) +
+                  " under parallel fsdp is not modelled; use adamw, adamw-fused or sgd");
+    }
+    if (r.loss == Loss::kFused) {
+      throw Error("loss: fused under parallel fsdp is not modelled (it reads lm_head.weight outside the root "
+                  "module's forward, where FSDP2 has not gathered it); use standard");
+    }
+  }
+}
+
 }  // namespace
 
 std::string_view to_string(Precision x) { return name_of(kPrecisions, x); }
@@ -92,6 +126,7 @@ std::string_view to_string(Attention x) { return name_of(kAttention, x); }
 std::string_view to_string(Loss x) { return name_of(kLoss, x); }
 std::string_view to_string(AllocatorMode x) { return name_of(kAllocator, x); }
 std::string_view to_string(Mode x) { return name_of(kModes, x); }
+std::string_view to_string(Parallel x) { return name_of(kParallel, x); }
 
 Precision parse_precision(std::string_view s) { return parse(kPrecisions, s, "precision"); }
 Optimizer parse_optimizer(std::string_view s) { return parse(kOptimizers, s, "optimizer"); }
@@ -100,6 +135,7 @@ Attention parse_attention(std::string_view s) { return parse(kAttention, s, "att
 Loss parse_loss(std::string_view s) { return parse(kLoss, s, "loss"); }
 AllocatorMode parse_allocator(std::string_view s) { return parse(kAllocator, s, "allocator"); }
 Mode parse_mode(std::string_view s) { return parse(kModes, s, "mode"); }
+Parallel parse_parallel(std::string_view s) { return parse(kParallel, s, "parallel"); }
 
 Recipe parse_recipe(const RecipeSpelling& in) {
   Recipe r;
@@ -121,6 +157,8 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   r.lora.rank = in.lora_rank;
   r.lora.dropout = in.lora_dropout;
   r.lora.targets = split_targets(in.lora_targets);
+  r.gpus = in.gpus;
+  r.parallel = parse_parallel(in.parallel);
   r.validate();
   return r;
 }
@@ -159,6 +197,7 @@ void Recipe::validate() const {
   } else if (lora.dropout != 0) {
     throw Error("lora_dropout: set without lora_rank (no adapters)");
   }
+  validate_parallel(*this);
 }
 
 }  // namespace trainmem

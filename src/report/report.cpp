@@ -32,6 +32,10 @@ ordered_json recipe_object(const Recipe& r) {
     j["lora_rank"] = 0;
   }
   j["mode"] = to_string(r.mode);
+  if (r.parallel != Parallel::kNone) {  // as trainmem-measure writes them: only when data-parallel
+    j["gpus"] = r.gpus;
+    j["parallel"] = to_string(r.parallel);
+  }
   if (r.mode == Mode::kInference) {
     j["new_tokens"] = r.new_tokens;
     j["beams"] = r.beams;
