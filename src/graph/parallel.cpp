@@ -39,8 +39,10 @@ constexpr std::uint64_t kBucketCapBytes = std::uint64_t{25} << 20;
 //  * fully_shard: each parameter's dim 0 is split in `world` chunks of ceil(dim0 / world) rows and
 //    this rank's chunk lives in a padded buffer of that size (_fsdp_param.py,
 //    _init_sharded_param): the sharded parameters, weights for the whole run; the original
-//    parameters are freed. Rank 0 holds the first, full-size chunk, so it is the rank with the
-//    most memory (its optimizer states are the largest);
+//    parameters are freed. The engine never gives the full parameters memory: a model too big
+//    for one GPU is built on the meta device (or the CPU) and sharded before it reaches the GPU,
+//    and the measuring side starts tracking after fully_shard. Rank 0 holds the first, full-size
+//    chunk, so it is the rank with the most memory (its optimizer states are the largest);
 //  * all-gather (the unit's pre-forward, pre-backward or a prefetch): one flat buffer of world x
 //    Σ padded shard elements (foreach_all_gather), then every parameter's unsharded storage,
 //    world x its padded shard, is (re)allocated with storage.resize_ and filled from the buffer
@@ -128,8 +130,7 @@ void DataParallel::wrap(std::vector<WrappedParam>& params, const std::vector<std
       const std::uint64_t item = dtype_bytes(p.dtype);
       t_.alloc_bytes(detail::mul(shard, item, "shard bytes"), Category::kWeights);  // kept for the run
       unsharded_[pi] = t_.reserve(detail::mul({shard, world_, item}, "unsharded parameter bytes"), Category::kWeights);
-      t_.release(p.storage);
-      p.storage = unsharded_[pi];
+      p.storage = unsharded_[pi];  // the full parameter's storage never had memory (step.cpp add_param)
       params_[pi].storage = p.storage;
     }
   }

@@ -272,7 +272,10 @@ class StepBuilder {
     p.numel = g.numel;
     p.dtype = pol_.param;
     p.trainable = !r_.lora.enabled();  // get_peft_model freezes the whole base model
-    p.storage = t_.alloc_bytes(detail::mul(g.numel, dtype_bytes(pol_.param), "parameter bytes"), Category::kWeights);
+    const std::uint64_t bytes = detail::mul(g.numel, dtype_bytes(pol_.param), "parameter bytes");
+    // FSDP2 holds shards only: the full parameter never has memory (See Note [FSDP2 units]).
+    p.storage = r_.parallel == Parallel::kFsdp ? t_.reserve(bytes, Category::kWeights)
+                                               : t_.alloc_bytes(bytes, Category::kWeights);
     p.slot = t_.new_param(p.storage);
     p.matmul = g.matmul_weight;
     p.rows = g.rows;

@@ -1,4 +1,6 @@
-"""The accuracy gate: the engine against every measurement in data/ground_truth/.
+"""The accuracy gate: the engine against every measurement in data/ground_truth/ and its
+data-parallel subfolder parallel/ (rank 0 of a DDP or FSDP2 run; tools/measure_corpus.py keeps
+them apart, with their own index.json).
 
 Each measurement was made with the PyTorch tracker (trainmem.measure) and records its own
 provenance; `trainmem compare` re-estimates the same model and recipe. The gate, from issue 3:
@@ -20,7 +22,14 @@ CATEGORY_LIMIT_PCT = 5.0
 
 
 def measurements():
-    return sorted(p for p in CORPUS.glob("*.json") if p.name not in ("index.json", "matrix.json"))
+    files = [*CORPUS.glob("*.json"), *(CORPUS / "parallel").glob("*.json")]
+    return sorted(p for p in files if p.name not in ("index.json", "matrix.json"))
+
+
+def test_corpus_has_data_parallel_runs():
+    recipes = [json.loads(p.read_text())["recipe"] for p in measurements()]
+    seen = {r.get("parallel", "none") for r in recipes}
+    assert {"none", "ddp", "fsdp"} <= seen, f"corpus lacks {({'none', 'ddp', 'fsdp'} - seen)}"
 
 
 def test_corpus_is_large_and_varied():
