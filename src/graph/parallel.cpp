@@ -175,7 +175,9 @@ void DataParallel::backward_begin() {
   if (kind_ != Parallel::kFsdp || units_.size() < 2) return;
   // The root's pre-backward prefetches the last layer (see Note [FSDP2 units]).
   Unit& last = units_[units_.size() - 2];
-  if (!last.gathered && last.flat == kNone) all_gather(last);
+  if (last.gathered || last.flat != kNone) return;
+  t_.at(Phase::kBackward, kNoLayer, "fsdp.all_gather");
+  all_gather(last);
 }
 
 void DataParallel::layer_change(std::int32_t from, std::int32_t to) {

@@ -560,8 +560,10 @@ class StepBuilder {
         n.saved.push_back(wc.id);
         n.inputs.push_back(grad_of(x));
       }
-      if (wt) n.params.push_back(param_grad(w, cd));
+      // addmm(bias, x, W): the bias is the first input, so its gradient is made and its
+      // AccumulateGrad runs first (what DDP's gradient-ready order shows: Note [DDP buckets]).
       if (bt) n.params.push_back(param_grad(b, cd));
+      if (wt) n.params.push_back(param_grad(w, cd));
       t_.record(std::move(n));
     }
     t_.drop(x);
@@ -1558,9 +1560,9 @@ class StepBuilder {
 
   void backward(ValueId loss) {
     phase_ = Phase::kBackward;
+    dp_.backward_begin();
     t_.at(Phase::kBackward, kNoLayer, "loss");
     ensure_workspace(true);
-    dp_.backward_begin();
     t_.backward(loss);
     dp_.backward_end();
     t_.drop(pending_loss_);
