@@ -300,6 +300,7 @@ struct StepTime {
   double compute_s = 0;   // matmul and attention FLOPs at the assumed efficiency
   double memory_s = 0;    // elementwise, loss and optimizer traffic at the assumed bandwidth
   double overhead_s = 0;  // kernel launches
+  double comm_s = 0;      // data-parallel collectives at the interconnect bandwidth (gpus > 1)
   double flops = 0;       // per GPU per optimizer step
 };
 StepTime step_time(const Model& model, const Recipe& recipe);
@@ -317,7 +318,7 @@ struct Plan {
 
 struct FitRequest {
   Recipe base;                       // the user's recipe; the planner starts from it
-  std::uint64_t gpus = 1;            // data-parallel GPUs (only 1 is modelled so far)
+  std::uint64_t gpus = 1;            // data-parallel GPUs; more than 1 searches parallel ddp / fsdp
   std::uint64_t global_batch = 0;    // sequences per optimizer step over all GPUs; 0: batch*grad_accum*gpus
   std::vector<std::string> fixed;    // knob names the search keeps at the base recipe's value
   std::size_t top = 10;              // plans to return
