@@ -60,3 +60,17 @@ def test_lora_knobs_are_checked():
         trainmem.estimate("gpt2", lora_rank=8, lora_targets="nope")
     with pytest.raises(ValueError, match="peft has no default target modules for phi3"):
         trainmem.estimate("phi-3-mini-4k-instruct", lora_rank=8)
+
+
+def test_data_parallel_keywords(trainmem_bin):
+    est = trainmem.estimate("gpt2", seq=128, gpus=2, parallel="fsdp")
+    cli = json.loads(subprocess.run([trainmem_bin, "estimate", "gpt2", "--seq", "128", "--gpus", "2", "--parallel",
+                                     "fsdp", "--json"], capture_output=True, text=True, check=True).stdout)
+    assert est.to_dict() == cli
+    assert est.recipe["parallel"] == "fsdp" and est.recipe["gpus"] == 2
+    with pytest.raises(ValueError, match="gpus: 2 GPUs need a data-parallel wrapper"):
+        trainmem.estimate("gpt2", gpus=2)
+    with pytest.raises(ValueError, match="gpus: must be a positive integer"):
+        trainmem.estimate("gpt2", gpus=True, parallel="ddp")
+    plan = trainmem.fit("gpt2", gpu="rtx-4090", seq=256, gpus=2, global_batch=8, parallel="fsdp", top=2)
+    assert plan.gpus == 2 and all(p["recipe"]["parallel"] == "fsdp" for p in plan.plans)
