@@ -65,8 +65,8 @@ constexpr std::uint64_t kBucketCapBytes = std::uint64_t{25} << 20;
 //    that requires grad: it reduces in the final callback of the backward, which then drops the
 //    last reduce-scatter state (_fsdp_param_group.py post_backward, _fsdp_state.py);
 //  * gloo's reduce_scatter_tensor makes a world x output temporary that the CPU measurements see
-//    (gradients, freed at once); NCCL allocates nothing through the caching allocator. See Note
-//    [Collectives on CUDA].
+//    (gradients; Note [gloo's reduce-scatter temporary]); NCCL allocates nothing through the
+//    caching allocator. See Note [Collectives on CUDA].
 // Everything a collective allocates is weights (all-gather) or gradients (reduce-scatter), as
 // the measuring side counts it (docs/parallelism.md, "Categories").
 
@@ -183,6 +183,7 @@ void DataParallel::backward_begin() {
 void DataParallel::layer_change(std::int32_t from, std::int32_t to) {
   if (kind_ != Parallel::kFsdp) return;
   if (from >= 0) reduce(units_[static_cast<std::size_t>(from)]);
+  if (to < 0) release_gloo_temporary();
   if (to >= 0) {
     Unit& u = units_[static_cast<std::size_t>(to)];
     if (!u.gathered) {
@@ -210,6 +211,7 @@ void DataParallel::backward_end() {
   // the last reduce-scatter state is dropped.
   reduce(units_.back());
   for (Unit& u : units_) reduce(u);
+  release_gloo_temporary();
   if (pending_reduce_input_ != kNone) {
     t_.release(pending_reduce_input_);
     pending_reduce_input_ = kNone;
@@ -232,6 +234,22 @@ void DataParallel::before_optimizer() {
 std::uint64_t DataParallel::local_numel(std::uint32_t slot, std::uint64_t numel) const {
   if (kind_ != Parallel::kFsdp || slot >= param_of_slot_.size() || param_of_slot_[slot] == kNone) return numel;
   return shard_numel_[param_of_slot_[slot]];  // rank 0's chunk is the full, padded size
+}
+
+// Note [gloo's reduce-scatter temporary]
+// On the CPU, gloo's reduce_scatter_tensor makes a world x output tensor that the tracker sees
+// only when it surfaces in Python (at the next split) and sees freed when its last reference
+// goes, which depends on when gloo's worker thread finishes with it. In the measured traces
+// (data/ground_truth/parallel/unstable/, docs/parallelism.md) it is freed either at once or only
+// after the next unit's pre-backward has allocated its unsharded parameters, and which of the two
+// happens changes from rank to rank and run to run. The engine takes the later one, the rank with
+// the most memory: the temporary lives until the next all-gather copy-out when the backward goes
+// on into another layer, and is dropped at once otherwise. NCCL makes no such tensor (Note
+// [Collectives on CUDA]).
+void DataParallel::release_gloo_temporary() {
+  if (gloo_temporary_ == kNone) return;
+  t_.release(gloo_temporary_);
+  gloo_temporary_ = kNone;
 }
 
 void DataParallel::rebuild_buckets() {
@@ -264,6 +282,7 @@ void DataParallel::all_gather(Unit& u) {
 void DataParallel::copy_out(Unit& u) {
   t_.at(t_.phase(), kNoLayer, "fsdp.all_gather_copy_out");
   for (std::uint32_t pi : u.params) t_.resize(unsharded_[pi], true);
+  release_gloo_temporary();  // See Note [gloo's reduce-scatter temporary]
   t_.release(u.flat);
   u.flat = kNone;
   u.gathered = true;
@@ -287,12 +306,13 @@ void DataParallel::reduce(Unit& u) {
   reshard(u);
   if (grads.empty()) return;
   t_.at(t_.phase(), kNoLayer, "fsdp.reduce_scatter");
+  release_gloo_temporary();
   if (pending_reduce_input_ != kNone) t_.release(pending_reduce_input_);
   const std::uint64_t out_bytes = detail::mul(u.shard_numel, dtype_bytes(u.dtype), "reduce-scatter bytes");
   TensorId in = t_.alloc_bytes(detail::mul(out_bytes, world_, "reduce-scatter bytes"), Category::kGradients);
   for (TensorId g : grads) t_.release(g);
   TensorId out = t_.alloc_bytes(out_bytes, Category::kGradients);
-  if (!cuda_) t_.release(t_.alloc_bytes(out_bytes * world_, Category::kGradients));  // gloo's temporary
+  if (!cuda_) gloo_temporary_ = t_.alloc_bytes(out_bytes * world_, Category::kGradients);
   if (u.sharded_grad == kNone) {
     u.sharded_grad = out;
   } else {

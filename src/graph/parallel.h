@@ -63,6 +63,7 @@ class DataParallel {
   void copy_out(Unit& u);
   void reshard(Unit& u);
   void reduce(Unit& u);
+  void release_gloo_temporary();
 
   Tape& t_;
   Parallel kind_;
@@ -80,6 +81,7 @@ class DataParallel {
   std::vector<std::uint64_t> shard_numel_;  // per parameter, padded
   std::vector<TensorId> unsharded_;         // per parameter
   TensorId pending_reduce_input_ = kNone;   // the last reduce-scatter's input, kept until the next
+  TensorId gloo_temporary_ = kNone;         // CPU: gloo's reduce-scatter temporary still alive
 };
 
 }  // namespace trainmem::graph

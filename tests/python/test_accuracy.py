@@ -88,3 +88,22 @@ def test_compare_rejects_non_measurements(run, tmp_path):
     r = run("compare", bad)
     assert r.returncode == 2
     assert "has no 'recipe' (is it trainmem-measure --json output?)" in r.stderr
+
+
+def test_data_parallel_engine_is_the_worst_rank(trainmem_bin):
+    """data/ground_truth/parallel/unstable/: measurements whose ranks differ from run to run (Note
+    [gloo's reduce-scatter temporary] in src/graph/parallel.cpp). The engine is the worst rank's
+    peak and breakdown, to the byte."""
+    files = sorted((CORPUS / "parallel" / "unstable").glob("*.json"))
+    assert files
+    for path in files:
+        m = json.loads(path.read_text())
+        ranks = m["diagnostics"]["parallel"]["ranks"]
+        worst = max(ranks, key=lambda r: r["peak_allocated_bytes"])
+        assert len({r["peak_allocated_bytes"] for r in ranks}) > 1, f"{path.name}: ranks agree, belongs in parallel/"
+        out = subprocess.run([trainmem_bin, "compare", str(path), "--json"], capture_output=True, text=True,
+                             cwd=ROOT, timeout=120)
+        assert out.returncode == 0, out.stderr
+        c = json.loads(out.stdout)
+        assert c["predicted_peak_allocated_bytes"] == worst["peak_allocated_bytes"], path.name
+        assert {k: v["predicted"] for k, v in c["categories"].items()} == worst["breakdown_at_peak"], path.name
