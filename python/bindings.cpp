@@ -70,7 +70,9 @@ NB_MODULE(_core, m) {
       .def_rw("bnb_4bit_use_double_quant", &RecipeSpelling::bnb_4bit_use_double_quant)
       .def_rw("mode", &RecipeSpelling::mode)
       .def_rw("new_tokens", &RecipeSpelling::new_tokens)
-      .def_rw("beams", &RecipeSpelling::beams);
+      .def_rw("beams", &RecipeSpelling::beams)
+      .def_rw("gpus", &RecipeSpelling::gpus)
+      .def_rw("parallel", &RecipeSpelling::parallel);
 
   nb::class_<trainmem::Estimate>(m, "Estimate")
       .def_ro("model", &trainmem::Estimate::model)

@@ -1,4 +1,4 @@
-"""Writes the accuracy table of docs/accuracy.md: `trainmem compare` over data/ground_truth.
+"""Writes the accuracy table of docs/accuracy.md: `trainmem compare` over data/ground_truth (and parallel/).
 
     python tools/accuracy_table.py [--bin build/trainmem] > table.md
 """
@@ -16,7 +16,8 @@ def main() -> None:
     ap.add_argument("--bin", default=str(ROOT / "build" / "trainmem"))
     args = ap.parse_args()
     rows, errors = [], []
-    for path in sorted((ROOT / "data" / "ground_truth").glob("*.json")):
+    corpus = ROOT / "data" / "ground_truth"
+    for path in sorted([*corpus.glob("*.json"), *(corpus / "parallel").glob("*.json")], key=lambda p: p.stem):
         if path.name in ("index.json", "matrix.json"):
             continue
         c = json.loads(subprocess.run([args.bin, "compare", str(path), "--json"], capture_output=True, text=True,
@@ -27,6 +28,8 @@ def main() -> None:
             knobs = f"generate {r['precision']} {r['attention']} new_tokens={r['new_tokens']} beams={r['beams']}"
         else:
             knobs = f"{r['precision']} {r['optimizer']} {r['attention']} ck={r['checkpointing']} ga={r['grad_accum']} {r['loss']}"
+        if r.get("parallel", "none") != "none":
+            knobs = f"{r['parallel']}×{r['gpus']} " + knobs
         if r.get("lora_rank"):
             knobs += f" lora r={r['lora_rank']} on {','.join(t.split('.')[-1] for t in r['lora_targets'])}"
         if r.get("load_in_4bit"):

@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from measure_common import ROOT, load_measure  # noqa: E402
 
 CORPUS = ROOT / "data" / "ground_truth"
-# Multi-process (data-parallel) measurements: a directory of their own, which the accuracy gate
-# (tests/python/test_accuracy.py, data/ground_truth/*.json) does not read until the engine models them.
+# Multi-process (data-parallel) measurements: a directory of their own (with an index of every
+# rank's peak), which the accuracy gate (tests/python/test_accuracy.py) reads besides *.json.
 PARALLEL_CORPUS = CORPUS / "parallel"
 MATRIX = CORPUS / "matrix.json"
 CATALOG = ROOT / "data" / "models"
@@ -252,8 +252,8 @@ def write_parallel_index(matrix: dict) -> None:
     if not entries:
         return
     doc = {"description": "Data-parallel ground truth (recipe gpus/parallel): rank 0 of a multi-process CPU run "
-                          "with gloo; see data/ground_truth/README.md and docs/parallelism.md. Not read by the "
-                          "accuracy gate until the engine models these knobs.",
+                          "with gloo; see data/ground_truth/README.md and docs/parallelism.md. Read by the "
+                          "accuracy gate (tests/python/test_accuracy.py) with data/ground_truth/*.json.",
            "count": len(entries), "entries": entries}
     (PARALLEL_CORPUS / "index.json").write_text(json.dumps(doc, indent=1) + "\n")
 

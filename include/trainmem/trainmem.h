@@ -152,6 +152,10 @@ enum class AllocatorMode : std::uint8_t { kDefault, kExpandable };
 // model.generate() call (greedy, or beam search with beams > 1) under torch.no_grad, with
 // Hugging Face's default DynamicCache (docs/schema.md, "The reference generation").
 enum class Mode : std::uint8_t { kTraining, kInference };
+// Data parallelism over Recipe::gpus ranks (docs/parallelism.md): kDdp is PyTorch's
+// DistributedDataParallel with its defaults; kFsdp is FSDP2 fully_shard on every decoder layer and
+// then the root module. Each rank runs the recipe's micro-batch; the estimate is one rank's memory.
+enum class Parallel : std::uint8_t { kNone, kDdp, kFsdp };
 
 // LoRA adapters (peft's LoraConfig): the base model is frozen, every targeted linear layer of
 // every decoder layer gets A (rank × in) and B (out × rank) beside it.
@@ -192,6 +196,8 @@ struct Recipe {
   std::uint64_t new_tokens = 128;  // inference: tokens generated after the prompt (max_new_tokens)
   std::uint64_t beams = 1;         // inference: num_beams (1: greedy)
   std::uint64_t steps = 2;  // step 1 creates optimizer state lazily; step 2 is steady state
+  std::uint64_t gpus = 1;   // data-parallel world size (ranks); more than 1 needs `parallel`
+  Parallel parallel = Parallel::kNone;
 
   void validate() const;  // throws Error naming the field
 };
@@ -204,6 +210,7 @@ std::string_view to_string(Loss);
 std::string_view to_string(AllocatorMode);
 std::string_view to_string(Mode);
 std::string_view to_string(QuantType);
+std::string_view to_string(Parallel);
 // The knobs as a person spells them (CLI flags, Python keywords, the JSON `recipe` object).
 struct RecipeSpelling {
   std::uint64_t batch = 1;
@@ -225,6 +232,8 @@ struct RecipeSpelling {
   std::string mode = "training";  // training | inference
   std::uint64_t new_tokens = 128;
   std::uint64_t beams = 1;
+  std::uint64_t gpus = 1;
+  std::string parallel = "none";  // none | ddp | fsdp
 };
 // Parses and validates every knob; throws Error naming the first bad field.
 Recipe parse_recipe(const RecipeSpelling& spelling);
@@ -238,6 +247,7 @@ Loss parse_loss(std::string_view);
 AllocatorMode parse_allocator(std::string_view);
 Mode parse_mode(std::string_view);
 QuantType parse_quant_type(std::string_view);
+Parallel parse_parallel(std::string_view);
 
 // The linear modules of one decoder layer that LoRA can target, as peft names them.
 std::vector<std::string> lora_target_modules(const Architecture&);
@@ -308,6 +318,7 @@ struct StepTime {
   double compute_s = 0;   // matmul and attention FLOPs at the assumed efficiency
   double memory_s = 0;    // elementwise, loss and optimizer traffic at the assumed bandwidth
   double overhead_s = 0;  // kernel launches
+  double comm_s = 0;      // data-parallel collectives at the interconnect bandwidth (gpus > 1)
   double flops = 0;       // per GPU per optimizer step
 };
 StepTime step_time(const Model& model, const Recipe& recipe);
@@ -325,7 +336,7 @@ struct Plan {
 
 struct FitRequest {
   Recipe base;                       // the user's recipe; the planner starts from it
-  std::uint64_t gpus = 1;            // data-parallel GPUs (only 1 is modelled so far)
+  std::uint64_t gpus = 1;            // data-parallel GPUs; more than 1 searches parallel ddp / fsdp
   std::uint64_t global_batch = 0;    // sequences per optimizer step over all GPUs; 0: batch*grad_accum*gpus
   std::vector<std::string> fixed;    // knob names the search keeps at the base recipe's value
   std::size_t top = 10;              // plans to return

@@ -71,8 +71,10 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     "mode": "training",
     "new_tokens": 128,
     "beams": 1,
+    "gpus": 1,  # data-parallel ranks; more than 1 needs parallel
+    "parallel": "none",  # none | ddp | fsdp (docs/parallelism.md)
 }
-_COUNTS = ("batch", "seq", "grad_accum", "new_tokens", "beams")
+_COUNTS = ("batch", "seq", "grad_accum", "new_tokens", "beams", "gpus")
 
 
 def _source(model: Any) -> bytes:
@@ -165,7 +167,10 @@ def fit(model: str, *, gpus: int = 1, global_batch: int | None = None, top: int 
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 2**64:
             raise ValueError(f"{name}: must be a positive integer, got {value!r}")
     fixed = [k for k in _core.fit_knobs() if k in recipe]
-    out, text = _core.fit(_source(model), _spelling(recipe), gpus, global_batch or 0, fixed, top)
+    spelling = _spelling(recipe)
+    if spelling.parallel != "none":  # a data-parallel base recipe runs on all the GPUs
+        spelling.gpus = gpus
+    out, text = _core.fit(_source(model), spelling, gpus, global_batch or 0, fixed, top)
     data = json.loads(out)
     data["_text"] = text.decode("utf-8", "replace")
     return FitResult(**data)

@@ -52,6 +52,7 @@ struct RecipeFlags {
   bool load_in_4bit = false, double_quant = false, qlora = false;
   std::string quant_type = "";
   std::string new_tokens = "128", beams = "1";
+  std::string gpus = "1", parallel = "none";
   std::vector<std::pair<std::string, CLI::Option*>> options;  // knob name → its flag
 
   void add_to(CLI::App* app) {
@@ -87,6 +88,8 @@ struct RecipeFlags {
     options.emplace_back("mode", inf);
     opt("new_tokens", "--new-tokens", new_tokens, "Inference: tokens generated after the prompt of --seq tokens");
     opt("beams", "--beams", beams, "Inference: beam-search width (1: greedy)");
+    opt("gpus", "--gpus", gpus, "Data-parallel GPUs (ranks); more than 1 needs --parallel");
+    opt("parallel", "--parallel", parallel, "none | ddp (DistributedDataParallel) | fsdp (FSDP2 per decoder layer)");
   }
 
   // Knobs the user typed on the command line.
@@ -119,6 +122,8 @@ struct RecipeFlags {
     sp.mode = inference ? "inference" : "training";
     sp.new_tokens = parse_count(new_tokens, "new_tokens");
     sp.beams = parse_count(beams, "beams");
+    sp.gpus = parse_count(gpus, "gpus");
+    sp.parallel = parallel;
     return sp;
   }
 };
@@ -177,6 +182,8 @@ std::string compare(const std::string& path, bool as_json) {
   sp.mode = text("mode", "training");
   sp.new_tokens = count("new_tokens", sp.new_tokens);
   sp.beams = count("beams", sp.beams);
+  sp.gpus = count("gpus", sp.gpus);  // a data-parallel measurement: rank 0 of `gpus`
+  sp.parallel = text("parallel", sp.parallel.c_str());
   if (jr.contains("lora_targets")) {
     const nlohmann::json& t = jr["lora_targets"];
     if (t.is_string()) {
@@ -269,12 +276,11 @@ int main(int argc, char** argv) {
 
   auto* fitc = app.add_subcommand(
       "fit", "Recipes that fit a GPU, fastest first, and what single changes of your recipe save");
-  std::string fit_model, fit_gpus = "1", fit_global = "0", fit_top = "10";
+  std::string fit_model, fit_global = "0", fit_top = "10";
   RecipeFlags fit_flags;
   bool fit_json = false;
   fitc->add_option("model", fit_model, "Catalog name, Hugging Face id, config.json path or model directory")->required();
   fit_flags.add_to(fitc);
-  fitc->add_option("--gpus", fit_gpus, "Data-parallel GPUs (only 1 is modelled so far)")->capture_default_str();
   fitc->add_option("--global-batch", fit_global,
                    "Sequences per optimizer step over all GPUs (default: batch x grad-accum x gpus)");
   fitc->add_option("--top", fit_top, "How many fitting recipes to list")->capture_default_str();
@@ -328,8 +334,10 @@ int main(int argc, char** argv) {
       out = as_json ? trainmem::report::to_json(e) + "\n" : trainmem::report::to_text(e);
     } else if (*fitc) {
       trainmem::FitRequest q;
-      q.base = trainmem::parse_recipe(fit_flags.spelling());
-      q.gpus = parse_count(fit_gpus, "gpus");
+      trainmem::RecipeSpelling sp = fit_flags.spelling();
+      q.gpus = sp.gpus;
+      if (sp.parallel == "none") sp.gpus = 1;  // the planner decides how the GPUs are used
+      q.base = trainmem::parse_recipe(sp);
       q.global_batch = fit_global == "0" ? 0 : parse_count(fit_global, "global_batch");
       q.top = parse_count(fit_top, "top");
       for (const std::string& k : fit_flags.given()) {

@@ -5,6 +5,7 @@
 // kernels it calls. MEMORY_MECHANICS.md in shared/design lists the saved tensors these builders
 // reproduce; tests/cpp/test_graph.cpp checks them against its closed forms.
 #include "graph/step.h"
+#include "graph/parallel.h"
 
 #include <algorithm>
 #include <string>
@@ -165,6 +166,7 @@ class StepBuilder {
     t_.at(Phase::kSetup, kNoLayer, "model");
     create_parameters();
     create_adapters();
+    wrap_data_parallel();
     if (pol_.master) {
       t_.at(Phase::kSetup, kNoLayer, "optimizer.master_copy");
       for (Param& p : params_) {
@@ -245,6 +247,43 @@ class StepBuilder {
     if (a_.embedding_scale) t_.alloc_bytes(dtype_bytes(pol_.param), Category::kWeights);
   }
 
+  // DDP / FSDP2 wrap the built model (graph/parallel.h). FSDP2's units are the decoder layers
+  // (each layer's parameters, created layer by layer: create_parameters) and the root (the rest).
+  void wrap_data_parallel() {
+    if (r_.parallel == Parallel::kNone) return;
+    std::vector<WrappedParam> wp;
+    for (const Param& p : params_) wp.push_back({p.slot, p.storage, p.numel, p.rows, p.dtype});
+    std::vector<std::vector<std::uint32_t>> layers(a_.num_layers);
+    std::vector<std::uint32_t> root;
+    std::uint32_t idx = 0;
+    bool in_layers_done = false;
+    const auto& groups = m_.parameters;
+    auto is_layer = [](const ParameterGroup& g) { return g.name.find(".N.") != std::string::npos; };
+    for (std::size_t gi = 0; gi < groups.size(); ++gi) {
+      if (!is_layer(groups[gi])) {
+        root.push_back(idx++);
+        continue;
+      }
+      if (in_layers_done) continue;
+      std::size_t per_layer = 0;
+      while (gi + per_layer < groups.size() && is_layer(groups[gi + per_layer])) ++per_layer;
+      for (auto& layer : layers) {
+        for (std::size_t k = 0; k < per_layer; ++k) layer.push_back(idx++);
+      }
+      in_layers_done = true;
+    }
+    TRAINMEM_ASSERT(idx == params_.size(), "FSDP units miss parameters");
+    // The module's buffers (create_parameters): rotary inv_freq and original_inv_freq, Gemma-2's
+    // embedding scale.
+    std::vector<std::pair<DType, std::uint64_t>> buffers;
+    if (a_.family != Family::kGpt2) buffers.assign(2, {DType::kF32, a_.head_dim / 2 * 4});
+    if (a_.embedding_scale) buffers.emplace_back(pol_.param, dtype_bytes(pol_.param));
+    dp_.wrap(wp, layers, root, buffers);
+    for (std::size_t i = 0; i < params_.size(); ++i) params_[i].storage = wp[i].storage;
+    t_.on_param_ready = [this](std::uint32_t slot) { dp_.param_ready(slot); };
+    t_.on_layer_change = [this](std::int32_t from, std::int32_t to) { dp_.layer_change(from, to); };
+  }
+
   std::uint32_t add_param(const ParameterGroup& g, bool in_layer = false) {
     Param p;
     p.numel = g.numel;
@@ -260,7 +299,10 @@ class StepBuilder {
         if (b != 0) t_.alloc_bytes(b, Category::kWeights);
       }
     } else {
-      p.storage = t_.alloc_bytes(detail::mul(g.numel, dtype_bytes(pol_.param), "parameter bytes"), Category::kWeights);
+      const std::uint64_t bytes = detail::mul(g.numel, dtype_bytes(pol_.param), "parameter bytes");
+      // FSDP2 holds shards only: the full parameter never has memory (See Note [FSDP2 units]).
+      p.storage = r_.parallel == Parallel::kFsdp ? t_.reserve(bytes, Category::kWeights)
+                                                 : t_.alloc_bytes(bytes, Category::kWeights);
     }
     p.slot = t_.new_param(p.storage);
     p.matmul = g.matmul_weight;
@@ -588,8 +630,10 @@ class StepBuilder {
         n.saved.push_back(wc.id);
         n.inputs.push_back(grad_of(x));
       }
-      if (wt) n.params.push_back(param_grad(w, cd));
+      // addmm(bias, x, W): the bias is the first input, so its gradient is made and its
+      // AccumulateGrad runs first (what DDP's gradient-ready order shows: Note [DDP buckets]).
       if (bt) n.params.push_back(param_grad(b, cd));
+      if (wt) n.params.push_back(param_grad(w, cd));
       t_.record(std::move(n));
     }
     t_.drop(x);
@@ -1320,6 +1364,7 @@ class StepBuilder {
   ValueId forward_and_loss() {
     phase_ = Phase::kForward;
     layer_ = kNoLayer;
+    dp_.pre_forward();
     const std::uint64_t h = a_.hidden_size;
     const bool gpt2 = a_.family == Family::kGpt2;
     op(gpt2 ? "wte" : "embed_tokens");
@@ -1409,7 +1454,9 @@ class StepBuilder {
       t_.drop(emb);
     }
     for (std::uint32_t l = 0; l < a_.num_layers; ++l) {
+      dp_.layer_pre_forward(l);
       T next = r_.checkpointing == Checkpointing::kFull ? checkpointed_layer(hs, l) : decoder_layer(hs, l);
+      dp_.layer_post_forward(l);
       t_.drop(hs);
       hs = next;
     }
@@ -1619,9 +1666,11 @@ class StepBuilder {
 
   void backward(ValueId loss) {
     phase_ = Phase::kBackward;
+    dp_.backward_begin();
     t_.at(Phase::kBackward, kNoLayer, "loss");
     ensure_workspace(true);
     t_.backward(loss);
+    dp_.backward_end();
     t_.drop(pending_loss_);
     if (input_leaf_.id != kNone) t_.drop(input_leaf_);
   }
@@ -1642,6 +1691,7 @@ class StepBuilder {
   void optimizer_step(bool first) {
     phase_ = Phase::kOptimizer;
     layer_ = kNoLayer;
+    dp_.before_optimizer();
     TensorId found_inf = kNone;
     if (r_.precision == Precision::kFp16Mixed) {
       // GradScaler.step → unscale_: found_inf and the inverse scale, gradients unscaled in place.
@@ -1675,6 +1725,8 @@ class StepBuilder {
       if (p.trainable) opt.push_back(&p);
     }
     auto sb_of = [&](const Param& p) { return dtype_bytes(pol_.master ? DType::kF32 : p.dtype); };
+    // The elements this rank's optimizer holds of a parameter (FSDP2: its shard).
+    auto numel_of = [&](const Param& p) { return dp_.local_numel(p.slot, p.numel); };
     switch (r_.optimizer) {
       case Optimizer::kAdamW:
       case Optimizer::kAdamWFused: {
@@ -1686,8 +1738,8 @@ class StepBuilder {
           const bool step_on_device = r_.optimizer == Optimizer::kAdamWFused || !cuda_;
           for (const Param* p : opt) {
             if (step_on_device) states_.push_back(t_.alloc_bytes(4, Category::kOptimizerStates));
-            states_.push_back(t_.alloc_bytes(p->numel * sb_of(*p), Category::kOptimizerStates));
-            states_.push_back(t_.alloc_bytes(p->numel * sb_of(*p), Category::kOptimizerStates));
+            states_.push_back(t_.alloc_bytes(numel_of(*p) * sb_of(*p), Category::kOptimizerStates));
+            states_.push_back(t_.alloc_bytes(numel_of(*p) * sb_of(*p), Category::kOptimizerStates));
           }
         }
         if (r_.optimizer == Optimizer::kAdamW) {
@@ -1697,7 +1749,7 @@ class StepBuilder {
           op("optimizer.foreach_sqrt");
           std::vector<TensorId> tmp;
           for (const Param* p : opt) {
-            tmp.push_back(t_.alloc_bytes(p->numel * sb_of(*p), Category::kTemporaries));
+            tmp.push_back(t_.alloc_bytes(numel_of(*p) * sb_of(*p), Category::kTemporaries));
           }
           for (TensorId id : tmp) t_.release(id);
         } else {
@@ -1730,7 +1782,7 @@ class StepBuilder {
         op(first ? "optimizer.init_state" : "optimizer.sgd");
         if (first) {
           for (const Param* p : opt) {
-            states_.push_back(t_.alloc_bytes(p->numel * sb_of(*p), Category::kOptimizerStates));
+            states_.push_back(t_.alloc_bytes(numel_of(*p) * sb_of(*p), Category::kOptimizerStates));
           }
         }
         break;
@@ -2963,6 +3015,7 @@ class StepBuilder {
   bool cuda_ = true;
   std::uint64_t B_ = 0, S_ = 0, tok_ = 0;
   Tape t_;
+  DataParallel dp_{t_, r_, r_.gpu != "cpu"};  // DDP / FSDP2 (graph/parallel.h); nothing without
   std::vector<Param> params_;
   std::vector<std::pair<std::string, std::uint32_t>> globals_;
   std::vector<LayerParams> layers_;

@@ -66,6 +66,14 @@ TensorId Tape::alloc_bytes(std::uint64_t bytes, Category category) {
   return id;
 }
 
+TensorId Tape::reserve(std::uint64_t bytes, Category category) {
+  TensorId id = static_cast<TensorId>(trace_.storages.size());
+  trace_.storages.push_back({bytes, category, 1});
+  return id;
+}
+
+void Tape::resize(TensorId id, bool allocated) { trace_.events.push_back({id, moment_, allocated}); }
+
 T Tape::make(std::uint64_t numel, DType dtype, Category category) {
   T t;
   t.numel = numel;
@@ -192,9 +200,15 @@ void Tape::accumulate_param(const ParamGrad& pg, TensorId g) {
     recategorize(g, Category::kTemporaries);
     release(g);  // added in place into the existing .grad
   }
+  if (on_param_ready) on_param_ready(pg.param);
 }
 
 void Tape::run_node(Node& n) {
+  if (on_layer_change && n.tag.layer != backward_layer_) {
+    const std::int32_t from = backward_layer_;
+    backward_layer_ = n.tag.layer;
+    on_layer_change(from, n.tag.layer);
+  }
   at(Phase::kBackward, n.tag.layer, n.tag.op);
   TensorId incoming = n.output == kNone ? kNone : value_grad_[n.output];
   if (n.output != kNone) value_grad_[n.output] = kNone;
@@ -325,10 +339,12 @@ void Tape::backward(ValueId root) {
   for (const Node& n : nodes_) {
     for (const ParamGrad& pg : n.params) ++param_uses_[pg.param];
   }
+  backward_layer_ = -1;
   TensorId seed = alloc_bytes(4, Category::kTemporaries);
   retain(seed);
   deliver(root, seed);
   run(0, nodes_.size());
+  if (on_layer_change && backward_layer_ != -1) on_layer_change(backward_layer_, -1);
   release(seed);
   nodes_.clear();
   for (TensorId& g : value_grad_) {

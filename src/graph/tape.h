@@ -244,6 +244,11 @@ class Tape {
     release(t.id);
     t.id = kNone;
   }
+  // A storage made without memory, and its memory freed and allocated again whatever references
+  // it has: untyped_storage().resize_(0) / resize_(n), as FSDP2 does with its unsharded
+  // parameters (Note [FSDP2 units] in parallel.cpp). The caller keeps track of which it is.
+  TensorId reserve(std::uint64_t bytes, Category category);
+  void resize(TensorId id, bool allocated);
   Category category(TensorId id) const { return trace_.storages[id].category; }
   void set_category(TensorId id, Category c);
   // Called at each micro-batch boundary, where sim::Replay reads the events so far: from then on
@@ -264,6 +269,11 @@ class Tape {
   TensorId param_grad(std::uint32_t p) const { return param_grads_[p]; }
   void set_param_grad(std::uint32_t p, TensorId g) { param_grads_[p] = g; }
   std::uint32_t param_count() const { return static_cast<std::uint32_t>(param_grads_.size()); }
+
+  // Data-parallel wrappers' hooks (graph/parallel.h): after a parameter's AccumulateGrad, and
+  // when backward moves from one decoder layer's nodes to another's (-1: outside the layers).
+  std::function<void(std::uint32_t slot)> on_param_ready;
+  std::function<void(std::int32_t from, std::int32_t to)> on_layer_change;
 
   // Runs backward from `root` (a scalar) and clears the recorded graph.
   void backward(ValueId root);
@@ -288,6 +298,7 @@ class Tape {
   MomentTag tag_;
   std::uint32_t moment_ = 0;
   std::vector<Node> nodes_;
+  std::int32_t backward_layer_ = -1;  // the layer of the last node run (on_layer_change)
   std::vector<TensorId> value_grad_;
   std::vector<std::uint64_t> value_bytes_;
   std::vector<TensorId> param_grads_;

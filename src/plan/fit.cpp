@@ -105,6 +105,7 @@ class Planner {
       k += s;
     }
     k += "/" + r.gpu + "/lora" + std::to_string(r.lora.rank) + "/" + std::to_string(r.lora.dropout);
+    k += "/" + std::string(to_string(r.parallel)) + std::to_string(r.gpus);
     for (const std::string& t : r.lora.targets) k += "/" + t;
     if (r.quant.enabled()) {
       k += "/4bit/" + std::string(to_string(r.quant.quant_type)) + (r.quant.double_quant ? "/dq" : "");
@@ -155,6 +156,11 @@ std::uint64_t plan::persistent_floor(const Model& m, const Recipe& r) {
   }
   if (r.lora.enabled()) return weights;  // adapters and their states only add
   const std::uint64_t n = m.parameter_count;
+  // DDP: the Reducer's buckets, a second copy of the gradients (Note [DDP buckets] in
+  // graph/parallel.cpp). FSDP2: every rank holds at least 1/gpus of the parameters, gradients and
+  // states (padded shards are never smaller).
+  const std::uint64_t buckets = r.parallel == Parallel::kDdp ? detail::mul(n, pb, "bucket bytes") : 0;
+  const std::uint64_t shards = r.parallel == Parallel::kFsdp ? r.gpus : 1;
   // Every parameter's .grad (in the parameter's dtype) exists when the optimizer step starts.
   std::uint64_t extra = detail::mul(n, pb, "gradient bytes");
   if (r.precision == Precision::kBf16Master) extra = detail::add(extra, detail::mul(n, 4, "master bytes"), "master bytes");
@@ -166,12 +172,12 @@ std::uint64_t plan::persistent_floor(const Model& m, const Recipe& r) {
     case Optimizer::kSgd: extra = detail::add(extra, detail::mul(n, sb, "state bytes"), "state bytes"); break;
     case Optimizer::kAdafactor: break;
   }
-  return detail::add(weights, extra, "persistent bytes");
+  return detail::add(detail::add(weights, extra, "persistent bytes") / shards, buckets, "persistent bytes");
 }
 
 const std::vector<std::string>& fit_knobs() {
   static const std::vector<std::string> kKnobs = {"batch", "precision", "optimizer", "checkpointing",
-                                                  "attention", "loss", "allocator"};
+                                                  "attention", "loss", "allocator", "parallel"};
   return kKnobs;
 }
 
@@ -180,9 +186,6 @@ FitResult fit(const Model& model, const FitRequest& q) {
   if (q.base.mode != Mode::kTraining) throw Error("mode: fit plans training recipes; estimate a generation with `estimate --inference`");
   const Gpu& gpu = find_gpu(q.base.gpu);
   if (gpu.capacity_bytes == 0) throw Error("gpu: 'cpu' has no memory to plan for; name a GPU (trainmem gpus)");
-  if (q.gpus != 1) {
-    throw Error("gpus: only one GPU is modelled so far (data parallelism, ZeRO and FSDP are not in the engine yet)");
-  }
   if (q.top < 1 || q.top > 1000) throw Error("top: must be between 1 and 1000, got " + std::to_string(q.top));
   for (const std::string& k : q.fixed) {
     if (std::find(fit_knobs().begin(), fit_knobs().end(), k) == fit_knobs().end()) {
@@ -203,8 +206,12 @@ FitResult fit(const Model& model, const FitRequest& q) {
 
   Planner planner(model);
 
-  // The user's recipe as given, at the global batch asked for.
+  // The user's recipe as given, at the global batch asked for; on several GPUs data-parallel
+  // (DDP unless the recipe names the wrapper).
   Recipe base = q.base;
+  base.gpus = q.gpus;
+  if (q.gpus > 1 && base.parallel == Parallel::kNone) base.parallel = Parallel::kDdp;
+  base.validate();
   if (base.batch * base.grad_accum != per_gpu) {
     if (per_gpu % base.batch != 0) {
       throw Error("global_batch: " + std::to_string(out.global_batch) + " is not a multiple of batch " +
@@ -239,6 +246,8 @@ FitResult fit(const Model& model, const FitRequest& q) {
   const auto ckpts = values(q, "checkpointing", base.checkpointing, {Checkpointing::kNone, Checkpointing::kFull});
   const auto losses = values(q, "loss", base.loss, {Loss::kStandard, Loss::kFused});
   const auto allocators = values(q, "allocator", base.allocator, {AllocatorMode::kDefault, AllocatorMode::kExpandable});
+  const auto parallels = q.gpus > 1 ? values(q, "parallel", base.parallel, {Parallel::kFsdp, Parallel::kDdp})
+                                    : std::vector<Parallel>{base.parallel};
 
   struct Candidate {
     Recipe r;
@@ -257,17 +266,20 @@ FitResult fit(const Model& model, const FitRequest& q) {
         for (Optimizer o : optimizers) {
           for (Checkpointing c : ckpts) {
             for (Loss l : losses) {
-              Recipe r = base;
-              r.gpu = g.name;
-              r.batch = b;
-              r.grad_accum = per_gpu / b;
-              r.precision = p;
-              r.optimizer = o;
-              r.checkpointing = c;
-              r.loss = l;
-              r.allocator = allocators.front();
-              if (!valid(r)) continue;
-              out_space.push_back({r, step_time(model, r), plan::persistent_floor(model, r)});
+              for (Parallel dp : parallels) {
+                Recipe r = base;
+                r.gpu = g.name;
+                r.batch = b;
+                r.grad_accum = per_gpu / b;
+                r.precision = p;
+                r.optimizer = o;
+                r.checkpointing = c;
+                r.loss = l;
+                r.parallel = dp;
+                r.allocator = allocators.front();
+                if (!valid(r)) continue;
+                out_space.push_back({r, step_time(model, r), plan::persistent_floor(model, r)});
+              }
             }
           }
         }
@@ -423,7 +435,12 @@ FitResult fit(const Model& model, const FitRequest& q) {
     Recipe r = base; r.batch *= 2; r.grad_accum /= 2;
     change("batch " + std::to_string(r.batch) + " x grad_accum " + std::to_string(r.grad_accum), r);
   }
-  if (!base.lora.enabled()) {
+  if (base.gpus > 1) {
+    Recipe r = base;
+    r.parallel = base.parallel == Parallel::kDdp ? Parallel::kFsdp : Parallel::kDdp;
+    change("parallel " + std::string(to_string(r.parallel)), r);
+  }
+  if (!base.lora.enabled() && base.parallel == Parallel::kNone) {
     Recipe r = base;
     r.lora.rank = 16;
     r.lora.targets = {"default"};

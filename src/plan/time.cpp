@@ -15,6 +15,13 @@
 //    (norms, activation, rotary, residuals: kElementwisePasses passes over the hidden and
 //    intermediate widths per token) and the loss (the logits written, upcast, normalized and
 //    differentiated; the fused loss never writes the fp32 copies).
+//  * data-parallel collectives (gpus N > 1) at the GPU's interconnect bandwidth, ring algorithms
+//    (each GPU sends and receives (N-1)/N of the buffer per all-gather or reduce-scatter, twice
+//    that per all-reduce), not overlapped with compute: DDP all-reduces every gradient in every
+//    micro-batch's backward (the reference step has no no_sync); FSDP2 all-gathers the
+//    parameters in the forward and again in the backward and reduce-scatters the gradients, per
+//    micro-batch (the root is gathered once, counted twice: a small overestimate). See Note
+//    [DDP buckets] and Note [FSDP2 units] in graph/parallel.cpp;
 //  * launches: kLaunchSeconds per kernel; kKernelsPerLayer per decoder layer and micro-batch
 //    (forward and backward), more for eager attention and recomputation, and the optimizer's:
 //    a few per tensor for per-parameter loops (8-bit AdamW, Adafactor), a few per group for
@@ -135,7 +142,17 @@ StepTime step_time(const Model& model, const Recipe& spelled) {
   const bool per_tensor = recipe.optimizer == Optimizer::kAdamW8bit || recipe.optimizer == Optimizer::kAdafactor;
   kernels += per_tensor ? 12 * c.tensors : 40;
   t.overhead_s = kernels * kLaunchSeconds;
-  t.seconds = t.compute_s + t.memory_s + t.overhead_s;
+
+  // Collectives.
+  if (recipe.gpus > 1 && recipe.parallel != Parallel::kNone && gpu.interconnect_gbps > 0) {
+    const double n = static_cast<double>(recipe.gpus);
+    const double ring = (n - 1) / n;
+    const double grads = c.trainable_elements * (master ? 2 : pb);  // the .grads in the parameter dtype
+    const double params = c.trainable_elements * pb;
+    const double moved = recipe.parallel == Parallel::kDdp ? 2 * ring * grads : ring * (2 * params + grads);
+    t.comm_s = moved * micro / (gpu.interconnect_gbps * 1e9);
+  }
+  t.seconds = t.compute_s + t.memory_s + t.overhead_s + t.comm_s;
   return t;
 }
 

@@ -33,6 +33,8 @@ constexpr Spellings<AllocatorMode, 2> kAllocator{{{AllocatorMode::kDefault, "def
                                                   {AllocatorMode::kExpandable, "expandable"}}};
 constexpr Spellings<QuantType, 2> kQuantTypes{{{QuantType::kFp4, "fp4"}, {QuantType::kNf4, "nf4"}}};
 constexpr Spellings<Mode, 2> kModes{{{Mode::kTraining, "training"}, {Mode::kInference, "inference"}}};
+constexpr Spellings<Parallel, 3> kParallel{{{Parallel::kNone, "none"}, {Parallel::kDdp, "ddp"},
+                                            {Parallel::kFsdp, "fsdp"}}};
 
 template <typename E, std::size_t N>
 std::string_view name_of(const Spellings<E, N>& table, E e) {
@@ -59,6 +61,8 @@ constexpr std::uint64_t kMaxSeq = std::uint64_t{1} << 24;
 // Every micro-batch is simulated (about as long as one forward and backward), so the count is
 // capped where an estimate still takes seconds, not hours.
 constexpr std::uint64_t kMaxAccum = 1024;
+// Data-parallel ranks: the measuring side's bound (python/trainmem/measure/recipe.py MAX_GPUS).
+constexpr std::uint64_t kMaxGpus = 4096;
 
 void check_range(std::string_view field, std::uint64_t v, std::uint64_t max) {
   if (v < 1 || v > max) {
@@ -84,6 +88,36 @@ std::vector<std::string> split_targets(std::string_view s) {
   return out;
 }
 
+// What the engine models of data parallelism: what the measuring side runs
+// (python/trainmem/measure/recipe.py _check_parallel, docs/parallelism.md) and nothing more.
+void validate_parallel(const Recipe& r) {
+  check_range("gpus", r.gpus, kMaxGpus);
+  if (r.parallel == Parallel::kNone) {
+    if (r.gpus != 1) {
+      throw Error("gpus: " + std::to_string(r.gpus) + " GPUs need a data-parallel wrapper: parallel ddp or fsdp");
+    }
+    return;
+  }
+  const std::string p(to_string(r.parallel));
+  if (r.mode == Mode::kInference) throw Error("parallel: " + p + " is a training knob; inference runs on one GPU");
+  if (r.lora.enabled()) throw Error("parallel: " + p + " with LoRA is not modelled yet");
+  if (r.parallel == Parallel::kFsdp) {
+    if (r.precision == Precision::kFp16Mixed || r.precision == Precision::kBf16Master) {
+      throw Error("precision: " + std::string(to_string(r.precision)) +
+                  " under parallel fsdp is not modelled (FSDP2 keeps no separate master copy: its bf16 compute "
+                  "over fp32 weights is a MixedPrecisionPolicy); use fp32, bf16-true or bf16-mixed");
+    }
+    if (r.optimizer == Optimizer::kAdamW8bit || r.optimizer == Optimizer::kAdafactor) {
+      throw Error("optimizer: " + std::string(to_string(r.optimizer)) +
+                  " under parallel fsdp is not modelled; use adamw, adamw-fused or sgd");
+    }
+    if (r.loss == Loss::kFused) {
+      throw Error("loss: fused under parallel fsdp is not modelled (it reads lm_head.weight outside the root "
+                  "module's forward, where FSDP2 has not gathered it); use standard");
+    }
+  }
+}
+
 }  // namespace
 
 std::string_view to_string(Precision x) { return name_of(kPrecisions, x); }
@@ -94,6 +128,7 @@ std::string_view to_string(Loss x) { return name_of(kLoss, x); }
 std::string_view to_string(AllocatorMode x) { return name_of(kAllocator, x); }
 std::string_view to_string(Mode x) { return name_of(kModes, x); }
 std::string_view to_string(QuantType x) { return name_of(kQuantTypes, x); }
+std::string_view to_string(Parallel x) { return name_of(kParallel, x); }
 
 Precision parse_precision(std::string_view s) { return parse(kPrecisions, s, "precision"); }
 Optimizer parse_optimizer(std::string_view s) { return parse(kOptimizers, s, "optimizer"); }
@@ -103,6 +138,7 @@ Loss parse_loss(std::string_view s) { return parse(kLoss, s, "loss"); }
 AllocatorMode parse_allocator(std::string_view s) { return parse(kAllocator, s, "allocator"); }
 Mode parse_mode(std::string_view s) { return parse(kModes, s, "mode"); }
 QuantType parse_quant_type(std::string_view s) { return parse(kQuantTypes, s, "bnb_4bit_quant_type"); }
+Parallel parse_parallel(std::string_view s) { return parse(kParallel, s, "parallel"); }
 
 Recipe parse_recipe(const RecipeSpelling& in) {
   Recipe r;
@@ -128,6 +164,8 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   r.quant.load_in_4bit = in.load_in_4bit;
   r.quant.quant_type = parse_quant_type(in.bnb_4bit_quant_type);
   r.quant.double_quant = in.bnb_4bit_use_double_quant;
+  r.gpus = in.gpus;
+  r.parallel = parse_parallel(in.parallel);
   r.validate();
   return r;
 }
@@ -183,6 +221,7 @@ void Recipe::validate() const {
                   std::string(to_string(precision)));
     }
   }
+  validate_parallel(*this);
 }
 
 }  // namespace trainmem

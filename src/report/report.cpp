@@ -37,6 +37,10 @@ ordered_json recipe_object(const Recipe& r) {
     j["bnb_4bit_use_double_quant"] = r.quant.double_quant;
   }
   j["mode"] = to_string(r.mode);
+  if (r.parallel != Parallel::kNone) {  // as trainmem-measure writes them: only when data-parallel
+    j["gpus"] = r.gpus;
+    j["parallel"] = to_string(r.parallel);
+  }
   if (r.mode == Mode::kInference) {
     j["new_tokens"] = r.new_tokens;
     j["beams"] = r.beams;
@@ -60,6 +64,7 @@ ordered_json time_object(const StepTime& t) {
   j["compute_s"] = t.compute_s;
   j["memory_s"] = t.memory_s;
   j["overhead_s"] = t.overhead_s;
+  j["comm_s"] = t.comm_s;
   j["flops"] = t.flops;
   return j;
 }
@@ -84,7 +89,9 @@ std::string recipe_words(const Recipe& r) {
                 static_cast<unsigned long long>(r.grad_accum), std::string(to_string(r.precision)).c_str(),
                 std::string(to_string(r.optimizer)).c_str(), std::string(to_string(r.checkpointing)).c_str(),
                 std::string(to_string(r.loss)).c_str(), std::string(to_string(r.allocator)).c_str());
-  return buf;
+  std::string words = buf;
+  if (r.parallel != Parallel::kNone) words += " " + std::string(to_string(r.parallel)) + (r.parallel == Parallel::kDdp ? " " : "");  // column "dp"
+  return words;
 }
 
 std::string signed_bytes(std::int64_t d) {
@@ -157,8 +164,8 @@ std::string fit_to_text(const std::string& model, const FitResult& f) {
       static_cast<unsigned long long>(f.searched), static_cast<unsigned long long>(f.pruned),
       static_cast<unsigned long long>(f.simulated));
   if (!f.plans.empty()) {
-    add("%3s %-11s %-11s %-11s %-4s %-8s %-10s %12s %12s %10s\n", "#", "batch x acc", "precision", "optimizer",
-        "ckpt", "loss", "allocator", "reserved", "allocated", "step time");
+    add("%3s %-11s %-11s %-11s %-4s %-8s %-10s%s %12s %12s %10s\n", "#", "batch x acc", "precision", "optimizer",
+        "ckpt", "loss", "allocator", f.gpus > 1 ? " dp  " : "", "reserved", "allocated", "step time");
     for (std::size_t i = 0; i < f.plans.size(); ++i) {
       const Plan& p = f.plans[i];
       add("%3zu %s %12s %12s %9.3gs\n", i + 1, recipe_words(p.recipe).c_str(),
@@ -181,7 +188,7 @@ std::string fit_to_text(const std::string& model, const FitResult& f) {
       }
     } else {
       add("no larger GPU of the catalog fits even the search's lowest-memory recipe (smallest micro-batch,\n"
-          "checkpointing, fused loss, smallest floor); sharding over several GPUs (ZeRO, FSDP) is not modelled yet.\n");
+          "checkpointing, fused loss, smallest floor); more GPUs (--gpus N, DDP or FSDP2) may.\n");
     }
   }
   add("\nyour recipe: %s\n", recipe_words(b).c_str());

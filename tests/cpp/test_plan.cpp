@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <set>
 #include <string>
 
 #include "model/model.h"
@@ -115,14 +117,36 @@ TEST(Fit, QloraFloorAndSingleChange) {
   EXPECT_TRUE(offered);
 }
 
+TEST(Fit, TheFloorIsNeverAboveTheReplayedPeakUnderDataParallelism) {
+  for (const char* name : {"gpt2", "qwen3-0.6b"}) {
+    const Model m = model::with_layers(load_model(name), 2);
+    for (Parallel dp : {Parallel::kDdp, Parallel::kFsdp}) {
+      for (std::uint64_t gpus : {2u, 3u, 8u}) {
+        for (Precision p : {Precision::kFp32, Precision::kBf16Mixed, Precision::kBf16True}) {
+          Recipe r = base_recipe("h100-80gb", 64);
+          r.precision = p;
+          r.optimizer = Optimizer::kAdamW;
+          r.parallel = dp;
+          r.gpus = gpus;
+          EXPECT_LE(plan::persistent_floor(m, r), estimate(m, r).peak_allocated_bytes)
+              << name << " " << to_string(dp) << " x" << gpus << " " << to_string(p);
+        }
+      }
+    }
+  }
+}
+
 TEST(Fit, BadRequestsAreErrors) {
   const Model m = load_model("gpt2");
   FitRequest q;
   q.base = base_recipe("cpu", 128);
   EXPECT_NE(error_of([&] { fit(m, q); }).find("no memory to plan for"), std::string::npos);
   q.base.gpu = "h100-80gb";
-  q.gpus = 2;
-  EXPECT_NE(error_of([&] { fit(m, q); }).find("only one GPU"), std::string::npos);
+  q.gpus = 5000;
+  EXPECT_EQ(error_of([&] { fit(m, q); }), "gpus: must be between 1 and 4096, got 5000");
+  q.gpus = 3;
+  q.global_batch = 8;
+  EXPECT_NE(error_of([&] { fit(m, q); }).find("8 sequences do not split over 3 GPUs"), std::string::npos);
   q.gpus = 1;
   q.base.batch = 3;
   q.global_batch = 8;
@@ -133,6 +157,48 @@ TEST(Fit, BadRequestsAreErrors) {
   q.global_batch = 8;
   q.fixed = {"seq"};
   EXPECT_NE(error_of([&] { fit(m, q); }).find("'seq' is not a knob the planner searches"), std::string::npos);
+}
+
+TEST(Fit, SeveralGpusSearchDdpAndFsdpWithTheBatchSplit) {
+  const Model m = load_model("qwen3-4b");
+  FitRequest q;
+  q.base = base_recipe("a100-40gb", 2048);
+  q.gpus = 4;
+  q.global_batch = 32;
+  q.top = 6;
+  const FitResult f = fit(m, q);
+  EXPECT_EQ(f.baseline.recipe.parallel, Parallel::kDdp);  // the recipe named no wrapper
+  EXPECT_EQ(f.baseline.recipe.gpus, 4u);
+  ASSERT_FALSE(f.plans.empty());
+  std::set<Parallel> seen;
+  for (const Plan& p : f.plans) {
+    EXPECT_EQ(p.recipe.gpus, 4u);
+    EXPECT_EQ(p.recipe.batch * p.recipe.grad_accum, 8u);  // 32 sequences over 4 GPUs
+    EXPECT_GT(p.time.comm_s, 0);
+    seen.insert(p.recipe.parallel);
+    // Every plan is an estimate of exactly that recipe.
+    EXPECT_EQ(estimate(m, p.recipe).peak_reserved_bytes, p.peak_reserved_bytes);
+  }
+  EXPECT_TRUE(seen.count(Parallel::kFsdp));
+  EXPECT_TRUE(std::any_of(f.changes.begin(), f.changes.end(), [](const Change& c) { return c.what == "parallel fsdp"; }));
+  q.fixed = {"parallel"};
+  for (const Plan& p : fit(m, q).plans) EXPECT_EQ(p.recipe.parallel, Parallel::kDdp);
+}
+
+TEST(StepTime, CollectivesAtTheInterconnect) {
+  const Model m = load_model("llama-3.1-8b");
+  Recipe r = base_recipe("h100-80gb", 4096);
+  EXPECT_EQ(step_time(m, r).comm_s, 0);
+  r.gpus = 8;
+  r.parallel = Parallel::kDdp;
+  const StepTime ddp = step_time(m, r);
+  // A ring all-reduce of every fp32 gradient: 2 * 7/8 of them through each GPU's link.
+  const double grads = static_cast<double>(m.parameter_count) * 4;
+  EXPECT_DOUBLE_EQ(ddp.comm_s, 2 * 7.0 / 8 * grads / (find_gpu("h100-80gb").interconnect_gbps * 1e9));
+  r.parallel = Parallel::kFsdp;
+  EXPECT_DOUBLE_EQ(step_time(m, r).comm_s, ddp.comm_s * 1.5);  // two all-gathers and a reduce-scatter
+  r.grad_accum = 2;
+  EXPECT_DOUBLE_EQ(step_time(m, r).comm_s, ddp.comm_s * 3);  // every micro-batch communicates
 }
 
 TEST(StepTime, MovesAsTheModelSays) {

@@ -256,5 +256,63 @@ TEST(RecipeValidate, EstimateValidatesTheRecipe) {
             "a100-40gb, l40s-48gb, a10g-24gb, l4-24gb, rtx-4090, rtx-3090, v100-32gb, t4-16gb, cpu");
 }
 
+// ---- data parallelism (gpus, parallel) -----------------------------------------------------
+
+TEST(RecipeSpellings, ParallelRoundTrips) {
+  expect_round_trips(Table<Parallel>{{Parallel::kNone, "none"}, {Parallel::kDdp, "ddp"}, {Parallel::kFsdp, "fsdp"}},
+                     parse_parallel);
+  EXPECT_EQ(error_of([] { parse_parallel("zero3"); }),
+            "parallel: unknown value 'zero3'; expected one of none, ddp, fsdp");
+}
+
+TEST(RecipeValidate, ParallelDefaultsToOneGpu) {
+  const Recipe r;
+  EXPECT_EQ(r.gpus, 1u);
+  EXPECT_EQ(r.parallel, Parallel::kNone);
+  RecipeSpelling sp;
+  EXPECT_EQ(sp.gpus, 1u);
+  EXPECT_EQ(sp.parallel, "none");
+}
+
+TEST(RecipeValidate, GpusNeedAWrapper) {
+  Recipe r;
+  r.gpus = 8;
+  EXPECT_EQ(error_of([&] { r.validate(); }), "gpus: 8 GPUs need a data-parallel wrapper: parallel ddp or fsdp");
+  r.parallel = Parallel::kDdp;
+  EXPECT_NO_THROW(r.validate());
+  r.gpus = 0;
+  EXPECT_EQ(error_of([&] { r.validate(); }), "gpus: must be between 1 and 4096, got 0");
+  r.gpus = 4097;
+  EXPECT_EQ(error_of([&] { r.validate(); }), "gpus: must be between 1 and 4096, got 4097");
+}
+
+TEST(RecipeValidate, ParallelRefusesWhatIsNotModelled) {
+  Recipe r;
+  r.gpus = 2;
+  r.parallel = Parallel::kFsdp;
+  EXPECT_NO_THROW(r.validate());
+  Recipe inf = r;
+  inf.mode = Mode::kInference;
+  inf.precision = Precision::kBf16True;
+  EXPECT_EQ(error_of([&] { inf.validate(); }), "parallel: fsdp is a training knob; inference runs on one GPU");
+  Recipe lora = r;
+  lora.lora.rank = 8;
+  EXPECT_EQ(error_of([&] { lora.validate(); }), "parallel: fsdp with LoRA is not modelled yet");
+  Recipe master = r;
+  master.precision = Precision::kBf16Master;
+  EXPECT_NE(error_of([&] { master.validate(); }).find("precision: bf16-master under parallel fsdp is not modelled"),
+            std::string::npos);
+  master.parallel = Parallel::kDdp;  // DDP reduces whatever gradients the recipe makes
+  EXPECT_NO_THROW(master.validate());
+  Recipe opt = r;
+  opt.optimizer = Optimizer::kAdafactor;
+  EXPECT_EQ(error_of([&] { opt.validate(); }),
+            "optimizer: adafactor under parallel fsdp is not modelled; use adamw, adamw-fused or sgd");
+  Recipe fused = r;
+  fused.loss = Loss::kFused;
+  EXPECT_NE(error_of([&] { fused.validate(); }).find("loss: fused under parallel fsdp is not modelled"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace trainmem

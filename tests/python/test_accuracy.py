@@ -1,4 +1,6 @@
-"""The accuracy gate: the engine against every measurement in data/ground_truth/.
+"""The accuracy gate: the engine against every measurement in data/ground_truth/ and its
+data-parallel subfolder parallel/ (rank 0 of a DDP or FSDP2 run; tools/measure_corpus.py keeps
+them apart, with their own index.json).
 
 Each measurement was made with the PyTorch tracker (trainmem.measure) and records its own
 provenance; `trainmem compare` re-estimates the same model and recipe. The gate, from issue 3:
@@ -20,7 +22,14 @@ CATEGORY_LIMIT_PCT = 5.0
 
 
 def measurements():
-    return sorted(p for p in CORPUS.glob("*.json") if p.name not in ("index.json", "matrix.json"))
+    files = [*CORPUS.glob("*.json"), *(CORPUS / "parallel").glob("*.json")]
+    return sorted(p for p in files if p.name not in ("index.json", "matrix.json"))
+
+
+def test_corpus_has_data_parallel_runs():
+    recipes = [json.loads(p.read_text())["recipe"] for p in measurements()]
+    seen = {r.get("parallel", "none") for r in recipes}
+    assert {"none", "ddp", "fsdp"} <= seen, f"corpus lacks {({'none', 'ddp', 'fsdp'} - seen)}"
 
 
 def test_corpus_is_large_and_varied():
@@ -90,3 +99,22 @@ def test_4bit_entries_exact(comparisons):
         assert c["measured_peak_allocated_bytes"] == c["predicted_peak_allocated_bytes"], name
         for cat, v in c["categories"].items():
             assert v["measured"] == v["predicted"], (name, cat, v)
+
+
+def test_data_parallel_engine_is_the_worst_rank(trainmem_bin):
+    """data/ground_truth/parallel/unstable/: measurements whose ranks differ from run to run (Note
+    [gloo's reduce-scatter temporary] in src/graph/parallel.cpp). The engine is the worst rank's
+    peak and breakdown, to the byte."""
+    files = sorted((CORPUS / "parallel" / "unstable").glob("*.json"))
+    assert files
+    for path in files:
+        m = json.loads(path.read_text())
+        ranks = m["diagnostics"]["parallel"]["ranks"]
+        worst = max(ranks, key=lambda r: r["peak_allocated_bytes"])
+        assert len({r["peak_allocated_bytes"] for r in ranks}) > 1, f"{path.name}: ranks agree, belongs in parallel/"
+        out = subprocess.run([trainmem_bin, "compare", str(path), "--json"], capture_output=True, text=True,
+                             cwd=ROOT, timeout=120)
+        assert out.returncode == 0, out.stderr
+        c = json.loads(out.stdout)
+        assert c["predicted_peak_allocated_bytes"] == worst["peak_allocated_bytes"], path.name
+        assert {k: v["predicted"] for k, v in c["categories"].items()} == worst["breakdown_at_peak"], path.name

@@ -76,3 +76,17 @@ def test_qlora_keywords_match_the_cli(run):
         trainmem.estimate("llama-3.2-1b", lora_rank=8, load_in_4bit=True)
     with pytest.raises(ValueError, match="load_in_4bit: qwen2 has biases on its linear layers"):
         trainmem.estimate("qwen2.5-0.5b", lora_rank=8, load_in_4bit=True, precision="bf16-true")
+
+
+def test_data_parallel_keywords(trainmem_bin):
+    est = trainmem.estimate("gpt2", seq=128, gpus=2, parallel="fsdp")
+    cli = json.loads(subprocess.run([trainmem_bin, "estimate", "gpt2", "--seq", "128", "--gpus", "2", "--parallel",
+                                     "fsdp", "--json"], capture_output=True, text=True, check=True).stdout)
+    assert est.to_dict() == cli
+    assert est.recipe["parallel"] == "fsdp" and est.recipe["gpus"] == 2
+    with pytest.raises(ValueError, match="gpus: 2 GPUs need a data-parallel wrapper"):
+        trainmem.estimate("gpt2", gpus=2)
+    with pytest.raises(ValueError, match="gpus: must be a positive integer"):
+        trainmem.estimate("gpt2", gpus=True, parallel="ddp")
+    plan = trainmem.fit("gpt2", gpu="rtx-4090", seq=256, gpus=2, global_batch=8, parallel="fsdp", top=2)
+    assert plan.gpus == 2 and all(p["recipe"]["parallel"] == "fsdp" for p in plan.plans)

@@ -145,3 +145,41 @@ def test_hostile_files(run, tmp_path):
     empty_dir.mkdir()
     r = run("estimate", empty_dir)
     assert r.returncode == 2 and "directory has no config.json" in r.stderr
+
+
+def test_data_parallel_flags_reach_the_recipe(run):
+    r = run("estimate", "qwen3-0.6b", "--seq", "256", "--gpus", "4", "--parallel", "fsdp", "--json")
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)
+    assert j["recipe"]["gpus"] == 4 and j["recipe"]["parallel"] == "fsdp"
+    single = json.loads(run("estimate", "qwen3-0.6b", "--seq", "256", "--json").stdout)
+    assert "gpus" not in single["recipe"] and "parallel" not in single["recipe"]  # as trainmem-measure writes it
+    # Sharding divides the states over the ranks; DDP adds its buckets to the gradients.
+    assert j["breakdown_at_peak"]["optimizer_states"] < single["breakdown_at_peak"]["optimizer_states"] / 3
+    ddp = json.loads(run("estimate", "qwen3-0.6b", "--seq", "256", "--gpus", "4", "--parallel", "ddp", "--json").stdout)
+    assert ddp["peak_allocated_bytes"] > single["peak_allocated_bytes"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--gpus", "2"], "gpus: 2 GPUs need a data-parallel wrapper: parallel ddp or fsdp"),
+    (["--gpus", "2", "--parallel", "zero3"], "parallel: unknown value 'zero3'; expected one of none, ddp, fsdp"),
+    (["--gpus", "0", "--parallel", "ddp"], "gpus: must be between 1 and 4096, got 0"),
+    (["--parallel", "ddp", "--inference"], "parallel: ddp is a training knob; inference runs on one GPU"),
+    (["--parallel", "fsdp", "--loss", "fused"], "loss: fused under parallel fsdp is not modelled"),
+])
+def test_data_parallel_bad_input(run, args, message):
+    r = run("estimate", "gpt2", *args)
+    assert r.returncode == 2 and r.stdout == ""
+    assert message in r.stderr
+
+
+def test_fit_on_several_gpus_splits_the_global_batch(run):
+    r = run("fit", "qwen3-0.6b", "--gpu", "rtx-4090", "--gpus", "4", "--seq", "1024", "--global-batch", "16",
+            "--top", "3", "--json")
+    assert r.returncode == 0, r.stderr
+    f = json.loads(r.stdout)
+    assert f["gpus"] == 4 and f["baseline"]["recipe"]["parallel"] == "ddp"
+    for p in f["plans"]:
+        assert p["recipe"]["gpus"] == 4 and p["recipe"]["parallel"] in ("ddp", "fsdp")
+        assert p["recipe"]["batch"] * p["recipe"]["grad_accum"] == 4
+        assert p["time"]["comm_s"] > 0

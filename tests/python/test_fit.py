@@ -82,7 +82,8 @@ def test_what_it_takes_uses_each_gpus_own_precisions(run):
 
 @pytest.mark.parametrize("args,message", [
     (["fit", "gpt2", "--gpu", "cpu"], "no memory to plan for"),
-    (["fit", "gpt2", "--gpus", "2"], "only one GPU"),
+    (["fit", "gpt2", "--gpus", "3", "--global-batch", "8"], "8 sequences do not split over 3 GPUs"),
+    (["fit", "gpt2", "--gpus", "2", "--parallel", "fsdp", "--optimizer", "adafactor"], "optimizer: adafactor under parallel fsdp"),
     (["fit", "gpt2", "--batch", "3", "--global-batch", "8"], "not a multiple of batch 3"),
     (["fit", "gpt2", "--global-batch", "x"], "global_batch: must be a positive integer"),
     (["fit", "gpt2", "--top", "0"], "top: must be between 1 and 1000"),

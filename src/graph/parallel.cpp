@@ -1,0 +1,324 @@
+#include "graph/parallel.h"
+
+#include <algorithm>
+
+#include "common/checked.h"
+
+namespace trainmem::graph {
+namespace {
+
+constexpr std::int32_t kNoLayer = -1;
+
+// Note [DDP buckets]
+// DistributedDataParallel(model) with its defaults (torch 2.13, torch/nn/parallel/distributed.py
+// and the C++ Reducer; measured: docs/parallelism.md, "DDP: what it allocates"):
+//  * construction: one bucket, a flat buffer of every trainable parameter in its gradient
+//    dtype. Without find_unused_parameters the first assignment uses an unbounded limit
+//    (_BucketConfig.compute_bucket_size_limits), since the buckets are rebuilt from the real
+//    gradient order anyway. The broadcast of rank 0's parameters (_sync_module_states) is
+//    transient and happens before the step;
+//  * every backward: the Reducer's hook after each AccumulateGrad copies grad / world into the
+//    parameter's slot of its bucket and, once a bucket is full, all-reduces it; at the end the
+//    buckets are copied back into the .grads. All in place: nothing is allocated
+//    (gradient_as_bucket_view=False, the default, keeps .grad and bucket apart);
+//  * the first forward after a backward (_pre_forward → reducer._rebuild_buckets, once per run):
+//    the bucket is freed, then buckets are made in the order the gradients became ready, a
+//    bucket closing after the parameter that takes it to 1 MiB (the first,
+//    dist._DEFAULT_FIRST_BUCKET_BYTES) or 25 MiB (bucket_cap_mb), one block each;
+//  * every forward (broadcast_buffers=True): the module's buffers are broadcast from rank 0
+//    through one flattened temporary per dtype (_sync_buffers → _broadcast_coalesced).
+// The optimizer is untouched: every rank holds full states. The Reducer's small int32 tensors
+// (bucket-index broadcasts, 512 B blocks) are not modelled; they come and go in the rebuild.
+constexpr std::uint64_t kFirstBucketBytes = std::uint64_t{1} << 20;
+constexpr std::uint64_t kBucketCapBytes = std::uint64_t{25} << 20;
+
+// Note [FSDP2 units]
+// fully_shard(layer) on every decoder layer, then fully_shard(model) for the root (torch 2.13,
+// torch/distributed/fsdp/_fully_shard/; measured: docs/parallelism.md, "FSDP2: what it
+// allocates"). One FSDPParamGroup per unit:
+//  * fully_shard: each parameter's dim 0 is split in `world` chunks of ceil(dim0 / world) rows and
+//    this rank's chunk lives in a padded buffer of that size (_fsdp_param.py,
+//    _init_sharded_param): the sharded parameters, weights for the whole run; the original
+//    parameters are freed. The engine never gives the full parameters memory: a model too big
+//    for one GPU is built on the meta device (or the CPU) and sharded before it reaches the GPU,
+//    and the measuring side starts tracking after fully_shard. Rank 0 holds the first, full-size
+//    chunk, so it is the rank with the most memory (its optimizer states are the largest);
+//  * all-gather (the unit's pre-forward, pre-backward or a prefetch): one flat buffer of world x
+//    Σ padded shard elements (foreach_all_gather), then every parameter's unsharded storage,
+//    world x its padded shard, is (re)allocated with storage.resize_ and filled from the buffer
+//    (foreach_all_gather_copy_out), and the buffer is freed. The unsharded storages are freed
+//    again with resize_(0) whatever still references them (autograd's saved weights are the same
+//    storages): Tape::resize;
+//  * forward: the root gathers in its pre-forward, before the embedding, and keeps its
+//    parameters until its post-backward (the root is never resharded after forward: lazy init
+//    sets its post_forward_mesh_info to None); each layer gathers in its pre-forward and frees in
+//    its post-forward (reshard_after_forward=True);
+//  * backward: a unit's pre-backward (a hook on its forward outputs, so before its last node
+//    runs) waits for its gather and then prefetches the unit before it in post-forward order:
+//    the root's pre-backward, at the loss, issues the last layer's all-gather buffer, layer k's
+//    issues layer k-1's. Its post-backward (RegisterPostBackwardFunction on its forward inputs,
+//    so after its first node) takes the unsharded .grads, reshards, drops the previous unit's
+//    reduce-scatter state and runs foreach_reduce: the reduce-scatter input (world x Σ padded
+//    shard, the gradients copied in and then freed), the output (Σ padded shard), whose views are
+//    the sharded .grads (added into existing ones under gradient accumulation). The input is kept
+//    in comm_ctx.reduce_scatter_state until the next unit's post-backward. The root has no input
+//    that requires grad: it reduces in the final callback of the backward, which then drops the
+//    last reduce-scatter state (_fsdp_param_group.py post_backward, _fsdp_state.py);
+//  * gloo's reduce_scatter_tensor makes a world x output temporary that the CPU measurements see
+//    (gradients; Note [gloo's reduce-scatter temporary]); NCCL allocates nothing through the
+//    caching allocator. See Note [Collectives on CUDA].
+// Everything a collective allocates is weights (all-gather) or gradients (reduce-scatter), as
+// the measuring side counts it (docs/parallelism.md, "Categories").
+
+// Note [Collectives on CUDA]
+// The ground truth for data parallelism is CPU (gloo) only; what the engine assumes on CUDA is
+// read from torch 2.13's sources and not measured. DDP's buckets and FSDP2's buffers are the
+// same tensors there. NCCL keeps its own buffers outside the caching allocator (they belong with
+// the CUDA context), so the engine adds nothing for them. FSDP2 runs its all-gathers and
+// reduce-scatters on separate streams (all_gather_copy_in/all_gather/reduce_scatter streams in
+// FSDPCommContext) and frees their buffers with record_stream semantics: a block freed on one
+// stream is reused by another only after the collective's event, which can keep blocks reserved
+// longer than the CPU order shows. The replay has one stream and frees at the CPU order, so on
+// CUDA its reserved bytes can be below the real ones by about one unit's buffers. DDP's
+// all-reduces run in place on the buckets.
+
+std::uint64_t ceil_div(std::uint64_t a, std::uint64_t b) { return a / b + (a % b != 0); }
+
+}  // namespace
+
+DataParallel::DataParallel(Tape& tape, const Recipe& recipe, bool cuda)
+    : t_(tape), kind_(recipe.parallel), world_(recipe.gpus), cuda_(cuda) {}
+
+void DataParallel::wrap(std::vector<WrappedParam>& params, const std::vector<std::vector<std::uint32_t>>& layers,
+                        const std::vector<std::uint32_t>& root,
+                        const std::vector<std::pair<DType, std::uint64_t>>& buffers) {
+  if (kind_ == Parallel::kNone) return;
+  params_ = params;
+  buffers_ = buffers;
+  for (std::uint32_t i = 0; i < params.size(); ++i) {
+    const std::uint32_t slot = params[i].slot;
+    if (param_of_slot_.size() <= slot) param_of_slot_.resize(slot + 1, kNone);
+    param_of_slot_[slot] = i;
+  }
+  if (kind_ == Parallel::kDdp) {  // See Note [DDP buckets]
+    t_.at(Phase::kSetup, kNoLayer, "ddp.reducer");
+    std::uint64_t bytes = 0;
+    for (const WrappedParam& p : params) bytes = detail::add(bytes, p.numel * dtype_bytes(p.dtype), "bucket bytes");
+    buckets_.push_back(t_.alloc_bytes(bytes, Category::kGradients));
+    return;
+  }
+  // See Note [FSDP2 units]: the layers are wrapped first, then the root.
+  t_.at(Phase::kSetup, kNoLayer, "fsdp.fully_shard");
+  shard_numel_.assign(params.size(), 0);
+  unsharded_.assign(params.size(), kNone);
+  units_.clear();
+  for (const auto& l : layers) units_.push_back(Unit{l});
+  units_.push_back(Unit{root});
+  for (Unit& u : units_) {
+    for (std::uint32_t pi : u.params) {
+      WrappedParam& p = params[pi];
+      std::uint64_t shard = 0;
+      if (p.rows > 0) {
+        TRAINMEM_ASSERT(p.numel % p.rows == 0, "parameter rows do not divide its size");
+        shard = detail::mul(ceil_div(p.rows, world_), p.numel / p.rows, "shard elements");
+      } else {
+        shard = ceil_div(p.numel, world_);
+      }
+      shard_numel_[pi] = shard;
+      u.shard_numel += shard;
+      u.dtype = p.dtype;
+      const std::uint64_t item = dtype_bytes(p.dtype);
+      t_.alloc_bytes(detail::mul(shard, item, "shard bytes"), Category::kWeights);  // kept for the run
+      unsharded_[pi] = t_.reserve(detail::mul({shard, world_, item}, "unsharded parameter bytes"), Category::kWeights);
+      p.storage = unsharded_[pi];  // the full parameter's storage never had memory (step.cpp add_param)
+      params_[pi].storage = p.storage;
+    }
+  }
+}
+
+void DataParallel::pre_forward() {
+  if (kind_ == Parallel::kDdp) {
+    if (backward_seen_ && !rebuilt_) rebuild_buckets();
+    if (buffers_.empty()) return;
+    t_.at(Phase::kForward, kNoLayer, "ddp.broadcast_buffers");
+    std::vector<std::pair<DType, std::uint64_t>> flat;  // one flattened tensor per dtype
+    for (const auto& [d, b] : buffers_) {
+      auto it = std::find_if(flat.begin(), flat.end(), [&](const auto& f) { return f.first == d; });
+      if (it == flat.end()) flat.emplace_back(d, b);
+      else it->second += b;
+    }
+    std::vector<TensorId> ids;
+    for (const auto& f : flat) ids.push_back(t_.alloc_bytes(f.second, Category::kTemporaries));
+    for (TensorId id : ids) t_.release(id);
+  } else if (kind_ == Parallel::kFsdp) {
+    Unit& root = units_.back();
+    if (!root.gathered) {
+      if (root.flat == kNone) all_gather(root);
+      copy_out(root);
+    }
+  }
+}
+
+void DataParallel::layer_pre_forward(std::uint32_t layer) {
+  if (kind_ != Parallel::kFsdp) return;
+  Unit& u = units_[layer];
+  if (u.gathered) return;
+  if (u.flat == kNone) all_gather(u);
+  copy_out(u);
+}
+
+void DataParallel::layer_post_forward(std::uint32_t layer) {
+  if (kind_ == Parallel::kFsdp) reshard(units_[layer]);
+}
+
+void DataParallel::backward_begin() {
+  if (kind_ != Parallel::kFsdp || units_.size() < 2) return;
+  // The root's pre-backward prefetches the last layer (see Note [FSDP2 units]).
+  Unit& last = units_[units_.size() - 2];
+  if (last.gathered || last.flat != kNone) return;
+  t_.at(Phase::kBackward, kNoLayer, "fsdp.all_gather");
+  all_gather(last);
+}
+
+void DataParallel::layer_change(std::int32_t from, std::int32_t to) {
+  if (kind_ != Parallel::kFsdp) return;
+  if (from >= 0) reduce(units_[static_cast<std::size_t>(from)]);
+  if (to < 0) release_gloo_temporary();
+  if (to >= 0) {
+    Unit& u = units_[static_cast<std::size_t>(to)];
+    if (!u.gathered) {
+      if (u.flat == kNone) all_gather(u);
+      copy_out(u);
+    }
+    if (to > 0) {
+      Unit& prev = units_[static_cast<std::size_t>(to - 1)];
+      if (!prev.gathered && prev.flat == kNone) all_gather(prev);
+    }
+  }
+}
+
+void DataParallel::param_ready(std::uint32_t slot) {
+  if (kind_ != Parallel::kDdp || backward_seen_) return;
+  const std::uint32_t pi = slot < param_of_slot_.size() ? param_of_slot_[slot] : kNone;
+  if (pi == kNone) return;
+  if (std::find(ready_order_.begin(), ready_order_.end(), pi) == ready_order_.end()) ready_order_.push_back(pi);
+}
+
+void DataParallel::backward_end() {
+  if (kind_ == Parallel::kDdp) backward_seen_ = true;
+  if (kind_ != Parallel::kFsdp) return;
+  // The final callback: the root (and any unit whose post-backward did not run) reduces, then
+  // the last reduce-scatter state is dropped.
+  reduce(units_.back());
+  for (Unit& u : units_) reduce(u);
+  release_gloo_temporary();
+  if (pending_reduce_input_ != kNone) {
+    t_.release(pending_reduce_input_);
+    pending_reduce_input_ = kNone;
+  }
+}
+
+void DataParallel::before_optimizer() {
+  if (kind_ != Parallel::kFsdp) return;
+  for (Unit& u : units_) {
+    if (u.sharded_grad == kNone) continue;
+    for (std::uint32_t pi : u.params) {
+      t_.retain(u.sharded_grad);
+      t_.set_param_grad(params_[pi].slot, u.sharded_grad);
+    }
+    t_.release(u.sharded_grad);  // the .grads (views) hold it until zero_grad
+    u.sharded_grad = kNone;
+  }
+}
+
+std::uint64_t DataParallel::local_numel(std::uint32_t slot, std::uint64_t numel) const {
+  if (kind_ != Parallel::kFsdp || slot >= param_of_slot_.size() || param_of_slot_[slot] == kNone) return numel;
+  return shard_numel_[param_of_slot_[slot]];  // rank 0's chunk is the full, padded size
+}
+
+// Note [gloo's reduce-scatter temporary]
+// On the CPU, gloo's reduce_scatter_tensor makes a world x output tensor that the tracker sees
+// only when it surfaces in Python (at the next split) and sees freed when its last reference
+// goes, which depends on when gloo's worker thread finishes with it. In the measured traces
+// (data/ground_truth/parallel/unstable/, docs/parallelism.md) it is freed either at once or only
+// after the next unit's pre-backward has allocated its unsharded parameters, and which of the two
+// happens changes from rank to rank and run to run. The engine takes the later one, the rank with
+// the most memory: the temporary lives until the next all-gather copy-out when the backward goes
+// on into another layer, and is dropped at once otherwise. NCCL makes no such tensor (Note
+// [Collectives on CUDA]).
+void DataParallel::release_gloo_temporary() {
+  if (gloo_temporary_ == kNone) return;
+  t_.release(gloo_temporary_);
+  gloo_temporary_ = kNone;
+}
+
+void DataParallel::rebuild_buckets() {
+  t_.at(Phase::kForward, kNoLayer, "ddp.rebuild_buckets");
+  for (TensorId b : buckets_) t_.release(b);
+  buckets_.clear();
+  std::vector<std::uint32_t> order = ready_order_;
+  for (std::uint32_t pi = static_cast<std::uint32_t>(params_.size()); pi-- > 0;) {
+    if (std::find(order.begin(), order.end(), pi) == order.end()) order.push_back(pi);  // never ready
+  }
+  std::uint64_t limit = kFirstBucketBytes, bytes = 0;
+  for (std::uint32_t pi : order) {
+    bytes += params_[pi].numel * dtype_bytes(params_[pi].dtype);
+    if (bytes >= limit) {
+      buckets_.push_back(t_.alloc_bytes(bytes, Category::kGradients));
+      bytes = 0;
+      limit = kBucketCapBytes;
+    }
+  }
+  if (bytes > 0) buckets_.push_back(t_.alloc_bytes(bytes, Category::kGradients));
+  rebuilt_ = true;
+}
+
+void DataParallel::all_gather(Unit& u) {
+  t_.at(t_.phase(), kNoLayer, "fsdp.all_gather");
+  u.flat = t_.alloc_bytes(detail::mul({u.shard_numel, world_, dtype_bytes(u.dtype)}, "all-gather bytes"),
+                          Category::kWeights);
+}
+
+void DataParallel::copy_out(Unit& u) {
+  t_.at(t_.phase(), kNoLayer, "fsdp.all_gather_copy_out");
+  for (std::uint32_t pi : u.params) t_.resize(unsharded_[pi], true);
+  release_gloo_temporary();  // See Note [gloo's reduce-scatter temporary]
+  t_.release(u.flat);
+  u.flat = kNone;
+  u.gathered = true;
+}
+
+void DataParallel::reshard(Unit& u) {
+  if (!u.gathered) return;
+  for (std::uint32_t pi : u.params) t_.resize(unsharded_[pi], false);
+  u.gathered = false;
+}
+
+// A unit's post-backward (see Note [FSDP2 units]).
+void DataParallel::reduce(Unit& u) {
+  std::vector<TensorId> grads;
+  for (std::uint32_t pi : u.params) {
+    const std::uint32_t slot = params_[pi].slot;
+    if (t_.param_grad(slot) == kNone) continue;
+    grads.push_back(t_.param_grad(slot));
+    t_.set_param_grad(slot, kNone);
+  }
+  reshard(u);
+  if (grads.empty()) return;
+  t_.at(t_.phase(), kNoLayer, "fsdp.reduce_scatter");
+  release_gloo_temporary();
+  if (pending_reduce_input_ != kNone) t_.release(pending_reduce_input_);
+  const std::uint64_t out_bytes = detail::mul(u.shard_numel, dtype_bytes(u.dtype), "reduce-scatter bytes");
+  TensorId in = t_.alloc_bytes(detail::mul(out_bytes, world_, "reduce-scatter bytes"), Category::kGradients);
+  for (TensorId g : grads) t_.release(g);
+  TensorId out = t_.alloc_bytes(out_bytes, Category::kGradients);
+  if (!cuda_) gloo_temporary_ = t_.alloc_bytes(out_bytes * world_, Category::kGradients);
+  if (u.sharded_grad == kNone) {
+    u.sharded_grad = out;
+  } else {
+    t_.release(out);  // added into the existing sharded .grads
+  }
+  pending_reduce_input_ = in;
+}
+
+}  // namespace trainmem::graph

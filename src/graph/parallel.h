@@ -1,0 +1,87 @@
+// Data parallelism on one rank: what DDP and FSDP2 add to the training step of step.cpp
+// (docs/parallelism.md records what each allocates, measured; parallel.cpp mirrors it).
+//
+// The step builder calls the hooks below at the points where the wrappers' own hooks run in
+// PyTorch: after the model is built, at the wrapped module's forward, around each decoder
+// layer's forward, when backward enters and leaves a layer (Tape::on_layer_change), when a
+// parameter's gradient is ready (Tape::on_param_ready), at the end of backward and before the
+// optimizer. With Parallel::kNone every hook does nothing.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "graph/tape.h"
+
+namespace trainmem::graph {
+
+// A parameter as the wrapper sees it; `storage` is what the model's ops read.
+struct WrappedParam {
+  std::uint32_t slot = kNone;  // the tape's .grad slot
+  TensorId storage = kNone;
+  std::uint64_t numel = 0;
+  std::uint64_t rows = 0;  // dim 0 as stored (FSDP2 shards it); 0 for 1-D tensors
+  DType dtype = DType::kF32;
+};
+
+class DataParallel {
+ public:
+  DataParallel(Tape& tape, const Recipe& recipe, bool cuda);
+
+  // After the model is built, before the optimizer exists. `layers[l]` are the indices (into
+  // `params`) of decoder layer l's parameters, `root` the others (embeddings, final norm,
+  // lm_head); `buffers` the bytes of the module's buffers by dtype. FSDP2 points every
+  // parameter's `storage` at its unsharded parameter (freed until it is gathered).
+  void wrap(std::vector<WrappedParam>& params, const std::vector<std::vector<std::uint32_t>>& layers,
+            const std::vector<std::uint32_t>& root, const std::vector<std::pair<DType, std::uint64_t>>& buffers);
+
+  void pre_forward();                    // the wrapped module is called
+  void layer_pre_forward(std::uint32_t layer);
+  void layer_post_forward(std::uint32_t layer);
+  void backward_begin();                 // the loss' gradient exists
+  void layer_change(std::int32_t from, std::int32_t to);  // backward moves between layers
+  void param_ready(std::uint32_t slot);  // AccumulateGrad has run for this parameter
+  void backward_end();                   // after the engine has run every node
+  void before_optimizer();               // sharded gradients into the .grad slots
+
+  // The elements of this rank's parameter that the optimizer sees (FSDP2: rank 0's shard).
+  std::uint64_t local_numel(std::uint32_t slot, std::uint64_t numel) const;
+
+ private:
+  struct Unit {
+    std::vector<std::uint32_t> params;
+    std::uint64_t shard_numel = 0;  // Σ padded shard elements
+    DType dtype = DType::kF32;
+    TensorId flat = kNone;          // all-gather buffer in flight
+    bool gathered = false;
+    TensorId sharded_grad = kNone;  // reduce-scatter output (the sharded .grads are views)
+  };
+
+  void rebuild_buckets();
+  void all_gather(Unit& u);
+  void copy_out(Unit& u);
+  void reshard(Unit& u);
+  void reduce(Unit& u);
+  void release_gloo_temporary();
+
+  Tape& t_;
+  Parallel kind_;
+  std::uint64_t world_;
+  bool cuda_;
+  std::vector<WrappedParam> params_;
+  std::vector<std::pair<DType, std::uint64_t>> buffers_;
+  // DDP
+  std::vector<TensorId> buckets_;
+  std::vector<std::uint32_t> ready_order_;  // parameter indices, first backward
+  std::vector<std::uint32_t> param_of_slot_;
+  bool backward_seen_ = false, rebuilt_ = false;
+  // FSDP2
+  std::vector<Unit> units_;  // decoder layers, then the root
+  std::vector<std::uint64_t> shard_numel_;  // per parameter, padded
+  std::vector<TensorId> unsharded_;         // per parameter
+  TensorId pending_reduce_input_ = kNone;   // the last reduce-scatter's input, kept until the next
+  TensorId gloo_temporary_ = kNone;         // CPU: gloo's reduce-scatter temporary still alive
+};
+
+}  // namespace trainmem::graph
