@@ -73,7 +73,9 @@ def test_qlora_keywords_match_the_cli(run):
     with pytest.raises(ValueError, match="load_in_4bit: must be True or False"):
         trainmem.estimate("llama-3.2-1b", lora_rank=8, load_in_4bit="yes", precision="bf16-true")
     with pytest.raises(ValueError, match="precision: load_in_4bit runs with fp32, bf16-true or fp16-true"):
-        trainmem.estimate("llama-3.2-1b", lora_rank=8, load_in_4bit=True)
+        trainmem.estimate("llama-3.2-1b", lora_rank=8, load_in_4bit=True, precision="bf16-mixed")
+    # Without a precision a 4-bit base runs in bf16-true, its matmuls' dtype.
+    assert trainmem.estimate("llama-3.2-1b", lora_rank=8, load_in_4bit=True).recipe["precision"] == "bf16-true"
     with pytest.raises(ValueError, match="load_in_4bit: qwen2 has biases on its linear layers"):
         trainmem.estimate("qwen2.5-0.5b", lora_rank=8, load_in_4bit=True, precision="bf16-true")
 
