@@ -8,6 +8,9 @@
 
 Only what trainmem models is mapped; a setting that would change memory in a way the engine does
 not model raises ValueError naming it, rather than answering a different question.
+
+    >>> trainmem.hf.recipe_from_deepspeed_config("ds_zero2.json", seq=2048, gpus=8)
+    {'parallel': 'zero2', 'batch': 4, 'grad_accum': 1, 'gpus': 8, 'precision': 'bf16-master', 'optimizer': 'adamw-fused', 'seq': 2048}
 """
 from __future__ import annotations
 
@@ -30,24 +33,40 @@ def _get(args: Any, name: str, default: Any = None) -> Any:
 
 
 def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_dtype: str = "float32",
-                                   gpu: str | None = None) -> dict[str, Any]:
+                                   gpu: str | None = None, gpus: int | None = None) -> dict[str, Any]:
     """Keyword arguments for trainmem.estimate / trainmem.fit from a `TrainingArguments` (or its
     `to_dict()`). `seq` is the tokens per sequence the data collator produces (TrainingArguments
     has none; TRL's `max_length` is used when present). `model_dtype` is the dtype the model was
     loaded in: "float32" (the default of from_pretrained without torch_dtype), or "bfloat16" /
     "float16", which with bf16/fp16 autocast means half weights and half optimizer states.
 
-    Not modelled, so refused: DeepSpeed and FSDP (sharding is not in the engine yet), reentrant
-    checkpointing, optimizers other than those of _OPTIMIZERS and SGD with momentum. The
-    Trainer puts weight-decayed and other parameters in two optimizer groups; trainmem models one
-    group, which for foreach AdamW keeps one set of sqrt temporaries for all parameters (an
-    upper bound of the two-group figure).
+    `gpus` is the number of processes the run is launched with (torchrun / accelerate launch);
+    TrainingArguments cannot know it. With more than one, the Trainer wraps the model in
+    DistributedDataParallel, or FSDP / DeepSpeed when `fsdp` / `deepspeed` say so: `fsdp` maps to
+    parallel fsdp when it is FSDP2 (`fsdp_config={"fsdp_version": 2}`) with full sharding and no
+    offload; `deepspeed` (a dict or a JSON path) is read by recipe_from_deepspeed_config, with
+    its "auto" values filled from these arguments as the Trainer fills them.
+
+    Not modelled, so refused: FSDP1, FSDP2 without full sharding or with offload, reentrant
+    checkpointing, optimizers other than those of _OPTIMIZERS and SGD with momentum, and what
+    recipe_from_deepspeed_config refuses. The Trainer puts weight-decayed and other parameters in
+    two optimizer groups; trainmem models one group, which for foreach AdamW keeps one set of sqrt
+    temporaries for all parameters (an upper bound of the two-group figure).
     """
     if _get(args, "deepspeed"):
-        raise ValueError("deepspeed: ZeRO sharding is not modelled yet; estimate without it or see issue 4")
-    if _get(args, "fsdp"):
-        raise ValueError("fsdp: FSDP sharding is not modelled yet; estimate without it or see issue 4")
+        return recipe_from_deepspeed_config(_get(args, "deepspeed"), seq=seq, gpus=gpus, training_arguments=args,
+                                            gpu=gpu)
     knobs: dict[str, Any] = {}
+    if _get(args, "fsdp"):
+        knobs.update(_fsdp_knobs(args))
+    if gpus is not None:
+        if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
+            raise ValueError(f"gpus: expected a positive integer, got {gpus!r}")
+        knobs["gpus"] = gpus
+        if gpus > 1 and "parallel" not in knobs:
+            knobs["parallel"] = "ddp"  # the Trainer's DistributedDataParallel, PyTorch's defaults
+    elif "parallel" in knobs:
+        raise ValueError("fsdp: pass gpus= (the number of processes the run is launched with)")
     knobs["batch"] = int(_get(args, "per_device_train_batch_size", 8))
     knobs["grad_accum"] = int(_get(args, "gradient_accumulation_steps", 1))
     if seq is None:
@@ -69,17 +88,7 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
             raise ValueError("bf16=True with a float16 model is not a recipe trainmem models")
         knobs["precision"] = "fp16-true"
 
-    optim = str(getattr(_get(args, "optim", "adamw_torch_fused"), "value", _get(args, "optim", "adamw_torch_fused")))
-    if optim == "sgd":
-        optim_args = str(_get(args, "optim_args") or "")
-        if "momentum" not in optim_args:
-            raise ValueError("optim=sgd: the Trainer's SGD has no momentum by default; trainmem models SGD "
-                             "with momentum (optim_args='momentum=0.9')")
-        knobs["optimizer"] = "sgd"
-    elif optim in _OPTIMIZERS:
-        knobs["optimizer"] = _OPTIMIZERS[optim]
-    else:
-        raise ValueError(f"optim={optim!r} is not modelled; modelled: {', '.join(sorted(_OPTIMIZERS))}, sgd")
+    knobs["optimizer"] = _trainer_optimizer(args)
 
     if _get(args, "gradient_checkpointing", False):
         kwargs = _get(args, "gradient_checkpointing_kwargs") or {}
@@ -90,6 +99,173 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
         knobs["checkpointing"] = "none"
     if _get(args, "use_liger_kernel", False):
         knobs["loss"] = "fused"  # Liger's fused linear cross-entropy
+    if gpu is not None:
+        knobs["gpu"] = gpu
+    return knobs
+
+
+def _trainer_optimizer(args: Any) -> str:
+    """The Trainer's `optim` as trainmem's optimizer knob."""
+    optim = str(getattr(_get(args, "optim", "adamw_torch_fused"), "value", _get(args, "optim", "adamw_torch_fused")))
+    if optim == "sgd":
+        optim_args = str(_get(args, "optim_args") or "")
+        if "momentum" not in optim_args:
+            raise ValueError("optim=sgd: the Trainer's SGD has no momentum by default; trainmem models SGD "
+                             "with momentum (optim_args='momentum=0.9')")
+        return "sgd"
+    if optim in _OPTIMIZERS:
+        return _OPTIMIZERS[optim]
+    raise ValueError(f"optim={optim!r} is not modelled; modelled: {', '.join(sorted(_OPTIMIZERS))}, sgd")
+
+
+def _fsdp_knobs(args: Any) -> dict[str, Any]:
+    """The Trainer's `fsdp` / `fsdp_config` as the parallel knob: FSDP2 with full sharding only."""
+    option = _get(args, "fsdp")
+    words = option.split() if isinstance(option, str) else [str(getattr(w, "value", w)) for w in option]
+    config = _get(args, "fsdp_config") or {}
+    version = int(config.get("fsdp_version", config.get("version", 1)))
+    if version != 2:
+        raise ValueError(f"fsdp_config fsdp_version={version}: FSDP1 (flat parameters) is not modelled; "
+                         "FSDP2 (fsdp_version 2) is")
+    if "offload" in words:
+        raise ValueError("fsdp offload: CPU offload is not modelled yet")
+    unmodelled = [w for w in words if w not in ("full_shard", "auto_wrap")]
+    if "full_shard" not in words or unmodelled:
+        raise ValueError(f"fsdp={option!r}: only 'full_shard' (with 'auto_wrap' per decoder layer) is modelled")
+    if config.get("reshard_after_forward", True) is False:
+        raise ValueError("fsdp_config reshard_after_forward=False is not modelled (the layers reshard after forward)")
+    return {"parallel": "fsdp"}
+
+
+# DeepSpeed's ZeRO defaults (deepspeed/runtime/zero/config.py); the engine models these settings,
+# so a config that changes one is refused rather than estimated as if it did not.
+_ZERO_DEFAULTS = {"reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000,
+                  "contiguous_gradients": True, "reduce_scatter": True, "allgather_partitions": True,
+                  "round_robin_gradients": False}
+
+
+def _load_deepspeed(config: Any) -> dict[str, Any]:
+    if isinstance(config, dict):
+        return config
+    import json
+    from pathlib import Path
+
+    path = Path(config)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ValueError(f"deepspeed config {str(path)!r}: cannot read it: {e.strerror}") from None
+    try:
+        loaded = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"deepspeed config {str(path)!r}: not JSON: {e.msg} at line {e.lineno}") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"deepspeed config {str(path)!r}: expected a JSON object")
+    return loaded
+
+
+def recipe_from_deepspeed_config(config: Any, *, seq: int | None = None, gpus: int | None = None,
+                                 training_arguments: Any = None, gpu: str | None = None) -> dict[str, Any]:
+    """Keyword arguments for trainmem.estimate / trainmem.fit from a DeepSpeed config (a dict or
+    the path of its JSON file): ZeRO stage, micro-batch, accumulation, precision, optimizer.
+
+    "auto" values are filled from `training_arguments` (a TrainingArguments or its to_dict()) as
+    the Hugging Face Trainer fills them; without it an "auto" is an error naming the key. `gpus`
+    (the world size) comes from the argument, else from train_batch_size / (micro-batch x
+    accumulation). `bf16.enabled` is DeepSpeed's bf16 mode: a bf16 model whose ZeRO optimizer
+    keeps fp32 master partitions, trainmem's bf16-master; with neither bf16 nor fp16 everything
+    is fp32. An "optimizer" section of type Adam/AdamW with `torch_adam` is torch's AdamW
+    (foreach); without `torch_adam` it is DeepSpeed's FusedAdam, which updates in place like
+    torch's fused AdamW (adamw-fused); without a section the Trainer's `optim` decides.
+
+    Refused (not modelled): ZeRO stage 0 (DeepSpeed's own data parallelism), CPU/NVMe offload,
+    fp16 with loss scaling, ZeRO settings other than DeepSpeed's defaults (buckets, overlap,
+    stage-3 prefetch and persistence), other optimizers.
+    """
+    ds = _load_deepspeed(config)
+
+    def value(section: dict, key: str, from_args: str | None, what: str) -> Any:
+        v = section.get(key)
+        if v == "auto":
+            if training_arguments is None or from_args is None:
+                raise ValueError(f"deepspeed config {what}: 'auto' needs the Trainer's settings "
+                                 "(pass training_arguments=)")
+            v = _get(training_arguments, from_args)
+        return v
+
+    zero = ds.get("zero_optimization") or {}
+    if not isinstance(zero, dict):
+        raise ValueError("deepspeed config zero_optimization: expected an object")
+    stage = value(zero, "stage", None, "zero_optimization.stage")
+    if stage in (None, 0):
+        raise ValueError("deepspeed config zero_optimization.stage 0: DeepSpeed's data parallelism without ZeRO "
+                         "is not modelled; stages 1, 2 and 3 are")
+    if stage not in (1, 2, 3):
+        raise ValueError(f"deepspeed config zero_optimization.stage: expected 0, 1, 2 or 3, got {stage!r}")
+    for key in ("offload_optimizer", "offload_param"):
+        device = (zero.get(key) or {}).get("device", "none")
+        if device not in (None, "none"):
+            raise ValueError(f"deepspeed config zero_optimization.{key}.device={device!r}: offload is not modelled yet")
+    for key, default in _ZERO_DEFAULTS.items():
+        if key in zero and zero[key] != default:
+            raise ValueError(f"deepspeed config zero_optimization.{key}={zero[key]!r}: trainmem models DeepSpeed's "
+                             f"default ({default}); remove it to estimate with the default")
+    stage3_keys = sorted(k for k in zero if k.startswith("stage3_") or k in ("sub_group_size", "overlap_comm"))
+    if stage3_keys:
+        raise ValueError(f"deepspeed config zero_optimization.{stage3_keys[0]}: trainmem models DeepSpeed's default; "
+                         "remove it to estimate with the default")
+
+    knobs: dict[str, Any] = {"parallel": f"zero{stage}"}
+    micro = value(ds, "train_micro_batch_size_per_gpu", "per_device_train_batch_size",
+                  "train_micro_batch_size_per_gpu")
+    accum = value(ds, "gradient_accumulation_steps", "gradient_accumulation_steps", "gradient_accumulation_steps")
+    if micro is None and training_arguments is not None:
+        micro = _get(training_arguments, "per_device_train_batch_size")
+    accum = 1 if accum is None else accum
+    for name, v in (("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", accum)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"deepspeed config {name}: expected a positive integer, got {v!r}")
+    knobs["batch"], knobs["grad_accum"] = micro, accum
+    if gpus is None:
+        total = ds.get("train_batch_size")
+        if not isinstance(total, int) or isinstance(total, bool) or total < 1 or total % (micro * accum):
+            raise ValueError("deepspeed config: the world size is not given (train_batch_size = micro-batch x "
+                             "accumulation x GPUs); pass gpus=")
+        gpus = total // (micro * accum)
+    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
+        raise ValueError(f"gpus: expected a positive integer, got {gpus!r}")
+    knobs["gpus"] = gpus
+
+    def enabled(name: str, arg: str) -> bool:
+        section = ds.get(name) or {}
+        return bool(value(section, "enabled", arg, f"{name}.enabled")) if isinstance(section, dict) else False
+
+    if enabled("fp16", "fp16"):
+        raise ValueError("deepspeed config fp16.enabled: fp16 with loss scaling over fp32 masters is not modelled; "
+                         "bf16 is")
+    knobs["precision"] = "bf16-master" if enabled("bf16", "bf16") else "fp32"
+
+    section = ds.get("optimizer")
+    if section is not None:
+        kind = str(section.get("type", "")).lower()
+        params = section.get("params") or {}
+        if kind not in ("adam", "adamw"):
+            raise ValueError(f"deepspeed config optimizer.type={section.get('type')!r} is not modelled; Adam/AdamW is")
+        knobs["optimizer"] = ("adamw" if params.get("foreach", True) is not False else "adamw-fused") \
+            if params.get("torch_adam") else "adamw-fused"
+    elif training_arguments is not None:
+        knobs["optimizer"] = _trainer_optimizer(training_arguments)  # the engine says what ZeRO can take
+    else:
+        knobs["optimizer"] = "adamw"
+    if training_arguments is not None and _get(training_arguments, "gradient_checkpointing", False):
+        kwargs = _get(training_arguments, "gradient_checkpointing_kwargs") or {}
+        if kwargs.get("use_reentrant", False):
+            raise ValueError("gradient_checkpointing_kwargs use_reentrant=True is not modelled (non-reentrant is)")
+        knobs["checkpointing"] = "full"
+    if seq is None and training_arguments is not None:
+        seq = _get(training_arguments, "max_length") or _get(training_arguments, "max_seq_length")
+    if seq is not None:
+        knobs["seq"] = int(seq)
     if gpu is not None:
         knobs["gpu"] = gpu
     return knobs

@@ -43,8 +43,81 @@ def test_unmodelled_settings_are_refused(kw, message):
         trainmem.hf.recipe_from_training_arguments(args(**kw))
 
 
-def test_sharding_is_refused_not_ignored():
-    with pytest.raises(ValueError, match="deepspeed"):
-        trainmem.hf.recipe_from_training_arguments({"deepspeed": {"zero_optimization": {"stage": 3}}})
-    with pytest.raises(ValueError, match="fsdp"):
-        trainmem.hf.recipe_from_training_arguments({"fsdp": "full_shard"})
+def test_fsdp_and_ddp_from_trainer_settings():
+    d = args(per_device_train_batch_size=2).to_dict()
+    assert trainmem.hf.recipe_from_training_arguments(d, gpus=4)["parallel"] == "ddp"
+    assert "parallel" not in trainmem.hf.recipe_from_training_arguments(d, gpus=1)
+    d.update(fsdp="full_shard auto_wrap", fsdp_config={"fsdp_version": 2})
+    knobs = trainmem.hf.recipe_from_training_arguments(d, gpus=8, seq=256)
+    assert knobs["parallel"] == "fsdp" and knobs["gpus"] == 8
+    assert trainmem.estimate("qwen3-0.6b", **knobs).recipe["parallel"] == "fsdp"
+
+
+@pytest.mark.parametrize("fsdp,config,message", [
+    ("full_shard", {}, "FSDP1 (flat parameters) is not modelled"),
+    ("shard_grad_op", {"fsdp_version": 2}, "only 'full_shard'"),
+    ("full_shard offload", {"fsdp_version": 2}, "offload is not modelled"),
+    ("full_shard", {"fsdp_version": 2, "reshard_after_forward": False}, "reshard_after_forward=False"),
+])
+def test_unmodelled_fsdp_is_refused(fsdp, config, message):
+    with pytest.raises(ValueError, match=__import__("re").escape(message)):
+        trainmem.hf.recipe_from_training_arguments({"fsdp": fsdp, "fsdp_config": config}, gpus=2)
+    with pytest.raises(ValueError, match="pass gpus="):
+        trainmem.hf.recipe_from_training_arguments({"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2}})
+
+
+ZERO2 = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "train_batch_size": 64,
+         "zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}
+
+
+def test_deepspeed_config_maps_onto_a_recipe(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(__import__("json").dumps(ZERO2))
+    knobs = trainmem.hf.recipe_from_deepspeed_config(str(path), seq=512)
+    assert knobs == {"parallel": "zero2", "batch": 4, "grad_accum": 2, "gpus": 8, "precision": "bf16-master",
+                     "optimizer": "adamw", "seq": 512}
+    est = trainmem.estimate("qwen3-0.6b", **knobs)
+    assert est.recipe["parallel"] == "zero2" and est.recipe["gpus"] == 8
+    torch_adam = dict(ZERO2, optimizer={"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}})
+    assert trainmem.hf.recipe_from_deepspeed_config(torch_adam)["optimizer"] == "adamw"
+    fused = dict(ZERO2, optimizer={"type": "AdamW", "params": {"lr": 1e-4}})
+    assert trainmem.hf.recipe_from_deepspeed_config(fused)["optimizer"] == "adamw-fused"
+
+
+def test_deepspeed_auto_values_come_from_the_trainer():
+    auto = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "zero_optimization": {"stage": 1}, "bf16": {"enabled": "auto"}}
+    d = args(per_device_train_batch_size=2, gradient_accumulation_steps=4, gradient_checkpointing=True,
+             optim="sgd", optim_args="momentum=0.9").to_dict()
+    d["bf16"] = True
+    d["deepspeed"] = auto
+    knobs = trainmem.hf.recipe_from_training_arguments(d, gpus=2, seq=128)
+    assert knobs == {"parallel": "zero1", "batch": 2, "grad_accum": 4, "gpus": 2, "precision": "bf16-master",
+                     "optimizer": "sgd", "checkpointing": "full", "seq": 128}
+    with pytest.raises(ValueError, match="'auto' needs the Trainer's settings"):
+        trainmem.hf.recipe_from_deepspeed_config(auto, gpus=2)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"zero_optimization": {"stage": 0}}, "stage 0"),
+    ({"zero_optimization": {"stage": 4}}, "expected 0, 1, 2 or 3"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, "offload is not modelled"),
+    ({"zero_optimization": {"stage": 2, "reduce_bucket_size": 2e8}}, "reduce_bucket_size=200000000.0"),
+    ({"zero_optimization": {"stage": 2, "overlap_comm": True}}, "overlap_comm"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": False}}, "fp16 with loss scaling"),
+    ({"optimizer": {"type": "Lamb"}}, "optimizer.type='Lamb'"),
+    ({"train_batch_size": 63}, "the world size is not given"),
+    ({"train_micro_batch_size_per_gpu": 0}, "expected a positive integer, got 0"),
+])
+def test_unmodelled_deepspeed_settings_are_refused(change, message):
+    with pytest.raises(ValueError, match=__import__("re").escape(message)):
+        trainmem.hf.recipe_from_deepspeed_config(dict(ZERO2, **change))
+
+
+def test_unreadable_deepspeed_configs(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="not JSON"):
+        trainmem.hf.recipe_from_deepspeed_config(str(bad), gpus=2)
+    with pytest.raises(ValueError, match="cannot read it"):
+        trainmem.hf.recipe_from_deepspeed_config(str(tmp_path / "missing.json"), gpus=2)
