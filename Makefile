@@ -32,11 +32,12 @@ $(VENV)/.ready: pyproject.toml
 venv: deps $(VENV)/.ready
 
 # The measuring side needs torch; the CPU build is installed first so that nothing pulls a CUDA one
-# (peft, for LoRA recipes, depends on torch, so it comes after it).
+# (peft, for LoRA recipes, and deepspeed, for ZeRO measurements, depend on torch, so they come after it).
 $(VENV)/.measure: $(VENV)/.ready
 	$(PIP) install -q $(TORCH)
 	$(PIP) install -q "transformers>=4.46" safetensors numpy
 	$(PIP) install -q "peft>=0.14"
+	$(PIP) install -q "deepspeed>=0.16"
 	touch $@
 
 build: deps
