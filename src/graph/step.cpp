@@ -152,7 +152,7 @@ class StepBuilder {
     create_parameters();
     create_adapters();
     wrap_data_parallel();
-    if (pol_.master) {
+    if (pol_.master && !is_zero(r_.parallel)) {  // ZeRO keeps an fp32 partition instead (parallel.h)
       t_.at(Phase::kSetup, kNoLayer, "optimizer.master_copy");
       for (Param& p : params_) {
         if (p.trainable) p.master = t_.alloc_bytes(p.numel * 4, Category::kWeights);
@@ -273,9 +273,10 @@ class StepBuilder {
     p.dtype = pol_.param;
     p.trainable = !r_.lora.enabled();  // get_peft_model freezes the whole base model
     const std::uint64_t bytes = detail::mul(g.numel, dtype_bytes(pol_.param), "parameter bytes");
-    // FSDP2 holds shards only: the full parameter never has memory (See Note [FSDP2 units]).
-    p.storage = r_.parallel == Parallel::kFsdp ? t_.reserve(bytes, Category::kWeights)
-                                               : t_.alloc_bytes(bytes, Category::kWeights);
+    // FSDP2 holds shards only: the full parameter never has memory (See Note [FSDP2 units]);
+    // ZeRO makes the parameters views of one flat buffer (See Note [DeepSpeed ZeRO-1/2]).
+    p.storage = r_.parallel == Parallel::kFsdp || is_zero(r_.parallel) ? t_.reserve(bytes, Category::kWeights)
+                                                                        : t_.alloc_bytes(bytes, Category::kWeights);
     p.slot = t_.new_param(p.storage);
     p.matmul = g.matmul_weight;
     p.rows = g.rows;
@@ -1595,7 +1596,7 @@ class StepBuilder {
     if (r_.precision == Precision::kFp16Mixed && r_.optimizer == Optimizer::kAdamWFused) {
       found_inf_sum = t_.alloc_bytes(4, Category::kTemporaries);
     }
-    if (pol_.master) {
+    if (pol_.master && !dp_.zero()) {
       // fp32 gradients for the master copy, parameter by parameter; the half .grad goes.
       op("optimizer.master_grads");
       for (Param& p : params_) {
@@ -1611,6 +1612,13 @@ class StepBuilder {
     std::vector<const Param*> opt;
     for (const Param& p : params_) {
       if (p.trainable) opt.push_back(&p);
+    }
+    // ZeRO hands the torch optimizer one parameter: this rank's fp32 master partition.
+    Param zero_partition;
+    if (dp_.zero()) {
+      zero_partition.numel = dp_.zero_partition_numel();
+      zero_partition.dtype = DType::kF32;
+      opt = {&zero_partition};
     }
     auto sb_of = [&](const Param& p) { return dtype_bytes(pol_.master ? DType::kF32 : p.dtype); };
     // The elements this rank's optimizer holds of a parameter (FSDP2: its shard).
@@ -1747,6 +1755,7 @@ class StepBuilder {
       }
     }
     if (found_inf_sum != kNone) t_.release(found_inf_sum);
+    dp_.zero_after_optimizer();
     if (pol_.master) {
       op("optimizer.copy_to_half");  // in place: p.copy_(master)
     }

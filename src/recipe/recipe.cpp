@@ -32,8 +32,11 @@ constexpr Spellings<Loss, 2> kLoss{{{Loss::kStandard, "standard"}, {Loss::kFused
 constexpr Spellings<AllocatorMode, 2> kAllocator{{{AllocatorMode::kDefault, "default"},
                                                   {AllocatorMode::kExpandable, "expandable"}}};
 constexpr Spellings<Mode, 2> kModes{{{Mode::kTraining, "training"}, {Mode::kInference, "inference"}}};
-constexpr Spellings<Parallel, 3> kParallel{{{Parallel::kNone, "none"}, {Parallel::kDdp, "ddp"},
-                                            {Parallel::kFsdp, "fsdp"}}};
+constexpr Spellings<Parallel, 5> kParallel{{{Parallel::kNone, "none"},
+                                            {Parallel::kDdp, "ddp"},
+                                            {Parallel::kFsdp, "fsdp"},
+                                            {Parallel::kZero1, "zero1"},
+                                            {Parallel::kZero2, "zero2"}}};
 
 template <typename E, std::size_t N>
 std::string_view name_of(const Spellings<E, N>& table, E e) {
@@ -93,7 +96,7 @@ void validate_parallel(const Recipe& r) {
   check_range("gpus", r.gpus, kMaxGpus);
   if (r.parallel == Parallel::kNone) {
     if (r.gpus != 1) {
-      throw Error("gpus: " + std::to_string(r.gpus) + " GPUs need a data-parallel wrapper: parallel ddp or fsdp");
+      throw Error("gpus: " + std::to_string(r.gpus) + " GPUs need a data-parallel wrapper: parallel ddp, fsdp, zero1 or zero2");
     }
     return;
   }
@@ -113,6 +116,28 @@ void validate_parallel(const Recipe& r) {
     if (r.loss == Loss::kFused) {
       throw Error("loss: fused under parallel fsdp is not modelled (it reads lm_head.weight outside the root "
                   "module's forward, where FSDP2 has not gathered it); use standard");
+    }
+  }
+  if (is_zero(r.parallel)) {
+    // DeepSpeed's engine owns the precision: its bf16 mode is a bf16 model with fp32 master
+    // partitions (bf16-master); without bf16 / fp16 everything is fp32. CPU offload has no knob.
+    if (r.precision != Precision::kFp32 && r.precision != Precision::kBf16Master) {
+      throw Error("precision: " + std::string(to_string(r.precision)) + " under parallel " + p +
+                  " is not modelled (DeepSpeed's bf16 mode is a bf16 model over fp32 master partitions); use "
+                  "fp32 or bf16-master");
+    }
+    if (r.optimizer != Optimizer::kAdamW && r.optimizer != Optimizer::kAdamWFused && r.optimizer != Optimizer::kSgd) {
+      throw Error("optimizer: " + std::string(to_string(r.optimizer)) + " under parallel " + p +
+                  " is not modelled; use adamw, adamw-fused or sgd (a torch optimizer handed to deepspeed.initialize)");
+    }
+    if (r.parallel == Parallel::kZero1 && r.grad_accum != 1) {
+      throw Error("grad_accum: " + std::to_string(r.grad_accum) +
+                  " under parallel zero1 is not modelled yet (where ZeRO-1 keeps gradients between "
+                  "micro-batches is unmeasured); use grad_accum 1 or parallel zero2");
+    }
+    if (r.loss == Loss::kFused) {
+      throw Error("loss: fused under parallel " + p +
+                  " is not modelled (it reads lm_head.weight outside the model's forward); use standard");
     }
   }
 }
