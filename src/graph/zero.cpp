@@ -193,6 +193,7 @@ void DataParallel::zero_backward_end() {
   }
   t_.at(t_.phase(), kNoLayer, "zero.gradient_partition_epilogue");
   zero_reduce_ipg();
+  t_.at(t_.phase(), kNoLayer, "zero.gradient_partition_epilogue");
   if (grads_in_partition_ != kNone) {
     if (accumulated_ == kNone) {
       accumulated_ = grads_in_partition_;  // the views in all_grad_tensors / averaged_gradients
