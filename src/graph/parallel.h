@@ -113,6 +113,7 @@ class DataParallel {
   TensorId accumulated_ = kNone;  // averaged_gradients / all_grad_tensors: views of a grads_in_partition
   TensorId fp32_grad_ = kNone;    // single_grad_partition
   TensorId grad_norm_ = kNone;    // _global_grad_norm, kept until the next step's
+  TensorId scaled_norm_ = kNone;  // step()'s scaled_global_grad_norm
   std::uint64_t micro_ = 0;       // micro-batches since the last step
   std::uint64_t grad_accum_ = 1;
 };

@@ -1543,6 +1543,15 @@ class StepBuilder {
     // (loss / grad_accum).backward(); fp16-mixed goes through GradScaler.scale(), which makes
     // its scale and growth tracker on first use and multiplies the loss by the scale.
     T scaled = elementwise({&loss}, 1, DType::kF32, {});
+    if (is_zero(r_.parallel)) {
+      // See Note [DeepSpeed ZeRO-1/2]: engine.backward(loss) divides by the accumulation steps
+      // (gas_scaled_loss, which it returns) and multiplies by the loss scale (1.0 for bf16 and
+      // fp32: LossScaler.scale_loss), and the caller keeps `loss` until backward returns.
+      T by_scale = elementwise({&scaled}, 1, DType::kF32, {});
+      zero_losses_ = {loss, scaled};
+      pending_loss_ = by_scale;
+      return by_scale.value;
+    }
     t_.drop(loss);
     if (r_.precision == Precision::kFp16Mixed) {
       if (scaler_scale_ == kNone) {
@@ -1567,6 +1576,8 @@ class StepBuilder {
     t_.backward(loss);
     dp_.backward_end();
     t_.drop(pending_loss_);
+    for (T& l : zero_losses_) t_.drop(l);
+    zero_losses_.clear();
     if (input_leaf_.id != kNone) t_.drop(input_leaf_);
   }
 
@@ -2918,6 +2929,7 @@ class StepBuilder {
   std::vector<std::uint32_t> casts_;
   std::vector<TensorId> states_;
   T input_ids_, labels_, mask_, cos_, sin_, position_ids_, pending_loss_;
+  std::vector<T> zero_losses_;  // ZeRO: the loss and gas_scaled_loss, held through backward
   T input_leaf_;  // LoRA with checkpointing: the embeddings' output, a leaf (Note [LoRA])
   std::vector<std::vector<Adapter>> adapters_;  // per decoder layer, in module order
   TensorId ws_fwd_ = kNone, ws_bwd_ = kNone;

@@ -51,7 +51,9 @@ constexpr std::int32_t kNoLayer = -1;
 //  * step: the gradient norm (scaled_global_norm → get_grad_norm_direct) converts each of this
 //    partition's gradient slices to get_norm_dtype() (float64 where the device has it, CPU and
 //    CUDA alike) for its vector_norm, one at a time, and keeps a 0-dim norm per slice; the total
-//    is kept as _global_grad_norm until the next step. Then the slices are flattened (a view for
+//    (combine_grad_norm_groups, runtime/utils.py) lives until step() returns, and the total over
+//    the loss scale is kept as _global_grad_norm until the next step's. gradient_clipping is 0
+//    and the loss scale 1, so unscale_and_clip_grads does nothing. Then the slices are flattened (a view for
 //    one slice) and .to(fp32) (single_grad_partition: a copy for a 16-bit model, the flat itself
 //    for fp32), averaged_gradients dropped (grads_in_partition goes), the torch optimizer steps
 //    the fp32 partition (its states are sized by it), the fp32 gradient is dropped, the partition
@@ -221,24 +223,42 @@ void DataParallel::zero_before_optimizer() {
     slices.push_back(std::min(params_[pi].numel, partition_numel_ - flat_offset_[pi]));
   }
   t_.at(Phase::kOptimizer, kNoLayer, "zero.grad_norm");
+  auto scalar = [&](std::uint64_t bytes) { return t_.alloc_bytes(bytes, Category::kTemporaries); };
+  // get_grad_norm_direct: one float64 copy at a time, a 0-dim norm per slice.
   std::vector<TensorId> norms;
   for (std::uint64_t n : slices) {
-    TensorId wide = t_.alloc_bytes(detail::mul(n, 8, "grad norm bytes"), Category::kTemporaries);  // .to(float64)
-    norms.push_back(t_.alloc_bytes(8, Category::kTemporaries));                                  // vector_norm
+    TensorId wide = t_.alloc_bytes(detail::mul(n, 8, "grad norm bytes"), Category::kTemporaries);
+    norms.push_back(scalar(8));  // vector_norm
     t_.release(wide);
   }
-  TensorId stacked = t_.alloc_bytes(8 * norms.size(), Category::kTemporaries);  // torch.stack
-  TensorId pow = t_.alloc_bytes(8 * norms.size(), Category::kTemporaries);      // .pow(2)
+  TensorId stacked = scalar(8 * norms.size());  // torch.stack(all_norms)
+  TensorId pow = scalar(8 * norms.size());      // .pow(2)
   t_.release(stacked);
-  TensorId sum = t_.alloc_bytes(8, Category::kTemporaries);  // .sum()
+  TensorId sum = scalar(8);  // .sum()
   t_.release(pow);
-  TensorId total = t_.alloc_bytes(4, Category::kTemporaries);  // .float()
+  TensorId total = scalar(4);  // .float()
   t_.release(sum);
-  TensorId root = t_.alloc_bytes(4, Category::kTemporaries);  // .pow(1 / 2)
+  TensorId root = scalar(4);  // total_norm.pow(1 / 2)
   t_.release(total);
   for (TensorId id : norms) t_.release(id);
-  TensorId norm = t_.alloc_bytes(4, Category::kTemporaries);  // _global_grad_norm = norm / loss_scale
+  // combine_grad_norm_groups (runtime/utils.py) over the one group's norm.
+  TensorId group = scalar(4);  // torch.stack
   t_.release(root);
+  TensorId finite = scalar(1), inverted = scalar(1);  // ~torch.isfinite(stacked)
+  t_.release(finite);
+  TensorId negative = scalar(1), either = scalar(1);  // | (stacked < 0)
+  t_.release(inverted);
+  t_.release(negative);
+  TensorId invalid = scalar(1);  // .any()
+  t_.release(either);
+  TensorId combined = scalar(4), inf = scalar(4);  // vector_norm, full_like(combined, inf)
+  scaled_norm_ = scalar(4);                        // torch.where: step's scaled_global_grad_norm
+  t_.release(inf);
+  t_.release(group);
+  t_.release(invalid);
+  t_.release(combined);
+  // self._global_grad_norm = scaled_global_grad_norm / prev_scale, kept until the next step's.
+  TensorId norm = scalar(4);
   if (grad_norm_ != kNone) t_.release(grad_norm_);
   grad_norm_ = norm;
 
@@ -263,6 +283,8 @@ void DataParallel::zero_before_optimizer() {
 void DataParallel::zero_after_optimizer() {
   if (fp32_grad_ != kNone) t_.release(fp32_grad_);  // single_partition_of_fp32_groups[i].grad = None
   fp32_grad_ = kNone;
+  if (scaled_norm_ != kNone) t_.release(scaled_norm_);  // a local of step(), gone when it returns
+  scaled_norm_ = kNone;
 }
 
 }  // namespace trainmem::graph
