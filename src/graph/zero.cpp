@@ -35,10 +35,12 @@ constexpr std::int32_t kNoLayer = -1;
 //    the bucket keeps its own .grad and is reduced alone (extra_large_param_to_reduce). ZeRO-1
 //    leaves the .grads where autograd made them until the end of the backward, where
 //    reduce_gradients moves them into the bucket the same way, in parameter order;
-//  * reduce_ipg_grads → average_tensor: the bucket's slices are grouped by destination rank
-//    (consecutive slices of one rank merged), and per rank allreduce_no_retain → allreduce_bucket
-//    flattens the slices (_flatten_dense_tensors: a copy, except for a single slice, which is a
-//    view) and dist.reduce()s it; the flat copy goes when the reduction returns. Then every
+//  * reduce_ipg_grads → average_tensor: the bucket is cut into per-rank slices (consecutive
+//    slices of one rank merged) and, with use_multi_rank_bucket_allreduce (default true), all of
+//    them go to allreduce_and_scatter, which flattens them in chunks that close after passing
+//    reduce_bucket_size (allreduce_bucket → _flatten_dense_tensors: a copy, except for a single
+//    slice, which is a view; measured: a torch.cat of the whole bucket), all-reduces the chunk
+//    and copies this rank's slices back; the flat copy goes when that returns. Then every
 //    parameter of this rank's partition is copied into grads_in_partition (copy_grads_in_partition:
 //    torch.empty of Σ params_in_partition numel, in the model dtype, allocated at the first
 //    reduction) and its .grad repointed there; the others keep their bucket views;
@@ -145,26 +147,20 @@ void DataParallel::zero_reduce_ipg() {
       at = stop;
     }
   }
-  // One dist.reduce per destination (in order of first appearance), in chunks of the bucket size.
-  std::vector<std::uint64_t> ranks;
+  // use_multi_rank_bucket_allreduce (default true): every slice goes to one all-reduce bucket,
+  // flattened in chunks that close after passing the bucket size (allreduce_and_scatter).
+  std::uint64_t count = 0, elements = 0;
+  auto flush = [&] {
+    if (count > 1) t_.release(t_.alloc_bytes(detail::mul(elements, item, "ZeRO reduce bytes"), Category::kGradients));
+    count = 0;
+    elements = 0;
+  };
   for (const auto& s : slices) {
-    if (std::find(ranks.begin(), ranks.end(), s.first) == ranks.end()) ranks.push_back(s.first);
+    ++count;
+    elements += s.second;
+    if (elements > kReduceBucketElements) flush();
   }
-  for (std::uint64_t rank : ranks) {
-    std::uint64_t count = 0, elements = 0;
-    auto flush = [&] {
-      if (count > 1) t_.release(t_.alloc_bytes(detail::mul(elements, item, "ZeRO reduce bytes"), Category::kGradients));
-      count = 0;
-      elements = 0;
-    };
-    for (const auto& s : slices) {
-      if (s.first != rank) continue;
-      ++count;
-      elements += s.second;
-      if (elements > kReduceBucketElements) flush();
-    }
-    if (count > 0) flush();
-  }
+  if (count > 0) flush();
   for (std::uint32_t pi : bucket_params_) {
     if (flat_offset_[pi] >= partition_numel_) continue;  // other partitions keep their bucket views
     if (grads_in_partition_ == kNone) {
