@@ -96,6 +96,7 @@ class DataParallel {
   void zero_wrap();
   void zero_param_ready(std::uint32_t slot);
   void zero_backward_end();
+  void zero_epilogue();
   void zero_before_optimizer();
   void zero_to_bucket(std::uint32_t pi);
   void zero_reduce_ipg();

@@ -34,7 +34,9 @@ constexpr std::int32_t kNoLayer = -1;
 //    what is left of the bucket first reduces the bucket (reduce_ipg_grads), and one larger than
 //    the bucket keeps its own .grad and is reduced alone (extra_large_param_to_reduce). ZeRO-1
 //    leaves the .grads where autograd made them until the end of the backward, where
-//    reduce_gradients moves them into the bucket the same way, in parameter order;
+//    reduce_gradients moves them into the bucket the same way, in parameter order; under gradient
+//    accumulation only at the boundary (engine.allreduce_gradients), so the .grads accumulate
+//    in place and the first micro-batch's bucket stays until then;
 //  * reduce_ipg_grads → average_tensor: the bucket is cut into per-rank slices (consecutive
 //    slices of one rank merged) and, with use_multi_rank_bucket_allreduce (default true), all of
 //    them go to allreduce_and_scatter, which flattens them in chunks that close after passing
@@ -61,10 +63,13 @@ constexpr std::int32_t kNoLayer = -1;
 //    the fp32 partition (its states are sized by it), the fp32 gradient is dropped, the partition
 //    is copied into this rank's slice of the flat buffer and all_gather_dp_groups gathers the
 //    other slices into it in place.
-// Not modelled: gloo's or NCCL's own buffers (none go through PyTorch's allocator that the CPU
-// measurements see), the small 0-dim tensors of the overflow check (off for bf16) and of
-// unscale_and_clip_grads. On CUDA the reduction runs on the current stream (overlap_comm off),
-// so the order is the CPU one; unmeasured there.
+// Gradient accumulation (both stages) is modelled this way but unmeasured. Not modelled: gloo's
+// or NCCL's own buffers (none go through PyTorch's allocator that the CPU measurements see), the
+// 0-dim tensors of the overflow check and other scalar bookkeeping in step() (512 B blocks that
+// come and go), and the transient second copy of the parameters while deepspeed.initialize
+// flattens them (before tracking starts, as the measurements do). On CUDA the reduction runs on
+// the current stream (overlap_comm off, so reduction_stream is unused) and get_norm_dtype() is
+// float64 too: the order is the CPU one; unmeasured there.
 constexpr std::uint64_t kReduceBucketElements = 500'000'000;
 constexpr std::uint64_t kNcclStartAlignment = 2;
 
@@ -179,10 +184,18 @@ void DataParallel::zero_reduce_ipg() {
   extra_large_ = kNone;
 }
 
-// engine.backward → allreduce_gradients: ZeRO-1's reduce_gradients, then
-// independent_gradient_partition_epilogue for both stages (see Note [DeepSpeed ZeRO-1/2]).
+// engine.backward → allreduce_gradients: ZeRO-1's reduce_gradients (at the accumulation
+// boundary only), then independent_gradient_partition_epilogue for both stages (see Note
+// [DeepSpeed ZeRO-1/2]).
 void DataParallel::zero_backward_end() {
   ++micro_;
+  // ZeRO-1 reduces only at the accumulation boundary (engine.allreduce_gradients): until then the
+  // .grads accumulate as without DeepSpeed and the bucket of the first hook stays.
+  if (kind_ == Parallel::kZero1 && micro_ < grad_accum_) return;
+  zero_epilogue();
+}
+
+void DataParallel::zero_epilogue() {
   if (kind_ == Parallel::kZero1) {
     t_.at(t_.phase(), kNoLayer, "zero.reduce_gradients");
     for (std::uint32_t pi = 0; pi < params_.size(); ++pi) {
@@ -211,6 +224,9 @@ void DataParallel::zero_backward_end() {
 
 // DeepSpeedZeroOptimizer.step up to the torch optimizer's step (see Note [DeepSpeed ZeRO-1/2]).
 void DataParallel::zero_before_optimizer() {
+  // The replay skipped the step's last micro-batches (they repeat the one before): ZeRO-1's
+  // boundary reduction is still to run.
+  if (kind_ == Parallel::kZero1 && zero_bucket_ != kNone) zero_epilogue();
   micro_ = 0;
   const std::uint64_t item = zero_item_bytes();
   // This partition's slices of params_in_partition (rank 0: from the start of each).

@@ -130,11 +130,6 @@ void validate_parallel(const Recipe& r) {
       throw Error("optimizer: " + std::string(to_string(r.optimizer)) + " under parallel " + p +
                   " is not modelled; use adamw, adamw-fused or sgd (a torch optimizer handed to deepspeed.initialize)");
     }
-    if (r.parallel == Parallel::kZero1 && r.grad_accum != 1) {
-      throw Error("grad_accum: " + std::to_string(r.grad_accum) +
-                  " under parallel zero1 is not modelled yet (where ZeRO-1 keeps gradients between "
-                  "micro-batches is unmeasured); use grad_accum 1 or parallel zero2");
-    }
     if (r.loss == Loss::kFused) {
       throw Error("loss: fused under parallel " + p +
                   " is not modelled (it reads lm_head.weight outside the model's forward); use standard");

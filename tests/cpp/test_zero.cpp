@@ -171,5 +171,28 @@ TEST(ZeroBuckets, Zero1KeepsTheFullGradientsUntilTheEndOfBackward) {
   EXPECT_EQ(e1.peak_allocated_bytes - e2.peak_allocated_bytes, (kGpt2L2Params - kGpt2Wte) * 2);
 }
 
+// Accumulation (unmeasured): ZeRO-1 reduces at the boundary only, so one bucket per step; ZeRO-2
+// one per micro-batch. The replay that skips repeated micro-batches agrees with the full one.
+TEST(ZeroBuckets, AccumulationBucketsAndSkippedMicroBatches) {
+  const Model m = gpt2_l2();
+  for (Parallel stage : {Parallel::kZero1, Parallel::kZero2}) {
+    Recipe r = zero_recipe(stage, 2);
+    r.batch = 1;
+    r.grad_accum = 3;
+    const graph::Trace t = graph::build_training_trace(m, r, find_gpu("cpu"));
+    EXPECT_EQ(allocs_at(t, "zero.setup_buckets").size(), stage == Parallel::kZero1 ? 2u : 6u);
+    const Estimate skipping = estimate(m, r);
+    EstimateOptions every;
+    every.timeline = true;  // every micro-batch replayed
+    const Estimate full = estimate(m, r, every);
+    EXPECT_EQ(skipping.peak_allocated_bytes, full.peak_allocated_bytes);
+    EXPECT_EQ(skipping.breakdown_at_peak, full.breakdown_at_peak);
+    ASSERT_EQ(skipping.steps.size(), full.steps.size());
+    for (std::size_t i = 0; i < full.steps.size(); ++i) {
+      EXPECT_EQ(skipping.steps[i].peak_allocated_bytes, full.steps[i].peak_allocated_bytes);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace trainmem
