@@ -155,7 +155,14 @@ Attention parse_attention(std::string_view s) { return parse(kAttention, s, "att
 Loss parse_loss(std::string_view s) { return parse(kLoss, s, "loss"); }
 AllocatorMode parse_allocator(std::string_view s) { return parse(kAllocator, s, "allocator"); }
 Mode parse_mode(std::string_view s) { return parse(kModes, s, "mode"); }
-Parallel parse_parallel(std::string_view s) { return parse(kParallel, s, "parallel"); }
+Parallel parse_parallel(std::string_view s) {
+  // The measuring side runs ZeRO-3 (python/trainmem/measure/parallel.py); the engine does not yet.
+  if (s == "zero3") {
+    throw Error("parallel: zero3 is not modelled yet (DeepSpeed ZeRO-3's partitioned parameters, gathered per "
+                "module with prefetch); use zero1, zero2 or fsdp");
+  }
+  return parse(kParallel, s, "parallel");
+}
 
 Recipe parse_recipe(const RecipeSpelling& in) {
   Recipe r;

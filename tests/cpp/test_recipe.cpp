@@ -265,8 +265,11 @@ TEST(RecipeSpellings, ParallelRoundTrips) {
                                      {Parallel::kZero1, "zero1"},
                                      {Parallel::kZero2, "zero2"}},
                      parse_parallel);
+  EXPECT_EQ(error_of([] { parse_parallel("zero4"); }),
+            "parallel: unknown value 'zero4'; expected one of none, ddp, fsdp, zero1, zero2");
   EXPECT_EQ(error_of([] { parse_parallel("zero3"); }),
-            "parallel: unknown value 'zero3'; expected one of none, ddp, fsdp, zero1, zero2");
+            "parallel: zero3 is not modelled yet (DeepSpeed ZeRO-3's partitioned parameters, gathered per module "
+            "with prefetch); use zero1, zero2 or fsdp");
 }
 
 TEST(RecipeValidate, ParallelDefaultsToOneGpu) {
