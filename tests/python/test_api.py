@@ -60,3 +60,16 @@ def test_lora_knobs_are_checked():
         trainmem.estimate("gpt2", lora_rank=8, lora_targets="nope")
     with pytest.raises(ValueError, match="peft has no default target modules for phi3"):
         trainmem.estimate("phi-3-mini-4k-instruct", lora_rank=8)
+
+
+def test_zero_through_python_matches_cli(trainmem_bin):
+    est = trainmem.estimate("gpt2", seq=64, precision="bf16-master", gpus=4, parallel="zero2")
+    cli = json.loads(subprocess.run([trainmem_bin, "estimate", "gpt2", "--seq", "64", "--precision", "bf16-master",
+                                     "--gpus", "4", "--parallel", "zero2", "--json"], capture_output=True, text=True,
+                                    check=True).stdout)
+    assert est.to_dict() == cli
+    assert cli["recipe"]["parallel"] == "zero2" and cli["recipe"]["gpus"] == 4
+    with pytest.raises(ValueError, match="parallel: zero3 is not modelled yet"):
+        trainmem.estimate("gpt2", gpus=2, parallel="zero3")
+    with pytest.raises(ValueError, match="precision: bf16-mixed under parallel zero1 is not modelled"):
+        trainmem.estimate("gpt2", gpus=2, parallel="zero1", precision="bf16-mixed")
