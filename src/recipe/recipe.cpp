@@ -96,7 +96,8 @@ void validate_parallel(const Recipe& r) {
   check_range("gpus", r.gpus, kMaxGpus);
   if (r.parallel == Parallel::kNone) {
     if (r.gpus != 1) {
-      throw Error("gpus: " + std::to_string(r.gpus) + " GPUs need a data-parallel wrapper: parallel ddp, fsdp, zero1 or zero2");
+      throw Error("gpus: " + std::to_string(r.gpus) +
+                  " GPUs need a data-parallel wrapper: parallel ddp, fsdp, zero1 or zero2");
     }
     return;
   }

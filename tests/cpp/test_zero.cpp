@@ -105,9 +105,11 @@ TEST(ZeroBuckets, OneIpgBucketPerBackwardInTheModelDtype) {
   const Model m = gpt2_l2();
   for (Parallel stage : {Parallel::kZero1, Parallel::kZero2}) {
     const graph::Trace bf16 = graph::build_training_trace(m, zero_recipe(stage, 2), find_gpu("cpu"));
-    EXPECT_EQ(allocs_at(bf16, "zero.setup_buckets"), (std::vector<std::uint64_t>{kBucketElements * 2, kBucketElements * 2}));
+    EXPECT_EQ(allocs_at(bf16, "zero.setup_buckets"),
+              (std::vector<std::uint64_t>{kBucketElements * 2, kBucketElements * 2}));
     const graph::Trace fp32 = graph::build_training_trace(m, zero_recipe(stage, 2, Precision::kFp32), find_gpu("cpu"));
-    EXPECT_EQ(allocs_at(fp32, "zero.setup_buckets"), (std::vector<std::uint64_t>{kBucketElements * 4, kBucketElements * 4}));
+    EXPECT_EQ(allocs_at(fp32, "zero.setup_buckets"),
+              (std::vector<std::uint64_t>{kBucketElements * 4, kBucketElements * 4}));
     // Freed by the epilogue: nothing of the backward's gradients is live after it.
     EXPECT_EQ(live_after(bf16, 1, "zero.gradient_partition_epilogue")[kGrads], kGpt2Wte * 2);
   }
