@@ -86,8 +86,10 @@ std::uint64_t ceil_div(std::uint64_t a, std::uint64_t b) { return a / b + (a % b
 
 }  // namespace
 
-DataParallel::DataParallel(Tape& tape, const Recipe& recipe, bool cuda)
-    : t_(tape), kind_(recipe.parallel), world_(recipe.gpus), cuda_(cuda), grad_accum_(recipe.grad_accum) {}
+DataParallel::DataParallel(Tape& tape, const Recipe& recipe, bool cuda, std::uint64_t rank)
+    : t_(tape), kind_(recipe.parallel), world_(recipe.gpus), cuda_(cuda), rank_(rank), grad_accum_(recipe.grad_accum) {
+  TRAINMEM_ASSERT(rank < world_, "rank outside the world");
+}
 
 void DataParallel::wrap(std::vector<WrappedParam>& params, const std::vector<std::vector<std::uint32_t>>& layers,
                         const std::vector<std::uint32_t>& root,

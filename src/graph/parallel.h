@@ -27,7 +27,8 @@ struct WrappedParam {
 
 class DataParallel {
  public:
-  DataParallel(Tape& tape, const Recipe& recipe, bool cuda);
+  // `rank`: the rank whose memory is built (ZeRO's partition; the others use rank 0).
+  DataParallel(Tape& tape, const Recipe& recipe, bool cuda, std::uint64_t rank = 0);
 
   // After the model is built, before the optimizer exists. `layers[l]` are the indices (into
   // `params`) of decoder layer l's parameters, `root` the others (embeddings, final norm,
@@ -97,11 +98,15 @@ class DataParallel {
   void zero_param_ready(std::uint32_t slot);
   void zero_backward_end();
   void zero_epilogue();
+  void zero_pad(const std::vector<std::uint64_t>& slices);
   void zero_before_optimizer();
   void zero_to_bucket(std::uint32_t pi);
   void zero_reduce_ipg();
   std::uint64_t zero_item_bytes() const;
+  std::uint64_t rank_ = 0;
   std::uint64_t partition_numel_ = 0;
+  std::uint64_t partition_begin_ = 0;
+  std::vector<bool> is_in_partition_;
   std::vector<std::uint64_t> flat_offset_;   // per parameter, in the flat group
   std::vector<std::uint32_t> in_partition_;  // rank 0's params_in_partition, flat order
   TensorId zero_flat_ = kNone;               // bit16_groups_flat (the parameters are views)
@@ -111,6 +116,8 @@ class DataParallel {
   std::uint32_t extra_large_ = kNone;         // a parameter larger than the bucket, reduced alone
   std::vector<TensorId> kept_grads_;          // .grads of other partitions, cleared at the epilogue
   TensorId grads_in_partition_ = kNone;
+  static constexpr TensorId kNoPad = kNone - 1;  // zero_pad_: the partition needs none
+  TensorId zero_pad_ = kNone;  // the last rank's zeros for the padding, with averaged_gradients
   TensorId accumulated_ = kNone;  // averaged_gradients / all_grad_tensors: views of a grads_in_partition
   TensorId fp32_grad_ = kNone;    // single_grad_partition
   TensorId grad_norm_ = kNone;    // _global_grad_norm, kept until the next step's

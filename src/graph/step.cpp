@@ -121,8 +121,8 @@ const LoraLabels& lora_labels(std::string_view path) {
 
 class StepBuilder {
  public:
-  StepBuilder(const Model& m, const Recipe& r, const Gpu& gpu, const MicroBatchHook& hook)
-      : m_(m), a_(m.arch), r_(r), gpu_(gpu), hook_(hook), pol_(policy_for(r.precision)) {
+  StepBuilder(const Model& m, const Recipe& r, const Gpu& gpu, const MicroBatchHook& hook, std::uint64_t rank)
+      : m_(m), a_(m.arch), r_(r), gpu_(gpu), hook_(hook), pol_(policy_for(r.precision)), rank_(rank) {
     B_ = r.batch;
     S_ = r.seq;
     tok_ = detail::mul(B_, S_, "batch * seq");
@@ -2918,11 +2918,12 @@ class StepBuilder {
   const Gpu& gpu_;
   const MicroBatchHook& hook_;
   Policy pol_;
+  std::uint64_t rank_ = 0;  // the data-parallel rank built (graph/parallel.h)
   Attention attention_;
   bool cuda_ = true;
   std::uint64_t B_ = 0, S_ = 0, tok_ = 0;
   Tape t_;
-  DataParallel dp_{t_, r_, r_.gpu != "cpu"};  // DDP / FSDP2 (graph/parallel.h); nothing without
+  DataParallel dp_{t_, r_, r_.gpu != "cpu", rank_};  // DDP / FSDP2 (graph/parallel.h); nothing without
   std::vector<Param> params_;
   std::vector<std::pair<std::string, std::uint32_t>> globals_;
   std::vector<LayerParams> layers_;
@@ -2950,8 +2951,9 @@ class StepBuilder {
 
 }  // namespace
 
-Trace build_training_trace(const Model& model, const Recipe& recipe, const Gpu& gpu, const MicroBatchHook& hook) {
-  StepBuilder b(model, recipe, gpu, hook);
+Trace build_training_trace(const Model& model, const Recipe& recipe, const Gpu& gpu, const MicroBatchHook& hook,
+                           std::uint64_t rank) {
+  StepBuilder b(model, recipe, gpu, hook, rank);
   return b.build();
 }
 

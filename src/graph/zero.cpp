@@ -97,9 +97,17 @@ void DataParallel::zero_wrap() {
   partition_numel_ = flat / world_;
   zero_flat_ = t_.alloc_bytes(detail::mul(flat, zero_item_bytes(), "ZeRO flat group bytes"), Category::kWeights);
   for (WrappedParam& p : params_) p.storage = zero_flat_;  // views; the flat buffer lives for the run
+  // This rank's partition [rank x partition, (rank + 1) x partition) and the parameters that
+  // overlap it (get_partition_info); the last rank's ends in the group's padding.
+  partition_begin_ = detail::mul(rank_, partition_numel_, "ZeRO partition offset");
+  const std::uint64_t partition_end = partition_begin_ + partition_numel_;
   in_partition_.clear();
+  is_in_partition_.assign(params_.size(), false);
   for (std::uint32_t i = 0; i < params_.size(); ++i) {
-    if (flat_offset_[i] < partition_numel_) in_partition_.push_back(i);  // rank 0: [0, partition)
+    if (flat_offset_[i] < partition_end && flat_offset_[i] + params_[i].numel > partition_begin_) {
+      in_partition_.push_back(i);
+      is_in_partition_[i] = true;
+    }
   }
   t_.at(Phase::kSetup, kNoLayer, "zero.fp32_partition");
   t_.alloc_bytes(detail::mul(partition_numel_, 4, "ZeRO fp32 partition bytes"), Category::kWeights);
@@ -167,7 +175,7 @@ void DataParallel::zero_reduce_ipg() {
   }
   if (count > 0) flush();
   for (std::uint32_t pi : bucket_params_) {
-    if (flat_offset_[pi] >= partition_numel_) continue;  // other partitions keep their bucket views
+    if (!is_in_partition_[pi]) continue;  // other partitions keep their bucket views
     if (grads_in_partition_ == kNone) {
       std::uint64_t total = 0;
       for (std::uint32_t q : in_partition_) total += params_[q].numel;
@@ -213,12 +221,33 @@ void DataParallel::zero_epilogue() {
     }
     grads_in_partition_ = kNone;
   }
+  if (micro_ >= grad_accum_) {  // averaged_gradients = get_flat_partition(...) at the boundary
+    std::vector<std::uint64_t> slices;
+    for (std::uint32_t pi : in_partition_) {
+      const std::uint64_t begin = std::max(flat_offset_[pi], partition_begin_);
+      const std::uint64_t end = std::min(flat_offset_[pi] + params_[pi].numel, partition_begin_ + partition_numel_);
+      slices.push_back(end - begin);
+    }
+    zero_pad(slices);
+  }
   if (zero_bucket_ != kNone) t_.release(zero_bucket_);  // _release_ipg_buffers
   zero_bucket_ = kNone;
   for (const WrappedParam& p : params_) {  // _clear_param_grad_only
     if (t_.param_grad(p.slot) == kNone) continue;
     t_.release(t_.param_grad(p.slot));
     t_.set_param_grad(p.slot, kNone);
+  }
+}
+
+// _get_flat_partition_unpadded: the slices of this partition fall short of it only on the last
+// rank, in the group's padding, which becomes a torch.zeros kept with averaged_gradients.
+void DataParallel::zero_pad(const std::vector<std::uint64_t>& slices) {
+  std::uint64_t covered = 0;
+  for (std::uint64_t n : slices) covered += n;
+  zero_pad_ = kNoPad;
+  if (covered < partition_numel_) {
+    zero_pad_ = t_.alloc_bytes(detail::mul(partition_numel_ - covered, zero_item_bytes(), "ZeRO padding bytes"),
+                               Category::kGradients);
   }
 }
 
@@ -232,8 +261,11 @@ void DataParallel::zero_before_optimizer() {
   // This partition's slices of params_in_partition (rank 0: from the start of each).
   std::vector<std::uint64_t> slices;
   for (std::uint32_t pi : in_partition_) {
-    slices.push_back(std::min(params_[pi].numel, partition_numel_ - flat_offset_[pi]));
+    const std::uint64_t begin = std::max(flat_offset_[pi], partition_begin_);
+    const std::uint64_t end = std::min(flat_offset_[pi] + params_[pi].numel, partition_begin_ + partition_numel_);
+    slices.push_back(end - begin);
   }
+  if (zero_pad_ == kNone) zero_pad(slices);  // the boundary epilogue was skipped by the replay
   t_.at(Phase::kOptimizer, kNoLayer, "zero.grad_norm");
   auto scalar = [&](std::uint64_t bytes) { return t_.alloc_bytes(bytes, Category::kTemporaries); };
   // get_grad_norm_direct: one float64 copy at a time, a 0-dim norm per slice.
@@ -277,7 +309,8 @@ void DataParallel::zero_before_optimizer() {
   t_.at(Phase::kOptimizer, kNoLayer, "zero.fp32_grad_partition");
   TRAINMEM_ASSERT(accumulated_ != kNone, "ZeRO step without gradients");
   TensorId flat = accumulated_;  // one slice: _flatten_dense_tensors returns a view
-  if (slices.size() > 1) {
+  const bool padded = zero_pad_ != kNone && zero_pad_ != kNoPad;
+  if (slices.size() + (padded ? 1 : 0) > 1) {
     flat = t_.alloc_bytes(detail::mul(partition_numel_, item, "ZeRO flat gradient bytes"), Category::kGradients);
   } else {
     t_.retain(flat);
@@ -290,6 +323,8 @@ void DataParallel::zero_before_optimizer() {
   }
   t_.release(accumulated_);  // free_grad_in_param_list, averaged_gradients = None
   accumulated_ = kNone;
+  if (padded) t_.release(zero_pad_);
+  zero_pad_ = kNone;
 }
 
 void DataParallel::zero_after_optimizer() {

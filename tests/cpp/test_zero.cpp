@@ -8,9 +8,13 @@
 
 #include <array>
 #include <cstdint>
+#include <filesystem>
+#include <fstream>
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "graph/parallel.h"
 #include "graph/step.h"
@@ -194,6 +198,52 @@ TEST(ZeroBuckets, AccumulationBucketsAndSkippedMicroBatches) {
       EXPECT_EQ(skipping.steps[i].peak_allocated_bytes, full.steps[i].peak_allocated_bytes);
     }
   }
+}
+
+// Every rank's memory, against every rank of the ZeRO measurements: each records all ranks' step
+// peaks (diagnostics.parallel.ranks), and ranks differ where their partitions overlap different
+// parameters (grads_in_partition holds them whole). Allocated bytes on the CPU are the live
+// storages rounded to 512 B blocks, as the replay counts them.
+TEST(ZeroRanks, EveryRankOfTheMeasurements) {
+  const std::filesystem::path dir = std::filesystem::path(TRAINMEM_DATA_DIR) / "ground_truth" / "parallel";
+  int files = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind("cpu-zero", 0) != 0) continue;
+    ++files;
+    std::ifstream in(entry.path());
+    const nlohmann::json j = nlohmann::json::parse(in);
+    const nlohmann::json& rj = j["recipe"];
+    RecipeSpelling sp;
+    sp.batch = rj["batch"];
+    sp.seq = rj["seq"];
+    sp.grad_accum = rj["grad_accum"];
+    sp.precision = rj["precision"];
+    sp.optimizer = rj["optimizer"];
+    sp.gpu = "cpu";
+    sp.allocator = "expandable";
+    sp.gpus = rj["gpus"];
+    sp.parallel = rj["parallel"];
+    const Recipe r = parse_recipe(sp);
+    std::string model = j["provenance"]["model_argument"];
+    model = std::string(TRAINMEM_DATA_DIR) + "/" + model.substr(std::string("data/").size());
+    const Model m = load_model(model);
+    for (const nlohmann::json& rank : j["diagnostics"]["parallel"]["ranks"]) {
+      const graph::Trace t = graph::build_training_trace(m, r, find_gpu("cpu"), {}, rank["rank"]);
+      std::vector<std::uint64_t> peaks(r.steps, 0);
+      std::uint64_t live = 0;
+      for (const graph::Event& e : t.events) {
+        const std::uint64_t block = (t.storages[e.tensor].bytes + 511) / 512 * 512;
+        live = e.alloc ? live + block : live - block;
+        const std::uint32_t step = t.moments[e.moment].step;
+        if (step >= 1 && step <= r.steps) peaks[step - 1] = std::max(peaks[step - 1], live);
+      }
+      std::vector<std::uint64_t> measured;
+      for (const nlohmann::json& st : rank["steps"]) measured.push_back(st["peak_allocated_bytes"]);
+      EXPECT_EQ(peaks, measured) << name << " rank " << rank["rank"];
+    }
+  }
+  EXPECT_GE(files, 5);
 }
 
 }  // namespace
