@@ -32,13 +32,14 @@ $(VENV)/.ready: pyproject.toml
 venv: deps $(VENV)/.ready
 
 # The measuring side needs torch; the CPU build is installed first so that nothing pulls a CUDA one
-# (peft, for LoRA recipes, and bitsandbytes, for 8-bit AdamW and 4-bit bases, depend on torch, so they
-# come after it).
+# (peft, for LoRA recipes, bitsandbytes, for 8-bit AdamW and 4-bit bases, and deepspeed, for ZeRO
+# measurements, depend on torch, so they come after it).
 $(VENV)/.measure: $(VENV)/.ready
 	$(PIP) install -q $(TORCH)
 	$(PIP) install -q "transformers>=4.46" safetensors numpy
 	$(PIP) install -q "peft>=0.14"
 	$(PIP) install -q "bitsandbytes>=0.45"
+	$(PIP) install -q "deepspeed>=0.16"
 	touch $@
 
 build: deps

@@ -86,8 +86,10 @@ std::uint64_t ceil_div(std::uint64_t a, std::uint64_t b) { return a / b + (a % b
 
 }  // namespace
 
-DataParallel::DataParallel(Tape& tape, const Recipe& recipe, bool cuda)
-    : t_(tape), kind_(recipe.parallel), world_(recipe.gpus), cuda_(cuda) {}
+DataParallel::DataParallel(Tape& tape, const Recipe& recipe, bool cuda, std::uint64_t rank)
+    : t_(tape), kind_(recipe.parallel), world_(recipe.gpus), cuda_(cuda), rank_(rank), grad_accum_(recipe.grad_accum) {
+  TRAINMEM_ASSERT(rank < world_, "rank outside the world");
+}
 
 void DataParallel::wrap(std::vector<WrappedParam>& params, const std::vector<std::vector<std::uint32_t>>& layers,
                         const std::vector<std::uint32_t>& root,
@@ -99,6 +101,11 @@ void DataParallel::wrap(std::vector<WrappedParam>& params, const std::vector<std
     const std::uint32_t slot = params[i].slot;
     if (param_of_slot_.size() <= slot) param_of_slot_.resize(slot + 1, kNone);
     param_of_slot_[slot] = i;
+  }
+  if (zero()) {
+    zero_wrap();
+    for (std::size_t i = 0; i < params.size(); ++i) params[i].storage = params_[i].storage;
+    return;
   }
   if (kind_ == Parallel::kDdp) {  // See Note [DDP buckets]
     t_.at(Phase::kSetup, kNoLayer, "ddp.reducer");
@@ -198,6 +205,7 @@ void DataParallel::layer_change(std::int32_t from, std::int32_t to) {
 }
 
 void DataParallel::param_ready(std::uint32_t slot) {
+  if (zero()) return zero_param_ready(slot);
   if (kind_ != Parallel::kDdp || backward_seen_) return;
   const std::uint32_t pi = slot < param_of_slot_.size() ? param_of_slot_[slot] : kNone;
   if (pi == kNone) return;
@@ -205,6 +213,7 @@ void DataParallel::param_ready(std::uint32_t slot) {
 }
 
 void DataParallel::backward_end() {
+  if (zero()) return zero_backward_end();
   if (kind_ == Parallel::kDdp) backward_seen_ = true;
   if (kind_ != Parallel::kFsdp) return;
   // The final callback: the root (and any unit whose post-backward did not run) reduces, then
@@ -219,6 +228,7 @@ void DataParallel::backward_end() {
 }
 
 void DataParallel::before_optimizer() {
+  if (zero()) return zero_before_optimizer();
   if (kind_ != Parallel::kFsdp) return;
   for (Unit& u : units_) {
     if (u.sharded_grad == kNone) continue;

@@ -27,7 +27,8 @@ struct WrappedParam {
 
 class DataParallel {
  public:
-  DataParallel(Tape& tape, const Recipe& recipe, bool cuda);
+  // `rank`: the rank whose memory is built (ZeRO's partition; the others use rank 0).
+  DataParallel(Tape& tape, const Recipe& recipe, bool cuda, std::uint64_t rank = 0);
 
   // After the model is built, before the optimizer exists. `layers[l]` are the indices (into
   // `params`) of decoder layer l's parameters, `root` the others (embeddings, final norm,
@@ -47,6 +48,18 @@ class DataParallel {
 
   // The elements of this rank's parameter that the optimizer sees (FSDP2: rank 0's shard).
   std::uint64_t local_numel(std::uint32_t slot, std::uint64_t numel) const;
+
+  // DeepSpeed ZeRO-1/2 (zero.cpp, Note [DeepSpeed ZeRO-1/2]). The torch optimizer holds one
+  // parameter, this rank's fp32 master partition of zero_partition_numel() elements; its
+  // gradient exists between zero_before_optimizer() (which also runs the gradient norm) and
+  // zero_after_optimizer().
+  bool zero() const { return is_zero(kind_); }
+  std::uint64_t zero_partition_numel() const { return partition_numel_; }
+  void zero_after_optimizer();
+
+  // The flat group's layout (exposed for tests): flat elements, padded to 2 x world
+  // (nccl_start_alignment_factor), and rank r's partition, flat / world elements.
+  static std::uint64_t zero_flat_numel(std::uint64_t numel, std::uint64_t world);
 
  private:
   struct Unit {
@@ -82,6 +95,37 @@ class DataParallel {
   std::vector<TensorId> unsharded_;         // per parameter
   TensorId pending_reduce_input_ = kNone;   // the last reduce-scatter's input, kept until the next
   TensorId gloo_temporary_ = kNone;         // CPU: gloo's reduce-scatter temporary still alive
+  // ZeRO-1/2 (zero.cpp)
+  void zero_wrap();
+  void zero_param_ready(std::uint32_t slot);
+  void zero_backward_end();
+  void zero_epilogue();
+  void zero_pad(const std::vector<std::uint64_t>& slices);
+  void zero_before_optimizer();
+  void zero_to_bucket(std::uint32_t pi);
+  void zero_reduce_ipg();
+  std::uint64_t zero_item_bytes() const;
+  std::uint64_t rank_ = 0;
+  std::uint64_t partition_numel_ = 0;
+  std::uint64_t partition_begin_ = 0;
+  std::vector<bool> is_in_partition_;
+  std::vector<std::uint64_t> flat_offset_;   // per parameter, in the flat group
+  std::vector<std::uint32_t> in_partition_;  // rank 0's params_in_partition, flat order
+  TensorId zero_flat_ = kNone;               // bit16_groups_flat (the parameters are views)
+  TensorId zero_bucket_ = kNone;             // the ipg bucket's buffer
+  std::uint64_t bucket_elements_ = 0;
+  std::vector<std::uint32_t> bucket_params_;  // in the order they entered the bucket
+  std::uint32_t extra_large_ = kNone;         // a parameter larger than the bucket, reduced alone
+  std::vector<TensorId> kept_grads_;          // .grads of other partitions, cleared at the epilogue
+  TensorId grads_in_partition_ = kNone;
+  static constexpr TensorId kNoPad = kNone - 1;  // zero_pad_: the partition needs none
+  TensorId zero_pad_ = kNone;  // the last rank's zeros for the padding, with averaged_gradients
+  TensorId accumulated_ = kNone;  // averaged_gradients / all_grad_tensors: views of a grads_in_partition
+  TensorId fp32_grad_ = kNone;    // single_grad_partition
+  TensorId grad_norm_ = kNone;    // _global_grad_norm, kept until the next step's
+  TensorId scaled_norm_ = kNone;  // step()'s scaled_global_grad_norm
+  std::uint64_t micro_ = 0;       // micro-batches since the last step
+  std::uint64_t grad_accum_ = 1;
 };
 
 }  // namespace trainmem::graph

@@ -123,7 +123,7 @@ const LoraLabels& lora_labels(std::string_view path) {
 
 class StepBuilder {
  public:
-  StepBuilder(const Model& m, const Recipe& r, const Gpu& gpu, const MicroBatchHook& hook)
+  StepBuilder(const Model& m, const Recipe& r, const Gpu& gpu, const MicroBatchHook& hook, std::uint64_t rank)
       : m_(m),
         a_(m.arch),
         r_(r),
@@ -131,7 +131,8 @@ class StepBuilder {
         hook_(hook),
         // A 4-bit base runs in fp32 outside its matmuls, whose dtype is the precision's (Note [QLoRA]).
         pol_(policy_for(r.quant.enabled() ? Precision::kFp32 : r.precision)),
-        quant_dtype_(policy_for(r.precision).param) {
+        quant_dtype_(policy_for(r.precision).param),
+        rank_(rank) {
     if (r.quant.enabled() && (a_.family == Family::kGpt2 || a_.qkv_bias || a_.o_bias || a_.mlp_bias)) {
       // Linear4bit.forward recasts a bias's .data to the compute dtype at the first forward.
       throw Error("load_in_4bit: " + std::string(family_name(a_.family)) +
@@ -167,7 +168,7 @@ class StepBuilder {
     create_parameters();
     create_adapters();
     wrap_data_parallel();
-    if (pol_.master) {
+    if (pol_.master && !is_zero(r_.parallel)) {  // ZeRO keeps an fp32 partition instead (parallel.h)
       t_.at(Phase::kSetup, kNoLayer, "optimizer.master_copy");
       for (Param& p : params_) {
         if (p.trainable) p.master = t_.alloc_bytes(p.numel * 4, Category::kWeights);
@@ -300,9 +301,10 @@ class StepBuilder {
       }
     } else {
       const std::uint64_t bytes = detail::mul(g.numel, dtype_bytes(pol_.param), "parameter bytes");
-      // FSDP2 holds shards only: the full parameter never has memory (See Note [FSDP2 units]).
-      p.storage = r_.parallel == Parallel::kFsdp ? t_.reserve(bytes, Category::kWeights)
-                                                 : t_.alloc_bytes(bytes, Category::kWeights);
+      // FSDP2 holds shards only: the full parameter never has memory (See Note [FSDP2 units]);
+      // ZeRO makes the parameters views of one flat buffer (See Note [DeepSpeed ZeRO-1/2]).
+      p.storage = r_.parallel == Parallel::kFsdp || is_zero(r_.parallel) ? t_.reserve(bytes, Category::kWeights)
+                                                                          : t_.alloc_bytes(bytes, Category::kWeights);
     }
     p.slot = t_.new_param(p.storage);
     p.matmul = g.matmul_weight;
@@ -1648,6 +1650,15 @@ class StepBuilder {
     // (loss / grad_accum).backward(); fp16-mixed goes through GradScaler.scale(), which makes
     // its scale and growth tracker on first use and multiplies the loss by the scale.
     T scaled = elementwise({&loss}, 1, DType::kF32, {});
+    if (is_zero(r_.parallel)) {
+      // See Note [DeepSpeed ZeRO-1/2]: engine.backward(loss) divides by the accumulation steps
+      // (gas_scaled_loss, which it returns) and multiplies by the loss scale (1.0 for bf16 and
+      // fp32: LossScaler.scale_loss), and the caller keeps `loss` until backward returns.
+      T by_scale = elementwise({&scaled}, 1, DType::kF32, {});
+      zero_losses_ = {loss, scaled};
+      pending_loss_ = by_scale;
+      return by_scale.value;
+    }
     t_.drop(loss);
     if (r_.precision == Precision::kFp16Mixed) {
       if (scaler_scale_ == kNone) {
@@ -1672,6 +1683,8 @@ class StepBuilder {
     t_.backward(loss);
     dp_.backward_end();
     t_.drop(pending_loss_);
+    for (T& l : zero_losses_) t_.drop(l);
+    zero_losses_.clear();
     if (input_leaf_.id != kNone) t_.drop(input_leaf_);
   }
 
@@ -1707,7 +1720,7 @@ class StepBuilder {
     if (r_.precision == Precision::kFp16Mixed && r_.optimizer == Optimizer::kAdamWFused) {
       found_inf_sum = t_.alloc_bytes(4, Category::kTemporaries);
     }
-    if (pol_.master) {
+    if (pol_.master && !dp_.zero()) {
       // fp32 gradients for the master copy, parameter by parameter; the half .grad goes.
       op("optimizer.master_grads");
       for (Param& p : params_) {
@@ -1723,6 +1736,13 @@ class StepBuilder {
     std::vector<const Param*> opt;
     for (const Param& p : params_) {
       if (p.trainable) opt.push_back(&p);
+    }
+    // ZeRO hands the torch optimizer one parameter: this rank's fp32 master partition.
+    Param zero_partition;
+    if (dp_.zero()) {
+      zero_partition.numel = dp_.zero_partition_numel();
+      zero_partition.dtype = DType::kF32;
+      opt = {&zero_partition};
     }
     auto sb_of = [&](const Param& p) { return dtype_bytes(pol_.master ? DType::kF32 : p.dtype); };
     // The elements this rank's optimizer holds of a parameter (FSDP2: its shard).
@@ -1859,6 +1879,7 @@ class StepBuilder {
       }
     }
     if (found_inf_sum != kNone) t_.release(found_inf_sum);
+    dp_.zero_after_optimizer();
     if (pol_.master) {
       op("optimizer.copy_to_half");  // in place: p.copy_(master)
     }
@@ -3011,17 +3032,19 @@ class StepBuilder {
   const MicroBatchHook& hook_;
   Policy pol_;
   DType quant_dtype_;  // a 4-bit base: the load and compute dtype of its matmuls (Note [QLoRA])
+  std::uint64_t rank_ = 0;  // the data-parallel rank built (graph/parallel.h)
   Attention attention_;
   bool cuda_ = true;
   std::uint64_t B_ = 0, S_ = 0, tok_ = 0;
   Tape t_;
-  DataParallel dp_{t_, r_, r_.gpu != "cpu"};  // DDP / FSDP2 (graph/parallel.h); nothing without
+  DataParallel dp_{t_, r_, r_.gpu != "cpu", rank_};  // DDP / FSDP2 (graph/parallel.h); nothing without
   std::vector<Param> params_;
   std::vector<std::pair<std::string, std::uint32_t>> globals_;
   std::vector<LayerParams> layers_;
   std::vector<std::uint32_t> casts_;
   std::vector<TensorId> states_;
   T input_ids_, labels_, mask_, cos_, sin_, position_ids_, pending_loss_;
+  std::vector<T> zero_losses_;  // ZeRO: the loss and gas_scaled_loss, held through backward
   T input_leaf_;  // LoRA with checkpointing: the embeddings' output, a leaf (Note [LoRA])
   std::vector<std::vector<Adapter>> adapters_;  // per decoder layer, in module order
   TensorId ws_fwd_ = kNone, ws_bwd_ = kNone;
@@ -3042,8 +3065,9 @@ class StepBuilder {
 
 }  // namespace
 
-Trace build_training_trace(const Model& model, const Recipe& recipe, const Gpu& gpu, const MicroBatchHook& hook) {
-  StepBuilder b(model, recipe, gpu, hook);
+Trace build_training_trace(const Model& model, const Recipe& recipe, const Gpu& gpu, const MicroBatchHook& hook,
+                           std::uint64_t rank) {
+  StepBuilder b(model, recipe, gpu, hook, rank);
   return b.build();
 }
 

@@ -15,7 +15,9 @@ namespace trainmem::graph {
 enum class MicroBatchNext : std::uint8_t { kGoOn, kSkipRest, kStop };
 using MicroBatchHook = std::function<MicroBatchNext(const Trace&, std::uint32_t step, std::uint32_t micro)>;
 
+// `rank`: the data-parallel rank whose memory is built (ZeRO's partitions differ by rank; the
+// estimate is rank 0's).
 Trace build_training_trace(const Model& model, const Recipe& recipe, const Gpu& gpu,
-                           const MicroBatchHook& hook = {});
+                           const MicroBatchHook& hook = {}, std::uint64_t rank = 0);
 
 }  // namespace trainmem::graph

@@ -33,8 +33,11 @@ constexpr Spellings<AllocatorMode, 2> kAllocator{{{AllocatorMode::kDefault, "def
                                                   {AllocatorMode::kExpandable, "expandable"}}};
 constexpr Spellings<QuantType, 2> kQuantTypes{{{QuantType::kFp4, "fp4"}, {QuantType::kNf4, "nf4"}}};
 constexpr Spellings<Mode, 2> kModes{{{Mode::kTraining, "training"}, {Mode::kInference, "inference"}}};
-constexpr Spellings<Parallel, 3> kParallel{{{Parallel::kNone, "none"}, {Parallel::kDdp, "ddp"},
-                                            {Parallel::kFsdp, "fsdp"}}};
+constexpr Spellings<Parallel, 5> kParallel{{{Parallel::kNone, "none"},
+                                            {Parallel::kDdp, "ddp"},
+                                            {Parallel::kFsdp, "fsdp"},
+                                            {Parallel::kZero1, "zero1"},
+                                            {Parallel::kZero2, "zero2"}}};
 
 template <typename E, std::size_t N>
 std::string_view name_of(const Spellings<E, N>& table, E e) {
@@ -94,7 +97,8 @@ void validate_parallel(const Recipe& r) {
   check_range("gpus", r.gpus, kMaxGpus);
   if (r.parallel == Parallel::kNone) {
     if (r.gpus != 1) {
-      throw Error("gpus: " + std::to_string(r.gpus) + " GPUs need a data-parallel wrapper: parallel ddp or fsdp");
+      throw Error("gpus: " + std::to_string(r.gpus) +
+                  " GPUs need a data-parallel wrapper: parallel ddp, fsdp, zero1 or zero2");
     }
     return;
   }
@@ -114,6 +118,23 @@ void validate_parallel(const Recipe& r) {
     if (r.loss == Loss::kFused) {
       throw Error("loss: fused under parallel fsdp is not modelled (it reads lm_head.weight outside the root "
                   "module's forward, where FSDP2 has not gathered it); use standard");
+    }
+  }
+  if (is_zero(r.parallel)) {
+    // DeepSpeed's engine owns the precision: its bf16 mode is a bf16 model with fp32 master
+    // partitions (bf16-master); without bf16 / fp16 everything is fp32. CPU offload has no knob.
+    if (r.precision != Precision::kFp32 && r.precision != Precision::kBf16Master) {
+      throw Error("precision: " + std::string(to_string(r.precision)) + " under parallel " + p +
+                  " is not modelled (DeepSpeed's bf16 mode is a bf16 model over fp32 master partitions); use "
+                  "fp32 or bf16-master");
+    }
+    if (r.optimizer != Optimizer::kAdamW && r.optimizer != Optimizer::kAdamWFused && r.optimizer != Optimizer::kSgd) {
+      throw Error("optimizer: " + std::string(to_string(r.optimizer)) + " under parallel " + p +
+                  " is not modelled; use adamw, adamw-fused or sgd (a torch optimizer handed to deepspeed.initialize)");
+    }
+    if (r.loss == Loss::kFused) {
+      throw Error("loss: fused under parallel " + p +
+                  " is not modelled (it reads lm_head.weight outside the model's forward); use standard");
     }
   }
 }
@@ -138,7 +159,14 @@ Loss parse_loss(std::string_view s) { return parse(kLoss, s, "loss"); }
 AllocatorMode parse_allocator(std::string_view s) { return parse(kAllocator, s, "allocator"); }
 Mode parse_mode(std::string_view s) { return parse(kModes, s, "mode"); }
 QuantType parse_quant_type(std::string_view s) { return parse(kQuantTypes, s, "bnb_4bit_quant_type"); }
-Parallel parse_parallel(std::string_view s) { return parse(kParallel, s, "parallel"); }
+Parallel parse_parallel(std::string_view s) {
+  // The measuring side runs ZeRO-3 (python/trainmem/measure/parallel.py); the engine does not yet.
+  if (s == "zero3") {
+    throw Error("parallel: zero3 is not modelled yet (DeepSpeed ZeRO-3's partitioned parameters, gathered per "
+                "module with prefetch); use zero1, zero2 or fsdp");
+  }
+  return parse(kParallel, s, "parallel");
+}
 
 Recipe parse_recipe(const RecipeSpelling& in) {
   Recipe r;

@@ -259,10 +259,17 @@ TEST(RecipeValidate, EstimateValidatesTheRecipe) {
 // ---- data parallelism (gpus, parallel) -----------------------------------------------------
 
 TEST(RecipeSpellings, ParallelRoundTrips) {
-  expect_round_trips(Table<Parallel>{{Parallel::kNone, "none"}, {Parallel::kDdp, "ddp"}, {Parallel::kFsdp, "fsdp"}},
+  expect_round_trips(Table<Parallel>{{Parallel::kNone, "none"},
+                                     {Parallel::kDdp, "ddp"},
+                                     {Parallel::kFsdp, "fsdp"},
+                                     {Parallel::kZero1, "zero1"},
+                                     {Parallel::kZero2, "zero2"}},
                      parse_parallel);
+  EXPECT_EQ(error_of([] { parse_parallel("zero4"); }),
+            "parallel: unknown value 'zero4'; expected one of none, ddp, fsdp, zero1, zero2");
   EXPECT_EQ(error_of([] { parse_parallel("zero3"); }),
-            "parallel: unknown value 'zero3'; expected one of none, ddp, fsdp");
+            "parallel: zero3 is not modelled yet (DeepSpeed ZeRO-3's partitioned parameters, gathered per module "
+            "with prefetch); use zero1, zero2 or fsdp");
 }
 
 TEST(RecipeValidate, ParallelDefaultsToOneGpu) {
@@ -277,7 +284,7 @@ TEST(RecipeValidate, ParallelDefaultsToOneGpu) {
 TEST(RecipeValidate, GpusNeedAWrapper) {
   Recipe r;
   r.gpus = 8;
-  EXPECT_EQ(error_of([&] { r.validate(); }), "gpus: 8 GPUs need a data-parallel wrapper: parallel ddp or fsdp");
+  EXPECT_EQ(error_of([&] { r.validate(); }), "gpus: 8 GPUs need a data-parallel wrapper: parallel ddp, fsdp, zero1 or zero2");
   r.parallel = Parallel::kDdp;
   EXPECT_NO_THROW(r.validate());
   r.gpus = 0;
@@ -312,6 +319,42 @@ TEST(RecipeValidate, ParallelRefusesWhatIsNotModelled) {
   fused.loss = Loss::kFused;
   EXPECT_NE(error_of([&] { fused.validate(); }).find("loss: fused under parallel fsdp is not modelled"),
             std::string::npos);
+}
+
+// The measuring side's rules for DeepSpeed (python/trainmem/measure/recipe.py _check_parallel).
+TEST(RecipeValidate, ZeroRefusesWhatIsNotModelled) {
+  for (Parallel stage : {Parallel::kZero1, Parallel::kZero2}) {
+    Recipe r;
+    r.gpus = 2;
+    r.parallel = stage;
+    r.precision = Precision::kBf16Master;
+    EXPECT_NO_THROW(r.validate());
+    const std::string p(to_string(stage));
+    r.precision = Precision::kFp32;
+    r.optimizer = Optimizer::kSgd;
+    EXPECT_NO_THROW(r.validate());
+    Recipe mixed = r;
+    mixed.precision = Precision::kBf16Mixed;
+    EXPECT_EQ(error_of([&] { mixed.validate(); }),
+              "precision: bf16-mixed under parallel " + p +
+                  " is not modelled (DeepSpeed's bf16 mode is a bf16 model over fp32 master partitions); use fp32 "
+                  "or bf16-master");
+    Recipe opt = r;
+    opt.optimizer = Optimizer::kAdamW8bit;
+    EXPECT_EQ(error_of([&] { opt.validate(); }),
+              "optimizer: adamw-8bit under parallel " + p +
+                  " is not modelled; use adamw, adamw-fused or sgd (a torch optimizer handed to deepspeed.initialize)");
+    Recipe fused = r;
+    fused.loss = Loss::kFused;
+    EXPECT_NE(error_of([&] { fused.validate(); }).find("loss: fused under parallel " + p + " is not modelled"),
+              std::string::npos);
+    Recipe lora = r;
+    lora.lora.rank = 8;
+    EXPECT_EQ(error_of([&] { lora.validate(); }), "parallel: " + p + " with LoRA is not modelled yet");
+    Recipe accum = r;
+    accum.grad_accum = 2;
+    EXPECT_NO_THROW(accum.validate());
+  }
 }
 
 }  // namespace

@@ -29,7 +29,8 @@ def measurements():
 def test_corpus_has_data_parallel_runs():
     recipes = [json.loads(p.read_text())["recipe"] for p in measurements()]
     seen = {r.get("parallel", "none") for r in recipes}
-    assert {"none", "ddp", "fsdp"} <= seen, f"corpus lacks {({'none', 'ddp', 'fsdp'} - seen)}"
+    wanted = {"none", "ddp", "fsdp", "zero1", "zero2"}
+    assert wanted <= seen, f"corpus lacks {wanted - seen}"
 
 
 def test_corpus_is_large_and_varied():

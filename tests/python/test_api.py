@@ -92,3 +92,16 @@ def test_data_parallel_keywords(trainmem_bin):
         trainmem.estimate("gpt2", gpus=True, parallel="ddp")
     plan = trainmem.fit("gpt2", gpu="rtx-4090", seq=256, gpus=2, global_batch=8, parallel="fsdp", top=2)
     assert plan.gpus == 2 and all(p["recipe"]["parallel"] == "fsdp" for p in plan.plans)
+
+
+def test_zero_through_python_matches_cli(trainmem_bin):
+    est = trainmem.estimate("gpt2", seq=64, precision="bf16-master", gpus=4, parallel="zero2")
+    cli = json.loads(subprocess.run([trainmem_bin, "estimate", "gpt2", "--seq", "64", "--precision", "bf16-master",
+                                     "--gpus", "4", "--parallel", "zero2", "--json"], capture_output=True, text=True,
+                                    check=True).stdout)
+    assert est.to_dict() == cli
+    assert cli["recipe"]["parallel"] == "zero2" and cli["recipe"]["gpus"] == 4
+    with pytest.raises(ValueError, match="parallel: zero3 is not modelled yet"):
+        trainmem.estimate("gpt2", gpus=2, parallel="zero3")
+    with pytest.raises(ValueError, match="precision: bf16-mixed under parallel zero1 is not modelled"):
+        trainmem.estimate("gpt2", gpus=2, parallel="zero1", precision="bf16-mixed")

@@ -69,6 +69,18 @@ def test_deterministic(run):
     assert a == b
 
 
+def test_zero_estimate_is_one_rank_and_keeps_its_recipe(run):
+    # ZeRO-2 shards gradients and optimizer states: more ranks, less per rank; the JSON recipe
+    # carries gpus and parallel as trainmem-measure writes them (so compare re-estimates it).
+    peaks = []
+    for gpus in ("2", "4"):
+        out = json.loads(run("estimate", "gpt2", "--seq", "64", "--precision", "bf16-master", "--gpus", gpus,
+                             "--parallel", "zero2", "--json").stdout)
+        assert out["recipe"]["parallel"] == "zero2" and out["recipe"]["gpus"] == int(gpus)
+        peaks.append(out["peak_allocated_bytes"])
+    assert peaks[1] < peaks[0]
+
+
 @pytest.mark.parametrize("args, message", [
     (["estimate", "qwen3-4", "--json"], "unknown model 'qwen3-4'; did you mean: qwen3-4b"),
     (["estimate", "qwen3-4b", "--batch", "0"], "batch: must be between 1 and"),
@@ -81,6 +93,11 @@ def test_deterministic(run):
     (["estimate", "qwen3-4b", "--seq", "16777216", "--batch", "16777216"], "overflows a 64-bit byte count"),
     (["estimate"], "model is required"),
     (["frobnicate"], "frobnicate"),
+    (["estimate", "gpt2", "--gpus", "2", "--parallel", "zero3"], "parallel: zero3 is not modelled yet"),
+    (["estimate", "gpt2", "--gpus", "2", "--parallel", "zero2", "--precision", "bf16-mixed"],
+     "precision: bf16-mixed under parallel zero2 is not modelled"),
+    (["estimate", "gpt2", "--gpus", "2", "--parallel", "zero1", "--precision", "fp32", "--optimizer", "adafactor"],
+     "optimizer: adafactor under parallel zero1 is not modelled"),
 ])
 def test_bad_arguments_exit_2_with_one_line(run, args, message):
     r = run(*args)

@@ -25,11 +25,14 @@ from trainmem.measure.models import resolve_model  # noqa: E402
 
 
 @pytest.mark.parametrize("knobs,message", [
-    ({"gpus": 2}, "gpus=2 needs a data-parallel wrapper: parallel ddp or fsdp"),
+    ({"gpus": 2}, "gpus=2 needs a data-parallel wrapper: parallel ddp, fsdp, zero1, zero2 or zero3"),
     ({"gpus": 0, "parallel": "ddp"}, "gpus must be an integer between 1 and 4096, got 0"),
     ({"gpus": True, "parallel": "ddp"}, "gpus must be an integer"),
     ({"gpus": 2.0, "parallel": "ddp"}, "gpus must be an integer"),
-    ({"gpus": 2, "parallel": "zero3"}, "parallel='zero3' is not one of none, ddp, fsdp"),
+    ({"gpus": 2, "parallel": "zero4"}, "parallel='zero4' is not one of none, ddp, fsdp, zero1, zero2, zero3"),
+    ({"gpus": 2, "parallel": "zero2", "precision": "bf16-mixed"}, "DeepSpeed's bf16 mode is bf16-master"),
+    ({"gpus": 2, "parallel": "zero3", "optimizer": "adafactor"}, "a torch optimizer handed to deepspeed.initialize"),
+    ({"gpus": 2, "parallel": "zero1", "precision": "fp32", "loss": "fused"}, "loss=fused is not measured"),
     ({"gpus": 2, "parallel": "ddp", "mode": "inference", "precision": "bf16-true"}, "is a training knob"),
     ({"gpus": 2, "parallel": "ddp", "lora_rank": 8}, "with LoRA is not measured"),
     ({"gpus": 2, "parallel": "fsdp", "precision": "bf16-master"}, "MixedPrecisionPolicy"),
@@ -71,6 +74,7 @@ def test_command_names_the_flags():
     (["gpt2", "--gpus", "2"], "gpus=2 needs a data-parallel wrapper"),
     (["gpt2", "--gpus", "x", "--parallel", "ddp"], "argument --gpus: invalid int value: 'x'"),
     (["gpt2", "--parallel", "zero"], "argument --parallel: invalid choice: 'zero'"),
+    (["gpt2", "--gpus", "2", "--parallel", "zero2", "--fake"], "cannot run on fake tensors"),
     (["gpt2", "--gpus", "2", "--parallel", "ddp", "--fake"], "cannot run on fake tensors"),
 ])
 def test_bad_parallel_flags_exit_2(capsys, argv, message):
@@ -143,4 +147,28 @@ def test_fsdp_world_size_2(tiny_gpt2):
     end = result["diagnostics"]["live_bytes_at_end"]
     # After the step only the sharded parameters are left: about half of the model per rank.
     assert 0.45 * _param_bytes(result) <= end["weights"] <= 0.6 * _param_bytes(result)
+    assert result["diagnostics"]["untracked_inputs"] == 0
+
+
+def test_zero2_world_size_2(tiny_gpt2):
+    """DeepSpeed ZeRO-2 (bf16 model, fp32 master partitions): what one rank holds. Its defaults
+    allocate a reduce bucket of reduce_bucket_size (5e8) elements in bf16 at each step's first
+    gradient, however small the model is; the ranks' fp32 master partitions and Adam states are
+    halves of the padded flat parameter group."""
+    pytest.importorskip("deepspeed")
+    result = measure(str(tiny_gpt2), Recipe(batch=2, seq=8, precision="bf16-master", optimizer="adamw", gpus=2,
+                                            parallel="zero2"))
+    info = result["diagnostics"]["parallel"]
+    assert info["world_size"] == 2 and len(info["ranks"]) == 2
+    assert result["recipe"]["parallel"] == "zero2" and "--gpus 2 --parallel zero2" in result["command"]
+    n = result["parameters"]
+    storages = result["diagnostics"]["allocated_bytes_by_category"]
+    bucket_bytes = 500_000_000 * 2
+    assert result["breakdown_at_peak"]["gradients"] >= bucket_bytes
+    end = result["diagnostics"]["live_bytes_at_end"]
+    # bf16 flat group (2 B per parameter) + this rank's fp32 master partition (4 B per half).
+    assert 2 * n + 2 * n <= end["weights"] <= 2 * n + 2 * n + 64 * 1024
+    # exp_avg and exp_avg_sq of the fp32 partition (and the step count).
+    assert 4 * n <= end["optimizer_states"] <= 4 * n + 64 * 1024
+    assert storages["gradients"] >= 2 * bucket_bytes  # one bucket per step
     assert result["diagnostics"]["untracked_inputs"] == 0

@@ -55,8 +55,9 @@ def _parser() -> _Parser:
     p.add_argument("--gpus", type=int, default=defaults.gpus, metavar="N",
                    help="world size: N processes on the CPU (gloo), rank 0 reported (default %(default)s)")
     p.add_argument("--parallel", choices=PARALLELS, default=defaults.parallel,
-                   help="data parallelism across --gpus: ddp (DistributedDataParallel) or fsdp (FSDP2 fully_shard "
-                        "per decoder layer and the root) (default %(default)s)")
+                   help="data parallelism across --gpus: ddp (DistributedDataParallel), fsdp (FSDP2 fully_shard "
+                        "per decoder layer and the root), or DeepSpeed ZeRO stage 1, 2 or 3 at its default settings "
+                        "(zero1, zero2, zero3; needs the deepspeed package) (default %(default)s)")
     p.add_argument("--lora", type=int, default=defaults.lora_rank, metavar="RANK",
                    help="LoRA rank (peft); 0 trains every parameter (default %(default)s)")
     p.add_argument("--lora-targets", default=defaults.lora_targets, metavar="NAMES",

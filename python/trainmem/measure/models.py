@@ -379,8 +379,9 @@ def lora_targets_of(model) -> list[str] | None:
 
 
 def underlying_model(model):
-    """The Hugging Face model inside a PeftModel or DistributedDataParallel (the model itself otherwise)."""
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+    """The Hugging Face model inside a PeftModel, DistributedDataParallel or a DeepSpeed engine (the
+    model itself otherwise)."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) or type(model).__name__ == "DeepSpeedEngine":
         model = model.module
     get = getattr(model, "get_base_model", None)
     return get() if callable(get) else model

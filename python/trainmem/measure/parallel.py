@@ -116,6 +116,11 @@ def _rank_main(rank: int, world: int, port: int, model, recipe: Recipe, device: 
     import torch.distributed as dist
 
     os.environ[_WORKER_ENV] = str(rank)
+    # DeepSpeed prints to stdout (its op builder, its banner): keep the parent's stdout for the JSON.
+    os.dup2(2, 1)
+    # What a launcher (torchrun, deepspeed) sets; DeepSpeed's engine reads LOCAL_RANK.
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
         from .run import measure, quiet_libraries
@@ -207,6 +212,8 @@ def wrap_model(model: torch.nn.Module, recipe: Recipe, device: str) -> torch.nn.
             fully_shard(layer, mesh=mesh, reshard_after_forward=True)
         fully_shard(model, mesh=mesh)
         runner = model
+    elif recipe.is_zero:
+        runner = _deepspeed_engine(model, recipe)
     else:
         raise RecipeError(f"parallel={recipe.parallel!r}")
     if rank > 0:  # every rank draws its own batch; rank 0 draws the single-process one
@@ -223,6 +230,128 @@ def attach(tracker, runner: torch.nn.Module, recipe: Recipe) -> None:
         _attach_ddp(tracker, runner)
     elif recipe.parallel == "fsdp":
         _attach_fsdp(tracker)
+    elif recipe.is_zero:
+        _attach_zero(tracker, runner)
+
+
+# ------------------------------------------------------------------------------------- DeepSpeed
+
+
+def deepspeed_config(recipe: Recipe) -> dict:
+    """The DeepSpeed config of a zero* recipe: the stage, the batch, and bf16 for bf16-master;
+    every other setting (buckets, overlap_comm, contiguous_gradients, stage-3 prefetch and
+    persistence) at DeepSpeed's own defaults (deepspeed/runtime/zero/config.py)."""
+    from .recipe import ZERO_STAGES
+
+    config = {"train_micro_batch_size_per_gpu": recipe.batch, "gradient_accumulation_steps": recipe.grad_accum,
+              "train_batch_size": recipe.batch * recipe.grad_accum * recipe.gpus,
+              "zero_optimization": {"stage": ZERO_STAGES[recipe.parallel]}, "steps_per_print": 1 << 30}
+    if recipe.precision == "bf16-master":
+        config["bf16"] = {"enabled": True}
+    if recipe.optimizer == "sgd":  # DeepSpeed asks for this with any client optimizer but Adam(W)
+        config["zero_allow_untested_optimizer"] = True
+    return config
+
+
+def _deepspeed_engine(model: torch.nn.Module, recipe: Recipe):
+    """deepspeed.initialize with the recipe's torch optimizer (built here, before the engine, as a
+    client optimizer: DeepSpeed's ZeRO optimizer re-points its param groups at the fp32 master
+    partitions). Tensors made while it runs are remembered, as for DDP's construction."""
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise RecipeError(f"parallel={recipe.parallel} needs the deepspeed package: {e}") from None
+    from .training import make_optimizer
+
+    optimizer = make_optimizer(recipe.optimizer, [p for p in model.parameters() if p.requires_grad])
+    capture = _Capture()
+    with capture:
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(recipe),
+                                               dist_init_required=False)
+    engine._trainmem_made = capture.made
+    return engine
+
+
+# What a ZeRO optimizer holds after deepspeed.initialize, by attribute, and the category of each:
+# the flat 16-bit (or fp32) parameter groups and the fp32 master partitions are weights
+# (docs/parallelism.md); stage 3's flat gradient partitions are gradients.
+_ZERO_ATTRIBUTES = {
+    "bit16_groups_flat": "weights",
+    "single_partition_of_fp32_groups": "weights",
+    "fp16_partitioned_groups_flat": "weights",
+    "fp32_partitioned_groups_flat": "weights",
+    "lp_param_buffer": "weights",
+    "grad_partitions_flat_buffer": "gradients",
+}
+# The ZeRO optimizer's methods that run inside and right after the backward to bucket, reduce
+# and partition gradients: everything they allocate holds gradient values.
+# (The hooks DeepSpeed registers call these by attribute, so patching the instance reaches them.)
+_ZERO_GRADIENT_METHODS = ("setup_buckets", "process_gradients", "reduce_ready_partitions_and_remove_grads",
+                          "update_hook_state_and_maybe_run_epilogue", "reduce_gradients", "backward_epilogue",
+                          "overlapping_partition_gradients_reduce_epilogue", "independent_gradient_partition_epilogue")
+
+
+def _attach_zero(tracker, engine) -> None:
+    zero = engine.optimizer
+    known: dict[int, tuple[str, str]] = {}
+    for attr, kind in _ZERO_ATTRIBUTES.items():
+        for i, t in enumerate(_iter_tensors(getattr(zero, attr, None))):
+            known.setdefault(t.untyped_storage()._cdata, (kind, f"deepspeed {attr} {i}"))
+    params = {p.untyped_storage()._cdata for p in engine.module.parameters()}
+    seen = set()
+    for ref in getattr(engine, "_trainmem_made", []):
+        t = ref()
+        if t is None or t.device.type != torch.device(tracker.device).type:
+            continue
+        cdata = t.untyped_storage()._cdata
+        if cdata in seen or t.untyped_storage().nbytes() == 0:
+            continue
+        seen.add(cdata)
+        if cdata in params:
+            continue  # the parameters (views of the flat groups): weights, from attach_model
+        kind, name = known.get(cdata, ("other", f"deepspeed init {len(seen)}"))
+        tracker.add_existing(t, kind, name)
+    del engine._trainmem_made
+
+    def forced(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            # The hooks take the parameter whose full .grad they bucket and then drop: a gradient.
+            if args and isinstance(args[0], torch.Tensor):
+                tracker.mark(args[0].grad, "gradients")
+            with tracker.forced("gradients"):
+                return fn(*args, **kwargs)
+        return wrapper
+
+    for name in _ZERO_GRADIENT_METHODS:
+        fn = getattr(zero, name, None)
+        if fn is not None:
+            setattr(zero, name, forced(fn))
+            tracker._restore.append(functools.partial(delattr, zero, name))
+
+    # The basic (torch) optimizer steps the fp32 partitions: their .grad (the fp32 gradient
+    # partition DeepSpeed made for the step) is gradients, its state optimizer_states.
+    basic = zero.optimizer
+    original_step = basic.step
+
+    @functools.wraps(original_step)
+    def step(*args, **kwargs):
+        for group in basic.param_groups:
+            tracker.mark_gradients(group["params"])
+        out = original_step(*args, **kwargs)
+        tracker.mark_optimizer_state(basic)
+        return out
+
+    basic.step = step
+    tracker._restore.append(functools.partial(delattr, basic, "step"))
+
+
+def _iter_tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _iter_tensors(item)
 
 
 class _ReducerProxy:

@@ -11,8 +11,10 @@ ATTENTIONS = ("eager", "sdpa", "flash")
 LOSSES = ("standard", "fused")
 ALLOCATORS = ("default", "expandable")
 # Data parallelism (docs/parallelism.md): "none" is one process; "ddp" DistributedDataParallel,
-# "fsdp" FSDP2 fully_shard per decoder layer and the root, over `gpus` processes (world size).
-PARALLELS = ("none", "ddp", "fsdp")
+# "fsdp" FSDP2 fully_shard per decoder layer and the root, "zero1" / "zero2" / "zero3" DeepSpeed's
+# ZeRO stages, over `gpus` processes (world size).
+PARALLELS = ("none", "ddp", "fsdp", "zero1", "zero2", "zero3")
+ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
 MAX_GPUS = 4096
 MODES = ("training", "inference")
 # Inference loads the weights in one dtype and runs in it: no autocast, no master copy.
@@ -125,7 +127,7 @@ class Recipe:
             raise RecipeError(f"parallel={self.parallel!r} is not one of {', '.join(PARALLELS)}")
         if self.parallel == "none":
             if gpus != 1:
-                raise RecipeError(f"gpus={gpus} needs a data-parallel wrapper: parallel ddp or fsdp")
+                raise RecipeError(f"gpus={gpus} needs a data-parallel wrapper: parallel ddp, fsdp, zero1, zero2 or zero3")
             return
         if self.is_inference:
             raise RecipeError(f"parallel={self.parallel!r} is a training knob: inference runs on one process")
@@ -144,10 +146,29 @@ class Recipe:
                 raise RecipeError("parallel=fsdp with loss=fused is not measured: the fused loss calls the base model "
                                   "and reads lm_head.weight outside the root module's forward, where FSDP2 has not "
                                   "all-gathered the root's parameters")
+        if self.is_zero:
+            # DeepSpeed's engine owns the precision: {"bf16": {"enabled": true}} casts the model to
+            # bf16 and keeps fp32 master partitions in the ZeRO optimizer (our bf16-master); with
+            # neither bf16 nor fp16 enabled everything is fp32. Its fp16 mode (loss scaling over
+            # fp32 masters) and torch autocast have no knob here.
+            if self.precision not in ("fp32", "bf16-master"):
+                raise RecipeError(f"parallel={self.parallel} with precision={self.precision!r} is not measured: "
+                                  "DeepSpeed's bf16 mode is bf16-master (bf16 model, fp32 master partitions); "
+                                  "use fp32 or bf16-master")
+            if self.optimizer not in ("adamw", "adamw-fused", "sgd"):
+                raise RecipeError(f"parallel={self.parallel} with optimizer={self.optimizer!r} is not measured; "
+                                  "use adamw, adamw-fused or sgd (a torch optimizer handed to deepspeed.initialize)")
+            if self.loss == "fused":
+                raise RecipeError(f"parallel={self.parallel} with loss=fused is not measured: the fused loss reads "
+                                  "lm_head.weight outside the model's forward")
 
     @property
     def is_parallel(self) -> bool:
         return self.parallel != "none"
+
+    @property
+    def is_zero(self) -> bool:
+        return self.parallel in ZERO_STAGES
 
     @property
     def is_inference(self) -> bool:

@@ -146,7 +146,8 @@ def measure(model: str | ModelSpec, recipe: Recipe, *, device: str = "cpu", fake
     if recipe.is_parallel:
         _parallel.attach(tracker, runner, recipe)
     forward_and_loss = None if recipe.is_inference else hf_loss_fn(runner, recipe, tracker)
-    vocab = model_obj.get_input_embeddings().weight.shape[0]
+    embedding = model_obj.get_input_embeddings().weight
+    vocab = getattr(embedding, "ds_shape", embedding.shape)[0]  # ZeRO-3 leaves an empty placeholder
 
     def make_prompt():
         input_ids = torch.randint(vocab, (recipe.batch, recipe.seq), device=device)
@@ -192,7 +193,8 @@ def measure(model: str | ModelSpec, recipe: Recipe, *, device: str = "cpu", fake
         else:
             generation_info = None
             run_steps(runner, recipe, tracker, device=device, make_batch=make_batch,
-                      forward_and_loss=forward_and_loss, steps=steps, fake_mode=fake_mode, **step_hooks)
+                      forward_and_loss=forward_and_loss, steps=steps, fake_mode=fake_mode,
+                      engine=runner if recipe.is_zero else None, **step_hooks)
     tracker.close()
     finished = time.perf_counter()
     if is_cuda:

@@ -209,11 +209,16 @@ def _build_optimizer(recipe: Recipe, params, tracker: MemoryTracker, fake_mode):
 
 def run_steps(model: torch.nn.Module, recipe: Recipe, tracker: MemoryTracker, *, device: str,
               make_batch, forward_and_loss, steps: int = 2, on_step_start=None, on_step_end=None,
-              fake_mode=None) -> None:
+              fake_mode=None, engine=None) -> None:
     """Run `steps` optimizer steps of the reference loop under an active tracker.
 
     make_batch() makes the inputs (category other); forward_and_loss(batch) returns the loss.
+    `engine` is a DeepSpeed engine (parallel zero*, parallel.py): it owns the optimizer, the
+    master partitions and the loss scaling, so the loop calls its backward() and step() instead.
     """
+    if engine is not None:
+        return _run_engine_steps(engine, recipe, tracker, make_batch=make_batch, forward_and_loss=forward_and_loss,
+                                 steps=steps, on_step_start=on_step_start, on_step_end=on_step_end)
     device_type = torch.device(device).type
     params = _unique_params(model)
     tracker.set_phase("setup", 0, 0)
@@ -276,6 +281,36 @@ def run_steps(model: torch.nn.Module, recipe: Recipe, tracker: MemoryTracker, *,
         tracker.mark_optimizer_state(optimizer)
         tracker.mark_gradients(masters or params)
         optimizer.zero_grad(set_to_none=True)
+        tracker.collect_garbage()
+        if on_step_end is not None:
+            on_step_end(step)
+
+
+def _run_engine_steps(engine, recipe: Recipe, tracker: MemoryTracker, *, make_batch, forward_and_loss, steps: int,
+                      on_step_start, on_step_end) -> None:
+    """The reference loop through a DeepSpeed engine: engine.backward(loss) divides the loss by
+    grad_accum and runs the ZeRO reduction hooks; engine.step() is called after every micro-batch
+    (DeepSpeed's contract) and only updates at the last one, where it also zeroes the gradients.
+    Phases as in run_steps; a non-final engine.step() belongs to the backward phase."""
+    params = [p for p in engine.module.parameters() if p.requires_grad]
+    tracker.set_phase("setup", 0, 0)
+    with tracker.forced("other"):
+        batch = make_batch()
+    for step in range(1, steps + 1):
+        if on_step_start is not None:
+            on_step_start(step)
+        for micro in range(1, recipe.grad_accum + 1):
+            tracker.set_phase("forward", step, micro)
+            loss = forward_and_loss(batch)
+            tracker.set_phase("backward")
+            engine.backward(loss)
+            del loss
+            tracker.collect_garbage()
+            tracker.mark_gradients(params)
+            if micro < recipe.grad_accum:
+                engine.step()
+        tracker.set_phase("optimizer")
+        engine.step()
         tracker.collect_garbage()
         if on_step_end is not None:
             on_step_end(step)
