@@ -65,7 +65,12 @@ def is_parallel(config: dict) -> bool:
 
 
 def result_path(config: dict) -> Path:
-    """data/ground_truth/<id>.json, or data/ground_truth/parallel/<id>.json for a data-parallel run."""
+    """data/ground_truth/<id>.json, data/ground_truth/parallel/<id>.json for a data-parallel run, or
+    the folder the configuration names (`"folder": "zero-pending"`: measured, not yet gated)."""
+    if config.get("folder"):
+        folder = CORPUS / config["folder"]
+        folder.mkdir(exist_ok=True)
+        return folder / f"{config['id']}.json"
     if is_parallel(config):
         PARALLEL_CORPUS.mkdir(exist_ok=True)
         return PARALLEL_CORPUS / f"{config['id']}.json"
@@ -237,7 +242,7 @@ def write_parallel_index(matrix: dict) -> None:
     entries = []
     for config in matrix["configurations"]:
         path = PARALLEL_CORPUS / f"{config['id']}.json"
-        if not is_parallel(config) or not path.exists():
+        if not is_parallel(config) or config.get("folder") or not path.exists():
             continue
         r = json.loads(path.read_text())
         info = r["diagnostics"].get("parallel", {})
