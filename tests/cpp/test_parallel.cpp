@@ -12,64 +12,42 @@
 #include <vector>
 
 #include "graph/step.h"
+#include "test_util.h"
 #include "trainmem/trainmem.h"
 
 namespace trainmem {
 namespace {
 
+using testing::allocs_at;
+using testing::dp_recipe;
+using testing::gpt2_l2;
+
 constexpr std::size_t kWeights = static_cast<std::size_t>(Category::kWeights);
 constexpr std::size_t kGrads = static_cast<std::size_t>(Category::kGradients);
 constexpr std::size_t kStates = static_cast<std::size_t>(Category::kOptimizerStates);
-
-Model gpt2_l2() { return load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/gpt2-l2.json"); }
-
-Recipe cpu_recipe(Parallel parallel, std::uint64_t gpus) {
-  Recipe r;
-  r.batch = 2;
-  r.seq = 32;
-  r.precision = Precision::kFp32;
-  r.gpu = "cpu";
-  r.allocator = AllocatorMode::kExpandable;
-  r.parallel = parallel;
-  r.gpus = gpus;
-  r.validate();
-  return r;
-}
-
-// Bytes of the storages allocated under the op `op`, in order (the first allocation of each).
-std::vector<std::uint64_t> allocs_at(const graph::Trace& t, std::string_view op) {
-  std::vector<std::uint64_t> out;
-  std::vector<bool> seen(t.storages.size(), false);
-  for (const graph::Event& e : t.events) {
-    if (!e.alloc || seen[e.tensor] || t.moments[e.moment].op != op) continue;
-    seen[e.tensor] = true;
-    out.push_back(t.storages[e.tensor].bytes);
-  }
-  return out;
-}
 
 constexpr std::uint64_t kGpt2L2Params = 53'561'088;
 
 TEST(Ddp, OneBucketOfEveryParameterAtConstruction) {
   const Model m = gpt2_l2();
   ASSERT_EQ(m.parameter_count, kGpt2L2Params);
-  const graph::Trace t = graph::build_training_trace(m, cpu_recipe(Parallel::kDdp, 2), find_gpu("cpu"));
+  const graph::Trace t = graph::build_training_trace(m, dp_recipe(Parallel::kDdp, 2, Precision::kFp32), find_gpu("cpu"));
   EXPECT_EQ(allocs_at(t, "ddp.reducer"), (std::vector<std::uint64_t>{kGpt2L2Params * 4}));
 }
 
 TEST(Ddp, RebuiltBucketsFollowTheGradientOrder) {
   // Measured (docs/parallelism.md): 2,361,600 + 7,087,872 + 44,111,616 elements, the first
   // closing past 1 MiB (ln_f and layer 1's mlp.c_proj), the second past 25 MiB.
-  const graph::Trace t = graph::build_training_trace(gpt2_l2(), cpu_recipe(Parallel::kDdp, 2), find_gpu("cpu"));
+  const graph::Trace t = graph::build_training_trace(gpt2_l2(), dp_recipe(Parallel::kDdp, 2, Precision::kFp32), find_gpu("cpu"));
   EXPECT_EQ(allocs_at(t, "ddp.rebuild_buckets"),
             (std::vector<std::uint64_t>{2'361'600 * 4, 7'087'872 * 4, 44'111'616 * 4}));
 }
 
 TEST(Ddp, AddsTheBucketsToTheGradientsWhateverTheWorldSize) {
   const Model m = gpt2_l2();
-  const Estimate one = estimate(m, cpu_recipe(Parallel::kNone, 1));
+  const Estimate one = estimate(m, dp_recipe(Parallel::kNone, 1, Precision::kFp32));
   for (std::uint64_t gpus : {1u, 2u, 8u}) {
-    const Estimate ddp = estimate(m, cpu_recipe(Parallel::kDdp, gpus));
+    const Estimate ddp = estimate(m, dp_recipe(Parallel::kDdp, gpus, Precision::kFp32));
     EXPECT_EQ(ddp.peak_allocated_bytes, one.peak_allocated_bytes + kGpt2L2Params * 4) << gpus;
     for (std::size_t c = 0; c < kCategoryCount; ++c) {
       const std::uint64_t extra = c == kGrads ? kGpt2L2Params * 4 : 0;
@@ -84,7 +62,7 @@ constexpr std::uint64_t kRootShardElements = 25'129 * 768 + 512 * 768 + 384 + 38
 
 TEST(Fsdp, ShardsArePaddedAndTheFullParametersNeverExist) {
   const Model m = gpt2_l2();
-  const graph::Trace t = graph::build_training_trace(m, cpu_recipe(Parallel::kFsdp, 2), find_gpu("cpu"));
+  const graph::Trace t = graph::build_training_trace(m, dp_recipe(Parallel::kFsdp, 2, Precision::kFp32), find_gpu("cpu"));
   std::uint64_t sharded = 0;
   for (std::uint64_t b : allocs_at(t, "fsdp.fully_shard")) sharded += b;
   // Both layers' parameters split evenly (every dim 0 is even); the root's wte padded by one row.
@@ -94,7 +72,7 @@ TEST(Fsdp, ShardsArePaddedAndTheFullParametersNeverExist) {
 }
 
 TEST(Fsdp, TheRootGathersOnceAndEachLayerTwicePerStep) {
-  const graph::Trace t = graph::build_training_trace(gpt2_l2(), cpu_recipe(Parallel::kFsdp, 2), find_gpu("cpu"));
+  const graph::Trace t = graph::build_training_trace(gpt2_l2(), dp_recipe(Parallel::kFsdp, 2, Precision::kFp32), find_gpu("cpu"));
   const std::vector<std::uint64_t> flats = allocs_at(t, "fsdp.all_gather");
   const std::uint64_t layer_flat = 7'087'872 * 4;  // world x padded shard of one GPT-2 layer
   // Per step: the root, layers 0 and 1 in the forward, layers 1 and 0 in the backward.
@@ -106,9 +84,9 @@ TEST(Fsdp, TheRootGathersOnceAndEachLayerTwicePerStep) {
 
 TEST(Fsdp, StatesShrinkWithTheWorldAndRankZeroHoldsTheCeiling) {
   const Model m = gpt2_l2();
-  const Estimate one = estimate(m, cpu_recipe(Parallel::kNone, 1));
-  const Estimate two = estimate(m, cpu_recipe(Parallel::kFsdp, 2));
-  const Estimate four = estimate(m, cpu_recipe(Parallel::kFsdp, 4));
+  const Estimate one = estimate(m, dp_recipe(Parallel::kNone, 1, Precision::kFp32));
+  const Estimate two = estimate(m, dp_recipe(Parallel::kFsdp, 2, Precision::kFp32));
+  const Estimate four = estimate(m, dp_recipe(Parallel::kFsdp, 4, Precision::kFp32));
   // Measured: half the single-process states plus 10,240 B (rank 0's extra wte row, each shard
   // rounded to 512 B on its own).
   EXPECT_EQ(two.breakdown_at_peak[kStates], one.breakdown_at_peak[kStates] / 2 + 10'240);

@@ -3,10 +3,14 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <string>
+#include <string_view>
 #include <typeinfo>
 #include <utility>
+#include <vector>
 
+#include "graph/step.h"
 #include "trainmem/trainmem.h"
 
 namespace trainmem::testing {
@@ -24,6 +28,36 @@ std::string error_of(Fn&& fn) {
   }
   ADD_FAILURE() << "expected an exception";
   return "";
+}
+
+// The 2-layer GPT-2 cut of the data-parallel measurements (data/ground_truth/configs/).
+inline Model gpt2_l2() { return load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/gpt2-l2.json"); }
+
+// The data-parallel measurements' recipe shape: batch 2 x 32 tokens on the CPU, expandable
+// segments, under `parallel` over `gpus` ranks.
+inline Recipe dp_recipe(Parallel parallel, std::uint64_t gpus, Precision precision) {
+  Recipe r;
+  r.batch = 2;
+  r.seq = 32;
+  r.precision = precision;
+  r.gpu = "cpu";
+  r.allocator = AllocatorMode::kExpandable;
+  r.parallel = parallel;
+  r.gpus = gpus;
+  r.validate();
+  return r;
+}
+
+// Bytes of the storages first allocated under the op `op`, in order.
+inline std::vector<std::uint64_t> allocs_at(const graph::Trace& t, std::string_view op) {
+  std::vector<std::uint64_t> out;
+  std::vector<bool> seen(t.storages.size(), false);
+  for (const graph::Event& e : t.events) {
+    if (!e.alloc || seen[e.tensor] || t.moments[e.moment].op != op) continue;
+    seen[e.tensor] = true;
+    out.push_back(t.storages[e.tensor].bytes);
+  }
+  return out;
 }
 
 }  // namespace trainmem::testing

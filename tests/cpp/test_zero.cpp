@@ -18,12 +18,16 @@
 
 #include "graph/parallel.h"
 #include "graph/step.h"
+#include "test_util.h"
 #include "trainmem/trainmem.h"
 
 namespace trainmem {
 namespace {
 
 using graph::DataParallel;
+using testing::allocs_at;
+using testing::dp_recipe;
+using testing::gpt2_l2;
 
 constexpr std::size_t kWeights = static_cast<std::size_t>(Category::kWeights);
 constexpr std::size_t kGrads = static_cast<std::size_t>(Category::kGradients);
@@ -32,33 +36,6 @@ constexpr std::size_t kStates = static_cast<std::size_t>(Category::kOptimizerSta
 constexpr std::uint64_t kGpt2L2Params = 53'561'088;
 constexpr std::uint64_t kGpt2Wte = 50'257 * 768;  // the first parameter of the flat group
 constexpr std::uint64_t kBucketElements = 500'000'000;
-
-Model gpt2_l2() { return load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/gpt2-l2.json"); }
-
-Recipe zero_recipe(Parallel stage, std::uint64_t gpus, Precision precision = Precision::kBf16Master) {
-  Recipe r;
-  r.batch = 2;
-  r.seq = 32;
-  r.precision = precision;
-  r.gpu = "cpu";
-  r.allocator = AllocatorMode::kExpandable;
-  r.parallel = stage;
-  r.gpus = gpus;
-  r.validate();
-  return r;
-}
-
-// Bytes of the storages first allocated under the op `op`, in order.
-std::vector<std::uint64_t> allocs_at(const graph::Trace& t, std::string_view op) {
-  std::vector<std::uint64_t> out;
-  std::vector<bool> seen(t.storages.size(), false);
-  for (const graph::Event& e : t.events) {
-    if (!e.alloc || seen[e.tensor] || t.moments[e.moment].op != op) continue;
-    seen[e.tensor] = true;
-    out.push_back(t.storages[e.tensor].bytes);
-  }
-  return out;
-}
 
 // Live bytes per category right after the last event of step `step`'s op `op` (the whole trace
 // when `op` is empty); with `largest`, the most bytes of `category` live during that op.
@@ -97,7 +74,7 @@ TEST(ZeroFlatGroup, SetupHoldsTheFlatGroupAndThisRanksFp32Partition) {
   const Model m = gpt2_l2();
   ASSERT_EQ(m.parameter_count, kGpt2L2Params);
   for (std::uint64_t world : {1u, 2u, 5u}) {
-    const graph::Trace t = graph::build_training_trace(m, zero_recipe(Parallel::kZero2, world), find_gpu("cpu"));
+    const graph::Trace t = graph::build_training_trace(m, dp_recipe(Parallel::kZero2, world, Precision::kBf16Master), find_gpu("cpu"));
     const std::uint64_t flat = DataParallel::zero_flat_numel(kGpt2L2Params, world);
     EXPECT_EQ(allocs_at(t, "zero.flatten_params"), (std::vector<std::uint64_t>{flat * 2})) << world;
     EXPECT_EQ(allocs_at(t, "zero.fp32_partition"), (std::vector<std::uint64_t>{flat / world * 4})) << world;
@@ -108,10 +85,10 @@ TEST(ZeroFlatGroup, SetupHoldsTheFlatGroupAndThisRanksFp32Partition) {
 TEST(ZeroBuckets, OneIpgBucketPerBackwardInTheModelDtype) {
   const Model m = gpt2_l2();
   for (Parallel stage : {Parallel::kZero1, Parallel::kZero2}) {
-    const graph::Trace bf16 = graph::build_training_trace(m, zero_recipe(stage, 2), find_gpu("cpu"));
+    const graph::Trace bf16 = graph::build_training_trace(m, dp_recipe(stage, 2, Precision::kBf16Master), find_gpu("cpu"));
     EXPECT_EQ(allocs_at(bf16, "zero.setup_buckets"),
               (std::vector<std::uint64_t>{kBucketElements * 2, kBucketElements * 2}));
-    const graph::Trace fp32 = graph::build_training_trace(m, zero_recipe(stage, 2, Precision::kFp32), find_gpu("cpu"));
+    const graph::Trace fp32 = graph::build_training_trace(m, dp_recipe(stage, 2, Precision::kFp32), find_gpu("cpu"));
     EXPECT_EQ(allocs_at(fp32, "zero.setup_buckets"),
               (std::vector<std::uint64_t>{kBucketElements * 4, kBucketElements * 4}));
     // Freed by the epilogue: nothing of the backward's gradients is live after it.
@@ -124,14 +101,14 @@ TEST(ZeroBuckets, ReductionFlattensTheBucketAndKeepsThisPartitionsGradients) {
   // by a torch.cat as the trace of the ZeRO-2 measurement shows; rank 0's partition (the first
   // half of the flat group) lies inside wte, so params_in_partition is wte alone and
   // grads_in_partition holds all of wte.
-  const graph::Trace t = graph::build_training_trace(gpt2_l2(), zero_recipe(Parallel::kZero2, 2), find_gpu("cpu"));
+  const graph::Trace t = graph::build_training_trace(gpt2_l2(), dp_recipe(Parallel::kZero2, 2, Precision::kBf16Master), find_gpu("cpu"));
   EXPECT_EQ(allocs_at(t, "zero.reduce_ipg_grads"),
             (std::vector<std::uint64_t>{kGpt2L2Params * 2, kGpt2Wte * 2, kGpt2L2Params * 2, kGpt2Wte * 2}));
 }
 
 TEST(ZeroOptimizer, StatesAreSizedByThePartition) {
   const Model m = gpt2_l2();
-  const graph::Trace t = graph::build_training_trace(m, zero_recipe(Parallel::kZero2, 4), find_gpu("cpu"));
+  const graph::Trace t = graph::build_training_trace(m, dp_recipe(Parallel::kZero2, 4, Precision::kBf16Master), find_gpu("cpu"));
   // exp_avg and exp_avg_sq of one fp32 parameter (the partition), and its CPU `step`.
   EXPECT_EQ(allocs_at(t, "optimizer.init_state"),
             (std::vector<std::uint64_t>{4, kGpt2L2Params / 4 * 4, kGpt2L2Params / 4 * 4}));
@@ -152,7 +129,7 @@ TEST(ZeroOptimizer, ModelStatesMatchDeepSpeedsEstimator) {
   const std::uint64_t n = kGpt2L2Params;
   for (std::uint64_t g : {1u, 2u, 4u}) {
     ASSERT_EQ(n % (2 * g), 0u);  // no padding, so the estimator's N/G is the partition exactly
-    const graph::Trace t = graph::build_training_trace(m, zero_recipe(Parallel::kZero2, g), find_gpu("cpu"));
+    const graph::Trace t = graph::build_training_trace(m, dp_recipe(Parallel::kZero2, g, Precision::kBf16Master), find_gpu("cpu"));
     const auto end = live_after(t, 2, "");
     EXPECT_EQ(end[kWeights] + end[kStates], 2 * n + 12 * n / g + 4) << g;
     const auto step = live_after(t, 2, "zero.fp32_grad_partition", kGrads);
@@ -171,8 +148,8 @@ TEST(ZeroBuckets, Zero1KeepsTheFullGradientsUntilTheEndOfBackward) {
   // moves each as its hook runs. At the peak (the tied embedding's gradient sum, wte last) ZeRO-1
   // still holds every other parameter's 16-bit gradient, as measured (docs/parallelism.md).
   const Model m = gpt2_l2();
-  const Estimate e1 = estimate(m, zero_recipe(Parallel::kZero1, 2));
-  const Estimate e2 = estimate(m, zero_recipe(Parallel::kZero2, 2));
+  const Estimate e1 = estimate(m, dp_recipe(Parallel::kZero1, 2, Precision::kBf16Master));
+  const Estimate e2 = estimate(m, dp_recipe(Parallel::kZero2, 2, Precision::kBf16Master));
   EXPECT_EQ(e1.breakdown_at_peak[kGrads] - e2.breakdown_at_peak[kGrads], (kGpt2L2Params - kGpt2Wte) * 2);
   EXPECT_EQ(e1.peak_allocated_bytes - e2.peak_allocated_bytes, (kGpt2L2Params - kGpt2Wte) * 2);
 }
@@ -182,7 +159,7 @@ TEST(ZeroBuckets, Zero1KeepsTheFullGradientsUntilTheEndOfBackward) {
 TEST(ZeroBuckets, AccumulationBucketsAndSkippedMicroBatches) {
   const Model m = gpt2_l2();
   for (Parallel stage : {Parallel::kZero1, Parallel::kZero2}) {
-    Recipe r = zero_recipe(stage, 2);
+    Recipe r = dp_recipe(stage, 2, Precision::kBf16Master);
     r.batch = 1;
     r.grad_accum = 3;
     const graph::Trace t = graph::build_training_trace(m, r, find_gpu("cpu"));
