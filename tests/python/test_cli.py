@@ -178,8 +178,10 @@ def test_data_parallel_flags_reach_the_recipe(run):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--gpus", "2"], "gpus: 2 GPUs need a data-parallel wrapper: parallel ddp or fsdp"),
-    (["--gpus", "2", "--parallel", "zero3"], "parallel: unknown value 'zero3'; expected one of none, ddp, fsdp"),
+    (["--gpus", "2"], "gpus: 2 GPUs need a data-parallel wrapper: parallel ddp, fsdp, zero1 or zero2"),
+    (["--gpus", "2", "--parallel", "zero4"],
+     "parallel: unknown value 'zero4'; expected one of none, ddp, fsdp, zero1, zero2"),
+    (["--gpus", "2", "--parallel", "zero3"], "parallel: zero3 is not modelled yet"),
     (["--gpus", "0", "--parallel", "ddp"], "gpus: must be between 1 and 4096, got 0"),
     (["--parallel", "ddp", "--inference"], "parallel: ddp is a training knob; inference runs on one GPU"),
     (["--parallel", "fsdp", "--loss", "fused"], "loss: fused under parallel fsdp is not modelled"),

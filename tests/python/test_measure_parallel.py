@@ -31,7 +31,8 @@ from trainmem.measure.models import resolve_model  # noqa: E402
     ({"gpus": 2.0, "parallel": "ddp"}, "gpus must be an integer"),
     ({"gpus": 2, "parallel": "zero4"}, "parallel='zero4' is not one of none, ddp, fsdp, zero1, zero2, zero3"),
     ({"gpus": 2, "parallel": "zero2", "precision": "bf16-mixed"}, "DeepSpeed's bf16 mode is bf16-master"),
-    ({"gpus": 2, "parallel": "zero3", "optimizer": "adafactor"}, "a torch optimizer handed to deepspeed.initialize"),
+    ({"gpus": 2, "parallel": "zero3", "precision": "bf16-master", "optimizer": "adafactor"},
+     "a torch optimizer handed to deepspeed.initialize"),
     ({"gpus": 2, "parallel": "zero1", "precision": "fp32", "loss": "fused"}, "loss=fused is not measured"),
     ({"gpus": 2, "parallel": "ddp", "mode": "inference", "precision": "bf16-true"}, "is a training knob"),
     ({"gpus": 2, "parallel": "ddp", "lora_rank": 8}, "with LoRA is not measured"),
@@ -74,7 +75,8 @@ def test_command_names_the_flags():
     (["gpt2", "--gpus", "2"], "gpus=2 needs a data-parallel wrapper"),
     (["gpt2", "--gpus", "x", "--parallel", "ddp"], "argument --gpus: invalid int value: 'x'"),
     (["gpt2", "--parallel", "zero"], "argument --parallel: invalid choice: 'zero'"),
-    (["gpt2", "--gpus", "2", "--parallel", "zero2", "--fake"], "cannot run on fake tensors"),
+    (["gpt2", "--gpus", "2", "--parallel", "zero2", "--precision", "bf16-master", "--fake"],
+     "cannot run on fake tensors"),
     (["gpt2", "--gpus", "2", "--parallel", "ddp", "--fake"], "cannot run on fake tensors"),
 ])
 def test_bad_parallel_flags_exit_2(capsys, argv, message):
