@@ -20,8 +20,14 @@
 //    that per all-reduce), not overlapped with compute: DDP all-reduces every gradient in every
 //    micro-batch's backward (the reference step has no no_sync); FSDP2 all-gathers the
 //    parameters in the forward and again in the backward and reduce-scatters the gradients, per
-//    micro-batch (the root is gathered once, counted twice: a small overestimate). See Note
-//    [DDP buckets] and Note [FSDP2 units] in graph/parallel.cpp;
+//    micro-batch (the root is gathered once, counted twice: a small overestimate). DeepSpeed
+//    ZeRO-1/2 move DDP's volume plus one all-gather: the gradients are all-reduced in the model
+//    dtype (average_tensor → allreduce_and_scatter all-reduces the bucket, then each rank keeps
+//    its slices), ZeRO-2 in every micro-batch's backward, ZeRO-1 once per optimizer step (its
+//    .grads accumulate locally until the boundary's reduce_gradients), and after the step the
+//    updated 16-bit (or fp32) partitions are all-gathered into the flat group once. See Note
+//    [DDP buckets] and Note [FSDP2 units] in graph/parallel.cpp, Note [DeepSpeed ZeRO-1/2] in
+//    graph/zero.cpp;
 //  * launches: kLaunchSeconds per kernel; kKernelsPerLayer per decoder layer and micro-batch
 //    (forward and backward), more for eager attention and recomputation, and the optimizer's:
 //    a few per tensor for per-parameter loops (8-bit AdamW, Adafactor), a few per group for
@@ -149,8 +155,15 @@ StepTime step_time(const Model& model, const Recipe& spelled) {
     const double ring = (n - 1) / n;
     const double grads = c.trainable_elements * (master ? 2 : pb);  // the .grads in the parameter dtype
     const double params = c.trainable_elements * pb;
-    const double moved = recipe.parallel == Parallel::kDdp ? 2 * ring * grads : ring * (2 * params + grads);
-    t.comm_s = moved * micro / (gpu.interconnect_gbps * 1e9);
+    double moved = 0;  // bytes through each GPU's link per optimizer step
+    switch (recipe.parallel) {
+      case Parallel::kDdp: moved = 2 * ring * grads * micro; break;
+      case Parallel::kFsdp: moved = ring * (2 * params + grads) * micro; break;
+      case Parallel::kZero1: moved = 2 * ring * grads + ring * params; break;
+      case Parallel::kZero2: moved = 2 * ring * grads * micro + ring * params; break;
+      case Parallel::kNone: break;
+    }
+    t.comm_s = moved / (gpu.interconnect_gbps * 1e9);
   }
   t.seconds = t.compute_s + t.memory_s + t.overhead_s + t.comm_s;
   return t;

@@ -197,7 +197,18 @@ TEST(StepTime, CollectivesAtTheInterconnect) {
   EXPECT_DOUBLE_EQ(ddp.comm_s, 2 * 7.0 / 8 * grads / (find_gpu("h100-80gb").interconnect_gbps * 1e9));
   r.parallel = Parallel::kFsdp;
   EXPECT_DOUBLE_EQ(step_time(m, r).comm_s, ddp.comm_s * 1.5);  // two all-gathers and a reduce-scatter
+  // ZeRO-1/2: DDP's all-reduce plus one all-gather of the parameters per step (fp32 here, so
+  // the gather is half the all-reduce).
+  r.grad_accum = 1;
+  r.parallel = Parallel::kZero2;
+  EXPECT_DOUBLE_EQ(step_time(m, r).comm_s, ddp.comm_s * 1.5);
+  r.parallel = Parallel::kZero1;
+  EXPECT_DOUBLE_EQ(step_time(m, r).comm_s, ddp.comm_s * 1.5);
   r.grad_accum = 2;
+  EXPECT_DOUBLE_EQ(step_time(m, r).comm_s, ddp.comm_s * 1.5);  // ZeRO-1 reduces at the boundary only
+  r.parallel = Parallel::kZero2;
+  EXPECT_DOUBLE_EQ(step_time(m, r).comm_s, ddp.comm_s * 2.5);  // ZeRO-2 reduces every micro-batch
+  r.parallel = Parallel::kFsdp;
   EXPECT_DOUBLE_EQ(step_time(m, r).comm_s, ddp.comm_s * 3);  // every micro-batch communicates
 }
 
