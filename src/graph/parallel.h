@@ -60,6 +60,9 @@ class DataParallel {
   // The flat group's layout (exposed for tests): flat elements, padded to 2 x world
   // (nccl_start_alignment_factor), and rank r's partition, flat / world elements.
   static std::uint64_t zero_flat_numel(std::uint64_t numel, std::uint64_t world);
+  // The ipg bucket setup_buckets allocates in every backward: reduce_bucket_size elements of the
+  // model dtype, whatever the model's size (exposed for the planner's floor).
+  static std::uint64_t zero_bucket_bytes(std::uint64_t item_bytes);
 
  private:
   struct Unit {

@@ -80,6 +80,10 @@ std::uint64_t DataParallel::zero_flat_numel(std::uint64_t numel, std::uint64_t w
   return detail::mul(numel / align + (numel % align != 0), align, "ZeRO flat group elements");
 }
 
+std::uint64_t DataParallel::zero_bucket_bytes(std::uint64_t item_bytes) {
+  return detail::mul(kReduceBucketElements, item_bytes, "ZeRO bucket bytes");
+}
+
 std::uint64_t DataParallel::zero_item_bytes() const { return dtype_bytes(params_.front().dtype); }
 
 // See Note [DeepSpeed ZeRO-1/2].
@@ -118,8 +122,7 @@ void DataParallel::zero_param_ready(std::uint32_t slot) {
   if (pi == kNone) return;
   if (zero_bucket_ == kNone) {  // setup_buckets, at the first hook of the backward
     t_.at(t_.phase(), kNoLayer, "zero.setup_buckets");
-    zero_bucket_ = t_.alloc_bytes(detail::mul(kReduceBucketElements, zero_item_bytes(), "ZeRO bucket bytes"),
-                                  Category::kGradients);
+    zero_bucket_ = t_.alloc_bytes(zero_bucket_bytes(zero_item_bytes()), Category::kGradients);
     bucket_elements_ = 0;
   }
   if (kind_ == Parallel::kZero2) zero_to_bucket(pi);

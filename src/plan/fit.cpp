@@ -19,6 +19,7 @@
 #include <string>
 
 #include "common/checked.h"
+#include "graph/parallel.h"
 #include "graph/quant.h"
 #include "plan/plan.h"
 
@@ -156,6 +157,30 @@ std::uint64_t plan::persistent_floor(const Model& m, const Recipe& r) {
   }
   if (r.lora.enabled()) return weights;  // adapters and their states only add
   const std::uint64_t n = m.parameter_count;
+  const std::uint64_t sb = state_bytes(r.precision);
+  // Optimizer states per trained element, in bytes (8-bit AdamW: two 1-byte states).
+  std::uint64_t states_per_element = 0;
+  switch (r.optimizer) {
+    case Optimizer::kAdamW:
+    case Optimizer::kAdamWFused: states_per_element = 2 * sb; break;
+    case Optimizer::kAdamW8bit: states_per_element = 2; break;
+    case Optimizer::kSgd: states_per_element = sb; break;
+    case Optimizer::kAdafactor: break;
+  }
+  if (is_zero(r.parallel)) {
+    // ZeRO-1/2 (See Note [DeepSpeed ZeRO-1/2] in graph/zero.cpp): the flat 16-bit (or fp32) group
+    // is whole on every rank, and from step 1 on so are this rank's fp32 master partition and
+    // the states the torch optimizer keeps for it, each at least 1/gpus of the parameters (the
+    // padded partition is never smaller). On top of them step 2 holds, at different moments, the
+    // ipg bucket (its backward, a fixed reduce_bucket_size) and the partition's fp32 gradient
+    // (its optimizer step, single_grad_partition; the model's .grads were cleared by then): the
+    // larger of the two.
+    const std::uint64_t partition = n / r.gpus;
+    const std::uint64_t held = detail::add(weights, detail::mul(partition, 4 + states_per_element, "ZeRO partition bytes"),
+                                           "persistent bytes");
+    const std::uint64_t bucket = graph::DataParallel::zero_bucket_bytes(pb);
+    return detail::add(held, std::max(bucket, detail::mul(partition, 4, "ZeRO gradient bytes")), "persistent bytes");
+  }
   // DDP: the Reducer's buckets, a second copy of the gradients (Note [DDP buckets] in
   // graph/parallel.cpp). FSDP2: every rank holds at least 1/gpus of the parameters, gradients and
   // states (padded shards are never smaller).
@@ -164,14 +189,7 @@ std::uint64_t plan::persistent_floor(const Model& m, const Recipe& r) {
   // Every parameter's .grad (in the parameter's dtype) exists when the optimizer step starts.
   std::uint64_t extra = detail::mul(n, pb, "gradient bytes");
   if (r.precision == Precision::kBf16Master) extra = detail::add(extra, detail::mul(n, 4, "master bytes"), "master bytes");
-  const std::uint64_t sb = state_bytes(r.precision);
-  switch (r.optimizer) {
-    case Optimizer::kAdamW:
-    case Optimizer::kAdamWFused: extra = detail::add(extra, detail::mul({n, 2, sb}, "state bytes"), "state bytes"); break;
-    case Optimizer::kAdamW8bit: extra = detail::add(extra, detail::mul(n, 2, "state bytes"), "state bytes"); break;
-    case Optimizer::kSgd: extra = detail::add(extra, detail::mul(n, sb, "state bytes"), "state bytes"); break;
-    case Optimizer::kAdafactor: break;
-  }
+  extra = detail::add(extra, detail::mul(n, states_per_element, "state bytes"), "state bytes");
   return detail::add(detail::add(weights, extra, "persistent bytes") / shards, buckets, "persistent bytes");
 }
 
@@ -246,8 +264,11 @@ FitResult fit(const Model& model, const FitRequest& q) {
   const auto ckpts = values(q, "checkpointing", base.checkpointing, {Checkpointing::kNone, Checkpointing::kFull});
   const auto losses = values(q, "loss", base.loss, {Loss::kStandard, Loss::kFused});
   const auto allocators = values(q, "allocator", base.allocator, {AllocatorMode::kDefault, AllocatorMode::kExpandable});
-  const auto parallels = q.gpus > 1 ? values(q, "parallel", base.parallel, {Parallel::kFsdp, Parallel::kDdp})
-                                    : std::vector<Parallel>{base.parallel};
+  // ZeRO-1/2 only where the recipe validation takes them (fp32 or bf16-master, a torch AdamW or
+  // SGD, the standard loss): other combinations are skipped below, like every invalid recipe.
+  const auto parallels =
+      q.gpus > 1 ? values(q, "parallel", base.parallel, {Parallel::kFsdp, Parallel::kDdp, Parallel::kZero1, Parallel::kZero2})
+                 : std::vector<Parallel>{base.parallel};
 
   struct Candidate {
     Recipe r;
@@ -436,9 +457,19 @@ FitResult fit(const Model& model, const FitRequest& q) {
     change("batch " + std::to_string(r.batch) + " x grad_accum " + std::to_string(r.grad_accum), r);
   }
   if (base.gpus > 1) {
-    Recipe r = base;
-    r.parallel = base.parallel == Parallel::kDdp ? Parallel::kFsdp : Parallel::kDdp;
-    change("parallel " + std::string(to_string(r.parallel)), r);
+    for (Parallel dp : {Parallel::kDdp, Parallel::kFsdp, Parallel::kZero1, Parallel::kZero2}) {
+      if (dp == base.parallel) continue;
+      Recipe r = base;
+      r.parallel = dp;
+      std::string what = "parallel " + std::string(to_string(dp));
+      // DeepSpeed's bf16 mode is bf16 weights over fp32 master partitions: a bf16 recipe moves to
+      // it (recipe validation refuses the other bf16 policies under ZeRO).
+      if (is_zero(dp) && (r.precision == Precision::kBf16Mixed || r.precision == Precision::kBf16True)) {
+        r.precision = Precision::kBf16Master;
+        what += ", precision bf16-master";
+      }
+      change(what, r);
+    }
   }
   if (!base.lora.enabled() && base.parallel == Parallel::kNone) {
     Recipe r = base;

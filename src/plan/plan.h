@@ -16,7 +16,9 @@ inline std::uint64_t state_bytes(Precision p) {
 }
 
 // Bytes alive together when step 2's optimizer step starts (weights, fp32 masters, every
-// parameter's gradient, optimizer states): the peak of a two-step estimate is never below it.
+// parameter's gradient, optimizer states; under ZeRO-1/2 the flat group, this rank's fp32
+// partition and states, and the larger of the ipg bucket and the fp32 gradient partition): the
+// peak of a two-step estimate is never below it.
 std::uint64_t persistent_floor(const Model& m, const Recipe& r);
 
 }  // namespace trainmem::plan
