@@ -80,6 +80,48 @@ def test_what_it_takes_uses_each_gpus_own_precisions(run):
     assert on["rtx-4090"]["recipe"]["precision"].startswith("bf16")
 
 
+def _estimate_of(run, model, gpu, rc):
+    return json.loads(run("estimate", model, "--gpu", gpu, "--batch", rc["batch"], "--grad-accum", rc["grad_accum"],
+                          "--seq", rc["seq"], "--precision", rc["precision"], "--optimizer", rc["optimizer"],
+                          "--checkpointing", rc["checkpointing"], "--loss", rc["loss"], "--allocator",
+                          rc["allocator"], "--attention", rc["attention"], "--gpus", rc["gpus"], "--parallel",
+                          rc["parallel"], "--json").stdout)
+
+
+def test_several_gpus_search_zero(run):
+    # bf16-master is DeepSpeed's bf16 mode; FSDP2 refuses it, so the search is DDP, ZeRO-1, ZeRO-2.
+    j = json.loads(run("fit", "qwen3-0.6b", "--gpu", "rtx-4090", "--gpus", "4", "--seq", "512", "--global-batch",
+                       "16", "--precision", "bf16-master", "--top", "12", "--json", timeout=300).stdout)
+    zero = [p for p in j["plans"] if p["recipe"]["parallel"] in ("zero1", "zero2")]
+    assert {p["recipe"]["parallel"] for p in zero} == {"zero1", "zero2"}
+    assert "fsdp" not in {p["recipe"]["parallel"] for p in j["plans"]}
+    for p in zero:
+        rc = p["recipe"]
+        assert rc["gpus"] == 4 and rc["batch"] * rc["grad_accum"] == 4
+        assert rc["optimizer"] in ("adamw", "adamw-fused", "sgd") and rc["loss"] == "standard"
+        e = _estimate_of(run, "qwen3-0.6b", "rtx-4090", rc)
+        assert e["peak_reserved_bytes"] == p["peak_reserved_bytes"]
+        assert e["peak_allocated_bytes"] == p["peak_allocated_bytes"]
+    changes = {c["change"]: c for c in j["changes"]}
+    for what in ("parallel zero1", "parallel zero2"):
+        e = _estimate_of(run, "qwen3-0.6b", "rtx-4090", changes[what]["recipe"])
+        assert e["peak_reserved_bytes"] == changes[what]["peak_reserved_bytes"]
+
+
+def test_a_held_precision_zero_refuses_leaves_it_out(run):
+    r = run("fit", "qwen3-0.6b", "--gpu", "rtx-4090", "--gpus", "4", "--seq", "512", "--global-batch", "16",
+            "--precision", "bf16-mixed", "--json", timeout=300)
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)
+    assert j["plans"]
+    assert {p["recipe"]["parallel"] for p in j["plans"]} <= {"ddp", "fsdp"}
+    change = next(c for c in j["changes"] if c["change"] == "parallel zero2, precision bf16-master")
+    assert change["recipe"]["precision"] == "bf16-master"  # DeepSpeed's bf16 mode
+    assert change["recipe"]["parallel"] == "zero2"
+    e = _estimate_of(run, "qwen3-0.6b", "rtx-4090", change["recipe"])
+    assert e["peak_reserved_bytes"] == change["peak_reserved_bytes"]
+
+
 @pytest.mark.parametrize("args,message", [
     (["fit", "gpt2", "--gpu", "cpu"], "no memory to plan for"),
     (["fit", "gpt2", "--gpus", "3", "--global-batch", "8"], "8 sequences do not split over 3 GPUs"),
