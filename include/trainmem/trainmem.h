@@ -339,7 +339,7 @@ struct Plan {
 
 struct FitRequest {
   Recipe base;                       // the user's recipe; the planner starts from it
-  std::uint64_t gpus = 1;            // data-parallel GPUs; more than 1 searches parallel ddp / fsdp
+  std::uint64_t gpus = 1;            // data-parallel GPUs; more than 1 searches ddp / fsdp / zero1 / zero2
   std::uint64_t global_batch = 0;    // sequences per optimizer step over all GPUs; 0: batch*grad_accum*gpus
   std::vector<std::string> fixed;    // knob names the search keeps at the base recipe's value
   std::size_t top = 10;              // plans to return
