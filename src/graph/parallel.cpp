@@ -149,10 +149,11 @@ void DataParallel::pre_forward() {
     if (buffers_.empty()) return;
     t_.at(Phase::kForward, kNoLayer, "ddp.broadcast_buffers");
     std::vector<std::pair<DType, std::uint64_t>> flat;  // one flattened tensor per dtype
-    for (const auto& [d, b] : buffers_) {
+    for (const auto& buffer : buffers_) {
+      const DType d = buffer.first;  // (not a structured binding: clang 14 cannot capture one)
       auto it = std::find_if(flat.begin(), flat.end(), [&](const auto& f) { return f.first == d; });
-      if (it == flat.end()) flat.emplace_back(d, b);
-      else it->second += b;
+      if (it == flat.end()) flat.push_back(buffer);
+      else it->second += buffer.second;
     }
     std::vector<TensorId> ids;
     for (const auto& f : flat) ids.push_back(t_.alloc_bytes(f.second, Category::kTemporaries));
