@@ -31,12 +31,11 @@ namespace {
 using graph::MomentTag;
 using graph::Trace;
 using nlohmann::json;
-
-constexpr std::size_t kWeights = static_cast<std::size_t>(Category::kWeights);
-constexpr std::size_t kStates = static_cast<std::size_t>(Category::kOptimizerStates);
-constexpr std::size_t kGrads = static_cast<std::size_t>(Category::kGradients);
-constexpr std::size_t kActs = static_cast<std::size_t>(Category::kActivations);
-constexpr std::size_t kTemps = static_cast<std::size_t>(Category::kTemporaries);
+using testing::kActs;
+using testing::kGrads;
+using testing::kStates;
+using testing::kTemps;
+using testing::kWeights;
 constexpr std::size_t kOther = static_cast<std::size_t>(Category::kOther);
 
 std::uint64_t round512(std::uint64_t bytes) { return std::max<std::uint64_t>(512, (bytes + 511) / 512 * 512); }
@@ -905,7 +904,6 @@ TEST(GraphLora, CheckpointingKeepsTheEmbeddingOutputLeaf) {
   }
   EXPECT_EQ(embeddings, 2);  // one per step
 }
-
 
 // ---- QLoRA (Note [QLoRA] in src/graph/quant.h) -----------------------------------------
 

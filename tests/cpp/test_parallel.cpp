@@ -19,14 +19,12 @@ namespace trainmem {
 namespace {
 
 using testing::allocs_at;
+using testing::kGpt2L2Params;
+using testing::kGrads;
+using testing::kStates;
+using testing::kWeights;
 using testing::dp_recipe;
 using testing::gpt2_l2;
-
-constexpr std::size_t kWeights = static_cast<std::size_t>(Category::kWeights);
-constexpr std::size_t kGrads = static_cast<std::size_t>(Category::kGradients);
-constexpr std::size_t kStates = static_cast<std::size_t>(Category::kOptimizerStates);
-
-constexpr std::uint64_t kGpt2L2Params = 53'561'088;
 
 TEST(Ddp, OneBucketOfEveryParameterAtConstruction) {
   const Model m = gpt2_l2();

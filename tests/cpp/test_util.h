@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -30,7 +31,16 @@ std::string error_of(Fn&& fn) {
   return "";
 }
 
-// The 2-layer GPT-2 cut of the data-parallel measurements (data/ground_truth/configs/).
+// Indices into Breakdown (Estimate::breakdown_at_peak).
+inline constexpr std::size_t kWeights = static_cast<std::size_t>(Category::kWeights);
+inline constexpr std::size_t kStates = static_cast<std::size_t>(Category::kOptimizerStates);
+inline constexpr std::size_t kGrads = static_cast<std::size_t>(Category::kGradients);
+inline constexpr std::size_t kActs = static_cast<std::size_t>(Category::kActivations);
+inline constexpr std::size_t kTemps = static_cast<std::size_t>(Category::kTemporaries);
+
+// The 2-layer GPT-2 cut of the data-parallel measurements (data/ground_truth/configs/) and its
+// parameter count.
+inline constexpr std::uint64_t kGpt2L2Params = 53'561'088;
 inline Model gpt2_l2() { return load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/gpt2-l2.json"); }
 
 // The data-parallel measurements' recipe shape: batch 2 x 32 tokens on the CPU, expandable

@@ -26,14 +26,13 @@ namespace {
 
 using graph::DataParallel;
 using testing::allocs_at;
+using testing::kGpt2L2Params;
+using testing::kGrads;
+using testing::kStates;
+using testing::kWeights;
 using testing::dp_recipe;
 using testing::gpt2_l2;
 
-constexpr std::size_t kWeights = static_cast<std::size_t>(Category::kWeights);
-constexpr std::size_t kGrads = static_cast<std::size_t>(Category::kGradients);
-constexpr std::size_t kStates = static_cast<std::size_t>(Category::kOptimizerStates);
-
-constexpr std::uint64_t kGpt2L2Params = 53'561'088;
 constexpr std::uint64_t kGpt2Wte = 50'257 * 768;  // the first parameter of the flat group
 constexpr std::uint64_t kBucketElements = 500'000'000;
 
