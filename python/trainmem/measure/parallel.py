@@ -52,6 +52,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .recipe import Recipe, RecipeError
+from .tracker import _iter_tensors
 
 _WORKER_ENV = "TRAINMEM_PARALLEL_RANK"
 
@@ -344,14 +345,6 @@ def _attach_zero(tracker, engine) -> None:
 
     basic.step = step
     tracker._restore.append(functools.partial(delattr, basic, "step"))
-
-
-def _iter_tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _iter_tensors(item)
 
 
 class _ReducerProxy:
