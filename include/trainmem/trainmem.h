@@ -80,7 +80,7 @@ struct Architecture {
   double attn_logit_softcap = 0;   // Gemma-2: tanh soft-capping of scores (eager only)
   double final_logit_softcap = 0;  // Gemma-2: tanh soft-capping of logits
   DType torch_dtype = DType::kF32; // the dtype the checkpoint was published in
-  // Generation (model::attention_windows, Note [Sliding-window layers] in graph/step.cpp):
+  // Generation (model::attention_windows, Note [Sliding-window layers] in graph/generation.cpp):
   std::uint64_t sliding_window = 0;       // window of the layers that slide; 0: no layer does
   std::vector<bool> sliding_layer_types;  // config.layer_types (true: sliding); empty: not given
   std::uint64_t max_window_layers = 28;   // Qwen2/Qwen3: layers from this index on slide
