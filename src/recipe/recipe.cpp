@@ -174,10 +174,16 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   r.seq = in.seq;
   r.grad_accum = in.grad_accum;
   r.mode = parse_mode(in.mode);
-  // The default: the weights' dtype for inference and for a 4-bit base (its matmuls' dtype).
-  r.precision = in.precision.empty()
-                    ? (r.mode == Mode::kInference || in.load_in_4bit ? Precision::kBf16True : Precision::kBf16Mixed)
-                    : parse_precision(in.precision);
+  // The default: the weights' dtype for inference and for a 4-bit base (its matmuls' dtype);
+  // under DeepSpeed ZeRO its bf16 mode ("bf16": {"enabled": true}: bf16 weights, fp32 master
+  // partitions), as autocast (bf16-mixed) is not what a DeepSpeed engine runs.
+  if (!in.precision.empty()) {
+    r.precision = parse_precision(in.precision);
+  } else if (r.mode == Mode::kInference || in.load_in_4bit) {
+    r.precision = Precision::kBf16True;
+  } else {
+    r.precision = is_zero(parse_parallel(in.parallel)) ? Precision::kBf16Master : Precision::kBf16Mixed;
+  }
   r.new_tokens = in.new_tokens;
   r.beams = in.beams;
   r.optimizer = parse_optimizer(in.optimizer);
