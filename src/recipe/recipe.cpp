@@ -66,6 +66,7 @@ constexpr std::uint64_t kMaxSeq = std::uint64_t{1} << 24;
 constexpr std::uint64_t kMaxAccum = 1024;
 // Data-parallel ranks: the measuring side's bound (python/trainmem/measure/recipe.py MAX_GPUS).
 constexpr std::uint64_t kMaxGpus = 4096;
+constexpr std::uint64_t kMaxTp = 64;  // the measuring side's MAX_TP (python/trainmem/measure/recipe.py)
 
 void check_range(std::string_view field, std::uint64_t v, std::uint64_t max) {
   if (v < 1 || v > max) {
@@ -91,10 +92,43 @@ std::vector<std::string> split_targets(std::string_view s) {
   return out;
 }
 
+// What the engine models of tensor parallelism: what the measuring side runs
+// (python/trainmem/measure/recipe.py _check_tp); the architecture's part (divisible heads, the
+// families whose projections are separate nn.Linear modules) is checked with the model
+// (graph/tensor_parallel.cpp).
+void validate_tensor_parallel(const Recipe& r) {
+  const std::string tp = "tp: " + std::to_string(r.tp);
+  if (r.parallel != Parallel::kNone || r.gpus != 1) {
+    throw Error(tp + " with gpus " + std::to_string(r.gpus) + " / parallel " + std::string(to_string(r.parallel)) +
+                ": tensor parallelism combined with data parallelism (a 2-D mesh) is not modelled yet; use gpus 1 "
+                "and parallel none");
+  }
+  if (r.mode == Mode::kInference) throw Error(tp + " is a training knob; inference runs on one GPU");
+  if (r.lora.enabled() || r.quant.enabled()) {
+    throw Error(tp + " with LoRA or a 4-bit base is not modelled (peft's and bitsandbytes' layers are not the "
+                     "nn.Linear modules ColwiseParallel / RowwiseParallel shard)");
+  }
+  if (r.optimizer == Optimizer::kAdamW8bit || r.optimizer == Optimizer::kAdafactor) {
+    throw Error(tp + " with optimizer " + std::string(to_string(r.optimizer)) +
+                " is not modelled; use adamw, adamw-fused or sgd");
+  }
+  if (r.loss == Loss::kFused) {
+    throw Error(tp + " with loss fused is not modelled (the chunked loss reads lm_head.weight outside the "
+                     "module's forward); use standard");
+  }
+  if (r.precision != Precision::kFp32 && r.precision != Precision::kBf16True && r.precision != Precision::kFp16True) {
+    throw Error(tp + " with precision " + std::string(to_string(r.precision)) +
+                " is not modelled (autocast's cached casts and master copies of DTensor parameters are "
+                "unmeasured); use fp32, bf16-true or fp16-true");
+  }
+}
+
 // What the engine models of data parallelism: what the measuring side runs
 // (python/trainmem/measure/recipe.py _check_parallel, docs/parallelism.md) and nothing more.
 void validate_parallel(const Recipe& r) {
   check_range("gpus", r.gpus, kMaxGpus);
+  check_range("tp", r.tp, kMaxTp);
+  if (r.tp > 1) validate_tensor_parallel(r);
   if (r.parallel == Parallel::kNone) {
     if (r.gpus != 1) {
       throw Error("gpus: " + std::to_string(r.gpus) +
@@ -200,6 +234,7 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   r.quant.double_quant = in.bnb_4bit_use_double_quant;
   r.gpus = in.gpus;
   r.parallel = parse_parallel(in.parallel);
+  r.tp = in.tp;
   r.validate();
   return r;
 }

@@ -94,6 +94,19 @@ def test_data_parallel_keywords(trainmem_bin):
     assert plan.gpus == 2 and all(p["recipe"]["parallel"] == "fsdp" for p in plan.plans)
 
 
+def test_tensor_parallel_keyword(trainmem_bin):
+    est = trainmem.estimate("llama-3.2-1b", seq=128, precision="fp32", optimizer="sgd", tp=2)
+    cli = json.loads(subprocess.run([trainmem_bin, "estimate", "llama-3.2-1b", "--seq", "128", "--precision", "fp32",
+                                     "--optimizer", "sgd", "--tp", "2", "--json"], capture_output=True, text=True,
+                                    check=True).stdout)
+    assert est.to_dict() == cli
+    assert est.recipe["tp"] == 2 and "parallel" not in est.recipe
+    with pytest.raises(ValueError, match="tp: must be a positive integer"):
+        trainmem.estimate("llama-3.2-1b", tp=True)
+    with pytest.raises(ValueError, match="tensor parallelism combined with data parallelism"):
+        trainmem.estimate("llama-3.2-1b", precision="fp32", tp=2, gpus=2, parallel="ddp")
+
+
 def test_zero_through_python_matches_cli(trainmem_bin):
     est = trainmem.estimate("gpt2", seq=64, precision="bf16-master", gpus=4, parallel="zero2")
     cli = json.loads(subprocess.run([trainmem_bin, "estimate", "gpt2", "--seq", "64", "--precision", "bf16-master",
