@@ -176,7 +176,7 @@ void DataParallel::wrap(std::vector<WrappedParam>& params, const std::vector<std
       t_.alloc_bytes(detail::mul(shard, dtype_bytes(orig_dtype_), "shard bytes"), Category::kWeights);  // the run
       unsharded_[pi] = t_.reserve(detail::mul({shard, shard_world_, dtype_bytes(p.dtype)}, "unsharded parameter bytes"),
                                   Category::kWeights);
-      p.storage = unsharded_[pi];  // the full parameter's storage never had memory (step.cpp add_param)
+      p.storage = unsharded_[pi];  // the full parameter's storage never had memory (step_parameters.cpp add_param)
       params_[pi].storage = p.storage;
     }
   }
