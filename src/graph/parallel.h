@@ -45,6 +45,7 @@ class DataParallel {
   void backward_begin();                 // the loss' gradient exists
   void layer_change(std::int32_t from, std::int32_t to);  // backward moves between layers
   void param_ready(std::uint32_t slot);  // AccumulateGrad has run for this parameter
+  void final_callback();                 // the autograd engine's final callbacks (FSDP2's root)
   void backward_end();                   // after the engine has run every node
   void before_optimizer();               // sharded gradients into the .grad slots
 

@@ -107,6 +107,8 @@ class Planner {
     }
     k += "/" + r.gpu + "/lora" + std::to_string(r.lora.rank) + "/" + std::to_string(r.lora.dropout);
     k += "/" + std::string(to_string(r.parallel)) + std::to_string(r.gpus);
+    k += "/fsdp" + std::string(r.fsdp.reshard_after_forward ? "1" : "0") + std::to_string(r.fsdp.replicate) + "/" +
+         std::string(to_string(r.fsdp.param_dtype)) + "/" + std::string(to_string(r.fsdp.reduce_dtype));
     for (const std::string& t : r.lora.targets) k += "/" + t;
     if (r.quant.enabled()) {
       k += "/4bit/" + std::string(to_string(r.quant.quant_type)) + (r.quant.double_quant ? "/dq" : "");

@@ -130,6 +130,27 @@ TEST(FsdpVariants, HybridShardsOverTheShardGroupOnly) {
   EXPECT_EQ(a.peak_allocated_bytes, b.peak_allocated_bytes);
 }
 
+// MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over fp32: fp32 shards and optimizer
+// states, bf16 all-gathers (a bf16 cast of the shards first, then world x the bf16 shards).
+TEST(FsdpVariants, ParamDtypeGathersInBf16OverFp32Shards) {
+  const Model m = gpt2_l2();
+  Recipe mp = dp_recipe(Parallel::kFsdp, 2, Precision::kFp32);
+  mp.fsdp.param_dtype = FsdpDtype::kBf16;
+  mp.fsdp.reduce_dtype = FsdpDtype::kFp32;
+  const Recipe fp32 = dp_recipe(Parallel::kFsdp, 2, Precision::kFp32);
+  const graph::Trace t = graph::build_training_trace(m, mp, find_gpu("cpu"));
+  EXPECT_EQ(allocs_at(t, "fsdp.fully_shard"), allocs_at(graph::build_training_trace(m, fp32, find_gpu("cpu")), "fsdp.fully_shard"));
+  const std::vector<std::uint64_t> gathers = allocs_at(t, "fsdp.all_gather");
+  ASSERT_FALSE(gathers.empty());
+  EXPECT_EQ(gathers[0], kRootShardElements * 2);      // the root's shards cast to bf16
+  EXPECT_EQ(gathers[1], kRootShardElements * 2 * 2);  // world x the bf16 shards
+  // Adam's moments are zeros_like the fp32 shards, as without the policy.
+  EXPECT_EQ(estimate(m, mp).breakdown_at_peak[kStates], estimate(m, fp32).breakdown_at_peak[kStates]);
+  Recipe none = mp;
+  none.fsdp.reduce_dtype = FsdpDtype::kNone;  // reduced in bf16, then cast to fp32 shards
+  EXPECT_NO_THROW(estimate(m, none));
+}
+
 TEST(FsdpVariants, KnobsAreCheckedWithParallelFsdpOnly) {
   Recipe r = dp_recipe(Parallel::kDdp, 2, Precision::kFp32);
   r.fsdp.reshard_after_forward = false;
