@@ -30,6 +30,12 @@ def main() -> None:
             knobs = f"{r['precision']} {r['optimizer']} {r['attention']} ck={r['checkpointing']} ga={r['grad_accum']} {r['loss']}"
         if r.get("parallel", "none") != "none":
             knobs = f"{r['parallel']}×{r['gpus']} " + knobs
+        if r.get("fsdp_replicate", 1) > 1:
+            knobs += f" hsdp replicate={r['fsdp_replicate']}"
+        if r.get("fsdp_reshard_after_forward") is False:
+            knobs += " reshard_after_forward=false"
+        if r.get("fsdp_param_dtype", "none") != "none":
+            knobs += f" mp param={r['fsdp_param_dtype']} reduce={r['fsdp_reduce_dtype']}"
         if r.get("lora_rank"):
             knobs += f" lora r={r['lora_rank']} on {','.join(t.split('.')[-1] for t in r['lora_targets'])}"
         if r.get("load_in_4bit"):
