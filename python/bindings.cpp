@@ -74,7 +74,11 @@ NB_MODULE(_core, m) {
       .def_rw("beams", &RecipeSpelling::beams)
       .def_rw("gpus", &RecipeSpelling::gpus)
       .def_rw("parallel", &RecipeSpelling::parallel)
-      .def_rw("tp", &RecipeSpelling::tp);
+      .def_rw("tp", &RecipeSpelling::tp)
+      .def_rw("fsdp_reshard_after_forward", &RecipeSpelling::fsdp_reshard_after_forward)
+      .def_rw("fsdp_replicate", &RecipeSpelling::fsdp_replicate)
+      .def_rw("fsdp_param_dtype", &RecipeSpelling::fsdp_param_dtype)
+      .def_rw("fsdp_reduce_dtype", &RecipeSpelling::fsdp_reduce_dtype);
 
   nb::class_<trainmem::Estimate>(m, "Estimate")
       .def_ro("model", &trainmem::Estimate::model)

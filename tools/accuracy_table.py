@@ -32,6 +32,12 @@ def main() -> None:
             knobs = f"{r['parallel']}×{r['gpus']} " + knobs
         if r.get("tp", 1) > 1:
             knobs = f"tp×{r['tp']} " + knobs
+        if r.get("fsdp_replicate", 1) > 1:
+            knobs += f" hsdp replicate={r['fsdp_replicate']}"
+        if r.get("fsdp_reshard_after_forward") is False:
+            knobs += " reshard_after_forward=false"
+        if r.get("fsdp_param_dtype", "none") != "none":
+            knobs += f" mp param={r['fsdp_param_dtype']} reduce={r['fsdp_reduce_dtype']}"
         if r.get("lora_rank"):
             knobs += f" lora r={r['lora_rank']} on {','.join(t.split('.')[-1] for t in r['lora_targets'])}"
         if r.get("load_in_4bit"):

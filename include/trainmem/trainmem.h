@@ -160,6 +160,23 @@ enum class Mode : std::uint8_t { kTraining, kInference };
 enum class Parallel : std::uint8_t { kNone, kDdp, kFsdp, kZero1, kZero2 };
 inline bool is_zero(Parallel p) { return p == Parallel::kZero1 || p == Parallel::kZero2; }
 
+// FSDP2's own knobs (parallel kFsdp; torch/distributed/fsdp/_fully_shard/, docs/parallelism.md):
+// fully_shard(layer, reshard_after_forward) for the decoder layers (false: a layer stays gathered
+// from its forward to its backward, FSDP1's SHARD_GRAD_OP; the root is never resharded after
+// forward); `replicate` > 1 is HSDP, the 2-D mesh (replicate, gpus / replicate): parameters are
+// sharded over the gpus / replicate ranks of a shard group and replicated across groups;
+// MixedPrecisionPolicy(param_dtype, reduce_dtype) over fp32 parameters (kNone: the policy's None).
+enum class FsdpDtype : std::uint8_t { kNone, kFp32, kBf16 };
+struct Fsdp {
+  bool reshard_after_forward = true;
+  std::uint64_t replicate = 1;
+  FsdpDtype param_dtype = FsdpDtype::kNone;
+  FsdpDtype reduce_dtype = FsdpDtype::kNone;
+  bool is_default() const {
+    return reshard_after_forward && replicate == 1 && param_dtype == FsdpDtype::kNone && reduce_dtype == FsdpDtype::kNone;
+  }
+};
+
 // LoRA adapters (peft's LoraConfig): the base model is frozen, every targeted linear layer of
 // every decoder layer gets A (rank × in) and B (out × rank) beside it.
 struct Lora {
@@ -207,6 +224,7 @@ struct Recipe {
   // the two compose as a 2-D mesh (world = gpus x tp) once that is modelled; today tp > 1 needs
   // gpus 1. The estimate is one rank's memory (every rank holds the same).
   std::uint64_t tp = 1;
+  Fsdp fsdp;  // parallel kFsdp only
 
   void validate() const;  // throws Error naming the field
 };
@@ -220,6 +238,7 @@ std::string_view to_string(AllocatorMode);
 std::string_view to_string(Mode);
 std::string_view to_string(QuantType);
 std::string_view to_string(Parallel);
+std::string_view to_string(FsdpDtype);
 // The knobs as a person spells them (CLI flags, Python keywords, the JSON `recipe` object).
 struct RecipeSpelling {
   std::uint64_t batch = 1;
@@ -244,6 +263,10 @@ struct RecipeSpelling {
   std::uint64_t gpus = 1;
   std::string parallel = "none";  // none | ddp | fsdp | zero1 | zero2
   std::uint64_t tp = 1;           // tensor-parallel degree
+  bool fsdp_reshard_after_forward = true;  // parallel fsdp: FSDP2's knobs (Fsdp above)
+  std::uint64_t fsdp_replicate = 1;
+  std::string fsdp_param_dtype = "none";   // none | bf16
+  std::string fsdp_reduce_dtype = "none";  // none | fp32 | bf16
 };
 // Parses and validates every knob; throws Error naming the first bad field.
 Recipe parse_recipe(const RecipeSpelling& spelling);
@@ -258,6 +281,7 @@ AllocatorMode parse_allocator(std::string_view);
 Mode parse_mode(std::string_view);
 QuantType parse_quant_type(std::string_view);
 Parallel parse_parallel(std::string_view);
+FsdpDtype parse_fsdp_dtype(std::string_view, std::string_view field);
 
 // The linear modules of one decoder layer that LoRA can target, as peft names them.
 std::vector<std::string> lora_target_modules(const Architecture&);

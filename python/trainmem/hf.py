@@ -119,7 +119,9 @@ def _trainer_optimizer(args: Any) -> str:
 
 
 def _fsdp_knobs(args: Any) -> dict[str, Any]:
-    """The Trainer's `fsdp` / `fsdp_config` as the parallel knob: FSDP2 with full sharding only."""
+    """The Trainer's `fsdp` / `fsdp_config` as the parallel knobs: FSDP2, full sharding or
+    shard_grad_op (transformers' _apply_legacy_fsdp_to_config turns it into
+    reshard_after_forward=False for FSDP2)."""
     option = _get(args, "fsdp")
     words = option.split() if isinstance(option, str) else [str(getattr(w, "value", w)) for w in option]
     config = _get(args, "fsdp_config") or {}
@@ -129,12 +131,24 @@ def _fsdp_knobs(args: Any) -> dict[str, Any]:
                          "FSDP2 (fsdp_version 2) is")
     if "offload" in words:
         raise ValueError("fsdp offload: CPU offload is not modelled yet")
-    unmodelled = [w for w in words if w not in ("full_shard", "auto_wrap")]
-    if "full_shard" not in words or unmodelled:
-        raise ValueError(f"fsdp={option!r}: only 'full_shard' (with 'auto_wrap' per decoder layer) is modelled")
-    if config.get("reshard_after_forward", True) is False:
-        raise ValueError("fsdp_config reshard_after_forward=False is not modelled (the layers reshard after forward)")
-    return {"parallel": "fsdp"}
+    if any(w in ("hybrid_shard", "hybrid_shard_zero2") for w in words):
+        raise ValueError(f"fsdp={option!r}: hybrid sharding is FSDP1-only in the Trainer (transformers refuses it "
+                         "with fsdp_version 2); FSDP2's HSDP is a 2-D mesh: estimate it with parallel='fsdp', "
+                         "fsdp_replicate=R")
+    unmodelled = [w for w in words if w not in ("full_shard", "shard_grad_op", "auto_wrap")]
+    strategies = [w for w in words if w in ("full_shard", "shard_grad_op")]
+    if len(strategies) != 1 or unmodelled:
+        raise ValueError(f"fsdp={option!r}: 'full_shard' or 'shard_grad_op' (with 'auto_wrap' per decoder layer) "
+                         "is modelled")
+    reshard = config.get("reshard_after_forward", strategies[0] == "full_shard")
+    if isinstance(reshard, str):
+        reshard = reshard.lower() in ("true", "1", "yes")
+    if not isinstance(reshard, bool):
+        raise ValueError(f"fsdp_config reshard_after_forward={reshard!r}: FSDP2 takes true or false")
+    knobs: dict[str, Any] = {"parallel": "fsdp"}
+    if not reshard:
+        knobs["fsdp_reshard_after_forward"] = False
+    return knobs
 
 
 # DeepSpeed's ZeRO defaults (deepspeed/runtime/zero/config.py); the engine models these settings,

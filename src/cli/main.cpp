@@ -30,6 +30,12 @@ std::uint64_t parse_count(const std::string& s, const char* field) {
   return v;
 }
 
+bool parse_bool(const std::string& s, const char* field) {
+  if (s == "true") return true;
+  if (s == "false") return false;
+  throw Error(std::string(field) + ": must be true or false, got '" + s + "'");
+}
+
 // A non-negative decimal number ("0.05"); the whole string must parse.
 double parse_fraction(const std::string& s, const char* field) {
   double v = 0;
@@ -53,6 +59,8 @@ struct RecipeFlags {
   std::string quant_type = "";
   std::string new_tokens = "128", beams = "1";
   std::string gpus = "1", parallel = "none", tp = "1";
+  std::string fsdp_reshard_after_forward = "true", fsdp_replicate = "1", fsdp_param_dtype = "none",
+              fsdp_reduce_dtype = "none";
   std::vector<std::pair<std::string, CLI::Option*>> options;  // knob name → its flag
 
   void add_to(CLI::App* app) {
@@ -91,6 +99,14 @@ struct RecipeFlags {
     opt("gpus", "--gpus", gpus, "Data-parallel GPUs (ranks); more than 1 needs --parallel");
     opt("parallel", "--parallel", parallel, "none | ddp (DistributedDataParallel) | fsdp (FSDP2 per decoder layer) | zero1 | zero2 (DeepSpeed ZeRO)");
     opt("tp", "--tp", tp, "Tensor-parallel degree (torch parallelize_module, Megatron plan); 1: none");
+    opt("fsdp_reshard_after_forward", "--fsdp-reshard-after-forward", fsdp_reshard_after_forward,
+        "With --parallel fsdp: true | false (the decoder layers stay gathered from forward to backward: SHARD_GRAD_OP)");
+    opt("fsdp_replicate", "--fsdp-replicate", fsdp_replicate,
+        "With --parallel fsdp: HSDP replica groups R, mesh (R, gpus / R); 1 shards over every GPU");
+    opt("fsdp_param_dtype", "--fsdp-param-dtype", fsdp_param_dtype,
+        "With --parallel fsdp and fp32: MixedPrecisionPolicy param_dtype, none | bf16");
+    opt("fsdp_reduce_dtype", "--fsdp-reduce-dtype", fsdp_reduce_dtype,
+        "With --fsdp-param-dtype: MixedPrecisionPolicy reduce_dtype, none (param_dtype) | fp32 | bf16");
   }
 
   // Knobs the user typed on the command line.
@@ -126,6 +142,10 @@ struct RecipeFlags {
     sp.gpus = parse_count(gpus, "gpus");
     sp.parallel = parallel;
     sp.tp = parse_count(tp, "tp");
+    sp.fsdp_reshard_after_forward = parse_bool(fsdp_reshard_after_forward, "fsdp_reshard_after_forward");
+    sp.fsdp_replicate = parse_count(fsdp_replicate, "fsdp_replicate");
+    sp.fsdp_param_dtype = fsdp_param_dtype;
+    sp.fsdp_reduce_dtype = fsdp_reduce_dtype;
     return sp;
   }
 };
@@ -207,6 +227,10 @@ std::string compare(const std::string& path, bool as_json) {
     return jr[k].get<bool>();
   };
   sp.load_in_4bit = flag("load_in_4bit", false);
+  sp.fsdp_reshard_after_forward = flag("fsdp_reshard_after_forward", true);
+  sp.fsdp_replicate = count("fsdp_replicate", sp.fsdp_replicate);
+  sp.fsdp_param_dtype = text("fsdp_param_dtype", sp.fsdp_param_dtype.c_str());
+  sp.fsdp_reduce_dtype = text("fsdp_reduce_dtype", sp.fsdp_reduce_dtype.c_str());
   sp.bnb_4bit_quant_type = text("bnb_4bit_quant_type", sp.bnb_4bit_quant_type.c_str());
   sp.bnb_4bit_use_double_quant = flag("bnb_4bit_use_double_quant", false);
   if (jr.contains("lora_dropout")) {

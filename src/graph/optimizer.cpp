@@ -60,7 +60,9 @@ void StepBuilder::optimizer_step(bool first) {
     zero_partition.dtype = DType::kF32;
     opt = {&zero_partition};
   }
-  auto sb_of = [&](const Param& p) { return dtype_bytes(pol_.master ? DType::kF32 : p.dtype); };
+  // zeros_like the parameter the optimizer holds: fp32 masters, or FSDP2's sharded parameter (fp32
+  // under a param_dtype policy, See Note [FSDP2 variants]).
+  auto sb_of = [&](const Param& p) { return dtype_bytes(pol_.master ? DType::kF32 : dp_.local_dtype(p.slot, p.dtype)); };
   // The elements this rank's optimizer holds of a parameter (FSDP2: its shard).
   auto numel_of = [&](const Param& p) { return dp_.local_numel(p.slot, p.numel); };
   switch (r_.optimizer) {

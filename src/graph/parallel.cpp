@@ -48,7 +48,10 @@ constexpr std::uint64_t kBucketCapBytes = std::uint64_t{25} << 20;
 //    world x its padded shard, is (re)allocated with storage.resize_ and filled from the buffer
 //    (foreach_all_gather_copy_out), and the buffer is freed. The unsharded storages are freed
 //    again with resize_(0) whatever still references them (autograd's saved weights are the same
-//    storages): Tape::resize;
+//    storages): Tape::resize. In forward (implicit prefetch, wait_for_unshard) the flat buffer is
+//    not freed after the copy-out but kept in comm_ctx.all_gather_state until the next unit's
+//    copy-out has run (the walrus local in wait_for_unshard holds it to the end of the call) or the
+//    root's post-forward, after the model's loss; in backward it is freed after the copy-out;
 //  * forward: the root gathers in its pre-forward, before the embedding, and keeps its
 //    parameters until its post-backward (the root is never resharded after forward: lazy init
 //    sets its post_forward_mesh_info to None); each layer gathers in its pre-forward and frees in
@@ -70,6 +73,31 @@ constexpr std::uint64_t kBucketCapBytes = std::uint64_t{25} << 20;
 // Everything a collective allocates is weights (all-gather) or gradients (reduce-scatter), as
 // the measuring side counts it (docs/parallelism.md, "Categories").
 
+// Note [FSDP2 variants]
+// The knobs of Recipe::fsdp, as torch 2.13's FSDP2 runs them (torch/distributed/fsdp/_fully_shard/):
+//  * reshard_after_forward=False on the layers (_fsdp_init.py _get_post_forward_mesh_info: no
+//    post_forward_mesh_info): FSDPParamGroup.reshard returns at once in forward, so every layer
+//    stays gathered from its pre-forward to its post-backward. In backward, unshard() of a group
+//    that is unsharded is a no-op, so neither the pre-backward nor the prefetch all-gathers; the
+//    post-backward reshards (reshard_after_backward) and reduce-scatters as with full sharding.
+//    The integer form (reshard to a smaller mesh) is not a knob;
+//  * HSDP, a 2-D mesh (replicate, shard) (_fsdp_init.py _get_mesh_info: HSDPMeshInfo): parameters
+//    are sharded over the shard group only (gpus / replicate ranks), the all-gathers and the
+//    reduce-scatter run in it, and foreach_reduce then all-reduces the reduce-scatter output across
+//    the replicate group in place (_fsdp_collectives.py). With a reduce_dtype other than the
+//    parameters' dtype that reduce-dtype output is held in the group's _all_reduce_state until
+//    finalize_backward at the end of backward; otherwise it is the sharded gradient itself;
+//  * MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype) over an fp32 model (_fsdp_param.py
+//    init_dtype_attrs; a reduce_dtype equal to param_dtype is clamped to None): the sharded
+//    parameters, their gradients and the optimizer's states stay fp32; the all-gather first casts
+//    the unit's shards into one flat bf16 buffer (_get_param_all_gather_inputs, foreach copy),
+//    freed when foreach_all_gather returns after allocating the bf16 all-gather output; the
+//    unsharded parameters, the compute and autograd's gradients are bf16 (the step is built as
+//    bf16-true's); foreach_reduce makes its input and output in reduce_dtype (None: bf16) and, when
+//    that is not fp32, casts the output to a new fp32 shard (_to_dtype_if_needed) whose views are
+//    the sharded .grads. output_dtype stays None and cast_forward_inputs True (the defaults): the
+//    layers' floating inputs are bf16 already, so it casts nothing.
+
 // Note [Collectives on CUDA]
 // The ground truth for data parallelism is CPU (gloo) only; what the engine assumes on CUDA is
 // read from torch 2.13's sources and not measured. DDP's buckets and FSDP2's buffers are the
@@ -89,6 +117,16 @@ std::uint64_t ceil_div(std::uint64_t a, std::uint64_t b) { return a / b + (a % b
 DataParallel::DataParallel(Tape& tape, const Recipe& recipe, bool cuda, std::uint64_t rank)
     : t_(tape), kind_(recipe.parallel), world_(recipe.gpus), cuda_(cuda), rank_(rank), grad_accum_(recipe.grad_accum) {
   TRAINMEM_ASSERT(rank < world_, "rank outside the world");
+  if (kind_ != Parallel::kFsdp) return;
+  // See Note [FSDP2 variants].
+  const Fsdp& f = recipe.fsdp;
+  shard_world_ = world_ / f.replicate;
+  reshard_after_forward_ = f.reshard_after_forward;
+  cast_params_ = f.param_dtype != FsdpDtype::kNone;
+  // init_dtype_attrs clamps a reduce_dtype equal to param_dtype to None.
+  if (f.reduce_dtype != FsdpDtype::kNone && f.reduce_dtype != f.param_dtype) {
+    reduce_dtype_ = f.reduce_dtype == FsdpDtype::kFp32 ? DType::kF32 : DType::kBF16;
+  }
 }
 
 void DataParallel::wrap(std::vector<WrappedParam>& params, const std::vector<std::vector<std::uint32_t>>& layers,
@@ -127,16 +165,17 @@ void DataParallel::wrap(std::vector<WrappedParam>& params, const std::vector<std
       std::uint64_t shard = 0;
       if (p.rows > 0) {
         TRAINMEM_ASSERT(p.numel % p.rows == 0, "parameter rows do not divide its size");
-        shard = detail::mul(ceil_div(p.rows, world_), p.numel / p.rows, "shard elements");
+        shard = detail::mul(ceil_div(p.rows, shard_world_), p.numel / p.rows, "shard elements");
       } else {
-        shard = ceil_div(p.numel, world_);
+        shard = ceil_div(p.numel, shard_world_);
       }
       shard_numel_[pi] = shard;
       u.shard_numel += shard;
-      u.dtype = p.dtype;
-      const std::uint64_t item = dtype_bytes(p.dtype);
-      t_.alloc_bytes(detail::mul(shard, item, "shard bytes"), Category::kWeights);  // kept for the run
-      unsharded_[pi] = t_.reserve(detail::mul({shard, world_, item}, "unsharded parameter bytes"), Category::kWeights);
+      u.dtype = p.dtype;  // the model's dtype: with a param_dtype policy the compute's, over fp32 shards
+      orig_dtype_ = cast_params_ ? DType::kF32 : p.dtype;
+      t_.alloc_bytes(detail::mul(shard, dtype_bytes(orig_dtype_), "shard bytes"), Category::kWeights);  // the run
+      unsharded_[pi] = t_.reserve(detail::mul({shard, shard_world_, dtype_bytes(p.dtype)}, "unsharded parameter bytes"),
+                                  Category::kWeights);
       p.storage = unsharded_[pi];  // the full parameter's storage never had memory (step_parameters.cpp add_param)
       params_[pi].storage = p.storage;
     }
@@ -160,6 +199,7 @@ void DataParallel::pre_forward() {
     for (TensorId id : ids) t_.release(id);
   } else if (kind_ == Parallel::kFsdp) {
     Unit& root = units_.back();
+    t_.at(Phase::kForward, kNoLayer, "fsdp.all_gather");  // the root's pre-forward: the forward has begun
     if (!root.gathered) {
       if (root.flat == kNone) all_gather(root);
       copy_out(root);
@@ -176,10 +216,19 @@ void DataParallel::layer_pre_forward(std::uint32_t layer) {
 }
 
 void DataParallel::layer_post_forward(std::uint32_t layer) {
-  if (kind_ == Parallel::kFsdp) reshard(units_[layer]);
+  // reshard_after_forward=False: the post-forward reshard returns at once (See Note [FSDP2 variants]).
+  if (kind_ == Parallel::kFsdp && reshard_after_forward_) reshard(units_[layer]);
+}
+
+void DataParallel::post_forward() {
+  if (kind_ != Parallel::kFsdp || forward_all_gather_ == kNone) return;
+  // The root's post-forward frees the last all_gather_state (See Note [FSDP2 units]).
+  t_.release(forward_all_gather_);
+  forward_all_gather_ = kNone;
 }
 
 void DataParallel::backward_begin() {
+  post_forward();  // a no-op where the step builder has called it
   if (kind_ != Parallel::kFsdp || units_.size() < 2) return;
   // The root's pre-backward prefetches the last layer (see Note [FSDP2 units]).
   Unit& last = units_[units_.size() - 2];
@@ -197,6 +246,8 @@ void DataParallel::layer_change(std::int32_t from, std::int32_t to) {
     if (!u.gathered) {
       if (u.flat == kNone) all_gather(u);
       copy_out(u);
+    } else {
+      release_gloo_temporary();  // no copy-out follows (reshard_after_forward=False): dropped at once
     }
     if (to > 0) {
       Unit& prev = units_[static_cast<std::size_t>(to - 1)];
@@ -216,11 +267,17 @@ void DataParallel::param_ready(std::uint32_t slot) {
 void DataParallel::backward_end() {
   if (zero()) return zero_backward_end();
   if (kind_ == Parallel::kDdp) backward_seen_ = true;
+}
+
+void DataParallel::final_callback() {
   if (kind_ != Parallel::kFsdp) return;
-  // The final callback: the root (and any unit whose post-backward did not run) reduces, then
-  // the last reduce-scatter state is dropped.
+  // _root_post_backward_final_callback, queued by the root's pre-backward: it runs inside the
+  // backward call (the seed gradient is still held); the root (and any unit whose post-backward
+  // did not run) reduces, then the last reduce-scatter state is dropped.
   reduce(units_.back());
   for (Unit& u : units_) reduce(u);
+  for (TensorId id : all_reduce_inputs_) t_.release(id);  // finalize_backward drops _all_reduce_state
+  all_reduce_inputs_.clear();
   release_gloo_temporary();
   if (pending_reduce_input_ != kNone) {
     t_.release(pending_reduce_input_);
@@ -247,6 +304,11 @@ std::uint64_t DataParallel::local_numel(std::uint32_t slot, std::uint64_t numel)
   return shard_numel_[param_of_slot_[slot]];  // rank 0's chunk is the full, padded size
 }
 
+DType DataParallel::local_dtype(std::uint32_t slot, DType dtype) const {
+  if (kind_ != Parallel::kFsdp || slot >= param_of_slot_.size() || param_of_slot_[slot] == kNone) return dtype;
+  return orig_dtype_;
+}
+
 // Note [gloo's reduce-scatter temporary]
 // On the CPU, gloo's reduce_scatter_tensor makes a world x output tensor that the tracker sees
 // only when it surfaces in Python (at the next split) and sees freed when its last reference
@@ -255,8 +317,10 @@ std::uint64_t DataParallel::local_numel(std::uint32_t slot, std::uint64_t numel)
 // after the next unit's pre-backward has allocated its unsharded parameters, and which of the two
 // happens changes from rank to rank and run to run. The engine takes the later one, the rank with
 // the most memory: the temporary lives until the next all-gather copy-out when the backward goes
-// on into another layer, and is dropped at once otherwise. NCCL makes no such tensor (Note
-// [Collectives on CUDA]).
+// on into another layer that must be gathered, and is dropped at once otherwise (the root's
+// backward, or with reshard_after_forward=False a layer still gathered from its forward: there
+// the measured ranks freed it at once, cpu-fsdp-llamaw512l4-fp32-adamw-sgo-b1s256). NCCL makes no
+// such tensor (Note [Collectives on CUDA]).
 void DataParallel::release_gloo_temporary() {
   if (gloo_temporary_ == kNone) return;
   t_.release(gloo_temporary_);
@@ -286,15 +350,27 @@ void DataParallel::rebuild_buckets() {
 
 void DataParallel::all_gather(Unit& u) {
   t_.at(t_.phase(), kNoLayer, "fsdp.all_gather");
-  u.flat = t_.alloc_bytes(detail::mul({u.shard_numel, world_, dtype_bytes(u.dtype)}, "all-gather bytes"),
-                          Category::kWeights);
+  const std::uint64_t item = dtype_bytes(u.dtype);
+  // A param_dtype policy: the shards are cast into one flat buffer first, freed when
+  // foreach_all_gather returns (See Note [FSDP2 variants]).
+  const TensorId cast =
+      cast_params_ ? t_.alloc_bytes(detail::mul(u.shard_numel, item, "all-gather bytes"), Category::kWeights) : kNone;
+  u.flat = t_.alloc_bytes(detail::mul({u.shard_numel, shard_world_, item}, "all-gather bytes"), Category::kWeights);
+  if (cast != kNone) t_.release(cast);
 }
 
 void DataParallel::copy_out(Unit& u) {
   t_.at(t_.phase(), kNoLayer, "fsdp.all_gather_copy_out");
   for (std::uint32_t pi : u.params) t_.resize(unsharded_[pi], true);
   release_gloo_temporary();  // See Note [gloo's reduce-scatter temporary]
-  t_.release(u.flat);
+  if (t_.phase() == Phase::kForward) {
+    // In forward the buffer is kept in all_gather_state until the next unit's copy-out or the
+    // root's post-forward (See Note [FSDP2 units]).
+    if (forward_all_gather_ != kNone) t_.release(forward_all_gather_);
+    forward_all_gather_ = u.flat;
+  } else {
+    t_.release(u.flat);
+  }
   u.flat = kNone;
   u.gathered = true;
 }
@@ -307,7 +383,7 @@ void DataParallel::reshard(Unit& u) {
 
 // A unit's post-backward (see Note [FSDP2 units]).
 void DataParallel::reduce(Unit& u) {
-  std::vector<TensorId> grads;
+  std::vector<TensorId> grads;  // in fsdp_params order, the unit's parameter order
   for (std::uint32_t pi : u.params) {
     const std::uint32_t slot = params_[pi].slot;
     if (t_.param_grad(slot) == kNone) continue;
@@ -319,16 +395,33 @@ void DataParallel::reduce(Unit& u) {
   t_.at(t_.phase(), kNoLayer, "fsdp.reduce_scatter");
   release_gloo_temporary();
   if (pending_reduce_input_ != kNone) t_.release(pending_reduce_input_);
-  const std::uint64_t out_bytes = detail::mul(u.shard_numel, dtype_bytes(u.dtype), "reduce-scatter bytes");
-  TensorId in = t_.alloc_bytes(detail::mul(out_bytes, world_, "reduce-scatter bytes"), Category::kGradients);
-  for (TensorId g : grads) t_.release(g);
+  // The gradients are in the unsharded parameters' dtype; reduced in reduce_dtype when the policy
+  // has one, then cast to the sharded parameters' dtype (See Note [FSDP2 variants]).
+  const DType reduce_dtype = reduce_dtype_.value_or(u.dtype);
+  const std::uint64_t out_bytes = detail::mul(u.shard_numel, dtype_bytes(reduce_dtype), "reduce-scatter bytes");
+  TensorId in = t_.alloc_bytes(detail::mul(out_bytes, shard_world_, "reduce-scatter bytes"), Category::kGradients);
+  // unsharded_grads.clear() after the copy-in frees them, all but the last: the loop variable of
+  // foreach_reduce's first loop (over the Shard(i > 0) parameters) still holds it until the
+  // function returns (measured: cpu-fsdp-gpt2l2-fp32-adamw-bf16params-b2s32, whose peak is there).
+  for (std::size_t k = 0; k + 1 < grads.size(); ++k) t_.release(grads[k]);
   TensorId out = t_.alloc_bytes(out_bytes, Category::kGradients);
-  if (!cuda_) gloo_temporary_ = t_.alloc_bytes(out_bytes * world_, Category::kGradients);
+  if (!cuda_) gloo_temporary_ = t_.alloc_bytes(out_bytes * shard_world_, Category::kGradients);
+  if (reduce_dtype != orig_dtype_) {
+    const TensorId cast =
+        t_.alloc_bytes(detail::mul(u.shard_numel, dtype_bytes(orig_dtype_), "sharded gradient bytes"), Category::kGradients);
+    if (shard_world_ < world_) {
+      all_reduce_inputs_.push_back(out);  // HSDP: the all-reduced buffer is held until the end of backward
+    } else {
+      t_.release(out);
+    }
+    out = cast;
+  }
   if (u.sharded_grad == kNone) {
     u.sharded_grad = out;
   } else {
     t_.release(out);  // added into the existing sharded .grads
   }
+  t_.release(grads.back());  // foreach_reduce returns
   pending_reduce_input_ = in;
 }
 

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -38,16 +39,20 @@ class DataParallel {
             const std::vector<std::uint32_t>& root, const std::vector<std::pair<DType, std::uint64_t>>& buffers);
 
   void pre_forward();                    // the wrapped module is called
+  void post_forward();                   // the wrapped module returns (after the model's loss)
   void layer_pre_forward(std::uint32_t layer);
   void layer_post_forward(std::uint32_t layer);
   void backward_begin();                 // the loss' gradient exists
   void layer_change(std::int32_t from, std::int32_t to);  // backward moves between layers
   void param_ready(std::uint32_t slot);  // AccumulateGrad has run for this parameter
+  void final_callback();                 // the autograd engine's final callbacks (FSDP2's root)
   void backward_end();                   // after the engine has run every node
   void before_optimizer();               // sharded gradients into the .grad slots
 
   // The elements of this rank's parameter that the optimizer sees (FSDP2: rank 0's shard).
   std::uint64_t local_numel(std::uint32_t slot, std::uint64_t numel) const;
+  // Its dtype: the sharded parameter's (FSDP2 with a param_dtype policy: fp32 under a bf16 model).
+  DType local_dtype(std::uint32_t slot, DType dtype) const;
 
   // DeepSpeed ZeRO-1/2 (zero.cpp, Note [DeepSpeed ZeRO-1/2]). The torch optimizer holds one
   // parameter, this rank's fp32 master partition of zero_partition_numel() elements; its
@@ -68,7 +73,7 @@ class DataParallel {
   struct Unit {
     std::vector<std::uint32_t> params;
     std::uint64_t shard_numel = 0;  // Σ padded shard elements
-    DType dtype = DType::kF32;
+    DType dtype = DType::kF32;      // the unsharded parameters' (param_dtype, or the parameters')
     TensorId flat = kNone;          // all-gather buffer in flight
     bool gathered = false;
     TensorId sharded_grad = kNone;  // reduce-scatter output (the sharded .grads are views)
@@ -94,6 +99,13 @@ class DataParallel {
   bool backward_seen_ = false, rebuilt_ = false;
   // FSDP2
   std::vector<Unit> units_;  // decoder layers, then the root
+  std::uint64_t shard_world_ = 1;       // ranks of a shard group: gpus / fsdp_replicate
+  bool reshard_after_forward_ = true;   // the decoder layers'
+  bool cast_params_ = false;            // a param_dtype policy: all-gather inputs cast from the fp32 shards
+  DType orig_dtype_ = DType::kF32;      // the sharded parameters' (and the sharded gradients')
+  std::optional<DType> reduce_dtype_;   // the policy's reduce_dtype; none: the gradients' dtype
+  TensorId forward_all_gather_ = kNone;  // comm_ctx.all_gather_state: the last forward all-gather's buffer
+  std::vector<TensorId> all_reduce_inputs_;  // HSDP: reduce-dtype outputs held until the end of backward
   std::vector<std::uint64_t> shard_numel_;  // per parameter, padded
   std::vector<TensorId> unsharded_;         // per parameter
   TensorId pending_reduce_input_ = kNone;   // the last reduce-scatter's input, kept until the next

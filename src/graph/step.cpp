@@ -22,7 +22,11 @@ StepBuilder::StepBuilder(const Model& m, const Recipe& r, const Gpu& gpu, const 
       gpu_(gpu),
       hook_(hook),
       // A 4-bit base runs in fp32 outside its matmuls, whose dtype is the precision's (Note [QLoRA]).
-      pol_(policy_for(r.quant.enabled() ? Precision::kFp32 : r.precision)),
+      // FSDP2's MixedPrecisionPolicy(param_dtype=bf16) computes as bf16-true over fp32 shards
+      // (See Note [FSDP2 variants]).
+      pol_(policy_for(r.quant.enabled()                         ? Precision::kFp32
+                      : r.fsdp.param_dtype == FsdpDtype::kBf16 ? Precision::kBf16True
+                                                               : r.precision)),
       quant_dtype_(policy_for(r.precision).param),
       rank_(rank) {
   if (r.quant.enabled() && (a_.family == Family::kGpt2 || a_.qkv_bias || a_.o_bias || a_.mlp_bias)) {
@@ -246,9 +250,18 @@ ValueId StepBuilder::standard_loss(T& normed, std::uint32_t emb) {
   phase_ = Phase::kLoss;
   op("loss");
   T up = to(logits, DType::kF32);
+  // shift_labels = pad(labels, (0, 1))[..., 1:].contiguous() (transformers' ForCausalLMLoss): a
+  // copy, except for one sequence, whose [1, s] slice is contiguous already and stays a view of
+  // the padded labels (measured: cpu-fsdp-llamaw512l4-fp32-adamw-sgo-b1s256 peaks here).
   T padded = fresh(tok_ + B_, DType::kI64);
-  T shifted = fresh(tok_, DType::kI64);
-  t_.drop(padded);
+  T shifted;
+  if (B_ == 1) {
+    shifted = padded;
+    shifted.numel = tok_;
+  } else {
+    shifted = fresh(tok_, DType::kI64);
+    t_.drop(padded);
+  }
   T logp = fresh(logits.numel, DType::kF32);
   requires_grad(logp);
   {
@@ -392,6 +405,7 @@ ValueId StepBuilder::fused_loss(T& hidden, std::uint32_t emb) {
 }
 
 ValueId StepBuilder::scale_loss(T& loss) {
+  dp_.post_forward();  // the model's forward has returned (FSDP2's root post-forward)
   // (loss / grad_accum).backward(); fp16-mixed goes through GradScaler.scale(), which makes
   // its scale and growth tracker on first use and multiplies the loss by the scale.
   T scaled = elementwise({&loss}, 1, DType::kF32, {});

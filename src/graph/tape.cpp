@@ -362,6 +362,7 @@ void Tape::backward(ValueId root) {
   deliver(root, seed);
   run(0, nodes_.size());
   if (on_layer_change && backward_layer_ != -1) on_layer_change(backward_layer_, -1);
+  if (on_final_callbacks) on_final_callbacks();
   release(seed);
   nodes_.clear();
   for (TensorId& g : value_grad_) {

@@ -278,6 +278,9 @@ class Tape {
   // when backward moves from one decoder layer's nodes to another's (-1: outside the layers).
   std::function<void(std::uint32_t slot)> on_param_ready;
   std::function<void(std::int32_t from, std::int32_t to)> on_layer_change;
+  // The engine's final callbacks (Variable._execution_engine.queue_callback): after every node,
+  // while torch.autograd.backward still holds the seed gradient.
+  std::function<void()> on_final_callbacks;
 
   // Runs backward from `root` (a scalar) and clears the recorded graph.
   void backward(ValueId root);

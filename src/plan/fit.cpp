@@ -107,6 +107,8 @@ class Planner {
     }
     k += "/" + r.gpu + "/lora" + std::to_string(r.lora.rank) + "/" + std::to_string(r.lora.dropout);
     k += "/" + std::string(to_string(r.parallel)) + std::to_string(r.gpus);
+    k += "/fsdp" + std::string(r.fsdp.reshard_after_forward ? "1" : "0") + std::to_string(r.fsdp.replicate) + "/" +
+         std::string(to_string(r.fsdp.param_dtype)) + "/" + std::string(to_string(r.fsdp.reduce_dtype));
     for (const std::string& t : r.lora.targets) k += "/" + t;
     if (r.quant.enabled()) {
       k += "/4bit/" + std::string(to_string(r.quant.quant_type)) + (r.quant.double_quant ? "/dq" : "");
@@ -183,9 +185,10 @@ std::uint64_t plan::persistent_floor(const Model& m, const Recipe& r) {
   }
   // DDP: the Reducer's buckets, a second copy of the gradients (Note [DDP buckets] in
   // graph/parallel.cpp). FSDP2: every rank holds at least 1/gpus of the parameters, gradients and
-  // states (padded shards are never smaller).
+  // states (padded shards are never smaller); HSDP shards over its shard group only. A param_dtype
+  // policy keeps fp32 shards, gradients and states (the precision is fp32).
   const std::uint64_t buckets = r.parallel == Parallel::kDdp ? detail::mul(n, pb, "bucket bytes") : 0;
-  const std::uint64_t shards = r.parallel == Parallel::kFsdp ? r.gpus : 1;
+  const std::uint64_t shards = r.parallel == Parallel::kFsdp ? r.gpus / r.fsdp.replicate : 1;
   // Every parameter's .grad (in the parameter's dtype) exists when the optimizer step starts.
   std::uint64_t extra = detail::mul(n, pb, "gradient bytes");
   if (r.precision == Precision::kBf16Master) extra = detail::add(extra, detail::mul(n, 4, "master bytes"), "master bytes");
@@ -301,6 +304,7 @@ FitResult fit(const Model& model, const FitRequest& q) {
                 r.checkpointing = c;
                 r.loss = l;
                 r.parallel = dp;
+                if (dp != Parallel::kFsdp) r.fsdp = Fsdp{};  // FSDP2's knobs belong to fsdp alone
                 r.allocator = allocators.front();
                 if (!valid(r)) continue;
                 out_space.push_back({r, step_time(model, r), plan::persistent_floor(model, r)});
@@ -465,6 +469,7 @@ FitResult fit(const Model& model, const FitRequest& q) {
       if (dp == base.parallel) continue;
       Recipe r = base;
       r.parallel = dp;
+      if (dp != Parallel::kFsdp) r.fsdp = Fsdp{};
       std::string what = "parallel " + std::string(to_string(dp));
       // DeepSpeed's bf16 mode is bf16 weights over fp32 master partitions: a bf16 recipe moves to
       // it (recipe validation refuses the other bf16 policies under ZeRO).
@@ -474,6 +479,13 @@ FitResult fit(const Model& model, const FitRequest& q) {
       }
       change(what, r);
     }
+  }
+  if (base.parallel == Parallel::kFsdp) {
+    // FSDP2's reshard_after_forward on the layers: false (SHARD_GRAD_OP) skips the backward's
+    // all-gathers and keeps every layer gathered from its forward to its backward.
+    Recipe r = base;
+    r.fsdp.reshard_after_forward = !base.fsdp.reshard_after_forward;
+    change(std::string("fsdp_reshard_after_forward ") + (r.fsdp.reshard_after_forward ? "true" : "false"), r);
   }
   if (!base.lora.enabled() && base.parallel == Parallel::kNone) {
     Recipe r = base;

@@ -158,7 +158,25 @@ StepTime step_time(const Model& model, const Recipe& spelled) {
     double moved = 0;  // bytes through each GPU's link per optimizer step
     switch (recipe.parallel) {
       case Parallel::kDdp: moved = 2 * ring * grads * micro; break;
-      case Parallel::kFsdp: moved = ring * (2 * params + grads) * micro; break;
+      case Parallel::kFsdp: {
+        // All-gathers of the (param_dtype) parameters, two per micro-batch or one with
+        // reshard_after_forward false, and the reduce-scatter of the (reduce_dtype) gradients, over
+        // the shard group; HSDP adds the all-reduce of the reduced shard across the replicas.
+        const Fsdp& f = recipe.fsdp;
+        const double shard = n / static_cast<double>(f.replicate);
+        const double shard_ring = (shard - 1) / shard;
+        const double gathered = f.param_dtype == FsdpDtype::kBf16 ? c.trainable_elements * 2 : params;
+        const double reduced = f.reduce_dtype == FsdpDtype::kFp32 ? c.trainable_elements * 4
+                               : f.param_dtype == FsdpDtype::kBf16 ? c.trainable_elements * 2
+                                                                   : grads;
+        const double gathers = f.reshard_after_forward ? 2 : 1;
+        moved = shard_ring * (gathers * gathered + reduced) * micro;
+        if (f.replicate > 1) {
+          const double rep = static_cast<double>(f.replicate);
+          moved += 2 * (rep - 1) / rep * reduced / shard * micro;
+        }
+        break;
+      }
       case Parallel::kZero1: moved = 2 * ring * grads + ring * params; break;
       case Parallel::kZero2: moved = 2 * ring * grads * micro + ring * params; break;
       case Parallel::kNone: break;

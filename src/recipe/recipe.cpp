@@ -39,6 +39,10 @@ constexpr Spellings<Parallel, 5> kParallel{{{Parallel::kNone, "none"},
                                             {Parallel::kZero1, "zero1"},
                                             {Parallel::kZero2, "zero2"}}};
 
+constexpr Spellings<FsdpDtype, 3> kFsdpDtypes{{{FsdpDtype::kNone, "none"},
+                                                {FsdpDtype::kFp32, "fp32"},
+                                                {FsdpDtype::kBf16, "bf16"}}};
+
 template <typename E, std::size_t N>
 std::string_view name_of(const Spellings<E, N>& table, E e) {
   for (const auto& [v, s] : table) {
@@ -129,6 +133,10 @@ void validate_parallel(const Recipe& r) {
   check_range("gpus", r.gpus, kMaxGpus);
   check_range("tp", r.tp, kMaxTp);
   if (r.tp > 1) validate_tensor_parallel(r);
+  if (r.parallel != Parallel::kFsdp && !r.fsdp.is_default()) {
+    throw Error("fsdp_reshard_after_forward / fsdp_replicate / fsdp_param_dtype / fsdp_reduce_dtype: FSDP2 knobs, "
+                "they need parallel fsdp");
+  }
   if (r.parallel == Parallel::kNone) {
     if (r.gpus != 1) {
       throw Error("gpus: " + std::to_string(r.gpus) +
@@ -152,6 +160,26 @@ void validate_parallel(const Recipe& r) {
     if (r.loss == Loss::kFused) {
       throw Error("loss: fused under parallel fsdp is not modelled (it reads lm_head.weight outside the root "
                   "module's forward, where FSDP2 has not gathered it); use standard");
+    }
+    const Fsdp& f = r.fsdp;
+    check_range("fsdp_replicate", f.replicate, kMaxGpus);
+    if (f.replicate > 1 && (r.gpus % f.replicate != 0 || r.gpus / f.replicate < 2)) {
+      throw Error("fsdp_replicate: " + std::to_string(f.replicate) + " with gpus " + std::to_string(r.gpus) +
+                  ": HSDP's mesh is (fsdp_replicate, gpus / fsdp_replicate) and needs a shard group of 2 or more "
+                  "GPUs");
+    }
+    if (f.param_dtype == FsdpDtype::kFp32) {
+      throw Error("fsdp_param_dtype: fp32 is the parameters' own dtype (the policy's None); use none or bf16");
+    }
+    if (f.param_dtype != FsdpDtype::kNone && r.precision != Precision::kFp32) {
+      throw Error("fsdp_param_dtype: " + std::string(to_string(f.param_dtype)) + " with precision " +
+                  std::string(to_string(r.precision)) +
+                  ": MixedPrecisionPolicy casts fp32 parameters (sharded, the optimizer's) for the all-gather and "
+                  "the compute; use precision fp32");
+    }
+    if (f.reduce_dtype != FsdpDtype::kNone && f.param_dtype == FsdpDtype::kNone) {
+      throw Error("fsdp_reduce_dtype: " + std::string(to_string(f.reduce_dtype)) +
+                  " without fsdp_param_dtype is not modelled (the gradients are reduced in the parameters' dtype)");
     }
   }
   if (is_zero(r.parallel)) {
@@ -184,6 +212,8 @@ std::string_view to_string(AllocatorMode x) { return name_of(kAllocator, x); }
 std::string_view to_string(Mode x) { return name_of(kModes, x); }
 std::string_view to_string(QuantType x) { return name_of(kQuantTypes, x); }
 std::string_view to_string(Parallel x) { return name_of(kParallel, x); }
+std::string_view to_string(FsdpDtype x) { return name_of(kFsdpDtypes, x); }
+FsdpDtype parse_fsdp_dtype(std::string_view s, std::string_view field) { return parse(kFsdpDtypes, s, field); }
 
 Precision parse_precision(std::string_view s) { return parse(kPrecisions, s, "precision"); }
 Optimizer parse_optimizer(std::string_view s) { return parse(kOptimizers, s, "optimizer"); }
@@ -235,6 +265,10 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   r.gpus = in.gpus;
   r.parallel = parse_parallel(in.parallel);
   r.tp = in.tp;
+  r.fsdp.reshard_after_forward = in.fsdp_reshard_after_forward;
+  r.fsdp.replicate = in.fsdp_replicate;
+  r.fsdp.param_dtype = parse_fsdp_dtype(in.fsdp_param_dtype, "fsdp_param_dtype");
+  r.fsdp.reduce_dtype = parse_fsdp_dtype(in.fsdp_reduce_dtype, "fsdp_reduce_dtype");
   r.validate();
   return r;
 }

@@ -42,6 +42,12 @@ ordered_json recipe_object(const Recipe& r) {
     j["parallel"] = to_string(r.parallel);
   }
   if (r.tp > 1) j["tp"] = r.tp;  // as trainmem-measure writes it: only with tensor parallelism
+  if (r.parallel == Parallel::kFsdp) {  // FSDP2's knobs, with parallel fsdp only (as trainmem-measure)
+    j["fsdp_reshard_after_forward"] = r.fsdp.reshard_after_forward;
+    j["fsdp_replicate"] = r.fsdp.replicate;
+    j["fsdp_param_dtype"] = to_string(r.fsdp.param_dtype);
+    j["fsdp_reduce_dtype"] = to_string(r.fsdp.reduce_dtype);
+  }
   if (r.mode == Mode::kInference) {
     j["new_tokens"] = r.new_tokens;
     j["beams"] = r.beams;

@@ -579,8 +579,11 @@ TEST(GraphLossHead, TenBsvInsideTheLoss) {
   const std::uint64_t most = max_after(t, in(2, Phase::kLoss), [](const Live& l) { return l.raw[kActs] + l.raw[kTemps]; });
   // Entering the loss: the bf16 logits (2·bsV) are the only loss-head tensor.
   EXPECT_EQ(before.raw[kTemps], 2 * x.bsV());
-  // Most inside: logits 2 + upcast 4 + log-probs 4, with the shifted labels (8·bs).
-  EXPECT_EQ(most - (before.raw[kActs] + before.raw[kTemps]), 8 * x.bsV() + 8 * x.bs());
+  // Most inside: logits 2 + upcast 4 + log-probs 4, with the shifted labels (8·bs; for one
+  // sequence the padded labels themselves, 8·(s + 1): pad(labels)[..., 1:] of a [1, s + 1] tensor
+  // is contiguous, so .contiguous() copies nothing).
+  const std::uint64_t labels = x.b == 1 ? 8 * (x.bs() + 1) : 8 * x.bs();
+  EXPECT_EQ(most - (before.raw[kActs] + before.raw[kTemps]), 8 * x.bsV() + labels);
 }
 
 // ---- buffers -------------------------------------------------------------------------------

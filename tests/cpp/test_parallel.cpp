@@ -93,5 +93,80 @@ TEST(Fsdp, StatesShrinkWithTheWorldAndRankZeroHoldsTheCeiling) {
   EXPECT_LT(two.peak_allocated_bytes, one.peak_allocated_bytes);
 }
 
+// Note [FSDP2 variants]: reshard_after_forward=False keeps the layers gathered from forward to
+// backward, so each layer gathers once per step (in its forward) and the backward gathers nothing.
+TEST(FsdpVariants, ShardGradOpGathersEachLayerOncePerStep) {
+  Recipe r = dp_recipe(Parallel::kFsdp, 2, Precision::kFp32);
+  r.fsdp.reshard_after_forward = false;
+  const graph::Trace t = graph::build_training_trace(gpt2_l2(), r, find_gpu("cpu"));
+  const std::uint64_t layer_flat = 7'087'872 * 4;
+  const std::vector<std::uint64_t> step = {kRootShardElements * 2 * 4, layer_flat, layer_flat};
+  std::vector<std::uint64_t> want = step;
+  want.insert(want.end(), step.begin(), step.end());
+  EXPECT_EQ(allocs_at(t, "fsdp.all_gather"), want);
+}
+
+TEST(FsdpVariants, ShardGradOpHoldsMoreAndNeverLess) {
+  const Model m = gpt2_l2();
+  Recipe full = dp_recipe(Parallel::kFsdp, 2, Precision::kFp32);
+  Recipe sgo = full;
+  sgo.fsdp.reshard_after_forward = false;
+  const Estimate a = estimate(m, full), b = estimate(m, sgo);
+  EXPECT_GE(b.peak_allocated_bytes, a.peak_allocated_bytes);
+  EXPECT_EQ(b.breakdown_at_peak[kStates], a.breakdown_at_peak[kStates]);  // the same shards
+}
+
+// HSDP over 4 ranks as (2 replicas) x (2 shards): the shard group is what 2-rank FSDP shards
+// over, and the all-reduce across replicas is in place.
+TEST(FsdpVariants, HybridShardsOverTheShardGroupOnly) {
+  const Model m = gpt2_l2();
+  Recipe hsdp = dp_recipe(Parallel::kFsdp, 4, Precision::kFp32);
+  hsdp.fsdp.replicate = 2;
+  const graph::Trace t = graph::build_training_trace(m, hsdp, find_gpu("cpu"));
+  const graph::Trace two = graph::build_training_trace(m, dp_recipe(Parallel::kFsdp, 2, Precision::kFp32), find_gpu("cpu"));
+  EXPECT_EQ(allocs_at(t, "fsdp.fully_shard"), allocs_at(two, "fsdp.fully_shard"));
+  EXPECT_EQ(allocs_at(t, "fsdp.all_gather"), allocs_at(two, "fsdp.all_gather"));
+  const Estimate a = estimate(m, hsdp), b = estimate(m, dp_recipe(Parallel::kFsdp, 2, Precision::kFp32));
+  EXPECT_EQ(a.peak_allocated_bytes, b.peak_allocated_bytes);
+}
+
+// MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over fp32: fp32 shards and optimizer
+// states, bf16 all-gathers (a bf16 cast of the shards first, then world x the bf16 shards).
+TEST(FsdpVariants, ParamDtypeGathersInBf16OverFp32Shards) {
+  const Model m = gpt2_l2();
+  Recipe mp = dp_recipe(Parallel::kFsdp, 2, Precision::kFp32);
+  mp.fsdp.param_dtype = FsdpDtype::kBf16;
+  mp.fsdp.reduce_dtype = FsdpDtype::kFp32;
+  const Recipe fp32 = dp_recipe(Parallel::kFsdp, 2, Precision::kFp32);
+  const graph::Trace t = graph::build_training_trace(m, mp, find_gpu("cpu"));
+  EXPECT_EQ(allocs_at(t, "fsdp.fully_shard"), allocs_at(graph::build_training_trace(m, fp32, find_gpu("cpu")), "fsdp.fully_shard"));
+  const std::vector<std::uint64_t> gathers = allocs_at(t, "fsdp.all_gather");
+  ASSERT_FALSE(gathers.empty());
+  EXPECT_EQ(gathers[0], kRootShardElements * 2);      // the root's shards cast to bf16
+  EXPECT_EQ(gathers[1], kRootShardElements * 2 * 2);  // world x the bf16 shards
+  // Adam's moments are zeros_like the fp32 shards, as without the policy.
+  EXPECT_EQ(estimate(m, mp).breakdown_at_peak[kStates], estimate(m, fp32).breakdown_at_peak[kStates]);
+  Recipe none = mp;
+  none.fsdp.reduce_dtype = FsdpDtype::kNone;  // reduced in bf16, then cast to fp32 shards
+  EXPECT_NO_THROW(estimate(m, none));
+}
+
+TEST(FsdpVariants, KnobsAreCheckedWithParallelFsdpOnly) {
+  Recipe r = dp_recipe(Parallel::kDdp, 2, Precision::kFp32);
+  r.fsdp.reshard_after_forward = false;
+  EXPECT_THROW(r.validate(), Error);
+  r = dp_recipe(Parallel::kFsdp, 4, Precision::kFp32);
+  r.fsdp.replicate = 4;  // a shard group of one rank
+  EXPECT_THROW(r.validate(), Error);
+  r.fsdp.replicate = 3;  // does not divide the world
+  EXPECT_THROW(r.validate(), Error);
+  r = dp_recipe(Parallel::kFsdp, 2, Precision::kBf16Mixed);
+  r.fsdp.param_dtype = FsdpDtype::kBf16;  // casts fp32 parameters only
+  EXPECT_THROW(r.validate(), Error);
+  r = dp_recipe(Parallel::kFsdp, 2, Precision::kFp32);
+  r.fsdp.reduce_dtype = FsdpDtype::kFp32;  // a reduce dtype without a param dtype
+  EXPECT_THROW(r.validate(), Error);
+}
+
 }  // namespace
 }  // namespace trainmem

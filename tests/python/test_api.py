@@ -105,6 +105,19 @@ def test_tensor_parallel_keyword(trainmem_bin):
         trainmem.estimate("llama-3.2-1b", tp=True)
     with pytest.raises(ValueError, match="tensor parallelism combined with data parallelism"):
         trainmem.estimate("llama-3.2-1b", precision="fp32", tp=2, gpus=2, parallel="ddp")
+def test_fsdp_variant_keywords(trainmem_bin):
+    kw = dict(seq=128, gpus=4, parallel="fsdp", precision="fp32", fsdp_reshard_after_forward=False,
+              fsdp_replicate=2, fsdp_param_dtype="bf16", fsdp_reduce_dtype="fp32")
+    est = trainmem.estimate("gpt2", **kw)
+    cli = json.loads(subprocess.run([trainmem_bin, "estimate", "gpt2", "--seq", "128", "--gpus", "4", "--parallel",
+                                     "fsdp", "--precision", "fp32", "--fsdp-reshard-after-forward", "false",
+                                     "--fsdp-replicate", "2", "--fsdp-param-dtype", "bf16", "--fsdp-reduce-dtype",
+                                     "fp32", "--json"], capture_output=True, text=True, check=True).stdout)
+    assert est.to_dict() == cli
+    with pytest.raises(ValueError, match="fsdp_reshard_after_forward: must be True or False"):
+        trainmem.estimate("gpt2", gpus=2, parallel="fsdp", fsdp_reshard_after_forward="no")
+    with pytest.raises(ValueError, match="fsdp_replicate: must be a positive integer"):
+        trainmem.estimate("gpt2", gpus=2, parallel="fsdp", fsdp_replicate=0)
 
 
 def test_zero_through_python_matches_cli(trainmem_bin):

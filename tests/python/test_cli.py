@@ -209,7 +209,52 @@ def test_data_parallel_flags_reach_the_recipe(run):
     assert ddp["peak_allocated_bytes"] > single["peak_allocated_bytes"]
 
 
+def test_fsdp_variant_flags_reach_the_recipe(run):
+    base = ["estimate", "qwen3-0.6b", "--seq", "256", "--gpus", "4", "--parallel", "fsdp", "--precision", "fp32",
+            "--json"]
+    full = json.loads(run(*base).stdout)
+    assert (full["recipe"]["fsdp_reshard_after_forward"], full["recipe"]["fsdp_replicate"]) == (True, 1)
+    sgo = json.loads(run(*base, "--fsdp-reshard-after-forward", "false").stdout)
+    assert sgo["recipe"]["fsdp_reshard_after_forward"] is False
+    # The layers stay gathered from forward to backward: never less than full sharding.
+    assert sgo["peak_allocated_bytes"] >= full["peak_allocated_bytes"]
+    hsdp = json.loads(run(*base, "--fsdp-replicate", "2").stdout)
+    assert hsdp["recipe"]["fsdp_replicate"] == 2
+    # Sharded over 2 ranks instead of 4: twice the optimizer states, less the per-tensor rounding of
+    # the smaller shards (qwen3's many small norm weights).
+    ratio = hsdp["breakdown_at_peak"]["optimizer_states"] / full["breakdown_at_peak"]["optimizer_states"]
+    assert 1.95 < ratio < 2.0
+    mp = json.loads(run(*base, "--fsdp-param-dtype", "bf16", "--fsdp-reduce-dtype", "fp32").stdout)
+    assert (mp["recipe"]["fsdp_param_dtype"], mp["recipe"]["fsdp_reduce_dtype"]) == ("bf16", "fp32")
+    assert mp["peak_allocated_bytes"] < full["peak_allocated_bytes"]  # bf16 activations and gathers
+    ddp = json.loads(run("estimate", "qwen3-0.6b", "--seq", "256", "--gpus", "4", "--parallel", "ddp", "--json").stdout)
+    assert "fsdp_replicate" not in ddp["recipe"]
+
+
+def test_fit_offers_flipping_reshard_after_forward(run):
+    r = run("fit", "qwen3-0.6b", "--gpu", "rtx-4090", "--gpus", "4", "--parallel", "fsdp", "--seq", "1024",
+            "--global-batch", "16", "--top", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    f = json.loads(r.stdout)
+    [c] = [c for c in f["changes"] if c["change"] == "fsdp_reshard_after_forward false"]
+    assert c["recipe"]["fsdp_reshard_after_forward"] is False
+    est = json.loads(run("estimate", "qwen3-0.6b", "--gpu", "rtx-4090", "--gpus", "4", "--parallel", "fsdp",
+                         "--seq", "1024", "--grad-accum", str(c["recipe"]["grad_accum"]),
+                         "--fsdp-reshard-after-forward", "false", "--json").stdout)
+    assert c["peak_allocated_bytes"] == est["peak_allocated_bytes"]
+    assert c["peak_allocated_bytes"] > f["baseline"]["peak_allocated_bytes"]  # the layers stay gathered
+
+
 @pytest.mark.parametrize("args, message", [
+    (["--gpus", "2", "--parallel", "ddp", "--fsdp-reshard-after-forward", "false"], "they need parallel fsdp"),
+    (["--gpus", "2", "--parallel", "fsdp", "--fsdp-reshard-after-forward", "no"],
+     "fsdp_reshard_after_forward: must be true or false, got 'no'"),
+    (["--gpus", "4", "--parallel", "fsdp", "--fsdp-replicate", "4"], "needs a shard group of 2 or more GPUs"),
+    (["--gpus", "2", "--parallel", "fsdp", "--fsdp-param-dtype", "fp16"],
+     "fsdp_param_dtype: unknown value 'fp16'; expected one of none, fp32, bf16"),
+    (["--gpus", "2", "--parallel", "fsdp", "--fsdp-param-dtype", "bf16"], "use precision fp32"),
+    (["--gpus", "2", "--parallel", "fsdp", "--precision", "fp32", "--fsdp-reduce-dtype", "fp32"],
+     "without fsdp_param_dtype is not modelled"),
     (["--gpus", "2"], "gpus: 2 GPUs need a data-parallel wrapper: parallel ddp, fsdp, zero1 or zero2"),
     (["--gpus", "2", "--parallel", "zero4"],
      "parallel: unknown value 'zero4'; expected one of none, ddp, fsdp, zero1, zero2"),

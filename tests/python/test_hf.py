@@ -51,13 +51,28 @@ def test_fsdp_and_ddp_from_trainer_settings():
     knobs = trainmem.hf.recipe_from_training_arguments(d, gpus=8, seq=256)
     assert knobs["parallel"] == "fsdp" and knobs["gpus"] == 8
     assert trainmem.estimate("qwen3-0.6b", **knobs).recipe["parallel"] == "fsdp"
+    assert "fsdp_reshard_after_forward" not in knobs
+
+
+@pytest.mark.parametrize("fsdp,config", [
+    ("shard_grad_op auto_wrap", {"fsdp_version": 2}),
+    ("full_shard", {"fsdp_version": 2, "reshard_after_forward": False}),
+])
+def test_shard_grad_op_is_reshard_after_forward_false(fsdp, config):
+    # transformers' _apply_legacy_fsdp_to_config: shard_grad_op is FSDP2's reshard_after_forward=False
+    knobs = trainmem.hf.recipe_from_training_arguments({"fsdp": fsdp, "fsdp_config": config}, gpus=2, seq=64)
+    assert knobs["parallel"] == "fsdp" and knobs["fsdp_reshard_after_forward"] is False
+    est = trainmem.estimate("qwen3-0.6b", **knobs)
+    assert est.recipe["fsdp_reshard_after_forward"] is False
+    full = trainmem.estimate("qwen3-0.6b", **{**knobs, "fsdp_reshard_after_forward": True})
+    assert est.peak_allocated_bytes >= full.peak_allocated_bytes
 
 
 @pytest.mark.parametrize("fsdp,config,message", [
     ("full_shard", {}, "FSDP1 (flat parameters) is not modelled"),
-    ("shard_grad_op", {"fsdp_version": 2}, "only 'full_shard'"),
+    ("hybrid_shard", {"fsdp_version": 2}, "hybrid sharding is FSDP1-only"),
+    ("full_shard shard_grad_op", {"fsdp_version": 2}, "'full_shard' or 'shard_grad_op'"),
     ("full_shard offload", {"fsdp_version": 2}, "offload is not modelled"),
-    ("full_shard", {"fsdp_version": 2, "reshard_after_forward": False}, "reshard_after_forward=False"),
 ])
 def test_unmodelled_fsdp_is_refused(fsdp, config, message):
     with pytest.raises(ValueError, match=__import__("re").escape(message)):

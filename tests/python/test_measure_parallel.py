@@ -40,6 +40,14 @@ from trainmem.measure.models import resolve_model  # noqa: E402
     ({"gpus": 2, "parallel": "fsdp", "precision": "fp16-mixed"}, "MixedPrecisionPolicy"),
     ({"gpus": 2, "parallel": "fsdp", "optimizer": "adafactor"}, "local shards of DTensor"),
     ({"gpus": 2, "parallel": "fsdp", "loss": "fused"}, "loss=fused is not measured"),
+    ({"gpus": 2, "parallel": "ddp", "fsdp_reshard_after_forward": False}, "they need parallel fsdp"),
+    ({"fsdp_replicate": 2}, "they need parallel fsdp"),
+    ({"gpus": 2, "parallel": "fsdp", "fsdp_reshard_after_forward": 0}, "must be true or false"),
+    ({"gpus": 4, "parallel": "fsdp", "fsdp_replicate": 4}, "needs a shard group of 2 or more ranks"),
+    ({"gpus": 4, "parallel": "fsdp", "fsdp_replicate": 3}, "needs a shard group of 2 or more ranks"),
+    ({"gpus": 2, "parallel": "fsdp", "fsdp_param_dtype": "fp16"}, "fsdp_param_dtype='fp16' is not one of"),
+    ({"gpus": 2, "parallel": "fsdp", "fsdp_param_dtype": "bf16"}, "use precision fp32"),
+    ({"gpus": 2, "parallel": "fsdp", "precision": "fp32", "fsdp_reduce_dtype": "fp32"}, "without fsdp_param_dtype"),
 ])
 def test_bad_parallel_knobs_are_refused(knobs, message):
     with pytest.raises(RecipeError, match=None) as info:
@@ -62,6 +70,19 @@ def test_single_process_recipe_json_is_unchanged():
     assert parallel["gpus"] == 2 and parallel["parallel"] == "ddp"
     assert Recipe.from_dict(parallel) == Recipe(batch=2, seq=8, precision="fp32", gpus=2, parallel="ddp")
     assert Recipe.from_dict(single) == Recipe(batch=2, seq=8, precision="fp32")
+
+
+def test_fsdp_knobs_round_trip():
+    r = Recipe(batch=2, seq=8, precision="fp32", gpus=4, parallel="fsdp", fsdp_reshard_after_forward=False,
+               fsdp_replicate=2, fsdp_param_dtype="bf16", fsdp_reduce_dtype="fp32")
+    d = r.as_dict()
+    assert (d["fsdp_reshard_after_forward"], d["fsdp_replicate"], d["fsdp_param_dtype"], d["fsdp_reduce_dtype"]) == \
+        (False, 2, "bf16", "fp32")
+    assert Recipe.from_dict(d) == r
+    assert "fsdp_replicate" not in Recipe(gpus=2, parallel="ddp").as_dict()
+    cmd = default_command(resolve_model("gpt2"), r, device="cpu", fake=False)
+    assert ("--fsdp-reshard-after-forward false --fsdp-replicate 2 --fsdp-param-dtype bf16 "
+            "--fsdp-reduce-dtype fp32") in cmd
 
 
 def test_command_names_the_flags():

@@ -18,7 +18,8 @@ import os
 import shlex
 import sys
 
-from .recipe import (ALLOCATORS, ATTENTIONS, BNB_4BIT_QUANT_TYPES, CHECKPOINTING, LOSSES, OPTIMIZERS, PARALLELS,
+from .recipe import (ALLOCATORS, ATTENTIONS, BNB_4BIT_QUANT_TYPES, CHECKPOINTING, FSDP_PARAM_DTYPES, FSDP_REDUCE_DTYPES,
+                     LOSSES, OPTIMIZERS, PARALLELS,
                      PRECISIONS, Recipe, RecipeError)
 
 PROG = "trainmem-measure"
@@ -61,6 +62,17 @@ def _parser() -> _Parser:
     p.add_argument("--tp", type=int, default=defaults.tp, metavar="N",
                    help="tensor-parallel degree: N processes on the CPU (gloo), torch's parallelize_module with "
                         "the Megatron plan (q/k/v, gate/up colwise; o/down rowwise), rank 0 reported (default %(default)s)")
+    p.add_argument("--fsdp-reshard-after-forward", choices=("true", "false"), default="true",
+                   help="parallel fsdp: fully_shard(layer, reshard_after_forward=...) for the decoder layers; false "
+                        "keeps each layer gathered from its forward to its backward (SHARD_GRAD_OP) (default true)")
+    p.add_argument("--fsdp-replicate", type=int, default=defaults.fsdp_replicate, metavar="R",
+                   help="parallel fsdp: R > 1 is HSDP, the 2-D mesh (R, gpus / R): shard in groups of gpus / R "
+                        "ranks, replicate across R of them (default %(default)s)")
+    p.add_argument("--fsdp-param-dtype", choices=FSDP_PARAM_DTYPES, default=defaults.fsdp_param_dtype,
+                   help="parallel fsdp: MixedPrecisionPolicy(param_dtype=...) over fp32 parameters (default none)")
+    p.add_argument("--fsdp-reduce-dtype", choices=FSDP_REDUCE_DTYPES, default=defaults.fsdp_reduce_dtype,
+                   help="parallel fsdp: MixedPrecisionPolicy(reduce_dtype=...); none reduces in param_dtype "
+                        "(default none)")
     p.add_argument("--lora", type=int, default=defaults.lora_rank, metavar="RANK",
                    help="LoRA rank (peft); 0 trains every parameter (default %(default)s)")
     p.add_argument("--lora-targets", default=defaults.lora_targets, metavar="NAMES",
@@ -134,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
                         lora_targets=args.lora_targets, lora_dropout=args.lora_dropout,
                         mode="inference" if args.inference else "training", new_tokens=args.new_tokens,
                         beams=args.beams, gpus=args.gpus, parallel=args.parallel, tp=args.tp,
+                        fsdp_reshard_after_forward=args.fsdp_reshard_after_forward == "true",
+                        fsdp_replicate=args.fsdp_replicate, fsdp_param_dtype=args.fsdp_param_dtype,
+                        fsdp_reduce_dtype=args.fsdp_reduce_dtype,
                         load_in_4bit=args.load_in_4bit or args.qlora, bnb_4bit_quant_type=quant_type,
                         bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant or args.qlora)
         command = shlex.join([PROG, *argv])

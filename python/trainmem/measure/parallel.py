@@ -12,10 +12,12 @@ The wrappers, as the recipe knobs say (docs/parallelism.md):
 * ddp: `DistributedDataParallel(model)` with PyTorch's defaults (bucket_cap_mb 25, first bucket
   1 MiB, gradient_as_bucket_view False, find_unused_parameters False, broadcast_buffers True);
   no device_ids (CPU).
-* fsdp: FSDP2, `fully_shard(layer, mesh, reshard_after_forward=True)` on every decoder layer (the
-  modules whose class is in the model's `_no_split_modules`, as Accelerate's transformer auto-wrap
-  picks them), then `fully_shard(model, mesh)`; default MixedPrecisionPolicy (none); the mesh is a
-  1-D "cpu" DeviceMesh over the world.
+* fsdp: FSDP2, `fully_shard(layer, mesh, reshard_after_forward=recipe.fsdp_reshard_after_forward)`
+  on every decoder layer (the modules whose class is in the model's `_no_split_modules`, as
+  Accelerate's transformer auto-wrap picks them), then `fully_shard(model, mesh)`, both with
+  `MixedPrecisionPolicy(param_dtype, reduce_dtype)` from fsdp_param_dtype / fsdp_reduce_dtype
+  ("none": None; both none is the default policy); the mesh is a 1-D "cpu" DeviceMesh over the
+  world, or with fsdp_replicate R > 1 the 2-D HSDP mesh (R, world / R) named ("replicate", "shard").
 * tp (recipe `tp` > 1, gpus 1): tensor parallelism as torch.distributed.tensor.parallel does it,
   `parallelize_module(layer, mesh, plan)` on every decoder layer with the Megatron plan of torch's
   Llama example and of transformers' `base_model_tp_plan`: q_proj, k_proj, v_proj, gate_proj,
@@ -239,10 +241,21 @@ def wrap_model(model: torch.nn.Module, recipe: Recipe, device: str) -> torch.nn.
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh(torch.device(device).type, (world,))
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        from .recipe import FSDP_DTYPE_NAMES
+
+        if recipe.fsdp_replicate > 1:  # HSDP: replicate over dim 0, shard over dim 1
+            mesh = init_device_mesh(torch.device(device).type, (recipe.fsdp_replicate, world // recipe.fsdp_replicate),
+                                    mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh(torch.device(device).type, (world,))
+        dtypes = {key: getattr(torch, FSDP_DTYPE_NAMES[value]) if value != "none" else None
+                  for key, value in (("param_dtype", recipe.fsdp_param_dtype), ("reduce_dtype", recipe.fsdp_reduce_dtype))}
+        mp_policy = MixedPrecisionPolicy(**dtypes)  # output_dtype None, cast_forward_inputs True: the defaults
         for layer in decoder_layers(model):
-            fully_shard(layer, mesh=mesh, reshard_after_forward=True)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=recipe.fsdp_reshard_after_forward, mp_policy=mp_policy)
+        fully_shard(model, mesh=mesh, mp_policy=mp_policy)  # reshard_after_forward None: False for the root
         runner = model
     elif recipe.is_zero:
         runner = _deepspeed_engine(model, recipe)

@@ -15,6 +15,11 @@ ALLOCATORS = ("default", "expandable")
 # ZeRO stages, over `gpus` processes (world size).
 PARALLELS = ("none", "ddp", "fsdp", "zero1", "zero2", "zero3")
 ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
+# FSDP2's knobs (fully_shard and MixedPrecisionPolicy, torch/distributed/fsdp/_fully_shard/): the
+# dtypes of MixedPrecisionPolicy(param_dtype, reduce_dtype), "none" being the policy's None.
+FSDP_PARAM_DTYPES = ("none", "bf16")
+FSDP_REDUCE_DTYPES = ("none", "fp32", "bf16")
+FSDP_DTYPE_NAMES = {"bf16": "bfloat16", "fp32": "float32"}
 MAX_GPUS = 4096
 # Tensor parallelism (docs/parallelism.md "Tensor parallelism"): `tp` is the degree, a knob of its
 # own beside the data-parallel `gpus` so that the two can compose as a 2-D mesh later
@@ -78,6 +83,14 @@ class Recipe:
     # Tensor-parallel degree (parallel.py wrap_model): torch's parallelize_module with the
     # Megatron plan over a 1-D mesh of `tp` ranks; 1 is no tensor parallelism.
     tp: int = 1
+    # FSDP2 (parallel fsdp, parallel.py): fully_shard(layer, reshard_after_forward=...) for the
+    # decoder layers (False is FSDP1's SHARD_GRAD_OP: a layer stays gathered from its forward to
+    # its backward); fsdp_replicate > 1 is HSDP, a 2-D mesh (replicate, shard) of fsdp_replicate x
+    # gpus / fsdp_replicate ranks; the MixedPrecisionPolicy's param_dtype and reduce_dtype.
+    fsdp_reshard_after_forward: bool = True
+    fsdp_replicate: int = 1
+    fsdp_param_dtype: str = "none"
+    fsdp_reduce_dtype: str = "none"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -137,9 +150,10 @@ class Recipe:
             raise RecipeError(f"tp must be an integer between 1 (no tensor parallelism) and {MAX_TP}, got {tp!r}")
         if tp > 1:
             self._check_tp()
+        if self.parallel == "none" and gpus != 1:
+            raise RecipeError(f"gpus={gpus} needs a data-parallel wrapper: parallel ddp, fsdp, zero1, zero2 or zero3")
+        self._check_fsdp()
         if self.parallel == "none":
-            if gpus != 1:
-                raise RecipeError(f"gpus={gpus} needs a data-parallel wrapper: parallel ddp, fsdp, zero1, zero2 or zero3")
             return
         if self.is_inference:
             raise RecipeError(f"parallel={self.parallel!r} is a training knob: inference runs on one process")
@@ -149,8 +163,9 @@ class Recipe:
             if self.precision in ("fp16-mixed", "bf16-master"):
                 raise RecipeError(f"parallel=fsdp with precision={self.precision!r} is not measured: FSDP2's form of "
                                   "bf16 compute over fp32 weights is MixedPrecisionPolicy(param_dtype=bfloat16, "
-                                  "reduce_dtype=float32), not a separate master copy (docs/parallelism.md); use fp32, "
-                                  "bf16-true or bf16-mixed")
+                                  "reduce_dtype=float32), not a separate master copy (docs/parallelism.md): precision "
+                                  "fp32 with fsdp_param_dtype bf16 and fsdp_reduce_dtype fp32; or use fp32, bf16-true or "
+                                  "bf16-mixed")
             if self.optimizer in ("adamw-8bit", "adafactor"):
                 raise RecipeError(f"parallel=fsdp with optimizer={self.optimizer!r} is not measured: it would work on "
                                   "the local shards of DTensor parameters; use adamw, adamw-fused or sgd")
@@ -200,6 +215,36 @@ class Recipe:
     def world_size(self) -> int:
         """Processes of a run: data-parallel ranks times the tensor-parallel degree."""
         return self.gpus * self.tp
+    def _check_fsdp(self) -> None:
+        """FSDP2's own knobs: only with parallel fsdp, and what FSDP2 accepts (docs/parallelism.md)."""
+        if not isinstance(self.fsdp_reshard_after_forward, bool):
+            raise RecipeError(f"fsdp_reshard_after_forward must be true or false, got {self.fsdp_reshard_after_forward!r}")
+        replicate = self.fsdp_replicate
+        if not isinstance(replicate, int) or isinstance(replicate, bool) or replicate < 1:
+            raise RecipeError(f"fsdp_replicate must be an integer >= 1, got {replicate!r}")
+        for key, allowed in (("fsdp_param_dtype", FSDP_PARAM_DTYPES), ("fsdp_reduce_dtype", FSDP_REDUCE_DTYPES)):
+            if getattr(self, key) not in allowed:
+                raise RecipeError(f"{key}={getattr(self, key)!r} is not one of {', '.join(allowed)}")
+        if self.parallel != "fsdp":
+            if not self.fsdp_default:
+                raise RecipeError("fsdp_reshard_after_forward / fsdp_replicate / fsdp_param_dtype / fsdp_reduce_dtype "
+                                  "are FSDP2 knobs: they need parallel fsdp")
+            return
+        if replicate > 1 and (self.gpus % replicate != 0 or self.gpus // replicate < 2):
+            raise RecipeError(f"fsdp_replicate={replicate}: HSDP's mesh is (replicate, shard) = (fsdp_replicate, "
+                              f"gpus / fsdp_replicate) and needs a shard group of 2 or more ranks; gpus={self.gpus}")
+        if self.fsdp_param_dtype != "none" and self.precision != "fp32":
+            raise RecipeError(f"fsdp_param_dtype={self.fsdp_param_dtype} with precision={self.precision!r}: "
+                              "MixedPrecisionPolicy casts fp32 parameters (sharded, the optimizer's) to param_dtype for "
+                              "the all-gather and the compute; use precision fp32")
+        if self.fsdp_reduce_dtype != "none" and self.fsdp_param_dtype == "none":
+            raise RecipeError(f"fsdp_reduce_dtype={self.fsdp_reduce_dtype} without fsdp_param_dtype is not measured: "
+                              "the gradients are reduced in the parameters' dtype")
+
+    @property
+    def fsdp_default(self) -> bool:
+        return (self.fsdp_reshard_after_forward is True and self.fsdp_replicate == 1
+                and self.fsdp_param_dtype == "none" and self.fsdp_reduce_dtype == "none")
 
     @property
     def is_parallel(self) -> bool:
@@ -319,6 +364,9 @@ class Recipe:
             del out["gpus"], out["parallel"]
         if not self.is_tp:  # the tensor-parallel degree only when there is one
             del out["tp"]
+        if self.parallel != "fsdp":  # FSDP2's knobs with parallel fsdp only, as the engine writes them
+            for key in ("fsdp_reshard_after_forward", "fsdp_replicate", "fsdp_param_dtype", "fsdp_reduce_dtype"):
+                del out[key]
         return out
 
     @classmethod

@@ -391,6 +391,12 @@ def default_command(spec: ModelSpec, recipe: Recipe, *, device: str, fake: bool)
         value = getattr(recipe, key)
         if value != getattr(defaults, key):
             args += [flag, str(value)]
+    if not recipe.fsdp_reshard_after_forward:
+        args += ["--fsdp-reshard-after-forward", "false"]
+    for key, flag in (("fsdp_replicate", "--fsdp-replicate"), ("fsdp_param_dtype", "--fsdp-param-dtype"),
+                      ("fsdp_reduce_dtype", "--fsdp-reduce-dtype")):
+        if getattr(recipe, key) != getattr(defaults, key):
+            args += [flag, str(getattr(recipe, key))]
     if recipe.uses_lora:
         args += ["--lora", str(recipe.lora_rank)]
         if recipe.lora_targets != defaults.lora_targets:
