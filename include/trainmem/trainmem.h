@@ -154,11 +154,11 @@ enum class AllocatorMode : std::uint8_t { kDefault, kExpandable };
 enum class Mode : std::uint8_t { kTraining, kInference };
 // Data parallelism over Recipe::gpus ranks (docs/parallelism.md): kDdp is PyTorch's
 // DistributedDataParallel with its defaults; kFsdp is FSDP2 fully_shard on every decoder layer and
-// then the root module; kZero1 / kZero2 are DeepSpeed ZeRO stages 1 and 2 with DeepSpeed's default
-// zero_optimization config (no offload). Each rank runs the recipe's micro-batch; the estimate is
-// one rank's memory.
-enum class Parallel : std::uint8_t { kNone, kDdp, kFsdp, kZero1, kZero2 };
-inline bool is_zero(Parallel p) { return p == Parallel::kZero1 || p == Parallel::kZero2; }
+// then the root module; kZero1 / kZero2 / kZero3 are DeepSpeed ZeRO stages 1, 2 and 3 with DeepSpeed's
+// default zero_optimization config (no offload). Each rank runs the recipe's micro-batch; the
+// estimate is one rank's memory.
+enum class Parallel : std::uint8_t { kNone, kDdp, kFsdp, kZero1, kZero2, kZero3 };
+inline bool is_zero(Parallel p) { return p == Parallel::kZero1 || p == Parallel::kZero2 || p == Parallel::kZero3; }
 
 // LoRA adapters (peft's LoraConfig): the base model is frozen, every targeted linear layer of
 // every decoder layer gets A (rank × in) and B (out × rank) beside it.
@@ -236,7 +236,7 @@ struct RecipeSpelling {
   std::uint64_t new_tokens = 128;
   std::uint64_t beams = 1;
   std::uint64_t gpus = 1;
-  std::string parallel = "none";  // none | ddp | fsdp | zero1 | zero2
+  std::string parallel = "none";  // none | ddp | fsdp | zero1 | zero2 | zero3
 };
 // Parses and validates every knob; throws Error naming the first bad field.
 Recipe parse_recipe(const RecipeSpelling& spelling);

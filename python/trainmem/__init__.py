@@ -78,7 +78,7 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     "new_tokens": 128,
     "beams": 1,
     "gpus": 1,  # data-parallel ranks; more than 1 needs parallel
-    "parallel": "none",  # none | ddp | fsdp | zero1 | zero2 (docs/parallelism.md)
+    "parallel": "none",  # none | ddp | fsdp | zero1 | zero2 | zero3 (docs/parallelism.md)
 }
 _COUNTS = ("batch", "seq", "grad_accum", "new_tokens", "beams", "gpus")
 

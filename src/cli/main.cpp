@@ -52,7 +52,7 @@ struct RecipeFlags {
   bool load_in_4bit = false, double_quant = false, qlora = false;
   std::string quant_type = "";
   std::string new_tokens = "128", beams = "1";
-  std::string gpus = "1", parallel = "none";
+  std::string gpus = "1", parallel = "none", zero = "";
   std::vector<std::pair<std::string, CLI::Option*>> options;  // knob name → its flag
 
   void add_to(CLI::App* app) {
@@ -89,7 +89,9 @@ struct RecipeFlags {
     opt("new_tokens", "--new-tokens", new_tokens, "Inference: tokens generated after the prompt of --seq tokens");
     opt("beams", "--beams", beams, "Inference: beam-search width (1: greedy)");
     opt("gpus", "--gpus", gpus, "Data-parallel GPUs (ranks); more than 1 needs --parallel");
-    opt("parallel", "--parallel", parallel, "none | ddp (DistributedDataParallel) | fsdp (FSDP2 per decoder layer) | zero1 | zero2 (DeepSpeed ZeRO)");
+    opt("parallel", "--parallel", parallel,
+        "none | ddp (DistributedDataParallel) | fsdp (FSDP2 per decoder layer) | zero1 | zero2 | zero3 (DeepSpeed ZeRO)");
+    opt("parallel", "--zero", zero, "DeepSpeed ZeRO stage 1 | 2 | 3: --zero N is --parallel zeroN");
   }
 
   // Knobs the user typed on the command line.
@@ -124,6 +126,15 @@ struct RecipeFlags {
     sp.beams = parse_count(beams, "beams");
     sp.gpus = parse_count(gpus, "gpus");
     sp.parallel = parallel;
+    if (!zero.empty()) {
+      if (zero != "1" && zero != "2" && zero != "3") {
+        throw trainmem::Error("zero: '" + zero + "' is not a ZeRO stage; expected 1, 2 or 3 (--zero N is --parallel zeroN)");
+      }
+      if (parallel != "none" && parallel != "zero" + zero) {
+        throw trainmem::Error("zero: --zero " + zero + " and --parallel " + parallel + " disagree; give one of them");
+      }
+      sp.parallel = "zero" + zero;
+    }
     return sp;
   }
 };

@@ -93,6 +93,7 @@ void StepBuilder::wrap_data_parallel() {
   for (std::size_t i = 0; i < params_.size(); ++i) params_[i].storage = wp[i].storage;
   t_.on_param_ready = [this](std::uint32_t slot) { dp_.param_ready(slot); };
   t_.on_layer_change = [this](std::int32_t from, std::int32_t to) { dp_.layer_change(from, to); };
+  if (dp_.zero3()) t_.on_module_backward = [this](std::uint32_t m, bool begin) { dp_.module_backward(m, begin); };
 }
 
 std::uint32_t StepBuilder::add_param(const ParameterGroup& g, bool in_layer) {

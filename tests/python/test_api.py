@@ -101,7 +101,7 @@ def test_zero_through_python_matches_cli(trainmem_bin):
                                     check=True).stdout)
     assert est.to_dict() == cli
     assert cli["recipe"]["parallel"] == "zero2" and cli["recipe"]["gpus"] == 4
-    with pytest.raises(ValueError, match="parallel: zero3 is not modelled yet"):
+    with pytest.raises(ValueError, match="precision: bf16-mixed under parallel zero3 is not modelled"):
         trainmem.estimate("gpt2", gpus=2, parallel="zero3")
     with pytest.raises(ValueError, match="precision: bf16-mixed under parallel zero1 is not modelled"):
         trainmem.estimate("gpt2", gpus=2, parallel="zero1", precision="bf16-mixed")
