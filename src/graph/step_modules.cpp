@@ -701,6 +701,9 @@ T StepBuilder::decoder_layer_module(const T& x, std::uint32_t l) {
   T att = attention(n1, lp);  // GPT-2's residual dropout happens inside, as in GPT2Attention
   t_.drop(n1);
   att = post_norm(att, lp.post_attn_norm, "post_attention_layernorm");
+  // GPT2Block keeps `attn_output`, a local, to its return (measured: the residual dropout's
+  // output outlives the MLP); the other families rebind hidden_states at the add.
+  T attn_output = gpt2 ? t_.ref(att) : T{};
   T h1 = residual_add(x, att);
   T n2 = gpt2 ? layer_norm(h1, lp.post_attn_norm, lp.post_attn_norm_b, tok_, "ln_2")
               : rms_norm(h1, a_.sandwich_norms ? lp.pre_ff_norm : lp.post_attn_norm, tok_,
@@ -710,6 +713,7 @@ T StepBuilder::decoder_layer_module(const T& x, std::uint32_t l) {
   m = post_norm(m, lp.post_ff_norm, "post_feedforward_layernorm");
   T out = residual_add(h1, m);
   t_.drop(h1);
+  if (attn_output.id != kNone) t_.drop(attn_output);
   return out;
 }
 
