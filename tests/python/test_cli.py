@@ -102,6 +102,11 @@ def test_zero_estimate_is_one_rank_and_keeps_its_recipe(run):
      "precision: bf16-mixed under parallel zero2 is not modelled"),
     (["estimate", "gpt2", "--gpus", "2", "--parallel", "zero1", "--precision", "fp32", "--optimizer", "adafactor"],
      "optimizer: adafactor under parallel zero1 is not modelled"),
+    (["estimate", "gpt2", "--gpus", "2", "--parallel", "ddp", "--rank", "2"],
+     "rank: 2 is not one of the 2 ranks (0..1) of --gpus 2"),
+    (["estimate", "gpt2", "--rank", "1"], "rank: 1 is not one of the 1 ranks (0..0) of --gpus 1"),
+    (["estimate", "gpt2", "--gpus", "2", "--parallel", "ddp", "--rank", "last"],
+     "rank (a rank number or 'worst'): must be a positive integer, got 'last'"),
 ])
 def test_bad_arguments_exit_2_with_one_line(run, args, message):
     r = run(*args)

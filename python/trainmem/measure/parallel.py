@@ -44,9 +44,11 @@ import functools
 import json
 import os
 import socket
+import sys
 import tempfile
 import traceback
 import weakref
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -62,6 +64,21 @@ def in_worker() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _children_import_this_copy():
+    """Spawned ranks import `_rank_main` by name with the parent's sys.path. The parent may have
+    this trainmem.measure from a source tree grafted onto an installed trainmem (tools/
+    measure_common.py): put the directory holding this copy first while the ranks start, so they
+    run the same code and not an older installed one."""
+    here = str(Path(__file__).resolve().parents[2])
+    saved = list(sys.path)
+    sys.path.insert(0, here)
+    try:
+        yield
+    finally:
+        sys.path[:] = saved
 
 
 def _free_port() -> int:
@@ -85,7 +102,7 @@ def launch(model, recipe: Recipe, *, device: str, fake: bool, trace: str | None,
     world = recipe.gpus
     ctx = mp.get_context("spawn")
     port = _free_port()
-    with tempfile.TemporaryDirectory(prefix="trainmem-parallel-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="trainmem-parallel-") as tmp, _children_import_this_copy():
         procs = []
         for rank in range(world):
             out = os.path.join(tmp, f"rank{rank}.json")
