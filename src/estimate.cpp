@@ -42,10 +42,12 @@ Estimate run(const Model& model, const Recipe& resolved, const Gpu& gpu, const E
 //    partition differs by rank, and with them the whole-parameter gradient copies
 //    (grads_in_partition) and the moments they happen (Note [DeepSpeed ZeRO-1/2]): every rank is
 //    replayed. Measured, a 2-rank gpt2 ZeRO-2 run with grad_accum 2 peaks 29.9 MB higher on rank 1
-//    than on rank 0.
+//    than on rank 0. ZeRO-3 partitions every parameter on its own into equal, padded partitions
+//    and gathers whole parameters (Note [DeepSpeed ZeRO-3] in graph/zero3.cpp): every rank
+//    allocates the same, so rank 0 stands for all (its three measurements: ranks identical).
 // The worst rank is the one with the most reserved bytes at its peak (what must fit), then the most
 // allocated bytes, then the lowest rank.
-bool ranks_differ(const Recipe& r) { return r.gpus > 1 && is_zero(r.parallel); }
+bool ranks_differ(const Recipe& r) { return r.gpus > 1 && is_zero(r.parallel) && r.parallel != Parallel::kZero3; }
 
 bool worse(const Estimate& a, const Estimate& b) {
   if (a.peak_reserved_bytes != b.peak_reserved_bytes) return a.peak_reserved_bytes > b.peak_reserved_bytes;

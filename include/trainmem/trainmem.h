@@ -154,11 +154,11 @@ enum class AllocatorMode : std::uint8_t { kDefault, kExpandable };
 enum class Mode : std::uint8_t { kTraining, kInference };
 // Data parallelism over Recipe::gpus ranks (docs/parallelism.md): kDdp is PyTorch's
 // DistributedDataParallel with its defaults; kFsdp is FSDP2 fully_shard on every decoder layer and
-// then the root module; kZero1 / kZero2 are DeepSpeed ZeRO stages 1 and 2 with DeepSpeed's default
-// zero_optimization config (no offload). Each rank runs the recipe's micro-batch; the estimate is
-// one rank's memory.
-enum class Parallel : std::uint8_t { kNone, kDdp, kFsdp, kZero1, kZero2 };
-inline bool is_zero(Parallel p) { return p == Parallel::kZero1 || p == Parallel::kZero2; }
+// then the root module; kZero1 / kZero2 / kZero3 are DeepSpeed ZeRO stages 1, 2 and 3 with DeepSpeed's
+// default zero_optimization config (no offload). Each rank runs the recipe's micro-batch; the
+// estimate is one rank's memory.
+enum class Parallel : std::uint8_t { kNone, kDdp, kFsdp, kZero1, kZero2, kZero3 };
+inline bool is_zero(Parallel p) { return p == Parallel::kZero1 || p == Parallel::kZero2 || p == Parallel::kZero3; }
 
 // FSDP2's own knobs (parallel kFsdp; torch/distributed/fsdp/_fully_shard/, docs/parallelism.md):
 // fully_shard(layer, reshard_after_forward) for the decoder layers (false: a layer stays gathered
@@ -261,7 +261,7 @@ struct RecipeSpelling {
   std::uint64_t new_tokens = 128;
   std::uint64_t beams = 1;
   std::uint64_t gpus = 1;
-  std::string parallel = "none";  // none | ddp | fsdp | zero1 | zero2
+  std::string parallel = "none";  // none | ddp | fsdp | zero1 | zero2 | zero3
   std::uint64_t tp = 1;           // tensor-parallel degree
   bool fsdp_reshard_after_forward = true;  // parallel fsdp: FSDP2's knobs (Fsdp above)
   std::uint64_t fsdp_replicate = 1;

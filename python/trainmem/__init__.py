@@ -78,7 +78,7 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     "new_tokens": 128,
     "beams": 1,
     "gpus": 1,  # data-parallel ranks; more than 1 needs parallel
-    "parallel": "none",  # none | ddp | fsdp | zero1 | zero2 (docs/parallelism.md)
+    "parallel": "none",  # none | ddp | fsdp | zero1 | zero2 | zero3 (docs/parallelism.md)
     "tp": 1,  # tensor-parallel degree (docs/parallelism.md "Tensor parallelism")
     "fsdp_reshard_after_forward": True,  # parallel fsdp: False keeps the layers gathered (SHARD_GRAD_OP)
     "fsdp_replicate": 1,  # parallel fsdp: HSDP replica groups, mesh (fsdp_replicate, gpus / fsdp_replicate)

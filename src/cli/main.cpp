@@ -58,7 +58,7 @@ struct RecipeFlags {
   bool load_in_4bit = false, double_quant = false, qlora = false;
   std::string quant_type = "";
   std::string new_tokens = "128", beams = "1";
-  std::string gpus = "1", parallel = "none", tp = "1";
+  std::string gpus = "1", parallel = "none", tp = "1", zero = "";
   std::string fsdp_reshard_after_forward = "true", fsdp_replicate = "1", fsdp_param_dtype = "none",
               fsdp_reduce_dtype = "none";
   std::vector<std::pair<std::string, CLI::Option*>> options;  // knob name → its flag
@@ -97,7 +97,9 @@ struct RecipeFlags {
     opt("new_tokens", "--new-tokens", new_tokens, "Inference: tokens generated after the prompt of --seq tokens");
     opt("beams", "--beams", beams, "Inference: beam-search width (1: greedy)");
     opt("gpus", "--gpus", gpus, "Data-parallel GPUs (ranks); more than 1 needs --parallel");
-    opt("parallel", "--parallel", parallel, "none | ddp (DistributedDataParallel) | fsdp (FSDP2 per decoder layer) | zero1 | zero2 (DeepSpeed ZeRO)");
+    opt("parallel", "--parallel", parallel,
+        "none | ddp (DistributedDataParallel) | fsdp (FSDP2 per decoder layer) | zero1 | zero2 | zero3 (DeepSpeed ZeRO)");
+    opt("parallel", "--zero", zero, "DeepSpeed ZeRO stage 1 | 2 | 3: --zero N is --parallel zeroN");
     opt("tp", "--tp", tp, "Tensor-parallel degree (torch parallelize_module, Megatron plan); 1: none");
     opt("fsdp_reshard_after_forward", "--fsdp-reshard-after-forward", fsdp_reshard_after_forward,
         "With --parallel fsdp: true | false (the decoder layers stay gathered from forward to backward: SHARD_GRAD_OP)");
@@ -146,6 +148,15 @@ struct RecipeFlags {
     sp.fsdp_replicate = parse_count(fsdp_replicate, "fsdp_replicate");
     sp.fsdp_param_dtype = fsdp_param_dtype;
     sp.fsdp_reduce_dtype = fsdp_reduce_dtype;
+    if (!zero.empty()) {
+      if (zero != "1" && zero != "2" && zero != "3") {
+        throw trainmem::Error("zero: '" + zero + "' is not a ZeRO stage; expected 1, 2 or 3 (--zero N is --parallel zeroN)");
+      }
+      if (parallel != "none" && parallel != "zero" + zero) {
+        throw trainmem::Error("zero: --zero " + zero + " and --parallel " + parallel + " disagree; give one of them");
+      }
+      sp.parallel = "zero" + zero;
+    }
     return sp;
   }
 };

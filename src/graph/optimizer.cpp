@@ -53,13 +53,39 @@ void StepBuilder::optimizer_step(bool first) {
   for (const Param& p : params_) {
     if (p.trainable) opt.push_back(&p);
   }
-  // ZeRO hands the torch optimizer one parameter: this rank's fp32 master partition.
-  Param zero_partition;
+  // ZeRO hands the torch optimizer this rank's fp32 master partition, one sub-group at a time
+  // (ZeRO-1/2: one; ZeRO-3: sub_group_size elements each, Note [DeepSpeed ZeRO-3]).
   if (dp_.zero()) {
-    zero_partition.numel = dp_.zero_partition_numel();
-    zero_partition.dtype = DType::kF32;
-    opt = {&zero_partition};
+    const std::vector<std::uint64_t>& groups = dp_.zero_sub_groups();
+    for (std::size_t g = 0; g < groups.size(); ++g) {
+      Param partition;
+      partition.numel = groups[g];
+      partition.dtype = DType::kF32;
+      dp_.zero_before_sub_group(g);
+      step_parameters({&partition}, first);
+      dp_.zero_after_sub_group(g);
+    }
+  } else {
+    step_parameters(opt, first);
   }
+  if (found_inf_sum != kNone) t_.release(found_inf_sum);
+  dp_.zero_after_optimizer();
+  if (pol_.master) {
+    op("optimizer.copy_to_half");  // in place: p.copy_(master)
+  }
+  if (found_inf != kNone) t_.release(found_inf);  // GradScaler.update() drops its per-step state
+  op("optimizer.zero_grad");
+  for (Param& p : params_) {
+    TensorId g = t_.param_grad(p.slot);
+    if (g != kNone) {
+      t_.release(g);
+      t_.set_param_grad(p.slot, kNone);
+    }
+  }
+}
+
+// The torch optimizer's step over `opt` (its parameters, state made at the first step).
+void StepBuilder::step_parameters(const std::vector<const Param*>& opt, bool first) {
   // zeros_like the parameter the optimizer holds: fp32 masters, or FSDP2's sharded parameter (fp32
   // under a param_dtype policy, See Note [FSDP2 variants]).
   auto sb_of = [&](const Param& p) { return dtype_bytes(pol_.master ? DType::kF32 : dp_.local_dtype(p.slot, p.dtype)); };
@@ -194,20 +220,6 @@ void StepBuilder::optimizer_step(bool first) {
         t_.release(grad32);
       }
       break;
-    }
-  }
-  if (found_inf_sum != kNone) t_.release(found_inf_sum);
-  dp_.zero_after_optimizer();
-  if (pol_.master) {
-    op("optimizer.copy_to_half");  // in place: p.copy_(master)
-  }
-  if (found_inf != kNone) t_.release(found_inf);  // GradScaler.update() drops its per-step state
-  op("optimizer.zero_grad");
-  for (Param& p : params_) {
-    TensorId g = t_.param_grad(p.slot);
-    if (g != kNone) {
-      t_.release(g);
-      t_.set_param_grad(p.slot, kNone);
     }
   }
 }

@@ -140,6 +140,10 @@ void DataParallel::wrap(std::vector<WrappedParam>& params, const std::vector<std
     if (param_of_slot_.size() <= slot) param_of_slot_.resize(slot + 1, kNone);
     param_of_slot_[slot] = i;
   }
+  if (zero3()) {
+    zero3_wrap();
+    return;
+  }
   if (zero()) {
     zero_wrap();
     for (std::size_t i = 0; i < params.size(); ++i) params[i].storage = params_[i].storage;
@@ -183,6 +187,7 @@ void DataParallel::wrap(std::vector<WrappedParam>& params, const std::vector<std
 }
 
 void DataParallel::pre_forward() {
+  if (zero3()) return zero3_reset_step();
   if (kind_ == Parallel::kDdp) {
     if (backward_seen_ && !rebuilt_) rebuild_buckets();
     if (buffers_.empty()) return;
@@ -257,6 +262,11 @@ void DataParallel::layer_change(std::int32_t from, std::int32_t to) {
 }
 
 void DataParallel::param_ready(std::uint32_t slot) {
+  if (zero3()) {
+    const std::uint32_t pi = slot < param_of_slot_.size() ? param_of_slot_[slot] : kNone;
+    if (pi != kNone) zero3_param_ready(pi);
+    return;
+  }
   if (zero()) return zero_param_ready(slot);
   if (kind_ != Parallel::kDdp || backward_seen_) return;
   const std::uint32_t pi = slot < param_of_slot_.size() ? param_of_slot_[slot] : kNone;
@@ -265,6 +275,7 @@ void DataParallel::param_ready(std::uint32_t slot) {
 }
 
 void DataParallel::backward_end() {
+  if (zero3()) return zero3_backward_end();
   if (zero()) return zero_backward_end();
   if (kind_ == Parallel::kDdp) backward_seen_ = true;
 }
@@ -286,6 +297,7 @@ void DataParallel::final_callback() {
 }
 
 void DataParallel::before_optimizer() {
+  if (zero3()) return zero3_before_optimizer();
   if (zero()) return zero_before_optimizer();
   if (kind_ != Parallel::kFsdp) return;
   for (Unit& u : units_) {

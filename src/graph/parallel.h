@@ -60,7 +60,36 @@ class DataParallel {
   // zero_after_optimizer().
   bool zero() const { return is_zero(kind_); }
   std::uint64_t zero_partition_numel() const { return partition_numel_; }
+  // The fp32 master partition as the torch optimizer steps it, one sub-group at a time (ZeRO-1/2:
+  // the whole partition; ZeRO-3: sub_group_size elements each). Around each sub-group's step:
+  // ZeRO-3 makes and drops its fp32 gradient.
+  const std::vector<std::uint64_t>& zero_sub_groups() const { return sub_group_numel_; }
+  void zero_before_sub_group(std::size_t i) {
+    if (zero3()) zero3_before_sub_group(i);
+  }
+  void zero_after_sub_group(std::size_t i) {
+    if (zero3()) zero3_after_sub_group(i);
+  }
   void zero_after_optimizer();
+
+  // DeepSpeed ZeRO-3 (zero3.cpp, Note [DeepSpeed ZeRO-3]): every parameter is partitioned and
+  // gathered around the forward and backward of the module that owns it. The step builder
+  // registers each module with parameters (its direct ones, as iter_params(recurse=False) sees
+  // them; `key` tells two modules over the same parameter apart, a tied lm_head) and calls the
+  // forward hooks around it; the tape calls module_backward when the module's first backward
+  // node is about to run (begin) and after its last one ran. `input_requires_grad` false: the
+  // module's post-backward hook never fires (an embedding over token ids).
+  bool zero3() const { return kind_ == Parallel::kZero3; }
+  std::uint32_t zero3_module(const std::vector<std::uint32_t>& params, std::uint32_t key, bool input_requires_grad);
+  void module_pre_forward(std::uint32_t module);
+  void module_post_forward(std::uint32_t module);
+  void module_backward(std::uint32_t module, bool begin);
+  // The storage a gathered parameter's .data is now (the parameter index of wrap()).
+  TensorId zero3_data(std::uint32_t param) const { return z3_data_[param]; }
+  // Exposed for tests and the planner: DeepSpeed's per-parameter partition (ceil(numel / world)
+  // elements) and whether a parameter stays gathered (ds_persist: numel <= 1e5).
+  static std::uint64_t zero3_partition_numel(std::uint64_t numel, std::uint64_t world);
+  static bool zero3_persistent(std::uint64_t numel);
 
   // The flat group's layout (exposed for tests): flat elements, padded to 2 x world
   // (nccl_start_alignment_factor), and rank r's partition, flat / world elements.
@@ -141,6 +170,69 @@ class DataParallel {
   TensorId scaled_norm_ = kNone;  // step()'s scaled_global_grad_norm
   std::uint64_t micro_ = 0;       // micro-batches since the last step
   std::uint64_t grad_accum_ = 1;
+
+  // ZeRO-3 (zero3.cpp)
+  enum class Z3Status : std::uint8_t { kNotAvailable, kInflight, kAvailable };
+  enum class Z3Trace : std::uint8_t { kInvalid, kRecord, kComplete };
+  struct Z3Module {
+    std::vector<std::uint32_t> params;  // by ds_id (parameter index)
+    std::uint32_t key = 0;
+    bool input_requires_grad = true;
+    std::uint64_t numel = 0;            // Σ ds_numel of its parameters
+  };
+  struct Z3Handle {  // an AllGatherCoalescedHandle / AllGatherHandle
+    std::vector<std::uint32_t> params;
+    TensorId flat = kNone;  // the coalesced flat buffer, kept until the last parameter is waited for
+    std::uint32_t pending = 0;
+    bool waited = false;
+  };
+  struct Z3ParamUse {
+    std::uint32_t param;
+    std::int64_t step;
+  };
+  void zero3_wrap();
+  void zero3_param_ready(std::uint32_t pi);
+  void zero3_backward_end();
+  void zero3_before_optimizer();
+  void zero3_before_sub_group(std::size_t i);  // the fp32 gradient of sub-group i
+  void zero3_after_sub_group(std::size_t i);
+  void zero3_reset_step();
+  void zero3_fetch(std::uint32_t m, bool forward);
+  void zero3_release_module(std::uint32_t m, bool forward);
+  void zero3_all_gather(std::vector<std::uint32_t> params);
+  void zero3_wait(std::uint32_t pi);
+  void zero3_release_param(std::uint32_t pi);
+  void zero3_invalidate_trace();
+  void zero3_clean_inflight();
+  void zero3_reduce_ipg();
+  void zero3_partition_all();
+  void zero3_gather_persistent();
+  std::vector<bool> zero3_params_to_release(std::uint32_t m) const;
+  std::uint64_t z3_item_ = 2, z3_accum_item_ = 2;
+  std::vector<std::uint64_t> z3_partition_;  // per parameter, ceil(numel / world)
+  std::vector<bool> z3_persist_;
+  std::vector<Z3Status> z3_status_;
+  std::vector<TensorId> z3_data_;               // the gathered .data (held here), kNone when partitioned
+  std::vector<std::vector<std::uint32_t>> z3_active_;  // ds_active_sub_modules
+  std::vector<std::uint32_t> z3_inflight_;      // parameter → handle index, kNone when not in flight
+  std::vector<Z3Handle> z3_handles_;
+  std::vector<Z3Module> z3_modules_;
+  Z3Trace z3_trace_ = Z3Trace::kInvalid;
+  std::vector<std::uint32_t> z3_order_;         // __submodule_order
+  std::vector<std::vector<std::int64_t>> z3_fetched_for_;  // __step_id_module_fetched_for, per module
+  std::vector<Z3ParamUse> z3_param_order_;
+  std::size_t z3_queue_ = 0;                    // __param_queue: the next entry of z3_param_order_
+  std::vector<std::int64_t> z3_most_recent_;    // __most_recent_step_id_param_fetched_for
+  std::int64_t z3_step_id_ = 0;
+  std::uint64_t z3_available_ = 0;              // __n_available_params
+  std::vector<std::uint32_t> z3_backward_active_;  // __active_backward_submodules
+  std::vector<std::uint64_t> sub_group_numel_;
+  TensorId z3_bucket_ = kNone;
+  std::uint64_t z3_bucket_elements_ = 0;
+  std::vector<std::uint32_t> z3_bucket_params_;
+  std::vector<TensorId> z3_kept_grads_;         // .grads larger than the bucket, until reduced
+  TensorId z3_fp32_grad_ = kNone;
+  TensorId z3_norm_group_ = kNone;  // the sub-group's gradient norm, until step() returns
 };
 
 }  // namespace trainmem::graph

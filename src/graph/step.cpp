@@ -115,11 +115,15 @@ Trace StepBuilder::finish_trace() {
 ValueId StepBuilder::forward_and_loss() {
   phase_ = Phase::kForward;
   layer_ = kNoLayer;
+  if (dp_.zero3()) op("model");  // the model's forward pre-hooks run before its first op
   dp_.pre_forward();
+  causal_lm_module_ = container_enter(Container::kCausalLM, false);
+  base_model_module_ = container_enter(Container::kBaseModel, false);
   const std::uint64_t h = a_.hidden_size;
   const bool gpt2 = a_.family == Family::kGpt2;
   op(gpt2 ? "wte" : "embed_tokens");
   std::uint32_t emb = global(gpt2 ? "wte.weight" : "embed_tokens.weight");
+  const std::uint32_t emb_module = module_enter(emb, kNone, /*input_requires_grad=*/false);
   T hs = fresh(tok_ * h, pol_.param);
   if (trainable(emb)) {
     requires_grad(hs);
@@ -135,6 +139,7 @@ ValueId StepBuilder::forward_and_loss() {
     t_.drop(hs);
     hs = scaled;
   }
+  module_exit(emb_module);
   // The model's forward keeps `inputs_embeds` (GPT-2 also `position_embeds`) to its return.
   T inputs_embeds = t_.ref(hs);
   T position_embeds;
@@ -153,6 +158,7 @@ ValueId StepBuilder::forward_and_loss() {
     T ar = fresh(S_, DType::kI64);
     position_ids_ = fresh(S_, DType::kI64);
     t_.drop(ar);
+    const std::uint32_t wpe_module = module_enter(wpe, kNone, /*input_requires_grad=*/false);
     T pe = fresh(S_ * h, pol_.param);
     if (trainable(wpe)) {
       requires_grad(pe);
@@ -161,11 +167,14 @@ ValueId StepBuilder::forward_and_loss() {
       nd.params.push_back(param_grad(wpe, pol_.param, cuda_ ? S_ * 8 * 3 : 0));
       t_.record(std::move(nd));
     }
+    module_exit(wpe_module);
     T sum = add(hs, pe);
     t_.drop(hs);
     position_embeds = pe;
     op("drop");
+    const std::uint32_t drop = container_enter(Container::kEmbedDropout);
     hs = dropout(sum);
+    module_exit(drop);
     t_.drop(sum);
   }
   // Causal mask: eager attention materialises [b, 1, s, s] in the embedding dtype; SDPA and
@@ -185,6 +194,7 @@ ValueId StepBuilder::forward_and_loss() {
     // LlamaRotaryEmbedding: freqs = position_ids[..., None].float() * inv_freq;
     // emb = cat(freqs, freqs); cos/sin = emb.cos()/sin() * attention_scaling, cast to x.dtype.
     op("rotary_emb");
+    const std::uint32_t rotary = container_enter(Container::kRotary);
     const std::uint64_t d = a_.head_dim;
     T pf = fresh(S_, DType::kF32);
     T freqs = fresh(S_ * d / 2, DType::kF32);
@@ -203,6 +213,7 @@ ValueId StepBuilder::forward_and_loss() {
     cos_ = trig();
     sin_ = trig();
     t_.drop(emb);
+    module_exit(rotary);
   }
   for (std::uint32_t l = 0; l < a_.num_layers; ++l) {
     dp_.layer_pre_forward(l);
@@ -214,6 +225,8 @@ ValueId StepBuilder::forward_and_loss() {
   layer_ = kNoLayer;
   T normed = gpt2 ? layer_norm(hs, global("ln_f.weight"), global("ln_f.bias"), tok_, "ln_f")
                   : rms_norm(hs, global("norm.weight"), tok_, "norm");
+  module_exit(base_model_module_);
+  base_model_module_ = kNone;
   t_.drop(hs);
   if (mask_.id != kNone) t_.drop(mask_);
   if (cos_.id != kNone) {
@@ -237,7 +250,9 @@ std::uint32_t StepBuilder::lm_head_param(std::uint32_t emb) const {
 ValueId StepBuilder::standard_loss(T& normed, std::uint32_t emb) {
   const std::uint64_t V = a_.vocab_size;
   op("lm_head");
+  in_lm_head_ = true;
   T logits = linear(normed, lm_head_param(emb), kNone, V);
+  in_lm_head_ = false;
   t_.drop(normed);
   if (a_.final_logit_softcap > 0) {  // Gemma-2: logits / cap, tanh, * cap
     T d1 = elementwise({&logits}, logits.numel, logits.dtype, {});
@@ -405,6 +420,8 @@ ValueId StepBuilder::fused_loss(T& hidden, std::uint32_t emb) {
 }
 
 ValueId StepBuilder::scale_loss(T& loss) {
+  module_exit(causal_lm_module_);  // the model's forward returns with the loss
+  causal_lm_module_ = kNone;
   dp_.post_forward();  // the model's forward has returned (FSDP2's root post-forward)
   // (loss / grad_accum).backward(); fp16-mixed goes through GradScaler.scale(), which makes
   // its scale and growth tracker on first use and multiplies the loss by the scale.

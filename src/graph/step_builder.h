@@ -151,6 +151,34 @@ class StepBuilder {
     t_.at(phase_, layer_, name);
   }
 
+  // ZeRO-3's forward hooks around every nn.Module call (See Note [DeepSpeed ZeRO-3]): one
+  // with parameters (its own: `w`, `b`), or a container (no parameters of its own, but its
+  // fetch prefetches), told apart by kind and layer. The nodes recorded until module_exit are
+  // the module's backward (Tape::module_begin).
+  enum class Container : std::uint32_t { kCausalLM = 2, kBaseModel, kEmbedDropout, kRotary, kLayer, kAttention,
+                                         kAttnDropout, kMlp, kAct, kMlpDropout };
+  std::uint32_t module_enter(std::uint32_t w, std::uint32_t b = kNone, bool input_requires_grad = true) {
+    if (!dp_.zero3()) return kNone;
+    std::vector<std::uint32_t> own{w};
+    if (b != kNone) own.push_back(b);
+    return enter(dp_.zero3_module(own, in_lm_head_ ? 1 : 0, input_requires_grad));
+  }
+  std::uint32_t container_enter(Container kind, bool input_requires_grad = true) {
+    if (!dp_.zero3()) return kNone;
+    const std::uint32_t key = static_cast<std::uint32_t>(kind) + 16 * static_cast<std::uint32_t>(layer_ + 1);
+    return enter(dp_.zero3_module({}, key, input_requires_grad));
+  }
+  std::uint32_t enter(std::uint32_t m) {
+    dp_.module_pre_forward(m);
+    t_.module_begin(m);
+    return m;
+  }
+  void module_exit(std::uint32_t m) {
+    if (m == kNone) return;
+    t_.module_end();
+    dp_.module_post_forward(m);
+  }
+
   // x.to(dtype): a new tensor when the dtype changes (ToCopyBackward saves nothing).
   T to(const T& x, DType d) {
     if (x.dtype == d) return t_.ref(x);
@@ -180,7 +208,7 @@ class StepBuilder {
       w.id = p.cast;
       w.dtype = pol_.compute;
     } else {
-      w.id = p.storage;
+      w.id = dp_.zero3() ? dp_.zero3_data(pi) : p.storage;  // ZeRO-3: what the module's fetch gathered
       w.dtype = p.dtype;
     }
     t_.retain(w.id);
@@ -206,6 +234,7 @@ class StepBuilder {
   }
   T linear_4bit(const T& x_in, std::uint32_t w, std::uint64_t out_features);
   T linear(const T& x_in, std::uint32_t w, std::uint32_t b, std::uint64_t out_features);
+  T linear_module(const T& x_in, std::uint32_t w, std::uint32_t b, std::uint64_t out_features);
   T proj(const T& x, std::string_view path, std::uint32_t w, std::uint32_t b, std::uint64_t out_features);
   // Tensor parallelism's projections (Note [Tensor parallelism] in tensor_parallel.h).
   T colwise_linear(const T& x_in, std::uint32_t w, std::uint32_t b, std::uint64_t out_features);
@@ -286,6 +315,7 @@ class StepBuilder {
 
   // ---------------------------------------------------------------- modules (step_modules.cpp)
   T rms_norm(const T& x, std::uint32_t w, std::uint64_t rows, std::string_view name);
+  T rms_norm_module(const T& x, std::uint32_t w, std::uint64_t rows);
   T layer_norm(const T& x, std::uint32_t w, std::uint32_t b, std::uint64_t rows, std::string_view name);
   T dropout(const T& x);
   T rope(const T& q);
@@ -294,12 +324,15 @@ class StepBuilder {
   T attention_core(T& q, T& k, T& v);
   T gpt2_attention_core(T& q, T& k, T& v);
   T attention(const T& x, const LayerParams& lp);
+  T attention_module(const T& x, const LayerParams& lp);
   T slice(const T& fused, std::uint64_t width);
   T mlp(const T& x, const LayerParams& lp);
+  T mlp_module(const T& x, const LayerParams& lp);
   T gelu_tanh(const T& x);
   T decoder_layer(const T& x, std::uint32_t l);
+  T decoder_layer_module(const T& x, std::uint32_t l);
   T post_norm(T y, std::uint32_t norm, std::string_view name);
-  T gpt2_residual_dropout(T y);
+  T gpt2_residual_dropout(T y, Container module);
   T residual_add(const T& residual, T& branch);
   T checkpointed_layer(const T& x, std::uint32_t l);
   void drop_nodes_since(std::size_t n);
@@ -315,6 +348,7 @@ class StepBuilder {
   // ---------------------------------------------------------------- optimizer (optimizer.cpp)
   void bnb_quantization_maps();
   void optimizer_step(bool first);
+  void step_parameters(const std::vector<const Param*>& opt, bool first);
 
   // ================================================================ generation (generation.cpp)
   Trace build_generation();
@@ -388,6 +422,8 @@ class StepBuilder {
   Phase phase_ = Phase::kForward;
   std::int32_t layer_ = kNoLayer;
   std::string_view op_ = "";
+  std::uint32_t causal_lm_module_ = kNone, base_model_module_ = kNone;  // ZeRO-3: open until the loss
+  bool in_lm_head_ = false;  // ZeRO-3: lm_head's nn.Linear (tied: a second module over wte)
 };
 
 }  // namespace trainmem::graph::step

@@ -48,6 +48,13 @@ T StepBuilder::linear_4bit(const T& x_in, std::uint32_t w, std::uint64_t out_fea
 
 // nn.Linear (or GPT-2's Conv1D addmm): y = x W^T + b over `rows` rows.
 T StepBuilder::linear(const T& x_in, std::uint32_t w, std::uint32_t b, std::uint64_t out_features) {
+  const std::uint32_t m = module_enter(w, b);
+  T y = linear_module(x_in, w, b, out_features);
+  module_exit(m);
+  return y;
+}
+
+T StepBuilder::linear_module(const T& x_in, std::uint32_t w, std::uint32_t b, std::uint64_t out_features) {
   if (params_[w].quantized) {
     TRAINMEM_ASSERT(b == kNone, "a 4-bit linear layer with a bias");
     return linear_4bit(x_in, w, out_features);
@@ -69,6 +76,8 @@ T StepBuilder::linear(const T& x_in, std::uint32_t w, std::uint32_t b, std::uint
     Node n = node(y);
     if (wt) n.saved.push_back(x.id);
     if (x.requires_grad()) {
+      // The saved weight keeps the storage it had when ZeRO-3 releases the parameter (See
+      // Note [DeepSpeed ZeRO-3]).
       n.saved.push_back(wc.id);
       n.inputs.push_back(grad_of(x));
     }
@@ -185,6 +194,13 @@ T StepBuilder::lora_4bit(const T& x, T& base, const Adapter& ad, const LoraLabel
 // Gemma2RMSNorm computes x.float() normalised, times (1 + weight.float()), then type_as(x).
 T StepBuilder::rms_norm(const T& x, std::uint32_t w, std::uint64_t rows, std::string_view name) {
   op(name);
+  const std::uint32_t m = module_enter(w);
+  T out = rms_norm_module(x, w, rows);
+  module_exit(m);
+  return out;
+}
+
+T StepBuilder::rms_norm_module(const T& x, std::uint32_t w, std::uint64_t rows) {
   const std::uint64_t n = x.numel;
   T h32 = to(x, DType::kF32);
   // pow's backward, grad * (2 * x.pow(1)): both expression temporaries live until the product.
@@ -198,7 +214,9 @@ T StepBuilder::rms_norm(const T& x, std::uint32_t w, std::uint64_t rows, std::st
     nd.inputs.push_back(pass_to(var));
     t_.record(std::move(nd));
   }
-  t_.drop(var);
+  const bool gemma = a_.family == Family::kGemma2;
+  // LlamaRMSNorm keeps `variance` to its return; Gemma-2's _norm has it in one expression.
+  if (gemma) t_.drop(var);
   // rsqrt's backward, -0.5 * grad * result.pow(3): two temporaries, then the product.
   T rs = elementwise({&ve}, rows, DType::kF32, {}, {rows * 4, rows * 4}, /*save_output=*/true);
   t_.drop(ve);
@@ -214,7 +232,6 @@ T StepBuilder::rms_norm(const T& x, std::uint32_t w, std::uint64_t rows, std::st
   }
   t_.drop(h32);
   t_.drop(rs);
-  const bool gemma = a_.family == Family::kGemma2;
   T out;
   if (gemma) {
     // output * (1.0 + weight.float()): the mul saves each factor for the other's gradient,
@@ -252,6 +269,7 @@ T StepBuilder::rms_norm(const T& x, std::uint32_t w, std::uint64_t rows, std::st
   out = fresh(n, od);
   if (!hc.requires_grad() && !trainable(w)) {
     t_.drop(hc);
+    t_.drop(var);
     return out;
   }
   // weight * x: x is saved for the weight's gradient (the weight, saved for x's, is the
@@ -259,10 +277,12 @@ T StepBuilder::rms_norm(const T& x, std::uint32_t w, std::uint64_t rows, std::st
   requires_grad(out);
   Node nd = node(out);
   if (trainable(w)) nd.saved = {hc.id};
+  if (dp_.zero3() && hc.requires_grad()) nd.saved.push_back(dp_.zero3_data(w));  // See Note [DeepSpeed ZeRO-3]
   if (hc.requires_grad()) nd.inputs.push_back(GradIn{hc.value, hc.bytes(), false});
   if (trainable(w)) nd.params.push_back(param_grad(w, od, n * dtype_bytes(od)));
   t_.record(std::move(nd));
   t_.drop(hc);
+  t_.drop(var);
   return out;
 }
 
@@ -270,6 +290,7 @@ T StepBuilder::rms_norm(const T& x, std::uint32_t w, std::uint64_t rows, std::st
 // and the output is fp32. native_layer_norm saves its input, mean and rstd.
 T StepBuilder::layer_norm(const T& x, std::uint32_t w, std::uint32_t b, std::uint64_t rows, std::string_view name) {
   op(name);
+  const std::uint32_t m = module_enter(w, b);
   T xin = (pol_.autocast && cuda_) ? to(x, DType::kF32) : t_.ref(x);
   // CUDA keeps mean/rstd in fp32; the CPU kernel in the input dtype.
   const DType stat = cuda_ ? DType::kF32 : xin.dtype;
@@ -280,6 +301,13 @@ T StepBuilder::layer_norm(const T& x, std::uint32_t w, std::uint32_t b, std::uin
     requires_grad(out);
     Node nd = node(out);
     nd.saved = {xin.id, mean.id, rstd.id};
+    // native_layer_norm also saves the weight and the bias: the parameters, whose storage
+    // lives as long as the parameter does, except under ZeRO-3, where the saved ones keep
+    // the gathered storage after the release (See Note [DeepSpeed ZeRO-3]).
+    if (dp_.zero3()) {
+      nd.saved.push_back(dp_.zero3_data(w));
+      if (b != kNone) nd.saved.push_back(dp_.zero3_data(b));
+    }
     if (xin.requires_grad()) nd.inputs.push_back(grad_of(xin));
     if (trainable(w)) nd.params.push_back(param_grad(w, xin.dtype));
     if (trainable(b)) nd.params.push_back(param_grad(b, xin.dtype));
@@ -288,6 +316,7 @@ T StepBuilder::layer_norm(const T& x, std::uint32_t w, std::uint32_t b, std::uin
   t_.drop(mean);
   t_.drop(rstd);
   t_.drop(xin);
+  module_exit(m);
   return out;
 }
 
@@ -537,6 +566,13 @@ T StepBuilder::gpt2_attention_core(T& q, T& k, T& v) {
 }
 
 T StepBuilder::attention(const T& x, const LayerParams& lp) {
+  const std::uint32_t m = container_enter(Container::kAttention);
+  T y = attention_module(x, lp);
+  module_exit(m);
+  return y;
+}
+
+T StepBuilder::attention_module(const T& x, const LayerParams& lp) {
   const std::uint64_t heads = a_.num_heads, kvh = a_.num_kv_heads, d = a_.head_dim;
   const std::uint64_t qw = heads * d, kvw = kvh * d;
   T q, k, v;
@@ -598,7 +634,7 @@ T StepBuilder::attention(const T& x, const LayerParams& lp) {
   T y = proj(o, a_.family == Family::kGpt2 ? "attn.c_proj" : "self_attn.o_proj", lp.o, lp.o_b,
              a_.hidden_size);
   t_.drop(o);
-  return a_.family == Family::kGpt2 ? gpt2_residual_dropout(y) : y;
+  return a_.family == Family::kGpt2 ? gpt2_residual_dropout(y, Container::kAttnDropout) : y;
 }
 
 T StepBuilder::slice(const T& fused, std::uint64_t width) {
@@ -616,15 +652,24 @@ T StepBuilder::slice(const T& fused, std::uint64_t width) {
 }
 
 T StepBuilder::mlp(const T& x, const LayerParams& lp) {
+  const std::uint32_t m = container_enter(Container::kMlp);
+  T y = mlp_module(x, lp);
+  module_exit(m);
+  return y;
+}
+
+T StepBuilder::mlp_module(const T& x, const LayerParams& lp) {
   const std::uint64_t i = a_.intermediate_size, n = tok_ * i;
   if (!a_.gated_mlp) {  // GPT-2: c_fc, gelu_new, c_proj
     T h = proj(x, "mlp.c_fc", lp.up, lp.up_b, i);
     op("mlp.act");
+    const std::uint32_t act = container_enter(Container::kAct);
     T g = gelu_tanh(h);
+    module_exit(act);
     t_.drop(h);
     T y = proj(g, "mlp.c_proj", lp.down, lp.down_b, a_.hidden_size);
     t_.drop(g);
-    return gpt2_residual_dropout(y);  // GPT2MLP's dropout
+    return gpt2_residual_dropout(y, Container::kMlpDropout);  // GPT2MLP's dropout
   }
   T gate, up;
   if (lp.gate_up != kNone) {
@@ -636,8 +681,10 @@ T StepBuilder::mlp(const T& x, const LayerParams& lp) {
     gate = proj(x, "mlp.gate_proj", lp.gate, lp.gate_b, i);
   }
   op("mlp.act_fn");
+  const std::uint32_t act_module = container_enter(Container::kAct);
   T act = a_.activation == Activation::kSilu ? elementwise({&gate}, n, gate.dtype, {gate.id})
                                               : gelu_tanh(gate);
+  module_exit(act_module);
   if (lp.gate_up == kNone) {
     up = proj(x, "mlp.up_proj", lp.up, lp.up_b, i);
   }
@@ -677,14 +724,24 @@ T StepBuilder::gelu_tanh(const T& x) {
 }
 
 T StepBuilder::decoder_layer(const T& x, std::uint32_t l) {
-  const LayerParams& lp = layers_[l];
   layer_ = static_cast<std::int32_t>(l);
+  const std::uint32_t m = container_enter(Container::kLayer);
+  T out = decoder_layer_module(x, l);
+  module_exit(m);
+  return out;
+}
+
+T StepBuilder::decoder_layer_module(const T& x, std::uint32_t l) {
+  const LayerParams& lp = layers_[l];
   const bool gpt2 = a_.family == Family::kGpt2;
   T n1 = gpt2 ? layer_norm(x, lp.in_norm, lp.in_norm_b, tok_, "ln_1")
               : rms_norm(x, lp.in_norm, tok_, "input_layernorm");
   T att = attention(n1, lp);  // GPT-2's residual dropout happens inside, as in GPT2Attention
   t_.drop(n1);
   att = post_norm(att, lp.post_attn_norm, "post_attention_layernorm");
+  // GPT2Block keeps `attn_output`, a local, to its return (measured: the residual dropout's
+  // output outlives the MLP); the other families rebind hidden_states at the add.
+  T attn_output = gpt2 ? t_.ref(att) : T{};
   T h1 = residual_add(x, att);
   T n2 = gpt2 ? layer_norm(h1, lp.post_attn_norm, lp.post_attn_norm_b, tok_, "ln_2")
               : rms_norm(h1, a_.sandwich_norms ? lp.pre_ff_norm : lp.post_attn_norm, tok_,
@@ -694,6 +751,7 @@ T StepBuilder::decoder_layer(const T& x, std::uint32_t l) {
   m = post_norm(m, lp.post_ff_norm, "post_feedforward_layernorm");
   T out = residual_add(h1, m);
   t_.drop(h1);
+  if (attn_output.id != kNone) t_.drop(attn_output);
   return out;
 }
 
@@ -706,8 +764,10 @@ T StepBuilder::post_norm(T y, std::uint32_t norm, std::string_view name) {
   return pn;
 }
 
-T StepBuilder::gpt2_residual_dropout(T y) {
+T StepBuilder::gpt2_residual_dropout(T y, Container module) {
+  const std::uint32_t m = container_enter(module);
   T dr = dropout(y);
+  module_exit(m);
   t_.drop(y);
   return dr;
 }

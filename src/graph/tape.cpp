@@ -136,6 +136,27 @@ void Tape::record(Node node) {
   nodes_.push_back(std::move(node));
 }
 
+void Tape::module_end() {
+  TRAINMEM_ASSERT(!open_modules_.empty(), "module_end without module_begin");
+  const auto [module, first] = open_modules_.back();
+  open_modules_.pop_back();
+  if (!on_module_backward || nodes_.size() == first) return;  // no node: no backward hooks
+  if (module_begins_at_.size() < nodes_.size()) {
+    module_begins_at_.resize(nodes_.size());
+    module_ends_at_.resize(nodes_.size());
+  }
+  module_begins_at_[nodes_.size() - 1].push_back(module);
+  module_ends_at_[first].push_back(module);
+}
+
+void Tape::resize_nodes(std::size_t n) {
+  nodes_.resize(n);
+  if (module_begins_at_.size() > n) {
+    module_begins_at_.resize(n);
+    module_ends_at_.resize(n);
+  }
+}
+
 void Tape::stop_recompute_at(std::size_t stop) {
   // Storages born after the stop were never made; those born before it die where it stops.
   std::vector<TensorId> born;
@@ -269,7 +290,7 @@ void Tape::run_node(Node& n) {
     std::rotate(trace_.events.begin() + static_cast<std::ptrdiff_t>(recompute_events),
                 trace_.events.begin() + static_cast<std::ptrdiff_t>(recomputed_events), trace_.events.end());
     run(begin, first_saving);
-    nodes_.resize(begin);
+    resize_nodes(begin);
     // The checkpoint's inputs are saved by a node created before the layer's ops, so they are
     // released after the layer's backward; the recompute closure (with the keyword arguments)
     // lives as long as that graph.
@@ -345,7 +366,18 @@ void Tape::run_node(Node& n) {
 }
 
 void Tape::run(std::size_t begin, std::size_t end) {
-  for (std::size_t i = end; i-- > begin;) run_node(nodes_[i]);
+  for (std::size_t i = end; i-- > begin;) {
+    if (i < module_begins_at_.size() && !module_begins_at_[i].empty()) {
+      at(Phase::kBackward, nodes_[i].tag.layer, nodes_[i].tag.op);
+      const std::vector<std::uint32_t> outer_first(module_begins_at_[i].rbegin(), module_begins_at_[i].rend());
+      for (std::uint32_t m : outer_first) on_module_backward(m, true);
+    }
+    // run_node may grow nodes_ and the module lists (a recompute) and shrink them again.
+    std::vector<std::uint32_t> ends;
+    if (i < module_ends_at_.size()) ends = module_ends_at_[i];
+    run_node(nodes_[i]);
+    for (std::uint32_t m : ends) on_module_backward(m, false);
+  }
 }
 
 void Tape::backward(ValueId root) {
@@ -364,7 +396,7 @@ void Tape::backward(ValueId root) {
   if (on_layer_change && backward_layer_ != -1) on_layer_change(backward_layer_, -1);
   if (on_final_callbacks) on_final_callbacks();
   release(seed);
-  nodes_.clear();
+  resize_nodes(0);
   for (TensorId& g : value_grad_) {
     if (g != kNone) {
       release(g);  // gradients of leaves that need none (e.g. input embeddings) end here

@@ -266,7 +266,7 @@ class Tape {
   void record(Node node);
   std::size_t node_count() const { return nodes_.size(); }
   // Forgets nodes recorded since `n` (a checkpointed forward's graph, replaced by one node).
-  void truncate_nodes(std::size_t n) { nodes_.resize(n); }
+  void truncate_nodes(std::size_t n) { resize_nodes(n); }
 
   // Parameters' .grad slots.
   std::uint32_t new_param(TensorId storage);
@@ -281,6 +281,14 @@ class Tape {
   // The engine's final callbacks (Variable._execution_engine.queue_callback): after every node,
   // while torch.autograd.backward still holds the seed gradient.
   std::function<void()> on_final_callbacks;
+  // A module's forward (nested calls nest): the nodes recorded in between are its backward.
+  // on_module_backward runs before the first and after the last of them in backward, outer
+  // modules first and last: DeepSpeed's pre- and post-backward module hooks, Functions on the
+  // module's outputs and inputs (Note [DeepSpeed ZeRO-3] in zero3.cpp). A module that recorded
+  // no node has no backward hooks.
+  std::function<void(std::uint32_t module, bool begin)> on_module_backward;
+  void module_begin(std::uint32_t module) { open_modules_.push_back({module, nodes_.size()}); }
+  void module_end();
 
   // Runs backward from `root` (a scalar) and clears the recorded graph.
   void backward(ValueId root);
@@ -317,6 +325,11 @@ class Tape {
   // input buffer collects every gradient of the pass before it runs.
   std::vector<std::uint32_t> param_uses_;
   std::vector<std::vector<TensorId>> param_pending_;
+  // Modules whose forward is running (module, first node), and per node the modules whose
+  // backward begins before it (its last node; inner ones first) and ends after it (first node).
+  std::vector<std::pair<std::uint32_t, std::size_t>> open_modules_;
+  std::vector<std::vector<std::uint32_t>> module_begins_at_, module_ends_at_;
+  void resize_nodes(std::size_t n);
   // run_node's working lists, kept for their capacity.
   std::vector<TensorId> node_scratch_, node_grads_, node_pgrads_;
 };

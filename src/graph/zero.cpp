@@ -113,6 +113,7 @@ void DataParallel::zero_wrap() {
       is_in_partition_[i] = true;
     }
   }
+  sub_group_numel_.assign(1, partition_numel_);  // the torch optimizer steps it whole
   t_.at(Phase::kSetup, kNoLayer, "zero.fp32_partition");
   t_.alloc_bytes(detail::mul(partition_numel_, 4, "ZeRO fp32 partition bytes"), Category::kWeights);
 }
@@ -331,6 +332,7 @@ void DataParallel::zero_before_optimizer() {
 }
 
 void DataParallel::zero_after_optimizer() {
+  if (zero3()) return zero3_gather_persistent();
   if (fp32_grad_ != kNone) t_.release(fp32_grad_);  // single_partition_of_fp32_groups[i].grad = None
   fp32_grad_ = kNone;
   if (scaled_norm_ != kNone) t_.release(scaled_norm_);  // a local of step(), gone when it returns

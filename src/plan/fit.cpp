@@ -169,6 +169,16 @@ std::uint64_t plan::persistent_floor(const Model& m, const Recipe& r) {
     case Optimizer::kSgd: states_per_element = sb; break;
     case Optimizer::kAdafactor: break;
   }
+  if (r.parallel == Parallel::kZero3) {
+    // ZeRO-3 (See Note [DeepSpeed ZeRO-3] in graph/zero3.cpp): from deepspeed.initialize on, every
+    // rank holds its 16-bit (or fp32) partition, the fp32 master partition, the flat gradient
+    // partitions in the model dtype and the ipg bucket, and from step 1 on the states of the
+    // master partition; each partition is at least 1/gpus of the parameters (ceil per
+    // parameter). Gathered parameters come and go: none are counted.
+    const std::uint64_t partition = n / r.gpus;
+    const std::uint64_t held = detail::mul(partition, pb + 4 + states_per_element + pb, "ZeRO-3 partition bytes");
+    return detail::add(held, graph::DataParallel::zero_bucket_bytes(pb), "persistent bytes");
+  }
   if (is_zero(r.parallel)) {
     // ZeRO-1/2 (See Note [DeepSpeed ZeRO-1/2] in graph/zero.cpp): the flat 16-bit (or fp32) group
     // is whole on every rank, and from step 1 on so are this rank's fp32 master partition and
@@ -271,10 +281,11 @@ FitResult fit(const Model& model, const FitRequest& q) {
   const auto ckpts = values(q, "checkpointing", base.checkpointing, {Checkpointing::kNone, Checkpointing::kFull});
   const auto losses = values(q, "loss", base.loss, {Loss::kStandard, Loss::kFused});
   const auto allocators = values(q, "allocator", base.allocator, {AllocatorMode::kDefault, AllocatorMode::kExpandable});
-  // ZeRO-1/2 only where the recipe validation takes them (fp32 or bf16-master, a torch AdamW or
+  // ZeRO-1/2/3 only where the recipe validation takes them (fp32 or bf16-master, a torch AdamW or
   // SGD, the standard loss): other combinations are skipped below, like every invalid recipe.
   const auto parallels =
-      q.gpus > 1 ? values(q, "parallel", base.parallel, {Parallel::kFsdp, Parallel::kDdp, Parallel::kZero1, Parallel::kZero2})
+      q.gpus > 1 ? values(q, "parallel", base.parallel,
+                          {Parallel::kFsdp, Parallel::kDdp, Parallel::kZero1, Parallel::kZero2, Parallel::kZero3})
                  : std::vector<Parallel>{base.parallel};
 
   struct Candidate {
@@ -465,7 +476,7 @@ FitResult fit(const Model& model, const FitRequest& q) {
     change("batch " + std::to_string(r.batch) + " x grad_accum " + std::to_string(r.grad_accum), r);
   }
   if (base.gpus > 1) {
-    for (Parallel dp : {Parallel::kDdp, Parallel::kFsdp, Parallel::kZero1, Parallel::kZero2}) {
+    for (Parallel dp : {Parallel::kDdp, Parallel::kFsdp, Parallel::kZero1, Parallel::kZero2, Parallel::kZero3}) {
       if (dp == base.parallel) continue;
       Recipe r = base;
       r.parallel = dp;

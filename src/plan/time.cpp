@@ -179,6 +179,9 @@ StepTime step_time(const Model& model, const Recipe& spelled) {
       }
       case Parallel::kZero1: moved = 2 * ring * grads + ring * params; break;
       case Parallel::kZero2: moved = 2 * ring * grads * micro + ring * params; break;
+      // ZeRO-3: every micro-batch gathers the parameters for the forward and again for the
+      // backward and reduce-scatters the gradients, as FSDP2 does.
+      case Parallel::kZero3: moved = ring * (2 * params + grads) * micro; break;
       case Parallel::kNone: break;
     }
     t.comm_s = moved / (gpu.interconnect_gbps * 1e9);

@@ -33,11 +33,12 @@ constexpr Spellings<AllocatorMode, 2> kAllocator{{{AllocatorMode::kDefault, "def
                                                   {AllocatorMode::kExpandable, "expandable"}}};
 constexpr Spellings<QuantType, 2> kQuantTypes{{{QuantType::kFp4, "fp4"}, {QuantType::kNf4, "nf4"}}};
 constexpr Spellings<Mode, 2> kModes{{{Mode::kTraining, "training"}, {Mode::kInference, "inference"}}};
-constexpr Spellings<Parallel, 5> kParallel{{{Parallel::kNone, "none"},
+constexpr Spellings<Parallel, 6> kParallel{{{Parallel::kNone, "none"},
                                             {Parallel::kDdp, "ddp"},
                                             {Parallel::kFsdp, "fsdp"},
                                             {Parallel::kZero1, "zero1"},
-                                            {Parallel::kZero2, "zero2"}}};
+                                            {Parallel::kZero2, "zero2"},
+                                            {Parallel::kZero3, "zero3"}}};
 
 constexpr Spellings<FsdpDtype, 3> kFsdpDtypes{{{FsdpDtype::kNone, "none"},
                                                 {FsdpDtype::kFp32, "fp32"},
@@ -140,7 +141,7 @@ void validate_parallel(const Recipe& r) {
   if (r.parallel == Parallel::kNone) {
     if (r.gpus != 1) {
       throw Error("gpus: " + std::to_string(r.gpus) +
-                  " GPUs need a data-parallel wrapper: parallel ddp, fsdp, zero1 or zero2");
+                  " GPUs need a data-parallel wrapper: parallel ddp, fsdp, zero1, zero2 or zero3");
     }
     return;
   }
@@ -223,14 +224,7 @@ Loss parse_loss(std::string_view s) { return parse(kLoss, s, "loss"); }
 AllocatorMode parse_allocator(std::string_view s) { return parse(kAllocator, s, "allocator"); }
 Mode parse_mode(std::string_view s) { return parse(kModes, s, "mode"); }
 QuantType parse_quant_type(std::string_view s) { return parse(kQuantTypes, s, "bnb_4bit_quant_type"); }
-Parallel parse_parallel(std::string_view s) {
-  // The measuring side runs ZeRO-3 (python/trainmem/measure/parallel.py); the engine does not yet.
-  if (s == "zero3") {
-    throw Error("parallel: zero3 is not modelled yet (DeepSpeed ZeRO-3's partitioned parameters, gathered per "
-                "module with prefetch); use zero1, zero2 or fsdp");
-  }
-  return parse(kParallel, s, "parallel");
-}
+Parallel parse_parallel(std::string_view s) { return parse(kParallel, s, "parallel"); }
 
 Recipe parse_recipe(const RecipeSpelling& in) {
   Recipe r;
@@ -246,7 +240,8 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   } else if (r.mode == Mode::kInference || in.load_in_4bit) {
     r.precision = Precision::kBf16True;
   } else {
-    r.precision = is_zero(parse_parallel(in.parallel)) ? Precision::kBf16Master : Precision::kBf16Mixed;
+    // (ZeRO with adapters is refused for itself below; its default stays the plain one.)
+    r.precision = is_zero(parse_parallel(in.parallel)) && in.lora_rank == 0 ? Precision::kBf16Master : Precision::kBf16Mixed;
   }
   r.new_tokens = in.new_tokens;
   r.beams = in.beams;

@@ -104,7 +104,7 @@ std::string recipe_words(const Recipe& r) {
 // Why the estimate shows this rank (Note [The worst rank] in src/estimate.cpp).
 std::string rank_words(const Estimate& e) {
   if (e.ranks.size() <= 1) {
-    if (is_zero(e.recipe.parallel)) return " (as asked; ranks differ under ZeRO)";
+    if (is_zero(e.recipe.parallel) && e.recipe.parallel != Parallel::kZero3) return " (as asked; ranks differ under ZeRO)";
     return " (every rank runs the same ops on tensors of the same sizes)";
   }
   std::uint64_t least = e.ranks.front().peak_reserved_bytes;

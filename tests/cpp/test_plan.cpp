@@ -120,7 +120,7 @@ TEST(Fit, QloraFloorAndSingleChange) {
 TEST(Fit, TheFloorIsNeverAboveTheReplayedPeakUnderDataParallelism) {
   for (const char* name : {"gpt2", "qwen3-0.6b"}) {
     const Model m = model::with_layers(load_model(name), 2);
-    for (Parallel dp : {Parallel::kDdp, Parallel::kFsdp, Parallel::kZero1, Parallel::kZero2}) {
+    for (Parallel dp : {Parallel::kDdp, Parallel::kFsdp, Parallel::kZero1, Parallel::kZero2, Parallel::kZero3}) {
       // ZeRO runs DeepSpeed's own precisions and a torch optimizer (Recipe::validate).
       const std::vector<Precision> precisions =
           is_zero(dp) ? std::vector<Precision>{Precision::kFp32, Precision::kBf16Master}
@@ -142,9 +142,11 @@ TEST(Fit, TheFloorIsNeverAboveTheReplayedPeakUnderDataParallelism) {
               const Estimate e = estimate(m, r);
               EXPECT_LE(floor, e.peak_allocated_bytes) << name << " " << to_string(dp) << " x" << gpus << " "
                                                        << to_string(p) << " " << to_string(o) << " accum " << accum;
-              // Under ZeRO the floor still holds most of the peak: the whole flat group and the
-              // partitions dominate a two-layer model at seq 64.
-              if (is_zero(dp)) {
+              // Under ZeRO-1/2 the floor still holds most of the peak: the whole flat group and the
+              // partitions dominate a two-layer model at seq 64. ZeRO-3's floor leaves out what is
+              // gathered (at the end of a forward every weight autograd saved), so it can be
+              // below half the peak on 8 GPUs.
+              if (is_zero(dp) && dp != Parallel::kZero3) {
                 EXPECT_GT(floor, e.peak_allocated_bytes / 2)
                     << name << " " << to_string(dp) << " x" << gpus << " " << to_string(p) << " " << to_string(o);
               }

@@ -263,13 +263,11 @@ TEST(RecipeSpellings, ParallelRoundTrips) {
                                      {Parallel::kDdp, "ddp"},
                                      {Parallel::kFsdp, "fsdp"},
                                      {Parallel::kZero1, "zero1"},
-                                     {Parallel::kZero2, "zero2"}},
+                                     {Parallel::kZero2, "zero2"},
+                                     {Parallel::kZero3, "zero3"}},
                      parse_parallel);
   EXPECT_EQ(error_of([] { parse_parallel("zero4"); }),
-            "parallel: unknown value 'zero4'; expected one of none, ddp, fsdp, zero1, zero2");
-  EXPECT_EQ(error_of([] { parse_parallel("zero3"); }),
-            "parallel: zero3 is not modelled yet (DeepSpeed ZeRO-3's partitioned parameters, gathered per module "
-            "with prefetch); use zero1, zero2 or fsdp");
+            "parallel: unknown value 'zero4'; expected one of none, ddp, fsdp, zero1, zero2, zero3");
 }
 
 TEST(RecipeValidate, ParallelDefaultsToOneGpu) {
@@ -284,7 +282,7 @@ TEST(RecipeValidate, ParallelDefaultsToOneGpu) {
 TEST(RecipeValidate, GpusNeedAWrapper) {
   Recipe r;
   r.gpus = 8;
-  EXPECT_EQ(error_of([&] { r.validate(); }), "gpus: 8 GPUs need a data-parallel wrapper: parallel ddp, fsdp, zero1 or zero2");
+  EXPECT_EQ(error_of([&] { r.validate(); }), "gpus: 8 GPUs need a data-parallel wrapper: parallel ddp, fsdp, zero1, zero2 or zero3");
   r.parallel = Parallel::kDdp;
   EXPECT_NO_THROW(r.validate());
   r.gpus = 0;

@@ -29,6 +29,7 @@ using testing::allocs_at;
 using testing::kGpt2L2Params;
 using testing::kGrads;
 using testing::kStates;
+using testing::kTemps;
 using testing::kWeights;
 using testing::dp_recipe;
 using testing::gpt2_l2;
@@ -258,6 +259,127 @@ TEST(ZeroRanks, DdpAndFsdpReplayOneRankForAll) {
     EXPECT_EQ(e.ranks[0].peak_allocated_bytes, e.peak_allocated_bytes);
   }
   EXPECT_TRUE(estimate(gpt2_l2(), dp_recipe(Parallel::kNone, 1, Precision::kFp32)).ranks.empty());
+}
+
+// ---- ZeRO-3 (src/graph/zero3.cpp, Note [DeepSpeed ZeRO-3]) ----------------------------------
+
+// GPT-2's parameters in model.parameters() order (the engine's order, DeepSpeed's ds_id order).
+std::vector<std::uint64_t> gpt2_l2_numels() {
+  std::vector<std::uint64_t> n = {kGpt2Wte, 1024 * 768};
+  for (int l = 0; l < 2; ++l) {
+    for (std::uint64_t k : {768u, 768u, 768u * 2304, 2304u, 768u * 768, 768u, 768u, 768u, 768u * 3072, 3072u,
+                            3072u * 768, 768u}) {
+      n.push_back(k);
+    }
+  }
+  n.push_back(768);
+  n.push_back(768);
+  return n;
+}
+
+// Live bytes per category after the last event of step `step`'s forward op `op`.
+std::array<std::uint64_t, 6> live_after_forward(const graph::Trace& t, std::uint32_t step, std::string_view op) {
+  std::size_t last = 0;
+  for (std::size_t i = 0; i < t.events.size(); ++i) {
+    const graph::MomentTag& m = t.moments[t.events[i].moment];
+    if (m.step == step && m.phase == Phase::kForward && m.op == op) last = i + 1;
+  }
+  std::array<std::uint64_t, 6> live{};
+  for (std::size_t i = 0; i < last; ++i) {
+    const graph::Event& e = t.events[i];
+    const std::size_t c = static_cast<std::size_t>(t.storages[e.tensor].category);
+    live[c] = e.alloc ? live[c] + t.storages[e.tensor].bytes : live[c] - t.storages[e.tensor].bytes;
+  }
+  return live;
+}
+
+std::uint64_t gpt2_l2_partition(std::uint64_t world) {
+  std::uint64_t total = 0;
+  for (std::uint64_t n : gpt2_l2_numels()) total += DataParallel::zero3_partition_numel(n, world);
+  return total;
+}
+
+TEST(Zero3Partition, CeilPerParameterAndThePersistenceThreshold) {
+  EXPECT_EQ(DataParallel::zero3_partition_numel(kGpt2Wte, 2), kGpt2Wte / 2);
+  EXPECT_EQ(DataParallel::zero3_partition_numel(kGpt2Wte, 3), (kGpt2Wte + 2) / 3);
+  EXPECT_EQ(DataParallel::zero3_partition_numel(7, 4), 2u);
+  EXPECT_EQ(DataParallel::zero3_partition_numel(1, 8), 1u);  // every rank holds an element
+  // stage3_param_persistence_threshold 1e5: `ds_numel <= threshold` stays gathered.
+  EXPECT_TRUE(DataParallel::zero3_persistent(100'000));
+  EXPECT_FALSE(DataParallel::zero3_persistent(100'001));
+  EXPECT_TRUE(DataParallel::zero3_persistent(768));
+  // Per parameter, not per group: with 5 GPUs each of the 28 parameters is padded to a multiple
+  // of 5 on its own, 67 elements in all (a flat group would need 2).
+  EXPECT_EQ(gpt2_l2_partition(2), kGpt2L2Params / 2);
+  EXPECT_EQ(gpt2_l2_partition(5) * 5 - kGpt2L2Params, 67u);
+}
+
+TEST(Zero3Setup, PartitionsBucketAndGradientPartitionsAreMadeOnce) {
+  const Model m = gpt2_l2();
+  for (std::uint64_t world : {2u, 3u}) {
+    for (Precision p : {Precision::kBf16Master, Precision::kFp32}) {
+      const std::uint64_t item = p == Precision::kFp32 ? 4 : 2;
+      const graph::Trace t = graph::build_training_trace(m, dp_recipe(Parallel::kZero3, world, p), find_gpu("cpu"));
+      const std::uint64_t part = gpt2_l2_partition(world);
+      EXPECT_EQ(allocs_at(t, "zero3.partition_parameters"), (std::vector<std::uint64_t>{part * item})) << world;
+      EXPECT_EQ(allocs_at(t, "zero3.fp32_partitions"), (std::vector<std::uint64_t>{part * 4})) << world;
+      EXPECT_EQ(allocs_at(t, "zero3.ipg_bucket"), (std::vector<std::uint64_t>{kBucketElements * item})) << world;
+      EXPECT_EQ(allocs_at(t, "zero3.grad_partitions"), (std::vector<std::uint64_t>{part * item, 1})) << world;
+      EXPECT_TRUE(allocs_at(t, "optimizer.master_copy").empty());
+      // The torch optimizer steps the one fp32 sub-group: its states are sized by it.
+      EXPECT_EQ(allocs_at(t, "optimizer.init_state"), (std::vector<std::uint64_t>{4, part * 4, part * 4})) << world;
+    }
+  }
+}
+
+// What is gathered where. Step 1 runs without a trace: a module's parameters are gathered for its
+// forward and released after it, but what autograd saved stays (the measured traces: LayerNorm's
+// weight and bias and Conv1D's weight are freed only by their backward node; Conv1D's bias,
+// which addmm does not save, goes at once). So after layer 1's c_fc every weight autograd saved
+// so far is gathered, and none of the biases but the layer norms'. In step 2 the recorded order
+// keeps every parameter that the backward uses again (max_reuse_distance 1e9 covers the model)
+// and prefetches the rest: at the end of the forward the whole model is gathered once.
+TEST(Zero3Gather, SavedWeightsInStepOneTheWholeModelInStepTwo) {
+  const Model m = gpt2_l2();
+  const graph::Trace t = graph::build_training_trace(m, dp_recipe(Parallel::kZero3, 2, Precision::kBf16Master), find_gpu("cpu"));
+  const std::uint64_t part = gpt2_l2_partition(2);
+  const std::uint64_t states = part * 2 + part * 4;  // lp_param_buffer and the fp32 partition
+  const std::uint64_t h = 768;
+  const std::uint64_t norms = 2 * h, attn = h * 3 * h, proj = h * h, fc = h * 4 * h, down = 4 * h * h;
+  const std::uint64_t layer0 = norms + attn + proj + norms + fc + down;
+  const std::uint64_t layer1_so_far = norms + attn + proj + norms + fc;
+  const auto in_fc = live_after_forward(t, 1, "mlp.c_fc");
+  EXPECT_EQ(in_fc[kWeights], states + (layer0 + layer1_so_far) * 2);
+  const auto before_loss = live_after_forward(t, 2, "ln_f");
+  EXPECT_EQ(before_loss[kWeights], states + kGpt2L2Params * 2) << "every parameter gathered, once";
+}
+
+// DeepSpeed's estimator without offload (stage3.py estimate_zero3_model_states_mem_needs):
+// 4 x largest_layer_params + 18 P / G bytes per GPU. largest_layer_params is the largest module's
+// own parameters (GPT-2: wte, 38.6 M); 18 = 2 (16-bit parameter partition) + 4 (fp32 master) +
+// 8 (Adam's moments) + 4 (fp32 gradient). The engine holds those pieces (exact per-parameter
+// ceil partitions) and, besides them, the 16-bit gradient partitions (grad_partitions_flat_buffer,
+// 2 P / G, for the whole run), the 16-bit flat copy of the gradients while they are converted to
+// fp32 (2 P / G, a temporary: made in the step, outside the gradient hooks) and the ipg bucket (reduce_bucket_size x 2 B = 1 GB for the whole run); what it
+// gathers is not one largest layer but what the coordinator holds (prefetch and reuse distance).
+TEST(Zero3Optimizer, ModelStatesAgainstDeepSpeedsEstimator) {
+  const Model m = gpt2_l2();
+  for (std::uint64_t g : {2u, 4u}) {
+    const std::uint64_t part = gpt2_l2_partition(g);
+    ASSERT_EQ(part * g, kGpt2L2Params);  // no per-parameter padding: the estimator's P/G exactly
+    const graph::Trace t = graph::build_training_trace(m, dp_recipe(Parallel::kZero3, g, Precision::kBf16Master), find_gpu("cpu"));
+    const auto end = live_after(t, 2, "");
+    const std::uint64_t bucket = kBucketElements * 2;
+    EXPECT_EQ(end[kStates], 8 * part + 4) << g;  // exp_avg, exp_avg_sq and the CPU `step`
+    const auto step = live_after(t, 2, "zero3.fp32_grad_partition", kGrads);
+    const std::uint64_t estimator_states = 18 * kGpt2L2Params / g;
+    // weights (2 + 4) + states (8) + the fp32 gradient (4) = the estimator's 18 P / G; the
+    // engine's gradients also hold the 16-bit partitions, the flat copy and the bucket.
+    EXPECT_EQ(step[kWeights] + (end[kStates] - 4) + 4 * part, estimator_states) << g;
+    EXPECT_EQ(step[kGrads], bucket + 2 * part + 4 * part) << g;  // the flat 16-bit copy is a temporary
+    EXPECT_GE(step[kTemps], 2 * part) << g;
+    EXPECT_EQ(step[kWeights], 6 * part) << g << ": nothing gathered in the step (all partitioned)";
+  }
 }
 
 }  // namespace

@@ -29,7 +29,7 @@ def measurements():
 def test_corpus_has_data_parallel_runs():
     recipes = [json.loads(p.read_text())["recipe"] for p in measurements()]
     seen = {r.get("parallel", "none") for r in recipes}
-    wanted = {"none", "ddp", "fsdp", "zero1", "zero2"}
+    wanted = {"none", "ddp", "fsdp", "zero1", "zero2", "zero3"}
     assert wanted <= seen, f"corpus lacks {wanted - seen}"
 
 

@@ -138,7 +138,7 @@ def test_zero_through_python_matches_cli(trainmem_bin):
     with pytest.raises(ValueError, match="rank: must be a rank number"):
         trainmem.estimate("gpt2", gpus=4, parallel="ddp", rank=-1)
     assert "rank" not in trainmem.estimate("gpt2", seq=64).to_dict()
-    with pytest.raises(ValueError, match="parallel: zero3 is not modelled yet"):
+    with pytest.raises(ValueError, match="precision: bf16-mixed under parallel zero3 is not modelled"):
         trainmem.estimate("gpt2", gpus=2, parallel="zero3")
     with pytest.raises(ValueError, match="precision: bf16-mixed under parallel zero1 is not modelled"):
         trainmem.estimate("gpt2", gpus=2, parallel="zero1", precision="bf16-mixed")

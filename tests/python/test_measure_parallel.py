@@ -260,3 +260,25 @@ def test_tp_world_size_2(tiny_llama):
     # Half of every projection is gone; the embedding, the norms and lm_head are whole.
     assert single["diagnostics"]["live_bytes_at_end"]["weights"] - end == 4 * L * layer // 2
     assert tp["diagnostics"]["untracked_inputs"] == 0
+
+
+def test_zero3_world_size_2(tiny_gpt2):
+    """DeepSpeed ZeRO-3 (bf16 model, fp32 master partitions): every parameter is partitioned; this
+    tiny model's parameters are all at most stage3_param_persistence_threshold (1e5) elements, so
+    after the step DeepSpeed gathers all of them again (_post_step). The ipg bucket (5e8 bf16
+    elements) and the flat gradient partitions exist from deepspeed.initialize on."""
+    pytest.importorskip("deepspeed")
+    result = measure(str(tiny_gpt2), Recipe(batch=2, seq=8, precision="bf16-master", optimizer="adamw", gpus=2,
+                                            parallel="zero3"))
+    info = result["diagnostics"]["parallel"]
+    assert info["world_size"] == 2 and len(info["ranks"]) == 2
+    n = result["parameters"]
+    assert n == 64 * (256 + 64 + 2) + 2 * (12 * 64 * 64 + 13 * 64)  # ds_numel, not the empty placeholders
+    end = result["diagnostics"]["live_bytes_at_end"]
+    bucket_bytes = 500_000_000 * 2
+    # The bucket holds gradients (not `other`), with this rank's bf16 gradient partitions (n / 2 x 2 B).
+    assert bucket_bytes + n <= end["gradients"] <= bucket_bytes + n + 64 * 1024
+    assert end["other"] < 64 * 1024
+    # bf16 partitions (n / 2 x 2 B) + fp32 master partition (n / 2 x 4 B) + every parameter gathered.
+    assert n + 2 * n + 2 * n <= end["weights"] <= n + 2 * n + 2 * n + 64 * 1024
+    assert result["diagnostics"]["untracked_inputs"] == 0

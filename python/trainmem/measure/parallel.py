@@ -400,6 +400,9 @@ def _attach_zero(tracker, engine) -> None:
     for attr, kind in _ZERO_ATTRIBUTES.items():
         for i, t in enumerate(_iter_tensors(getattr(zero, attr, None))):
             known.setdefault(t.untyped_storage()._cdata, (kind, f"deepspeed {attr} {i}"))
+    for bucket in (getattr(zero, "ipg_buckets", None) or {}).values():  # stage 3: made at init
+        if isinstance(getattr(bucket, "buffer", None), torch.Tensor):
+            known.setdefault(bucket.buffer.untyped_storage()._cdata, ("gradients", "deepspeed ipg bucket"))
     params = {p.untyped_storage()._cdata for p in engine.module.parameters()}
     seen = set()
     for ref in getattr(engine, "_trainmem_made", []):
@@ -432,6 +435,9 @@ def _attach_zero(tracker, engine) -> None:
             setattr(zero, name, forced(fn))
             tracker._restore.append(functools.partial(delattr, zero, name))
 
+    if getattr(zero, "parameter_offload", None) is not None:
+        _attach_zero3(tracker, zero)
+
     # The basic (torch) optimizer steps the fp32 partitions: their .grad (the fp32 gradient
     # partition DeepSpeed made for the step) is gradients, its state optimizer_states.
     basic = zero.optimizer
@@ -447,6 +453,44 @@ def _attach_zero(tracker, engine) -> None:
 
     basic.step = step
     tracker._restore.append(functools.partial(delattr, basic, "step"))
+
+
+def _attach_zero3(tracker, zero) -> None:
+    """ZeRO-3's gathered parameters are weights: what the coordinator's fetch (the submodule's
+    all-gather, and the prefetch of the next ones) and the step's re-gather of the persistent
+    parameters (_post_step) allocate, and each parameter's gathered .data."""
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+    from deepspeed.utils import z3_leaf_module
+
+    def mark_weights(params) -> None:
+        for p in params:
+            if tracker.mark(p.data, "weights"):
+                tracker._weight_cdatas.add(tracker._cdata(p.data))
+
+    original_fetch = PartitionedParameterCoordinator.fetch_sub_module
+
+    @functools.wraps(original_fetch)
+    def fetch_sub_module(self, current_submodule, forward):
+        with tracker.forced("weights"):
+            out = original_fetch(self, current_submodule, forward)
+        mark_weights(current_submodule.parameters(recurse=z3_leaf_module(current_submodule)))
+        return out
+
+    PartitionedParameterCoordinator.fetch_sub_module = fetch_sub_module
+    tracker._restore.append(functools.partial(setattr, PartitionedParameterCoordinator, "fetch_sub_module",
+                                              original_fetch))
+
+    original_post_step = zero._post_step
+
+    @functools.wraps(original_post_step)
+    def post_step(*args, **kwargs):
+        with tracker.forced("weights"):
+            out = original_post_step(*args, **kwargs)
+        mark_weights(zero.persistent_parameters)
+        return out
+
+    zero._post_step = post_step
+    tracker._restore.append(functools.partial(delattr, zero, "_post_step"))
 
 
 class _ReducerProxy:

@@ -307,8 +307,9 @@ def _cuda_context() -> dict:
 def _result(spec: ModelSpec, recipe: Recipe, model, tracker: MemoryTracker, analysis: dict, *, device: str,
             fake: bool, cuda_info: dict, command: str | None) -> dict:
     params = list({id(p): p for p in model.parameters()}.values())
-    n_params = sum(p.numel() for p in params)
-    n_trainable = sum(p.numel() for p in params if p.requires_grad)
+    # ZeRO-3 leaves a partitioned parameter an empty placeholder; ds_numel is its real size.
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in params)
+    n_trainable = sum(getattr(p, "ds_numel", p.numel()) for p in params if p.requires_grad)
     is_cuda = device == "cuda" and not fake
     recipe_dict = recipe.as_dict(lora_targets_of(model))
     if is_cuda:
