@@ -80,7 +80,7 @@ struct Architecture {
   double attn_logit_softcap = 0;   // Gemma-2: tanh soft-capping of scores (eager only)
   double final_logit_softcap = 0;  // Gemma-2: tanh soft-capping of logits
   DType torch_dtype = DType::kF32; // the dtype the checkpoint was published in
-  // Generation (model::attention_windows, Note [Sliding-window layers] in graph/step.cpp):
+  // Generation (model::attention_windows, Note [Sliding-window layers] in graph/generation.cpp):
   std::uint64_t sliding_window = 0;       // window of the layers that slide; 0: no layer does
   std::vector<bool> sliding_layer_types;  // config.layer_types (true: sliding); empty: not given
   std::uint64_t max_window_layers = 28;   // Qwen2/Qwen3: layers from this index on slide
@@ -282,6 +282,13 @@ struct TimelinePoint {
   Moment moment;
 };
 
+// One data-parallel rank's peaks (Estimate::ranks).
+struct RankPeak {
+  std::uint64_t rank = 0;
+  std::uint64_t peak_allocated_bytes = 0;
+  std::uint64_t peak_reserved_bytes = 0;
+};
+
 struct Estimate {
   std::string model;
   std::uint64_t parameters = 0;
@@ -298,6 +305,11 @@ struct Estimate {
   // False when EstimateOptions::stop_above_reserved_bytes stopped the replay: the peaks are then
   // what had been reached (more than that limit), not the step's peaks.
   bool complete = true;
+  // The data-parallel rank the fields above describe: the worst rank (Note [The worst rank] in
+  // src/estimate.cpp) unless EstimateOptions::rank chose one. `ranks` lists every rank replayed
+  // (empty on one GPU); ranks not listed hold what rank 0 holds.
+  std::uint64_t rank = 0;
+  std::vector<RankPeak> ranks;
 };
 
 struct EstimateOptions {
@@ -308,6 +320,8 @@ struct EstimateOptions {
   // Stop the replay once reserved bytes pass this (0: never): the peaks are then only "above it".
   // Enough to know that a recipe does not fit, for a fraction of the replay (the planner).
   std::uint64_t stop_above_reserved_bytes = 0;
+  // The data-parallel rank to report (0 .. gpus - 1); -1: the worst rank.
+  std::int64_t rank = -1;
 };
 
 Estimate estimate(const Model& model, const Recipe& recipe, const EstimateOptions& = {});

@@ -36,12 +36,18 @@ class Estimate:
     recipe: dict[str, Any]
     timeline: list[dict[str, Any]] = field(default_factory=list)
     source: str = "engine"
+    # With gpus > 1: the rank these figures are (the worst unless `rank=` chose one) and every
+    # rank replayed (docs/schema.md).
+    rank: int = 0
+    ranks: list[dict[str, int]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """The object `trainmem estimate --json` prints (timeline only when recorded)."""
         d = {k: v for k, v in self.__dict__.items() if k != "_text"}
         if not d["timeline"]:
             del d["timeline"]
+        if self.recipe.get("gpus", 1) == 1:
+            del d["rank"], d["ranks"]
         return json.loads(json.dumps(d))
 
     def __str__(self) -> str:  # the terminal picture, as the CLI prints it
@@ -120,12 +126,15 @@ def _spelling(knobs: dict[str, Any]):
     return sp
 
 
-def estimate(model: str, *, timeline: bool = False, **recipe: Any) -> Estimate:
+def estimate(model: str, *, timeline: bool = False, rank: int | None = None, **recipe: Any) -> Estimate:
     """Peak memory of one training step. Recipe knobs are keyword arguments with the names and
-    defaults of RECIPE_DEFAULTS (the CLI's flags). Raises ValueError on bad input."""
+    defaults of RECIPE_DEFAULTS (the CLI's flags). With gpus > 1 the figures are the worst rank's,
+    or rank `rank`'s (0 .. gpus - 1). Raises ValueError on bad input."""
     from . import _core
 
-    core = _core.estimate(_source(model), _spelling(recipe), timeline)
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+        raise ValueError(f"rank: must be a rank number 0 .. gpus - 1 or None (the worst rank), got {rank!r}")
+    core = _core.estimate(_source(model), _spelling(recipe), timeline, -1 if rank is None else rank)
     data = json.loads(core.to_json())
     data["_text"] = core.to_text().decode("utf-8", "replace")
     return Estimate(**data)

@@ -211,7 +211,26 @@ std::string compare(const std::string& path, bool as_json) {
     sp.lora_dropout = jr["lora_dropout"].get<double>();
   }
   const trainmem::Recipe r = trainmem::parse_recipe(sp);
-  const trainmem::Estimate e = trainmem::estimate(trainmem::load_model(m["model"].get<std::string>()), r);
+  const trainmem::Model model = trainmem::load_model(m["model"].get<std::string>());
+  // A data-parallel measurement is one rank's (trainmem-measure writes rank 0, and every rank's
+  // peak and breakdown under diagnostics.parallel.ranks): the engine replays that rank.
+  const nlohmann::json* parallel = nullptr;
+  if (m.contains("diagnostics") && m["diagnostics"].is_object() && m["diagnostics"].contains("parallel") &&
+      m["diagnostics"]["parallel"].is_object()) {
+    parallel = &m["diagnostics"]["parallel"];
+  }
+  auto rank_options = [&](const nlohmann::json& v) {
+    if (!v.is_number_unsigned() || v.get<std::uint64_t>() >= r.gpus) {
+      throw Error("compare: diagnostics.parallel: a rank must be one of 0.." + std::to_string(r.gpus - 1));
+    }
+    trainmem::EstimateOptions o;
+    o.rank = v.get<std::int64_t>();
+    return o;
+  };
+  trainmem::EstimateOptions opt;
+  opt.rank = 0;  // what trainmem-measure reports, unless the file names its rank
+  if (parallel && parallel->contains("rank")) opt = rank_options((*parallel)["rank"]);
+  const trainmem::Estimate e = trainmem::estimate(model, r, opt);
 
   const double peak_m = m["peak_allocated_bytes"].get<double>();
   const double err = peak_m > 0 ? (static_cast<double>(e.peak_allocated_bytes) - peak_m) / peak_m * 100 : 0;
@@ -239,6 +258,28 @@ std::string compare(const std::string& path, bool as_json) {
     rows += line;
   }
   j["categories"] = cats;
+  if (parallel && parallel->contains("ranks") && (*parallel)["ranks"].is_array()) {
+    // Every measured rank against the engine's replay of that rank.
+    nlohmann::ordered_json ranks = nlohmann::ordered_json::array();
+    for (const auto& mr : (*parallel)["ranks"]) {
+      if (!mr.is_object() || !mr.contains("rank") || !mr.contains("peak_allocated_bytes")) {
+        throw Error("compare: diagnostics.parallel.ranks entries need 'rank' and 'peak_allocated_bytes'");
+      }
+      const trainmem::Estimate er = trainmem::estimate(model, r, rank_options(mr["rank"]));
+      nlohmann::ordered_json x;
+      x["rank"] = mr["rank"];
+      x["measured_peak_allocated_bytes"] = mr["peak_allocated_bytes"];
+      x["predicted_peak_allocated_bytes"] = er.peak_allocated_bytes;
+      nlohmann::ordered_json b;
+      for (std::size_t c = 0; c < trainmem::kCategoryCount; ++c) {
+        b[std::string(trainmem::category_name(static_cast<trainmem::Category>(c)))] = er.breakdown_at_peak[c];
+      }
+      x["predicted_breakdown_at_peak"] = b;
+      if (mr.contains("breakdown_at_peak")) x["measured_breakdown_at_peak"] = mr["breakdown_at_peak"];
+      ranks.push_back(x);
+    }
+    j["ranks"] = ranks;
+  }
   if (as_json) return j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
   std::string out = m["model"].get<std::string>() + " (" + source + ")\n";
   std::snprintf(line, sizeof line, "  %-17s %14s %14s %9s\n", "", "measured", "predicted", "diff");
@@ -265,7 +306,7 @@ int main(int argc, char** argv) {
   std::string model;
   RecipeFlags flags;
   bool as_json = false, timeline = false;
-  std::string trace_path;
+  std::string trace_path, rank = "worst";
   est->add_option("model", model,
                   "Catalog name (qwen3-4b), Hugging Face id (Qwen/Qwen3-4B), config.json path or model directory")
       ->required();
@@ -273,6 +314,9 @@ int main(int argc, char** argv) {
   est->add_flag("--json", as_json, "Print the JSON object of docs/schema.md");
   est->add_flag("--timeline", timeline, "Include an allocated/reserved timeline in --json");
   est->add_option("--trace", trace_path, "Write every simulated alloc/free event to FILE as JSON lines");
+  est->add_option("--rank", rank,
+                  "With --gpus N: the rank to report, 0..N-1, or 'worst' (the rank that needs the most memory)")
+      ->capture_default_str();
 
   auto* fitc = app.add_subcommand(
       "fit", "Recipes that fit a GPU, fastest first, and what single changes of your recipe save");
@@ -330,6 +374,14 @@ int main(int argc, char** argv) {
       trainmem::EstimateOptions opt;
       opt.timeline = timeline;
       opt.trace_path = trace_path;
+      if (rank != "worst") {
+        const std::uint64_t n = parse_count(rank, "rank (a rank number or 'worst')");
+        if (n >= r.gpus) {
+          throw Error("rank: " + rank + " is not one of the " + std::to_string(r.gpus) + " ranks (0.." +
+                      std::to_string(r.gpus - 1) + ") of --gpus " + std::to_string(r.gpus));
+        }
+        opt.rank = static_cast<std::int64_t>(n);
+      }
       trainmem::Estimate e = trainmem::estimate(m, r, opt);
       out = as_json ? trainmem::report::to_json(e) + "\n" : trainmem::report::to_text(e);
     } else if (*fitc) {

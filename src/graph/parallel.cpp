@@ -137,7 +137,7 @@ void DataParallel::wrap(std::vector<WrappedParam>& params, const std::vector<std
       const std::uint64_t item = dtype_bytes(p.dtype);
       t_.alloc_bytes(detail::mul(shard, item, "shard bytes"), Category::kWeights);  // kept for the run
       unsharded_[pi] = t_.reserve(detail::mul({shard, world_, item}, "unsharded parameter bytes"), Category::kWeights);
-      p.storage = unsharded_[pi];  // the full parameter's storage never had memory (step.cpp add_param)
+      p.storage = unsharded_[pi];  // the full parameter's storage never had memory (step_parameters.cpp add_param)
       params_[pi].storage = p.storage;
     }
   }

@@ -2,9 +2,10 @@
 // into allocator events.
 //
 // Note [Mirroring autograd]
-// The forward builders (step.cpp) are written like the Hugging Face modules they mirror: each
-// op allocates its output, drops Python references when the real code's variables die, and
-// records a backward node with what autograd saves for it. Backward then replays the engine:
+// The forward builders (step_modules.cpp, generation.cpp) are written like the Hugging Face
+// modules they mirror: each op allocates its output, drops Python references when the real
+// code's variables die, and records a backward node with what autograd saves for it. Backward
+// then replays the engine:
 //  * nodes run in reverse creation order. PyTorch's ready queue orders by sequence number and a
 //    node only becomes ready after all later-created consumers ran, so for the graphs built
 //    here this is exactly the real order (torch/csrc/autograd/engine.cpp);
@@ -176,7 +177,7 @@ struct T {
   DType dtype = DType::kF32;
   ValueId value = kNone;
   // Attention tensors: logically [b, heads, s, d] but laid out as [b, s, heads, d] (a view of a
-  // projection output). See Note [Attention layouts] in step.cpp.
+  // projection output). See Note [Attention layouts] in step_modules.cpp.
   bool bshd = false;
   std::uint64_t bytes() const { return numel * dtype_bytes(dtype); }
   bool requires_grad() const { return value != kNone; }

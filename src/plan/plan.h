@@ -6,7 +6,7 @@
 namespace trainmem::plan {
 
 // Bytes per parameter element, and per element of full-size optimizer state, under a precision
-// policy (Note [Precision policies] in graph/step.cpp): half weights for bf16-master and the
+// policy (Note [Precision policies] in graph/step_builder.h): half weights for bf16-master and the
 // *-true policies; half states only for *-true (bf16-master keeps fp32 masters and states).
 inline std::uint64_t parameter_bytes(Precision p) {
   return p == Precision::kBf16Master || p == Precision::kBf16True || p == Precision::kFp16True ? 2 : 4;

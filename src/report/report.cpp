@@ -94,6 +94,18 @@ std::string recipe_words(const Recipe& r) {
   return words;
 }
 
+// Why the estimate shows this rank (Note [The worst rank] in src/estimate.cpp).
+std::string rank_words(const Estimate& e) {
+  if (e.ranks.size() <= 1) {
+    if (is_zero(e.recipe.parallel)) return " (as asked; ranks differ under ZeRO)";
+    return " (every rank runs the same ops on tensors of the same sizes)";
+  }
+  std::uint64_t least = e.ranks.front().peak_reserved_bytes;
+  for (const RankPeak& p : e.ranks) least = std::min(least, p.peak_reserved_bytes);
+  return " (the worst of " + std::to_string(e.ranks.size()) + " ranks replayed; the least needs " +
+         detail::format_bytes(least) + " reserved)";
+}
+
 std::string signed_bytes(std::int64_t d) {
   const std::string mag = detail::format_bytes(static_cast<std::uint64_t>(d < 0 ? -d : d));
   return (d < 0 ? "-" : "+") + mag;
@@ -243,6 +255,16 @@ std::string to_json(const Estimate& e, bool pretty) {
                  {"capacity_bytes", e.gpu.capacity_bytes},
                  {"context_bytes", e.gpu.context_bytes}};
   j["recipe"] = recipe_object(e.recipe);
+  if (e.recipe.gpus > 1) {
+    j["rank"] = e.rank;
+    ordered_json ranks = ordered_json::array();
+    for (const RankPeak& p : e.ranks) {
+      ranks.push_back({{"rank", p.rank},
+                       {"peak_allocated_bytes", p.peak_allocated_bytes},
+                       {"peak_reserved_bytes", p.peak_reserved_bytes}});
+    }
+    j["ranks"] = ranks;
+  }
   if (!e.timeline.empty()) {
     ordered_json t = ordered_json::array();
     for (const auto& p : e.timeline) {
@@ -292,6 +314,11 @@ std::string to_text(const Estimate& e) {
   if (r.quant.enabled()) {
     add("4-bit base: %s%s (bitsandbytes), the rest fp32 (prepare_model_for_kbit_training)\n",
         std::string(to_string(r.quant.quant_type)).c_str(), r.quant.double_quant ? ", double quant" : "");
+  }
+  if (r.parallel != Parallel::kNone) {
+    add("data parallel: %s over %llu GPUs; the figures below are one GPU's, rank %llu%s\n",
+        std::string(to_string(r.parallel)).c_str(), static_cast<unsigned long long>(r.gpus),
+        static_cast<unsigned long long>(e.rank), rank_words(e).c_str());
   }
   add("gpu: %s (%s)\n\n", e.gpu.name.c_str(), e.gpu.description.c_str());
   add("peak allocated  %12s   (torch.cuda.max_memory_allocated)\n", detail::format_bytes(e.peak_allocated_bytes).c_str());

@@ -1,4 +1,4 @@
-// Tests for generation (Mode::kInference, Note [Generation] in src/graph/step.cpp): one
+// Tests for generation (Mode::kInference, Note [Generation] in src/graph/generation.cpp): one
 // model.generate() call under no_grad. The KV cache is checked against its closed form, the
 // trace against what no_grad rules out (no gradient, no optimizer state, nothing saved), and
 // the labels against docs/schema.md. Byte-exactness against real generate() runs is held by the

@@ -731,7 +731,7 @@ TEST(GraphActivations, EagerMatmulCopiesStridedOperandsOnlyForBatchAboveOne) {
   }
 }
 
-// ---- LoRA (Note [LoRA] in src/graph/step.cpp) ------------------------------------------
+// ---- LoRA (Note [LoRA] in src/graph/step_parameters.cpp) -------------------------------
 
 // A recipe with peft adapters; `targets` are the resolved module paths estimate() hands on.
 Recipe lora_recipe(Precision p, std::vector<std::string> targets, std::uint64_t rank = 8) {

@@ -222,5 +222,43 @@ TEST(ZeroRanks, EveryRankOfTheMeasurements) {
   EXPECT_GE(files, 5);
 }
 
+// Note [The worst rank] in src/estimate.cpp: under ZeRO every rank is replayed and the estimate
+// is the one with the most reserved bytes; a rank asked for is that rank alone.
+TEST(ZeroRanks, TheEstimateIsTheWorstRank) {
+  Recipe r = dp_recipe(Parallel::kZero2, 2, Precision::kBf16Master);
+  r.batch = 1;
+  r.grad_accum = 2;  // rank 1 keeps more whole-parameter gradients (the measured ga2 run)
+  const Model m = gpt2_l2();
+  const Estimate worst = estimate(m, r);
+  ASSERT_EQ(worst.ranks.size(), 2u);
+  EXPECT_EQ(worst.ranks[0].rank, 0u);
+  EXPECT_EQ(worst.ranks[1].rank, 1u);
+  EstimateOptions one;
+  for (std::int64_t rank : {0, 1}) {
+    one.rank = rank;
+    const Estimate e = estimate(m, r, one);
+    EXPECT_EQ(e.rank, static_cast<std::uint64_t>(rank));
+    ASSERT_EQ(e.ranks.size(), 1u);
+    EXPECT_EQ(e.ranks[0].peak_reserved_bytes, worst.ranks[rank].peak_reserved_bytes);
+    EXPECT_EQ(e.peak_allocated_bytes, worst.ranks[rank].peak_allocated_bytes);
+  }
+  const RankPeak& hi = worst.ranks[0].peak_reserved_bytes >= worst.ranks[1].peak_reserved_bytes ? worst.ranks[0] : worst.ranks[1];
+  EXPECT_EQ(worst.rank, hi.rank);
+  EXPECT_EQ(worst.peak_reserved_bytes, hi.peak_reserved_bytes);
+  EXPECT_NE(worst.ranks[0].peak_allocated_bytes, worst.ranks[1].peak_allocated_bytes);
+  one.rank = 2;
+  EXPECT_THROW(estimate(m, r, one), Error);
+}
+
+TEST(ZeroRanks, DdpAndFsdpReplayOneRankForAll) {
+  for (Parallel p : {Parallel::kDdp, Parallel::kFsdp}) {
+    const Estimate e = estimate(gpt2_l2(), dp_recipe(p, 4, Precision::kFp32));
+    ASSERT_EQ(e.ranks.size(), 1u);
+    EXPECT_EQ(e.rank, 0u);
+    EXPECT_EQ(e.ranks[0].peak_allocated_bytes, e.peak_allocated_bytes);
+  }
+  EXPECT_TRUE(estimate(gpt2_l2(), dp_recipe(Parallel::kNone, 1, Precision::kFp32)).ranks.empty());
+}
+
 }  // namespace
 }  // namespace trainmem

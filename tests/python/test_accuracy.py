@@ -1,5 +1,5 @@
 """The accuracy gate: the engine against every measurement in data/ground_truth/ and its
-data-parallel subfolder parallel/ (rank 0 of a DDP or FSDP2 run; tools/measure_corpus.py keeps
+data-parallel subfolder parallel/ (rank 0 of a DDP, FSDP2 or ZeRO run, the other ranks under diagnostics; tools/measure_corpus.py keeps
 them apart, with their own index.json).
 
 Each measurement was made with the PyTorch tracker (trainmem.measure) and records its own
@@ -100,6 +100,48 @@ def test_4bit_entries_exact(comparisons):
         assert c["measured_peak_allocated_bytes"] == c["predicted_peak_allocated_bytes"], name
         for cat, v in c["categories"].items():
             assert v["measured"] == v["predicted"], (name, cat, v)
+
+
+def test_every_measured_rank(comparisons):
+    """compare replays every rank a data-parallel file measured (diagnostics.parallel.ranks). Under
+    ZeRO the ranks hold different parameters' gradients and each must be exact, peak and categories
+    (Note [The worst rank] in src/estimate.cpp); under DDP and FSDP2 the engine builds one rank for
+    all, which no measured rank may exceed."""
+    checked = {"zero": 0, "other": 0}
+    for name, c in comparisons:
+        if "ranks" not in c:
+            continue
+        zero = c["recipe"]["parallel"].startswith("zero")
+        for r in c["ranks"]:
+            if zero:
+                assert r["measured_peak_allocated_bytes"] == r["predicted_peak_allocated_bytes"], (name, r["rank"])
+                assert r["measured_breakdown_at_peak"] == r["predicted_breakdown_at_peak"], (name, r["rank"])
+            else:
+                assert r["measured_peak_allocated_bytes"] <= r["predicted_peak_allocated_bytes"], (name, r["rank"])
+            checked["zero" if zero else "other"] += 1
+    assert checked["zero"] >= 14 and checked["other"] >= 28, checked
+
+
+def test_zero_ranks_differ_and_the_estimate_reports_the_worst(trainmem_bin, comparisons):
+    """A measured ZeRO-2 run whose rank 1 peaks above rank 0: `trainmem estimate` without --rank
+    reports rank 1, with its peak as measured."""
+    uneven = [(n, c) for n, c in comparisons if "ranks" in c and c["recipe"]["parallel"].startswith("zero")
+              and len({r["measured_peak_allocated_bytes"] for r in c["ranks"]}) > 1]
+    assert uneven
+    for name, c in uneven:
+        r = c["recipe"]
+        worst = max(c["ranks"], key=lambda x: x["measured_peak_allocated_bytes"])
+        path = next(p for p in measurements() if p.stem == name)
+        args = [trainmem_bin, "estimate", json.loads(path.read_text())["model"], "--json", "--gpu", "cpu",
+                "--allocator", "expandable", "--batch", str(r["batch"]), "--seq", str(r["seq"]),
+                "--grad-accum", str(r["grad_accum"]), "--precision", r["precision"], "--optimizer", r["optimizer"],
+                "--checkpointing", r["checkpointing"], "--gpus", str(r["gpus"]), "--parallel", r["parallel"]]
+        out = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert out.returncode == 0, out.stderr
+        e = json.loads(out.stdout)
+        assert e["rank"] == worst["rank"], name
+        assert e["peak_allocated_bytes"] == worst["measured_peak_allocated_bytes"], name
+        assert [x["rank"] for x in e["ranks"]] == list(range(r["gpus"])), name
 
 
 def test_data_parallel_engine_is_the_worst_rank(trainmem_bin):

@@ -1,0 +1,213 @@
+// The optimizer step of the training step (step_builder.h): torch.optim's AdamW (foreach and
+// fused), SGD, transformers' Adafactor and bitsandbytes' 8-bit AdamW, with GradScaler's unscale
+// and the bf16-master copy, then zero_grad.
+#include "graph/step_builder.h"
+
+namespace trainmem::graph::step {
+
+// bitsandbytes' two 256-entry fp32 quantization maps (signed and unsigned dynamic).
+// optimizer.state holds them (qmap1, qmap2) only for a tensor with 8-bit states (4096 elements
+// or more); when every trainable tensor is smaller (small LoRA adapters) they are temporaries
+// that live as long as the optimizer.
+void StepBuilder::bnb_quantization_maps() {
+  bool eight_bit = false;
+  for (const Param& p : params_) eight_bit = eight_bit || (p.trainable && p.numel >= 4096);
+  const Category c = eight_bit ? Category::kOptimizerStates : Category::kTemporaries;
+  states_.push_back(t_.alloc_bytes(256 * 4, c));
+  states_.push_back(t_.alloc_bytes(256 * 4, c));
+}
+
+void StepBuilder::optimizer_step(bool first) {
+  phase_ = Phase::kOptimizer;
+  layer_ = kNoLayer;
+  dp_.before_optimizer();
+  TensorId found_inf = kNone;
+  if (r_.precision == Precision::kFp16Mixed) {
+    // GradScaler.step → unscale_: found_inf and the inverse scale, gradients unscaled in place.
+    op("grad_scaler.unscale_");
+    found_inf = t_.alloc_bytes(4, Category::kOther);
+    TensorId inv_scale = t_.alloc_bytes(4, Category::kOther);
+    t_.release(inv_scale);
+  }
+  // An optimizer that takes the scaling itself (fused AdamW: _step_supports_amp_scaling) is
+  // handed optimizer.found_inf = sum(found_inf per device), a new 0-dim tensor that lives
+  // through optimizer.step() (state creation included) and is deleted after it.
+  TensorId found_inf_sum = kNone;
+  if (r_.precision == Precision::kFp16Mixed && r_.optimizer == Optimizer::kAdamWFused) {
+    found_inf_sum = t_.alloc_bytes(4, Category::kTemporaries);
+  }
+  if (pol_.master && !dp_.zero()) {
+    // fp32 gradients for the master copy, parameter by parameter; the half .grad goes.
+    op("optimizer.master_grads");
+    for (Param& p : params_) {
+      TensorId g = t_.param_grad(p.slot);
+      if (g == kNone) continue;
+      TensorId g32 = t_.alloc_bytes(p.numel * 4, Category::kGradients);
+      t_.release(g);
+      t_.set_param_grad(p.slot, g32);
+    }
+  }
+  // The optimizer holds the trainable parameters only (LoRA: the adapters, fp32); states are
+  // zeros_like the parameter (fp32 masters for bf16-master).
+  std::vector<const Param*> opt;
+  for (const Param& p : params_) {
+    if (p.trainable) opt.push_back(&p);
+  }
+  // ZeRO hands the torch optimizer one parameter: this rank's fp32 master partition.
+  Param zero_partition;
+  if (dp_.zero()) {
+    zero_partition.numel = dp_.zero_partition_numel();
+    zero_partition.dtype = DType::kF32;
+    opt = {&zero_partition};
+  }
+  auto sb_of = [&](const Param& p) { return dtype_bytes(pol_.master ? DType::kF32 : p.dtype); };
+  // The elements this rank's optimizer holds of a parameter (FSDP2: its shard).
+  auto numel_of = [&](const Param& p) { return dp_.local_numel(p.slot, p.numel); };
+  switch (r_.optimizer) {
+    case Optimizer::kAdamW:
+    case Optimizer::kAdamWFused: {
+      if (first) {
+        op("optimizer.init_state");
+        // _init_group, parameter by parameter: `step` (on the device for fused, a CPU scalar
+        // for foreach), then exp_avg and exp_avg_sq as zeros_like(param).
+        // On a CPU run the foreach step counter lives on the measured device too.
+        const bool step_on_device = r_.optimizer == Optimizer::kAdamWFused || !cuda_;
+        for (const Param* p : opt) {
+          if (step_on_device) states_.push_back(t_.alloc_bytes(4, Category::kOptimizerStates));
+          states_.push_back(t_.alloc_bytes(numel_of(*p) * sb_of(*p), Category::kOptimizerStates));
+          states_.push_back(t_.alloc_bytes(numel_of(*p) * sb_of(*p), Category::kOptimizerStates));
+        }
+      }
+      if (r_.optimizer == Optimizer::kAdamW) {
+        // foreach: exp_avg_sq_sqrt = _foreach_sqrt(exp_avg_sqs) for the whole group, then
+        // in-place ops; the list is freed at the end of the group's update. HF makes two
+        // groups (weight decay / none); torch.optim with one group is the reference here.
+        op("optimizer.foreach_sqrt");
+        std::vector<TensorId> tmp;
+        for (const Param* p : opt) {
+          tmp.push_back(t_.alloc_bytes(numel_of(*p) * sb_of(*p), Category::kTemporaries));
+        }
+        for (TensorId id : tmp) t_.release(id);
+      } else {
+        op("optimizer.fused_adamw");
+      }
+      break;
+    }
+    case Optimizer::kAdamW8bit: {
+      if (first) {
+        op("optimizer.init_state");
+        if (cuda_) bnb_quantization_maps();  // moved to the device once
+        for (const Param* p : opt) {
+          if (p->numel < 4096) {  // bitsandbytes keeps small tensors' states in fp32
+            states_.push_back(t_.alloc_bytes(p->numel * 4, Category::kOptimizerStates));
+            states_.push_back(t_.alloc_bytes(p->numel * 4, Category::kOptimizerStates));
+          } else {
+            std::uint64_t blocks = (p->numel + 255) / 256;
+            states_.push_back(t_.alloc_bytes(p->numel, Category::kOptimizerStates));
+            states_.push_back(t_.alloc_bytes(p->numel, Category::kOptimizerStates));
+            states_.push_back(t_.alloc_bytes(blocks * 4, Category::kOptimizerStates));
+            states_.push_back(t_.alloc_bytes(blocks * 4, Category::kOptimizerStates));
+          }
+        }
+      }
+      op("optimizer.adamw_8bit");
+      break;
+    }
+    case Optimizer::kSgd: {
+      // momentum_buffer = clone(grad) at the first step; foreach in-place afterwards.
+      op(first ? "optimizer.init_state" : "optimizer.sgd");
+      if (first) {
+        for (const Param* p : opt) {
+          states_.push_back(t_.alloc_bytes(numel_of(*p) * sb_of(*p), Category::kOptimizerStates));
+        }
+      }
+      break;
+    }
+    case Optimizer::kAdafactor: {
+      // transformers.optimization.Adafactor, parameter by parameter (factored, no beta1).
+      // State: row and column means of grad^2 for 2-D parameters, the full grad^2 average for
+      // 1-D ones, in the dtype of the fp32 gradient copy; step and RMS are Python numbers.
+      // Temporaries, all fp32 and parameter-sized (G): grad.float() and p.float() for half
+      // parameters (alive for the whole update), grad**2 and grad**2 + eps, the factored
+      // approximation (or rsqrt of the average), and -update for the final add.
+      op(first ? "optimizer.adafactor_init" : "optimizer.adafactor");
+      if (rms_.size() < opt.size()) rms_.assign(opt.size(), kNone);
+      // _rms(x) = x.norm(2) / sqrt(numel): two 0-dim tensors, the norm freed.
+      auto rms = [&]() {
+        TensorId norm = t_.alloc_bytes(4, Category::kTemporaries);
+        TensorId r = t_.alloc_bytes(4, Category::kTemporaries);
+        t_.release(norm);
+        return r;
+      };
+      for (std::size_t pi = 0; pi < opt.size(); ++pi) {
+        const Param& p = *opt[pi];
+        const std::uint64_t g = p.numel * 4;
+        const bool half = p.dtype != DType::kF32 && !pol_.master;
+        const bool factored = p.rows != 0;
+        const std::uint64_t cols = factored ? p.numel / p.rows : 0;
+        TensorId grad32 = half ? t_.alloc_bytes(g, Category::kTemporaries) : kNone;
+        if (first) {
+          if (factored) {
+            states_.push_back(t_.alloc_bytes(p.rows * 4, Category::kOptimizerStates));
+            states_.push_back(t_.alloc_bytes(cols * 4, Category::kOptimizerStates));
+          } else {
+            states_.push_back(t_.alloc_bytes(g, Category::kOptimizerStates));
+          }
+        }
+        TensorId p32 = half ? t_.alloc_bytes(g, Category::kTemporaries) : kNone;
+        TensorId r = rms();  // state["RMS"] replaces last step's
+        t_.set_category(r, Category::kOptimizerStates);
+        if (rms_[pi] != kNone) t_.release(rms_[pi]);
+        rms_[pi] = r;
+        TensorId sq = t_.alloc_bytes(g, Category::kTemporaries);   // grad ** 2
+        TensorId upd = t_.alloc_bytes(g, Category::kTemporaries);  // + eps
+        t_.release(sq);
+        TensorId approx;
+        if (factored) {
+          // Row and column means of the update, added into the state in place.
+          t_.release(t_.alloc_bytes(p.rows * 4, Category::kTemporaries));
+          t_.release(t_.alloc_bytes(cols * 4, Category::kTemporaries));
+          // _approx_sq_grad: (row / row.mean()).rsqrt_() and col.rsqrt(), then their outer
+          // product, the full-size update.
+          TensorId mean = t_.alloc_bytes(4, Category::kTemporaries);
+          TensorId rf = t_.alloc_bytes(p.rows * 4, Category::kTemporaries);
+          t_.release(mean);
+          TensorId cf = t_.alloc_bytes(cols * 4, Category::kTemporaries);
+          approx = t_.alloc_bytes(g, Category::kTemporaries);
+          t_.release(rf);
+          t_.release(cf);
+        } else {
+          approx = t_.alloc_bytes(g, Category::kTemporaries);  // exp_avg_sq.rsqrt()
+        }
+        t_.release(upd);
+        // update.div_((_rms(update) / clip_threshold).clamp_(min=1.0))
+        TensorId ur = rms();
+        TensorId clip = t_.alloc_bytes(4, Category::kTemporaries);
+        t_.release(ur);
+        t_.release(clip);
+        TensorId neg = t_.alloc_bytes(g, Category::kTemporaries);  // p.add_(-update)
+        t_.release(neg);
+        t_.release(approx);
+        t_.release(p32);
+        t_.release(grad32);
+      }
+      break;
+    }
+  }
+  if (found_inf_sum != kNone) t_.release(found_inf_sum);
+  dp_.zero_after_optimizer();
+  if (pol_.master) {
+    op("optimizer.copy_to_half");  // in place: p.copy_(master)
+  }
+  if (found_inf != kNone) t_.release(found_inf);  // GradScaler.update() drops its per-step state
+  op("optimizer.zero_grad");
+  for (Param& p : params_) {
+    TensorId g = t_.param_grad(p.slot);
+    if (g != kNone) {
+      t_.release(g);
+      t_.set_param_grad(p.slot, kNone);
+    }
+  }
+}
+
+}  // namespace trainmem::graph::step

@@ -1,0 +1,390 @@
+// The step builder: one class that builds the event trace of one training step (or of one
+// generate() call) op by op, as the Hugging Face modules run. Internal to src/graph; its methods
+// are defined by concern: step.cpp (the constructor, the step, its forward, loss and backward),
+// step_parameters.cpp (the parameter table and the LoRA adapters), step_modules.cpp (the ops and
+// modules of the training forward), optimizer.cpp (the optimizer step) and generation.cpp
+// (generate()). The helpers every op calls are defined here, so each file can inline them.
+#pragma once
+
+#include <algorithm>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "common/checked.h"
+#include "graph/parallel.h"
+#include "graph/quant.h"
+#include "graph/step.h"
+#include "model/model.h"
+
+namespace trainmem::graph::step {
+
+constexpr std::int32_t kNoLayer = -1;
+
+// Note [Precision policies]
+// fp32:        fp32 parameters, compute, gradients, optimizer states.
+// *-mixed:     fp32 parameters under torch.autocast. Matmul inputs are cast to half per use; a
+//              weight's cast is cached (it is an fp32 leaf that requires grad) until autocast
+//              exits, and lives on while a backward node saves it. The embedding is not cast,
+//              so the residual stream stays fp32.
+// *-master:    half parameters and gradients; the optimizer keeps an fp32 master copy and fp32
+//              gradients (the seed's 6 bytes/param of weights).
+// *-true:      everything half, optimizer states included (zeros_like of half parameters).
+struct Policy {
+  DType param = DType::kF32;
+  DType compute = DType::kF32;
+  bool autocast = false;
+  bool master = false;
+};
+
+inline Policy policy_for(Precision p) {
+  switch (p) {
+    case Precision::kFp32: return {DType::kF32, DType::kF32, false, false};
+    case Precision::kBf16Mixed: return {DType::kF32, DType::kBF16, true, false};
+    case Precision::kFp16Mixed: return {DType::kF32, DType::kF16, true, false};
+    case Precision::kBf16Master: return {DType::kBF16, DType::kBF16, false, true};
+    case Precision::kBf16True: return {DType::kBF16, DType::kBF16, false, false};
+    case Precision::kFp16True: return {DType::kF16, DType::kF16, false, false};
+  }
+  return {};
+}
+
+inline DType promote(DType a, DType b) {
+  if (a == b) return a;
+  return DType::kF32;  // float32 wins against either half type; bf16 × fp16 also promotes to fp32
+}
+
+struct Param {
+  std::uint32_t slot = kNone;  // tape's .grad slot
+  TensorId storage = kNone;
+  std::uint64_t numel = 0;
+  DType dtype = DType::kF32;
+  bool trainable = true;       // requires_grad: false for the base model under LoRA
+  TensorId cast = kNone;       // autocast cache entry
+  TensorId master = kNone;     // bf16-master fp32 copy
+  bool matmul = false;
+  std::uint64_t rows = 0;  // 2-D tensors: first dimension as stored; 0 for 1-D
+  bool quantized = false;  // bitsandbytes 4-bit (Note [QLoRA]): storage is the packed weight
+};
+
+// Indices into the parameter table for one decoder layer (kNone where the family has none).
+struct LayerParams {
+  std::uint32_t in_norm = kNone, in_norm_b = kNone, qkv = kNone, qkv_b = kNone, q = kNone,
+                q_b = kNone, k = kNone, k_b = kNone, v = kNone, v_b = kNone, o = kNone, o_b = kNone,
+                q_norm = kNone, k_norm = kNone, post_attn_norm = kNone, post_attn_norm_b = kNone,
+                pre_ff_norm = kNone, post_ff_norm = kNone, gate_up = kNone, gate = kNone,
+                gate_b = kNone, up = kNone, up_b = kNone, down = kNone, down_b = kNone;
+};
+
+// peft's lora.Linear beside one projection of one decoder layer: lora_A (rank × in) and lora_B
+// (out × rank), indices into the parameter table.
+struct Adapter {
+  std::string_view path;  // the projection inside the layer, e.g. "self_attn.q_proj"
+  std::uint32_t a = kNone, b = kNone;
+  std::uint64_t in = 0, out = 0;
+};
+
+// The labels of a wrapped projection's ops (static strings: moments outlive the builder), as
+// the module paths peft creates ("<path>.lora_A.default").
+struct LoraLabels {
+  std::string_view path, a, b;
+};
+
+// The labels of the projection at `path` (step_parameters.cpp); throws Error for a projection
+// trainmem does not model.
+const LoraLabels& lora_labels(std::string_view path);
+
+class StepBuilder {
+ public:
+  StepBuilder(const Model& m, const Recipe& r, const Gpu& gpu, const MicroBatchHook& hook, std::uint64_t rank);
+  Trace build();
+  Trace finish_trace();
+
+ private:
+  // ---------------------------------------------------------------- parameters (step_parameters.cpp)
+  void create_parameters();
+  void wrap_data_parallel();
+  std::uint32_t add_param(const ParameterGroup& g, bool in_layer = false);
+  void create_adapters();
+  std::uint32_t add_adapter_param(std::uint64_t numel, std::uint64_t rows);
+  std::pair<std::uint64_t, std::uint64_t> projection_shape(std::string_view path) const;
+
+  const Adapter* adapter(std::string_view path) const {
+    if (layer_ < 0 || adapters_.empty()) return nullptr;
+    for (const Adapter& ad : adapters_[static_cast<std::size_t>(layer_)]) {
+      if (ad.path == path) return &ad;
+    }
+    return nullptr;
+  }
+
+  bool trainable(std::uint32_t pi) const { return pi != kNone && params_[pi].trainable; }
+  static bool ends_with(const std::string& s, std::string_view suffix);
+  void bind_layer(LayerParams& lp, const std::string& n, std::uint32_t idx);
+  std::uint32_t global(std::string_view suffix) const;
+
+  // ---------------------------------------------------------------- op helpers (linear, proj: step_modules.cpp)
+  T fresh(std::uint64_t numel, DType d) { return t_.make(numel, d); }
+
+  void requires_grad(T& out) { out.value = t_.new_value(out.bytes()); }
+
+  Node node(const T& out) {
+    Node n;
+    n.tag = MomentTag{t_.step, t_.micro, Phase::kBackward, layer_, op_};
+    n.output = out.value;
+    return n;
+  }
+
+  static GradIn grad_of(const T& x) { return GradIn{x.value, x.bytes(), false}; }
+  static GradIn pass_to(const T& x) { return GradIn{x.value, 0, true}; }
+  // A fused attention backward computes the gradients of q, k and v together; one whose input
+  // does not require grad (LoRA: layer 0 before the first adapter) is made and dropped.
+  static GradIn fused_grad_of(const T& x) {
+    GradIn g = grad_of(x);
+    g.discard = !x.requires_grad();
+    return g;
+  }
+
+  void op(std::string_view name) {
+    op_ = name;
+    t_.at(phase_, layer_, name);
+  }
+
+  // x.to(dtype): a new tensor when the dtype changes (ToCopyBackward saves nothing).
+  T to(const T& x, DType d) {
+    if (x.dtype == d) return t_.ref(x);
+    T y = fresh(x.numel, d);
+    if (x.requires_grad()) {
+      requires_grad(y);
+      Node n = node(y);
+      n.inputs.push_back(grad_of(x));
+      t_.record(std::move(n));
+    }
+    return y;
+  }
+
+  // Weight as a matmul sees it: under autocast the cached half copy (see Note [Precision
+  // policies]), otherwise the parameter itself.
+  T weight(std::uint32_t pi) {
+    Param& p = params_[pi];
+    T w;
+    w.numel = p.numel;
+    // A frozen weight's cast is not cached (Note [LoRA]): a new one at every use.
+    if (pol_.autocast && !p.trainable) return t_.make(p.numel, pol_.compute, Category::kWeights);
+    if (pol_.autocast) {
+      if (p.cast == kNone) {
+        p.cast = t_.alloc_bytes(p.numel * dtype_bytes(pol_.compute), Category::kWeights);
+        casts_.push_back(pi);
+      }
+      w.id = p.cast;
+      w.dtype = pol_.compute;
+    } else {
+      w.id = p.storage;
+      w.dtype = p.dtype;
+    }
+    t_.retain(w.id);
+    return w;
+  }
+
+  void exit_autocast() {
+    for (std::uint32_t pi : casts_) {
+      t_.release(params_[pi].cast);
+      params_[pi].cast = kNone;
+    }
+    casts_.clear();
+  }
+
+  ParamGrad param_grad(std::uint32_t pi, DType computed_in, std::uint64_t scratch = 0) {
+    const Param& p = params_[pi];
+    ParamGrad g;
+    g.param = p.slot;
+    g.compute_bytes = p.numel * dtype_bytes(computed_in);
+    g.scratch_bytes = scratch;
+    if (computed_in != p.dtype) g.param_bytes = p.numel * dtype_bytes(p.dtype);
+    return g;
+  }
+  T linear_4bit(const T& x_in, std::uint32_t w, std::uint64_t out_features);
+  T linear(const T& x_in, std::uint32_t w, std::uint32_t b, std::uint64_t out_features);
+  T proj(const T& x, std::string_view path, std::uint32_t w, std::uint32_t b, std::uint64_t out_features);
+  T lora_4bit(const T& x, T& base, const Adapter& ad, const LoraLabels& labels);
+
+  // Elementwise op producing `numel` elements of `d`; `saved` are kept for backward; each input
+  // that requires grad gets a gradient of its own size.
+  T elementwise(std::initializer_list<const T*> inputs, std::uint64_t numel, DType d,
+                std::initializer_list<TensorId> saved, std::initializer_list<std::uint64_t> scratch = {},
+                bool save_output = false) {
+    T y = fresh(numel, d);
+    bool any = false;
+    for (const T* x : inputs) any = any || x->requires_grad();
+    if (any) {
+      requires_grad(y);
+      Node n = node(y);
+      n.saved.assign(saved.begin(), saved.end());
+      if (save_output) n.saved.push_back(y.id);
+      for (const T* x : inputs) {
+        if (x->requires_grad()) n.inputs.push_back(grad_of(*x));
+      }
+      n.scratch.assign(scratch.begin(), scratch.end());
+      t_.record(std::move(n));
+    }
+    return y;
+  }
+
+  // A product of two tensors (a @ b, a * b): each operand is saved for the other's gradient, and
+  // each operand that requires grad gets a gradient of its own size.
+  T product(const T& a, const T& b, std::uint64_t out_numel, DType d) {
+    T y = fresh(out_numel, d);
+    if (!a.requires_grad() && !b.requires_grad()) return y;
+    requires_grad(y);
+    Node nd = node(y);
+    if (b.requires_grad()) nd.saved.push_back(a.id);
+    if (a.requires_grad()) nd.saved.push_back(b.id);
+    if (a.requires_grad()) nd.inputs.push_back(grad_of(a));
+    if (b.requires_grad()) nd.inputs.push_back(grad_of(b));
+    t_.record(std::move(nd));
+    return y;
+  }
+  T bmm(const T& a, const T& b, std::uint64_t out_numel, DType d) { return product(a, b, out_numel, d); }
+  T mul(const T& a, const T& b, std::uint64_t numel, DType d) { return product(a, b, numel, d); }
+
+  // softmax over the last dim, in x's dtype: the output is what its backward saves.
+  T softmax(const T& x) {
+    T p = fresh(x.numel, x.dtype);
+    if (!x.requires_grad()) return p;
+    requires_grad(p);
+    Node nd = node(p);
+    nd.saved = {p.id};
+    nd.inputs.push_back(grad_of(x));
+    t_.record(std::move(nd));
+    return p;
+  }
+
+  // a + b where the gradient passes through to both (AddBackward saves nothing).
+  T add(const T& a, const T& b) {
+    T y = fresh(std::max(a.numel, b.numel), promote(a.dtype, b.dtype));
+    if (!a.requires_grad() && !b.requires_grad()) return y;
+    requires_grad(y);
+    Node n = node(y);
+    if (a.requires_grad()) n.inputs.push_back(a.dtype == y.dtype ? pass_to(a) : grad_of(a));
+    if (b.requires_grad()) n.inputs.push_back(b.dtype == y.dtype ? pass_to(b) : grad_of(b));
+    t_.record(std::move(n));
+    return y;
+  }
+
+  void ensure_workspace(bool backward) {
+    // cuBLAS workspaces are made lazily at the first GEMM of each (handle, stream): one for the
+    // Python thread's forward, one for the autograd thread's backward. MEMORY_MECHANICS §2.
+    TensorId& ws = backward ? ws_bwd_ : ws_fwd_;
+    if (ws == kNone && gpu_.cublas_workspace_bytes > 0) {
+      ws = t_.alloc_bytes(gpu_.cublas_workspace_bytes, Category::kOther);
+    }
+  }
+
+  // ---------------------------------------------------------------- modules (step_modules.cpp)
+  T rms_norm(const T& x, std::uint32_t w, std::uint64_t rows, std::string_view name);
+  T layer_norm(const T& x, std::uint32_t w, std::uint32_t b, std::uint64_t rows, std::string_view name);
+  T dropout(const T& x);
+  T rope(const T& q);
+  T repeat_kv(const T& x);
+  bool folds_with_copy(const T& x) const;
+  T attention_core(T& q, T& k, T& v);
+  T gpt2_attention_core(T& q, T& k, T& v);
+  T attention(const T& x, const LayerParams& lp);
+  T slice(const T& fused, std::uint64_t width);
+  T mlp(const T& x, const LayerParams& lp);
+  T gelu_tanh(const T& x);
+  T decoder_layer(const T& x, std::uint32_t l);
+  T post_norm(T y, std::uint32_t norm, std::string_view name);
+  T gpt2_residual_dropout(T y);
+  T residual_add(const T& residual, T& branch);
+  T checkpointed_layer(const T& x, std::uint32_t l);
+  void drop_nodes_since(std::size_t n);
+
+  // ---------------------------------------------------------------- the step (step.cpp)
+  ValueId forward_and_loss();
+  std::uint32_t lm_head_param(std::uint32_t emb) const;
+  ValueId standard_loss(T& normed, std::uint32_t emb);
+  ValueId fused_loss(T& hidden, std::uint32_t emb);
+  ValueId scale_loss(T& loss);
+  void backward(ValueId loss);
+
+  // ---------------------------------------------------------------- optimizer (optimizer.cpp)
+  void bnb_quantization_maps();
+  void optimizer_step(bool first);
+
+  // ================================================================ generation (generation.cpp)
+  Trace build_generation();
+  T expand_rows(const T& x);
+  T generation_forward(const T& pos, std::uint64_t q, std::uint32_t step, T& prev_ids_in,
+                       T& prev_pos_in);
+  void grow_position_ids(T& pos, std::uint64_t len);
+  void stopping_criteria(T& unfinished, std::uint64_t rows);
+  void greedy(T& ids, T& pos);
+  T gather_beams(std::uint64_t out_numel, DType d);
+  void replace(T& var, T value);
+  T beam_search(T& pos);
+  std::uint64_t rows() const;
+  T model_forward();
+
+  // The masks a generation forward builds: Note [Generation masks] (generation.cpp).
+  enum class MaskKind : std::uint8_t { kFull, kSliding };
+  std::vector<MaskKind> mask_kinds() const;
+  std::uint64_t window_of_model() const;
+  std::vector<T> generation_masks();
+  void generation_rotary();
+  T g_rms_norm(const T& x, std::uint32_t w, std::uint64_t nrows, std::string_view name);
+  T g_layer_norm(const T& x, std::string_view name);
+  T g_rope(const T& x);
+  void cache_update(std::uint32_t l, const T& k, const T& v);
+  std::uint64_t visible(std::uint32_t l) const;
+  bool layer_has_mask(std::uint32_t l) const;
+  T g_attention_core(const T& q, std::uint32_t l, bool q_bshd);
+  T g_eager_core(const T& q, std::uint32_t l, bool q_bshd);
+  T g_gpt2_eager_core(const T& q, std::uint32_t l);
+  T g_attention(const T& x, std::uint32_t l);
+  T g_attend(T& q, T& k, T& v, std::uint32_t l, bool q_bshd, T* fused);
+  T g_mlp(const T& x, const LayerParams& lp);
+  T g_decoder_layer(const T& x, std::uint32_t l);
+  T g_gpt2_block(const T& x, std::uint32_t l);
+
+
+  const Model& m_;
+  const Architecture& a_;
+  const Recipe& r_;
+  const Gpu& gpu_;
+  const MicroBatchHook& hook_;
+  Policy pol_;
+  DType quant_dtype_;  // a 4-bit base: the load and compute dtype of its matmuls (Note [QLoRA])
+  std::uint64_t rank_ = 0;  // the data-parallel rank built (graph/parallel.h)
+  Attention attention_;
+  bool cuda_ = true;
+  std::uint64_t B_ = 0, S_ = 0, tok_ = 0;
+  Tape t_;
+  DataParallel dp_{t_, r_, r_.gpu != "cpu", rank_};  // DDP / FSDP2 (graph/parallel.h); nothing without
+  std::vector<Param> params_;
+  std::vector<std::pair<std::string, std::uint32_t>> globals_;
+  std::vector<LayerParams> layers_;
+  std::vector<std::uint32_t> casts_;
+  std::vector<TensorId> states_;
+  T input_ids_, labels_, mask_, cos_, sin_, position_ids_, pending_loss_;
+  std::vector<T> zero_losses_;  // ZeRO: the loss and gas_scaled_loss, held through backward
+  T input_leaf_;  // LoRA with checkpointing: the embeddings' output, a leaf (Note [LoRA])
+  std::vector<std::vector<Adapter>> adapters_;  // per decoder layer, in module order
+  TensorId ws_fwd_ = kNone, ws_bwd_ = kNone;
+  TensorId scaler_scale_ = kNone;
+  std::vector<TensorId> rms_;  // Adafactor's per-parameter state["RMS"]
+  // Generation (Note [Generation]): rows of the expanded batch, tokens in this forward, tokens
+  // already cached, and each layer's cached keys and values.
+  std::uint64_t Bg_ = 1, q_ = 0, past_ = 0;
+  std::vector<T> kc_, vc_;
+  std::vector<std::uint64_t> window_;  // per layer: its sliding window, 0 for full attention
+  std::vector<std::uint64_t> stored_;  // per layer: positions in its cached keys' storage
+  std::vector<T> swt_;                 // per sliding layer: its _sliding_window_tensor
+  T attn_weights_;                     // eager: the probabilities the layer holds to its end
+  Phase phase_ = Phase::kForward;
+  std::int32_t layer_ = kNoLayer;
+  std::string_view op_ = "";
+};
+
+}  // namespace trainmem::graph::step

@@ -1,0 +1,730 @@
+// The ops and modules of the training forward (step_builder.h): nn.Linear, bitsandbytes'
+// Linear4bit and peft's lora.Linear around them, the norms, rotary embeddings, the attention
+// cores (eager, SDPA, flash), the MLPs and the decoder layer with and without checkpointing, each
+// mirroring its Hugging Face module of transformers 5.x (modeling_llama.py and its siblings,
+// modeling_gpt2.py) and the PyTorch kernels it calls.
+#include "graph/step_builder.h"
+
+namespace trainmem::graph::step {
+
+// bnb.nn.Linear4bit (no bias: see the constructor): the input cast to the compute dtype, the
+// weight dequantized for the matmul and again in its backward (Note [QLoRA]).
+T StepBuilder::linear_4bit(const T& x_in, std::uint32_t w, std::uint64_t out_features) {
+  const std::uint64_t numel = params_[w].numel;
+  const std::uint64_t rows = x_in.numel / (numel / out_features);
+  const Packed4bit q = packed_4bit(numel, r_.quant.double_quant);
+  const std::uint64_t absmax_f32_bytes = detail::mul(q.blocks, 4, "absmax bytes");
+  T x = to(x_in, quant_dtype_);  // kept until forward returns
+  // gemm_4bit: the fp32 absmax (double quant: dequantize_blockwise, then + offset), the
+  // dequantized weight, F.linear.
+  TensorId absmax = kNone;
+  if (r_.quant.double_quant) {
+    TensorId blockwise = t_.alloc_bytes(absmax_f32_bytes, Category::kTemporaries);
+    absmax = t_.alloc_bytes(absmax_f32_bytes, Category::kTemporaries);
+    t_.release(blockwise);
+  }
+  T wd = fresh(numel, quant_dtype_);
+  ensure_workspace(false);
+  T y = fresh(rows * out_features, quant_dtype_);
+  if (absmax != kNone) t_.release(absmax);
+  t_.drop(wd);
+  if (x.requires_grad()) {
+    // MatMul4Bit saves only the packed weight (a parameter). Its backward: the fp32 absmax
+    // (double quant; dies once the weight is made), the weight in its load dtype, grad_A.
+    requires_grad(y);
+    Node n = node(y);
+    if (r_.quant.double_quant) n.scratch.push_back(absmax_f32_bytes);
+    n.scratch.push_back(numel * dtype_bytes(quant_dtype_));
+    n.scratch_freed_early = r_.quant.double_quant ? 1 : 0;
+    n.inputs.push_back(grad_of(x));
+    t_.record(std::move(n));
+  }
+  T out = to(y, x_in.dtype);
+  t_.drop(y);
+  t_.drop(x);
+  return out;
+}
+
+// nn.Linear (or GPT-2's Conv1D addmm): y = x W^T + b over `rows` rows.
+T StepBuilder::linear(const T& x_in, std::uint32_t w, std::uint32_t b, std::uint64_t out_features) {
+  if (params_[w].quantized) {
+    TRAINMEM_ASSERT(b == kNone, "a 4-bit linear layer with a bias");
+    return linear_4bit(x_in, w, out_features);
+  }
+  const std::uint64_t in_features = params_[w].numel / out_features;
+  const std::uint64_t rows = x_in.numel / in_features;  // tokens
+  const std::uint64_t out_numel = rows * out_features;
+  T x = pol_.autocast ? to(x_in, pol_.compute) : t_.ref(x_in);
+  T wc = weight(w);
+  T bc;
+  if (b != kNone) bc = weight(b);
+  const DType cd = wc.dtype;
+  T y = fresh(out_numel, cd);
+  ensure_workspace(false);
+  const bool wt = trainable(w), bt = trainable(b);
+  if (x.requires_grad() || wt || bt) {
+    // mm/addmm save the input for the weight's gradient and the weight for the input's.
+    requires_grad(y);
+    Node n = node(y);
+    if (wt) n.saved.push_back(x.id);
+    if (x.requires_grad()) {
+      n.saved.push_back(wc.id);
+      n.inputs.push_back(grad_of(x));
+    }
+    // addmm(bias, x, W): the bias is the first input, so its gradient is made and its
+    // AccumulateGrad runs first (what DDP's gradient-ready order shows: Note [DDP buckets]).
+    if (bt) n.params.push_back(param_grad(b, cd));
+    if (wt) n.params.push_back(param_grad(w, cd));
+    t_.record(std::move(n));
+  }
+  t_.drop(x);
+  t_.drop(wc);
+  if (b != kNone) t_.drop(bc);
+  return y;
+}
+
+// A projection of the decoder layer: nn.Linear (GPT-2: Conv1D), or peft's lora.Linear
+// around it when LoRA targets it (Note [LoRA]).
+T StepBuilder::proj(const T& x, std::string_view path, std::uint32_t w, std::uint32_t b, std::uint64_t out_features) {
+  op(path);
+  T result = linear(x, w, b, out_features);
+  const Adapter* ad = adapter(path);
+  if (ad == nullptr) return result;
+  const LoraLabels& labels = lora_labels(path);
+  if (params_[w].quantized) return lora_4bit(x, result, *ad, labels);
+  const DType result_dtype = result.dtype;
+  T xa = to(x, params_[ad->a].dtype);  // _cast_input_dtype: x is rebound, kept to the end
+  T xd = r_.lora.dropout > 0 ? dropout(xa) : t_.ref(xa);
+  op(labels.a);
+  T down = linear(xd, ad->a, kNone, r_.lora.rank);
+  t_.drop(xd);
+  op(labels.b);
+  T up = linear(down, ad->b, kNone, ad->out);
+  t_.drop(down);
+  op(path);
+  T scaled = elementwise({&up}, up.numel, up.dtype, {});  // * scaling (a Python float)
+  t_.drop(up);
+  T sum = add(result, scaled);
+  t_.drop(scaled);
+  t_.drop(result);
+  T out = to(sum, result_dtype);
+  t_.drop(sum);
+  t_.drop(xa);
+  return out;
+}
+
+// peft's lora.bnb.Linear4bit around a 4-bit projection whose output is `base` (Note [QLoRA]).
+T StepBuilder::lora_4bit(const T& x, T& base, const Adapter& ad, const LoraLabels& labels) {
+  T result = fresh(base.numel, base.dtype);  // result.clone(): CloneBackward hands its gradient on
+  if (base.requires_grad()) {
+    requires_grad(result);
+    Node n = node(result);
+    n.inputs.push_back(pass_to(base));
+    t_.record(std::move(n));
+  }
+  t_.drop(base);
+  T xa = to(x, params_[ad.a].dtype);  // _cast_input_dtype (no autocast here)
+  T xd = r_.lora.dropout > 0 ? dropout(xa) : t_.ref(xa);
+  op(labels.a);
+  T down = linear(xd, ad.a, kNone, r_.lora.rank);
+  t_.drop(xd);
+  op(labels.b);
+  T up = linear(down, ad.b, kNone, ad.out);
+  t_.drop(down);
+  op(labels.path);
+  T scaled = elementwise({&up}, up.numel, up.dtype, {});  // * scaling (a Python float)
+  t_.drop(up);
+  T cast = to(scaled, result.dtype);
+  t_.drop(scaled);
+  T sum = add(result, cast);
+  t_.drop(cast);
+  t_.drop(result);
+  t_.drop(xa);
+  return sum;
+}
+
+// LlamaRMSNorm: x.to(fp32); pow(2).mean(-1); x * rsqrt(var + eps); weight * x.to(input_dtype).
+// Gemma2RMSNorm computes x.float() normalised, times (1 + weight.float()), then type_as(x).
+T StepBuilder::rms_norm(const T& x, std::uint32_t w, std::uint64_t rows, std::string_view name) {
+  op(name);
+  const std::uint64_t n = x.numel;
+  T h32 = to(x, DType::kF32);
+  // pow's backward, grad * (2 * x.pow(1)): both expression temporaries live until the product.
+  T sq = elementwise({&h32}, n, DType::kF32, {h32.id}, {n * 4, n * 4});
+  T var = elementwise({&sq}, rows, DType::kF32, {});
+  t_.drop(sq);
+  T ve = fresh(rows, DType::kF32);
+  if (var.requires_grad()) {
+    requires_grad(ve);
+    Node nd = node(ve);
+    nd.inputs.push_back(pass_to(var));
+    t_.record(std::move(nd));
+  }
+  t_.drop(var);
+  // rsqrt's backward, -0.5 * grad * result.pow(3): two temporaries, then the product.
+  T rs = elementwise({&ve}, rows, DType::kF32, {}, {rows * 4, rows * 4}, /*save_output=*/true);
+  t_.drop(ve);
+  T hn = fresh(n, DType::kF32);
+  if (h32.requires_grad()) {
+    requires_grad(hn);
+    Node nd = node(hn);
+    nd.saved = {h32.id, rs.id};  // mul saves both factors (both require grad)
+    nd.inputs.push_back(grad_of(h32));
+    nd.inputs.push_back(grad_of(rs));
+    nd.scratch.push_back(n * 4);  // grad * x before the sum over the hidden dim
+    t_.record(std::move(nd));
+  }
+  t_.drop(h32);
+  t_.drop(rs);
+  const bool gemma = a_.family == Family::kGemma2;
+  T out;
+  if (gemma) {
+    // output * (1.0 + weight.float()): the mul saves each factor for the other's gradient,
+    // the fp32 normalised tensor and the [h] fp32 (1 + weight).
+    const std::uint64_t h = params_[w].numel;
+    TensorId wf = pol_.param != DType::kF32 ? t_.alloc_bytes(h * 4, Category::kTemporaries) : kNone;
+    T onep = fresh(h, DType::kF32);
+    if (wf != kNone) t_.release(wf);
+    T hc = t_.ref(hn);
+    out = fresh(n, DType::kF32);
+    if (hc.requires_grad() || trainable(w)) {
+      requires_grad(out);
+      Node nd = node(out);
+      if (trainable(w)) nd.saved.push_back(hc.id);
+      if (hc.requires_grad()) {
+        nd.saved.push_back(onep.id);
+        nd.inputs.push_back(grad_of(hc));
+      }
+      if (trainable(w)) nd.params.push_back(param_grad(w, DType::kF32, n * 4));
+      t_.record(std::move(nd));
+    }
+    t_.drop(onep);
+    t_.drop(hc);
+    t_.drop(hn);
+    if (x.dtype != DType::kF32) {
+      T cast = to(out, x.dtype);
+      t_.drop(out);
+      out = cast;
+    }
+    return out;
+  }
+  T hc = to(hn, x.dtype);
+  t_.drop(hn);
+  DType od = promote(params_[w].dtype, x.dtype);
+  out = fresh(n, od);
+  if (!hc.requires_grad() && !trainable(w)) {
+    t_.drop(hc);
+    return out;
+  }
+  // weight * x: x is saved for the weight's gradient (the weight, saved for x's, is the
+  // parameter itself).
+  requires_grad(out);
+  Node nd = node(out);
+  if (trainable(w)) nd.saved = {hc.id};
+  if (hc.requires_grad()) nd.inputs.push_back(GradIn{hc.value, hc.bytes(), false});
+  if (trainable(w)) nd.params.push_back(param_grad(w, od, n * dtype_bytes(od)));
+  t_.record(std::move(nd));
+  t_.drop(hc);
+  return out;
+}
+
+// nn.LayerNorm (GPT-2). Under CUDA autocast layer_norm runs in fp32: a half input is cast up
+// and the output is fp32. native_layer_norm saves its input, mean and rstd.
+T StepBuilder::layer_norm(const T& x, std::uint32_t w, std::uint32_t b, std::uint64_t rows, std::string_view name) {
+  op(name);
+  T xin = (pol_.autocast && cuda_) ? to(x, DType::kF32) : t_.ref(x);
+  // CUDA keeps mean/rstd in fp32; the CPU kernel in the input dtype.
+  const DType stat = cuda_ ? DType::kF32 : xin.dtype;
+  T mean = fresh(rows, stat);
+  T rstd = fresh(rows, stat);
+  T out = fresh(x.numel, xin.dtype);
+  if (xin.requires_grad() || trainable(w) || trainable(b)) {
+    requires_grad(out);
+    Node nd = node(out);
+    nd.saved = {xin.id, mean.id, rstd.id};
+    if (xin.requires_grad()) nd.inputs.push_back(grad_of(xin));
+    if (trainable(w)) nd.params.push_back(param_grad(w, xin.dtype));
+    if (trainable(b)) nd.params.push_back(param_grad(b, xin.dtype));
+    t_.record(std::move(nd));
+  }
+  t_.drop(mean);
+  t_.drop(rstd);
+  t_.drop(xin);
+  return out;
+}
+
+// Dropout with p > 0 in training. CUDA's fused kernel saves a bool mask; the CPU path saves
+// the scaled noise in the input dtype (ATen Dropout.cpp).
+T StepBuilder::dropout(const T& x) {
+  T mask = cuda_ ? fresh(x.numel, DType::kU8) : fresh(x.numel, x.dtype);
+  T y = elementwise({&x}, x.numel, x.dtype, {mask.id});
+  t_.drop(mask);
+  return y;
+}
+
+// Rotary embedding applied to q or k (apply_rotary_pos_emb): q*cos + rotate_half(q)*sin.
+// cos/sin carry the residual dtype, so under autocast the result is fp32.
+T StepBuilder::rope(const T& q) {
+  DType d = promote(q.dtype, cos_.dtype);
+  T a = elementwise({&q}, q.numel, d, {cos_.id});
+  T neg = elementwise({&q}, q.numel / 2, q.dtype, {});
+  T rot = fresh(q.numel, q.dtype);  // cat((-x2, x1))
+  if (q.requires_grad()) {
+    requires_grad(rot);
+    Node nd = node(rot);
+    nd.inputs.push_back(GradIn{neg.value, neg.bytes(), false});
+    nd.inputs.push_back(GradIn{q.value, q.bytes(), false});
+    t_.record(std::move(nd));
+  }
+  t_.drop(neg);
+  T b = elementwise({&rot}, q.numel, d, {sin_.id});
+  t_.drop(rot);
+  T y = add(a, b);
+  t_.drop(a);
+  t_.drop(b);
+  y.bshd = q.bshd;  // elementwise outputs follow their strided input's layout
+  return y;
+}
+
+// repeat_kv: expand + reshape copies K/V up to the query heads (no copy when groups == 1).
+T StepBuilder::repeat_kv(const T& x) {
+  const std::uint64_t groups = a_.num_heads / a_.num_kv_heads;
+  if (groups == 1) return t_.ref(x);
+  return elementwise({&x}, x.numel * groups, x.dtype, {});
+}
+
+// matmul of 4-D operands folds [b, heads] into one batch dimension with reshape before bmm.
+// An operand laid out as [b, s, heads, d] (a projection view, or an elementwise result that
+// kept its layout) folds as a view only when b == 1; otherwise reshape copies it, and bmm
+// saves the copy instead of the operand (checked with torch 2.13: expand + view for b = 1,
+// expand + clone + _unsafe_view for b = 2).
+bool StepBuilder::folds_with_copy(const T& x) const { return x.bshd && B_ > 1; }
+
+T StepBuilder::attention_core(T& q, T& k, T& v) {
+  const std::uint64_t heads = a_.num_heads, d = a_.head_dim;
+  const std::uint64_t qn = tok_ * heads * d;
+  const std::uint64_t scores = B_ * heads * S_ * S_;
+  const DType c = pol_.autocast ? pol_.compute : q.dtype;
+  if (attention_ == Attention::kEager) {
+    op("self_attn.attn_weights");
+    T kr = repeat_kv(k);
+    T vr = repeat_kv(v);
+    // matmul reshapes each operand to 3-D for bmm (see folds_with_copy).
+    auto for_bmm = [&](const T& x) {
+      T y = pol_.autocast ? to(x, c) : t_.ref(x);
+      y.bshd = x.bshd;
+      if (!folds_with_copy(y)) return y;
+      T copy = elementwise({&y}, y.numel, y.dtype, {});
+      t_.drop(y);
+      return copy;
+    };
+    T qc = for_bmm(q);
+    T kc = for_bmm(kr);
+    t_.drop(kr);
+    ensure_workspace(false);
+    T s0 = bmm(qc, kc, scores, c);  // q @ k^T
+    t_.drop(qc);
+    t_.drop(kc);
+    T s1 = elementwise({&s0}, scores, c, {});  // * scaling
+    t_.drop(s0);
+    if (a_.attn_logit_softcap > 0) {  // Gemma-2: s / cap, tanh (saves output), * cap
+      T d1 = elementwise({&s1}, scores, c, {});
+      t_.drop(s1);
+      T th = elementwise({&d1}, scores, c, {}, {}, /*save_output=*/true);
+      t_.drop(d1);
+      s1 = elementwise({&th}, scores, c, {});
+      t_.drop(th);
+    }
+    T s2 = add(s1, mask_);  // + causal mask (promotes to the mask dtype)
+    t_.drop(s1);
+    op("self_attn.softmax");
+    T s32 = to(s2, DType::kF32);
+    t_.drop(s2);
+    T p32 = softmax(s32);
+    t_.drop(s32);
+    T p = to(p32, q.dtype);  // .to(query.dtype): fp32 under autocast, so a no-op there
+    t_.drop(p32);
+    op("self_attn.attn_output");
+    T pc = pol_.autocast ? to(p, c) : t_.ref(p);
+    t_.drop(p);
+    T vc = for_bmm(vr);
+    t_.drop(vr);
+    T o = bmm(pc, vc, qn, c);  // probs @ v
+    t_.drop(pc);
+    t_.drop(vc);
+    T oc = elementwise({&o}, qn, c, {});  // transpose(1, 2).contiguous()
+    t_.drop(o);
+    return oc;
+  }
+  // SDPA / flash-attention: q, k, v (as passed), the output and the fp32 log-sum-exp are
+  // saved; scores never exist. Without padding HF passes native GQA (enable_gqa).
+  op("self_attn.sdpa");
+  const bool gqa_native = a_.num_kv_heads != a_.num_heads;
+  T qc = pol_.autocast ? to(q, c) : t_.ref(q);
+  T kc = pol_.autocast ? to(k, c) : t_.ref(k);
+  T vc = pol_.autocast ? to(v, c) : t_.ref(v);
+  T o = fresh(qn, c);
+  T lse = fresh(B_ * heads * S_, DType::kF32);
+  if (qc.requires_grad() || kc.requires_grad() || vc.requires_grad()) {
+    requires_grad(o);
+    Node nd = node(o);
+    nd.saved = {qc.id, kc.id, vc.id, o.id, lse.id};
+    for (const T* x : {&qc, &kc, &vc}) nd.inputs.push_back(fused_grad_of(*x));
+    // Flash backward (flash_api.cpp mha_bwd): a contiguous copy of grad_out, fp32 dq_accum,
+    // fp32 softmax_d, and with GQA dk/dv at the query head count before the group sum.
+    nd.scratch = {qn * dtype_bytes(c), qn * 4, B_ * heads * S_ * 4};
+    if (gqa_native) nd.scratch.insert(nd.scratch.end(), {qn * dtype_bytes(c), qn * dtype_bytes(c)});
+    t_.record(std::move(nd));
+  }
+  t_.drop(lse);
+  t_.drop(qc);
+  t_.drop(kc);
+  t_.drop(vc);
+  // The flash kernels allocate their output with q's layout. When q is laid out as
+  // [b, s, heads, d] (a projection view), HF's transpose(1, 2).contiguous() is a no-op and
+  // o_proj saves the very storage SDPA saved; otherwise (Phi-3's cat) it copies.
+  if (q.bshd) return o;
+  T oc = elementwise({&o}, qn, c, {});
+  t_.drop(o);
+  return oc;
+}
+
+// Note [GPT-2 attention]
+// q, k and v are strided views into the Conv1D output (split + view + transpose), which
+// changes what the kernels copy and save (transformers models/gpt2/modeling_gpt2.py):
+//  * eager: matmul reshapes each strided operand for bmm, so with b > 1 q, k^T and v are
+//    copied and the copies saved (b = 1: the views, so the Conv1D output; folds_with_copy);
+//    softmax takes no dtype argument (CUDA autocast runs it in fp32, CPU autocast in the
+//    input dtype), .type(value.dtype) casts back, and attention dropout (attn_pdrop, 0.1) is
+//    active in training; the output is transposed and copied.
+//  * sdpa on CUDA: the flash kernel takes the views (their storage, the Conv1D output, is
+//    what stays saved) and supports dropout; the output needs no copy.
+//  * sdpa on CPU with dropout: no fused kernel takes dropout, so the math kernel runs: half
+//    inputs are upcast to fp32 (contiguous copies), q and k^T are scaled separately (the
+//    products keep their operand's layout) and folded for bmm as in eager, the causal mask
+//    is built as [s, s] bool and float, softmax and the dropout noise and output
+//    are saved, and the result is cast back.
+T StepBuilder::gpt2_attention_core(T& q, T& k, T& v) {
+  const std::uint64_t heads = a_.num_heads;
+  const std::uint64_t qn = q.numel, scores = B_ * heads * S_ * S_;
+  const DType c = q.dtype;  // the Conv1D output dtype: the compute dtype
+  auto copy = [&](const T& x, DType d) { return elementwise({&x}, x.numel, d, {}); };
+  auto drop_out = [&](T& x) {  // dropout(p > 0) on probabilities: see dropout()
+    T y = dropout(x);
+    t_.drop(x);
+    x = y;
+  };
+  if (attention_ == Attention::kEager) {
+    op("attn.attn_weights");
+    T qc = folds_with_copy(q) ? copy(q, c) : t_.ref(q);
+    T kc = folds_with_copy(k) ? copy(k, c) : t_.ref(k);
+    ensure_workspace(false);
+    T s0 = bmm(qc, kc, scores, c);
+    t_.drop(qc);
+    t_.drop(kc);
+    T s1 = elementwise({&s0}, scores, c, {});  // * scaling
+    t_.drop(s0);
+    T s2 = add(s1, mask_);
+    t_.drop(s1);
+    op("attn.softmax");
+    const DType sd = (pol_.autocast && cuda_) ? DType::kF32 : s2.dtype;
+    T sin = to(s2, sd);
+    t_.drop(s2);
+    T p = softmax(sin);
+    t_.drop(sin);
+    T pv = to(p, v.dtype);  // .type(value.dtype)
+    t_.drop(p);
+    drop_out(pv);
+    op("attn.attn_output");
+    T vc = folds_with_copy(v) ? copy(v, v.dtype) : t_.ref(v);
+    T o = bmm(pv, vc, qn, c);
+    t_.drop(pv);
+    t_.drop(vc);
+    T oc = copy(o, c);  // transpose(1, 2).reshape(...).contiguous()
+    t_.drop(o);
+    return oc;
+  }
+  if (cuda_) {
+    op("attn.sdpa");
+    T o = fresh(qn, c);
+    T lse = fresh(B_ * heads * S_, DType::kF32);
+    if (q.requires_grad() || k.requires_grad() || v.requires_grad()) {
+      requires_grad(o);
+      Node nd = node(o);
+      nd.saved = {q.id, k.id, v.id, o.id, lse.id};
+      for (const T* x : {&q, &k, &v}) nd.inputs.push_back(fused_grad_of(*x));
+      nd.scratch = {qn * dtype_bytes(c), qn * 4, B_ * heads * S_ * 4};
+      t_.record(std::move(nd));
+    }
+    t_.drop(lse);
+    return o;
+  }
+  // CPU: the math kernel (aten _scaled_dot_product_attention_math).
+  op("attn.sdpa_math");
+  const DType md = DType::kF32;
+  T causal = fresh(S_ * S_, DType::kU8);
+  T fmask = fresh(S_ * S_, md);
+  t_.drop(causal);
+  T qa = to(q, md), ka = to(k, md), va = to(v, md);
+  T qs = elementwise({&qa}, qn, md, {});  // q * sqrt(scale)
+  T ks = elementwise({&ka}, qn, md, {});  // k^T * sqrt(scale)
+  qs.bshd = ks.bshd = q.dtype == md;       // a view of the Conv1D output when not upcast
+  T qc = folds_with_copy(qs) ? copy(qs, md) : t_.ref(qs);
+  T kc = folds_with_copy(ks) ? copy(ks, md) : t_.ref(ks);
+  t_.drop(qs);
+  t_.drop(ks);
+  ensure_workspace(false);
+  T sc = bmm(qc, kc, scores, md);  // the mask is added in place
+  t_.drop(qc);
+  t_.drop(kc);
+  T p = softmax(sc);  // _safe_softmax
+  t_.drop(sc);
+  t_.drop(fmask);
+  drop_out(p);
+  va.bshd = v.dtype == md;
+  T vc = folds_with_copy(va) ? copy(va, md) : t_.ref(va);
+  T o = bmm(p, vc, qn, md);
+  t_.drop(vc);
+  T oc = to(o, c);
+  t_.drop(o);
+  T pw = to(p, c);  // the returned attention weights, dropped by the caller
+  t_.drop(pw);
+  t_.drop(p);
+  t_.drop(qa);
+  t_.drop(ka);
+  t_.drop(va);
+  T out = copy(oc, c);  // transpose(1, 2).reshape(...).contiguous()
+  t_.drop(oc);
+  return out;
+}
+
+T StepBuilder::attention(const T& x, const LayerParams& lp) {
+  const std::uint64_t heads = a_.num_heads, kvh = a_.num_kv_heads, d = a_.head_dim;
+  const std::uint64_t qw = heads * d, kvw = kvh * d;
+  T q, k, v;
+  if (lp.qkv != kNone) {
+    T qkv = proj(x, a_.family == Family::kGpt2 ? "attn.c_attn" : "self_attn.qkv_proj", lp.qkv, lp.qkv_b,
+                 qw + 2 * kvw);
+    // Slices of one output: each slice's backward makes a full-size zero gradient of the
+    // fused output (SliceBackward), summed into one.
+    q = slice(qkv, qw);
+    k = slice(qkv, kvw);
+    v = slice(qkv, kvw);
+    t_.drop(qkv);
+  } else {
+    q = proj(x, "self_attn.q_proj", lp.q, lp.q_b, qw);
+    k = proj(x, "self_attn.k_proj", lp.k, lp.k_b, kvw);
+    v = proj(x, "self_attn.v_proj", lp.v, lp.v_b, kvw);
+  }
+  // Note [Attention layouts]: q, k, v are views (view + transpose) of the projection outputs,
+  // laid out as [b, s, heads, d]; rope keeps that layout, Phi-3's cat and repeat_kv make
+  // contiguous [b, heads, s, d] tensors. Whether eager matmul copies an operand, and whether
+  // the attention output needs a copy, follows from it.
+  q.bshd = k.bshd = v.bshd = true;
+  if (lp.q_norm != kNone) {
+    T qn = rms_norm(q, lp.q_norm, tok_ * heads, "self_attn.q_norm");
+    t_.drop(q);
+    q = qn;
+    T kn = rms_norm(k, lp.k_norm, tok_ * kvh, "self_attn.k_norm");
+    t_.drop(k);
+    k = kn;
+    q.bshd = k.bshd = true;  // normalised over head_dim before the transpose
+  }
+  if (a_.family != Family::kGpt2) {
+    op("self_attn.rotary");
+    // Phi-3 rotates the first rotary_dim channels and concatenates the rest (empty with
+    // partial_rotary_factor 1.0): torch.cat copies the rotated q and k once more.
+    auto rotate = [&](T& x) {
+      T r = rope(x);
+      t_.drop(x);
+      if (a_.family == Family::kPhi3) {
+        T c = fresh(r.numel, r.dtype);
+        if (r.requires_grad()) {
+          requires_grad(c);
+          Node nd = node(c);
+          nd.inputs.push_back(pass_to(r));  // CatBackward hands on narrowed views
+          t_.record(std::move(nd));
+        }
+        t_.drop(r);
+        r = c;
+      }
+      x = r;
+    };
+    rotate(q);
+    rotate(k);
+  }
+  T o = a_.family == Family::kGpt2 ? gpt2_attention_core(q, k, v) : attention_core(q, k, v);
+  t_.drop(q);
+  t_.drop(k);
+  t_.drop(v);
+  T y = proj(o, a_.family == Family::kGpt2 ? "attn.c_proj" : "self_attn.o_proj", lp.o, lp.o_b,
+             a_.hidden_size);
+  t_.drop(o);
+  return a_.family == Family::kGpt2 ? gpt2_residual_dropout(y) : y;
+}
+
+T StepBuilder::slice(const T& fused, std::uint64_t width) {
+  T s;
+  s.id = fused.id;
+  t_.retain(s.id);
+  s.dtype = fused.dtype;
+  s.numel = tok_ * width;
+  if (!fused.requires_grad()) return s;
+  requires_grad(s);
+  Node nd = node(s);
+  nd.inputs.push_back(GradIn{fused.value, fused.bytes(), false});
+  t_.record(std::move(nd));
+  return s;
+}
+
+T StepBuilder::mlp(const T& x, const LayerParams& lp) {
+  const std::uint64_t i = a_.intermediate_size, n = tok_ * i;
+  if (!a_.gated_mlp) {  // GPT-2: c_fc, gelu_new, c_proj
+    T h = proj(x, "mlp.c_fc", lp.up, lp.up_b, i);
+    op("mlp.act");
+    T g = gelu_tanh(h);
+    t_.drop(h);
+    T y = proj(g, "mlp.c_proj", lp.down, lp.down_b, a_.hidden_size);
+    t_.drop(g);
+    return gpt2_residual_dropout(y);  // GPT2MLP's dropout
+  }
+  T gate, up;
+  if (lp.gate_up != kNone) {
+    T gu = proj(x, "mlp.gate_up_proj", lp.gate_up, kNone, 2 * i);
+    gate = slice(gu, i);
+    up = slice(gu, i);
+    t_.drop(gu);
+  } else {
+    gate = proj(x, "mlp.gate_proj", lp.gate, lp.gate_b, i);
+  }
+  op("mlp.act_fn");
+  T act = a_.activation == Activation::kSilu ? elementwise({&gate}, n, gate.dtype, {gate.id})
+                                              : gelu_tanh(gate);
+  if (lp.gate_up == kNone) {
+    up = proj(x, "mlp.up_proj", lp.up, lp.up_b, i);
+  }
+  op("mlp.act_fn*up");
+  T prod = mul(act, up, n, promote(act.dtype, up.dtype));
+  t_.drop(act);
+  t_.drop(up);
+  t_.drop(gate);
+  T y = proj(prod, "mlp.down_proj", lp.down, lp.down_b, a_.hidden_size);
+  t_.drop(prod);
+  return y;
+}
+
+// gelu(approximate="tanh") saves its input; GPT-2's NewGELUActivation spells the same formula
+// out in elementwise ops that save more (x, x^3 terms, tanh output).
+T StepBuilder::gelu_tanh(const T& x) {
+  if (a_.family == Family::kGpt2) {
+    // 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3)))
+    T x3 = elementwise({&x}, x.numel, x.dtype, {x.id});            // pow(x, 3)
+    T m1 = elementwise({&x3}, x.numel, x.dtype, {});               // * 0.044715
+    t_.drop(x3);
+    T s = add(x, m1);
+    t_.drop(m1);
+    T m2 = elementwise({&s}, x.numel, x.dtype, {});                // * sqrt(2/pi)
+    t_.drop(s);
+    T th = elementwise({&m2}, x.numel, x.dtype, {}, {}, /*save_output=*/true);  // tanh
+    t_.drop(m2);
+    T p1 = elementwise({&th}, x.numel, x.dtype, {});               // 1 + tanh
+    t_.drop(th);
+    T hx = elementwise({&x}, x.numel, x.dtype, {});                // 0.5 * x
+    T y = elementwise({&hx, &p1}, x.numel, x.dtype, {hx.id, p1.id});
+    t_.drop(hx);
+    t_.drop(p1);
+    return y;
+  }
+  return elementwise({&x}, x.numel, x.dtype, {x.id});
+}
+
+T StepBuilder::decoder_layer(const T& x, std::uint32_t l) {
+  const LayerParams& lp = layers_[l];
+  layer_ = static_cast<std::int32_t>(l);
+  const bool gpt2 = a_.family == Family::kGpt2;
+  T n1 = gpt2 ? layer_norm(x, lp.in_norm, lp.in_norm_b, tok_, "ln_1")
+              : rms_norm(x, lp.in_norm, tok_, "input_layernorm");
+  T att = attention(n1, lp);  // GPT-2's residual dropout happens inside, as in GPT2Attention
+  t_.drop(n1);
+  att = post_norm(att, lp.post_attn_norm, "post_attention_layernorm");
+  T h1 = residual_add(x, att);
+  T n2 = gpt2 ? layer_norm(h1, lp.post_attn_norm, lp.post_attn_norm_b, tok_, "ln_2")
+              : rms_norm(h1, a_.sandwich_norms ? lp.pre_ff_norm : lp.post_attn_norm, tok_,
+                         a_.sandwich_norms ? "pre_feedforward_layernorm" : "post_attention_layernorm");
+  T m = mlp(n2, lp);
+  t_.drop(n2);
+  m = post_norm(m, lp.post_ff_norm, "post_feedforward_layernorm");
+  T out = residual_add(h1, m);
+  t_.drop(h1);
+  return out;
+}
+
+// Gemma-2's sandwich norms: the sub-layer output is normalised again before the residual add
+// (after the layer has rebound hidden_states, so the sub-layer's input is already dropped).
+T StepBuilder::post_norm(T y, std::uint32_t norm, std::string_view name) {
+  if (!a_.sandwich_norms) return y;
+  T pn = rms_norm(y, norm, tok_, name);
+  t_.drop(y);
+  return pn;
+}
+
+T StepBuilder::gpt2_residual_dropout(T y) {
+  T dr = dropout(y);
+  t_.drop(y);
+  return dr;
+}
+
+// residual + branch; the branch output is dropped, the residual stays with the caller.
+T StepBuilder::residual_add(const T& residual, T& branch) {
+  op("residual_add");
+  T sum = add(residual, branch);
+  t_.drop(branch);
+  return sum;
+}
+
+// GradientCheckpointingLayer with use_reentrant=False: the forward keeps only the layer input;
+// backward recomputes the layer (recording its nodes) and runs them.
+T StepBuilder::checkpointed_layer(const T& x, std::uint32_t l) {
+  t_.saving = false;
+  std::size_t before = t_.node_count();
+  T out = decoder_layer(x, l);
+  (void)before;
+  t_.saving = true;
+  // The nodes recorded without saves stand for the graph the checkpoint discards; replace
+  // them by one checkpoint node (their grads flow through the recompute instead).
+  drop_nodes_since(before);
+  T y = out;
+  requires_grad(y);
+  Node nd = node(y);
+  nd.tag.op = "checkpoint";
+  // torch.utils.checkpoint (non-reentrant) saves the positional tensor arguments (the hidden
+  // states) with save_for_backward; the keyword arguments (mask, position embeddings,
+  // position ids) are only referenced by the recompute closure.
+  nd.saved = {x.id};
+  for (const T* shared : {&cos_, &sin_, &mask_, &position_ids_}) {
+    if (shared->id != kNone) nd.kept.push_back(shared->id);
+  }
+  T xin = x, cos = cos_, sin = sin_, mask = mask_;
+  std::int32_t layer = static_cast<std::int32_t>(l);
+  nd.recompute = [this, xin, cos, sin, mask, l, layer]() {
+    Phase keep = phase_;
+    phase_ = Phase::kForward;  // labelled "recompute" (the tape knows it is recomputing)
+    std::string_view keep_op = op_;
+    cos_ = cos;
+    sin_ = sin;
+    mask_ = mask;
+    T o = decoder_layer(xin, l);
+    exit_autocast();  // the recompute runs in an autocast context of its own
+    cos_ = sin_ = mask_ = T{};
+    layer_ = layer;
+    phase_ = keep;
+    op_ = keep_op;
+    return o;
+  };
+  t_.record(std::move(nd));
+  return y;
+}
+
+void StepBuilder::drop_nodes_since(std::size_t n) { t_.truncate_nodes(n); }
+
+}  // namespace trainmem::graph::step

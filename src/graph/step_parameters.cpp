@@ -1,0 +1,290 @@
+// The parameter table of the step builder (step_builder.h): the model's parameters as
+// from_pretrained makes them (model::parameter_groups), the data-parallel wrapper around them,
+// and peft's LoRA adapters (get_peft_model) with the names of their ops.
+#include "graph/step_builder.h"
+
+namespace trainmem::graph::step {
+
+constexpr LoraLabels kLoraLabels[] = {
+    {"self_attn.q_proj", "self_attn.q_proj.lora_A.default", "self_attn.q_proj.lora_B.default"},
+    {"self_attn.k_proj", "self_attn.k_proj.lora_A.default", "self_attn.k_proj.lora_B.default"},
+    {"self_attn.v_proj", "self_attn.v_proj.lora_A.default", "self_attn.v_proj.lora_B.default"},
+    {"self_attn.o_proj", "self_attn.o_proj.lora_A.default", "self_attn.o_proj.lora_B.default"},
+    {"self_attn.qkv_proj", "self_attn.qkv_proj.lora_A.default", "self_attn.qkv_proj.lora_B.default"},
+    {"mlp.gate_proj", "mlp.gate_proj.lora_A.default", "mlp.gate_proj.lora_B.default"},
+    {"mlp.up_proj", "mlp.up_proj.lora_A.default", "mlp.up_proj.lora_B.default"},
+    {"mlp.down_proj", "mlp.down_proj.lora_A.default", "mlp.down_proj.lora_B.default"},
+    {"mlp.gate_up_proj", "mlp.gate_up_proj.lora_A.default", "mlp.gate_up_proj.lora_B.default"},
+    {"attn.c_attn", "attn.c_attn.lora_A.default", "attn.c_attn.lora_B.default"},
+    {"attn.c_proj", "attn.c_proj.lora_A.default", "attn.c_proj.lora_B.default"},
+    {"mlp.c_fc", "mlp.c_fc.lora_A.default", "mlp.c_fc.lora_B.default"},
+    {"mlp.c_proj", "mlp.c_proj.lora_A.default", "mlp.c_proj.lora_B.default"},
+};
+
+const LoraLabels& lora_labels(std::string_view path) {
+  for (const LoraLabels& l : kLoraLabels) {
+    if (l.path == path) return l;
+  }
+  throw Error("lora_targets: '" + std::string(path) + "' is not a projection trainmem models");
+}
+
+void StepBuilder::create_parameters() {
+  const std::uint64_t L = a_.num_layers;
+  layers_.assign(L, LayerParams{});
+  bool in_layers_done = false;
+  const auto& groups = m_.parameters;
+  auto is_layer = [](const ParameterGroup& g) { return g.name.find(".N.") != std::string::npos; };
+  for (std::size_t gi = 0; gi < groups.size(); ++gi) {
+    if (!is_layer(groups[gi])) {
+      globals_.push_back({groups[gi].name, add_param(groups[gi])});
+      continue;
+    }
+    if (in_layers_done) continue;
+    // HF creates layer 0's tensors, then layer 1's, ...
+    std::size_t gend = gi;
+    while (gend < groups.size() && is_layer(groups[gend])) ++gend;
+    for (std::uint64_t l = 0; l < L; ++l) {
+      for (std::size_t k = gi; k < gend; ++k) {
+        bind_layer(layers_[l], groups[k].name, add_param(groups[k], /*in_layer=*/true));
+      }
+    }
+    in_layers_done = true;
+  }
+  // Rotary inv_freq and original_inv_freq buffers (fp32, head_dim/2 each).
+  if (a_.family != Family::kGpt2) {
+    t_.alloc_bytes(a_.head_dim / 2 * 4, Category::kWeights);
+    t_.alloc_bytes(a_.head_dim / 2 * 4, Category::kWeights);
+  }
+  if (a_.embedding_scale) t_.alloc_bytes(dtype_bytes(pol_.param), Category::kWeights);
+}
+
+// DDP / FSDP2 wrap the built model (graph/parallel.h). FSDP2's units are the decoder layers
+// (each layer's parameters, created layer by layer: create_parameters) and the root (the rest).
+void StepBuilder::wrap_data_parallel() {
+  if (r_.parallel == Parallel::kNone) return;
+  std::vector<WrappedParam> wp;
+  for (const Param& p : params_) wp.push_back({p.slot, p.storage, p.numel, p.rows, p.dtype});
+  std::vector<std::vector<std::uint32_t>> layers(a_.num_layers);
+  std::vector<std::uint32_t> root;
+  std::uint32_t idx = 0;
+  bool in_layers_done = false;
+  const auto& groups = m_.parameters;
+  auto is_layer = [](const ParameterGroup& g) { return g.name.find(".N.") != std::string::npos; };
+  for (std::size_t gi = 0; gi < groups.size(); ++gi) {
+    if (!is_layer(groups[gi])) {
+      root.push_back(idx++);
+      continue;
+    }
+    if (in_layers_done) continue;
+    std::size_t per_layer = 0;
+    while (gi + per_layer < groups.size() && is_layer(groups[gi + per_layer])) ++per_layer;
+    for (auto& layer : layers) {
+      for (std::size_t k = 0; k < per_layer; ++k) layer.push_back(idx++);
+    }
+    in_layers_done = true;
+  }
+  TRAINMEM_ASSERT(idx == params_.size(), "FSDP units miss parameters");
+  // The module's buffers (create_parameters): rotary inv_freq and original_inv_freq, Gemma-2's
+  // embedding scale.
+  std::vector<std::pair<DType, std::uint64_t>> buffers;
+  if (a_.family != Family::kGpt2) buffers.assign(2, {DType::kF32, a_.head_dim / 2 * 4});
+  if (a_.embedding_scale) buffers.emplace_back(pol_.param, dtype_bytes(pol_.param));
+  dp_.wrap(wp, layers, root, buffers);
+  for (std::size_t i = 0; i < params_.size(); ++i) params_[i].storage = wp[i].storage;
+  t_.on_param_ready = [this](std::uint32_t slot) { dp_.param_ready(slot); };
+  t_.on_layer_change = [this](std::int32_t from, std::int32_t to) { dp_.layer_change(from, to); };
+}
+
+std::uint32_t StepBuilder::add_param(const ParameterGroup& g, bool in_layer) {
+  Param p;
+  p.numel = g.numel;
+  p.dtype = pol_.param;
+  p.trainable = !r_.lora.enabled();  // get_peft_model freezes the whole base model
+  p.quantized = r_.quant.enabled() && in_layer && g.matmul_weight;
+  if (p.quantized) {
+    // Params4bit and its QuantState's tensors (Note [QLoRA]); none requires grad.
+    const Packed4bit q = packed_4bit(g.numel, r_.quant.double_quant);
+    p.dtype = DType::kU8;
+    p.storage = t_.alloc_bytes(q.packed_bytes, Category::kWeights);
+    for (std::uint64_t b : {q.absmax_bytes, q.code_bytes, q.offset_bytes, q.nested_absmax_bytes, q.nested_code_bytes}) {
+      if (b != 0) t_.alloc_bytes(b, Category::kWeights);
+    }
+  } else {
+    const std::uint64_t bytes = detail::mul(g.numel, dtype_bytes(pol_.param), "parameter bytes");
+    // FSDP2 holds shards only: the full parameter never has memory (See Note [FSDP2 units]);
+    // ZeRO makes the parameters views of one flat buffer (See Note [DeepSpeed ZeRO-1/2]).
+    p.storage = r_.parallel == Parallel::kFsdp || is_zero(r_.parallel) ? t_.reserve(bytes, Category::kWeights)
+                                                                        : t_.alloc_bytes(bytes, Category::kWeights);
+  }
+  p.slot = t_.new_param(p.storage);
+  p.matmul = g.matmul_weight;
+  p.rows = g.rows;
+  params_.push_back(p);
+  return static_cast<std::uint32_t>(params_.size() - 1);
+}
+
+// Note [LoRA]
+// get_peft_model(model, LoraConfig) runs on the built model (peft 0.21: tuners/lora/model.py,
+// layer.py, tuners_utils.py, peft_model.py):
+//  * every base parameter gets requires_grad=False. A frozen parameter gets no .grad and no
+//    optimizer state, and autograd only records what the trainable parts need: an op whose
+//    inputs all do not require grad records no node (the embedding, layer 0's first norm and
+//    every projection before the first adapter save nothing); mm/addmm save the input only
+//    for the weight's gradient and the weight only for the input's, mul saves each factor
+//    only for the other's gradient, a product with a Python scalar saves nothing. Fused
+//    attention kernels still compute (and drop) the gradient of an input that does not
+//    require grad; the fused loss makes no grad_w for a frozen lm_head;
+//  * each targeted projection (named_modules order: layer by layer, the layer's modules as
+//    registered) becomes lora.Linear: lora_A = nn.Linear(in, r) and lora_B = nn.Linear(r, out),
+//    no bias, made on the CPU and moved with .to(device, dtype) of the base weight, A then B.
+//    With autocast_adapter_dtype (the default) cast_adapter_dtype then replaces every bf16 or
+//    fp16 adapter parameter by an fp32 copy, module by module: the adapters are always fp32;
+//  * lora.Linear.forward: result = base_layer(x); x = x.to(lora_A.weight.dtype) if it differs
+//    (kept until the forward returns); result = result + lora_B(lora_A(dropout(x))) * scaling
+//    (dropout 0 is nn.Identity); result.to(the base result's dtype);
+//  * under autocast a weight's half cast is cached only for leaves that require grad
+//    (autocast_mode.cpp cached_cast): the adapters' casts live until autocast exits, while a
+//    frozen base weight is cast at every use and the cast lives as long as the op, or the
+//    backward node that saved it, holds it. Both are casts of parameters: weights, saved or
+//    not (the tracker's Note [Categories]);
+//  * activation checkpointing makes transformers call enable_input_require_grads
+//    (modeling_utils.py _activation_checkpointing_enable, main_input_name "input_ids"): a
+//    forward hook marks the input embedding module's output (Gemma-2's is already scaled)
+//    requires_grad. It is then a leaf, so everything after it records nodes as in full
+//    fine-tuning, and its AccumulateGrad node keeps it (and later its .grad) alive until the
+//    graph is freed after backward.
+void StepBuilder::create_adapters() {
+  if (!r_.lora.enabled()) return;
+  // Nothing would require grad, and backward() would fail as loss.backward() does.
+  if (r_.lora.targets.empty()) throw Error("lora_targets: no module to wrap (resolve the targets first)");
+  t_.at(Phase::kSetup, kNoLayer, "lora.adapters");
+  // The layer's modules in registration order (Phi-3 registers o_proj before qkv_proj).
+  std::vector<std::string> targets = r_.lora.targets;
+  auto rank_of = [&](const std::string& p) {
+    if (a_.family == Family::kPhi3 && p == "self_attn.o_proj") return -1;
+    const auto& t = r_.lora.targets;
+    return static_cast<int>(std::find(t.begin(), t.end(), p) - t.begin());
+  };
+  std::stable_sort(targets.begin(), targets.end(),
+                   [&](const std::string& x, const std::string& y) { return rank_of(x) < rank_of(y); });
+  const std::uint64_t r = r_.lora.rank;
+  adapters_.assign(a_.num_layers, {});
+  for (std::uint64_t l = 0; l < a_.num_layers; ++l) {
+    for (const std::string& path : targets) {
+      Adapter ad;
+      ad.path = lora_labels(path).path;
+      std::tie(ad.in, ad.out) = projection_shape(path);
+      ad.a = add_adapter_param(detail::mul(r, ad.in, "lora_A size"), r);
+      ad.b = add_adapter_param(detail::mul(ad.out, r, "lora_B size"), ad.out);
+      adapters_[l].push_back(ad);
+    }
+  }
+  if (pol_.param != DType::kF32) {
+    t_.at(Phase::kSetup, kNoLayer, "lora.cast_adapter_dtype");
+    for (auto& layer : adapters_) {
+      for (const Adapter& ad : layer) {
+        for (std::uint32_t pi : {ad.a, ad.b}) {
+          Param& p = params_[pi];
+          TensorId f32 = t_.alloc_bytes(p.numel * 4, Category::kWeights);
+          t_.release(p.storage);
+          p.storage = f32;
+          p.dtype = DType::kF32;
+        }
+      }
+    }
+  }
+}
+
+std::uint32_t StepBuilder::add_adapter_param(std::uint64_t numel, std::uint64_t rows) {
+  Param p;
+  p.numel = numel;
+  p.dtype = pol_.param;
+  p.storage = t_.alloc_bytes(detail::mul(numel, dtype_bytes(p.dtype), "adapter bytes"),
+                             Category::kWeights);
+  p.slot = t_.new_param(p.storage);
+  p.matmul = true;
+  p.rows = rows;
+  params_.push_back(p);
+  return static_cast<std::uint32_t>(params_.size() - 1);
+}
+
+// (in_features, out_features) of a projection of the decoder layer.
+std::pair<std::uint64_t, std::uint64_t> StepBuilder::projection_shape(std::string_view path) const {
+  const std::uint64_t h = a_.hidden_size, i = a_.intermediate_size;
+  const std::uint64_t qw = a_.num_heads * a_.head_dim, kvw = a_.num_kv_heads * a_.head_dim;
+  if (path == "self_attn.q_proj") return {h, qw};
+  if (path == "self_attn.k_proj" || path == "self_attn.v_proj") return {h, kvw};
+  if (path == "self_attn.o_proj") return {qw, h};
+  if (path == "self_attn.qkv_proj") return {h, qw + 2 * kvw};
+  if (path == "mlp.gate_proj" || path == "mlp.up_proj" || path == "mlp.c_fc") return {h, i};
+  if (path == "mlp.gate_up_proj") return {h, 2 * i};
+  if (path == "mlp.down_proj" || path == "mlp.c_proj") return {i, h};
+  if (path == "attn.c_attn") return {h, qw + 2 * kvw};
+  if (path == "attn.c_proj") return {qw, h};
+  TRAINMEM_ASSERT(false, "unknown projection");
+  return {0, 0};
+}
+
+bool StepBuilder::ends_with(const std::string& s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+void StepBuilder::bind_layer(LayerParams& lp, const std::string& n, std::uint32_t idx) {
+  struct Binding {
+    std::string_view suffix;
+    std::uint32_t LayerParams::*field;
+  };
+  static constexpr Binding kBindings[] = {
+      {".input_layernorm.weight", &LayerParams::in_norm},
+      {".ln_1.weight", &LayerParams::in_norm},
+      {".ln_1.bias", &LayerParams::in_norm_b},
+      {".qkv_proj.weight", &LayerParams::qkv},
+      {".qkv_proj.bias", &LayerParams::qkv_b},
+      {".c_attn.weight", &LayerParams::qkv},
+      {".c_attn.bias", &LayerParams::qkv_b},
+      {".q_proj.weight", &LayerParams::q},
+      {".q_proj.bias", &LayerParams::q_b},
+      {".k_proj.weight", &LayerParams::k},
+      {".k_proj.bias", &LayerParams::k_b},
+      {".v_proj.weight", &LayerParams::v},
+      {".v_proj.bias", &LayerParams::v_b},
+      {".o_proj.weight", &LayerParams::o},
+      {".o_proj.bias", &LayerParams::o_b},
+      {".attn.c_proj.weight", &LayerParams::o},
+      {".attn.c_proj.bias", &LayerParams::o_b},
+      {".q_norm.weight", &LayerParams::q_norm},
+      {".k_norm.weight", &LayerParams::k_norm},
+      {".post_attention_layernorm.weight", &LayerParams::post_attn_norm},
+      {".ln_2.weight", &LayerParams::post_attn_norm},
+      {".ln_2.bias", &LayerParams::post_attn_norm_b},
+      {".pre_feedforward_layernorm.weight", &LayerParams::pre_ff_norm},
+      {".post_feedforward_layernorm.weight", &LayerParams::post_ff_norm},
+      {".gate_up_proj.weight", &LayerParams::gate_up},
+      {".gate_proj.weight", &LayerParams::gate},
+      {".gate_proj.bias", &LayerParams::gate_b},
+      {".up_proj.weight", &LayerParams::up},
+      {".up_proj.bias", &LayerParams::up_b},
+      {".c_fc.weight", &LayerParams::up},
+      {".c_fc.bias", &LayerParams::up_b},
+      {".down_proj.weight", &LayerParams::down},
+      {".down_proj.bias", &LayerParams::down_b},
+      {".mlp.c_proj.weight", &LayerParams::down},
+      {".mlp.c_proj.bias", &LayerParams::down_b},
+  };
+  for (const auto& b : kBindings) {
+    if (ends_with(n, b.suffix)) {
+      lp.*b.field = idx;
+      return;
+    }
+  }
+  TRAINMEM_ASSERT(false, "unbound layer parameter");
+}
+
+std::uint32_t StepBuilder::global(std::string_view suffix) const {
+  for (const auto& [name, idx] : globals_) {
+    if (ends_with(name, suffix)) return idx;
+  }
+  return kNone;
+}
+
+}  // namespace trainmem::graph::step
