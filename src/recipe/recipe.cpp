@@ -175,8 +175,9 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   r.grad_accum = in.grad_accum;
   r.mode = parse_mode(in.mode);
   // The default: the weights' dtype for inference and for a 4-bit base (its matmuls' dtype).
+  const bool quantized = in.load_in_4bit || in.load_in_8bit;
   r.precision = in.precision.empty()
-                    ? (r.mode == Mode::kInference || in.load_in_4bit ? Precision::kBf16True : Precision::kBf16Mixed)
+                    ? (r.mode == Mode::kInference || quantized ? Precision::kBf16True : Precision::kBf16Mixed)
                     : parse_precision(in.precision);
   r.new_tokens = in.new_tokens;
   r.beams = in.beams;
@@ -192,6 +193,7 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   r.quant.load_in_4bit = in.load_in_4bit;
   r.quant.quant_type = parse_quant_type(in.bnb_4bit_quant_type);
   r.quant.double_quant = in.bnb_4bit_use_double_quant;
+  r.quant.load_in_8bit = in.load_in_8bit;
   r.gpus = in.gpus;
   r.parallel = parse_parallel(in.parallel);
   r.validate();
@@ -237,8 +239,8 @@ void Recipe::validate() const {
       throw Error("bnb_4bit_quant_type / bnb_4bit_use_double_quant: set without load_in_4bit");
     }
   } else {
-    if (mode == Mode::kInference) throw Error("load_in_4bit: inference with 4-bit weights is not modelled yet");
-    if (!lora.enabled()) {
+    if (quant.load_in_8bit) throw Error("load_in_8bit: cannot be combined with load_in_4bit; choose one");
+    if (mode == Mode::kTraining && !lora.enabled()) {
       throw Error("load_in_4bit: a 4-bit base model cannot be trained itself; add LoRA adapters (lora_rank > 0): "
                   "that is QLoRA");
     }
@@ -248,6 +250,12 @@ void Recipe::validate() const {
       throw Error("precision: load_in_4bit runs with fp32, bf16-true or fp16-true (the 4-bit matmuls' dtype), got " +
                   std::string(to_string(precision)));
     }
+  }
+  if (quant.load_in_8bit && mode != Mode::kInference) {
+    // MatMul8bitLt's backward (int8 double quant of grad_output, CAt, ...) and peft's 8-bit LoRA
+    // layers are not modelled.
+    throw Error("load_in_8bit: training with 8-bit (LLM.int8) weights is not modelled; use it with mode "
+                "inference, or load_in_4bit with LoRA (QLoRA) to train");
   }
   validate_parallel(*this);
 }
