@@ -51,7 +51,8 @@
 //    corpus CPU has no AVX-512);
 //  * CUDA (backends/cuda/ops.py, the gemm_4bit kernel), M = rows of the input (b·k·s in the
 //    prefill, b·k in a decode step): M <= 4 (_GEMM_4BIT_CUSTOM_FLOOR_M) runs the fused kernel
-//    (cgemm_4bit_*), which allocates its output only; M > 1536 runs _dequant_linear_fallback:
+//    (cgemm_4bit_*), which allocates its output only, when the input width is a multiple of the
+//    block size (64; every catalog model's is); M > 1536 runs _dequant_linear_fallback:
 //    with double quant an fp32 absmax (empty_like) and the sum with the offset, both alive until
 //    it returns, the dequantized weight, F.linear. For 4 < M <= 1536 _gemm_4bit_use_custom_cuda
 //    decides per architecture from the SM count and the weight's shape; trainmem takes the

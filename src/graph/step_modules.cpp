@@ -20,7 +20,8 @@ T StepBuilder::linear_4bit(const T& x_in, std::uint32_t w, std::uint64_t out_fea
   // the fallback that keeps both absmax tensors to the end (See Note [Quantized generation]).
   const bool cuda_generation = cuda_ && r_.mode == Mode::kInference;
   T y;
-  if (cuda_generation && rows <= kBnbGemm4bitFusedMaxRows) {
+  const bool aligned = (numel / out_features) % kBnb4bitBlockSize == 0;  // in_features: K % blocksize
+  if (cuda_generation && rows <= kBnbGemm4bitFusedMaxRows && aligned) {
     y = fresh(rows * out_features, quant_dtype_);  // cgemm_4bit_*: nothing dequantized
   } else {
     TensorId absmax = kNone, blockwise = kNone;
