@@ -30,6 +30,8 @@ def main() -> None:
             knobs = f"{r['precision']} {r['optimizer']} {r['attention']} ck={r['checkpointing']} ga={r['grad_accum']} {r['loss']}"
         if r.get("parallel", "none") != "none":
             knobs = f"{r['parallel']}×{r['gpus']} " + knobs
+        if r.get("tp", 1) > 1:
+            knobs = f"tp×{r['tp']} " + knobs
         if r.get("lora_rank"):
             knobs += f" lora r={r['lora_rank']} on {','.join(t.split('.')[-1] for t in r['lora_targets'])}"
         if r.get("load_in_4bit"):

@@ -18,9 +18,14 @@ SOURCE = ROOT / "python" / "trainmem"
 
 
 def load_measure():
-    """The trainmem.measure package of this source tree."""
+    """The trainmem.measure package of this source tree.
+
+    The installed package (with its `_core`) is imported when there is one, and this tree's
+    python/trainmem is put first on its __path__, so trainmem.measure comes from here while
+    `from . import _core` still finds the built extension. Putting python/ first on sys.path
+    instead would make `trainmem` this tree's copy, which has no `_core`, for every test run
+    after it in the same process."""
     if "trainmem" not in sys.modules:
-        sys.path.insert(0, str(ROOT / "python"))
         try:
             importlib.import_module("trainmem")
         except ImportError:

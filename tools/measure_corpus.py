@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from measure_common import ROOT, load_measure  # noqa: E402
 
 CORPUS = ROOT / "data" / "ground_truth"
-# Multi-process (data-parallel) measurements: a directory of their own (with an index of every
+# Multi-process (data- or tensor-parallel) measurements: a directory of their own (with an index of every
 # rank's peak), which the accuracy gate (tests/python/test_accuracy.py) reads besides *.json.
 PARALLEL_CORPUS = CORPUS / "parallel"
 MATRIX = CORPUS / "matrix.json"
@@ -61,7 +61,8 @@ def write_derived(matrix: dict) -> dict[str, str]:
 
 
 def is_parallel(config: dict) -> bool:
-    return config["recipe"].get("parallel", "none") != "none"
+    """A multi-process run: data parallelism (`parallel`) or tensor parallelism (`tp` > 1)."""
+    return config["recipe"].get("parallel", "none") != "none" or config["recipe"].get("tp", 1) > 1
 
 
 def result_path(config: dict) -> Path:
@@ -237,7 +238,7 @@ def write_index(matrix: dict, generation_seconds: float | None) -> None:
 
 
 def write_parallel_index(matrix: dict) -> None:
-    """data/ground_truth/parallel/index.json: the data-parallel measurements, rank 0's figures and
+    """data/ground_truth/parallel/index.json: the data- and tensor-parallel measurements, rank 0's figures and
     whether every rank measured the same."""
     entries = []
     for config in matrix["configurations"]:
@@ -256,7 +257,7 @@ def write_parallel_index(matrix: dict) -> None:
         })
     if not entries:
         return
-    doc = {"description": "Data-parallel ground truth (recipe gpus/parallel): rank 0 of a multi-process CPU run "
+    doc = {"description": "Data- and tensor-parallel ground truth (recipe gpus/parallel, tp): rank 0 of a multi-process CPU run "
                           "with gloo; see data/ground_truth/README.md and docs/parallelism.md. Read by the "
                           "accuracy gate (tests/python/test_accuracy.py) with data/ground_truth/*.json.",
            "count": len(entries), "entries": entries}

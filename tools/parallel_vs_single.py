@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         result = json.loads(path.read_text())
         single = single_prediction(result, exe)
         row = {"id": path.stem, "parallel": result["recipe"].get("parallel"), "gpus": result["recipe"].get("gpus"),
+               "tp": result["recipe"].get("tp"),
                "measured_peak": result["peak_allocated_bytes"], "single_peak": single["peak_allocated_bytes"],
                "delta_peak": result["peak_allocated_bytes"] - single["peak_allocated_bytes"],
                "delta_at_peak": {c: result["breakdown_at_peak"][c] - single["breakdown_at_peak"][c]

@@ -207,6 +207,12 @@ struct Recipe {
   std::uint64_t steps = 2;  // step 1 creates optimizer state lazily; step 2 is steady state
   std::uint64_t gpus = 1;   // data-parallel world size (ranks); more than 1 needs `parallel`
   Parallel parallel = Parallel::kNone;
+  // Tensor-parallel degree (docs/parallelism.md "Tensor parallelism"): torch's parallelize_module
+  // with the Megatron plan of every decoder layer over `tp` ranks (q/k/v and gate/up
+  // ColwiseParallel, o/down RowwiseParallel); 1 is none. A knob of its own beside `gpus` so that
+  // the two compose as a 2-D mesh (world = gpus x tp) once that is modelled; today tp > 1 needs
+  // gpus 1. The estimate is one rank's memory (every rank holds the same).
+  std::uint64_t tp = 1;
 
   void validate() const;  // throws Error naming the field
 };
@@ -244,6 +250,7 @@ struct RecipeSpelling {
   std::uint64_t beams = 1;
   std::uint64_t gpus = 1;
   std::string parallel = "none";  // none | ddp | fsdp | zero1 | zero2
+  std::uint64_t tp = 1;           // tensor-parallel degree
 };
 // Parses and validates every knob; throws Error naming the first bad field.
 Recipe parse_recipe(const RecipeSpelling& spelling);

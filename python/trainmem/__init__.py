@@ -80,8 +80,9 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     "beams": 1,
     "gpus": 1,  # data-parallel ranks; more than 1 needs parallel
     "parallel": "none",  # none | ddp | fsdp | zero1 | zero2 (docs/parallelism.md)
+    "tp": 1,  # tensor-parallel degree (docs/parallelism.md "Tensor parallelism")
 }
-_COUNTS = ("batch", "seq", "grad_accum", "new_tokens", "beams", "gpus")
+_COUNTS = ("batch", "seq", "grad_accum", "new_tokens", "beams", "gpus", "tp")
 
 
 def _source(model: Any) -> bytes:

@@ -52,7 +52,7 @@ struct RecipeFlags {
   bool load_in_4bit = false, double_quant = false, qlora = false, load_in_8bit = false;
   std::string quant_type = "";
   std::string new_tokens = "128", beams = "1";
-  std::string gpus = "1", parallel = "none";
+  std::string gpus = "1", parallel = "none", tp = "1";
   std::vector<std::pair<std::string, CLI::Option*>> options;  // knob name → its flag
 
   void add_to(CLI::App* app) {
@@ -92,6 +92,7 @@ struct RecipeFlags {
     opt("beams", "--beams", beams, "Inference: beam-search width (1: greedy)");
     opt("gpus", "--gpus", gpus, "Data-parallel GPUs (ranks); more than 1 needs --parallel");
     opt("parallel", "--parallel", parallel, "none | ddp (DistributedDataParallel) | fsdp (FSDP2 per decoder layer) | zero1 | zero2 (DeepSpeed ZeRO)");
+    opt("tp", "--tp", tp, "Tensor-parallel degree (torch parallelize_module, Megatron plan); 1: none");
   }
 
   // Knobs the user typed on the command line.
@@ -127,6 +128,7 @@ struct RecipeFlags {
     sp.beams = parse_count(beams, "beams");
     sp.gpus = parse_count(gpus, "gpus");
     sp.parallel = parallel;
+    sp.tp = parse_count(tp, "tp");
     return sp;
   }
 };
@@ -187,6 +189,7 @@ std::string compare(const std::string& path, bool as_json) {
   sp.beams = count("beams", sp.beams);
   sp.gpus = count("gpus", sp.gpus);  // a data-parallel measurement: rank 0 of `gpus`
   sp.parallel = text("parallel", sp.parallel.c_str());
+  sp.tp = count("tp", sp.tp);  // a tensor-parallel measurement: rank 0 of `tp`
   if (jr.contains("lora_targets")) {
     const nlohmann::json& t = jr["lora_targets"];
     if (t.is_string()) {
@@ -223,12 +226,16 @@ std::string compare(const std::string& path, bool as_json) {
       m["diagnostics"]["parallel"].is_object()) {
     parallel = &m["diagnostics"]["parallel"];
   }
+  // A tensor-parallel run has gpus x tp processes; the ranks of a tensor-parallel group hold the
+  // same memory (Note [Tensor parallelism] in graph/tensor_parallel.h), so a process is replayed as
+  // its data-parallel rank, process / tp.
+  const std::uint64_t world = r.gpus * r.tp;
   auto rank_options = [&](const nlohmann::json& v) {
-    if (!v.is_number_unsigned() || v.get<std::uint64_t>() >= r.gpus) {
-      throw Error("compare: diagnostics.parallel: a rank must be one of 0.." + std::to_string(r.gpus - 1));
+    if (!v.is_number_unsigned() || v.get<std::uint64_t>() >= world) {
+      throw Error("compare: diagnostics.parallel: a rank must be one of 0.." + std::to_string(world - 1));
     }
     trainmem::EstimateOptions o;
-    o.rank = v.get<std::int64_t>();
+    o.rank = static_cast<std::int64_t>(v.get<std::uint64_t>() / r.tp);
     return o;
   };
   trainmem::EstimateOptions opt;

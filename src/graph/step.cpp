@@ -10,6 +10,7 @@
 // The class: step_builder.h; the parameters, modules, optimizer and generation: the other
 // step_*.cpp, optimizer.cpp and generation.cpp files.
 #include "graph/step_builder.h"
+#include "graph/tensor_parallel.h"
 
 namespace trainmem::graph::step {
 
@@ -441,7 +442,9 @@ namespace trainmem::graph {
 
 Trace build_training_trace(const Model& model, const Recipe& recipe, const Gpu& gpu, const MicroBatchHook& hook,
                            std::uint64_t rank) {
-  step::StepBuilder b(model, recipe, gpu, hook, rank);
+  // A tensor-parallel rank builds the step of its local model (Note [Tensor parallelism]).
+  const Model local = tensor_parallel_model(model, recipe.tp);
+  step::StepBuilder b(local, recipe, gpu, hook, rank);
   return b.build();
 }
 

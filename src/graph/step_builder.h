@@ -208,6 +208,9 @@ class StepBuilder {
   T linear_8bit(const T& x, std::uint32_t w, std::uint64_t out_features);
   T linear(const T& x_in, std::uint32_t w, std::uint32_t b, std::uint64_t out_features);
   T proj(const T& x, std::string_view path, std::uint32_t w, std::uint32_t b, std::uint64_t out_features);
+  // Tensor parallelism's projections (Note [Tensor parallelism] in tensor_parallel.h).
+  T colwise_linear(const T& x_in, std::uint32_t w, std::uint32_t b, std::uint64_t out_features);
+  T rowwise_linear(const T& x, std::uint32_t w, std::uint32_t b, std::uint64_t out_features);
   T lora_4bit(const T& x, T& base, const Adapter& ad, const LoraLabels& labels);
 
   // Elementwise op producing `numel` elements of `d`; `saved` are kept for backward; each input

@@ -4,6 +4,7 @@
 // mirroring its Hugging Face module of transformers 5.x (modeling_llama.py and its siblings,
 // modeling_gpt2.py) and the PyTorch kernels it calls.
 #include "graph/step_builder.h"
+#include "graph/tensor_parallel.h"
 
 namespace trainmem::graph::step {
 
@@ -177,6 +178,9 @@ T StepBuilder::linear(const T& x_in, std::uint32_t w, std::uint32_t b, std::uint
 // around it when LoRA targets it (Note [LoRA]).
 T StepBuilder::proj(const T& x, std::string_view path, std::uint32_t w, std::uint32_t b, std::uint64_t out_features) {
   op(path);
+  const TpStyle style = r_.tp > 1 ? tp_style(path) : TpStyle::kNone;
+  if (style == TpStyle::kColwise) return colwise_linear(x, w, b, out_features);
+  if (style == TpStyle::kRowwise) return rowwise_linear(x, w, b, out_features);
   T result = linear(x, w, b, out_features);
   const Adapter* ad = adapter(path);
   if (ad == nullptr) return result;
@@ -201,6 +205,40 @@ T StepBuilder::proj(const T& x, std::string_view path, std::uint32_t w, std::uin
   t_.drop(sum);
   t_.drop(xa);
   return out;
+}
+
+// ColwiseParallel around nn.Linear (Note [Tensor parallelism]): DTensor.from_local(x, Replicate)
+// is a view, whose backward all-reduces the linear's Partial input gradient into a new tensor (an
+// AsyncCollectiveTensor) and frees the partial one.
+T StepBuilder::colwise_linear(const T& x_in, std::uint32_t w, std::uint32_t b, std::uint64_t out_features) {
+  T x = t_.ref(x_in);
+  if (x_in.requires_grad()) {
+    requires_grad(x);
+    Node n = node(x);
+    GradIn g = grad_of(x_in);
+    g.subclass = true;
+    n.inputs.push_back(g);
+    t_.record(std::move(n));
+  }
+  T y = linear(x, w, b, out_features);
+  t_.drop(x);
+  return y;
+}
+
+// RowwiseParallel around nn.Linear (Note [Tensor parallelism]): the local output is Partial;
+// redistributing it to Replicate all-reduces it out of place, then the partial output dies. The
+// redistribution's backward hands the gradient on.
+T StepBuilder::rowwise_linear(const T& x, std::uint32_t w, std::uint32_t b, std::uint64_t out_features) {
+  T partial = linear(x, w, b, out_features);
+  T y = fresh(partial.numel, partial.dtype);
+  if (partial.requires_grad()) {
+    requires_grad(y);
+    Node n = node(y);
+    n.inputs.push_back(pass_to(partial));
+    t_.record(std::move(n));
+  }
+  t_.drop(partial);
+  return y;
 }
 
 // peft's lora.bnb.Linear4bit around a 4-bit projection whose output is `base` (Note [QLoRA]).

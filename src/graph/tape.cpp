@@ -154,10 +154,26 @@ void Tape::stop_recompute_at(std::size_t stop) {
                       trace_.events.end());
 }
 
+void Tape::mark_subclass(TensorId id) {
+  if (subclass_.size() <= id) subclass_.resize(trace_.storages.size(), false);
+  subclass_[id] = true;
+}
+
 void Tape::deliver(ValueId v, TensorId g) {
   TensorId& buf = value_grad_[v];
   if (buf == kNone) {
     buf = g;
+    return;
+  }
+  // InputBuffer::accumulate adds in place only into a plain tensor: a sum with a tensor
+  // subclass on either side is a new tensor, and (measured, Note [Tensor parallelism]) so is
+  // the next sum into that result.
+  if (is_subclass(buf) || is_subclass(g)) {
+    TensorId sum = alloc_bytes(value_bytes_[v], Category::kTemporaries);
+    release(buf);
+    release(g);
+    buf = sum;
+    mark_subclass(sum);
     return;
   }
   // See Note [Mirroring autograd]: in-place when one side is exclusively owned.
@@ -287,6 +303,7 @@ void Tape::run_node(Node& n) {
       grads[k] = in.reuse;
     } else {
       grads[k] = alloc_bytes(in.bytes, Category::kTemporaries);
+      if (in.subclass) mark_subclass(grads[k]);
     }
   }
   pgrads.assign(n.params.size(), kNone);
@@ -355,6 +372,7 @@ void Tape::backward(ValueId root) {
   }
   value_grad_.clear();
   value_bytes_.clear();
+  subclass_.clear();
 }
 
 Trace Tape::take() { return std::move(trace_); }

@@ -192,6 +192,9 @@ struct GradIn {
   // fused backward with one output per input): allocated with the others, then dropped
   // inside the node (value is kNone).
   bool discard = false;
+  // The gradient is a tensor subclass (a functional collective's AsyncCollectiveTensor: Note
+  // [Tensor parallelism] in tensor_parallel.h): never accumulated into in place.
+  bool subclass = false;
 };
 
 struct ParamGrad {
@@ -302,6 +305,10 @@ class Tape {
   std::int32_t backward_layer_ = -1;  // the layer of the last node run (on_layer_change)
   std::vector<TensorId> value_grad_;
   std::vector<std::uint64_t> value_bytes_;
+  // Gradients autograd's InputBuffer will not add into in place (GradIn::subclass), by TensorId.
+  std::vector<bool> subclass_;
+  bool is_subclass(TensorId id) const { return id < subclass_.size() && subclass_[id]; }
+  void mark_subclass(TensorId id);
   std::vector<TensorId> param_grads_;
   // A parameter used by several nodes (a tied embedding) has one AccumulateGrad node whose
   // input buffer collects every gradient of the pass before it runs.

@@ -202,6 +202,10 @@ const std::vector<std::string>& fit_knobs() {
 FitResult fit(const Model& model, const FitRequest& q) {
   q.base.validate();
   if (q.base.mode != Mode::kTraining) throw Error("mode: fit plans training recipes; estimate a generation with `estimate --inference`");
+  if (q.base.tp != 1) {
+    throw Error("tp: fit does not search tensor parallelism yet; estimate a tensor-parallel recipe with "
+                "`estimate --tp N`");
+  }
   const Gpu& gpu = find_gpu(q.base.gpu);
   if (gpu.capacity_bytes == 0) throw Error("gpu: 'cpu' has no memory to plan for; name a GPU (trainmem gpus)");
   if (q.top < 1 || q.top > 1000) throw Error("top: must be between 1 and 1000, got " + std::to_string(q.top));

@@ -66,6 +66,7 @@ constexpr std::uint64_t kMaxSeq = std::uint64_t{1} << 24;
 constexpr std::uint64_t kMaxAccum = 1024;
 // Data-parallel ranks: the measuring side's bound (python/trainmem/measure/recipe.py MAX_GPUS).
 constexpr std::uint64_t kMaxGpus = 4096;
+constexpr std::uint64_t kMaxTp = 64;  // the measuring side's MAX_TP (python/trainmem/measure/recipe.py)
 
 void check_range(std::string_view field, std::uint64_t v, std::uint64_t max) {
   if (v < 1 || v > max) {
@@ -91,10 +92,43 @@ std::vector<std::string> split_targets(std::string_view s) {
   return out;
 }
 
+// What the engine models of tensor parallelism: what the measuring side runs
+// (python/trainmem/measure/recipe.py _check_tp); the architecture's part (divisible heads, the
+// families whose projections are separate nn.Linear modules) is checked with the model
+// (graph/tensor_parallel.cpp).
+void validate_tensor_parallel(const Recipe& r) {
+  const std::string tp = "tp: " + std::to_string(r.tp);
+  if (r.parallel != Parallel::kNone || r.gpus != 1) {
+    throw Error(tp + " with gpus " + std::to_string(r.gpus) + " / parallel " + std::string(to_string(r.parallel)) +
+                ": tensor parallelism combined with data parallelism (a 2-D mesh) is not modelled yet; use gpus 1 "
+                "and parallel none");
+  }
+  if (r.mode == Mode::kInference) throw Error(tp + " is a training knob; inference runs on one GPU");
+  if (r.lora.enabled() || r.quant.enabled()) {
+    throw Error(tp + " with LoRA or a 4-bit base is not modelled (peft's and bitsandbytes' layers are not the "
+                     "nn.Linear modules ColwiseParallel / RowwiseParallel shard)");
+  }
+  if (r.optimizer == Optimizer::kAdamW8bit || r.optimizer == Optimizer::kAdafactor) {
+    throw Error(tp + " with optimizer " + std::string(to_string(r.optimizer)) +
+                " is not modelled; use adamw, adamw-fused or sgd");
+  }
+  if (r.loss == Loss::kFused) {
+    throw Error(tp + " with loss fused is not modelled (the chunked loss reads lm_head.weight outside the "
+                     "module's forward); use standard");
+  }
+  if (r.precision != Precision::kFp32 && r.precision != Precision::kBf16True && r.precision != Precision::kFp16True) {
+    throw Error(tp + " with precision " + std::string(to_string(r.precision)) +
+                " is not modelled (autocast's cached casts and master copies of DTensor parameters are "
+                "unmeasured); use fp32, bf16-true or fp16-true");
+  }
+}
+
 // What the engine models of data parallelism: what the measuring side runs
 // (python/trainmem/measure/recipe.py _check_parallel, docs/parallelism.md) and nothing more.
 void validate_parallel(const Recipe& r) {
   check_range("gpus", r.gpus, kMaxGpus);
+  check_range("tp", r.tp, kMaxTp);
+  if (r.tp > 1) validate_tensor_parallel(r);
   if (r.parallel == Parallel::kNone) {
     if (r.gpus != 1) {
       throw Error("gpus: " + std::to_string(r.gpus) +
@@ -174,11 +208,17 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   r.seq = in.seq;
   r.grad_accum = in.grad_accum;
   r.mode = parse_mode(in.mode);
-  // The default: the weights' dtype for inference and for a 4-bit base (its matmuls' dtype).
+  // The default: the weights' dtype for inference and for quantized weights (the matmuls' dtype);
+  // under DeepSpeed ZeRO its bf16 mode ("bf16": {"enabled": true}: bf16 weights, fp32 master
+  // partitions), as autocast (bf16-mixed) is not what a DeepSpeed engine runs.
   const bool quantized = in.load_in_4bit || in.load_in_8bit;
-  r.precision = in.precision.empty()
-                    ? (r.mode == Mode::kInference || quantized ? Precision::kBf16True : Precision::kBf16Mixed)
-                    : parse_precision(in.precision);
+  if (!in.precision.empty()) {
+    r.precision = parse_precision(in.precision);
+  } else if (r.mode == Mode::kInference || quantized) {
+    r.precision = Precision::kBf16True;
+  } else {
+    r.precision = is_zero(parse_parallel(in.parallel)) ? Precision::kBf16Master : Precision::kBf16Mixed;
+  }
   r.new_tokens = in.new_tokens;
   r.beams = in.beams;
   r.optimizer = parse_optimizer(in.optimizer);
@@ -196,6 +236,7 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   r.quant.load_in_8bit = in.load_in_8bit;
   r.gpus = in.gpus;
   r.parallel = parse_parallel(in.parallel);
+  r.tp = in.tp;
   r.validate();
   return r;
 }

@@ -42,6 +42,7 @@ ordered_json recipe_object(const Recipe& r) {
     j["gpus"] = r.gpus;
     j["parallel"] = to_string(r.parallel);
   }
+  if (r.tp > 1) j["tp"] = r.tp;  // as trainmem-measure writes it: only with tensor parallelism
   if (r.mode == Mode::kInference) {
     j["new_tokens"] = r.new_tokens;
     j["beams"] = r.beams;

@@ -37,6 +37,8 @@ namespace fuzz {
 inline constexpr std::uint64_t kMaxLayers = 64;
 inline constexpr std::uint64_t kMaxGradAccum = 4;
 inline constexpr std::uint64_t kMaxFusedChunks = 4096;
+inline constexpr std::uint64_t kMaxNewTokens = 64;    // generation: one forward per new token
+inline constexpr std::uint64_t kMaxReplayedRanks = 8; // ZeRO: one replay per rank
 
 [[noreturn]] inline void finding(const char* what, const char* detail = "") {
   std::fprintf(stderr, "FUZZ FINDING: %s %s\n", what, detail);
@@ -97,6 +99,8 @@ inline bool skip_known(std::string_view name) {
 // finding that the run was told to step around.
 inline bool cheap(const trainmem::Model& m, const trainmem::Recipe& r) {
   if (m.arch.num_layers > kMaxLayers || r.grad_accum > kMaxGradAccum || r.steps > 2) return false;
+  if (r.mode == trainmem::Mode::kInference && (r.new_tokens > kMaxNewTokens || r.beams > kMaxNewTokens)) return false;
+  if (trainmem::is_zero(r.parallel) && r.gpus > kMaxReplayedRanks) return false;
   // The fused loss walks the tokens in chunks of about hidden / vocab × tokens rows, so a huge
   // vocabulary over a tiny width times many tokens means ~vocab / hidden chunk iterations.
   std::uint64_t tokens = 0;
@@ -128,16 +132,27 @@ inline std::uint64_t live_at_backward_start(const trainmem::Model& m, const trai
 // Estimates (when cheap enough) and holds the result to the engine's documented invariants
 // (docs/schema.md): categories sum to the peak, reserved ≥ allocated, the step peaks are the
 // peak, the renderings work and the JSON reads back.
-inline void check_estimate(const trainmem::Model& m, const trainmem::Recipe& r, bool timeline = false) {
+inline void check_estimate(const trainmem::Model& m, const trainmem::Recipe& r, bool timeline = false,
+                           std::int64_t rank = -1) {
   if (!cheap(m, r)) return;
   trainmem::EstimateOptions opt;
   opt.timeline = timeline;
+  opt.rank = rank;
   trainmem::Estimate e = trainmem::estimate(m, r, opt);
+  // The rank shown is one of the recipe's, and without one asked for it is the worst replayed
+  // (Note [The worst rank] in src/estimate.cpp).
+  FUZZ_CHECK(e.rank < r.gpus);
+  FUZZ_CHECK(r.gpus == 1 ? e.ranks.empty() : !e.ranks.empty());
+  for (const auto& x : e.ranks) {
+    FUZZ_CHECK(x.rank < r.gpus);
+    FUZZ_CHECK(x.peak_reserved_bytes <= e.peak_reserved_bytes);
+  }
+  if (rank >= 0) FUZZ_CHECK(e.rank == static_cast<std::uint64_t>(rank));
   std::uint64_t sum = 0;
   for (auto b : e.breakdown_at_peak) sum += b;
   FUZZ_CHECK(sum == e.peak_allocated_bytes);
   FUZZ_CHECK(e.peak_reserved_bytes >= e.peak_allocated_bytes);
-  FUZZ_CHECK(e.steps.size() == r.steps);
+  FUZZ_CHECK(e.steps.size() == (r.mode == trainmem::Mode::kInference ? 1 : r.steps));
   std::uint64_t max_alloc = 0, max_reserved = 0;
   for (const auto& s : e.steps) {
     FUZZ_CHECK(s.peak_reserved_bytes >= s.peak_allocated_bytes);

@@ -26,6 +26,10 @@ constexpr const char* kAllocator[] = {"default", "expandable"};
 constexpr const char* kGpus[] = {"h100-80gb", "cpu", "a100-40gb", "t4-16gb", "rtx-4090"};
 constexpr const char* kFamilies[] = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt2"};
 constexpr const char* kDtypes[] = {"float32", "bfloat16", "float16"};
+constexpr const char* kModes[] = {"training", "inference"};
+constexpr const char* kParallel[] = {"none", "ddp", "fsdp", "zero1", "zero2"};
+constexpr const char* kLoraTargets[] = {"default", "all-linear", "q_proj,v_proj", "c_attn", "down_proj,up_proj"};
+constexpr const char* kQuantTypes[] = {"fp4", "nf4"};
 
 // A valid spelling most of the time, otherwise a fuzzed string (typos, case, empty, bytes).
 template <std::size_t N>
@@ -138,22 +142,64 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const std::uint64_t steps = p.ConsumeIntegralInRange<std::uint64_t>(0, 3);
   // The name a config is known by is the path the user typed: any bytes.
   const std::string name = p.ConsumeBool() ? p.ConsumeRandomLengthString(12) : "fuzz/config.json";
+  // The knobs beyond the basic recipe (adapters, 4-bit bases, generation, data parallelism, the
+  // rank to report), each left at its default most of the time so that combinations stay valid
+  // often enough to reach the step builder.
+  trainmem::RecipeSpelling sp;
+  sp.batch = batch;
+  sp.seq = seq;
+  sp.grad_accum = accum;
+  sp.precision = precision;
+  sp.optimizer = optimizer;
+  sp.checkpointing = checkpointing;
+  sp.attention = attention;
+  sp.loss = loss;
+  sp.gpu = gpu;
+  sp.allocator = allocator;
+  std::int64_t rank = -1;
+  if (p.ConsumeIntegral<std::uint8_t>() < 96) {
+    if (p.ConsumeBool()) {
+      sp.lora_rank = count(p, 16);
+      sp.lora_targets = pick(p, kLoraTargets);
+      sp.lora_dropout = p.ConsumeBool() ? 0.0 : p.ConsumeFloatingPointInRange<double>(-0.5, 1.5);
+      if (p.ConsumeBool()) {
+        sp.load_in_4bit = true;
+        sp.bnb_4bit_quant_type = pick(p, kQuantTypes);
+        sp.bnb_4bit_use_double_quant = p.ConsumeBool();
+      }
+    }
+    if (p.ConsumeIntegral<std::uint8_t>() < 64) {
+      sp.mode = pick(p, kModes);
+      sp.new_tokens = count(p, 16);
+      sp.beams = count(p, 4);
+    }
+    if (p.ConsumeBool()) {
+      sp.gpus = count(p, 4);
+      sp.parallel = pick(p, kParallel);
+      if (p.ConsumeBool()) rank = p.ConsumeIntegralInRange<std::int64_t>(-1, 4);
+    }
+  }
 
   if (std::getenv("TRAINMEM_FUZZ_VERBOSE")) {  // to read a reproducer: what the bytes decode to
     std::fprintf(stderr, "model: %s\nname: %s\nrecipe: precision=%s optimizer=%s checkpointing=%s "
-                 "attention=%s loss=%s allocator=%s gpu=%s batch=%llu seq=%llu grad_accum=%llu steps=%llu\n",
+                 "attention=%s loss=%s allocator=%s gpu=%s batch=%llu seq=%llu grad_accum=%llu steps=%llu\n"
+                 "lora=%llu targets=%s dropout=%g 4bit=%d %s dq=%d mode=%s new_tokens=%llu beams=%llu "
+                 "gpus=%llu parallel=%s rank=%lld\n",
                  from_catalog ? catalog_name.c_str()
                               : config.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str(),
                  nlohmann::json(name).dump(-1, ' ', true, nlohmann::json::error_handler_t::replace).c_str(),
                  precision.c_str(), optimizer.c_str(), checkpointing.c_str(), attention.c_str(), loss.c_str(),
                  allocator.c_str(), gpu.c_str(), static_cast<unsigned long long>(batch),
                  static_cast<unsigned long long>(seq), static_cast<unsigned long long>(accum),
-                 static_cast<unsigned long long>(steps));
+                 static_cast<unsigned long long>(steps), static_cast<unsigned long long>(sp.lora_rank),
+                 sp.lora_targets.c_str(), sp.lora_dropout, sp.load_in_4bit, sp.bnb_4bit_quant_type.c_str(),
+                 sp.bnb_4bit_use_double_quant, sp.mode.c_str(), static_cast<unsigned long long>(sp.new_tokens),
+                 static_cast<unsigned long long>(sp.beams), static_cast<unsigned long long>(sp.gpus),
+                 sp.parallel.c_str(), static_cast<long long>(rank));
   }
   fuzz::expected_outcome([&] {
-    trainmem::Recipe r = trainmem::parse_recipe(
-        {batch, seq, accum, precision, optimizer, checkpointing, attention, loss, gpu, allocator});
-    r.steps = steps;
+    trainmem::Recipe r = trainmem::parse_recipe(sp);
+    if (r.mode == trainmem::Mode::kTraining) r.steps = steps;
     r.validate();
     // Round trip of every spelling.
     FUZZ_CHECK(trainmem::parse_precision(trainmem::to_string(r.precision)) == r.precision);
@@ -163,8 +209,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
                                      : trainmem::model_from_config_json(
                                            config.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace),
                                            name);
-    fuzz::check_estimate(m, r);
-    if (fuzz::cheap(m, r) && r.checkpointing == trainmem::Checkpointing::kNone) {
+    fuzz::check_estimate(m, r, false, rank);
+    if (fuzz::cheap(m, r) && r.mode == trainmem::Mode::kTraining && r.checkpointing == trainmem::Checkpointing::kNone) {
       trainmem::Recipe full = r;
       full.checkpointing = trainmem::Checkpointing::kFull;
       const auto act = trainmem::Category::kActivations;

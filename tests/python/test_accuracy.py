@@ -91,6 +91,20 @@ def test_compare_rejects_non_measurements(run, tmp_path):
     assert "has no 'recipe' (is it trainmem-measure --json output?)" in r.stderr
 
 
+def test_tensor_parallel_entries_exact(comparisons):
+    """The tensor-parallel measurements (recipe.tp, rank 0 of torch's parallelize_module on gloo
+    ranks) are reproduced to the byte, peak and categories: the local shards, the rowwise
+    all-reduce in the forward and the colwise one in the backward (Note [Tensor parallelism])."""
+    tp = [(name, c) for name, c in comparisons if c["recipe"].get("tp", 1) > 1]
+    assert len(tp) >= 5, [name for name, _ in tp]
+    assert any(c["measured_peak"].get("phase") == "backward" and "layer" in c["measured_peak"].get("op", "")
+               for _, c in tp), "no tensor-parallel entry peaks inside a layer's backward"
+    for name, c in tp:
+        assert c["measured_peak_allocated_bytes"] == c["predicted_peak_allocated_bytes"], name
+        for cat, v in c["categories"].items():
+            assert v["measured"] == v["predicted"], (name, cat, v)
+
+
 def test_4bit_entries_exact(comparisons):
     """The QLoRA measurements (recipe.load_in_4bit) and the generations with 4-bit or 8-bit weights
     (load_in_8bit) are reproduced to the byte, peak and categories: the packed or int8 weights and
@@ -109,27 +123,29 @@ def test_4bit_entries_exact(comparisons):
 def test_every_measured_rank(comparisons):
     """compare replays every rank a data-parallel file measured (diagnostics.parallel.ranks). Under
     ZeRO the ranks hold different parameters' gradients and each must be exact, peak and categories
-    (Note [The worst rank] in src/estimate.cpp); under DDP and FSDP2 the engine builds one rank for
-    all, which no measured rank may exceed."""
-    checked = {"zero": 0, "other": 0}
+    (Note [The worst rank] in src/estimate.cpp), and so must every rank of a tensor-parallel run,
+    which all hold the same (Note [Tensor parallelism]); under DDP and FSDP2 the engine builds one
+    rank for all, which no measured rank may exceed."""
+    checked = {"zero": 0, "tp": 0, "other": 0}
     for name, c in comparisons:
         if "ranks" not in c:
             continue
-        zero = c["recipe"]["parallel"].startswith("zero")
+        zero = c["recipe"].get("parallel", "none").startswith("zero")
+        tp = c["recipe"].get("tp", 1) > 1
         for r in c["ranks"]:
-            if zero:
+            if zero or tp:
                 assert r["measured_peak_allocated_bytes"] == r["predicted_peak_allocated_bytes"], (name, r["rank"])
                 assert r["measured_breakdown_at_peak"] == r["predicted_breakdown_at_peak"], (name, r["rank"])
             else:
                 assert r["measured_peak_allocated_bytes"] <= r["predicted_peak_allocated_bytes"], (name, r["rank"])
-            checked["zero" if zero else "other"] += 1
-    assert checked["zero"] >= 14 and checked["other"] >= 28, checked
+            checked["zero" if zero else "tp" if tp else "other"] += 1
+    assert checked["zero"] >= 14 and checked["tp"] >= 10 and checked["other"] >= 28, checked
 
 
 def test_zero_ranks_differ_and_the_estimate_reports_the_worst(trainmem_bin, comparisons):
     """A measured ZeRO-2 run whose rank 1 peaks above rank 0: `trainmem estimate` without --rank
     reports rank 1, with its peak as measured."""
-    uneven = [(n, c) for n, c in comparisons if "ranks" in c and c["recipe"]["parallel"].startswith("zero")
+    uneven = [(n, c) for n, c in comparisons if "ranks" in c and c["recipe"].get("parallel", "none").startswith("zero")
               and len({r["measured_peak_allocated_bytes"] for r in c["ranks"]}) > 1]
     assert uneven
     for name, c in uneven:

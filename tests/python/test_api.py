@@ -103,6 +103,19 @@ def test_data_parallel_keywords(trainmem_bin):
     assert plan.gpus == 2 and all(p["recipe"]["parallel"] == "fsdp" for p in plan.plans)
 
 
+def test_tensor_parallel_keyword(trainmem_bin):
+    est = trainmem.estimate("llama-3.2-1b", seq=128, precision="fp32", optimizer="sgd", tp=2)
+    cli = json.loads(subprocess.run([trainmem_bin, "estimate", "llama-3.2-1b", "--seq", "128", "--precision", "fp32",
+                                     "--optimizer", "sgd", "--tp", "2", "--json"], capture_output=True, text=True,
+                                    check=True).stdout)
+    assert est.to_dict() == cli
+    assert est.recipe["tp"] == 2 and "parallel" not in est.recipe
+    with pytest.raises(ValueError, match="tp: must be a positive integer"):
+        trainmem.estimate("llama-3.2-1b", tp=True)
+    with pytest.raises(ValueError, match="tensor parallelism combined with data parallelism"):
+        trainmem.estimate("llama-3.2-1b", precision="fp32", tp=2, gpus=2, parallel="ddp")
+
+
 def test_zero_through_python_matches_cli(trainmem_bin):
     est = trainmem.estimate("gpt2", seq=64, precision="bf16-master", gpus=4, parallel="zero2")
     cli = json.loads(subprocess.run([trainmem_bin, "estimate", "gpt2", "--seq", "64", "--precision", "bf16-master",
@@ -110,6 +123,17 @@ def test_zero_through_python_matches_cli(trainmem_bin):
                                     check=True).stdout)
     assert est.to_dict() == cli
     assert cli["recipe"]["parallel"] == "zero2" and cli["recipe"]["gpus"] == 4
+    # The worst of the 4 ranks, each replayed; rank= shows one of them.
+    assert [r["rank"] for r in est.ranks] == [0, 1, 2, 3]
+    worst = max(est.ranks, key=lambda r: (r["peak_reserved_bytes"], r["peak_allocated_bytes"], -r["rank"]))
+    assert est.rank == worst["rank"] and est.peak_reserved_bytes == worst["peak_reserved_bytes"]
+    one = trainmem.estimate("gpt2", seq=64, precision="bf16-master", gpus=4, parallel="zero2", rank=3)
+    assert one.rank == 3 and one.peak_allocated_bytes == est.ranks[3]["peak_allocated_bytes"]
+    with pytest.raises(ValueError, match="rank 4 is not one of the 4 ranks"):
+        trainmem.estimate("gpt2", seq=64, precision="bf16-master", gpus=4, parallel="zero2", rank=4)
+    with pytest.raises(ValueError, match="rank: must be a rank number"):
+        trainmem.estimate("gpt2", gpus=4, parallel="ddp", rank=-1)
+    assert "rank" not in trainmem.estimate("gpt2", seq=64).to_dict()
     with pytest.raises(ValueError, match="parallel: zero3 is not modelled yet"):
         trainmem.estimate("gpt2", gpus=2, parallel="zero3")
     with pytest.raises(ValueError, match="precision: bf16-mixed under parallel zero1 is not modelled"):

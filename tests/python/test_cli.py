@@ -81,6 +81,24 @@ def test_zero_estimate_is_one_rank_and_keeps_its_recipe(run):
     assert peaks[1] < peaks[0]
 
 
+def test_tensor_parallel_estimate_is_one_rank_and_keeps_its_recipe(run):
+    # --tp 2 halves the projections of every decoder layer on a rank (their weights, gradients and
+    # optimizer states); the JSON recipe carries tp as trainmem-measure writes it, and no gpus /
+    # parallel keys (no data parallelism).
+    base = ["estimate", "llama-3.2-1b", "--seq", "256", "--precision", "fp32", "--optimizer", "sgd", "--json"]
+    one = json.loads(run(*base).stdout)
+    two = json.loads(run(*base, "--tp", "2").stdout)
+    assert two["recipe"]["tp"] == 2 and "tp" not in one["recipe"]
+    assert "gpus" not in two["recipe"] and "parallel" not in two["recipe"]
+    assert two["parameters"] == one["parameters"]
+    assert two["peak_allocated_bytes"] < one["peak_allocated_bytes"]
+    # Llama-3.2-1B's projections: 16 layers x (q 2048x2048, k and v 512x2048, o 2048x2048, gate,
+    # up and down 8192x2048) = 973,078,528 fp32 elements, half of them on a rank; the embedding
+    # (tied to lm_head) and the norms are whole.
+    w1, w2 = one["breakdown_at_peak"]["weights"], two["breakdown_at_peak"]["weights"]
+    assert w1 - w2 == 973_078_528 // 2 * 4
+
+
 @pytest.mark.parametrize("args, message", [
     (["estimate", "qwen3-4", "--json"], "unknown model 'qwen3-4'; did you mean: qwen3-4b"),
     (["estimate", "qwen3-4b", "--batch", "0"], "batch: must be between 1 and"),
@@ -98,6 +116,20 @@ def test_zero_estimate_is_one_rank_and_keeps_its_recipe(run):
      "precision: bf16-mixed under parallel zero2 is not modelled"),
     (["estimate", "gpt2", "--gpus", "2", "--parallel", "zero1", "--precision", "fp32", "--optimizer", "adafactor"],
      "optimizer: adafactor under parallel zero1 is not modelled"),
+    (["estimate", "gpt2", "--tp", "2", "--precision", "fp32"], "GPT-2's c_attn and Phi-3's qkv_proj"),
+    (["estimate", "llama-3.2-1b", "--tp", "3", "--precision", "fp32"],
+     "num_attention_heads = 32 is not divisible by the tensor-parallel degree"),
+    (["estimate", "llama-3.2-1b", "--tp", "2", "--gpus", "2", "--parallel", "fsdp", "--precision", "fp32"],
+     "tensor parallelism combined with data parallelism"),
+    (["estimate", "llama-3.2-1b", "--tp", "2"], "tp: 2 with precision bf16-mixed is not modelled"),
+    (["estimate", "llama-3.2-1b", "--tp", "2", "--precision", "fp32", "--lora", "8"], "with LoRA or a 4-bit base"),
+    (["estimate", "llama-3.2-1b", "--tp", "0"], "tp: must be between 1 and 64"),
+    (["fit", "llama-3.2-1b", "--tp", "2", "--precision", "fp32"], "tp"),
+    (["estimate", "gpt2", "--gpus", "2", "--parallel", "ddp", "--rank", "2"],
+     "rank: 2 is not one of the 2 ranks (0..1) of --gpus 2"),
+    (["estimate", "gpt2", "--rank", "1"], "rank: 1 is not one of the 1 ranks (0..0) of --gpus 1"),
+    (["estimate", "gpt2", "--gpus", "2", "--parallel", "ddp", "--rank", "last"],
+     "rank (a rank number or 'worst'): must be a positive integer, got 'last'"),
 ])
 def test_bad_arguments_exit_2_with_one_line(run, args, message):
     r = run(*args)

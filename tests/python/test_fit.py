@@ -122,6 +122,20 @@ def test_a_held_precision_zero_refuses_leaves_it_out(run):
     assert e["peak_reserved_bytes"] == change["peak_reserved_bytes"]
 
 
+def test_held_zero_without_precision_starts_from_bf16_master(run):
+    """Under ZeRO the default precision is DeepSpeed's bf16 mode (bf16-master), in estimate and
+    in fit; fit then searches the ZeRO precisions with the wrapper held."""
+    e = json.loads(run("estimate", "qwen3-0.6b", "--gpus", "2", "--parallel", "zero2", "--seq", "128", "--json").stdout)
+    assert e["recipe"]["precision"] == "bf16-master"
+    r = run("fit", "qwen3-0.6b", "--gpu", "rtx-4090", "--gpus", "4", "--seq", "512", "--global-batch", "16",
+            "--parallel", "zero2", "--json", timeout=300)
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)
+    assert j["plans"] and j["baseline"]["recipe"]["precision"] == "bf16-master"
+    assert {p["recipe"]["parallel"] for p in j["plans"]} == {"zero2"}
+    assert {p["recipe"]["precision"] for p in j["plans"]} <= {"fp32", "bf16-master"}
+
+
 @pytest.mark.parametrize("args,message", [
     (["fit", "gpt2", "--gpu", "cpu"], "no memory to plan for"),
     (["fit", "gpt2", "--gpus", "3", "--global-batch", "8"], "8 sequences do not split over 3 GPUs"),

@@ -174,3 +174,68 @@ def test_zero2_world_size_2(tiny_gpt2):
     assert 4 * n <= end["optimizer_states"] <= 4 * n + 64 * 1024
     assert storages["gradients"] >= 2 * bucket_bytes  # one bucket per step
     assert result["diagnostics"]["untracked_inputs"] == 0
+
+
+# ------------------------------------------------------------------------ tensor parallelism
+
+
+@pytest.mark.parametrize("knobs,message", [
+    ({"tp": 0}, "tp must be an integer between 1 (no tensor parallelism) and 64, got 0"),
+    ({"tp": True}, "tp must be an integer"),
+    ({"tp": 2, "gpus": 2, "parallel": "ddp"}, "tensor parallelism combined with data parallelism"),
+    ({"tp": 2, "mode": "inference", "precision": "bf16-true"}, "is a training knob"),
+    ({"tp": 2, "lora_rank": 8}, "with LoRA or a 4-bit base is not measured"),
+    ({"tp": 2, "precision": "fp32", "optimizer": "adafactor"}, "would have to work on DTensor parameters"),
+    ({"tp": 2, "precision": "fp32", "loss": "fused"}, "loss=fused is not measured"),
+    ({"tp": 2, "precision": "bf16-mixed"}, "autocast's cached casts"),
+])
+def test_bad_tp_knobs_are_refused(knobs, message):
+    with pytest.raises(RecipeError) as info:
+        Recipe(**knobs)
+    assert message in str(info.value)
+
+
+def test_tp_recipe_json_and_command():
+    r = Recipe(batch=2, seq=8, precision="fp32", tp=2)
+    assert r.is_parallel and r.is_tp and r.world_size == 2
+    d = r.as_dict()
+    assert d["tp"] == 2 and "gpus" not in d and "parallel" not in d
+    assert Recipe.from_dict(d) == r
+    assert "tp" not in Recipe(precision="fp32").as_dict()
+    cmd = default_command(resolve_model("gpt2"), r, device="cpu", fake=False)
+    assert "--tp 2" in cmd and "--gpus" not in cmd
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("torch.distributed with gloo is not available")
+    if not _can_spawn():
+        pytest.skip("cannot spawn processes here")
+    path = tmp_path_factory.mktemp("tp") / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                "head_dim": 16, "vocab_size": 256, "max_position_embeddings": 64,
+                                "tie_word_embeddings": False}))
+    return path
+
+
+def test_tp_world_size_2(tiny_llama):
+    """The Megatron plan on 2 ranks: the projections' weights are halved on each rank, the
+    embedding, norms and lm_head are whole, and both ranks (same batch) measure the same."""
+    base = dict(batch=2, seq=8, precision="fp32", optimizer="sgd")
+    single = measure(str(tiny_llama), Recipe(**base))
+    tp = measure(str(tiny_llama), Recipe(**base, tp=2))
+    info = tp["diagnostics"]["parallel"]
+    assert info["world_size"] == 2 and len(info["ranks"]) == 2
+    assert info["ranks_identical"], [r["peak_allocated_bytes"] for r in info["ranks"]]
+    assert tp["recipe"]["tp"] == 2 and "--tp 2" in tp["command"]
+    assert tp["parameters"] == single["parameters"]  # a DTensor's numel is the global one
+    h, i, L = 64, 128, 2
+    layer = 64 * 64 + 64 * 32 * 2 + 64 * 64 + 3 * h * i  # q, k, v, o, gate, up, down (all 512 B multiples)
+    end = tp["diagnostics"]["live_bytes_at_end"]["weights"]
+    # Half of every projection is gone; the embedding, the norms and lm_head are whole.
+    assert single["diagnostics"]["live_bytes_at_end"]["weights"] - end == 4 * L * layer // 2
+    assert tp["diagnostics"]["untracked_inputs"] == 0

@@ -59,6 +59,9 @@ def _parser() -> _Parser:
                    help="data parallelism across --gpus: ddp (DistributedDataParallel), fsdp (FSDP2 fully_shard "
                         "per decoder layer and the root), or DeepSpeed ZeRO stage 1, 2 or 3 at its default settings "
                         "(zero1, zero2, zero3; needs the deepspeed package) (default %(default)s)")
+    p.add_argument("--tp", type=int, default=defaults.tp, metavar="N",
+                   help="tensor-parallel degree: N processes on the CPU (gloo), torch's parallelize_module with "
+                        "the Megatron plan (q/k/v, gate/up colwise; o/down rowwise), rank 0 reported (default %(default)s)")
     p.add_argument("--lora", type=int, default=defaults.lora_rank, metavar="RANK",
                    help="LoRA rank (peft); 0 trains every parameter (default %(default)s)")
     p.add_argument("--lora-targets", default=defaults.lora_targets, metavar="NAMES",
@@ -134,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                         loss=args.loss, gpu=gpu, allocator=args.allocator, lora_rank=args.lora,
                         lora_targets=args.lora_targets, lora_dropout=args.lora_dropout,
                         mode="inference" if args.inference else "training", new_tokens=args.new_tokens,
-                        beams=args.beams, gpus=args.gpus, parallel=args.parallel,
+                        beams=args.beams, gpus=args.gpus, parallel=args.parallel, tp=args.tp,
                         load_in_4bit=args.load_in_4bit or args.qlora, bnb_4bit_quant_type=quant_type,
                         bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant or args.qlora,
                         load_in_8bit=args.load_in_8bit)

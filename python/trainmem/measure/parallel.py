@@ -16,6 +16,16 @@ The wrappers, as the recipe knobs say (docs/parallelism.md):
   modules whose class is in the model's `_no_split_modules`, as Accelerate's transformer auto-wrap
   picks them), then `fully_shard(model, mesh)`; default MixedPrecisionPolicy (none); the mesh is a
   1-D "cpu" DeviceMesh over the world.
+* tp (recipe `tp` > 1, gpus 1): tensor parallelism as torch.distributed.tensor.parallel does it,
+  `parallelize_module(layer, mesh, plan)` on every decoder layer with the Megatron plan of torch's
+  Llama example and of transformers' `base_model_tp_plan`: q_proj, k_proj, v_proj, gate_proj,
+  up_proj ColwiseParallel(), o_proj, down_proj RowwiseParallel() (default layouts,
+  use_local_output=True: the attention reshapes with -1 heads and sees num_heads / tp local heads);
+  the embedding, the norms and lm_head stay replicated: `distribute_module` makes their
+  parameters Replicate DTensors (the same values on every rank; a foreach optimizer cannot step
+  DTensor and plain parameters in one group), their inputs Replicate views (`DTensor.from_local`)
+  and their outputs local tensors again, so they compute exactly what they compute unwrapped.
+  Every rank of the tensor-parallel group draws the same batch (rank 0's).
 
 Note [Parallel categories]
     A storage is categorized by what it holds (see docs/parallelism.md for the reasoning):
@@ -44,9 +54,11 @@ import functools
 import json
 import os
 import socket
+import sys
 import tempfile
 import traceback
 import weakref
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -64,6 +76,21 @@ def in_worker() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+@contextlib.contextmanager
+def _children_import_this_copy():
+    """Spawned ranks import `_rank_main` by name with the parent's sys.path. The parent may have
+    this trainmem.measure from a source tree grafted onto an installed trainmem (tools/
+    measure_common.py): put the directory holding this copy first while the ranks start, so they
+    run the same code and not an older installed one."""
+    here = str(Path(__file__).resolve().parents[2])
+    saved = list(sys.path)
+    sys.path.insert(0, here)
+    try:
+        yield
+    finally:
+        sys.path[:] = saved
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -72,20 +99,21 @@ def _free_port() -> int:
 
 def launch(model, recipe: Recipe, *, device: str, fake: bool, trace: str | None, command: str | None,
            steps: int, timeout: float | None = None) -> dict:
-    """Run the measurement in `recipe.gpus` processes; rank 0's result with every rank's summary."""
+    """Run the measurement in `recipe.world_size` processes; rank 0's result with every rank's summary."""
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
+    what = f"tp={recipe.tp}" if recipe.is_tp else f"parallel={recipe.parallel!r}"
     if fake:
-        raise RecipeError(f"parallel={recipe.parallel!r} cannot run on fake tensors: the collectives move real data")
+        raise RecipeError(f"{what} cannot run on fake tensors: the collectives move real data")
     if device != "cpu":
-        raise RecipeError(f"parallel={recipe.parallel!r} is measured on the CPU (gloo) only")
+        raise RecipeError(f"{what} is measured on the CPU (gloo) only")
     if not (dist.is_available() and dist.is_gloo_available()):
-        raise RecipeError(f"parallel={recipe.parallel!r} needs torch.distributed with the gloo backend")
-    world = recipe.gpus
+        raise RecipeError(f"{what} needs torch.distributed with the gloo backend")
+    world = recipe.world_size
     ctx = mp.get_context("spawn")
     port = _free_port()
-    with tempfile.TemporaryDirectory(prefix="trainmem-parallel-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="trainmem-parallel-") as tmp, _children_import_this_copy():
         procs = []
         for rank in range(world):
             out = os.path.join(tmp, f"rank{rank}.json")
@@ -195,8 +223,11 @@ def wrap_model(model: torch.nn.Module, recipe: Recipe, device: str) -> torch.nn.
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    if world != recipe.gpus:
-        raise RecipeError(f"world size {world} differs from gpus={recipe.gpus}")
+    if world != recipe.world_size:
+        raise RecipeError(f"world size {world} differs from gpus x tp = {recipe.world_size}")
+    if recipe.is_tp:
+        tensor_parallelize(model, recipe, device)
+        return model  # every rank of the tensor-parallel group runs rank 0's batch
     if recipe.parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -222,6 +253,64 @@ def wrap_model(model: torch.nn.Module, recipe: Recipe, device: str) -> torch.nn.
 
         torch.manual_seed(SEED + rank)
     return runner
+
+
+# The Megatron plan (torch's Llama TP example, transformers' LlamaConfig.base_model_tp_plan): the
+# projections into the heads and into the MLP's intermediate are split by output features
+# (ColwiseParallel: weight Shard(0)), the projections back by input features (RowwiseParallel:
+# weight Shard(1), the output all-reduced to Replicate).
+TP_COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+TP_ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def tensor_parallelize(model: torch.nn.Module, recipe: Recipe, device: str) -> None:
+    """parallelize_module on every decoder layer with the Megatron plan over a 1-D mesh of tp ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, distribute_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    config = model.config
+    tp = recipe.tp
+    sizes = {"num_attention_heads": config.num_attention_heads,
+             "num_key_value_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+             "intermediate_size": getattr(config, "intermediate_size", None)}
+    for key, value in sizes.items():
+        if not isinstance(value, int) or value % tp:
+            raise RecipeError(f"tp={tp}: {key}={value} is not divisible by the tensor-parallel degree")
+    layers = decoder_layers(model)
+    for layer in layers:
+        names = dict(layer.named_modules())
+        missing = [n for n in TP_COLWISE + TP_ROWWISE if not isinstance(names.get(n), torch.nn.Linear)]
+        if missing:
+            raise RecipeError(f"tp={tp}: {type(layer).__name__} has no separate nn.Linear {', '.join(missing)} "
+                              "(the Megatron plan needs q/k/v/o and gate/up/down projections; GPT-2's fused "
+                              "c_attn and Phi-3's qkv_proj / gate_up_proj are not split)")
+        extra = [n for n, m in layer.named_modules() if n.startswith("self_attn.") and n not in TP_COLWISE + TP_ROWWISE
+                 and any(True for _ in m.parameters(recurse=False))]
+        if extra:  # e.g. Qwen3's q_norm / k_norm: over the local heads, their gradient would need an all-reduce
+            raise RecipeError(f"tp={tp}: {type(layer).__name__} has parameters inside the attention besides the "
+                              f"projections ({', '.join(extra)}), which the Megatron plan here does not split")
+    mesh = init_device_mesh(torch.device(device).type, (tp,))
+    plan = {**{n: ColwiseParallel() for n in TP_COLWISE}, **{n: RowwiseParallel() for n in TP_ROWWISE}}
+    for layer in layers:
+        parallelize_module(layer, mesh, plan)
+    for module in model.modules():  # the rest (embedding, norms, lm_head): Replicate DTensors
+        own = list(module.parameters(recurse=False))
+        if own and not any(isinstance(p, DTensor) for p in own):
+            distribute_module(module, mesh, input_fn=_replicated_inputs, output_fn=_local_outputs)
+
+
+def _replicated_inputs(module, inputs, mesh):
+    from torch.distributed.tensor import DTensor, Replicate
+
+    return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) if isinstance(x, torch.Tensor)
+                 and not isinstance(x, DTensor) else x for x in inputs)
+
+
+def _local_outputs(module, outputs, mesh):
+    from torch.distributed.tensor import DTensor
+
+    return outputs.to_local() if isinstance(outputs, DTensor) else outputs
 
 
 def attach(tracker, runner: torch.nn.Module, recipe: Recipe) -> None:

@@ -16,6 +16,10 @@ ALLOCATORS = ("default", "expandable")
 PARALLELS = ("none", "ddp", "fsdp", "zero1", "zero2", "zero3")
 ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
 MAX_GPUS = 4096
+# Tensor parallelism (docs/parallelism.md "Tensor parallelism"): `tp` is the degree, a knob of its
+# own beside the data-parallel `gpus` so that the two can compose as a 2-D mesh later
+# (world = gpus x tp); today tp > 1 runs with gpus 1 and parallel none, on `tp` processes.
+MAX_TP = 64
 MODES = ("training", "inference")
 # Inference loads the weights in one dtype and runs in it: no autocast, no master copy.
 INFERENCE_PRECISIONS = ("fp32", "bf16-true", "fp16-true")
@@ -74,6 +78,9 @@ class Recipe:
     # World size and data-parallel wrapper (parallel.py): gpus 1 / parallel none is one process.
     gpus: int = 1
     parallel: str = "none"
+    # Tensor-parallel degree (parallel.py wrap_model): torch's parallelize_module with the
+    # Megatron plan over a 1-D mesh of `tp` ranks; 1 is no tensor parallelism.
+    tp: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -129,6 +136,11 @@ class Recipe:
             raise RecipeError(f"gpus must be an integer between 1 and {MAX_GPUS}, got {gpus!r}")
         if self.parallel not in PARALLELS:
             raise RecipeError(f"parallel={self.parallel!r} is not one of {', '.join(PARALLELS)}")
+        tp = self.tp
+        if not isinstance(tp, int) or isinstance(tp, bool) or not 1 <= tp <= MAX_TP:
+            raise RecipeError(f"tp must be an integer between 1 (no tensor parallelism) and {MAX_TP}, got {tp!r}")
+        if tp > 1:
+            self._check_tp()
         if self.parallel == "none":
             if gpus != 1:
                 raise RecipeError(f"gpus={gpus} needs a data-parallel wrapper: parallel ddp, fsdp, zero1, zero2 or zero3")
@@ -166,9 +178,41 @@ class Recipe:
                 raise RecipeError(f"parallel={self.parallel} with loss=fused is not measured: the fused loss reads "
                                   "lm_head.weight outside the model's forward")
 
+    def _check_tp(self) -> None:
+        """What the measuring side can run under tensor parallelism (docs/parallelism.md)."""
+        if self.parallel != "none" or self.gpus != 1:
+            raise RecipeError(f"tp={self.tp} with gpus={self.gpus} / parallel={self.parallel!r} is not measured: "
+                              "tensor parallelism combined with data parallelism (a 2-D mesh) is not modelled yet; "
+                              "use gpus 1 and parallel none")
+        if self.is_inference:
+            raise RecipeError(f"tp={self.tp} is a training knob: inference runs on one process")
+        if self.uses_lora or self.load_in_4bit:
+            raise RecipeError(f"tp={self.tp} with LoRA or a 4-bit base is not measured: peft's and bitsandbytes' "
+                              "layers are not the nn.Linear modules ColwiseParallel / RowwiseParallel shard")
+        if self.optimizer in ("adamw-8bit", "adafactor"):
+            raise RecipeError(f"tp={self.tp} with optimizer={self.optimizer!r} is not measured: it would have to "
+                              "work on DTensor parameters; use adamw, adamw-fused or sgd")
+        if self.loss == "fused":
+            raise RecipeError(f"tp={self.tp} with loss=fused is not measured: the chunked loss reads "
+                              "lm_head.weight outside the module's forward")
+        if self.precision not in ("fp32", "bf16-true", "fp16-true"):
+            raise RecipeError(f"tp={self.tp} with precision={self.precision!r} is not measured (autocast's cached "
+                              "casts and master copies of DTensor parameters are unexplored); use fp32, bf16-true "
+                              "or fp16-true")
+
+    @property
+    def world_size(self) -> int:
+        """Processes of a run: data-parallel ranks times the tensor-parallel degree."""
+        return self.gpus * self.tp
+
     @property
     def is_parallel(self) -> bool:
-        return self.parallel != "none"
+        """More than one process (data or tensor parallelism)."""
+        return self.parallel != "none" or self.tp > 1
+
+    @property
+    def is_tp(self) -> bool:
+        return self.tp > 1
 
     @property
     def is_zero(self) -> bool:
@@ -288,8 +332,10 @@ class Recipe:
             del out["load_in_8bit"]
         if not self.is_inference:  # as the engine writes it: new_tokens and beams for inference only
             del out["new_tokens"], out["beams"]
-        if not self.is_parallel:  # one process: the keys of a single-GPU recipe, as before
+        if self.parallel == "none":  # no data parallelism: the keys of a single-GPU recipe, as before
             del out["gpus"], out["parallel"]
+        if not self.is_tp:  # the tensor-parallel degree only when there is one
+            del out["tp"]
         return out
 
     @classmethod

@@ -441,7 +441,8 @@ def default_command(spec: ModelSpec, recipe: Recipe, *, device: str, fake: bool)
                       ("new_tokens", "--new-tokens"), ("beams", "--beams"),
                       ("precision", "--precision"), ("optimizer", "--optimizer"),
                       ("checkpointing", "--checkpointing"), ("attention", "--attention"), ("loss", "--loss"),
-                      ("allocator", "--allocator"), ("gpus", "--gpus"), ("parallel", "--parallel")):
+                      ("allocator", "--allocator"), ("gpus", "--gpus"), ("parallel", "--parallel"),
+                      ("tp", "--tp")):
         value = getattr(recipe, key)
         if value != getattr(defaults, key):
             args += [flag, str(value)]

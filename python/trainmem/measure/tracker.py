@@ -93,7 +93,7 @@ from typing import Any, Iterator, NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 CATEGORIES = ("weights", "optimizer_states", "gradients", "activations", "temporaries", "other")
 _PRIORITY = ("weights", "optimizer_states", "gradients", "other", "activations")
@@ -184,9 +184,18 @@ def _hf_qualname(qualname: str, wrapper_prefix: str | None) -> str:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The tensor that owns the memory: a DTensor's local shard (FSDP2's sharded parameters,
-    their gradients and optimizer states are DTensors, wrappers without a storage), else t."""
+    their gradients and optimizer states are DTensors, wrappers without a storage), the tensor
+    inside any other wrapper subclass of one inner tensor (the functional collectives'
+    AsyncCollectiveTensor, which tensor parallelism's redistributions return: its own
+    `untyped_storage()` is an invalid placeholder with the wrapped size, no memory), else t."""
     inner = getattr(t, "_local_tensor", None)
-    return inner if isinstance(inner, torch.Tensor) else t
+    if isinstance(inner, torch.Tensor):
+        return inner
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        if len(names) == 1 and isinstance(getattr(t, names[0], None), torch.Tensor):
+            return _local(getattr(t, names[0]))
+    return t
 
 
 def _iter_tensors(obj: Any) -> Iterator[torch.Tensor]:

@@ -1,0 +1,143 @@
+// Tests for tensor parallelism in the graph stage (src/graph/tensor_parallel.{h,cpp} and the
+// colwise / rowwise linears of the step builder), against what was measured with torch's
+// parallelize_module on 2 gloo ranks for the narrow 4-layer Llama
+// (data/ground_truth/configs/llama-3.2-1b-w512-l4.json: hidden 512, 8 heads, 4 KV heads,
+// head_dim 64, intermediate 2,048, vocab 1,000, untied). The accuracy gate
+// (tests/python/test_accuracy.py) holds whole estimates to the measurements; these pin the pieces.
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "graph/step.h"
+#include "graph/tensor_parallel.h"
+#include "test_util.h"
+#include "trainmem/trainmem.h"
+
+namespace trainmem {
+namespace {
+
+using testing::error_of;
+using testing::kWeights;
+
+Model llama_w512() {
+  return load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/llama-3.2-1b-w512-l4.json");
+}
+
+// The measured recipe of cpu-tp2-llamaw512l4-fp32-sgd-b2s512.
+Recipe tp_recipe(std::uint64_t tp) {
+  Recipe r;
+  r.batch = 2;
+  r.seq = 512;
+  r.precision = Precision::kFp32;
+  r.optimizer = Optimizer::kSgd;
+  r.gpu = "cpu";
+  r.allocator = AllocatorMode::kExpandable;
+  r.tp = tp;
+  r.validate();
+  return r;
+}
+
+std::uint64_t numel_of(const Model& m) {
+  std::uint64_t n = 0;
+  for (const ParameterGroup& g : m.parameters) n += g.numel * g.count;
+  return n;
+}
+
+// Bytes of the storages first allocated in step 1, `phase`, decoder layer `layer`, under `op`.
+std::vector<std::uint64_t> allocs(const graph::Trace& t, Phase phase, std::int32_t layer, std::string_view op) {
+  std::vector<std::uint64_t> out;
+  std::vector<bool> seen(t.storages.size(), false);
+  for (const graph::Event& e : t.events) {
+    const graph::MomentTag& m = t.moments[e.moment];
+    if (!e.alloc || seen[e.tensor] || m.step != 1 || m.phase != phase || m.layer != layer || m.op != op ||
+        m.recompute) {
+      continue;
+    }
+    seen[e.tensor] = true;
+    out.push_back(t.storages[e.tensor].bytes);
+  }
+  return out;
+}
+
+TEST(TensorParallel, LocalModelHasTheShardedProjections) {
+  const Model m = llama_w512();
+  const Model local = graph::tensor_parallel_model(m, 2);
+  EXPECT_EQ(local.arch.num_heads, 4u);
+  EXPECT_EQ(local.arch.num_kv_heads, 2u);
+  EXPECT_EQ(local.arch.intermediate_size, 1024u);
+  EXPECT_EQ(local.arch.hidden_size, 512u);
+  EXPECT_EQ(local.parameter_count, m.parameter_count);  // DTensors report the global numel
+  // Measured: 35,571,712 B of fp32 parameters on each rank (plus the 1,024 B rotary buffer).
+  EXPECT_EQ(numel_of(local) * 4, 35'571'712u);
+  EXPECT_EQ(numel_of(m) * 4, 67'028'992u);
+  EXPECT_EQ(graph::tensor_parallel_model(m, 1).parameters.size(), m.parameters.size());
+}
+
+TEST(TensorParallel, WeightsAtThePeakAreTheLocalShards) {
+  const Estimate e = estimate(llama_w512(), tp_recipe(2));
+  EXPECT_EQ(e.breakdown_at_peak[kWeights], 35'572'736u);
+  EXPECT_EQ(e.parameters, llama_w512().parameter_count);
+}
+
+TEST(TensorParallel, RowwiseForwardAllReducesOutOfPlace) {
+  // Measured, layer 0's forward: the local matmul's Partial output [1024, 512] and the all-reduce's
+  // new tensor of the same size (then the partial one dies).
+  const graph::Trace t = graph::build_training_trace(llama_w512(), tp_recipe(2), find_gpu("cpu"));
+  const std::uint64_t out = 2 * 512 * 512 * 4;
+  EXPECT_EQ(allocs(t, Phase::kForward, 0, "self_attn.o_proj"), (std::vector<std::uint64_t>{out, out}));
+  EXPECT_EQ(allocs(t, Phase::kForward, 0, "mlp.down_proj"), (std::vector<std::uint64_t>{out, out}));
+  // Colwise: only the local output, [1024, 256] for q, [1024, 1024] for gate.
+  EXPECT_EQ(allocs(t, Phase::kForward, 0, "self_attn.q_proj"), (std::vector<std::uint64_t>{1024 * 256 * 4}));
+  EXPECT_EQ(allocs(t, Phase::kForward, 0, "mlp.gate_proj"), (std::vector<std::uint64_t>{1024 * 1024 * 4}));
+  // Without tensor parallelism o_proj makes its output only.
+  const graph::Trace one = graph::build_training_trace(llama_w512(), tp_recipe(1), find_gpu("cpu"));
+  EXPECT_EQ(allocs(one, Phase::kForward, 0, "self_attn.o_proj"), (std::vector<std::uint64_t>{out}));
+}
+
+TEST(TensorParallel, ColwiseBackwardAllReducesAndSumsOutOfPlace) {
+  // Measured, layer 3's backward at q_proj: the Partial input gradient [1024, 512] and the local
+  // weight's gradient [256, 512] (the engine makes them in this order, the measurement the other
+  // way round, as on one process), the all-reduced input gradient, and its sum with k's and v's
+  // (a new tensor: the all-reduced gradients are AsyncCollectiveTensors).
+  const graph::Trace t = graph::build_training_trace(llama_w512(), tp_recipe(2), find_gpu("cpu"));
+  const std::uint64_t x = 2 * 512 * 512 * 4;
+  EXPECT_EQ(allocs(t, Phase::kBackward, 3, "self_attn.q_proj"), (std::vector<std::uint64_t>{x, 256 * 512 * 4, x, x}));
+  EXPECT_EQ(allocs(t, Phase::kBackward, 3, "mlp.gate_proj"), (std::vector<std::uint64_t>{1024 * 512 * 4, x, x, x}));
+}
+
+TEST(TensorParallel, RefusesWhatIsNotModelled) {
+  const Model m = llama_w512();
+  EXPECT_NE(error_of([&] { graph::tensor_parallel_model(m, 3); })
+                .find("num_attention_heads = 8 is not divisible by the tensor-parallel degree"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { graph::tensor_parallel_model(m, 8); }).find("num_key_value_heads = 4"), std::string::npos);
+  EXPECT_NE(error_of([&] { graph::tensor_parallel_model(testing::gpt2_l2(), 2); }).find("c_attn"), std::string::npos);
+  EXPECT_NE(error_of([&] { graph::tensor_parallel_model(load_model("qwen3-0.6b"), 2); }).find("not modelled"),
+            std::string::npos);
+  Recipe r = tp_recipe(1);
+  r.tp = 2;
+  r.gpus = 2;
+  r.parallel = Parallel::kDdp;
+  EXPECT_NE(error_of([&] { r.validate(); }).find("tensor parallelism combined with data parallelism"),
+            std::string::npos);
+  r = tp_recipe(2);
+  r.lora.rank = 8;
+  EXPECT_NE(error_of([&] { r.validate(); }).find("with LoRA or a 4-bit base"), std::string::npos);
+  r = tp_recipe(2);
+  r.precision = Precision::kBf16Mixed;
+  EXPECT_NE(error_of([&] { r.validate(); }).find("precision bf16-mixed is not modelled"), std::string::npos);
+  r = tp_recipe(2);
+  r.tp = 65;
+  EXPECT_NE(error_of([&] { r.validate(); }).find("tp"), std::string::npos);
+  r = tp_recipe(2);
+  r.mode = Mode::kInference;
+  r.precision = Precision::kBf16True;
+  EXPECT_NE(error_of([&] { r.validate(); }).find("training knob"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace trainmem
