@@ -42,6 +42,8 @@ def main() -> None:
             knobs += f" lora r={r['lora_rank']} on {','.join(t.split('.')[-1] for t in r['lora_targets'])}"
         if r.get("load_in_4bit"):
             knobs += f" 4-bit {r['bnb_4bit_quant_type']}{' dq' if r['bnb_4bit_use_double_quant'] else ''}"
+        if r.get("load_in_8bit"):
+            knobs += " 8-bit"
         rows.append(f"| {path.stem} | {c['source'].replace('measured-', '')} | b{r['batch']}×s{r['seq']} {knobs} | "
                     f"{c['measured_peak_allocated_bytes'] / 2**20:,.1f} | {c['predicted_peak_allocated_bytes'] / 2**20:,.1f} | "
                     f"{c['peak_error_pct']:+.3f} % | {worst_cat[0]} {worst_cat[1]['diff_pct_of_peak']:+.3f} % |")

@@ -40,7 +40,8 @@ std::string_view category_name(Category);
 enum class Phase : std::uint8_t { kSetup, kForward, kLoss, kBackward, kOptimizer, kPrefill, kDecode };
 std::string_view phase_name(Phase);
 
-enum class DType : std::uint8_t { kF32, kBF16, kF16, kI64, kU8 };
+// kI8 and kI32: LLM.int8's quantized operands and their product (Note [LLM.int8]).
+enum class DType : std::uint8_t { kF32, kBF16, kF16, kI64, kU8, kI8, kI32 };
 std::string_view dtype_name(DType);
 std::uint64_t dtype_bytes(DType);
 
@@ -187,16 +188,21 @@ struct Lora {
   bool enabled() const { return rank > 0; }
 };
 
-// A 4-bit base model (QLoRA): transformers' BitsAndBytesConfig(load_in_4bit=True,
-// bnb_4bit_quant_type, bnb_4bit_use_double_quant, bnb_4bit_compute_dtype = the precision's dtype),
-// then peft's prepare_model_for_kbit_training. The linear layers of the decoder layers hold
-// bitsandbytes' packed weights; everything else is fp32 (Note [QLoRA] in src/graph/quant.h).
+// bitsandbytes weights in the linear layers of the decoder layers.
+// 4-bit: transformers' BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type,
+// bnb_4bit_use_double_quant, bnb_4bit_compute_dtype = the precision's dtype). For training that is
+// a QLoRA base (peft's prepare_model_for_kbit_training makes everything else fp32, Note [QLoRA] in
+// src/graph/quant.h); under inference the rest stays in the precision's dtype (Note [Quantized
+// generation]). 8-bit: BitsAndBytesConfig(load_in_8bit=True) with transformers' defaults (LLM.int8,
+// threshold 6.0), inference only (Note [LLM.int8]).
 enum class QuantType : std::uint8_t { kFp4, kNf4 };
 struct Quantization {
   bool load_in_4bit = false;
   QuantType quant_type = QuantType::kFp4;  // transformers' default; QLoRA uses nf4
   bool double_quant = false;               // the block constants quantized again (8-bit)
-  bool enabled() const { return load_in_4bit; }
+  bool load_in_8bit = false;               // LLM.int8: int8 weights and fp32 row scales
+  bool enabled() const { return load_in_4bit; }  // a 4-bit base
+  bool any() const { return load_in_4bit || load_in_8bit; }
 };
 
 struct Recipe {
@@ -244,7 +250,7 @@ struct RecipeSpelling {
   std::uint64_t batch = 1;
   std::uint64_t seq = 2048;
   std::uint64_t grad_accum = 1;
-  std::string precision = "";  // "": bf16-mixed for training, bf16-true for inference or a 4-bit base
+  std::string precision = "";  // "": bf16-mixed for training, bf16-true for inference or quantized weights
   std::string optimizer = "adamw";
   std::string checkpointing = "none";
   std::string attention = "sdpa";
@@ -257,6 +263,7 @@ struct RecipeSpelling {
   bool load_in_4bit = false;                  // BitsAndBytesConfig's spellings
   std::string bnb_4bit_quant_type = "fp4";    // fp4 | nf4
   bool bnb_4bit_use_double_quant = false;
+  bool load_in_8bit = false;
   std::string mode = "training";  // training | inference
   std::uint64_t new_tokens = 128;
   std::uint64_t beams = 1;

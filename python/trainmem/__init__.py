@@ -74,6 +74,7 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     "load_in_4bit": False,  # BitsAndBytesConfig's spellings (QLoRA: True, "nf4", True)
     "bnb_4bit_quant_type": "fp4",
     "bnb_4bit_use_double_quant": False,
+    "load_in_8bit": False,  # LLM.int8 weights (BitsAndBytesConfig(load_in_8bit=True)); inference only
     "mode": "training",
     "new_tokens": 128,
     "beams": 1,
@@ -118,7 +119,7 @@ def _spelling(knobs: dict[str, Any]):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"lora_dropout: must be a number, got {value!r}")
             value = float(value)
-        elif name in ("load_in_4bit", "bnb_4bit_use_double_quant", "fsdp_reshard_after_forward"):
+        elif name in ("load_in_4bit", "bnb_4bit_use_double_quant", "load_in_8bit", "fsdp_reshard_after_forward"):
             if not isinstance(value, bool):
                 raise ValueError(f"{name}: must be True or False, got {value!r}")
         elif name == "lora_targets" and isinstance(value, (list, tuple)):

@@ -55,7 +55,7 @@ struct RecipeFlags {
               loss = "standard", gpu = "h100-80gb", allocator = "default";
   std::string lora_rank = "0", lora_targets = "default", lora_dropout = "0";
   bool inference = false;
-  bool load_in_4bit = false, double_quant = false, qlora = false;
+  bool load_in_4bit = false, double_quant = false, qlora = false, load_in_8bit = false;
   std::string quant_type = "";
   std::string new_tokens = "128", beams = "1";
   std::string gpus = "1", parallel = "none", tp = "1", zero = "";
@@ -84,7 +84,7 @@ struct RecipeFlags {
         "Modules LoRA wraps: default (peft's), all-linear, or names (q_proj,v_proj)");
     opt("lora_dropout", "--lora-dropout", lora_dropout, "lora_dropout (0: no dropout, nothing saved)");
     options.emplace_back("load_in_4bit", app->add_flag("--load-in-4bit", load_in_4bit,
-                                                       "4-bit base weights (bitsandbytes); needs --lora"));
+                                                       "4-bit weights (bitsandbytes); needs --lora or --inference"));
     opt("bnb_4bit_quant_type", "--bnb-4bit-quant-type", quant_type, "With --load-in-4bit: fp4 (transformers' default) | nf4");
     options.emplace_back("bnb_4bit_use_double_quant",
                          app->add_flag("--bnb-4bit-use-double-quant", double_quant,
@@ -92,6 +92,8 @@ struct RecipeFlags {
     options.emplace_back("load_in_4bit", app->add_flag("--qlora", qlora,
                                                        "QLoRA's base: --load-in-4bit --bnb-4bit-quant-type nf4 "
                                                        "--bnb-4bit-use-double-quant"));
+    options.emplace_back("load_in_8bit", app->add_flag("--load-in-8bit", load_in_8bit,
+                                                       "8-bit weights (bitsandbytes LLM.int8, threshold 6.0); --inference only"));
     CLI::Option* inf = app->add_flag("--inference", inference, "Generation (prefill + decode with a KV cache), not training");
     options.emplace_back("mode", inf);
     opt("new_tokens", "--new-tokens", new_tokens, "Inference: tokens generated after the prompt of --seq tokens");
@@ -138,6 +140,7 @@ struct RecipeFlags {
     sp.load_in_4bit = load_in_4bit || qlora;
     sp.bnb_4bit_quant_type = !quant_type.empty() ? quant_type : (qlora ? "nf4" : sp.bnb_4bit_quant_type);
     sp.bnb_4bit_use_double_quant = double_quant || qlora;
+    sp.load_in_8bit = load_in_8bit;
     sp.mode = inference ? "inference" : "training";
     sp.new_tokens = parse_count(new_tokens, "new_tokens");
     sp.beams = parse_count(beams, "beams");
@@ -244,6 +247,7 @@ std::string compare(const std::string& path, bool as_json) {
   sp.fsdp_reduce_dtype = text("fsdp_reduce_dtype", sp.fsdp_reduce_dtype.c_str());
   sp.bnb_4bit_quant_type = text("bnb_4bit_quant_type", sp.bnb_4bit_quant_type.c_str());
   sp.bnb_4bit_use_double_quant = flag("bnb_4bit_use_double_quant", false);
+  sp.load_in_8bit = flag("load_in_8bit", false);
   if (jr.contains("lora_dropout")) {
     if (!jr["lora_dropout"].is_number()) throw Error("compare: recipe.lora_dropout must be a number");
     sp.lora_dropout = jr["lora_dropout"].get<double>();

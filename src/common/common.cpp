@@ -37,6 +37,8 @@ std::string_view dtype_name(DType d) {
     case DType::kF16: return "float16";
     case DType::kI64: return "int64";
     case DType::kU8: return "uint8";
+    case DType::kI8: return "int8";
+    case DType::kI32: return "int32";
   }
   return "?";
 }
@@ -47,7 +49,9 @@ std::uint64_t dtype_bytes(DType d) {
     case DType::kBF16:
     case DType::kF16: return 2;
     case DType::kI64: return 8;
-    case DType::kU8: return 1;
+    case DType::kU8:
+    case DType::kI8: return 1;
+    case DType::kI32: return 4;
   }
   return 0;
 }

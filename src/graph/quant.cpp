@@ -22,4 +22,13 @@ Packed4bit packed_4bit(std::uint64_t numel, bool double_quant) {
   return p;
 }
 
+// See Note [LLM.int8].
+Int8Weight int8_weight(std::uint64_t numel, std::uint64_t rows) {
+  TRAINMEM_ASSERT(rows > 0 && numel % rows == 0, "an 8-bit weight that is not a matrix");
+  Int8Weight w;
+  w.cb_bytes = numel;
+  w.scb_bytes = detail::mul(rows, 4, "SCB bytes");
+  return w;
+}
+
 }  // namespace trainmem::graph

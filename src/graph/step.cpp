@@ -21,17 +21,20 @@ StepBuilder::StepBuilder(const Model& m, const Recipe& r, const Gpu& gpu, const 
       r_(r),
       gpu_(gpu),
       hook_(hook),
-      // A 4-bit base runs in fp32 outside its matmuls, whose dtype is the precision's (Note [QLoRA]).
+      // A 4-bit base runs in fp32 outside its matmuls, whose dtype is the precision's (Note [QLoRA]);
+      // generation keeps the precision's dtype everywhere (See Note [Quantized generation]).
       // FSDP2's MixedPrecisionPolicy(param_dtype=bf16) computes as bf16-true over fp32 shards
       // (See Note [FSDP2 variants]).
-      pol_(policy_for(r.quant.enabled()                         ? Precision::kFp32
-                      : r.fsdp.param_dtype == FsdpDtype::kBf16 ? Precision::kBf16True
-                                                               : r.precision)),
+      pol_(policy_for(r.quant.enabled() && r.mode == Mode::kTraining ? Precision::kFp32
+                      : r.fsdp.param_dtype == FsdpDtype::kBf16       ? Precision::kBf16True
+                                                                     : r.precision)),
       quant_dtype_(policy_for(r.precision).param),
       rank_(rank) {
-  if (r.quant.enabled() && (a_.family == Family::kGpt2 || a_.qkv_bias || a_.o_bias || a_.mlp_bias)) {
-    // Linear4bit.forward recasts a bias's .data to the compute dtype at the first forward.
-    throw Error("load_in_4bit: " + std::string(family_name(a_.family)) +
+  if (r.quant.any() && (a_.family == Family::kGpt2 || a_.qkv_bias || a_.o_bias || a_.mlp_bias)) {
+    // Linear4bit.forward recasts a bias's .data to the compute dtype at the first forward
+    // (Linear8bitLt.forward too, to the input's); GPT-2's Conv1D is converted another way.
+    throw Error(std::string(r.quant.load_in_8bit ? "load_in_8bit: " : "load_in_4bit: ") +
+                std::string(family_name(a_.family)) +
                 " has biases on its linear layers, which bitsandbytes recasts in the first forward; "
                 "not modelled yet (Llama, Mistral, Qwen3, Gemma-2 and Phi-3 have none)");
   }

@@ -233,6 +233,7 @@ class StepBuilder {
     return g;
   }
   T linear_4bit(const T& x_in, std::uint32_t w, std::uint64_t out_features);
+  T linear_8bit(const T& x, std::uint32_t w, std::uint64_t out_features);
   T linear(const T& x_in, std::uint32_t w, std::uint32_t b, std::uint64_t out_features);
   T linear_module(const T& x_in, std::uint32_t w, std::uint32_t b, std::uint64_t out_features);
   T proj(const T& x, std::string_view path, std::uint32_t w, std::uint32_t b, std::uint64_t out_features);

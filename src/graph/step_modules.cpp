@@ -1,5 +1,5 @@
 // The ops and modules of the training forward (step_builder.h): nn.Linear, bitsandbytes'
-// Linear4bit and peft's lora.Linear around them, the norms, rotary embeddings, the attention
+// Linear4bit and Linear8bitLt (generation only) and peft's lora.Linear around them, the norms, rotary embeddings, the attention
 // cores (eager, SDPA, flash), the MLPs and the decoder layer with and without checkpointing, each
 // mirroring its Hugging Face module of transformers 5.x (modeling_llama.py and its siblings,
 // modeling_gpt2.py) and the PyTorch kernels it calls.
@@ -17,18 +17,30 @@ T StepBuilder::linear_4bit(const T& x_in, std::uint32_t w, std::uint64_t out_fea
   const std::uint64_t absmax_f32_bytes = detail::mul(q.blocks, 4, "absmax bytes");
   T x = to(x_in, quant_dtype_);  // kept until forward returns
   // gemm_4bit: the fp32 absmax (double quant: dequantize_blockwise, then + offset), the
-  // dequantized weight, F.linear.
-  TensorId absmax = kNone;
-  if (r_.quant.double_quant) {
-    TensorId blockwise = t_.alloc_bytes(absmax_f32_bytes, Category::kTemporaries);
-    absmax = t_.alloc_bytes(absmax_f32_bytes, Category::kTemporaries);
-    t_.release(blockwise);
+  // dequantized weight, F.linear. Generation on CUDA: the fused kernel for a few rows, else
+  // the fallback that keeps both absmax tensors to the end (See Note [Quantized generation]).
+  const bool cuda_generation = cuda_ && r_.mode == Mode::kInference;
+  T y;
+  const bool aligned = (numel / out_features) % kBnb4bitBlockSize == 0;  // in_features: K % blocksize
+  if (cuda_generation && rows <= kBnbGemm4bitFusedMaxRows && aligned) {
+    y = fresh(rows * out_features, quant_dtype_);  // cgemm_4bit_*: nothing dequantized
+  } else {
+    TensorId absmax = kNone, blockwise = kNone;
+    if (r_.quant.double_quant) {
+      blockwise = t_.alloc_bytes(absmax_f32_bytes, Category::kTemporaries);
+      absmax = t_.alloc_bytes(absmax_f32_bytes, Category::kTemporaries);
+      if (!cuda_generation) {
+        t_.release(blockwise);
+        blockwise = kNone;
+      }
+    }
+    T wd = fresh(numel, quant_dtype_);
+    ensure_workspace(false);
+    y = fresh(rows * out_features, quant_dtype_);
+    if (absmax != kNone) t_.release(absmax);
+    if (blockwise != kNone) t_.release(blockwise);
+    t_.drop(wd);
   }
-  T wd = fresh(numel, quant_dtype_);
-  ensure_workspace(false);
-  T y = fresh(rows * out_features, quant_dtype_);
-  if (absmax != kNone) t_.release(absmax);
-  t_.drop(wd);
   if (x.requires_grad()) {
     // MatMul4Bit saves only the packed weight (a parameter). Its backward: the fp32 absmax
     // (double quant; dies once the weight is made), the weight in its load dtype, grad_A.
@@ -46,6 +58,84 @@ T StepBuilder::linear_4bit(const T& x_in, std::uint32_t w, std::uint64_t out_fea
   return out;
 }
 
+// bnb.nn.Linear8bitLt under generate() (no bias: see the constructor): MatMul8bitLt with
+// threshold 6.0 and no outlier columns. See Note [LLM.int8].
+T StepBuilder::linear_8bit(const T& x, std::uint32_t w, std::uint64_t out_features) {
+  const std::uint64_t numel = params_[w].numel;
+  const std::uint64_t rows = x.numel / (numel / out_features);
+  const std::uint64_t out_numel = rows * out_features;
+  T a16 = to(x, DType::kF16);  // A.to(float16): x itself when it is fp16
+  // int8_vectorwise_quant(A, 6.0): CA (int8) and SCA (fp32 per row).
+  T ca, sca;
+  auto outlier_mask = [&] {  // |A| >= 6.0, then .any(); no outliers: an empty outlier_cols
+    T abs_a = fresh(x.numel, DType::kF16);
+    T mask = fresh(x.numel, DType::kU8);
+    t_.drop(abs_a);
+    T any = fresh(1, DType::kU8);
+    t_.drop(any);
+    return mask;
+  };
+  T mask;
+  if (cuda_) {
+    sca = fresh(rows, DType::kF32);
+    ca = fresh(x.numel, DType::kI8);
+    mask = outlier_mask();
+  } else {
+    mask = outlier_mask();
+    T abs_a = fresh(x.numel, DType::kF16);  // torch.max(A.abs(), dim=1)
+    T indices = fresh(rows, DType::kI64);
+    T values = fresh(rows, DType::kF16);
+    t_.drop(abs_a);
+    t_.drop(indices);
+    sca = fresh(rows, DType::kF32);  // .values.float()
+    t_.drop(values);
+    T reciprocal = fresh(rows, DType::kF32);  // 127.0 / SCA.unsqueeze(-1)
+    T scale = fresh(rows, DType::kF32);
+    t_.drop(reciprocal);
+    T scaled = fresh(x.numel, DType::kF32);  // A * scale
+    t_.drop(scale);
+    T rounded = fresh(x.numel, DType::kF32);
+    t_.drop(scaled);
+    ca = fresh(x.numel, DType::kI8);
+    t_.drop(rounded);
+  }
+  if (rows > 1) {  // out_row[:, outlier_cols] = 0: the 0 as a 0-dim int8
+    T zero = fresh(1, DType::kI8);
+    t_.drop(zero);
+  }
+  t_.drop(mask);
+  t_.drop(a16);
+  // int8_scaled_mm: the int32 product, dequantized to the input's dtype.
+  T y;
+  if (cuda_) {
+    T product = fresh(out_numel, DType::kI32);  // cuBLASLt int8 matmul
+    T half = fresh(out_numel, DType::kF16);     // int8_mm_dequant (fp16 only)
+    y = to(half, x.dtype);
+    t_.drop(half);
+    t_.drop(product);
+  } else {
+    T a32 = fresh(x.numel, DType::kF32);  // A.float()
+    T b32 = fresh(numel, DType::kF32);    // B.float(): the whole weight
+    ensure_workspace(false);
+    T mm = fresh(out_numel, DType::kF32);
+    t_.drop(a32);
+    t_.drop(b32);
+    T product = fresh(out_numel, DType::kI32);
+    t_.drop(mm);
+    T stats = fresh(out_numel, DType::kF32);  // row_stats * col_stats
+    T scaled = fresh(out_numel, DType::kF32);
+    t_.drop(stats);
+    T dequant = fresh(out_numel, DType::kF32);  // * 6.200124e-05
+    t_.drop(scaled);
+    y = to(dequant, x.dtype);
+    t_.drop(dequant);
+    t_.drop(product);
+  }
+  t_.drop(ca);
+  t_.drop(sca);
+  return y;
+}
+
 // nn.Linear (or GPT-2's Conv1D addmm): y = x W^T + b over `rows` rows.
 T StepBuilder::linear(const T& x_in, std::uint32_t w, std::uint32_t b, std::uint64_t out_features) {
   const std::uint32_t m = module_enter(w, b);
@@ -56,8 +146,8 @@ T StepBuilder::linear(const T& x_in, std::uint32_t w, std::uint32_t b, std::uint
 
 T StepBuilder::linear_module(const T& x_in, std::uint32_t w, std::uint32_t b, std::uint64_t out_features) {
   if (params_[w].quantized) {
-    TRAINMEM_ASSERT(b == kNone, "a 4-bit linear layer with a bias");
-    return linear_4bit(x_in, w, out_features);
+    TRAINMEM_ASSERT(b == kNone, "a quantized linear layer with a bias");
+    return r_.quant.load_in_8bit ? linear_8bit(x_in, w, out_features) : linear_4bit(x_in, w, out_features);
   }
   const std::uint64_t in_features = params_[w].numel / out_features;
   const std::uint64_t rows = x_in.numel / in_features;  // tokens

@@ -102,8 +102,14 @@ std::uint32_t StepBuilder::add_param(const ParameterGroup& g, bool in_layer) {
   p.numel = g.numel;
   p.dtype = pol_.param;
   p.trainable = !r_.lora.enabled();  // get_peft_model freezes the whole base model
-  p.quantized = r_.quant.enabled() && in_layer && g.matmul_weight;
-  if (p.quantized) {
+  p.quantized = r_.quant.any() && in_layer && g.matmul_weight;
+  if (p.quantized && r_.quant.load_in_8bit) {
+    // Int8Params: CB, the parameter's data, and SCB (See Note [LLM.int8]); neither requires grad.
+    const Int8Weight q = int8_weight(g.numel, g.rows);
+    p.dtype = DType::kI8;
+    p.storage = t_.alloc_bytes(q.cb_bytes, Category::kWeights);
+    t_.alloc_bytes(q.scb_bytes, Category::kWeights);
+  } else if (p.quantized) {
     // Params4bit and its QuantState's tensors (Note [QLoRA]); none requires grad.
     const Packed4bit q = packed_4bit(g.numel, r_.quant.double_quant);
     p.dtype = DType::kU8;

@@ -232,12 +232,13 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   r.seq = in.seq;
   r.grad_accum = in.grad_accum;
   r.mode = parse_mode(in.mode);
-  // The default: the weights' dtype for inference and for a 4-bit base (its matmuls' dtype);
+  // The default: the weights' dtype for inference and for quantized weights (the matmuls' dtype);
   // under DeepSpeed ZeRO its bf16 mode ("bf16": {"enabled": true}: bf16 weights, fp32 master
   // partitions), as autocast (bf16-mixed) is not what a DeepSpeed engine runs.
+  const bool quantized = in.load_in_4bit || in.load_in_8bit;
   if (!in.precision.empty()) {
     r.precision = parse_precision(in.precision);
-  } else if (r.mode == Mode::kInference || in.load_in_4bit) {
+  } else if (r.mode == Mode::kInference || quantized) {
     r.precision = Precision::kBf16True;
   } else {
     // (ZeRO with adapters is refused for itself below; its default stays the plain one.)
@@ -257,6 +258,7 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   r.quant.load_in_4bit = in.load_in_4bit;
   r.quant.quant_type = parse_quant_type(in.bnb_4bit_quant_type);
   r.quant.double_quant = in.bnb_4bit_use_double_quant;
+  r.quant.load_in_8bit = in.load_in_8bit;
   r.gpus = in.gpus;
   r.parallel = parse_parallel(in.parallel);
   r.tp = in.tp;
@@ -307,8 +309,8 @@ void Recipe::validate() const {
       throw Error("bnb_4bit_quant_type / bnb_4bit_use_double_quant: set without load_in_4bit");
     }
   } else {
-    if (mode == Mode::kInference) throw Error("load_in_4bit: inference with 4-bit weights is not modelled yet");
-    if (!lora.enabled()) {
+    if (quant.load_in_8bit) throw Error("load_in_8bit: cannot be combined with load_in_4bit; choose one");
+    if (mode == Mode::kTraining && !lora.enabled()) {
       throw Error("load_in_4bit: a 4-bit base model cannot be trained itself; add LoRA adapters (lora_rank > 0): "
                   "that is QLoRA");
     }
@@ -318,6 +320,12 @@ void Recipe::validate() const {
       throw Error("precision: load_in_4bit runs with fp32, bf16-true or fp16-true (the 4-bit matmuls' dtype), got " +
                   std::string(to_string(precision)));
     }
+  }
+  if (quant.load_in_8bit && mode != Mode::kInference) {
+    // MatMul8bitLt's backward (int8 double quant of grad_output, CAt, ...) and peft's 8-bit LoRA
+    // layers are not modelled.
+    throw Error("load_in_8bit: training with 8-bit (LLM.int8) weights is not modelled; use it with mode "
+                "inference, or load_in_4bit with LoRA (QLoRA) to train");
   }
   validate_parallel(*this);
 }

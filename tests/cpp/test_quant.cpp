@@ -1,5 +1,6 @@
-// Tests for bitsandbytes' 4-bit layout (src/graph/quant.h, Note [QLoRA]) and the QLoRA recipe
-// knobs: the packed sizes per parameter, and the exact errors of Recipe::validate.
+// Tests for bitsandbytes' 4-bit and 8-bit layouts (src/graph/quant.h, Notes [QLoRA], [LLM.int8])
+// and the quantization recipe knobs: the sizes per parameter, and the exact errors of
+// Recipe::validate.
 
 #include <gtest/gtest.h>
 
@@ -52,6 +53,17 @@ TEST(Packed4bit, PartialBlocksRoundUp) {
   EXPECT_EQ(q.nested_absmax_bytes, 7u * 4);  // ceil(1657 / 256) = 7
 }
 
+// LLM.int8: CB is one int8 per element, SCB one fp32 absmax per output row (Note [LLM.int8]).
+TEST(Int8Weight, CbAndScb) {
+  const graph::Int8Weight w = graph::int8_weight(8192ull * 2048, 8192);  // Llama-3.2-1B's up_proj
+  EXPECT_EQ(w.cb_bytes, 8192u * 2048);
+  EXPECT_EQ(w.scb_bytes, 8192u * 4);
+  EXPECT_EQ(w.total_bytes(), 8192u * 2048 + 8192u * 4);
+  const graph::Int8Weight k = graph::int8_weight(512ull * 2048, 512);  // its k_proj: rows are out_features
+  EXPECT_EQ(k.scb_bytes, 2048u);
+  EXPECT_DOUBLE_EQ(graph::kLlmInt8Threshold, 6.0);
+}
+
 RecipeSpelling qlora_spelling() {
   RecipeSpelling s;
   s.precision = "bf16-true";
@@ -99,9 +111,39 @@ TEST(QloraRecipe, Errors) {
   EXPECT_EQ(error_of([&] { parse_recipe(s); }),
             "bnb_4bit_quant_type / bnb_4bit_use_double_quant: set without load_in_4bit");
   s = qlora_spelling();
+  s.load_in_8bit = true;
+  EXPECT_EQ(error_of([&] { parse_recipe(s); }), "load_in_8bit: cannot be combined with load_in_4bit; choose one");
+}
+
+// Generation with 4-bit weights needs no adapters (adapters are refused under inference anyway).
+TEST(QuantizedGenerationRecipe, FourBitInferenceParses) {
+  RecipeSpelling s = qlora_spelling();
   s.lora_rank = 0;
   s.mode = "inference";
-  EXPECT_EQ(error_of([&] { parse_recipe(s); }), "load_in_4bit: inference with 4-bit weights is not modelled yet");
+  s.precision = "";
+  const Recipe r = parse_recipe(s);
+  EXPECT_TRUE(r.quant.enabled());
+  EXPECT_FALSE(r.quant.load_in_8bit);
+  EXPECT_EQ(r.precision, Precision::kBf16True);
+}
+
+TEST(QuantizedGenerationRecipe, EightBit) {
+  RecipeSpelling s;
+  s.mode = "inference";
+  s.load_in_8bit = true;
+  const Recipe r = parse_recipe(s);
+  EXPECT_TRUE(r.quant.load_in_8bit);
+  EXPECT_FALSE(r.quant.enabled());
+  EXPECT_TRUE(r.quant.any());
+  EXPECT_EQ(r.precision, Precision::kBf16True);  // the default, as for 4-bit
+  s.mode = "training";
+  EXPECT_EQ(error_of([&] { parse_recipe(s); }),
+            "load_in_8bit: training with 8-bit (LLM.int8) weights is not modelled; use it with mode inference, or "
+            "load_in_4bit with LoRA (QLoRA) to train");
+  s.mode = "inference";
+  s.precision = "bf16-mixed";
+  EXPECT_EQ(error_of([&] { parse_recipe(s); }),
+            "precision: inference loads the weights in one dtype: fp32, bf16-true or fp16-true, got bf16-mixed");
 }
 
 }  // namespace

@@ -106,10 +106,14 @@ def test_tensor_parallel_entries_exact(comparisons):
 
 
 def test_4bit_entries_exact(comparisons):
-    """The QLoRA measurements (recipe.load_in_4bit) are reproduced to the byte, peak and categories:
-    the packed weights and constants, the dequantized copies and the fp32 stream are all mirrored."""
-    quantized = [(name, c) for name, c in comparisons if c["recipe"].get("load_in_4bit")]
-    assert len(quantized) >= 5, [name for name, _ in quantized]
+    """The QLoRA measurements (recipe.load_in_4bit) and the generations with 4-bit or 8-bit weights
+    (load_in_8bit) are reproduced to the byte, peak and categories: the packed or int8 weights and
+    their constants, the dequantized copies, LLM.int8's temporaries and the fp32 stream of QLoRA are
+    all mirrored."""
+    quantized = [(name, c) for name, c in comparisons
+                 if c["recipe"].get("load_in_4bit") or c["recipe"].get("load_in_8bit")]
+    assert len(quantized) >= 11, [name for name, _ in quantized]
+    assert sum(1 for _, c in quantized if c["recipe"].get("load_in_8bit")) >= 2
     for name, c in quantized:
         assert c["measured_peak_allocated_bytes"] == c["predicted_peak_allocated_bytes"], name
         for cat, v in c["categories"].items():

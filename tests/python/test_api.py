@@ -16,6 +16,15 @@ def test_python_matches_cli(trainmem_bin):
     assert est.to_dict() == cli
 
 
+def test_load_in_8bit_keyword_matches_the_cli(run):
+    est = trainmem.estimate("llama-3.2-1b", mode="inference", seq=64, new_tokens=4, load_in_8bit=True)
+    cli = json.loads(run("estimate", "llama-3.2-1b", "--inference", "--load-in-8bit", "--seq", "64",
+                         "--new-tokens", "4", "--json").stdout)
+    assert est.to_dict() == cli and est.recipe["load_in_8bit"] is True
+    with pytest.raises(ValueError, match="load_in_8bit: must be True or False"):
+        trainmem.estimate("llama-3.2-1b", mode="inference", load_in_8bit="yes")
+
+
 def test_bad_input_raises_value_error():
     with pytest.raises(ValueError, match="unknown model 'nope'"):
         trainmem.estimate("nope")

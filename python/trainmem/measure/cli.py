@@ -6,6 +6,7 @@
     trainmem-measure qwen3-0.6b --lora 16 --lora-targets all-linear --lora-dropout 0.05 --json
     trainmem-measure qwen3-0.6b --lora 16 --qlora --precision bf16-true --json
     trainmem-measure qwen3-0.6b --inference --seq 64 --new-tokens 16 --beams 4 --precision fp32 --json
+    trainmem-measure qwen3-0.6b --inference --seq 32 --new-tokens 8 --load-in-8bit --json
 
 Exit codes: 0 success, 2 bad input (one line on stderr), 1 the measurement itself failed.
 """
@@ -80,13 +81,16 @@ def _parser() -> _Parser:
     p.add_argument("--lora-dropout", type=float, default=defaults.lora_dropout, metavar="P",
                    help="lora_dropout in [0, 1); 0 is nn.Identity (default %(default)s)")
     p.add_argument("--load-in-4bit", action="store_true",
-                   help="4-bit base weights (bitsandbytes, BitsAndBytesConfig(load_in_4bit=True)); needs --lora")
+                   help="4-bit base weights (bitsandbytes, BitsAndBytesConfig(load_in_4bit=True)); needs --lora "
+                        "or --inference")
     p.add_argument("--bnb-4bit-quant-type", choices=BNB_4BIT_QUANT_TYPES, default=None,
                    help=f"with --load-in-4bit: the 4-bit code (default {defaults.bnb_4bit_quant_type}, as transformers')")
     p.add_argument("--bnb-4bit-use-double-quant", action="store_true",
                    help="with --load-in-4bit: quantize the block constants again (8-bit, blocks of 256)")
     p.add_argument("--qlora", action="store_true",
                    help="QLoRA's base: --load-in-4bit --bnb-4bit-quant-type nf4 --bnb-4bit-use-double-quant")
+    p.add_argument("--load-in-8bit", action="store_true",
+                   help="8-bit weights (bitsandbytes LLM.int8, BitsAndBytesConfig(load_in_8bit=True)); --inference only")
     p.add_argument("--inference", action="store_true",
                    help="measure one model.generate() call (prefill of --seq tokens, then decode) instead of training")
     p.add_argument("--new-tokens", type=int, default=defaults.new_tokens, metavar="N",
@@ -150,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
                         fsdp_replicate=args.fsdp_replicate, fsdp_param_dtype=args.fsdp_param_dtype,
                         fsdp_reduce_dtype=args.fsdp_reduce_dtype,
                         load_in_4bit=args.load_in_4bit or args.qlora, bnb_4bit_quant_type=quant_type,
-                        bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant or args.qlora)
+                        bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant or args.qlora,
+                        load_in_8bit=args.load_in_8bit)
         command = shlex.join([PROG, *argv])
         result = measure(args.model, recipe, device=args.device, fake=args.fake, trace=args.trace,
                          command=command)
@@ -201,6 +206,8 @@ def render_text(result: dict) -> str:
     if r.get("load_in_4bit"):
         lines.insert(2, f"4-bit base: {r['bnb_4bit_quant_type']}"
                         f"{', double quant' if r.get('bnb_4bit_use_double_quant') else ''} (bitsandbytes)")
+    if r.get("load_in_8bit"):
+        lines.insert(2, "8-bit weights: LLM.int8, threshold 6.0 (bitsandbytes)")
     total = result["peak_allocated_bytes"] or 1
     for category, value in result["breakdown_at_peak"].items():
         lines.append(f"  {category:<17} {format_bytes(value):>12}  {100.0 * value / total:5.1f} %")

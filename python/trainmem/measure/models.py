@@ -149,7 +149,7 @@ def build_real_model(spec: ModelSpec, recipe: Recipe, device: str):
         model = _causal_lm_from_config(cfg, recipe)
     model.tie_weights()
     _fill_pattern(model)
-    if recipe.load_in_4bit:
+    if recipe.is_quantized:
         model = build_quantized_model(model, recipe, device)
     if recipe.uses_lora:
         model = apply_lora(model, recipe)
@@ -198,37 +198,45 @@ def build_fake_model(spec: ModelSpec, recipe: Recipe, fake_mode, device: str):
 # ---------------------------------------------------------------------------------------- QLoRA
 
 def bnb_config(recipe: Recipe):
-    """transformers' BitsAndBytesConfig as a QLoRA script writes it; bnb_4bit_compute_dtype is the
-    precision's dtype (transformers' own default would be float32)."""
+    """transformers' BitsAndBytesConfig as a QLoRA (or 4-bit inference) script writes it;
+    bnb_4bit_compute_dtype is the precision's dtype (transformers' own default would be float32).
+    8-bit: BitsAndBytesConfig(load_in_8bit=True) with transformers' defaults (llm_int8_threshold 6.0,
+    llm_int8_has_fp16_weight False, lm_head kept)."""
     from transformers import BitsAndBytesConfig
 
+    if recipe.load_in_8bit:
+        return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=recipe.bnb_4bit_quant_type,
                               bnb_4bit_use_double_quant=recipe.bnb_4bit_use_double_quant,
                               bnb_4bit_compute_dtype=model_dtype(recipe))
 
 
 def build_quantized_model(model, recipe: Recipe, device: str):
-    """The base model as a QLoRA user gets it: a checkpoint loaded with a BitsAndBytesConfig, then
-    `peft.prepare_model_for_kbit_training`.
+    """The base model as a bitsandbytes user gets it: a checkpoint loaded with a BitsAndBytesConfig,
+    then, for training (QLoRA), `peft.prepare_model_for_kbit_training`.
 
     Nothing can be downloaded, so the checkpoint is the built (pattern-filled) model saved to a
     temporary directory. `from_pretrained` replaces every linear layer of the decoder layers by
-    bitsandbytes' Linear4bit and quantizes its weight as it is loaded (Params4bit: packed uint8 and
-    a QuantState); the embeddings, lm_head and norms stay in the load dtype.
-    prepare_model_for_kbit_training then freezes every parameter and casts every bf16/fp16
-    parameter that is not 4-bit to float32 (`param.data = param.data.to(torch.float32)`: the
-    embeddings, norms and lm_head become fp32, and so does the residual stream). It is called with
-    use_gradient_checkpointing=False: with True (its default) it would turn on Hugging Face's
+    bitsandbytes' Linear4bit (Linear8bitLt with load_in_8bit) and quantizes its weight as it is
+    loaded (Params4bit: packed uint8 and a QuantState; Int8Params: int8 CB and its fp32 row
+    scales SCB); the embeddings, lm_head and norms stay in the load dtype.
+    For training, prepare_model_for_kbit_training then freezes every parameter and casts every
+    bf16/fp16 parameter that is not 4-bit to float32 (`param.data = param.data.to(torch.float32)`:
+    the embeddings, norms and lm_head become fp32, and so does the residual stream). It is called
+    with use_gradient_checkpointing=False: with True (its default) it would turn on Hugging Face's
     *reentrant* checkpointing; the recipe's checkpointing knob turns on the non-reentrant one
-    instead (enable_checkpointing), as for every other recipe.
+    instead (enable_checkpointing), as for every other recipe. Inference (generate()) uses the
+    loaded model as it is: nothing is cast.
     """
     import tempfile
 
+    key = "load_in_8bit" if recipe.load_in_8bit else "load_in_4bit"
     try:
         import bitsandbytes  # noqa: F401
-        from peft import prepare_model_for_kbit_training
+        if not recipe.is_inference:
+            from peft import prepare_model_for_kbit_training
     except ImportError as e:
-        raise RecipeError(f"load_in_4bit needs the bitsandbytes and peft packages: {e}") from None
+        raise RecipeError(f"{key} needs the bitsandbytes and peft packages: {e}") from None
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -239,15 +247,21 @@ def build_quantized_model(model, recipe: Recipe, device: str):
         quantized = AutoModelForCausalLM.from_pretrained(
             tmp, quantization_config=bnb_config(recipe), dtype=model_dtype(recipe), device_map=device,
             attn_implementation=HF_ATTENTION[recipe.attention])
+    if recipe.is_inference:
+        return quantized
     return prepare_model_for_kbit_training(quantized, use_gradient_checkpointing=False)
 
 
 def quant_state_tensors(model) -> list[tuple[str, torch.Tensor]]:
-    """The tensors of every 4-bit weight's QuantState, which are neither parameters nor buffers:
-    absmax (fp32 per block of 64, or with double quant uint8) and the 16-entry code, and with
-    double quant the offset and the nested state's fp32 absmax and 256-entry code. Module order."""
+    """The tensors of bitsandbytes weights that are neither parameters nor buffers, module order:
+    every 4-bit weight's QuantState (absmax: fp32 per block of 64, or with double quant uint8; the
+    16-entry code; with double quant the offset and the nested state's fp32 absmax and 256-entry
+    code), and every 8-bit weight's SCB (fp32 per output row; its CB is the parameter's data)."""
     out = []
     for name, p in model.named_parameters():
+        scb = getattr(p, "SCB", None)
+        if isinstance(scb, torch.Tensor):
+            out.append((f"{name}.SCB", scb))
         state = getattr(p, "quant_state", None)
         if state is None:
             continue

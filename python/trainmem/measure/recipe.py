@@ -72,6 +72,9 @@ class Recipe:
     load_in_4bit: bool = False
     bnb_4bit_quant_type: str = "fp4"
     bnb_4bit_use_double_quant: bool = False
+    # LLM.int8(): BitsAndBytesConfig(load_in_8bit=True) with transformers' defaults (threshold 6.0,
+    # no fp16 weights kept); inference only (models.build_quantized_model).
+    load_in_8bit: bool = False
     # Generation (docs/schema.md "The reference generation"): mode "inference" measures one
     # model.generate() call of new_tokens tokens after a prompt of seq tokens, num_beams = beams.
     mode: str = "training"
@@ -96,7 +99,8 @@ class Recipe:
         if self.mode not in MODES:
             raise RecipeError(f"mode={self.mode!r} is not one of {', '.join(MODES)}")
         if self.precision in ("", None):  # a 4-bit base defaults to its matmuls' dtype, as the engine does
-            object.__setattr__(self, "precision", "bf16-true" if self.load_in_4bit is True else DEFAULT_PRECISION[self.mode])
+            quantized = self.load_in_4bit is True or self.load_in_8bit is True
+            object.__setattr__(self, "precision", "bf16-true" if quantized else DEFAULT_PRECISION[self.mode])
         for key in ("batch", "seq", "grad_accum", "new_tokens", "beams"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -288,8 +292,8 @@ class Recipe:
                     raise RecipeError(f"lora_targets: {keyword!r} cannot be combined with module names")
 
     def _check_quantization(self) -> None:
-        """The engine's rules for a 4-bit base (src/recipe/recipe.cpp)."""
-        for key in ("load_in_4bit", "bnb_4bit_use_double_quant"):
+        """The engine's rules for bitsandbytes weights (src/recipe/recipe.cpp)."""
+        for key in ("load_in_4bit", "bnb_4bit_use_double_quant", "load_in_8bit"):
             if not isinstance(getattr(self, key), bool):
                 raise RecipeError(f"{key} must be true or false, got {getattr(self, key)!r}")
         if self.bnb_4bit_quant_type not in BNB_4BIT_QUANT_TYPES:
@@ -298,15 +302,26 @@ class Recipe:
         if not self.load_in_4bit:
             if self.bnb_4bit_quant_type != "fp4" or self.bnb_4bit_use_double_quant:
                 raise RecipeError("bnb_4bit_quant_type / bnb_4bit_use_double_quant are set without load_in_4bit")
+        if self.load_in_8bit:
+            if self.load_in_4bit:
+                raise RecipeError("load_in_8bit and load_in_4bit cannot both be set")
+            if self.mode != "inference":
+                raise RecipeError("load_in_8bit: training with 8-bit (LLM.int8) weights is not modelled; "
+                                  "use it with inference, or load_in_4bit with LoRA (QLoRA) for training")
+        if not (self.load_in_4bit or self.load_in_8bit):
             return
-        if self.mode == "inference":
-            raise RecipeError("load_in_4bit: inference with 4-bit weights is not measured yet")
-        if not self.uses_lora:
+        if self.mode == "training" and not self.uses_lora:
             raise RecipeError("load_in_4bit: a 4-bit base model cannot be trained itself; add LoRA adapters "
                               "(lora_rank > 0): that is QLoRA")
         if self.precision not in QUANTIZED_PRECISIONS:
-            raise RecipeError(f"precision={self.precision!r} with load_in_4bit is not measured: the precision's dtype "
+            key = "load_in_4bit" if self.load_in_4bit else "load_in_8bit"
+            raise RecipeError(f"precision={self.precision!r} with {key} is not measured: the precision's dtype "
                               f"is the load and compute dtype; use {', '.join(QUANTIZED_PRECISIONS)}")
+
+    @property
+    def is_quantized(self) -> bool:
+        """bitsandbytes weights: 4-bit (Linear4bit) or 8-bit (Linear8bitLt)."""
+        return self.load_in_4bit or self.load_in_8bit
 
     @property
     def lora_target_names(self) -> list[str]:
@@ -358,6 +373,8 @@ class Recipe:
             out["lora_targets"] = list(lora_targets)
         if not self.load_in_4bit:  # as the engine writes it: the 4-bit keys only for a 4-bit base
             del out["load_in_4bit"], out["bnb_4bit_quant_type"], out["bnb_4bit_use_double_quant"]
+        if not self.load_in_8bit:  # and load_in_8bit only for 8-bit weights
+            del out["load_in_8bit"]
         if not self.is_inference:  # as the engine writes it: new_tokens and beams for inference only
             del out["new_tokens"], out["beams"]
         if self.parallel == "none":  # no data parallelism: the keys of a single-GPU recipe, as before

@@ -38,7 +38,7 @@ def versions(recipe: Recipe | None = None) -> dict:
             out["peft"] = peft.__version__
         except ImportError:
             pass
-    if recipe is not None and (recipe.optimizer == "adamw-8bit" or recipe.load_in_4bit):
+    if recipe is not None and (recipe.optimizer == "adamw-8bit" or recipe.is_quantized):
         try:
             import bitsandbytes
 
@@ -60,6 +60,10 @@ def quiet_libraries() -> None:
         pass
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning, module="torch")
+    # MatMul8bitLt logs "inputs will be cast from bfloat16 to float16" on every 8-bit matmul.
+    import logging
+
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 
 def expandable_segments_enabled() -> bool:
@@ -77,8 +81,8 @@ def check_device(device: str, fake: bool, recipe: Recipe) -> None:
                 "aborts the process on fake CUDA tensors; use --fake --device cpu")
         if not fake and not torch.cuda.is_available():
             raise DeviceError("--device cuda: no CUDA device is available here; use --device cpu or --fake")
-    if fake and recipe.load_in_4bit:
-        raise RecipeError("load_in_4bit cannot run on fake tensors: bitsandbytes quantizes real weights as they "
+    if fake and recipe.is_quantized:
+        raise RecipeError(f"{'load_in_8bit' if recipe.load_in_8bit else 'load_in_4bit'} cannot run on fake tensors: bitsandbytes quantizes real weights as they "
                           "are loaded; measure a reduced-depth model for real on the CPU")
     if fake and recipe.is_inference:
         raise RecipeError("mode=inference cannot run on fake tensors: generate() decides with data-dependent "
@@ -103,7 +107,7 @@ def _import_step_modules(recipe: Recipe) -> None:
         return
     if recipe.optimizer == "adafactor":
         import transformers.optimization  # noqa: F401
-    if recipe.optimizer == "adamw-8bit" or recipe.load_in_4bit:
+    if recipe.optimizer == "adamw-8bit" or recipe.is_quantized:
         with contextlib.suppress(ImportError):
             import bitsandbytes  # noqa: F401
 
@@ -141,7 +145,7 @@ def measure(model: str | ModelSpec, recipe: Recipe, *, device: str = "cpu", fake
     _import_step_modules(recipe)
     tracker = MemoryTracker(device, fake=fake, cuda_probe=is_cuda, detect_untracked=is_cuda and expandable_segments_enabled())
     tracker.attach_model(model_obj)
-    for name, t in quant_state_tensors(model_obj):  # 4-bit weights' constants: weights too
+    for name, t in quant_state_tensors(model_obj):  # 4-bit weights' constants, 8-bit SCB: weights too
         tracker.add_weight(t, name)
     if recipe.is_parallel:
         _parallel.attach(tracker, runner, recipe)
@@ -181,8 +185,8 @@ def measure(model: str | ModelSpec, recipe: Recipe, *, device: str = "cpu", fake
             stack.enter_context(fake_hf_patches())
             stack.enter_context(fake_mode)
         stack.enter_context(tracker)
-        if recipe.load_in_4bit and not fake:
-            stack.enter_context(bnb_composites_visible())
+        if recipe.is_quantized and not fake:
+            stack.enter_context(bnb_composites_visible(device))
         if recipe.is_inference:
             if step_hooks:
                 step_hooks["on_step_start"](1)
@@ -214,36 +218,87 @@ def measure(model: str | ModelSpec, recipe: Recipe, *, device: str = "cpu", fake
     return result
 
 
-@contextlib.contextmanager
-def bnb_composites_visible():
-    """Let the tracker see inside bitsandbytes' gemm_4bit op.
+# The bitsandbytes ops whose CPU kernel is the Python "default" one (backends/default/ops.py) and
+# that allocate inside: 4-bit matmul, and the LLM.int8 ops an 8-bit matmul calls
+# (MatMul8bitLt, autograd/_functions.py). dequantize_4bit / dequantize_blockwise have C kernels on
+# the CPU (backends/cpu/ops.py) that allocate their output only, and int8_linear_matmul has one
+# (torch._int_mm) only on AVX-512 CPUs; they stay single ops.
+BNB_COMPOSITE_OPS = ("gemm_4bit", "int8_vectorwise_quant", "int8_mixed_scaled_mm", "int8_scaled_mm",
+                     "int8_linear_matmul", "int8_mm_dequant", "int8_vectorwise_dequant")
 
-    MatMul4Bit (bitsandbytes/autograd/_functions.py) calls `torch.ops.bitsandbytes.gemm_4bit`, a
-    custom op. On the CPU its kernel is the Python "default" one (backends/default/ops.py,
-    `_gemm_4bit_default_impl`): with double quant `dequantize_blockwise` of the 8-bit absmax plus
-    the offset, then `dequantize_4bit` of the whole weight to the input's dtype, then `F.linear`.
-    A dispatch mode sees a custom op as one op, so the dequantized weight, which is really
-    allocated and freed inside it, would never reach the tracker. For the steps the op is
-    replaced by that same Python function: the same ops run, each now dispatched on its own.
-    (On CUDA, gemm_4bit takes that path too for more than 1536 rows of input; below that it may
-    run a fused kernel that dequantizes nothing; the CUDA probe sees either.)
+
+def _bnb_default_kernels(names) -> dict:
+    """op name -> the Python function bitsandbytes registered as its "default" kernel.
+
+    Most are module-level functions named `_` (the last overwrites the module's name), so they are
+    found among live functions of backends/default/ops.py and _ops.py by the op their decorator
+    names."""
+    import gc
+    import inspect
+    import types
+
+    from bitsandbytes.backends.default import ops as default_ops
+
+    found = {"gemm_4bit": default_ops._gemm_4bit_default_impl}
+    wanted = {f'"bitsandbytes::{name}", "default"': name for name in names if name not in found}
+    modules = (default_ops.__name__, "bitsandbytes._ops")
+    for obj in gc.get_objects():
+        if not (type(obj) is types.FunctionType and obj.__name__ == "_" and obj.__module__ in modules):
+            continue
+        try:
+            head = inspect.getsourcelines(obj)[0][0]
+        except (OSError, TypeError):
+            continue
+        for key, name in wanted.items():
+            if key in head:
+                found[name] = obj
+    return {name: found[name] for name in names if name in found}
+
+
+@contextlib.contextmanager
+def bnb_composites_visible(device: str = "cpu"):
+    """Let the tracker see inside bitsandbytes' composite ops.
+
+    MatMul4Bit and matmul_4bit's no-grad path (bitsandbytes/autograd/_functions.py) call
+    `torch.ops.bitsandbytes.gemm_4bit`, a custom op. On the CPU its kernel is the Python "default"
+    one (backends/default/ops.py, `_gemm_4bit_default_impl`): with double quant
+    `dequantize_blockwise` of the 8-bit absmax plus the offset, then `dequantize_4bit` of the whole
+    weight to the input's dtype, then `F.linear`. Likewise MatMul8bitLt calls
+    int8_vectorwise_quant, int8_mixed_scaled_mm, int8_scaled_mm, int8_linear_matmul and
+    int8_mm_dequant, whose CPU kernels are Python functions too. A dispatch mode sees a custom op
+    as one op, so what is really allocated and freed inside it (the dequantized weight, fp32
+    copies of the int8 operands, the int32 product) would never reach the tracker. For the steps
+    each op is replaced by its own default Python function: the same ops run, each now dispatched
+    on its own. Only ops that have no CPU kernel of their own are replaced (on an AVX-512 CPU
+    int8_linear_matmul has one), and only on the CPU: on CUDA every one of them has a CUDA kernel
+    (gemm_4bit dequantizes for more than 1536 rows of input and below that may run a fused kernel
+    that dequantizes nothing), which the CUDA probe measures as it is.
     """
+    if device != "cpu":
+        yield
+        return
     try:
-        from bitsandbytes.backends.default import ops as default_ops
+        names = [name for name in BNB_COMPOSITE_OPS
+                 if not torch._C._dispatch_has_kernel_for_dispatch_key(f"bitsandbytes::{name}", "CPU")]
+        kernels = _bnb_default_kernels(names)
     except ImportError:
         yield
         return
     namespace = torch.ops.bitsandbytes
-    original = namespace.gemm_4bit
+    originals = {}
+    for name, fn in kernels.items():
+        class _Visible:
+            default = staticmethod(fn)
+            __call__ = staticmethod(fn)
 
-    class _Visible:
-        default = staticmethod(default_ops._gemm_4bit_default_impl)
-
-    setattr(namespace, "gemm_4bit", _Visible)
+        originals[name] = getattr(namespace, name)
+        visible = _Visible()
+        setattr(namespace, name, visible)
     try:
         yield
     finally:
-        setattr(namespace, "gemm_4bit", original)
+        for name, op in originals.items():
+            setattr(namespace, name, op)
 
 
 @contextlib.contextmanager
@@ -404,6 +459,8 @@ def default_command(spec: ModelSpec, recipe: Recipe, *, device: str, fake: bool)
             args += ["--lora-targets", recipe.lora_targets]
         if recipe.lora_dropout != defaults.lora_dropout:
             args += ["--lora-dropout", repr(float(recipe.lora_dropout))]
+    if recipe.load_in_8bit:
+        args.append("--load-in-8bit")
     if recipe.load_in_4bit:
         if recipe.bnb_4bit_quant_type == "nf4" and recipe.bnb_4bit_use_double_quant:
             args.append("--qlora")
