@@ -73,7 +73,8 @@ NB_MODULE(_core, m) {
       .def_rw("new_tokens", &RecipeSpelling::new_tokens)
       .def_rw("beams", &RecipeSpelling::beams)
       .def_rw("gpus", &RecipeSpelling::gpus)
-      .def_rw("parallel", &RecipeSpelling::parallel);
+      .def_rw("parallel", &RecipeSpelling::parallel)
+      .def_rw("offload", &RecipeSpelling::offload);
 
   nb::class_<trainmem::Estimate>(m, "Estimate")
       .def_ro("model", &trainmem::Estimate::model)

@@ -52,7 +52,7 @@ struct RecipeFlags {
   bool load_in_4bit = false, double_quant = false, qlora = false;
   std::string quant_type = "";
   std::string new_tokens = "128", beams = "1";
-  std::string gpus = "1", parallel = "none";
+  std::string gpus = "1", parallel = "none", offload = "none";
   std::vector<std::pair<std::string, CLI::Option*>> options;  // knob name → its flag
 
   void add_to(CLI::App* app) {
@@ -90,6 +90,7 @@ struct RecipeFlags {
     opt("beams", "--beams", beams, "Inference: beam-search width (1: greedy)");
     opt("gpus", "--gpus", gpus, "Data-parallel GPUs (ranks); more than 1 needs --parallel");
     opt("parallel", "--parallel", parallel, "none | ddp (DistributedDataParallel) | fsdp (FSDP2 per decoder layer) | zero1 | zero2 (DeepSpeed ZeRO)");
+    opt("offload", "--offload", offload, "none | optimizer (DeepSpeed offload_optimizer {device: cpu}, zero1 / zero2)");
   }
 
   // Knobs the user typed on the command line.
@@ -124,6 +125,7 @@ struct RecipeFlags {
     sp.beams = parse_count(beams, "beams");
     sp.gpus = parse_count(gpus, "gpus");
     sp.parallel = parallel;
+    sp.offload = offload;
     return sp;
   }
 };
@@ -184,6 +186,7 @@ std::string compare(const std::string& path, bool as_json) {
   sp.beams = count("beams", sp.beams);
   sp.gpus = count("gpus", sp.gpus);  // a data-parallel measurement: rank 0 of `gpus`
   sp.parallel = text("parallel", sp.parallel.c_str());
+  sp.offload = text("offload", sp.offload.c_str());
   if (jr.contains("lora_targets")) {
     const nlohmann::json& t = jr["lora_targets"];
     if (t.is_string()) {

@@ -38,6 +38,7 @@ constexpr Spellings<Parallel, 5> kParallel{{{Parallel::kNone, "none"},
                                             {Parallel::kFsdp, "fsdp"},
                                             {Parallel::kZero1, "zero1"},
                                             {Parallel::kZero2, "zero2"}}};
+constexpr Spellings<Offload, 2> kOffload{{{Offload::kNone, "none"}, {Offload::kOptimizer, "optimizer"}}};
 
 template <typename E, std::size_t N>
 std::string_view name_of(const Spellings<E, N>& table, E e) {
@@ -139,6 +140,26 @@ void validate_parallel(const Recipe& r) {
   }
 }
 
+// What the engine models of CPU offload (Note [ZeRO-Offload] in graph/zero_offload.cpp).
+void validate_offload(const Recipe& r) {
+  if (r.offload == Offload::kNone) return;
+  if (r.parallel == Parallel::kFsdp) {
+    throw Error("offload: FSDP2's CPUOffloadPolicy is not modelled yet; offload optimizer is DeepSpeed's "
+                "offload_optimizer under parallel zero1 or zero2");
+  }
+  if (!is_zero(r.parallel)) {
+    throw Error("offload: optimizer is DeepSpeed's offload_optimizer {device: cpu}; it needs parallel zero1 or "
+                "zero2 (with --gpus 1 too), got parallel " + std::string(to_string(r.parallel)));
+  }
+  // DeepSpeed refuses a client torch optimizer under offload (zero_force_ds_cpu_optimizer, true by
+  // default: deepspeed/runtime/engine.py); its config's Adam / AdamW become DeepSpeedCPUAdam.
+  if (r.optimizer != Optimizer::kAdamW) {
+    throw Error("optimizer: " + std::string(to_string(r.optimizer)) +
+                " under offload optimizer is not modelled; use adamw (DeepSpeed steps the offloaded partition "
+                "with DeepSpeedCPUAdam)");
+  }
+}
+
 }  // namespace
 
 std::string_view to_string(Precision x) { return name_of(kPrecisions, x); }
@@ -150,6 +171,7 @@ std::string_view to_string(AllocatorMode x) { return name_of(kAllocator, x); }
 std::string_view to_string(Mode x) { return name_of(kModes, x); }
 std::string_view to_string(QuantType x) { return name_of(kQuantTypes, x); }
 std::string_view to_string(Parallel x) { return name_of(kParallel, x); }
+std::string_view to_string(Offload x) { return name_of(kOffload, x); }
 
 Precision parse_precision(std::string_view s) { return parse(kPrecisions, s, "precision"); }
 Optimizer parse_optimizer(std::string_view s) { return parse(kOptimizers, s, "optimizer"); }
@@ -167,6 +189,7 @@ Parallel parse_parallel(std::string_view s) {
   }
   return parse(kParallel, s, "parallel");
 }
+Offload parse_offload(std::string_view s) { return parse(kOffload, s, "offload"); }
 
 Recipe parse_recipe(const RecipeSpelling& in) {
   Recipe r;
@@ -194,6 +217,7 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   r.quant.double_quant = in.bnb_4bit_use_double_quant;
   r.gpus = in.gpus;
   r.parallel = parse_parallel(in.parallel);
+  r.offload = parse_offload(in.offload);
   r.validate();
   return r;
 }
@@ -250,6 +274,7 @@ void Recipe::validate() const {
     }
   }
   validate_parallel(*this);
+  validate_offload(*this);
 }
 
 }  // namespace trainmem
