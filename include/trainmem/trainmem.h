@@ -361,6 +361,7 @@ struct StepTime {
   double memory_s = 0;    // elementwise, loss and optimizer traffic at the assumed bandwidth
   double overhead_s = 0;  // kernel launches
   double comm_s = 0;      // data-parallel collectives at the interconnect bandwidth (gpus > 1)
+  double host_s = 0;      // CPU offload: PCIe transfers at host_gbps and the optimizer step on the CPU
   double flops = 0;       // per GPU per optimizer step
 };
 StepTime step_time(const Model& model, const Recipe& recipe);

@@ -66,6 +66,7 @@ ordered_json time_object(const StepTime& t) {
   j["memory_s"] = t.memory_s;
   j["overhead_s"] = t.overhead_s;
   j["comm_s"] = t.comm_s;
+  j["host_s"] = t.host_s;
   j["flops"] = t.flops;
   return j;
 }

@@ -13,6 +13,7 @@
 
 #include "graph/parallel.h"
 #include "graph/step.h"
+#include "plan/plan.h"
 #include "test_util.h"
 #include "trainmem/trainmem.h"
 
@@ -159,6 +160,37 @@ TEST(ZeroOffload, TheBoundaryMicroBatchIsNeverSkipped) {
   }
   EXPECT_EQ(boundary_norms, 2u);  // rank 0's one parameter, in each of the two steps
   EXPECT_EQ(other, 0u);
+}
+
+TEST(ZeroOffload, PlannerSearchesItAndTimesTheHostSide) {
+  // A ZeRO-2 Llama-3.1-8B on one H100 fits only with the optimizer offloaded: the floor lets it
+  // through, the single change shows it, and its step time carries the PCIe copies and the CPU
+  // step (host_s) instead of the GPU's optimizer traffic.
+  const Model m = load_model("llama-3.1-8b");
+  Recipe base;
+  base.seq = 2048;
+  base.parallel = Parallel::kZero2;
+  base.precision = Precision::kBf16Master;
+  base.validate();
+  Recipe off = base;
+  off.offload = Offload::kOptimizer;
+  EXPECT_LT(plan::persistent_floor(m, off), plan::persistent_floor(m, base));
+  const Estimate e = estimate(m, off);
+  EXPECT_LE(plan::persistent_floor(m, off), e.peak_reserved_bytes);
+  const StepTime t0 = step_time(m, base), t1 = step_time(m, off);
+  EXPECT_EQ(t0.host_s, 0);
+  EXPECT_GT(t1.host_s, 0);
+  EXPECT_LT(t1.memory_s, t0.memory_s);
+  FitRequest q;
+  q.base = base;
+  q.fixed = {"parallel", "precision"};
+  q.top = 3;
+  const FitResult f = fit(m, q);
+  ASSERT_FALSE(f.plans.empty());
+  EXPECT_EQ(f.plans.front().recipe.offload, Offload::kOptimizer);  // nothing fits without it
+  bool shown = false;
+  for (const Change& c : f.changes) shown = shown || (c.what == "offload optimizer" && c.plan.fits);
+  EXPECT_TRUE(shown);
 }
 
 TEST(ZeroOffload, RecipeRefusals) {
