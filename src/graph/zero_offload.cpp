@@ -27,7 +27,7 @@ constexpr std::int32_t kNoLayer = -1;
 //    pinned zeros .grad, kept for the run (cpu_offload keeps it; without offload it goes);
 //  * backward: the ipg bucket and the reduction as without offload (contiguous_gradients is forced
 //    on), but copy_grads_in_partition takes the cpu_offload branch: no grads_in_partition on the
-//    GPU. Outside the boundary micro-batch (gradient accumulation), each parameter of the
+//    GPU. Under ZeRO-2 outside the boundary micro-batch (gradient accumulation), each parameter of the
 //    partition is accumulated through temp_grad_buffer_for_gpu_offload (a view, no allocation)
 //    into accumulated_grads_in_cpu[param] (pinned zeros of the whole parameter, model dtype, made
 //    at its first copy and kept). At the boundary, per parameter: set_norm_for_param_grad_in_gpu
@@ -84,8 +84,10 @@ void DataParallel::offload_wrap() {
   const std::uint64_t states = detail::mul(partition_numel_, 8, "CPUAdam state bytes");
   host_.pageable_bytes = detail::add(host_.pageable_bytes, states, "host pageable bytes");
   host_.optimizer_states_bytes = states;
-  // accumulated_grads_in_cpu: one per parameter of the partition, under gradient accumulation.
-  if (grad_accum_ > 1) {
+  // accumulated_grads_in_cpu: one per parameter of the partition, under gradient accumulation
+  // with ZeRO-2. ZeRO-1 reduces once, at the boundary, in the step's first ipg round
+  // (micro_step_id 0): copy_grads_in_partition then skips the host accumulation.
+  if (grad_accum_ > 1 && kind_ == Parallel::kZero2) {
     for (std::uint32_t pi : in_partition_) {
       host_pinned(detail::mul(params_[pi].numel, item, "accumulated_grads_in_cpu bytes"), &HostMemory::gradients_bytes);
     }

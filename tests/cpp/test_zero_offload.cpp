@@ -143,6 +143,10 @@ TEST(ZeroOffload, AccumulationKeepsWholeParameterBuffersOnTheHost) {
   o.rank = 0;
   const Estimate e = estimate(m, offload_recipe(Parallel::kZero2, 2, 4), o);
   EXPECT_EQ(e.host.gradients_bytes, 4 * np + 2 * kGpt2Wte + 2 * kGpt2Wte);
+  // ZeRO-1 reduces once, at the boundary, where DeepSpeed's micro_step_id is still 0: no host
+  // accumulation buffers.
+  const Estimate z1 = estimate(m, offload_recipe(Parallel::kZero1, 2, 4), o);
+  EXPECT_EQ(z1.host.gradients_bytes, 4 * np + 2 * kGpt2Wte);
 }
 
 TEST(ZeroOffload, TheBoundaryMicroBatchIsNeverSkipped) {
