@@ -79,7 +79,8 @@ NB_MODULE(_core, m) {
       .def_rw("fsdp_reshard_after_forward", &RecipeSpelling::fsdp_reshard_after_forward)
       .def_rw("fsdp_replicate", &RecipeSpelling::fsdp_replicate)
       .def_rw("fsdp_param_dtype", &RecipeSpelling::fsdp_param_dtype)
-      .def_rw("fsdp_reduce_dtype", &RecipeSpelling::fsdp_reduce_dtype);
+      .def_rw("fsdp_reduce_dtype", &RecipeSpelling::fsdp_reduce_dtype)
+      .def_rw("offload", &RecipeSpelling::offload);
 
   nb::class_<trainmem::Estimate>(m, "Estimate")
       .def_ro("model", &trainmem::Estimate::model)

@@ -24,6 +24,7 @@ Estimate run(const Model& model, const Recipe& resolved, const Gpu& gpu, const E
   est.model = model.name;
   est.parameters = model.parameter_count;
   est.trainable_parameters = trace.trainable_parameters;
+  est.host = trace.host;
   est.gpu = gpu;
   est.rank = rank;
   graph::recycle(std::move(trace));

@@ -177,6 +177,11 @@ struct Fsdp {
     return reshard_after_forward && replicate == 1 && param_dtype == FsdpDtype::kNone && reduce_dtype == FsdpDtype::kNone;
   }
 };
+// CPU offload (docs/parallelism.md, "CPU offload"): kOptimizer is DeepSpeed's
+// zero_optimization.offload_optimizer {device: cpu} (its defaults: pin_memory true, ratio 1) under
+// kZero1 / kZero2, with DeepSpeedCPUAdam stepping this rank's fp32 partition on the host (Note
+// [ZeRO-Offload] in src/graph/zero_offload.cpp). Mirrored from the source, unmeasured.
+enum class Offload : std::uint8_t { kNone, kOptimizer };
 
 // LoRA adapters (peft's LoraConfig): the base model is frozen, every targeted linear layer of
 // every decoder layer gets A (rank × in) and B (out × rank) beside it.
@@ -231,6 +236,7 @@ struct Recipe {
   // gpus 1. The estimate is one rank's memory (every rank holds the same).
   std::uint64_t tp = 1;
   Fsdp fsdp;  // parallel kFsdp only
+  Offload offload = Offload::kNone;
 
   void validate() const;  // throws Error naming the field
 };
@@ -245,6 +251,7 @@ std::string_view to_string(Mode);
 std::string_view to_string(QuantType);
 std::string_view to_string(Parallel);
 std::string_view to_string(FsdpDtype);
+std::string_view to_string(Offload);
 // The knobs as a person spells them (CLI flags, Python keywords, the JSON `recipe` object).
 struct RecipeSpelling {
   std::uint64_t batch = 1;
@@ -274,6 +281,7 @@ struct RecipeSpelling {
   std::uint64_t fsdp_replicate = 1;
   std::string fsdp_param_dtype = "none";   // none | bf16
   std::string fsdp_reduce_dtype = "none";  // none | fp32 | bf16
+  std::string offload = "none";   // none | optimizer (DeepSpeed offload_optimizer, zero1 / zero2)
 };
 // Parses and validates every knob; throws Error naming the first bad field.
 Recipe parse_recipe(const RecipeSpelling& spelling);
@@ -289,6 +297,7 @@ Mode parse_mode(std::string_view);
 QuantType parse_quant_type(std::string_view);
 Parallel parse_parallel(std::string_view);
 FsdpDtype parse_fsdp_dtype(std::string_view, std::string_view field);
+Offload parse_offload(std::string_view);
 
 // The linear modules of one decoder layer that LoRA can target, as peft names them.
 std::vector<std::string> lora_target_modules(const Architecture&);
@@ -327,6 +336,21 @@ struct RankPeak {
   std::uint64_t peak_reserved_bytes = 0;
 };
 
+// Host (CPU) memory one rank holds for the step under CPU offload (Recipe::offload), steady state
+// at the optimizer step: pinned tensors as PyTorch's CachingHostAllocator hands them out (each
+// rounded up to a power of two), pageable ones at their size. The categories count requested
+// bytes. Mirrored from the framework's source, never measured (the measurements are CPU runs,
+// where offloading to the CPU is a copy on the same device). All zero without offload.
+struct HostMemory {
+  std::uint64_t pinned_bytes = 0;            // page-locked, as allocated (power-of-two blocks)
+  std::uint64_t pinned_requested_bytes = 0;  // the same tensors' own sizes
+  std::uint64_t pageable_bytes = 0;
+  std::uint64_t weights_bytes = 0;           // fp32 master partition, 16-bit staging copy
+  std::uint64_t optimizer_states_bytes = 0;  // DeepSpeedCPUAdam's exp_avg, exp_avg_sq
+  std::uint64_t gradients_bytes = 0;         // fp32 partition gradient, staging and accumulation buffers
+  std::uint64_t total_bytes() const { return pinned_bytes + pageable_bytes; }
+};
+
 struct Estimate {
   std::string model;
   std::uint64_t parameters = 0;
@@ -348,6 +372,7 @@ struct Estimate {
   // (empty on one GPU); ranks not listed hold what rank 0 holds.
   std::uint64_t rank = 0;
   std::vector<RankPeak> ranks;
+  HostMemory host;  // the reported rank's host memory under CPU offload
 };
 
 struct EstimateOptions {
@@ -374,6 +399,7 @@ struct StepTime {
   double memory_s = 0;    // elementwise, loss and optimizer traffic at the assumed bandwidth
   double overhead_s = 0;  // kernel launches
   double comm_s = 0;      // data-parallel collectives at the interconnect bandwidth (gpus > 1)
+  double host_s = 0;      // CPU offload: PCIe transfers at host_gbps and the optimizer step on the CPU
   double flops = 0;       // per GPU per optimizer step
 };
 StepTime step_time(const Model& model, const Recipe& recipe);

@@ -40,6 +40,8 @@ class Estimate:
     # rank replayed (docs/schema.md).
     rank: int = 0
     ranks: list[dict[str, int]] = field(default_factory=list)
+    # With offload: the host memory of that rank (docs/schema.md, `host_bytes`); unmeasured.
+    host_bytes: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """The object `trainmem estimate --json` prints (timeline only when recorded)."""
@@ -48,6 +50,8 @@ class Estimate:
             del d["timeline"]
         if self.recipe.get("gpus", 1) == 1:
             del d["rank"], d["ranks"]
+        if not d["host_bytes"]:
+            del d["host_bytes"]
         return json.loads(json.dumps(d))
 
     def __str__(self) -> str:  # the terminal picture, as the CLI prints it
@@ -85,6 +89,7 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     "fsdp_replicate": 1,  # parallel fsdp: HSDP replica groups, mesh (fsdp_replicate, gpus / fsdp_replicate)
     "fsdp_param_dtype": "none",  # parallel fsdp, fp32: MixedPrecisionPolicy param_dtype, none | bf16
     "fsdp_reduce_dtype": "none",  # MixedPrecisionPolicy reduce_dtype, none | fp32 | bf16
+    "offload": "none",  # none | optimizer (DeepSpeed offload_optimizer, zero1 / zero2)
 }
 _COUNTS = ("batch", "seq", "grad_accum", "new_tokens", "beams", "gpus", "tp", "fsdp_replicate")
 

@@ -192,7 +192,11 @@ def recipe_from_deepspeed_config(config: Any, *, seq: int | None = None, gpus: i
     (foreach); without `torch_adam` it is DeepSpeed's FusedAdam, which updates in place like
     torch's fused AdamW (adamw-fused); without a section the Trainer's `optim` decides.
 
-    Refused (not modelled): ZeRO stage 0 (DeepSpeed's own data parallelism), CPU/NVMe offload,
+    `offload_optimizer {device: cpu}` under stages 1 and 2 (pin_memory and ratio at their defaults) is
+    `offload="optimizer"` with the config's Adam/AdamW as DeepSpeedCPUAdam (`optimizer="adamw"`).
+
+    Refused (not modelled): ZeRO stage 0 (DeepSpeed's own data parallelism), offload_param, NVMe
+    offload, offload under stage 3,
     fp16 with loss scaling, ZeRO settings other than DeepSpeed's defaults (buckets, overlap,
     stage-3 prefetch and persistence), other optimizers.
     """
@@ -216,10 +220,21 @@ def recipe_from_deepspeed_config(config: Any, *, seq: int | None = None, gpus: i
                          "is not modelled; stages 1, 2 and 3 are")
     if stage not in (1, 2, 3):
         raise ValueError(f"deepspeed config zero_optimization.stage: expected 0, 1, 2 or 3, got {stage!r}")
+    offload = False
     for key in ("offload_optimizer", "offload_param"):
-        device = (zero.get(key) or {}).get("device", "none")
-        if device not in (None, "none"):
-            raise ValueError(f"deepspeed config zero_optimization.{key}.device={device!r}: offload is not modelled yet")
+        section = zero.get(key) or {}
+        device = section.get("device", "none")
+        if device in (None, "none"):
+            continue
+        if key == "offload_param" or device != "cpu" or stage == 3:
+            raise ValueError(f"deepspeed config zero_optimization.{key}.device={device!r}"
+                             f"{' under stage 3' if stage == 3 else ''}: offload is not modelled yet (offload_optimizer "
+                             "to the cpu under stages 1 and 2 is)")
+        for name, default in (("pin_memory", True), ("ratio", 1.0)):
+            if name in section and section[name] != default:
+                raise ValueError(f"deepspeed config zero_optimization.offload_optimizer.{name}={section[name]!r}: "
+                                 f"trainmem models DeepSpeed's default ({default})")
+        offload = True
     for key, default in _ZERO_DEFAULTS.items():
         if key in zero and zero[key] != default:
             raise ValueError(f"deepspeed config zero_optimization.{key}={zero[key]!r}: trainmem models DeepSpeed's "
@@ -230,6 +245,8 @@ def recipe_from_deepspeed_config(config: Any, *, seq: int | None = None, gpus: i
                          "remove it to estimate with the default")
 
     knobs: dict[str, Any] = {"parallel": f"zero{stage}"}
+    if offload:
+        knobs["offload"] = "optimizer"
     micro = value(ds, "train_micro_batch_size_per_gpu", "per_device_train_batch_size",
                   "train_micro_batch_size_per_gpu")
     accum = value(ds, "gradient_accumulation_steps", "gradient_accumulation_steps", "gradient_accumulation_steps")
@@ -260,7 +277,18 @@ def recipe_from_deepspeed_config(config: Any, *, seq: int | None = None, gpus: i
     knobs["precision"] = "bf16-master" if enabled("bf16", "bf16") else "fp32"
 
     section = ds.get("optimizer")
-    if section is not None:
+    if offload:
+        # The config's Adam/AdamW becomes DeepSpeedCPUAdam on the host (engine.py,
+        # get_optimizer_configuration); a Trainer's own optimizer is refused by DeepSpeed
+        # (zero_force_ds_cpu_optimizer). Note [ZeRO-Offload] in src/graph/zero_offload.cpp.
+        if section is None:
+            raise ValueError("deepspeed config zero_optimization.offload_optimizer: DeepSpeed refuses a client "
+                             "optimizer under offload (zero_force_ds_cpu_optimizer); add an \"optimizer\" section "
+                             "of type AdamW")
+        if str(section.get("type", "")).lower() not in ("adam", "adamw"):
+            raise ValueError(f"deepspeed config optimizer.type={section.get('type')!r} is not modelled; Adam/AdamW is")
+        knobs["optimizer"] = "adamw"
+    elif section is not None:
         kind = str(section.get("type", "")).lower()
         params = section.get("params") or {}
         if kind not in ("adam", "adamw"):

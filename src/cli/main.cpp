@@ -58,7 +58,7 @@ struct RecipeFlags {
   bool load_in_4bit = false, double_quant = false, qlora = false, load_in_8bit = false;
   std::string quant_type = "";
   std::string new_tokens = "128", beams = "1";
-  std::string gpus = "1", parallel = "none", tp = "1", zero = "";
+  std::string gpus = "1", parallel = "none", tp = "1", zero = "", offload = "none";
   std::string fsdp_reshard_after_forward = "true", fsdp_replicate = "1", fsdp_param_dtype = "none",
               fsdp_reduce_dtype = "none";
   std::vector<std::pair<std::string, CLI::Option*>> options;  // knob name → its flag
@@ -111,6 +111,7 @@ struct RecipeFlags {
         "With --parallel fsdp and fp32: MixedPrecisionPolicy param_dtype, none | bf16");
     opt("fsdp_reduce_dtype", "--fsdp-reduce-dtype", fsdp_reduce_dtype,
         "With --fsdp-param-dtype: MixedPrecisionPolicy reduce_dtype, none (param_dtype) | fp32 | bf16");
+    opt("offload", "--offload", offload, "none | optimizer (DeepSpeed offload_optimizer {device: cpu}, zero1 / zero2)");
   }
 
   // Knobs the user typed on the command line.
@@ -160,6 +161,7 @@ struct RecipeFlags {
       }
       sp.parallel = "zero" + zero;
     }
+    sp.offload = offload;
     return sp;
   }
 };
@@ -221,6 +223,7 @@ std::string compare(const std::string& path, bool as_json) {
   sp.gpus = count("gpus", sp.gpus);  // a data-parallel measurement: rank 0 of `gpus`
   sp.parallel = text("parallel", sp.parallel.c_str());
   sp.tp = count("tp", sp.tp);  // a tensor-parallel measurement: rank 0 of `tp`
+  sp.offload = text("offload", sp.offload.c_str());
   if (jr.contains("lora_targets")) {
     const nlohmann::json& t = jr["lora_targets"];
     if (t.is_string()) {

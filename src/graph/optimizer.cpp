@@ -91,7 +91,9 @@ void StepBuilder::step_parameters(const std::vector<const Param*>& opt, bool fir
   auto sb_of = [&](const Param& p) { return dtype_bytes(pol_.master ? DType::kF32 : dp_.local_dtype(p.slot, p.dtype)); };
   // The elements this rank's optimizer holds of a parameter (FSDP2: its shard).
   auto numel_of = [&](const Param& p) { return dp_.local_numel(p.slot, p.numel); };
-  switch (r_.optimizer) {
+  if (dp_.offload()) {
+    op("optimizer.cpu_adam");  // DeepSpeedCPUAdam on the host: nothing on the GPU (Note [ZeRO-Offload])
+  } else switch (r_.optimizer) {
     case Optimizer::kAdamW:
     case Optimizer::kAdamWFused: {
       if (first) {

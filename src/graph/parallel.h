@@ -98,6 +98,15 @@ class DataParallel {
   // model dtype, whatever the model's size (exposed for the planner's floor).
   static std::uint64_t zero_bucket_bytes(std::uint64_t item_bytes);
 
+  // ZeRO-Offload (zero_offload.cpp, Note [ZeRO-Offload]): the host memory this rank holds, and
+  // whether the step's last micro-batch differs from the ones before it (the replay must not skip
+  // it). pinned_block_bytes: what CachingHostAllocator hands out for a pinned tensor.
+  bool offload() const { return offload_; }
+  const HostMemory& host_memory() const { return host_; }
+  bool boundary_micro_batch_differs() const { return offload_ && kind_ == Parallel::kZero2; }
+  void skip_to_last_micro();
+  static std::uint64_t pinned_block_bytes(std::uint64_t bytes);
+
  private:
   struct Unit {
     std::vector<std::uint32_t> params;
@@ -233,6 +242,16 @@ class DataParallel {
   std::vector<TensorId> z3_kept_grads_;         // .grads larger than the bucket, until reduced
   TensorId z3_fp32_grad_ = kNone;
   TensorId z3_norm_group_ = kNone;  // the sub-group's gradient norm, until step() returns
+  // ZeRO-Offload (zero_offload.cpp)
+  void offload_wrap();
+  void offload_grad(std::uint32_t pi);
+  void offload_before_optimizer();
+  void offload_after_optimizer();
+  void host_pinned(std::uint64_t bytes, std::uint64_t HostMemory::*category);
+  bool offload_ = false;
+  bool offload_boundary_ = false;     // this backward is the accumulation boundary
+  std::vector<TensorId> offload_norms_;  // norm_for_param_grads, until reset_cpu_buffers
+  HostMemory host_;
 };
 
 }  // namespace trainmem::graph

@@ -91,6 +91,12 @@ Trace StepBuilder::build() {
       t_.seal_categories();  // the replay reads the events so far now
       const MicroBatchNext next = hook_ ? hook_(t_.trace(), step, micro) : MicroBatchNext::kGoOn;
       if (next == MicroBatchNext::kStop) return finish_trace();  // the replay has its answer
+      if (next == MicroBatchNext::kSkipRest && dp_.boundary_micro_batch_differs() && micro + 1 < r_.grad_accum) {
+        // The boundary micro-batch does more than the repeated ones (Note [ZeRO-Offload]): on to it.
+        micro = static_cast<std::uint32_t>(r_.grad_accum) - 1;
+        dp_.skip_to_last_micro();
+        continue;
+      }
       if (next == MicroBatchNext::kSkipRest) {
         // The rest of the step's micro-batches would repeat this one: on to the optimizer,
         // labelled with the last micro-batch.
@@ -105,6 +111,7 @@ Trace StepBuilder::build() {
 
 Trace StepBuilder::finish_trace() {
   Trace trace = t_.take();
+  trace.host = dp_.host_memory();
   trace.trainable_parameters = m_.parameter_count;
   if (r_.lora.enabled()) {
     trace.trainable_parameters = 0;

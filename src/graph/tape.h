@@ -163,6 +163,7 @@ struct Trace {
   std::vector<Event> events;
   std::vector<MomentTag> moments;
   std::uint64_t trainable_parameters = 0;  // elements the optimizer updates
+  HostMemory host;                         // CPU offload's host memory (Note [ZeRO-Offload])
 };
 
 // Hands a finished trace's buffers to the next Tape made on this thread: an estimate's tens of

@@ -114,6 +114,7 @@ void DataParallel::zero_wrap() {
     }
   }
   sub_group_numel_.assign(1, partition_numel_);  // the torch optimizer steps it whole
+  if (offload_) return offload_wrap();  // the fp32 partition lives on the host: Note [ZeRO-Offload]
   t_.at(Phase::kSetup, kNoLayer, "zero.fp32_partition");
   t_.alloc_bytes(detail::mul(partition_numel_, 4, "ZeRO fp32 partition bytes"), Category::kWeights);
 }
@@ -125,6 +126,7 @@ void DataParallel::zero_param_ready(std::uint32_t slot) {
     t_.at(t_.phase(), kNoLayer, "zero.setup_buckets");
     zero_bucket_ = t_.alloc_bytes(zero_bucket_bytes(zero_item_bytes()), Category::kGradients);
     bucket_elements_ = 0;
+    offload_boundary_ = micro_ + 1 >= grad_accum_;  // See Note [ZeRO-Offload]
   }
   if (kind_ == Parallel::kZero2) zero_to_bucket(pi);
 }
@@ -180,6 +182,10 @@ void DataParallel::zero_reduce_ipg() {
   if (count > 0) flush();
   for (std::uint32_t pi : bucket_params_) {
     if (!is_in_partition_[pi]) continue;  // other partitions keep their bucket views
+    if (offload_) {  // to the host's fp32 .grad: See Note [ZeRO-Offload]
+      offload_grad(pi);
+      continue;
+    }
     if (grads_in_partition_ == kNone) {
       std::uint64_t total = 0;
       for (std::uint32_t q : in_partition_) total += params_[q].numel;
@@ -225,7 +231,7 @@ void DataParallel::zero_epilogue() {
     }
     grads_in_partition_ = kNone;
   }
-  if (micro_ >= grad_accum_) {  // averaged_gradients = get_flat_partition(...) at the boundary
+  if (micro_ >= grad_accum_ && !offload_) {  // averaged_gradients = get_flat_partition(...) at the boundary
     std::vector<std::uint64_t> slices;
     for (std::uint32_t pi : in_partition_) {
       const std::uint64_t begin = std::max(flat_offset_[pi], partition_begin_);
@@ -269,6 +275,7 @@ void DataParallel::zero_before_optimizer() {
     const std::uint64_t end = std::min(flat_offset_[pi] + params_[pi].numel, partition_begin_ + partition_numel_);
     slices.push_back(end - begin);
   }
+  if (offload_) return offload_before_optimizer();  // See Note [ZeRO-Offload]
   if (zero_pad_ == kNone) zero_pad(slices);  // the boundary epilogue was skipped by the replay
   t_.at(Phase::kOptimizer, kNoLayer, "zero.grad_norm");
   auto scalar = [&](std::uint64_t bytes) { return t_.alloc_bytes(bytes, Category::kTemporaries); };
@@ -333,6 +340,7 @@ void DataParallel::zero_before_optimizer() {
 
 void DataParallel::zero_after_optimizer() {
   if (zero3()) return zero3_gather_persistent();
+  if (offload_) offload_after_optimizer();
   if (fp32_grad_ != kNone) t_.release(fp32_grad_);  // single_partition_of_fp32_groups[i].grad = None
   fp32_grad_ = kNone;
   if (scaled_norm_ != kNone) t_.release(scaled_norm_);  // a local of step(), gone when it returns

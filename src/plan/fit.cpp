@@ -108,7 +108,8 @@ class Planner {
     k += "/" + r.gpu + "/lora" + std::to_string(r.lora.rank) + "/" + std::to_string(r.lora.dropout);
     k += "/" + std::string(to_string(r.parallel)) + std::to_string(r.gpus);
     k += "/fsdp" + std::string(r.fsdp.reshard_after_forward ? "1" : "0") + std::to_string(r.fsdp.replicate) + "/" +
-         std::string(to_string(r.fsdp.param_dtype)) + "/" + std::string(to_string(r.fsdp.reduce_dtype));
+         std::string(to_string(r.fsdp.param_dtype)) + "/" + std::string(to_string(r.fsdp.reduce_dtype)) + "/" +
+         std::string(to_string(r.offload));
     for (const std::string& t : r.lora.targets) k += "/" + t;
     if (r.quant.enabled()) {
       k += "/4bit/" + std::string(to_string(r.quant.quant_type)) + (r.quant.double_quant ? "/dq" : "");
@@ -188,9 +189,11 @@ std::uint64_t plan::persistent_floor(const Model& m, const Recipe& r) {
     // (its optimizer step, single_grad_partition; the model's .grads were cleared by then): the
     // larger of the two.
     const std::uint64_t partition = n / r.gpus;
+    const std::uint64_t bucket = graph::DataParallel::zero_bucket_bytes(pb);
+    // ZeRO-Offload keeps only the flat group and the bucket on the GPU (See Note [ZeRO-Offload]).
+    if (r.offload == Offload::kOptimizer) return detail::add(weights, bucket, "persistent bytes");
     const std::uint64_t held = detail::add(weights, detail::mul(partition, 4 + states_per_element, "ZeRO partition bytes"),
                                            "persistent bytes");
-    const std::uint64_t bucket = graph::DataParallel::zero_bucket_bytes(pb);
     return detail::add(held, std::max(bucket, detail::mul(partition, 4, "ZeRO gradient bytes")), "persistent bytes");
   }
   // DDP: the Reducer's buckets, a second copy of the gradients (Note [DDP buckets] in
@@ -208,7 +211,8 @@ std::uint64_t plan::persistent_floor(const Model& m, const Recipe& r) {
 
 const std::vector<std::string>& fit_knobs() {
   static const std::vector<std::string> kKnobs = {"batch", "precision", "optimizer", "checkpointing",
-                                                  "attention", "loss", "allocator", "parallel"};
+                                                  "attention", "loss", "allocator", "parallel",
+                                                  "offload"};
   return kKnobs;
 }
 
@@ -287,6 +291,8 @@ FitResult fit(const Model& model, const FitRequest& q) {
       q.gpus > 1 ? values(q, "parallel", base.parallel,
                           {Parallel::kFsdp, Parallel::kDdp, Parallel::kZero1, Parallel::kZero2, Parallel::kZero3})
                  : std::vector<Parallel>{base.parallel};
+  // DeepSpeed's offload_optimizer where a ZeRO recipe takes it (AdamW: DeepSpeedCPUAdam).
+  const auto offloads = values(q, "offload", base.offload, {Offload::kNone, Offload::kOptimizer});
 
   struct Candidate {
     Recipe r;
@@ -317,8 +323,11 @@ FitResult fit(const Model& model, const FitRequest& q) {
                 r.parallel = dp;
                 if (dp != Parallel::kFsdp) r.fsdp = Fsdp{};  // FSDP2's knobs belong to fsdp alone
                 r.allocator = allocators.front();
-                if (!valid(r)) continue;
-                out_space.push_back({r, step_time(model, r), plan::persistent_floor(model, r)});
+                for (Offload off : offloads) {
+                  r.offload = off;
+                  if (!valid(r)) continue;
+                  out_space.push_back({r, step_time(model, r), plan::persistent_floor(model, r)});
+                }
               }
             }
           }
@@ -497,6 +506,12 @@ FitResult fit(const Model& model, const FitRequest& q) {
     Recipe r = base;
     r.fsdp.reshard_after_forward = !base.fsdp.reshard_after_forward;
     change(std::string("fsdp_reshard_after_forward ") + (r.fsdp.reshard_after_forward ? "true" : "false"), r);
+  }
+  // CPU offload of the optimizer (Note [ZeRO-Offload]): on or off for a ZeRO recipe with AdamW.
+  if (is_zero(base.parallel) && base.parallel != Parallel::kZero3 && base.optimizer == Optimizer::kAdamW) {
+    Recipe r = base;
+    r.offload = base.offload == Offload::kNone ? Offload::kOptimizer : Offload::kNone;
+    change("offload " + std::string(to_string(r.offload)), r);
   }
   if (!base.lora.enabled() && base.parallel == Parallel::kNone) {
     Recipe r = base;

@@ -28,6 +28,15 @@
 //    updated 16-bit (or fp32) partitions are all-gathered into the flat group once. See Note
 //    [DDP buckets] and Note [FSDP2 units] in graph/parallel.cpp, Note [DeepSpeed ZeRO-1/2] in
 //    graph/zero.cpp;
+//  * CPU offload (ZeRO-Offload, Note [ZeRO-Offload] in graph/zero_offload.cpp), not overlapped
+//    either: over PCIe at the GPU's host_gbps per direction, directions summed, this rank's
+//    partition (Np elements, model dtype b bytes): its fp32 gradient to the host at the boundary
+//    (4 Np), the updated 16-bit partition back (b Np) and, under gradient accumulation over m
+//    micro-batches, the partition's gradients through accumulated_grads_in_cpu (to the host in
+//    every micro-batch, back from it in all but the first: (2m - 1) b Np); then DeepSpeedCPUAdam
+//    on the host, memory-bound: fp32 parameter, gradient and two moments read, parameter and
+//    moments written (28 B per element) plus the fp32 → 16-bit staging copy (4 + b), at
+//    kHostMemoryGbps per rank. The GPU's optimizer traffic is dropped;
 //  * launches: kLaunchSeconds per kernel; kKernelsPerLayer per decoder layer and micro-batch
 //    (forward and backward), more for eager attention and recomputation, and the optimizer's:
 //    a few per tensor for per-parameter loops (8-bit AdamW, Adafactor), a few per group for
@@ -47,6 +56,9 @@ constexpr double kMemoryEfficiency = 0.70;  // achieved share of memory bandwidt
 constexpr double kLaunchSeconds = 4e-6;     // per kernel launch, including framework overhead
 constexpr double kKernelsPerLayer = 75;     // ~25 forward + ~50 backward kernels per decoder layer
 constexpr double kElementwisePasses = 3;    // forward, and twice that in backward: 1 + 2
+// Host memory bandwidth one rank's CPUAdam achieves, GB/s: a planning assumption (a server
+// socket's DDR5 gives a few hundred GB/s shared by the GPUs it hosts), not measured.
+constexpr double kHostMemoryGbps = 50;
 
 bool half_compute(Precision p) { return p != Precision::kFp32; }
 
@@ -137,7 +149,8 @@ StepTime step_time(const Model& model, const Recipe& spelled) {
     case Optimizer::kAdafactor: per_param = 8 * 4 * 2; break;  // ~8 fp32 passes, read and write
   }
   if (master) per_param += (2 + 4) + (4 + 2);  // grads to fp32, masters back to half
-  const double opt_bytes = per_param * c.trainable_elements;
+  const bool offload = recipe.offload == Offload::kOptimizer;
+  const double opt_bytes = offload ? 0 : per_param * c.trainable_elements;
   const double bw = gpu.memory_gbps * 1e9 * kMemoryEfficiency;
   t.memory_s = ((layer_bytes + loss_bytes) * micro + opt_bytes) / bw;
 
@@ -186,7 +199,14 @@ StepTime step_time(const Model& model, const Recipe& spelled) {
     }
     t.comm_s = moved / (gpu.interconnect_gbps * 1e9);
   }
-  t.seconds = t.compute_s + t.memory_s + t.overhead_s + t.comm_s;
+  if (offload) {
+    const double np = c.trainable_elements / static_cast<double>(recipe.gpus);
+    const double b = pb;  // the flat group's dtype (bf16-master: bf16)
+    const double pcie = np * (4 + b + (micro > 1 ? (2 * micro - 1) * b : 0));
+    if (gpu.host_gbps > 0) t.host_s += pcie / (gpu.host_gbps * 1e9);
+    t.host_s += np * (28 + 4 + b) / (kHostMemoryGbps * 1e9);
+  }
+  t.seconds = t.compute_s + t.memory_s + t.overhead_s + t.comm_s + t.host_s;
   return t;
 }
 

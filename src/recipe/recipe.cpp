@@ -43,6 +43,7 @@ constexpr Spellings<Parallel, 6> kParallel{{{Parallel::kNone, "none"},
 constexpr Spellings<FsdpDtype, 3> kFsdpDtypes{{{FsdpDtype::kNone, "none"},
                                                 {FsdpDtype::kFp32, "fp32"},
                                                 {FsdpDtype::kBf16, "bf16"}}};
+constexpr Spellings<Offload, 2> kOffload{{{Offload::kNone, "none"}, {Offload::kOptimizer, "optimizer"}}};
 
 template <typename E, std::size_t N>
 std::string_view name_of(const Spellings<E, N>& table, E e) {
@@ -202,6 +203,30 @@ void validate_parallel(const Recipe& r) {
   }
 }
 
+// What the engine models of CPU offload (Note [ZeRO-Offload] in graph/zero_offload.cpp).
+void validate_offload(const Recipe& r) {
+  if (r.offload == Offload::kNone) return;
+  if (r.parallel == Parallel::kFsdp) {
+    throw Error("offload: FSDP2's CPUOffloadPolicy is not modelled yet; offload optimizer is DeepSpeed's "
+                "offload_optimizer under parallel zero1 or zero2");
+  }
+  if (r.parallel == Parallel::kZero3) {
+    throw Error("offload: DeepSpeed ZeRO-3's offload_optimizer / offload_param is not modelled yet; offload "
+                "optimizer is modelled under parallel zero1 or zero2");
+  }
+  if (!is_zero(r.parallel)) {
+    throw Error("offload: optimizer is DeepSpeed's offload_optimizer {device: cpu}; it needs parallel zero1 or "
+                "zero2 (with --gpus 1 too), got parallel " + std::string(to_string(r.parallel)));
+  }
+  // DeepSpeed refuses a client torch optimizer under offload (zero_force_ds_cpu_optimizer, true by
+  // default: deepspeed/runtime/engine.py); its config's Adam / AdamW become DeepSpeedCPUAdam.
+  if (r.optimizer != Optimizer::kAdamW) {
+    throw Error("optimizer: " + std::string(to_string(r.optimizer)) +
+                " under offload optimizer is not modelled; use adamw (DeepSpeed steps the offloaded partition "
+                "with DeepSpeedCPUAdam)");
+  }
+}
+
 }  // namespace
 
 std::string_view to_string(Precision x) { return name_of(kPrecisions, x); }
@@ -215,6 +240,7 @@ std::string_view to_string(QuantType x) { return name_of(kQuantTypes, x); }
 std::string_view to_string(Parallel x) { return name_of(kParallel, x); }
 std::string_view to_string(FsdpDtype x) { return name_of(kFsdpDtypes, x); }
 FsdpDtype parse_fsdp_dtype(std::string_view s, std::string_view field) { return parse(kFsdpDtypes, s, field); }
+std::string_view to_string(Offload x) { return name_of(kOffload, x); }
 
 Precision parse_precision(std::string_view s) { return parse(kPrecisions, s, "precision"); }
 Optimizer parse_optimizer(std::string_view s) { return parse(kOptimizers, s, "optimizer"); }
@@ -225,6 +251,7 @@ AllocatorMode parse_allocator(std::string_view s) { return parse(kAllocator, s, 
 Mode parse_mode(std::string_view s) { return parse(kModes, s, "mode"); }
 QuantType parse_quant_type(std::string_view s) { return parse(kQuantTypes, s, "bnb_4bit_quant_type"); }
 Parallel parse_parallel(std::string_view s) { return parse(kParallel, s, "parallel"); }
+Offload parse_offload(std::string_view s) { return parse(kOffload, s, "offload"); }
 
 Recipe parse_recipe(const RecipeSpelling& in) {
   Recipe r;
@@ -266,6 +293,7 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   r.fsdp.replicate = in.fsdp_replicate;
   r.fsdp.param_dtype = parse_fsdp_dtype(in.fsdp_param_dtype, "fsdp_param_dtype");
   r.fsdp.reduce_dtype = parse_fsdp_dtype(in.fsdp_reduce_dtype, "fsdp_reduce_dtype");
+  r.offload = parse_offload(in.offload);
   r.validate();
   return r;
 }
@@ -328,6 +356,7 @@ void Recipe::validate() const {
                 "inference, or load_in_4bit with LoRA (QLoRA) to train");
   }
   validate_parallel(*this);
+  validate_offload(*this);
 }
 
 }  // namespace trainmem

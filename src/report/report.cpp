@@ -49,6 +49,7 @@ ordered_json recipe_object(const Recipe& r) {
     j["fsdp_param_dtype"] = to_string(r.fsdp.param_dtype);
     j["fsdp_reduce_dtype"] = to_string(r.fsdp.reduce_dtype);
   }
+  if (r.offload != Offload::kNone) j["offload"] = to_string(r.offload);  // only when offloading
   if (r.mode == Mode::kInference) {
     j["new_tokens"] = r.new_tokens;
     j["beams"] = r.beams;
@@ -73,6 +74,7 @@ ordered_json time_object(const StepTime& t) {
   j["memory_s"] = t.memory_s;
   j["overhead_s"] = t.overhead_s;
   j["comm_s"] = t.comm_s;
+  j["host_s"] = t.host_s;
   j["flops"] = t.flops;
   return j;
 }
@@ -99,6 +101,7 @@ std::string recipe_words(const Recipe& r) {
                 std::string(to_string(r.loss)).c_str(), std::string(to_string(r.allocator)).c_str());
   std::string words = buf;
   if (r.parallel != Parallel::kNone) words += " " + std::string(to_string(r.parallel)) + (r.parallel == Parallel::kDdp ? " " : "");  // column "dp"
+  if (r.offload != Offload::kNone) words += " offload";
   return words;
 }
 
@@ -273,6 +276,16 @@ std::string to_json(const Estimate& e, bool pretty) {
     }
     j["ranks"] = ranks;
   }
+  if (e.recipe.offload != Offload::kNone) {  // the reported rank's host memory (Note [ZeRO-Offload])
+    j["host_bytes"] = {{"total_bytes", e.host.total_bytes()},
+                       {"pinned_bytes", e.host.pinned_bytes},
+                       {"pinned_requested_bytes", e.host.pinned_requested_bytes},
+                       {"pageable_bytes", e.host.pageable_bytes},
+                       {"weights", e.host.weights_bytes},
+                       {"optimizer_states", e.host.optimizer_states_bytes},
+                       {"gradients", e.host.gradients_bytes},
+                       {"measured", false}};
+  }
   if (!e.timeline.empty()) {
     ordered_json t = ordered_json::array();
     for (const auto& p : e.timeline) {
@@ -334,6 +347,13 @@ std::string to_text(const Estimate& e) {
     add("data parallel: %s over %llu GPUs; the figures below are one GPU's, rank %llu%s\n",
         std::string(to_string(r.parallel)).c_str(), static_cast<unsigned long long>(r.gpus),
         static_cast<unsigned long long>(e.rank), rank_words(e).c_str());
+  }
+  if (r.offload != Offload::kNone) {
+    add("cpu offload: %s (DeepSpeed offload_optimizer, pinned); host memory of this rank %s: %s pinned (%s "
+        "requested), %s pageable; mirrored from the source, unmeasured\n",
+        std::string(to_string(r.offload)).c_str(), detail::format_bytes(e.host.total_bytes()).c_str(),
+        detail::format_bytes(e.host.pinned_bytes).c_str(), detail::format_bytes(e.host.pinned_requested_bytes).c_str(),
+        detail::format_bytes(e.host.pageable_bytes).c_str());
   }
   add("gpu: %s (%s)\n\n", e.gpu.name.c_str(), e.gpu.description.c_str());
   add("peak allocated  %12s   (torch.cuda.max_memory_allocated)\n", detail::format_bytes(e.peak_allocated_bytes).c_str());

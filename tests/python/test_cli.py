@@ -200,6 +200,28 @@ def test_hostile_files(run, tmp_path):
     assert r.returncode == 2 and "directory has no config.json" in r.stderr
 
 
+def test_zero_offload_reports_the_host_memory(run):
+    # --offload optimizer: the recipe carries it, the GPU holds no optimizer state and less than
+    # without it, and host_bytes (unmeasured) adds up; the text output names the host memory.
+    args = ["estimate", "gpt2", "--gpus", "2", "--parallel", "zero2", "--precision", "bf16-master", "--seq", "256"]
+    off = json.loads(run(*args, "--offload", "optimizer", "--json").stdout)
+    on = json.loads(run(*args, "--json").stdout)
+    assert off["recipe"]["offload"] == "optimizer" and "offload" not in on["recipe"]
+    assert off["breakdown_at_peak"]["optimizer_states"] == 0 < on["breakdown_at_peak"]["optimizer_states"]
+    assert off["peak_allocated_bytes"] < on["peak_allocated_bytes"]
+    host = off["host_bytes"]
+    assert "host_bytes" not in on and host["measured"] is False
+    assert host["total_bytes"] == host["pinned_bytes"] + host["pageable_bytes"]
+    assert host["pinned_bytes"] >= host["pinned_requested_bytes"]
+    assert host["weights"] + host["optimizer_states"] + host["gradients"] == \
+        host["pinned_requested_bytes"] + host["pageable_bytes"]
+    text = run(*args, "--offload", "optimizer")
+    assert text.returncode == 0 and "host memory of this rank" in text.stdout and "unmeasured" in text.stdout
+    bad = run("estimate", "gpt2", "--gpus", "2", "--parallel", "fsdp", "--precision", "fp32", "--offload", "optimizer")
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert "CPUOffloadPolicy is not modelled yet" in bad.stderr
+
+
 def test_data_parallel_flags_reach_the_recipe(run):
     r = run("estimate", "qwen3-0.6b", "--seq", "256", "--gpus", "4", "--parallel", "fsdp", "--json")
     assert r.returncode == 0, r.stderr

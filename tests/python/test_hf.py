@@ -99,6 +99,23 @@ def test_deepspeed_config_maps_onto_a_recipe(tmp_path):
     assert trainmem.hf.recipe_from_deepspeed_config(fused)["optimizer"] == "adamw-fused"
 
 
+def test_deepspeed_offload_optimizer_maps_onto_offload():
+    cfg = dict(ZERO2, zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+               optimizer={"type": "AdamW", "params": {"lr": 1e-4}})
+    knobs = trainmem.hf.recipe_from_deepspeed_config(cfg, seq=256)
+    assert knobs["offload"] == "optimizer" and knobs["optimizer"] == "adamw" and knobs["parallel"] == "zero2"
+    est = trainmem.estimate("qwen3-0.6b", **knobs)
+    assert est.recipe["offload"] == "optimizer"
+    assert est.breakdown_at_peak["optimizer_states"] == 0
+    host = est.host_bytes
+    assert host["measured"] is False and host["optimizer_states"] > 0
+    assert host["total_bytes"] == host["pinned_bytes"] + host["pageable_bytes"]
+    plain = trainmem.estimate("qwen3-0.6b", **{k: v for k, v in knobs.items() if k != "offload"})
+    assert est.peak_allocated_bytes < plain.peak_allocated_bytes and not plain.host_bytes
+    with pytest.raises(ValueError, match="refuses a client optimizer"):
+        trainmem.hf.recipe_from_deepspeed_config(dict(cfg, optimizer=None))
+
+
 def test_deepspeed_auto_values_come_from_the_trainer():
     auto = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
             "zero_optimization": {"stage": 1}, "bf16": {"enabled": "auto"}}
@@ -117,6 +134,9 @@ def test_deepspeed_auto_values_come_from_the_trainer():
     ({"zero_optimization": {"stage": 0}}, "stage 0"),
     ({"zero_optimization": {"stage": 4}}, "expected 0, 1, 2 or 3"),
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, "offload is not modelled"),
+    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "offload is not modelled"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}}, "offload is not modelled"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}, "ratio=0.5"),
     ({"zero_optimization": {"stage": 2, "reduce_bucket_size": 2e8}}, "reduce_bucket_size=200000000.0"),
     ({"zero_optimization": {"stage": 2, "overlap_comm": True}}, "overlap_comm"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": False}}, "fp16 with loss scaling"),
