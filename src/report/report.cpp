@@ -100,8 +100,13 @@ std::string recipe_words(const Recipe& r) {
                 std::string(to_string(r.optimizer)).c_str(), std::string(to_string(r.checkpointing)).c_str(),
                 std::string(to_string(r.loss)).c_str(), std::string(to_string(r.allocator)).c_str());
   std::string words = buf;
-  if (r.parallel != Parallel::kNone) words += " " + std::string(to_string(r.parallel)) + (r.parallel == Parallel::kDdp ? " " : "");  // column "dp"
-  if (r.offload != Offload::kNone) words += " offload";
+  if (r.parallel != Parallel::kNone) {  // column "dp": the wrapper, and ZeRO-Offload if on
+    std::string dp(to_string(r.parallel));
+    if (r.offload != Offload::kNone) dp += "+offload";
+    char col[32];
+    std::snprintf(col, sizeof col, " %-13s", dp.c_str());
+    words += col;
+  }
   return words;
 }
 
@@ -188,7 +193,7 @@ std::string fit_to_text(const std::string& model, const FitResult& f) {
       static_cast<unsigned long long>(f.simulated));
   if (!f.plans.empty()) {
     add("%3s %-11s %-11s %-11s %-4s %-8s %-10s%s %12s %12s %10s\n", "#", "batch x acc", "precision", "optimizer",
-        "ckpt", "loss", "allocator", f.gpus > 1 ? " dp  " : "", "reserved", "allocated", "step time");
+        "ckpt", "loss", "allocator", f.gpus > 1 ? " dp           " : "", "reserved", "allocated", "step time");
     for (std::size_t i = 0; i < f.plans.size(); ++i) {
       const Plan& p = f.plans[i];
       add("%3zu %s %12s %12s %9.3gs\n", i + 1, recipe_words(p.recipe).c_str(),
