@@ -1,3 +1,4 @@
+import json
 import os
 import shutil
 import subprocess
@@ -29,3 +30,17 @@ def run(trainmem_bin):
         return subprocess.run([trainmem_bin, *map(str, args)], capture_output=True, text=True,
                               timeout=timeout)
     return _run
+
+
+# A tiny untied 2-layer Llama whose bitsandbytes blocks (4-bit and 8-bit) are not whole 512-byte
+# allocator blocks. The quantized tests write it to a config.json, so the engine reads exactly the
+# model that was measured.
+QUANT_LLAMA = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 320, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "tie_word_embeddings": False}
+
+
+@pytest.fixture
+def quant_llama_path(tmp_path) -> str:
+    path = tmp_path / "tiny-llama.json"
+    path.write_text(json.dumps(QUANT_LLAMA))
+    return str(path)

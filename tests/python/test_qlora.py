@@ -22,18 +22,8 @@ from measure_common import load_measure  # noqa: E402
 load_measure()
 from trainmem.measure import Recipe, RecipeError, measure  # noqa: E402
 from trainmem.measure.cli import main  # noqa: E402
+from conftest import QUANT_LLAMA  # noqa: E402
 from trainmem.measure.models import ModelSpec, build_real_model, quant_state_tensors  # noqa: E402
-
-# Sizes whose 4-bit blocks are not whole 512-byte allocator blocks; untied lm_head.
-LLAMA = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 320, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "tie_word_embeddings": False}
-
-
-@pytest.fixture
-def config_path(tmp_path):
-    path = tmp_path / "tiny-llama.json"
-    path.write_text(json.dumps(LLAMA))
-    return str(path)
 
 
 @pytest.mark.parametrize("knobs,message", [
@@ -57,14 +47,14 @@ def test_recipe_keys_only_with_a_4bit_base():
     assert (d["load_in_4bit"], d["bnb_4bit_quant_type"], d["bnb_4bit_use_double_quant"]) == (True, "nf4", True)
 
 
-def test_measure_cli_qlora_needs_lora(capsys, config_path):
-    assert main([config_path, "--seq", "8", "--precision", "bf16-true", "--qlora"]) == 2
+def test_measure_cli_qlora_needs_lora(capsys, quant_llama_path):
+    assert main([quant_llama_path, "--seq", "8", "--precision", "bf16-true", "--qlora"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "add LoRA adapters (lora_rank > 0): that is QLoRA" in err
 
 
 def test_quantized_build_is_what_prepare_model_for_kbit_training_leaves():
-    spec = ModelSpec("tiny-llama", dict(LLAMA), "test")
+    spec = ModelSpec("tiny-llama", dict(QUANT_LLAMA), "test")
     recipe = Recipe(batch=1, seq=8, precision="bf16-true", lora_rank=4, load_in_4bit=True,
                     bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
     model = build_real_model(spec, recipe, "cpu")
@@ -89,8 +79,8 @@ def test_quantized_build_is_what_prepare_model_for_kbit_training_leaves():
     ["--precision", "fp32", "--qlora", "--checkpointing", "full", "--lora-targets", "all-linear",
      "--optimizer", "adamw-8bit"],
 ])
-def test_tiny_measurement_matches_the_engine_to_the_byte(tmp_path, config_path, trainmem_bin, capsys, argv):
-    assert main([config_path, "--batch", "2", "--seq", "8", "--lora", "4", *argv, "--json"]) == 0
+def test_tiny_measurement_matches_the_engine_to_the_byte(tmp_path, quant_llama_path, trainmem_bin, capsys, argv):
+    assert main([quant_llama_path, "--batch", "2", "--seq", "8", "--lora", "4", *argv, "--json"]) == 0
     measured = tmp_path / "m.json"
     measured.write_text(capsys.readouterr().out)
     out = subprocess.run([trainmem_bin, "compare", str(measured), "--json"], capture_output=True, text=True,

@@ -22,18 +22,8 @@ from measure_common import load_measure  # noqa: E402
 load_measure()
 from trainmem.measure import Recipe, RecipeError  # noqa: E402
 from trainmem.measure.cli import main  # noqa: E402
+from conftest import QUANT_LLAMA  # noqa: E402
 from trainmem.measure.models import ModelSpec, build_real_model, quant_state_tensors  # noqa: E402
-
-# Sizes whose quantized tensors are not whole 512-byte allocator blocks; untied lm_head.
-LLAMA = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 320, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "tie_word_embeddings": False}
-
-
-@pytest.fixture
-def config_path(tmp_path):
-    path = tmp_path / "tiny-llama.json"
-    path.write_text(json.dumps(LLAMA))
-    return str(path)
 
 
 @pytest.mark.parametrize("knobs,message", [
@@ -56,7 +46,7 @@ def test_measure_recipe_keys():
 
 
 def test_8bit_build_holds_int8_weights_and_row_scales():
-    spec = ModelSpec("tiny-llama", dict(LLAMA), "test")
+    spec = ModelSpec("tiny-llama", dict(QUANT_LLAMA), "test")
     model = build_real_model(spec, Recipe(mode="inference", batch=1, seq=8, load_in_8bit=True), "cpu")
     dtypes = {n: p.dtype for n, p in model.named_parameters()}
     assert dtypes["model.layers.0.mlp.down_proj.weight"] == torch.int8
@@ -74,8 +64,8 @@ def test_8bit_build_holds_int8_weights_and_row_scales():
     ["--load-in-4bit", "--bnb-4bit-quant-type", "nf4", "--bnb-4bit-use-double-quant"],
     ["--load-in-4bit", "--precision", "fp32", "--beams", "3"],
 ])
-def test_tiny_generation_matches_the_engine_to_the_byte(tmp_path, config_path, trainmem_bin, capsys, argv):
-    assert main([config_path, "--inference", "--batch", "2", "--seq", "8", "--new-tokens", "3", *argv, "--json"]) == 0
+def test_tiny_generation_matches_the_engine_to_the_byte(tmp_path, quant_llama_path, trainmem_bin, capsys, argv):
+    assert main([quant_llama_path, "--inference", "--batch", "2", "--seq", "8", "--new-tokens", "3", *argv, "--json"]) == 0
     measured = tmp_path / "m.json"
     measured.write_text(capsys.readouterr().out)
     out = subprocess.run([trainmem_bin, "compare", str(measured), "--json"], capture_output=True, text=True,
