@@ -148,6 +148,8 @@ def test_zero_through_python_matches_cli(trainmem_bin):
         trainmem.estimate("gpt2", gpus=4, parallel="ddp", rank=-1)
     assert "rank" not in trainmem.estimate("gpt2", seq=64).to_dict()
     with pytest.raises(ValueError, match="precision: bf16-mixed under parallel zero3 is not modelled"):
-        trainmem.estimate("gpt2", gpus=2, parallel="zero3")
+        trainmem.estimate("gpt2", gpus=2, parallel="zero3", precision="bf16-mixed")
+    # Without a precision, ZeRO runs DeepSpeed's bf16 mode.
+    assert trainmem.estimate("gpt2", seq=64, gpus=2, parallel="zero3").recipe["precision"] == "bf16-master"
     with pytest.raises(ValueError, match="precision: bf16-mixed under parallel zero1 is not modelled"):
         trainmem.estimate("gpt2", gpus=2, parallel="zero1", precision="bf16-mixed")
