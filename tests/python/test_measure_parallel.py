@@ -245,13 +245,18 @@ def tiny_llama(tmp_path_factory):
 
 def test_tp_world_size_2(tiny_llama):
     """The Megatron plan on 2 ranks: the projections' weights are halved on each rank, the
-    embedding, norms and lm_head are whole, and both ranks (same batch) measure the same."""
+    embedding, norms and lm_head are whole, and both ranks (same batch) measure the same up to gloo's
+    timing."""
     base = dict(batch=2, seq=8, precision="fp32", optimizer="sgd")
     single = measure(str(tiny_llama), Recipe(**base))
     tp = measure(str(tiny_llama), Recipe(**base, tp=2))
     info = tp["diagnostics"]["parallel"]
     assert info["world_size"] == 2 and len(info["ranks"]) == 2
-    assert info["ranks_identical"], [r["peak_allocated_bytes"] for r in info["ranks"]]
+    # The ranks run the same ops on the same shapes; on gloo a collective's output can outlive its
+    # use by a moment on one rank (seen in CI: 850,432 vs 854,528 B), so the peaks may differ by one
+    # batch x seq x hidden fp32 tensor, never more.
+    peaks = [r["peak_allocated_bytes"] for r in info["ranks"]]
+    assert max(peaks) - min(peaks) <= 2 * 8 * 64 * 4, peaks
     assert tp["recipe"]["tp"] == 2 and "--tp 2" in tp["command"]
     assert tp["parameters"] == single["parameters"]  # a DTensor's numel is the global one
     h, i, L = 64, 128, 2
