@@ -56,41 +56,36 @@ bool worse(const Estimate& a, const Estimate& b) {
 }
 
 Estimate run_ranks(const Model& model, const Recipe& resolved, const Gpu& gpu, const EstimateOptions& options) {
-  if (options.rank >= 0) {
-    if (static_cast<std::uint64_t>(options.rank) >= resolved.gpus) {
-      throw Error("rank " + std::to_string(options.rank) + " is not one of the " + std::to_string(resolved.gpus) +
-                  " ranks (0.." + std::to_string(resolved.gpus - 1) + ")");
-    }
-    Estimate est = run(model, resolved, gpu, options, static_cast<std::uint64_t>(options.rank));
-    if (resolved.gpus > 1) est.ranks = {{est.rank, est.peak_allocated_bytes, est.peak_reserved_bytes}};
-    return est;
+  if (options.rank >= 0 && static_cast<std::uint64_t>(options.rank) >= resolved.gpus) {
+    throw Error("rank " + std::to_string(options.rank) + " is not one of the " + std::to_string(resolved.gpus) +
+                " ranks (0.." + std::to_string(resolved.gpus - 1) + ")");
   }
-  if (!ranks_differ(resolved)) {
-    Estimate est = run(model, resolved, gpu, options, 0);
-    if (resolved.gpus > 1) est.ranks = {{0, est.peak_allocated_bytes, est.peak_reserved_bytes}};
-    return est;
-  }
-  // Find the worst rank without a timeline or an event trace, then replay it again with them.
-  const bool extras = options.timeline || !options.trace_path.empty();
+  const auto first = static_cast<std::uint64_t>(options.rank >= 0 ? options.rank : 0);
+  const std::uint64_t last = options.rank < 0 && ranks_differ(resolved) ? resolved.gpus - 1 : first;
+  // With several ranks, find the worst without a timeline or an event trace, then replay it
+  // again with them.
+  const bool extras = last > first && (options.timeline || !options.trace_path.empty());
   EstimateOptions probe = options;
-  probe.timeline = false;
-  probe.trace_path.clear();
+  if (extras) {
+    probe.timeline = false;
+    probe.trace_path.clear();
+  }
   std::vector<RankPeak> peaks;
   std::uint64_t events = 0;
   Estimate best;
-  for (std::uint64_t rank = 0; rank < resolved.gpus; ++rank) {
+  for (std::uint64_t rank = first; rank <= last; ++rank) {
     Estimate est = run(model, resolved, gpu, probe, rank);
     peaks.push_back({rank, est.peak_allocated_bytes, est.peak_reserved_bytes});
     events += est.events;
     const bool stopped = !est.complete;  // past the caller's limit: no rank can undo that
-    if (rank == 0 || worse(est, best)) best = std::move(est);
+    if (rank == first || worse(est, best)) best = std::move(est);
     if (stopped) break;
   }
   if (extras) {
     best = run(model, resolved, gpu, options, best.rank);
     events += best.events;
   }
-  best.ranks = std::move(peaks);
+  if (resolved.gpus > 1) best.ranks = std::move(peaks);
   best.events = events;
   return best;
 }

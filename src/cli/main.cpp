@@ -7,6 +7,7 @@
 #include <charconv>
 #include <cmath>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <cstdio>
@@ -308,13 +309,18 @@ std::string compare(const std::string& path, bool as_json) {
   }
   j["categories"] = cats;
   if (parallel && parallel->contains("ranks") && (*parallel)["ranks"].is_array()) {
-    // Every measured rank against the engine's replay of that rank.
+    // Every measured rank against the engine's replay of that rank, each engine rank replayed once
+    // (the processes of a tensor-parallel group share one).
+    std::map<std::int64_t, trainmem::Estimate> replayed{{opt.rank, e}};
     nlohmann::ordered_json ranks = nlohmann::ordered_json::array();
     for (const auto& mr : (*parallel)["ranks"]) {
       if (!mr.is_object() || !mr.contains("rank") || !mr.contains("peak_allocated_bytes")) {
         throw Error("compare: diagnostics.parallel.ranks entries need 'rank' and 'peak_allocated_bytes'");
       }
-      const trainmem::Estimate er = trainmem::estimate(model, r, rank_options(mr["rank"]));
+      const trainmem::EstimateOptions ro = rank_options(mr["rank"]);
+      auto it = replayed.find(ro.rank);
+      if (it == replayed.end()) it = replayed.emplace(ro.rank, trainmem::estimate(model, r, ro)).first;
+      const trainmem::Estimate& er = it->second;
       nlohmann::ordered_json x;
       x["rank"] = mr["rank"];
       x["measured_peak_allocated_bytes"] = mr["peak_allocated_bytes"];
