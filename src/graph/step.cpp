@@ -122,6 +122,21 @@ Trace StepBuilder::finish_trace() {
   return trace;
 }
 
+// nn.Embedding over `n` ids: `n` rows of the weight. Its backward saves the ids;
+// embedding_dense_backward makes a dense weight-sized gradient, and the CUDA kernel also sorts
+// the indices (sorted ids, original positions, segment offsets: int64 each), the CPU one not.
+T StepBuilder::embedding(std::uint32_t w, const T& ids, std::uint64_t n) {
+  T out = fresh(n * a_.hidden_size, pol_.param);
+  if (trainable(w)) {
+    requires_grad(out);
+    Node nd = node(out);
+    nd.saved = {ids.id};
+    nd.params.push_back(param_grad(w, pol_.param, cuda_ ? n * 8 * 3 : 0));
+    t_.record(std::move(nd));
+  }
+  return out;
+}
+
 ValueId StepBuilder::forward_and_loss() {
   phase_ = Phase::kForward;
   layer_ = kNoLayer;
@@ -129,21 +144,11 @@ ValueId StepBuilder::forward_and_loss() {
   dp_.pre_forward();
   causal_lm_module_ = container_enter(Container::kCausalLM, false);
   base_model_module_ = container_enter(Container::kBaseModel, false);
-  const std::uint64_t h = a_.hidden_size;
   const bool gpt2 = a_.family == Family::kGpt2;
   op(gpt2 ? "wte" : "embed_tokens");
   std::uint32_t emb = global(gpt2 ? "wte.weight" : "embed_tokens.weight");
   const std::uint32_t emb_module = module_enter(emb, kNone, /*input_requires_grad=*/false);
-  T hs = fresh(tok_ * h, pol_.param);
-  if (trainable(emb)) {
-    requires_grad(hs);
-    Node nd = node(hs);
-    nd.saved = {input_ids_.id};
-    // embedding_dense_backward: a dense weight-sized gradient; the CUDA kernel also sorts the
-    // indices (sorted ids, original positions, segment offsets: int64 each), the CPU one not.
-    nd.params.push_back(param_grad(emb, pol_.param, cuda_ ? tok_ * 8 * 3 : 0));
-    t_.record(std::move(nd));
-  }
+  T hs = embedding(emb, input_ids_, tok_);
   if (a_.embedding_scale) {  // inside the module (Gemma2TextScaledWordEmbedding)
     T scaled = elementwise({&hs}, hs.numel, hs.dtype, {});
     t_.drop(hs);
@@ -169,14 +174,7 @@ ValueId StepBuilder::forward_and_loss() {
     position_ids_ = fresh(S_, DType::kI64);
     t_.drop(ar);
     const std::uint32_t wpe_module = module_enter(wpe, kNone, /*input_requires_grad=*/false);
-    T pe = fresh(S_ * h, pol_.param);
-    if (trainable(wpe)) {
-      requires_grad(pe);
-      Node nd = node(pe);
-      nd.saved = {position_ids_.id};
-      nd.params.push_back(param_grad(wpe, pol_.param, cuda_ ? S_ * 8 * 3 : 0));
-      t_.record(std::move(nd));
-    }
+    T pe = embedding(wpe, position_ids_, S_);
     module_exit(wpe_module);
     T sum = add(hs, pe);
     t_.drop(hs);

@@ -339,6 +339,7 @@ class StepBuilder {
   void drop_nodes_since(std::size_t n);
 
   // ---------------------------------------------------------------- the step (step.cpp)
+  T embedding(std::uint32_t w, const T& ids, std::uint64_t n);
   ValueId forward_and_loss();
   std::uint32_t lm_head_param(std::uint32_t emb) const;
   ValueId standard_loss(T& normed, std::uint32_t emb);
