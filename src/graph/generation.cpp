@@ -1059,6 +1059,14 @@ T StepBuilder::g_mlp(const T& x, const LayerParams& lp) {
   return y;
 }
 
+// Gemma-2's norm after a branch (the generation twin of post_norm); the identity elsewhere.
+T StepBuilder::g_post_norm(T y, std::uint32_t norm, std::uint64_t rows, std::string_view name) {
+  if (!a_.sandwich_norms) return y;
+  T pn = g_rms_norm(y, norm, rows, name);
+  t_.drop(y);
+  return pn;
+}
+
 T StepBuilder::g_decoder_layer(const T& x, std::uint32_t l) {
   const LayerParams& lp = layers_[l];
   layer_ = static_cast<std::int32_t>(l);
@@ -1066,11 +1074,7 @@ T StepBuilder::g_decoder_layer(const T& x, std::uint32_t l) {
   T n1 = g_rms_norm(x, lp.in_norm, r, "input_layernorm");
   T att = g_attention(n1, l);
   t_.drop(n1);
-  if (a_.sandwich_norms) {
-    T pn = g_rms_norm(att, lp.post_attn_norm, r, "post_attention_layernorm");
-    t_.drop(att);
-    att = pn;
-  }
+  att = g_post_norm(att, lp.post_attn_norm, r, "post_attention_layernorm");
   op("residual_add");
   T h1 = fresh(x.numel, promote(x.dtype, att.dtype));
   t_.drop(att);
@@ -1078,11 +1082,7 @@ T StepBuilder::g_decoder_layer(const T& x, std::uint32_t l) {
                     a_.sandwich_norms ? "pre_feedforward_layernorm" : "post_attention_layernorm");
   T m = g_mlp(n2, lp);
   t_.drop(n2);
-  if (a_.sandwich_norms) {
-    T pn = g_rms_norm(m, lp.post_ff_norm, r, "post_feedforward_layernorm");
-    t_.drop(m);
-    m = pn;
-  }
+  m = g_post_norm(m, lp.post_ff_norm, r, "post_feedforward_layernorm");
   op("residual_add");
   T out = fresh(h1.numel, promote(h1.dtype, m.dtype));
   t_.drop(m);

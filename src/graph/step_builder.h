@@ -373,6 +373,7 @@ class StepBuilder {
   std::vector<T> generation_masks();
   void generation_rotary();
   T g_rms_norm(const T& x, std::uint32_t w, std::uint64_t nrows, std::string_view name);
+  T g_post_norm(T y, std::uint32_t norm, std::uint64_t rows, std::string_view name);
   T g_layer_norm(const T& x, std::string_view name);
   T g_rope(const T& x);
   void cache_update(std::uint32_t l, const T& k, const T& v);
