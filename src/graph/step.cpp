@@ -30,14 +30,6 @@ StepBuilder::StepBuilder(const Model& m, const Recipe& r, const Gpu& gpu, const 
                                                                      : r.precision)),
       quant_dtype_(policy_for(r.precision).param),
       rank_(rank) {
-  if (r.quant.any() && (a_.family == Family::kGpt2 || a_.qkv_bias || a_.o_bias || a_.mlp_bias)) {
-    // Linear4bit.forward recasts a bias's .data to the compute dtype at the first forward
-    // (Linear8bitLt.forward too, to the input's); GPT-2's Conv1D is converted another way.
-    throw Error(std::string(r.quant.load_in_8bit ? "load_in_8bit: " : "load_in_4bit: ") +
-                std::string(family_name(a_.family)) +
-                " has biases on its linear layers, which bitsandbytes recasts in the first forward; "
-                "not modelled yet (Llama, Mistral, Qwen3, Gemma-2 and Phi-3 have none)");
-  }
   B_ = r.batch;
   S_ = r.seq;
   tok_ = detail::mul(B_, S_, "batch * seq");

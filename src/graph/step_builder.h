@@ -232,8 +232,9 @@ class StepBuilder {
     if (computed_in != p.dtype) g.param_bytes = p.numel * dtype_bytes(p.dtype);
     return g;
   }
-  T linear_4bit(const T& x_in, std::uint32_t w, std::uint64_t out_features);
-  T linear_8bit(const T& x, std::uint32_t w, std::uint64_t out_features);
+  T linear_4bit(const T& x_in, std::uint32_t w, std::uint32_t b, std::uint64_t out_features);
+  T linear_8bit(const T& x, std::uint32_t w, std::uint32_t b, std::uint64_t out_features);
+  void recast_bias(std::uint32_t b, DType dtype);
   T linear(const T& x_in, std::uint32_t w, std::uint32_t b, std::uint64_t out_features);
   T linear_module(const T& x_in, std::uint32_t w, std::uint32_t b, std::uint64_t out_features);
   T proj(const T& x, std::string_view path, std::uint32_t w, std::uint32_t b, std::uint64_t out_features);

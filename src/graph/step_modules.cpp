@@ -8,14 +8,36 @@
 
 namespace trainmem::graph::step {
 
-// bnb.nn.Linear4bit (no bias: see the constructor): the input cast to the compute dtype, the
-// weight dequantized for the matmul and again in its backward (Note [QLoRA]).
-T StepBuilder::linear_4bit(const T& x_in, std::uint32_t w, std::uint64_t out_features) {
+// Note [Quantized linear biases]
+// bitsandbytes' Linear4bit and Linear8bitLt keep their bias as a plain parameter (transformers'
+// replace_with_bnb_linear; GPT-2's Conv1D becomes one too, its weight transposed to (out, in)
+// first: integrations/bitsandbytes.py). Their forward (bitsandbytes 0.50, nn/modules.py) recasts
+// the bias in place when its dtype is not the matmul input's: `bias.data = bias.data.to(x.dtype)`,
+// after Linear4bit has cast x to the compute dtype. A new storage is made and the old one freed,
+// once, in the first forward: under QLoRA prepare_model_for_kbit_training has made every bias
+// fp32, so with a bf16 (or fp16) compute dtype each bias is halved in step 1's first forward
+// and stays half. The bias then goes into the matmul's own kernel (gemm_4bit's F.linear with the
+// bias, int8_mm_dequant's in-place `out += bias`): no tensor of its own. A frozen base bias gets
+// no gradient (MatMul4Bit's grad_bias only when it requires grad).
+void StepBuilder::recast_bias(std::uint32_t b, DType dtype) {
+  if (b == kNone || params_[b].dtype == dtype) return;
+  Param& p = params_[b];
+  TRAINMEM_ASSERT(!p.trainable, "a trainable bias on a quantized layer");
+  const TensorId cast = t_.alloc_bytes(detail::mul(p.numel, dtype_bytes(dtype), "bias bytes"), Category::kWeights);
+  t_.release(p.storage);
+  p.storage = cast;
+  p.dtype = dtype;
+}
+
+// bnb.nn.Linear4bit: the input cast to the compute dtype, the weight dequantized for the matmul
+// and again in its backward (Note [QLoRA]); the bias as Note [Quantized linear biases] says.
+T StepBuilder::linear_4bit(const T& x_in, std::uint32_t w, std::uint32_t b, std::uint64_t out_features) {
   const std::uint64_t numel = params_[w].numel;
   const std::uint64_t rows = x_in.numel / (numel / out_features);
   const Packed4bit q = packed_4bit(numel, r_.quant.double_quant);
   const std::uint64_t absmax_f32_bytes = detail::mul(q.blocks, 4, "absmax bytes");
   T x = to(x_in, quant_dtype_);  // kept until forward returns
+  recast_bias(b, quant_dtype_);  // See Note [Quantized linear biases]
   // gemm_4bit: the fp32 absmax (double quant: dequantize_blockwise, then + offset), the
   // dequantized weight, F.linear. Generation on CUDA: the fused kernel for a few rows, else
   // the fallback that keeps both absmax tensors to the end (See Note [Quantized generation]).
@@ -58,9 +80,10 @@ T StepBuilder::linear_4bit(const T& x_in, std::uint32_t w, std::uint64_t out_fea
   return out;
 }
 
-// bnb.nn.Linear8bitLt under generate() (no bias: see the constructor): MatMul8bitLt with
+// bnb.nn.Linear8bitLt under generate() (its bias: Note [Quantized linear biases]): MatMul8bitLt with
 // threshold 6.0 and no outlier columns. See Note [LLM.int8].
-T StepBuilder::linear_8bit(const T& x, std::uint32_t w, std::uint64_t out_features) {
+T StepBuilder::linear_8bit(const T& x, std::uint32_t w, std::uint32_t b, std::uint64_t out_features) {
+  recast_bias(b, x.dtype);  // See Note [Quantized linear biases]
   const std::uint64_t numel = params_[w].numel;
   const std::uint64_t rows = x.numel / (numel / out_features);
   const std::uint64_t out_numel = rows * out_features;
@@ -146,8 +169,7 @@ T StepBuilder::linear(const T& x_in, std::uint32_t w, std::uint32_t b, std::uint
 
 T StepBuilder::linear_module(const T& x_in, std::uint32_t w, std::uint32_t b, std::uint64_t out_features) {
   if (params_[w].quantized) {
-    TRAINMEM_ASSERT(b == kNone, "a quantized linear layer with a bias");
-    return r_.quant.load_in_8bit ? linear_8bit(x_in, w, out_features) : linear_4bit(x_in, w, out_features);
+    return r_.quant.load_in_8bit ? linear_8bit(x_in, w, b, out_features) : linear_4bit(x_in, w, b, out_features);
   }
   const std::uint64_t in_features = params_[w].numel / out_features;
   const std::uint64_t rows = x_in.numel / in_features;  // tokens

@@ -105,7 +105,9 @@ std::uint32_t StepBuilder::add_param(const ParameterGroup& g, bool in_layer) {
   p.quantized = r_.quant.any() && in_layer && g.matmul_weight;
   if (p.quantized && r_.quant.load_in_8bit) {
     // Int8Params: CB, the parameter's data, and SCB (See Note [LLM.int8]); neither requires grad.
-    const Int8Weight q = int8_weight(g.numel, g.rows);
+    // SCB has one scale per output row; GPT-2's Conv1D stores (in, out) and is transposed first
+    // (See Note [Quantized linear biases]).
+    const Int8Weight q = int8_weight(g.numel, a_.family == Family::kGpt2 ? g.numel / g.rows : g.rows);
     p.dtype = DType::kI8;
     p.storage = t_.alloc_bytes(q.cb_bytes, Category::kWeights);
     t_.alloc_bytes(q.scb_bytes, Category::kWeights);

@@ -972,14 +972,31 @@ TEST(GraphQlora, DequantizedCopyPerMatmul) {
   EXPECT_EQ(count(Phase::kBackward, "mlp.down_proj", 1657u * 4), 2);
 }
 
-TEST(GraphQlora, RefusesLinearBiases) {
-  json c = {{"model_type", "qwen2"}, {"hidden_size", 64},  {"intermediate_size", 128}, {"num_hidden_layers", 1},
+// Qwen2's q/k/v biases under QLoRA: fp32 after prepare_model_for_kbit_training, recast to the
+// compute dtype by Linear4bit's first forward (a new half storage, the fp32 one freed), once.
+TEST(GraphQlora, BiasesRecastInTheFirstForward) {
+  json c = {{"model_type", "qwen2"}, {"hidden_size", 64},  {"intermediate_size", 128}, {"num_hidden_layers", 2},
             {"num_attention_heads", 4}, {"num_key_value_heads", 2}, {"vocab_size", 100}};
   const Model m = model_from_config_json(c.dump());
-  Recipe r = qlora_recipe(Precision::kBf16True, true);
-  EXPECT_EQ(testing::error_of([&] { trace_of(m, r); }),
-            "load_in_4bit: qwen2 has biases on its linear layers, which bitsandbytes recasts in the first forward; "
-            "not modelled yet (Llama, Mistral, Qwen3, Gemma-2 and Phi-3 have none)");
+  auto recasts = [&](const Trace& t, int step, bool alloc, std::uint64_t bytes) {
+    int n = 0;
+    for (const graph::Event& e : t.events) {
+      const MomentTag& mt = t.moments[e.moment];
+      const graph::Storage& s = t.storages[e.tensor];
+      if (e.alloc == alloc && mt.step == step && mt.phase == Phase::kForward && s.category == Category::kWeights &&
+          s.bytes == bytes && (mt.op == "self_attn.q_proj" || mt.op == "self_attn.k_proj" || mt.op == "self_attn.v_proj"))
+        ++n;
+    }
+    return n;
+  };
+  const Trace half = trace_of(m, qlora_recipe(Precision::kBf16True, false));
+  // Per layer: q (64 wide) and k, v (32 wide each), bf16 made, fp32 freed.
+  EXPECT_EQ(recasts(half, 1, true, 64 * 2) + recasts(half, 1, true, 32 * 2), 2 * 3);
+  EXPECT_EQ(recasts(half, 1, false, 64 * 4) + recasts(half, 1, false, 32 * 4), 2 * 3);
+  EXPECT_EQ(recasts(half, 2, true, 64 * 2) + recasts(half, 2, true, 32 * 2), 0);
+  const Trace full = trace_of(m, qlora_recipe(Precision::kFp32, false));
+  EXPECT_EQ(recasts(full, 1, true, 64 * 4) + recasts(full, 1, true, 32 * 4), 0);
+  EXPECT_EQ(recasts(full, 1, false, 64 * 4) + recasts(full, 1, false, 32 * 4), 0);
 }
 
 }  // namespace

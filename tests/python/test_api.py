@@ -85,8 +85,9 @@ def test_qlora_keywords_match_the_cli(run):
         trainmem.estimate("llama-3.2-1b", lora_rank=8, load_in_4bit=True, precision="bf16-mixed")
     # Without a precision a 4-bit base runs in bf16-true, its matmuls' dtype.
     assert trainmem.estimate("llama-3.2-1b", lora_rank=8, load_in_4bit=True).recipe["precision"] == "bf16-true"
-    with pytest.raises(ValueError, match="load_in_4bit: qwen2 has biases on its linear layers"):
-        trainmem.estimate("qwen2.5-0.5b", lora_rank=8, load_in_4bit=True, precision="bf16-true")
+    # Qwen2's biased q/k/v are quantized too (Note [Quantized linear biases]), no longer refused.
+    q25 = trainmem.estimate("qwen2.5-0.5b", lora_rank=8, load_in_4bit=True, precision="bf16-true")
+    assert q25.recipe["load_in_4bit"] is True and q25.peak_allocated_bytes > 0
 
 
 def test_data_parallel_keywords(trainmem_bin):

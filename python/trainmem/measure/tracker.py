@@ -472,6 +472,13 @@ class MemoryTracker:
     def _post_hook(self, label: Label, module, args, kwargs, output):
         if self.phase in ("forward", "loss"):
             self.label_graph(output, label)
+            # A forward may give a parameter new storage (bitsandbytes' `bias.data = bias.data.to(x.dtype)`):
+            # the new storage is the parameter's from birth.
+            for p in module.parameters(recurse=False):
+                sid = self._sid_of(p)
+                if sid is not None and "weights" not in self.records[sid].flags:
+                    self.records[sid].flags.add("weights")
+                    self._weight_cdatas.add(self._cdata(p))
         self._pop_label(label)
 
     def _pop_label(self, label: Label) -> None:
