@@ -31,7 +31,8 @@ trainmem::Estimate run_estimate(const nb::bytes& model_bytes, const trainmem::Re
 // Returns (json, text) of trainmem::fit.
 std::pair<std::string, nb::bytes> run_fit(const nb::bytes& model_bytes, const trainmem::RecipeSpelling& spelling,
                                             std::uint64_t gpus, std::uint64_t global_batch,
-                                            const std::vector<std::string>& fixed, std::uint64_t top) {
+                                            const std::vector<std::string>& fixed, std::uint64_t top,
+                                            std::uint64_t host_memory_bytes) {
   const std::string model = source_of(model_bytes);
   trainmem::FitRequest q;
   q.base = trainmem::parse_recipe(spelling);
@@ -39,6 +40,7 @@ std::pair<std::string, nb::bytes> run_fit(const nb::bytes& model_bytes, const tr
   q.global_batch = global_batch;
   q.fixed = fixed;
   q.top = static_cast<std::size_t>(top);
+  q.host_memory_bytes = host_memory_bytes;
   const trainmem::Model m = trainmem::load_model(model);
   const trainmem::FitResult f = trainmem::fit(m, q);
   const std::string text = trainmem::report::fit_to_text(m.name, f);
@@ -98,7 +100,8 @@ NB_MODULE(_core, m) {
 
   m.def("estimate", &run_estimate, "model"_a, "recipe"_a, "timeline"_a, "rank"_a);
   m.def("fit_knobs", &trainmem::fit_knobs);
-  m.def("fit", &run_fit, "model"_a, "recipe"_a, "gpus"_a, "global_batch"_a, "fixed"_a, "top"_a);
+  m.def("fit", &run_fit, "model"_a, "recipe"_a, "gpus"_a, "global_batch"_a, "fixed"_a, "top"_a, "host_memory_bytes"_a);
+  m.attr("DEFAULT_HOST_MEMORY_BYTES") = trainmem::kDefaultHostMemoryBytes;
   m.def("catalog_json", []() {
     std::string out = "[";
     for (const auto& c : trainmem::catalog()) {

@@ -179,9 +179,12 @@ struct Fsdp {
 };
 // CPU offload (docs/parallelism.md, "CPU offload"): kOptimizer is DeepSpeed's
 // zero_optimization.offload_optimizer {device: cpu} (its defaults: pin_memory true, ratio 1) under
-// kZero1 / kZero2, with DeepSpeedCPUAdam stepping this rank's fp32 partition on the host (Note
-// [ZeRO-Offload] in src/graph/zero_offload.cpp). Mirrored from the source, unmeasured.
-enum class Offload : std::uint8_t { kNone, kOptimizer };
+// kZero1 / kZero2 / kZero3, with DeepSpeedCPUAdam stepping this rank's fp32 partition on the host
+// (Note [ZeRO-Offload] in src/graph/zero_offload.cpp, Note [ZeRO-3 offload] in
+// src/graph/zero3_offload.cpp). kParams is ZeRO-3's offload_param {device: cpu} (pin_memory true):
+// the 16-bit parameter partitions live on the host, the optimizer on the GPU; kBoth is both.
+// Mirrored from the source, unmeasured.
+enum class Offload : std::uint8_t { kNone, kOptimizer, kParams, kBoth };
 
 // LoRA adapters (peft's LoraConfig): the base model is frozen, every targeted linear layer of
 // every decoder layer gets A (rank × in) and B (out × rank) beside it.
@@ -281,7 +284,7 @@ struct RecipeSpelling {
   std::uint64_t fsdp_replicate = 1;
   std::string fsdp_param_dtype = "none";   // none | bf16
   std::string fsdp_reduce_dtype = "none";  // none | fp32 | bf16
-  std::string offload = "none";   // none | optimizer (DeepSpeed offload_optimizer, zero1 / zero2)
+  std::string offload = "none";   // none | optimizer (zero1 / zero2 / zero3) | params | both (zero3)
 };
 // Parses and validates every knob; throws Error naming the first bad field.
 Recipe parse_recipe(const RecipeSpelling& spelling);
@@ -342,10 +345,11 @@ struct RankPeak {
 // bytes. Mirrored from the framework's source, never measured (the measurements are CPU runs,
 // where offloading to the CPU is a copy on the same device). All zero without offload.
 struct HostMemory {
-  std::uint64_t pinned_bytes = 0;            // page-locked, as allocated (power-of-two blocks)
+  std::uint64_t pinned_bytes = 0;            // page-locked blocks the host allocator holds (power-of-two
+                                             // blocks; with ZeRO-3 offload_param also freed, cached ones)
   std::uint64_t pinned_requested_bytes = 0;  // the same tensors' own sizes
   std::uint64_t pageable_bytes = 0;
-  std::uint64_t weights_bytes = 0;           // fp32 master partition, 16-bit staging copy
+  std::uint64_t weights_bytes = 0;           // fp32 master partition, 16-bit staging copy or partitions
   std::uint64_t optimizer_states_bytes = 0;  // DeepSpeedCPUAdam's exp_avg, exp_avg_sq
   std::uint64_t gradients_bytes = 0;         // fp32 partition gradient, staging and accumulation buffers
   std::uint64_t total_bytes() const { return pinned_bytes + pageable_bytes; }
@@ -412,8 +416,14 @@ struct Plan {
   StepTime time;
   bool simulated = false;  // false: only a lower bound is known (peak_* hold that bound)
   bool complete = true;    // the replay ran to the end (a probe that stopped says only "too big")
-  bool fits = false;
+  // CPU offload: the host memory one rank needs (Estimate::host.total_bytes(); 0 without offload).
+  std::uint64_t host_bytes = 0;
+  bool fits = false;       // reserved bytes within the GPU's usable memory and host_bytes within the host's
 };
+
+// The host memory the planner allows each GPU's rank by default (FitRequest::host_memory_bytes):
+// a node's RAM over its GPUs, 1 TiB over 8 GPUs (docs/planner.md, "Host memory").
+constexpr std::uint64_t kDefaultHostMemoryBytes = 128ull << 30;
 
 struct FitRequest {
   Recipe base;                       // the user's recipe; the planner starts from it
@@ -421,6 +431,9 @@ struct FitRequest {
   std::uint64_t global_batch = 0;    // sequences per optimizer step over all GPUs; 0: batch*grad_accum*gpus
   std::vector<std::string> fixed;    // knob names the search keeps at the base recipe's value
   std::size_t top = 10;              // plans to return
+  // Host (CPU) RAM each GPU's rank may use, pinned and pageable together: a plan whose
+  // Plan::host_bytes exceed it does not fit (only CPU offload holds host memory in the engine).
+  std::uint64_t host_memory_bytes = kDefaultHostMemoryBytes;
 };
 
 // One single-knob change of the base recipe and what it does.
@@ -434,6 +447,7 @@ struct FitResult {
   std::uint64_t gpus = 1;
   std::uint64_t global_batch = 0;
   std::uint64_t capacity_bytes = 0;  // usable memory per GPU the plans were held to
+  std::uint64_t host_capacity_bytes = 0;  // host memory per GPU's rank the plans were held to
   std::vector<Plan> plans;           // fitting recipes, fastest first
   std::uint64_t searched = 0;        // recipes in the search space
   std::uint64_t simulated = 0;       // of those, replayed through the engine

@@ -160,6 +160,7 @@ class FitResult:
     gpus: int
     global_batch: int
     capacity_bytes: int
+    host_capacity_bytes: int
     searched: int
     simulated: int
     pruned: int
@@ -176,21 +177,27 @@ class FitResult:
 
 
 def fit(model: str, *, gpus: int = 1, global_batch: int | None = None, top: int = 10,
-        **recipe: Any) -> FitResult:
+        host_memory_gib: int | None = None, **recipe: Any) -> FitResult:
     """Recipes that fit `gpu` (a recipe knob, default h100-80gb), fastest first, plus what each
     single change of the given recipe saves. Of the knobs the planner searches (_core.fit_knobs():
     batch, precision, optimizer, checkpointing, loss, allocator), those passed here are held and
-    the others searched, as with `trainmem fit`. Raises ValueError on bad input."""
+    the others searched, as with `trainmem fit`. `host_memory_gib` is the host RAM each GPU's rank
+    may use under CPU offload (`--host-memory`; None: the default, 128 GiB). Raises ValueError on
+    bad input."""
     from . import _core
 
-    for name, value in (("gpus", gpus), ("top", top), ("global_batch", global_batch or 1)):
+    for name, value in (("gpus", gpus), ("top", top), ("global_batch", global_batch or 1),
+                        ("host_memory_gib", 1 if host_memory_gib is None else host_memory_gib)):
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 2**64:
             raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+    if host_memory_gib is not None and host_memory_gib > 2**20:
+        raise ValueError(f"host_memory: must be between 1 and 1048576 GiB of host memory per GPU, got {host_memory_gib}")
+    host = _core.DEFAULT_HOST_MEMORY_BYTES if host_memory_gib is None else host_memory_gib << 30
     fixed = [k for k in _core.fit_knobs() if k in recipe]
     spelling = _spelling(recipe)
     if spelling.parallel != "none":  # a data-parallel base recipe runs on all the GPUs
         spelling.gpus = gpus
-    out, text = _core.fit(_source(model), spelling, gpus, global_batch or 0, fixed, top)
+    out, text = _core.fit(_source(model), spelling, gpus, global_batch or 0, fixed, top, host)
     data = json.loads(out)
     data["_text"] = text.decode("utf-8", "replace")
     return FitResult(**data)

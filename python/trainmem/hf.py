@@ -192,11 +192,11 @@ def recipe_from_deepspeed_config(config: Any, *, seq: int | None = None, gpus: i
     (foreach); without `torch_adam` it is DeepSpeed's FusedAdam, which updates in place like
     torch's fused AdamW (adamw-fused); without a section the Trainer's `optim` decides.
 
-    `offload_optimizer {device: cpu}` under stages 1 and 2 (pin_memory and ratio at their defaults) is
-    `offload="optimizer"` with the config's Adam/AdamW as DeepSpeedCPUAdam (`optimizer="adamw"`).
+    `offload_optimizer {device: cpu}` (pin_memory and ratio at their defaults) is
+    `offload="optimizer"` with the config's Adam/AdamW as DeepSpeedCPUAdam (`optimizer="adamw"`);
+    under stage 3 `offload_param {device: cpu}` is `offload="params"`, both together `"both"`.
 
-    Refused (not modelled): ZeRO stage 0 (DeepSpeed's own data parallelism), offload_param, NVMe
-    offload, offload under stage 3,
+    Refused (not modelled): ZeRO stage 0 (DeepSpeed's own data parallelism), NVMe offload,
     fp16 with loss scaling, ZeRO settings other than DeepSpeed's defaults (buckets, overlap,
     stage-3 prefetch and persistence), other optimizers.
     """
@@ -220,21 +220,25 @@ def recipe_from_deepspeed_config(config: Any, *, seq: int | None = None, gpus: i
                          "is not modelled; stages 1, 2 and 3 are")
     if stage not in (1, 2, 3):
         raise ValueError(f"deepspeed config zero_optimization.stage: expected 0, 1, 2 or 3, got {stage!r}")
-    offload = False
+    offloaded = []  # "optimizer", "params": Note [ZeRO-Offload], Note [ZeRO-3 offload]
     for key in ("offload_optimizer", "offload_param"):
         section = zero.get(key) or {}
         device = section.get("device", "none")
         if device in (None, "none"):
             continue
-        if key == "offload_param" or device != "cpu" or stage == 3:
-            raise ValueError(f"deepspeed config zero_optimization.{key}.device={device!r}"
-                             f"{' under stage 3' if stage == 3 else ''}: offload is not modelled yet (offload_optimizer "
-                             "to the cpu under stages 1 and 2 is)")
-        for name, default in (("pin_memory", True), ("ratio", 1.0)):
+        if device != "cpu":
+            raise ValueError(f"deepspeed config zero_optimization.{key}.device={device!r}: offload to {device} is "
+                             "not modelled (offload to the cpu is)")
+        if key == "offload_param" and stage != 3:
+            raise ValueError(f"deepspeed config zero_optimization.offload_param under stage {stage}: DeepSpeed "
+                             "offloads parameters under stage 3 only")
+        defaults = (("pin_memory", True), ("ratio", 1.0)) if key == "offload_optimizer" else (("pin_memory", True),)
+        for name, default in defaults:
             if name in section and section[name] != default:
-                raise ValueError(f"deepspeed config zero_optimization.offload_optimizer.{name}={section[name]!r}: "
+                raise ValueError(f"deepspeed config zero_optimization.{key}.{name}={section[name]!r}: "
                                  f"trainmem models DeepSpeed's default ({default})")
-        offload = True
+        offloaded.append("optimizer" if key == "offload_optimizer" else "params")
+    offload = "optimizer" in offloaded
     for key, default in _ZERO_DEFAULTS.items():
         if key in zero and zero[key] != default:
             raise ValueError(f"deepspeed config zero_optimization.{key}={zero[key]!r}: trainmem models DeepSpeed's "
@@ -245,8 +249,8 @@ def recipe_from_deepspeed_config(config: Any, *, seq: int | None = None, gpus: i
                          "remove it to estimate with the default")
 
     knobs: dict[str, Any] = {"parallel": f"zero{stage}"}
-    if offload:
-        knobs["offload"] = "optimizer"
+    if offloaded:
+        knobs["offload"] = "both" if len(offloaded) == 2 else offloaded[0]
     micro = value(ds, "train_micro_batch_size_per_gpu", "per_device_train_batch_size",
                   "train_micro_batch_size_per_gpu")
     accum = value(ds, "gradient_accumulation_steps", "gradient_accumulation_steps", "gradient_accumulation_steps")

@@ -31,6 +31,15 @@ std::uint64_t parse_count(const std::string& s, const char* field) {
   return v;
 }
 
+// --host-memory: whole GiB, 1 to 1 PiB (See Note [Host memory in the planner] in src/plan/fit.cpp).
+std::uint64_t host_memory_bytes(const std::string& gib) {
+  const std::uint64_t n = parse_count(gib, "host_memory (GiB)");
+  if (n == 0 || n > (1ull << 20)) {
+    throw Error("host_memory: must be between 1 and 1048576 GiB of host memory per GPU, got '" + gib + "'");
+  }
+  return n << 30;
+}
+
 bool parse_bool(const std::string& s, const char* field) {
   if (s == "true") return true;
   if (s == "false") return false;
@@ -112,7 +121,9 @@ struct RecipeFlags {
         "With --parallel fsdp and fp32: MixedPrecisionPolicy param_dtype, none | bf16");
     opt("fsdp_reduce_dtype", "--fsdp-reduce-dtype", fsdp_reduce_dtype,
         "With --fsdp-param-dtype: MixedPrecisionPolicy reduce_dtype, none (param_dtype) | fp32 | bf16");
-    opt("offload", "--offload", offload, "none | optimizer (DeepSpeed offload_optimizer {device: cpu}, zero1 / zero2)");
+    opt("offload", "--offload", offload,
+        "none | optimizer (DeepSpeed offload_optimizer {device: cpu}: zero1 / zero2 / zero3) | params "
+        "(offload_param {device: cpu}: zero3) | both (zero3)");
   }
 
   // Knobs the user typed on the command line.
@@ -375,7 +386,7 @@ int main(int argc, char** argv) {
 
   auto* fitc = app.add_subcommand(
       "fit", "Recipes that fit a GPU, fastest first, and what single changes of your recipe save");
-  std::string fit_model, fit_global = "0", fit_top = "10";
+  std::string fit_model, fit_global = "0", fit_top = "10", fit_host = std::to_string(trainmem::kDefaultHostMemoryBytes >> 30);
   RecipeFlags fit_flags;
   bool fit_json = false;
   fitc->add_option("model", fit_model, "Catalog name, Hugging Face id, config.json path or model directory")->required();
@@ -383,6 +394,9 @@ int main(int argc, char** argv) {
   fitc->add_option("--global-batch", fit_global,
                    "Sequences per optimizer step over all GPUs (default: batch x grad-accum x gpus)");
   fitc->add_option("--top", fit_top, "How many fitting recipes to list")->capture_default_str();
+  fitc->add_option("--host-memory", fit_host,
+                   "Host RAM in GiB each GPU's rank may use under CPU offload (a node's RAM over its GPUs)")
+      ->capture_default_str();
   fitc->add_flag("--json", fit_json, "Print capacity_bytes, plans, baseline, changes, closest_miss as JSON");
   fitc->footer(
       "Knobs you pass (--precision, --optimizer, --checkpointing, --loss, --allocator, --batch) are held;\n"
@@ -447,6 +461,7 @@ int main(int argc, char** argv) {
       q.base = trainmem::parse_recipe(sp);
       q.global_batch = fit_global == "0" ? 0 : parse_count(fit_global, "global_batch");
       q.top = parse_count(fit_top, "top");
+      q.host_memory_bytes = host_memory_bytes(fit_host);
       for (const std::string& k : fit_flags.given()) {
         const auto& knobs = trainmem::fit_knobs();
         if (std::find(knobs.begin(), knobs.end(), k) != knobs.end()) q.fixed.push_back(k);

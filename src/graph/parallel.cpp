@@ -117,7 +117,9 @@ std::uint64_t ceil_div(std::uint64_t a, std::uint64_t b) { return a / b + (a % b
 DataParallel::DataParallel(Tape& tape, const Recipe& recipe, bool cuda, std::uint64_t rank)
     : t_(tape), kind_(recipe.parallel), world_(recipe.gpus), cuda_(cuda), rank_(rank), grad_accum_(recipe.grad_accum) {
   TRAINMEM_ASSERT(rank < world_, "rank outside the world");
-  offload_ = recipe.offload == Offload::kOptimizer;  // zero_offload.cpp
+  // offload_optimizer (zero_offload.cpp, zero3_offload.cpp) and ZeRO-3's offload_param.
+  offload_ = recipe.offload == Offload::kOptimizer || recipe.offload == Offload::kBoth;
+  offload_params_ = recipe.offload == Offload::kParams || recipe.offload == Offload::kBoth;
   if (kind_ != Parallel::kFsdp) return;
   // See Note [FSDP2 variants].
   const Fsdp& f = recipe.fsdp;

@@ -98,12 +98,16 @@ class DataParallel {
   // model dtype, whatever the model's size (exposed for the planner's floor).
   static std::uint64_t zero_bucket_bytes(std::uint64_t item_bytes);
 
-  // ZeRO-Offload (zero_offload.cpp, Note [ZeRO-Offload]): the host memory this rank holds, and
-  // whether the step's last micro-batch differs from the ones before it (the replay must not skip
-  // it). pinned_block_bytes: what CachingHostAllocator hands out for a pinned tensor.
+  // ZeRO-Offload (zero_offload.cpp, Note [ZeRO-Offload]; ZeRO-3: zero3_offload.cpp, Note [ZeRO-3
+  // offload]): whether the optimizer steps on the host (offload_optimizer), the host memory this
+  // rank holds, and whether the step's last micro-batch differs from the ones before it (the
+  // replay must not skip it). pinned_block_bytes: what CachingHostAllocator hands out for a
+  // pinned tensor.
   bool offload() const { return offload_; }
   const HostMemory& host_memory() const { return host_; }
-  bool boundary_micro_batch_differs() const { return offload_ && kind_ == Parallel::kZero2; }
+  bool boundary_micro_batch_differs() const {
+    return offload_ && (kind_ == Parallel::kZero2 || kind_ == Parallel::kZero3);
+  }
   void skip_to_last_micro();
   static std::uint64_t pinned_block_bytes(std::uint64_t bytes);
 
@@ -242,12 +246,19 @@ class DataParallel {
   std::vector<TensorId> z3_kept_grads_;         // .grads larger than the bucket, until reduced
   TensorId z3_fp32_grad_ = kNone;
   TensorId z3_norm_group_ = kNone;  // the sub-group's gradient norm, until step() returns
+  // ZeRO-3 offload (zero3_offload.cpp, Note [ZeRO-3 offload])
+  void zero3_offload_wrap();
+  TensorId zero3_copy_in(std::uint32_t pi);  // ds_tensor.to(device) of a host partition (kNone: on the GPU)
+  void zero3_offload_partition_grads();
+  void zero3_offload_grad_norm();
+  bool offload_params_ = false;  // offload_param: the 16-bit partitions live on the host
   // ZeRO-Offload (zero_offload.cpp)
   void offload_wrap();
   void offload_grad(std::uint32_t pi);
   void offload_before_optimizer();
   void offload_after_optimizer();
   void host_pinned(std::uint64_t bytes, std::uint64_t HostMemory::*category);
+  void host_pageable(std::uint64_t bytes, std::uint64_t HostMemory::*category);
   bool offload_ = false;
   bool offload_boundary_ = false;     // this backward is the accumulation boundary
   std::vector<TensorId> offload_norms_;  // norm_for_param_grads, until reset_cpu_buffers

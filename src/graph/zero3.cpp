@@ -16,7 +16,8 @@ constexpr std::int32_t kNoLayer = -1;
 // reduce_bucket_size 5e8, stage3_prefetch_bucket_size 5e7, stage3_param_persistence_threshold
 // 1e5, stage3_model_persistence_threshold sys.maxsize, stage3_max_live_parameters 1e9,
 // stage3_max_reuse_distance 1e9, sub_group_size 1e9, contiguous_gradients and reduce_scatter
-// true, no offload), rank 0. What allocates, in order:
+// true, no offload: Note [ZeRO-3 offload] in zero3_offload.cpp has what offload changes), rank 0.
+// What allocates, in order:
 //  * initialize (partition_parameters.py Init(module=...), stage3.py __init__): every
 //    parameter keeps a partition of ceil(numel / world) elements (ds_tensor); its .data becomes
 //    an empty placeholder (free_param) — also for the persistent ones (ds_persist: numel <=
@@ -137,14 +138,21 @@ void DataParallel::zero3_wrap() {
   }
   if (total <= kSubGroupElements) sub_group_numel_.assign(1, total);  // one group, not cut
   partition_numel_ = total;
-  t_.alloc_bytes(detail::mul(total, z3_item_, "lp_param_buffer bytes"), Category::kWeights);
-  t_.at(Phase::kSetup, kNoLayer, "zero3.fp32_partitions");
-  for (std::uint64_t g : sub_group_numel_) t_.alloc_bytes(detail::mul(g, 4, "ZeRO-3 fp32 bytes"), Category::kWeights);
+  // CPU offload moves the partitions, the fp32 masters and the gradient partitions to the host
+  // (See Note [ZeRO-3 offload] in zero3_offload.cpp).
+  if (offload_ || offload_params_) zero3_offload_wrap();
+  if (!offload_params_) t_.alloc_bytes(detail::mul(total, z3_item_, "lp_param_buffer bytes"), Category::kWeights);
+  if (!offload_) {
+    t_.at(Phase::kSetup, kNoLayer, "zero3.fp32_partitions");
+    for (std::uint64_t g : sub_group_numel_) t_.alloc_bytes(detail::mul(g, 4, "ZeRO-3 fp32 bytes"), Category::kWeights);
+  }
   t_.at(Phase::kSetup, kNoLayer, "zero3.ipg_bucket");
   z3_bucket_ = t_.alloc_bytes(detail::mul(kReduceBucketElements, z3_item_, "ZeRO-3 bucket bytes"), Category::kGradients);
-  t_.at(Phase::kSetup, kNoLayer, "zero3.grad_partitions");
-  t_.alloc_bytes(detail::mul(total, z3_accum_item_, "grad_partitions_flat_buffer bytes"), Category::kGradients);
-  t_.alloc_bytes(1, Category::kOther);  // inf_or_nan_tracker
+  if (!offload_) {
+    t_.at(Phase::kSetup, kNoLayer, "zero3.grad_partitions");
+    t_.alloc_bytes(detail::mul(total, z3_accum_item_, "grad_partitions_flat_buffer bytes"), Category::kGradients);
+    t_.alloc_bytes(1, Category::kOther);  // inf_or_nan_tracker
+  }
 }
 
 std::uint32_t DataParallel::zero3_module(const std::vector<std::uint32_t>& params, std::uint32_t key,
@@ -295,11 +303,19 @@ void DataParallel::zero3_all_gather(std::vector<std::uint32_t> params) {
     const std::uint32_t p = params.front();
     z3_data_[p] = t_.alloc_bytes(detail::mul({z3_partition_[p], world_, z3_item_}, "gathered parameter bytes"),
                                  Category::kWeights);
+    const TensorId in = zero3_copy_in(p);  // offload_param: the host partition's GPU copy
+    if (in != kNone) t_.release(in);
     h.waited = true;
   } else {
     std::uint64_t flat = 0;
     for (std::uint32_t p : params) flat += z3_partition_[p];
     h.flat = t_.alloc_bytes(detail::mul({flat, world_, z3_item_}, "all-gather bytes"), Category::kWeights);
+    std::vector<TensorId> copies;  // offload_param: torch.cat of the partitions' GPU copies
+    for (std::uint32_t p : params) {
+      const TensorId in = zero3_copy_in(p);
+      if (in != kNone) copies.push_back(in);
+    }
+    for (TensorId in : copies) t_.release(in);
   }
   const std::uint32_t id = static_cast<std::uint32_t>(z3_handles_.size());
   z3_handles_.push_back(std::move(h));
@@ -412,6 +428,7 @@ void DataParallel::zero3_reduce_ipg() {
   // chunks are copied out (the measured trace: at the copy_); NCCL makes none. See Note [gloo's
   // reduce-scatter temporary] in parallel.cpp.
   if (!cuda_) t_.release(t_.alloc_bytes(detail::mul(flat, z3_item_, "reduce-scatter bytes"), Category::kGradients));
+  if (offload_) zero3_offload_partition_grads();  // to the pinned host partitions: See Note [ZeRO-3 offload]
   if (cat != kNone) t_.release(cat);  // the partitions are in grad_partitions_flat_buffer, the list goes
   for (TensorId g : z3_kept_grads_) t_.release(g);
   z3_kept_grads_.clear();
@@ -433,6 +450,7 @@ void DataParallel::zero3_backward_end() {
     }
   }
   z3_backward_active_.clear();
+  ++micro_;  // the accumulation boundary of offload_optimizer (See Note [ZeRO-3 offload])
 }
 
 // _partition_all_parameters → release_and_reset_all: everything gathered goes, persistent too.
@@ -449,6 +467,8 @@ void DataParallel::zero3_partition_all() {
 void DataParallel::zero3_before_optimizer() {
   t_.at(Phase::kOptimizer, kNoLayer, "zero3.partition_all_parameters");
   zero3_partition_all();
+  micro_ = 0;  // _pre_step: micro_step_id 0
+  if (offload_) return zero3_offload_grad_norm();  // the rest of step() runs on the host
   t_.at(Phase::kOptimizer, kNoLayer, "zero3.grad_norm");
   auto scalar = [&](std::uint64_t bytes) { return t_.alloc_bytes(bytes, Category::kTemporaries); };
   auto drop = [&](std::initializer_list<TensorId> ids) {
@@ -498,6 +518,7 @@ void DataParallel::zero3_before_optimizer() {
 }
 
 void DataParallel::zero3_before_sub_group(std::size_t i) {
+  if (offload_) return;  // the pinned fp32 .grad on the host: See Note [ZeRO-3 offload]
   // _prepare_fp32_grad_for_sub_group: flatten (a copy of the partitions, a temporary: made
   // outside the gradient hooks) and .to(fp32).
   t_.at(Phase::kOptimizer, kNoLayer, "zero3.fp32_grad_partition");
@@ -534,11 +555,14 @@ void DataParallel::zero3_after_sub_group(std::size_t) {
 
 // After the last sub-group: _post_step gathers the persistent parameters, step() returns.
 void DataParallel::zero3_gather_persistent() {
+  if (offload_) offload_after_optimizer();  // reset_cpu_buffers: norm_for_param_grads goes
   t_.at(Phase::kOptimizer, kNoLayer, "zero3.gather_persistent");
   for (std::uint32_t p = 0; p < params_.size(); ++p) {
     if (!z3_persist_[p] || z3_status_[p] != Z3Status::kNotAvailable) continue;
     z3_data_[p] = t_.alloc_bytes(detail::mul({z3_partition_[p], world_, z3_item_}, "gathered parameter bytes"),
                                  Category::kWeights);
+    const TensorId in = zero3_copy_in(p);  // offload_param: the host partition's GPU copy
+    if (in != kNone) t_.release(in);
     z3_status_[p] = Z3Status::kAvailable;
   }
   if (scaled_norm_ != kNone) t_.release(scaled_norm_);  // step() returns: its locals go

@@ -48,12 +48,13 @@ constexpr std::int32_t kNoLayer = -1;
 // pinned tensor's rounded size plus the pageable Adam states. The 16-bit clones that pin_memory()
 // copies from, and the model loaded before deepspeed.initialize, are transient and not counted.
 // Not modelled: the scalar temporaries of the overflow check and of combine_grad_norm_groups
-// (0-dim, one 512-byte block each on CUDA), ratio < 1 (partial offload), offload_param (ZeRO-3),
-// NVMe. DeepSpeed's estimate_zero2_model_states_mem_needs(cpu_offload=True) gives 2N bytes per
-// GPU and N x max(4 x GPUs, 16) x 1.5 per node; the engine's GPU weights are the 2N flat group
-// (padded) and its host model states 16 bytes per element of the flat group summed over the ranks
-// (4 master + 4 gradient + 8 Adam) plus the 16-bit staging copy and the buffers above, before
-// the power-of-two rounding; tests/cpp/test_zero_offload.cpp checks both.
+// (0-dim, one 512-byte block each on CUDA), ratio < 1 (partial offload), NVMe (ZeRO-3's
+// offload_optimizer and offload_param: Note [ZeRO-3 offload] in zero3_offload.cpp). DeepSpeed's
+// estimate_zero2_model_states_mem_needs(cpu_offload=True) gives 2N bytes per GPU and
+// N x max(4 x GPUs, 16) x 1.5 per node; the engine's GPU weights are the 2N flat group (padded)
+// and its host model states 16 bytes per element of the flat group summed over the ranks (4
+// master + 4 gradient + 8 Adam) plus the 16-bit staging copy and the buffers above, before the
+// power-of-two rounding; tests/cpp/test_zero_offload.cpp checks both.
 std::uint64_t power_of_two_ceil(std::uint64_t bytes) {
   std::uint64_t block = 1;
   while (block < bytes) block = detail::mul(block, 2, "pinned block bytes");
@@ -70,6 +71,11 @@ void DataParallel::host_pinned(std::uint64_t bytes, std::uint64_t HostMemory::*c
   host_.*category = detail::add(host_.*category, bytes, "host bytes");
 }
 
+void DataParallel::host_pageable(std::uint64_t bytes, std::uint64_t HostMemory::*category) {
+  host_.pageable_bytes = detail::add(host_.pageable_bytes, bytes, "host pageable bytes");
+  host_.*category = detail::add(host_.*category, bytes, "host bytes");
+}
+
 // See Note [ZeRO-Offload]: __init__ and initialize_optimizer_states.
 void DataParallel::offload_wrap() {
   const std::uint64_t item = zero_item_bytes();
@@ -81,9 +87,7 @@ void DataParallel::offload_wrap() {
   host_pinned(detail::mul(largest, item, "temp_grad_buffer_for_cpu_offload bytes"), &HostMemory::gradients_bytes);
   host_pinned(detail::mul(partition_numel_, 4, "fp32 partition gradient bytes"), &HostMemory::gradients_bytes);
   // DeepSpeedCPUAdam's exp_avg and exp_avg_sq, pageable.
-  const std::uint64_t states = detail::mul(partition_numel_, 8, "CPUAdam state bytes");
-  host_.pageable_bytes = detail::add(host_.pageable_bytes, states, "host pageable bytes");
-  host_.optimizer_states_bytes = states;
+  host_pageable(detail::mul(partition_numel_, 8, "CPUAdam state bytes"), &HostMemory::optimizer_states_bytes);
   // accumulated_grads_in_cpu: one per parameter of the partition, under gradient accumulation
   // with ZeRO-2. ZeRO-1 reduces once, at the boundary, in the step's first ipg round
   // (micro_step_id 0): copy_grads_in_partition then skips the host accumulation.

@@ -95,6 +95,7 @@ class Planner {
     p.peak = e.peak;
     p.simulated = true;
     p.complete = e.complete;
+    p.host_bytes = e.host.total_bytes();  // made at the wrap: known to a stopped probe too
     return p;
   }
 
@@ -121,9 +122,10 @@ class Planner {
   std::map<std::string, Known> memo_;
 };
 
-// Whether a replayed plan fits `usable` bytes (a stopped probe never does).
-Plan judged(Plan p, std::uint64_t usable) {
-  p.fits = p.complete && p.peak_reserved_bytes <= usable;
+// Whether a replayed plan fits `usable` bytes of the GPU (a stopped probe never does) and `host`
+// bytes of host memory per rank (See Note [Host memory in the planner]).
+Plan judged(Plan p, std::uint64_t usable, std::uint64_t host) {
+  p.fits = p.complete && p.peak_reserved_bytes <= usable && p.host_bytes <= host;
   return p;
 }
 
@@ -176,8 +178,13 @@ std::uint64_t plan::persistent_floor(const Model& m, const Recipe& r) {
     // partitions in the model dtype and the ipg bucket, and from step 1 on the states of the
     // master partition; each partition is at least 1/gpus of the parameters (ceil per
     // parameter). Gathered parameters come and go: none are counted.
+    // CPU offload moves the partitions (offload_param) or the masters, states and gradient
+    // partitions (offload_optimizer) to the host (See Note [ZeRO-3 offload] in graph/zero3_offload.cpp).
     const std::uint64_t partition = n / r.gpus;
-    const std::uint64_t held = detail::mul(partition, pb + 4 + states_per_element + pb, "ZeRO-3 partition bytes");
+    const bool params_off = r.offload == Offload::kParams || r.offload == Offload::kBoth;
+    const bool optimizer_off = r.offload == Offload::kOptimizer || r.offload == Offload::kBoth;
+    const std::uint64_t per_element = (params_off ? 0 : pb) + (optimizer_off ? 0 : 4 + states_per_element + pb);
+    const std::uint64_t held = detail::mul(partition, per_element, "ZeRO-3 partition bytes");
     return detail::add(held, graph::DataParallel::zero_bucket_bytes(pb), "persistent bytes");
   }
   if (is_zero(r.parallel)) {
@@ -237,6 +244,21 @@ FitResult fit(const Model& model, const FitRequest& q) {
   out.global_batch = q.global_batch ? q.global_batch
                                     : detail::mul({q.base.batch, q.base.grad_accum, q.gpus}, "global batch");
   out.capacity_bytes = gpu.usable_bytes();
+  if (q.host_memory_bytes == 0) {
+    throw Error("host_memory: must be more than 0 bytes of host memory per GPU (default " +
+                std::to_string(kDefaultHostMemoryBytes >> 30) + " GiB)");
+  }
+  // Note [Host memory in the planner]
+  // CPU offload moves model states into host RAM (Estimate::host: Note [ZeRO-Offload] in
+  // graph/zero_offload.cpp, Note [ZeRO-3 offload] in graph/zero3_offload.cpp). The planner holds
+  // every plan to a host budget per GPU's rank as it holds it to the GPU's usable memory: a plan
+  // fits only if its rank's host bytes (pinned blocks as the CachingHostAllocator rounds them,
+  // plus pageable) are within FitRequest::host_memory_bytes. Per rank and not per node: the
+  // catalog knows no node layout, and every rank of a data-parallel step holds about the same.
+  // Host memory that the framework needs without offload (the Python process, the dataloader,
+  // the checkpoint loaded before the wrap) is not modelled and not counted.
+  const std::uint64_t host = q.host_memory_bytes;
+  out.host_capacity_bytes = host;
   if (out.global_batch % q.gpus != 0) {
     throw Error("global_batch: " + std::to_string(out.global_batch) + " sequences do not split over " +
                 std::to_string(q.gpus) + " GPUs");
@@ -262,7 +284,7 @@ FitResult fit(const Model& model, const FitRequest& q) {
                   std::to_string(base.batch) + "; more than " + std::to_string(kMaxAccum));
     }
   }
-  out.baseline = judged(planner.replay(base), out.capacity_bytes);
+  out.baseline = judged(planner.replay(base), out.capacity_bytes, host);
 
   // ---- the search space (Note [Search order])
   std::vector<std::uint64_t> batches;
@@ -291,8 +313,10 @@ FitResult fit(const Model& model, const FitRequest& q) {
       q.gpus > 1 ? values(q, "parallel", base.parallel,
                           {Parallel::kFsdp, Parallel::kDdp, Parallel::kZero1, Parallel::kZero2, Parallel::kZero3})
                  : std::vector<Parallel>{base.parallel};
-  // DeepSpeed's offload_optimizer where a ZeRO recipe takes it (AdamW: DeepSpeedCPUAdam).
-  const auto offloads = values(q, "offload", base.offload, {Offload::kNone, Offload::kOptimizer});
+  // DeepSpeed's offload_optimizer where a ZeRO recipe takes it (AdamW: DeepSpeedCPUAdam), and
+  // ZeRO-3's offload_param alone or with it; the recipe validation skips the rest.
+  const auto offloads =
+      values(q, "offload", base.offload, {Offload::kNone, Offload::kOptimizer, Offload::kParams, Offload::kBoth});
 
   struct Candidate {
     Recipe r;
@@ -363,7 +387,7 @@ FitResult fit(const Model& model, const FitRequest& q) {
     for (AllocatorMode a : allocators) {
       Recipe r = c.r;
       r.allocator = a;
-      const Plan p = judged(planner.probe(r, usable), usable);
+      const Plan p = judged(planner.probe(r, usable), usable, host);
       if (p.fits) {
         out.plans.push_back(p);
         break;
@@ -388,7 +412,7 @@ FitResult fit(const Model& model, const FitRequest& q) {
                         all.begin() + static_cast<std::ptrdiff_t>(std::min(all.size(), i + window))}, 0);
     }
     for (const Recipe& r : all) {
-      const Plan p = judged(planner.replay(r), usable);
+      const Plan p = judged(planner.replay(r), usable, host);
       if (!out.has_closest_miss || p.peak_reserved_bytes < out.closest_miss.peak_reserved_bytes) {
         out.closest_miss = p;
         out.has_closest_miss = true;
@@ -428,7 +452,7 @@ FitResult fit(const Model& model, const FitRequest& q) {
         for (AllocatorMode a : allocators) {
           Recipe r = c.r;
           r.allocator = a;
-          const Plan p = judged(planner.probe(r, room), room);
+          const Plan p = judged(planner.probe(r, room), room, host);
           if (p.fits) return p;
         }
         return std::nullopt;
@@ -447,7 +471,7 @@ FitResult fit(const Model& model, const FitRequest& q) {
   auto change = [&](std::string what, Recipe r) {
     if (!valid(r)) return;
     try {
-      out.changes.push_back({std::move(what), judged(planner.replay(r), out.capacity_bytes)});
+      out.changes.push_back({std::move(what), judged(planner.replay(r), out.capacity_bytes, host)});
     } catch (const Error&) {
       // a change this model cannot take (e.g. LoRA defaults on Phi-3): not offered
     }
@@ -507,11 +531,15 @@ FitResult fit(const Model& model, const FitRequest& q) {
     r.fsdp.reshard_after_forward = !base.fsdp.reshard_after_forward;
     change(std::string("fsdp_reshard_after_forward ") + (r.fsdp.reshard_after_forward ? "true" : "false"), r);
   }
-  // CPU offload of the optimizer (Note [ZeRO-Offload]): on or off for a ZeRO recipe with AdamW.
-  if (is_zero(base.parallel) && base.parallel != Parallel::kZero3 && base.optimizer == Optimizer::kAdamW) {
-    Recipe r = base;
-    r.offload = base.offload == Offload::kNone ? Offload::kOptimizer : Offload::kNone;
-    change("offload " + std::string(to_string(r.offload)), r);
+  // CPU offload (Note [ZeRO-Offload], Note [ZeRO-3 offload]): each other setting a ZeRO recipe
+  // takes (change() skips the invalid ones).
+  if (is_zero(base.parallel)) {
+    for (Offload off : {Offload::kNone, Offload::kOptimizer, Offload::kParams, Offload::kBoth}) {
+      if (off == base.offload) continue;
+      Recipe r = base;
+      r.offload = off;
+      change("offload " + std::string(to_string(off)), r);
+    }
   }
   if (!base.lora.enabled() && base.parallel == Parallel::kNone) {
     Recipe r = base;

@@ -36,7 +36,12 @@
 //    every micro-batch, back from it in all but the first: (2m - 1) b Np); then DeepSpeedCPUAdam
 //    on the host, memory-bound: fp32 parameter, gradient and two moments read, parameter and
 //    moments written (28 B per element) plus the fp32 → 16-bit staging copy (4 + b), at
-//    kHostMemoryGbps per rank. The GPU's optimizer traffic is dropped;
+//    kHostMemoryGbps per rank. The GPU's optimizer traffic is dropped. ZeRO-3's offload_optimizer
+//    (Note [ZeRO-3 offload] in graph/zero3_offload.cpp) moves every micro-batch's gradient
+//    partitions to the pinned host buffer and back (2 b Np per micro-batch), the fp32 gradient at
+//    the boundary (4 Np) and the updated partition back (b Np, host to host under offload_param);
+//    offload_param reads the host partitions at every all-gather (two per micro-batch: 2 m b Np)
+//    and, with the optimizer on the GPU, writes the updated partition to the host (b Np);
 //  * launches: kLaunchSeconds per kernel; kKernelsPerLayer per decoder layer and micro-batch
 //    (forward and backward), more for eager attention and recomputation, and the optimizer's:
 //    a few per tensor for per-parameter loops (8-bit AdamW, Adafactor), a few per group for
@@ -149,7 +154,8 @@ StepTime step_time(const Model& model, const Recipe& spelled) {
     case Optimizer::kAdafactor: per_param = 8 * 4 * 2; break;  // ~8 fp32 passes, read and write
   }
   if (master) per_param += (2 + 4) + (4 + 2);  // grads to fp32, masters back to half
-  const bool offload = recipe.offload == Offload::kOptimizer;
+  const bool offload = recipe.offload == Offload::kOptimizer || recipe.offload == Offload::kBoth;
+  const bool offload_params = recipe.offload == Offload::kParams || recipe.offload == Offload::kBoth;
   const double opt_bytes = offload ? 0 : per_param * c.trainable_elements;
   const double bw = gpu.memory_gbps * 1e9 * kMemoryEfficiency;
   t.memory_s = ((layer_bytes + loss_bytes) * micro + opt_bytes) / bw;
@@ -199,12 +205,18 @@ StepTime step_time(const Model& model, const Recipe& spelled) {
     }
     t.comm_s = moved / (gpu.interconnect_gbps * 1e9);
   }
-  if (offload) {
+  if (offload || offload_params) {
     const double np = c.trainable_elements / static_cast<double>(recipe.gpus);
-    const double b = pb;  // the flat group's dtype (bf16-master: bf16)
-    const double pcie = np * (4 + b + (micro > 1 ? (2 * micro - 1) * b : 0));
+    const double b = pb;  // the flat group's (ZeRO-3: the partitions') dtype (bf16-master: bf16)
+    double pcie = 0;
+    if (offload && recipe.parallel == Parallel::kZero3) {
+      pcie += np * (2 * b * micro + 4 + (offload_params ? 0 : b));
+    } else if (offload) {
+      pcie += np * (4 + b + (micro > 1 ? (2 * micro - 1) * b : 0));
+    }
+    if (offload_params) pcie += np * b * (2 * micro + (offload ? 0 : 1));
     if (gpu.host_gbps > 0) t.host_s += pcie / (gpu.host_gbps * 1e9);
-    t.host_s += np * (28 + 4 + b) / (kHostMemoryGbps * 1e9);
+    if (offload) t.host_s += np * (28 + 4 + b) / (kHostMemoryGbps * 1e9);
   }
   t.seconds = t.compute_s + t.memory_s + t.overhead_s + t.comm_s + t.host_s;
   return t;

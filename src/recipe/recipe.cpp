@@ -43,7 +43,10 @@ constexpr Spellings<Parallel, 6> kParallel{{{Parallel::kNone, "none"},
 constexpr Spellings<FsdpDtype, 3> kFsdpDtypes{{{FsdpDtype::kNone, "none"},
                                                 {FsdpDtype::kFp32, "fp32"},
                                                 {FsdpDtype::kBf16, "bf16"}}};
-constexpr Spellings<Offload, 2> kOffload{{{Offload::kNone, "none"}, {Offload::kOptimizer, "optimizer"}}};
+constexpr Spellings<Offload, 4> kOffload{{{Offload::kNone, "none"},
+                                          {Offload::kOptimizer, "optimizer"},
+                                          {Offload::kParams, "params"},
+                                          {Offload::kBoth, "both"}}};
 
 template <typename E, std::size_t N>
 std::string_view name_of(const Spellings<E, N>& table, E e) {
@@ -203,27 +206,28 @@ void validate_parallel(const Recipe& r) {
   }
 }
 
-// What the engine models of CPU offload (Note [ZeRO-Offload] in graph/zero_offload.cpp).
+// What the engine models of CPU offload (Note [ZeRO-Offload] in graph/zero_offload.cpp, Note
+// [ZeRO-3 offload] in graph/zero3_offload.cpp).
 void validate_offload(const Recipe& r) {
   if (r.offload == Offload::kNone) return;
+  const std::string what(to_string(r.offload));
   if (r.parallel == Parallel::kFsdp) {
-    throw Error("offload: FSDP2's CPUOffloadPolicy is not modelled yet; offload optimizer is DeepSpeed's "
-                "offload_optimizer under parallel zero1 or zero2");
-  }
-  if (r.parallel == Parallel::kZero3) {
-    throw Error("offload: DeepSpeed ZeRO-3's offload_optimizer / offload_param is not modelled yet; offload "
-                "optimizer is modelled under parallel zero1 or zero2");
+    throw Error("offload: FSDP2's CPUOffloadPolicy is not modelled yet; offload " + what +
+                " is DeepSpeed's (optimizer: zero1, zero2 or zero3; params or both: zero3)");
   }
   if (!is_zero(r.parallel)) {
-    throw Error("offload: optimizer is DeepSpeed's offload_optimizer {device: cpu}; it needs parallel zero1 or "
-                "zero2 (with --gpus 1 too), got parallel " + std::string(to_string(r.parallel)));
+    throw Error("offload: " + what + " is DeepSpeed's offload_optimizer / offload_param {device: cpu}; it needs "
+                "parallel zero1, zero2 or zero3 (with --gpus 1 too), got parallel " + std::string(to_string(r.parallel)));
   }
-  // DeepSpeed refuses a client torch optimizer under offload (zero_force_ds_cpu_optimizer, true by
-  // default: deepspeed/runtime/engine.py); its config's Adam / AdamW become DeepSpeedCPUAdam.
-  if (r.optimizer != Optimizer::kAdamW) {
-    throw Error("optimizer: " + std::string(to_string(r.optimizer)) +
-                " under offload optimizer is not modelled; use adamw (DeepSpeed steps the offloaded partition "
-                "with DeepSpeedCPUAdam)");
+  if (r.offload != Offload::kOptimizer && r.parallel != Parallel::kZero3) {
+    throw Error("offload: " + what + " offloads the parameters (offload_param), which only ZeRO-3 does; use "
+                "parallel zero3, or offload optimizer under " + std::string(to_string(r.parallel)));
+  }
+  // DeepSpeed refuses a client torch optimizer under offload_optimizer (zero_force_ds_cpu_optimizer,
+  // true by default: deepspeed/runtime/engine.py); its config's Adam / AdamW become DeepSpeedCPUAdam.
+  if (r.offload != Offload::kParams && r.optimizer != Optimizer::kAdamW) {
+    throw Error("optimizer: " + std::string(to_string(r.optimizer)) + " under offload " + what +
+                " is not modelled; use adamw (DeepSpeed steps the offloaded partition with DeepSpeedCPUAdam)");
   }
 }
 

@@ -86,6 +86,7 @@ ordered_json plan_object(const Plan& p) {
   j["peak_reserved_bytes"] = p.peak_reserved_bytes;
   j["step_time_s"] = p.time.seconds;
   j["time"] = time_object(p.time);
+  if (p.recipe.offload != Offload::kNone) j["host_bytes"] = p.host_bytes;  // See Note [Host memory in the planner]
   j["fits"] = p.fits;
   if (p.simulated) j["peak"] = moment_object(p.peak);
   else j["lower_bound"] = true;  // peak_* are the floor (weights, gradients, states), not a replay
@@ -138,6 +139,7 @@ std::string fit_to_json(const std::string& model, const FitResult& f, bool prett
   j["gpus"] = f.gpus;
   j["global_batch"] = f.global_batch;
   j["capacity_bytes"] = f.capacity_bytes;
+  j["host_capacity_bytes"] = f.host_capacity_bytes;
   j["searched"] = f.searched;
   j["simulated"] = f.simulated;
   j["pruned"] = f.pruned;
@@ -158,6 +160,9 @@ std::string fit_to_json(const std::string& model, const FitResult& f, bool prett
     ordered_json m = plan_object(f.closest_miss);
     m["lacks_bytes"] = f.closest_miss.peak_reserved_bytes > f.capacity_bytes
                            ? f.closest_miss.peak_reserved_bytes - f.capacity_bytes : 0;
+    if (f.closest_miss.host_bytes > f.host_capacity_bytes) {
+      m["lacks_host_bytes"] = f.closest_miss.host_bytes - f.host_capacity_bytes;
+    }
     j["closest_miss"] = m;
   } else {
     j["closest_miss"] = nullptr;
@@ -192,21 +197,43 @@ std::string fit_to_text(const std::string& model, const FitResult& f) {
       static_cast<unsigned long long>(f.searched), static_cast<unsigned long long>(f.pruned),
       static_cast<unsigned long long>(f.simulated));
   if (!f.plans.empty()) {
-    add("%3s %-11s %-11s %-11s %-4s %-8s %-10s%s %12s %12s %10s\n", "#", "batch x acc", "precision", "optimizer",
-        "ckpt", "loss", "allocator", f.gpus > 1 ? " dp           " : "", "reserved", "allocated", "step time");
+    // A host column where a plan offloads (See Note [Host memory in the planner]).
+    const bool host = std::any_of(f.plans.begin(), f.plans.end(),
+                                  [](const Plan& p) { return p.recipe.offload != Offload::kNone; });
+    add("%3s %-11s %-11s %-11s %-4s %-8s %-10s%s %12s %12s %10s%s\n", "#", "batch x acc", "precision", "optimizer",
+        "ckpt", "loss", "allocator", f.gpus > 1 ? " dp           " : "", "reserved", "allocated", "step time",
+        host ? "         host" : "");
     for (std::size_t i = 0; i < f.plans.size(); ++i) {
       const Plan& p = f.plans[i];
-      add("%3zu %s %12s %12s %9.3gs\n", i + 1, recipe_words(p.recipe).c_str(),
+      char h[32] = "";
+      if (host) {
+        std::snprintf(h, sizeof h, " %12s",
+                      p.recipe.offload == Offload::kNone ? "-" : detail::format_bytes(p.host_bytes).c_str());
+      }
+      add("%3zu %s %12s %12s %9.3gs%s\n", i + 1, recipe_words(p.recipe).c_str(),
           detail::format_bytes(p.peak_reserved_bytes).c_str(), detail::format_bytes(p.peak_allocated_bytes).c_str(),
-          p.time.seconds);
+          p.time.seconds, h);
+    }
+    if (host) {
+      add("host: host memory of one rank under CPU offload, within the %s allowed per GPU (--host-memory)\n",
+          detail::format_bytes(f.host_capacity_bytes).c_str());
     }
   } else {
     add("nothing fits.\n");
     if (f.has_closest_miss) {
       const Plan& m = f.closest_miss;
-      add("closest: %s\n  %s%s reserved, %s more than the GPU offers\n", recipe_words(m.recipe).c_str(),
-          m.simulated ? "" : "at least ", detail::format_bytes(m.peak_reserved_bytes).c_str(),
-          detail::format_bytes(m.peak_reserved_bytes - std::min(m.peak_reserved_bytes, f.capacity_bytes)).c_str());
+      if (m.peak_reserved_bytes > f.capacity_bytes || !m.complete) {
+        add("closest: %s\n  %s%s reserved, %s more than the GPU offers\n", recipe_words(m.recipe).c_str(),
+            m.simulated ? "" : "at least ", detail::format_bytes(m.peak_reserved_bytes).c_str(),
+            detail::format_bytes(m.peak_reserved_bytes - std::min(m.peak_reserved_bytes, f.capacity_bytes)).c_str());
+      } else {
+        add("closest: %s\n  %s reserved, within the GPU\n", recipe_words(m.recipe).c_str(),
+            detail::format_bytes(m.peak_reserved_bytes).c_str());
+      }
+      if (m.host_bytes > f.host_capacity_bytes) {  // See Note [Host memory in the planner]
+        add("  host memory %s per rank, more than the %s allowed (--host-memory)\n",
+            detail::format_bytes(m.host_bytes).c_str(), detail::format_bytes(f.host_capacity_bytes).c_str());
+      }
     }
     if (!f.fits_on.empty()) {
       add("\nwhat it takes: a GPU with more memory (the fastest recipe that fits there):\n");
@@ -214,6 +241,10 @@ std::string fit_to_text(const std::string& model, const FitResult& f) {
         add("  %-11s %s %12s %9.3gs\n", o.gpu.c_str(), recipe_words(o.plan.recipe).c_str(),
             detail::format_bytes(o.plan.peak_reserved_bytes).c_str(), o.plan.time.seconds);
       }
+    } else if (f.has_closest_miss && f.closest_miss.host_bytes > f.host_capacity_bytes &&
+               f.closest_miss.peak_reserved_bytes <= f.capacity_bytes) {
+      add("\nwhat it takes: more host memory per GPU (--host-memory), or more GPUs to share the offloaded\n"
+          "states (--gpus N: each rank holds its partition's).\n");
     } else {
       add("no larger GPU of the catalog fits even the search's lowest-memory recipe (smallest micro-batch,\n"
           "checkpointing, fused loss, smallest floor); more GPUs (--gpus N, DDP or FSDP2) may.\n");
@@ -223,10 +254,19 @@ std::string fit_to_text(const std::string& model, const FitResult& f) {
   if (f.baseline.fits) {
     add("  fits: %s reserved, %s to spare; step time %.3gs\n", detail::format_bytes(f.baseline.peak_reserved_bytes).c_str(),
         detail::format_bytes(f.capacity_bytes - f.baseline.peak_reserved_bytes).c_str(), f.baseline.time.seconds);
+  } else if (f.baseline.peak_reserved_bytes <= f.capacity_bytes && f.baseline.complete) {  // the host is short
+    add("  does not fit: %s reserved on the GPU, but %s of host memory per rank, more than the %s allowed "
+        "(--host-memory); step time %.3gs\n",
+        detail::format_bytes(f.baseline.peak_reserved_bytes).c_str(), detail::format_bytes(f.baseline.host_bytes).c_str(),
+        detail::format_bytes(f.host_capacity_bytes).c_str(), f.baseline.time.seconds);
   } else {
     add("  does not fit: %s reserved, %s too much; step time %.3gs\n",
         detail::format_bytes(f.baseline.peak_reserved_bytes).c_str(),
         detail::format_bytes(f.baseline.peak_reserved_bytes - f.capacity_bytes).c_str(), f.baseline.time.seconds);
+  }
+  if (f.baseline.recipe.offload != Offload::kNone && f.baseline.fits) {
+    add("  host memory of one rank %s (of the %s allowed per GPU)\n", detail::format_bytes(f.baseline.host_bytes).c_str(),
+        detail::format_bytes(f.host_capacity_bytes).c_str());
   }
   if (!f.changes.empty()) {
     add("\nsingle changes of your recipe (peak reserved, change, step time):\n");
@@ -239,7 +279,8 @@ std::string fit_to_text(const std::string& model, const FitResult& f) {
     }
   }
   add("\nstep times come from the model of docs/planner.md (FLOPs at %s's data-sheet peak, an assumed efficiency);\n"
-      "memory figures are engine replays, held to peak reserved <= usable memory.\n", f.gpu.name.c_str());
+      "memory figures are engine replays, held to peak reserved <= usable memory (and, under CPU offload,\n"
+      "host bytes <= --host-memory).\n", f.gpu.name.c_str());
   return out;
 }
 
@@ -354,7 +395,7 @@ std::string to_text(const Estimate& e) {
         static_cast<unsigned long long>(e.rank), rank_words(e).c_str());
   }
   if (r.offload != Offload::kNone) {
-    add("cpu offload: %s (DeepSpeed offload_optimizer, pinned); host memory of this rank %s: %s pinned (%s "
+    add("cpu offload: %s (DeepSpeed offload_optimizer / offload_param, pinned); host memory of this rank %s: %s pinned (%s "
         "requested), %s pageable; mirrored from the source, unmeasured\n",
         std::string(to_string(r.offload)).c_str(), detail::format_bytes(e.host.total_bytes()).c_str(),
         detail::format_bytes(e.host.pinned_bytes).c_str(), detail::format_bytes(e.host.pinned_requested_bytes).c_str(),

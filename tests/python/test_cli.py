@@ -222,6 +222,44 @@ def test_zero_offload_reports_the_host_memory(run):
     assert "CPUOffloadPolicy is not modelled yet" in bad.stderr
 
 
+def test_zero3_offload_moves_the_model_states_to_the_host(run):
+    # --parallel zero3 --offload optimizer|params|both (Note [ZeRO-3 offload]): the more is
+    # offloaded, the less the GPU holds and the more the host does; params alone keeps the
+    # optimizer states on the GPU.
+    args = ["estimate", "gpt2", "--gpus", "2", "--parallel", "zero3", "--precision", "bf16-master", "--seq", "256",
+            "--json"]
+    got = {off: json.loads(run(*args, "--offload", off).stdout) for off in ("none", "optimizer", "params", "both")}
+    assert "host_bytes" not in got["none"]
+    for off in ("optimizer", "params", "both"):
+        assert got[off]["recipe"]["offload"] == off and got[off]["host_bytes"]["measured"] is False
+        assert got[off]["peak_allocated_bytes"] < got["none"]["peak_allocated_bytes"]
+    assert got["both"]["peak_allocated_bytes"] < got["optimizer"]["peak_allocated_bytes"]
+    assert got["both"]["host_bytes"]["total_bytes"] == \
+        got["optimizer"]["host_bytes"]["total_bytes"] + got["params"]["host_bytes"]["total_bytes"]
+    assert got["params"]["breakdown_at_peak"]["optimizer_states"] > 0 == got["both"]["breakdown_at_peak"]["optimizer_states"]
+    bad = run("estimate", "gpt2", "--gpus", "2", "--parallel", "zero2", "--precision", "bf16-master", "--offload", "params")
+    assert bad.returncode == 2 and bad.stdout == "" and "only ZeRO-3 does" in bad.stderr
+
+
+def test_fit_holds_offloaded_plans_to_the_host_memory(run):
+    # --host-memory GiB: an offloaded plan fits only if its rank's host bytes are within it; the
+    # table shows them. Llama-3.1-8B's ZeRO-2 offload on one GPU needs ~140 GiB of host memory.
+    args = ["fit", "llama-3.1-8b", "--parallel", "zero2", "--precision", "bf16-master", "--offload", "optimizer",
+            "--seq", "512", "--top", "1"]
+    roomy = json.loads(run(*args, "--host-memory", "256", "--json").stdout)
+    assert roomy["host_capacity_bytes"] == 256 << 30
+    plan = roomy["plans"][0]
+    assert plan["fits"] and (128 << 30) < plan["host_bytes"] <= 256 << 30
+    tight = json.loads(run(*args, "--json").stdout)  # the default, 128 GiB
+    assert tight["host_capacity_bytes"] == 128 << 30 and tight["plans"] == []
+    assert tight["closest_miss"]["lacks_host_bytes"] == plan["host_bytes"] - (128 << 30)
+    text = run(*args, "--host-memory", "256").stdout
+    assert "host memory of one rank under CPU offload, within the 256.00 GiB allowed per GPU" in text
+    for bad in ("0", "x", "2000000"):
+        r = run(*args, "--host-memory", bad)
+        assert r.returncode == 2 and r.stdout == "" and "host_memory" in r.stderr
+
+
 def test_data_parallel_flags_reach_the_recipe(run):
     r = run("estimate", "qwen3-0.6b", "--seq", "256", "--gpus", "4", "--parallel", "fsdp", "--json")
     assert r.returncode == 0, r.stderr

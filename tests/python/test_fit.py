@@ -165,3 +165,18 @@ def test_python_fit_matches_the_cli(run):
         trainmem.fit("gpt2", gpus=0)
     with pytest.raises(ValueError, match="unknown recipe knob"):
         trainmem.fit("gpt2", micro_batch=2)
+
+
+def test_python_fit_takes_the_host_memory(run):
+    # host_memory_gib is the CLI's --host-memory: the same budget, the same plans (Note [Host
+    # memory in the planner]); an offloaded plan carries its rank's host bytes.
+    kw = dict(gpus=2, parallel="zero3", precision="bf16-master", offload="both", seq=256, top=1)
+    f = trainmem.fit("gpt2", host_memory_gib=64, **kw)
+    j = json.loads(run("fit", "gpt2", "--gpus", "2", "--parallel", "zero3", "--precision", "bf16-master",
+                       "--offload", "both", "--seq", "256", "--top", "1", "--host-memory", "64", "--json").stdout)
+    assert f.host_capacity_bytes == j["host_capacity_bytes"] == 64 << 30
+    assert f.plans == j["plans"] and f.plans[0]["host_bytes"] > 0
+    assert trainmem.fit("gpt2", **kw).host_capacity_bytes == 128 << 30
+    for bad in (0, -1, 2**21, 1.5, True):
+        with pytest.raises(ValueError, match="host_memory"):
+            trainmem.fit("gpt2", host_memory_gib=bad, **kw)

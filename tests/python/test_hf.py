@@ -116,6 +116,23 @@ def test_deepspeed_offload_optimizer_maps_onto_offload():
         trainmem.hf.recipe_from_deepspeed_config(dict(cfg, optimizer=None))
 
 
+@pytest.mark.parametrize("zero,offload", [
+    ({"offload_optimizer": {"device": "cpu"}}, "optimizer"),
+    ({"offload_param": {"device": "cpu"}}, "params"),
+    ({"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu", "pin_memory": True}}, "both"),
+])
+def test_deepspeed_stage3_offload_maps_onto_offload(zero, offload):
+    # ZeRO-3's offload_optimizer / offload_param (Note [ZeRO-3 offload]): the knob names what is
+    # on the host; offload_param alone keeps the config's optimizer on the GPU.
+    cfg = dict(ZERO2, zero_optimization=dict(stage=3, **zero), optimizer={"type": "AdamW", "params": {"lr": 1e-4}})
+    knobs = trainmem.hf.recipe_from_deepspeed_config(cfg, seq=128)
+    assert knobs["parallel"] == "zero3" and knobs["offload"] == offload
+    assert knobs["optimizer"] == ("adamw-fused" if offload == "params" else "adamw")
+    est = trainmem.estimate("qwen3-0.6b", **knobs)
+    assert est.recipe["offload"] == offload and est.host_bytes["total_bytes"] > 0
+    assert (est.breakdown_at_peak["optimizer_states"] == 0) == (offload != "params")
+
+
 def test_deepspeed_auto_values_come_from_the_trainer():
     auto = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
             "zero_optimization": {"stage": 1}, "bf16": {"enabled": "auto"}}
@@ -133,9 +150,11 @@ def test_deepspeed_auto_values_come_from_the_trainer():
 @pytest.mark.parametrize("change,message", [
     ({"zero_optimization": {"stage": 0}}, "stage 0"),
     ({"zero_optimization": {"stage": 4}}, "expected 0, 1, 2 or 3"),
-    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, "offload is not modelled"),
-    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "offload is not modelled"),
-    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}}, "offload is not modelled"),
+    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "under stage 3 only"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}}, "offload to nvme is not modelled"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, "offload to nvme is not modelled"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": False}}},
+     "offload_param.pin_memory=False"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}, "ratio=0.5"),
     ({"zero_optimization": {"stage": 2, "reduce_bucket_size": 2e8}}, "reduce_bucket_size=200000000.0"),
     ({"zero_optimization": {"stage": 2, "overlap_comm": True}}, "overlap_comm"),
