@@ -108,8 +108,8 @@ struct Replay::State {
   std::size_t micro_events_begin = 0, micro_storages_begin = 0;
   std::vector<CachingAllocator::RangeView> ranges;
 
-  // The step of the last event replayed, and whether the next event's state must be taken for
-  // its step's peaks (Note [Step peaks between steps]).
+  // The moment and step of the last event replayed, and whether the state after the event being
+  // replayed must be taken for its step's peaks (Note [Step peaks between steps]).
   std::uint32_t last_moment = UINT32_MAX;
   std::uint32_t cur_step = UINT32_MAX;
   bool fresh_step = false;
