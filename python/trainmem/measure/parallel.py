@@ -27,7 +27,10 @@ The wrappers, as the recipe knobs say (docs/parallelism.md):
   parameters Replicate DTensors (the same values on every rank; a foreach optimizer cannot step
   DTensor and plain parameters in one group), their inputs Replicate views (`DTensor.from_local`)
   and their outputs local tensors again, so they compute exactly what they compute unwrapped.
-  Every rank of the tensor-parallel group draws the same batch (rank 0's).
+  Every rank of the tensor-parallel group draws the same batch (rank 0's). With recipe
+  `sequence_parallel`: SequenceParallel() on the norms, ColwiseParallel(input_layouts=Shard(1)),
+  RowwiseParallel(output_layouts=Shard(1), use_local_output=False), the embedding's output split
+  and lm_head's input gathered (`_sequence_parallelize`).
 
 Note [Parallel categories]
     A storage is categorized by what it holds (see docs/parallelism.md for the reasoning):
@@ -304,13 +307,54 @@ def tensor_parallelize(model: torch.nn.Module, recipe: Recipe, device: str) -> N
             raise RecipeError(f"tp={tp}: {type(layer).__name__} has parameters inside the attention besides the "
                               f"projections ({', '.join(extra)}), which the Megatron plan here does not split")
     mesh = init_device_mesh(torch.device(device).type, (tp,))
+    if recipe.sequence_parallel:
+        _sequence_parallelize(model, layers, mesh)
+        return
     plan = {**{n: ColwiseParallel() for n in TP_COLWISE}, **{n: RowwiseParallel() for n in TP_ROWWISE}}
     for layer in layers:
         parallelize_module(layer, mesh, plan)
-    for module in model.modules():  # the rest (embedding, norms, lm_head): Replicate DTensors
+    _replicate_the_rest(model, mesh)
+
+
+def _replicate_the_rest(model: torch.nn.Module, mesh) -> None:
+    """The modules the plan leaves alone (embedding, norms, lm_head) become Replicate DTensors."""
+    from torch.distributed.tensor import DTensor, distribute_module
+
+    for module in model.modules():
         own = list(module.parameters(recurse=False))
         if own and not any(isinstance(p, DTensor) for p in own):
             distribute_module(module, mesh, input_fn=_replicated_inputs, output_fn=_local_outputs)
+
+
+# Sequence parallelism (torch's Llama TP example, torch/distributed/tensor/parallel/style.py): the
+# norms run on the sequence shard (SequenceParallel), the colwise projections all-gather their
+# input from Shard(1), the rowwise ones reduce-scatter their output to Shard(1). The residual
+# stream between them stays a Shard(1) DTensor (use_local_output=False): transformers' LlamaModel
+# takes the positions and the causal mask from inputs_embeds.shape[1], the global length of a
+# DTensor (torch's own example model counts the tokens instead and can pass local shards). The
+# embedding and lm_head stay replicated: the embedding's output is split to Shard(1)
+# (PrepareModuleOutput, a local chunk), lm_head's input all-gathered to Replicate
+# (PrepareModuleInput).
+def _sequence_parallelize(model: torch.nn.Module, layers, mesh) -> None:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                                   RowwiseParallel, SequenceParallel, parallelize_module)
+
+    plan = {"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),
+            **{n: ColwiseParallel(input_layouts=Shard(1)) for n in TP_COLWISE},
+            **{n: RowwiseParallel(output_layouts=Shard(1), use_local_output=False) for n in TP_ROWWISE}}
+    for layer in layers:
+        missing = [n for n in ("input_layernorm", "post_attention_layernorm") if not hasattr(layer, n)]
+        if missing:
+            raise RecipeError(f"sequence_parallel: {type(layer).__name__} has no {', '.join(missing)}")
+        parallelize_module(layer, mesh, plan)
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    parallelize_module(base.norm, mesh, SequenceParallel())
+    _replicate_the_rest(model, mesh)
+    parallelize_module(base.embed_tokens, mesh, PrepareModuleOutput(
+        output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False))
+    parallelize_module(model.get_output_embeddings(), mesh, PrepareModuleInput(
+        input_layouts=Shard(1), desired_input_layouts=Replicate()))
 
 
 def _replicated_inputs(module, inputs, mesh):

@@ -86,6 +86,9 @@ class Recipe:
     # Tensor-parallel degree (parallel.py wrap_model): torch's parallelize_module with the
     # Megatron plan over a 1-D mesh of `tp` ranks; 1 is no tensor parallelism.
     tp: int = 1
+    # Sequence parallelism with tp > 1 (parallel.py tensor_parallelize): SequenceParallel on the
+    # norms, the residual stream sharded on the sequence between them (docs/parallelism.md).
+    sequence_parallel: bool = False
     # FSDP2 (parallel fsdp, parallel.py): fully_shard(layer, reshard_after_forward=...) for the
     # decoder layers (False is FSDP1's SHARD_GRAD_OP: a layer stays gathered from its forward to
     # its backward); fsdp_replicate > 1 is HSDP, a 2-D mesh (replicate, shard) of fsdp_replicate x
@@ -152,6 +155,10 @@ class Recipe:
         tp = self.tp
         if not isinstance(tp, int) or isinstance(tp, bool) or not 1 <= tp <= MAX_TP:
             raise RecipeError(f"tp must be an integer between 1 (no tensor parallelism) and {MAX_TP}, got {tp!r}")
+        if not isinstance(self.sequence_parallel, bool):
+            raise RecipeError(f"sequence_parallel must be true or false, got {self.sequence_parallel!r}")
+        if self.sequence_parallel and tp == 1:
+            raise RecipeError("sequence_parallel needs tensor parallelism: tp 2 or more")
         if tp > 1:
             self._check_tp()
         if self.parallel == "none" and gpus != 1:
@@ -381,6 +388,8 @@ class Recipe:
             del out["gpus"], out["parallel"]
         if not self.is_tp:  # the tensor-parallel degree only when there is one
             del out["tp"]
+        if not self.sequence_parallel:  # and sequence parallelism only when it is on
+            del out["sequence_parallel"]
         if self.parallel != "fsdp":  # FSDP2's knobs with parallel fsdp only, as the engine writes them
             for key in ("fsdp_reshard_after_forward", "fsdp_replicate", "fsdp_param_dtype", "fsdp_reduce_dtype"):
                 del out[key]
