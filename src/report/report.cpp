@@ -101,9 +101,10 @@ std::string recipe_words(const Recipe& r) {
                 std::string(to_string(r.optimizer)).c_str(), std::string(to_string(r.checkpointing)).c_str(),
                 std::string(to_string(r.loss)).c_str(), std::string(to_string(r.allocator)).c_str());
   std::string words = buf;
-  if (r.parallel != Parallel::kNone) {  // column "dp": the wrapper, and ZeRO-Offload if on
+  if (r.parallel != Parallel::kNone || r.tp > 1) {  // column "dp / tp": the wrapper (ZeRO-Offload if on), or the TP degree
     std::string dp(to_string(r.parallel));
     if (r.offload != Offload::kNone) dp += "+offload";
+    if (r.tp > 1) dp = "tp" + std::to_string(r.tp) + (r.sequence_parallel ? "+sp" : "");
     char col[32];
     std::snprintf(col, sizeof col, " %-13s", dp.c_str());
     words += col;
@@ -194,7 +195,7 @@ std::string fit_to_text(const std::string& model, const FitResult& f) {
       static_cast<unsigned long long>(f.simulated));
   if (!f.plans.empty()) {
     add("%3s %-11s %-11s %-11s %-4s %-8s %-10s%s %12s %12s %10s\n", "#", "batch x acc", "precision", "optimizer",
-        "ckpt", "loss", "allocator", f.gpus > 1 ? " dp           " : "", "reserved", "allocated", "step time");
+        "ckpt", "loss", "allocator", f.gpus > 1 ? " dp / tp      " : "", "reserved", "allocated", "step time");
     for (std::size_t i = 0; i < f.plans.size(); ++i) {
       const Plan& p = f.plans[i];
       add("%3zu %s %12s %12s %9.3gs\n", i + 1, recipe_words(p.recipe).c_str(),
