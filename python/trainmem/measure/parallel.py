@@ -230,6 +230,8 @@ def wrap_model(model: torch.nn.Module, recipe: Recipe, device: str) -> torch.nn.
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != recipe.world_size:
         raise RecipeError(f"world size {world} differs from gpus x tp = {recipe.world_size}")
+    if recipe.is_tp and recipe.parallel == "fsdp":
+        return _tp_fsdp(model, recipe, device)
     if recipe.is_tp:
         tensor_parallelize(model, recipe, device)
         return model  # every rank of the tensor-parallel group runs rank 0's batch
@@ -279,7 +281,28 @@ TP_COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.g
 TP_ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 
 
-def tensor_parallelize(model: torch.nn.Module, recipe: Recipe, device: str) -> None:
+def _tp_fsdp(model: torch.nn.Module, recipe: Recipe, device: str) -> torch.nn.Module:
+    """TP x DP, torch's FSDP + TP recipe: a 2-D mesh (dp, tp), the plan over mesh["tp"], then
+    fully_shard over mesh["dp"] on every (tensor-parallelized) decoder layer and the root. The
+    ranks of a tensor-parallel group run the same batch; each data-parallel group its own."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(torch.device(device).type, (recipe.gpus, recipe.tp), mesh_dim_names=("dp", "tp"))
+    tensor_parallelize(model, recipe, device, mesh=mesh["tp"])
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=recipe.fsdp_reshard_after_forward)
+    fully_shard(model, mesh=mesh["dp"])
+    dp_rank = dist.get_rank() // recipe.tp
+    if dp_rank > 0:
+        from .run import SEED
+
+        torch.manual_seed(SEED + dp_rank)
+    return model
+
+
+def tensor_parallelize(model: torch.nn.Module, recipe: Recipe, device: str, mesh=None) -> None:
     """parallelize_module on every decoder layer with the Megatron plan over a 1-D mesh of tp ranks."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, distribute_module
@@ -306,7 +329,8 @@ def tensor_parallelize(model: torch.nn.Module, recipe: Recipe, device: str) -> N
         if extra:  # e.g. Qwen3's q_norm / k_norm: over the local heads, their gradient would need an all-reduce
             raise RecipeError(f"tp={tp}: {type(layer).__name__} has parameters inside the attention besides the "
                               f"projections ({', '.join(extra)}), which the Megatron plan here does not split")
-    mesh = init_device_mesh(torch.device(device).type, (tp,))
+    if mesh is None:
+        mesh = init_device_mesh(torch.device(device).type, (tp,))
     if recipe.sequence_parallel:
         _sequence_parallelize(model, layers, mesh)
         return
