@@ -235,6 +235,11 @@ struct Recipe {
   // the two compose as a 2-D mesh (world = gpus x tp) once that is modelled; today tp > 1 needs
   // gpus 1. The estimate is one rank's memory (every rank holds the same).
   std::uint64_t tp = 1;
+  // Context-parallel degree (docs/parallelism.md "Context parallelism"): torch's context_parallel
+  // over `cp` ranks, each holding seq / cp tokens and running ring attention in SDPA; 1 is none.
+  // Mirrored from the source, not measured; today cp > 1 needs gpus 1 and tp 1. The estimate is
+  // the last rank of the group (Note [Context parallelism] in graph/context_parallel.h).
+  std::uint64_t cp = 1;
   Fsdp fsdp;  // parallel kFsdp only
   Offload offload = Offload::kNone;
 
@@ -277,6 +282,7 @@ struct RecipeSpelling {
   std::uint64_t gpus = 1;
   std::string parallel = "none";  // none | ddp | fsdp | zero1 | zero2 | zero3
   std::uint64_t tp = 1;           // tensor-parallel degree
+  std::uint64_t cp = 1;           // context-parallel degree
   bool fsdp_reshard_after_forward = true;  // parallel fsdp: FSDP2's knobs (Fsdp above)
   std::uint64_t fsdp_replicate = 1;
   std::string fsdp_param_dtype = "none";   // none | bf16

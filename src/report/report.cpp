@@ -42,7 +42,8 @@ ordered_json recipe_object(const Recipe& r) {
     j["gpus"] = r.gpus;
     j["parallel"] = to_string(r.parallel);
   }
-  if (r.tp > 1) j["tp"] = r.tp;  // as trainmem-measure writes it: only with tensor parallelism
+  if (r.tp > 1) j["tp"] = r.tp;
+  if (r.cp > 1) j["cp"] = r.cp;  // only with context parallelism  // as trainmem-measure writes it: only with tensor parallelism
   if (r.parallel == Parallel::kFsdp) {  // FSDP2's knobs, with parallel fsdp only (as trainmem-measure)
     j["fsdp_reshard_after_forward"] = r.fsdp.reshard_after_forward;
     j["fsdp_replicate"] = r.fsdp.replicate;
