@@ -59,7 +59,7 @@ struct RecipeFlags {
   bool load_in_4bit = false, double_quant = false, qlora = false, load_in_8bit = false;
   std::string quant_type = "";
   std::string new_tokens = "128", beams = "1";
-  std::string gpus = "1", parallel = "none", tp = "1", zero = "", offload = "none";
+  std::string gpus = "1", parallel = "none", tp = "1", cp = "1", zero = "", offload = "none";
   std::string fsdp_reshard_after_forward = "true", fsdp_replicate = "1", fsdp_param_dtype = "none",
               fsdp_reduce_dtype = "none";
   std::vector<std::pair<std::string, CLI::Option*>> options;  // knob name → its flag
@@ -104,6 +104,7 @@ struct RecipeFlags {
         "none | ddp (DistributedDataParallel) | fsdp (FSDP2 per decoder layer) | zero1 | zero2 | zero3 (DeepSpeed ZeRO)");
     opt("parallel", "--zero", zero, "DeepSpeed ZeRO stage 1 | 2 | 3: --zero N is --parallel zeroN");
     opt("tp", "--tp", tp, "Tensor-parallel degree (torch parallelize_module, Megatron plan); 1: none");
+    opt("cp", "--cp", cp, "Context-parallel degree (torch context_parallel, ring attention; unmeasured); 1: none");
     opt("fsdp_reshard_after_forward", "--fsdp-reshard-after-forward", fsdp_reshard_after_forward,
         "With --parallel fsdp: true | false (the decoder layers stay gathered from forward to backward: SHARD_GRAD_OP)");
     opt("fsdp_replicate", "--fsdp-replicate", fsdp_replicate,
@@ -149,6 +150,7 @@ struct RecipeFlags {
     sp.gpus = parse_count(gpus, "gpus");
     sp.parallel = parallel;
     sp.tp = parse_count(tp, "tp");
+    sp.cp = parse_count(cp, "cp");
     sp.fsdp_reshard_after_forward = parse_bool(fsdp_reshard_after_forward, "fsdp_reshard_after_forward");
     sp.fsdp_replicate = parse_count(fsdp_replicate, "fsdp_replicate");
     sp.fsdp_param_dtype = fsdp_param_dtype;
