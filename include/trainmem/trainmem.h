@@ -242,6 +242,11 @@ struct Recipe {
   // SequenceParallel on the norms, the residual stream sharded on the sequence between the
   // all-gather before q/k/v and gate/up and the reduce-scatter after o/down.
   bool sequence_parallel = false;
+  // Context-parallel degree (docs/parallelism.md "Context parallelism"): torch's context_parallel
+  // over `cp` ranks, each holding seq / cp tokens and running ring attention in SDPA; 1 is none.
+  // Mirrored from the source, not measured; today cp > 1 needs gpus 1 and tp 1. The estimate is
+  // the last rank of the group (Note [Context parallelism] in graph/context_parallel.h).
+  std::uint64_t cp = 1;
   Fsdp fsdp;  // parallel kFsdp only
   Offload offload = Offload::kNone;
 
@@ -285,6 +290,7 @@ struct RecipeSpelling {
   std::string parallel = "none";  // none | ddp | fsdp | zero1 | zero2 | zero3
   std::uint64_t tp = 1;           // tensor-parallel degree
   bool sequence_parallel = false;  // with tp > 1: SequenceParallel on the norms
+  std::uint64_t cp = 1;           // context-parallel degree
   bool fsdp_reshard_after_forward = true;  // parallel fsdp: FSDP2's knobs (Fsdp above)
   std::uint64_t fsdp_replicate = 1;
   std::string fsdp_param_dtype = "none";   // none | bf16

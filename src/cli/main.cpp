@@ -69,7 +69,7 @@ struct RecipeFlags {
   bool sequence_parallel = false;
   std::string quant_type = "";
   std::string new_tokens = "128", beams = "1";
-  std::string gpus = "1", parallel = "none", tp = "1", zero = "", offload = "none";
+  std::string gpus = "1", parallel = "none", tp = "1", cp = "1", zero = "", offload = "none";
   std::string fsdp_reshard_after_forward = "true", fsdp_replicate = "1", fsdp_param_dtype = "none",
               fsdp_reduce_dtype = "none";
   std::vector<std::pair<std::string, CLI::Option*>> options;  // knob name → its flag
@@ -118,6 +118,7 @@ struct RecipeFlags {
                          app->add_flag("--sequence-parallel", sequence_parallel,
                                        "With --tp: sequence parallelism (SequenceParallel on the norms, the residual "
                                        "stream sharded on the sequence)"));
+    opt("cp", "--cp", cp, "Context-parallel degree (torch context_parallel, ring attention; unmeasured); 1: none");
     opt("fsdp_reshard_after_forward", "--fsdp-reshard-after-forward", fsdp_reshard_after_forward,
         "With --parallel fsdp: true | false (the decoder layers stay gathered from forward to backward: SHARD_GRAD_OP)");
     opt("fsdp_replicate", "--fsdp-replicate", fsdp_replicate,
@@ -166,6 +167,7 @@ struct RecipeFlags {
     sp.parallel = parallel;
     sp.tp = parse_count(tp, "tp");
     sp.sequence_parallel = sequence_parallel;
+    sp.cp = parse_count(cp, "cp");
     sp.fsdp_reshard_after_forward = parse_bool(fsdp_reshard_after_forward, "fsdp_reshard_after_forward");
     sp.fsdp_replicate = parse_count(fsdp_replicate, "fsdp_replicate");
     sp.fsdp_param_dtype = fsdp_param_dtype;

@@ -10,6 +10,7 @@
 // The class: step_builder.h; the parameters, modules, optimizer and generation: the other
 // step_*.cpp, optimizer.cpp and generation.cpp files.
 #include "graph/step_builder.h"
+#include "graph/context_parallel.h"
 #include "graph/tensor_parallel.h"
 
 namespace trainmem::graph::step {
@@ -31,7 +32,7 @@ StepBuilder::StepBuilder(const Model& m, const Recipe& r, const Gpu& gpu, const 
       quant_dtype_(policy_for(r.precision).param),
       rank_(rank) {
   B_ = r.batch;
-  S_ = r.seq;
+  S_ = r.seq / r.cp;  // a context-parallel rank's tokens (Note [Context parallelism])
   tok_ = detail::mul(B_, S_, "batch * seq");
   sp_ = r.sequence_parallel ? r.tp : 1;
   res_tok_ = tok_ / sp_;  // seq is a multiple of tp (recipe validation)
@@ -68,8 +69,11 @@ Trace StepBuilder::build() {
     }
   }
   t_.at(Phase::kSetup, kNoLayer, "batch");
-  input_ids_ = t_.make(tok_, DType::kI64, Category::kOther);
-  labels_ = t_.make(tok_, DType::kI64, Category::kOther);
+  // Under context parallelism the batch is whole (every rank holds the full sequences, and
+  // position_ids beside them) until context_parallel shards it (See Note [Context parallelism]).
+  input_ids_ = t_.make(tok_ * r_.cp, DType::kI64, Category::kOther);
+  labels_ = t_.make(tok_ * r_.cp, DType::kI64, Category::kOther);
+  if (r_.cp > 1) cp_positions_ = t_.make(S_ * r_.cp, DType::kI64, Category::kOther);
   if (r_.optimizer == Optimizer::kAdamW8bit && !cuda_) {
     // On the CPU the maps bitsandbytes makes when the optimizer is built are already on the
     // parameters' device: they exist from the start.
@@ -80,8 +84,14 @@ Trace StepBuilder::build() {
     t_.step = step;
     for (std::uint32_t micro = 1; micro <= r_.grad_accum; ++micro) {
       t_.micro = micro;
+      std::vector<TensorId> cp_shards;  // what context_parallel's frame keeps (See Note [Context parallelism])
+      if (r_.cp > 1) {
+        t_.at(Phase::kForward, kNoLayer, "context_parallel");
+        cp_shards = shard_buffers(t_, B_, S_ * r_.cp, r_.cp);
+      }
       ValueId loss = forward_and_loss();
       backward(loss);
+      for (TensorId id : cp_shards) t_.release(id);  // the context exits after backward
       t_.seal_categories();  // the replay reads the events so far now
       const MicroBatchNext next = hook_ ? hook_(t_.trace(), step, micro) : MicroBatchNext::kGoOn;
       if (next == MicroBatchNext::kStop) return finish_trace();  // the replay has its answer
@@ -193,12 +203,16 @@ ValueId StepBuilder::forward_and_loss() {
     mask_ = fresh(B_ * S_ * S_, hs.dtype);
     t_.drop(boolean);
   }
-  if (!gpt2) {
+  if (!gpt2 && r_.cp > 1) {
+    position_ids_ = t_.ref(cp_positions_);  // given: the model makes none (See Note [Context parallelism])
+  } else if (!gpt2) {
     // position_ids = arange(s) + past_seen_tokens (kept by the model's forward).
     op("position_ids");
     T ar = fresh(S_, DType::kI64);
     position_ids_ = fresh(S_, DType::kI64);
     t_.drop(ar);
+  }
+  if (!gpt2) {
     // LlamaRotaryEmbedding: freqs = position_ids[..., None].float() * inv_freq;
     // emb = cat(freqs, freqs); cos/sin = emb.cos()/sin() * attention_scaling, cast to x.dtype.
     op("rotary_emb");
@@ -286,12 +300,16 @@ ValueId StepBuilder::standard_loss(T& normed, std::uint32_t emb) {
   // shift_labels = pad(labels, (0, 1))[..., 1:].contiguous() (transformers' ForCausalLMLoss): a
   // copy, except for one sequence, whose [1, s] slice is contiguous already and stays a view of
   // the padded labels (measured: cpu-fsdp-llamaw512l4-fp32-adamw-sgo-b1s256 peaks here).
-  T padded = fresh(tok_ + B_, DType::kI64);
+  T padded;
   T shifted;
-  if (B_ == 1) {
+  if (r_.cp > 1) {  // shift_labels given: no pad and no copy (See Note [Context parallelism])
+    shifted = t_.ref(labels_);
+  } else if (B_ == 1) {
+    padded = fresh(tok_ + B_, DType::kI64);
     shifted = padded;
     shifted.numel = tok_;
   } else {
+    padded = fresh(tok_ + B_, DType::kI64);
     shifted = fresh(tok_, DType::kI64);
     t_.drop(padded);
   }
@@ -491,6 +509,7 @@ Trace build_training_trace(const Model& model, const Recipe& recipe, const Gpu& 
                            std::uint64_t rank) {
   // A tensor-parallel rank builds the step of its local model (Note [Tensor parallelism]).
   const Model local = tensor_parallel_model(model, recipe.tp);
+  check_context_parallel(model, recipe);
   step::StepBuilder b(local, recipe, gpu, hook, rank);
   return b.build();
 }

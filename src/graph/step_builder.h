@@ -335,6 +335,7 @@ class StepBuilder {
   T repeat_kv(const T& x);
   bool folds_with_copy(const T& x) const;
   T attention_core(T& q, T& k, T& v);
+  T ring_attention_core(const T& q, T& qc, T& kc, T& vc);
   T gpt2_attention_core(T& q, T& k, T& v);
   T attention(const T& x, const LayerParams& lp);
   T attention_module(const T& x, const LayerParams& lp);
@@ -425,6 +426,7 @@ class StepBuilder {
   std::vector<std::uint32_t> casts_;
   std::vector<TensorId> states_;
   T input_ids_, labels_, mask_, cos_, sin_, position_ids_, pending_loss_;
+  T cp_positions_;  // context parallelism's position_ids buffer (Note [Context parallelism])
   std::vector<T> zero_losses_;  // ZeRO: the loss and gas_scaled_loss, held through backward
   T input_leaf_;  // LoRA with checkpointing: the embeddings' output, a leaf (Note [LoRA])
   std::vector<std::vector<Adapter>> adapters_;  // per decoder layer, in module order

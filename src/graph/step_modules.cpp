@@ -4,6 +4,7 @@
 // mirroring its Hugging Face module of transformers 5.x (modeling_llama.py and its siblings,
 // modeling_gpt2.py) and the PyTorch kernels it calls.
 #include "graph/step_builder.h"
+#include "graph/context_parallel.h"
 #include "graph/tensor_parallel.h"
 
 namespace trainmem::graph::step {
@@ -605,6 +606,7 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
   T qc = pol_.autocast ? to(q, c) : t_.ref(q);
   T kc = pol_.autocast ? to(k, c) : t_.ref(k);
   T vc = pol_.autocast ? to(v, c) : t_.ref(v);
+  if (r_.cp > 1) return ring_attention_core(q, qc, kc, vc);
   T o = fresh(qn, c);
   T lse = fresh(B_ * heads * S_, DType::kF32);
   if (qc.requires_grad() || kc.requires_grad() || vc.requires_grad()) {
@@ -627,6 +629,45 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
   // o_proj saves the very storage SDPA saved; otherwise (Phi-3's cat) it copies.
   if (q.bshd) return o;
   T oc = elementwise({&o}, qn, c, {});
+  t_.drop(o);
+  return oc;
+}
+
+// Context parallelism's SDPA: the ring under the DTensor dispatch, one autograd node above it
+// saving what SDPA saves (See Note [Context parallelism]). q, k, v are the local chunks.
+T StepBuilder::ring_attention_core(const T& q, T& qc, T& kc, T& vc) {
+  RingAttention ring;
+  ring.cp = r_.cp;
+  ring.rank = r_.cp - 1;  // the last rank of the group (the Note's worst rank)
+  ring.q_numel = qc.numel;
+  ring.kv_numel = kc.numel;
+  ring.lse_numel = B_ * a_.num_heads * S_;
+  ring.dtype = qc.dtype;
+  ring.gqa = a_.num_kv_heads != a_.num_heads;
+  const auto [out_id, lse_id] = ring_attention_forward(t_, ring);
+  T o;
+  o.id = out_id;
+  o.numel = qc.numel;
+  o.dtype = qc.dtype;
+  T lse;
+  lse.id = lse_id;
+  lse.numel = ring.lse_numel;
+  lse.dtype = DType::kF32;
+  if (qc.requires_grad() || kc.requires_grad() || vc.requires_grad()) {
+    requires_grad(o);
+    Node nd = node(o);
+    nd.saved = {qc.id, kc.id, vc.id, o.id, lse.id};
+    for (const T* x : {&qc, &kc, &vc}) nd.inputs.push_back(grad_of(*x));
+    Tape* tape = &t_;
+    nd.kernel = [tape, ring](Node& n, std::vector<TensorId>& left) { ring_attention_backward(*tape, ring, n, left); };
+    t_.record(std::move(nd));
+  }
+  t_.drop(lse);
+  t_.drop(qc);
+  t_.drop(kc);
+  t_.drop(vc);
+  if (q.bshd && !ring.output_contiguous()) return o;
+  T oc = elementwise({&o}, o.numel, o.dtype, {});  // HF's transpose(1, 2).contiguous() copies
   t_.drop(o);
   return oc;
 }

@@ -308,6 +308,7 @@ void Tape::run_node(Node& n) {
   TRAINMEM_ASSERT(n.scratch_freed_early <= scratch.size(), "scratch_freed_early past the scratch buffers");
   for (std::uint32_t k = 0; k < n.scratch_freed_early; ++k) release(scratch[k]);
   scratch.erase(scratch.begin(), scratch.begin() + n.scratch_freed_early);
+  if (n.kernel) n.kernel(n, scratch);
   grads.assign(n.inputs.size(), kNone);
   for (std::size_t k = 0; k < n.inputs.size(); ++k) {
     const GradIn& in = n.inputs[k];

@@ -190,7 +190,8 @@ struct GradIn {
   ValueId value = kNone;
   std::uint64_t bytes = 0;   // size of the gradient the node allocates for this input
   bool passthrough = false;  // the node hands on its incoming gradient (add, view, no-op)
-  TensorId reuse = kNone;    // the gradient is this existing storage (computed in the forward)
+  TensorId reuse = kNone;    // the gradient is this existing storage (computed in the forward,
+                             // or by the node's kernel)
   // The kernel computes this input's gradient although the input does not require grad (a
   // fused backward with one output per input): allocated with the others, then dropped
   // inside the node (value is kNone).
@@ -222,6 +223,11 @@ struct Node {
   // Checkpointed segments: re-runs the forward (recording nodes) and returns the recomputed
   // output whose gradient is the checkpoint's incoming gradient.
   std::function<T()> recompute;
+  // A backward whose own allocations are a sequence (context parallelism's ring: Note [Context
+  // parallelism] in context_parallel.h): runs after the scratch buffers are made and before the
+  // gradients; it may point inputs' `reuse` at storages it made, and what it leaves in `left`
+  // is released with the scratch buffers.
+  std::function<void(Node& n, std::vector<TensorId>& left)> kernel;
 };
 
 class Tape {

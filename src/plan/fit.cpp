@@ -249,6 +249,9 @@ const std::vector<std::string>& fit_knobs() {
 FitResult fit(const Model& model, const FitRequest& q) {
   q.base.validate();
   if (q.base.mode != Mode::kTraining) throw Error("mode: fit plans training recipes; estimate a generation with `estimate --inference`");
+  if (q.base.cp != 1) {
+    throw Error("cp: fit does not search context parallelism; estimate a context-parallel recipe with `estimate --cp N`");
+  }
   if (q.base.tp > 1 && q.base.tp != q.gpus) {
     throw Error("tp: " + std::to_string(q.base.tp) + " with gpus " + std::to_string(q.gpus) +
                 ": the planner puts all the GPUs in one tensor-parallel group (tensor parallelism combined with "

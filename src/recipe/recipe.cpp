@@ -75,6 +75,7 @@ constexpr std::uint64_t kMaxSeq = std::uint64_t{1} << 24;
 constexpr std::uint64_t kMaxAccum = 1024;
 // Data-parallel ranks: the measuring side's bound (python/trainmem/measure/recipe.py MAX_GPUS).
 constexpr std::uint64_t kMaxGpus = 4096;
+constexpr std::uint64_t kMaxCp = 64;  // as many as tensor parallelism's
 constexpr std::uint64_t kMaxTp = 64;  // the measuring side's MAX_TP (python/trainmem/measure/recipe.py)
 
 void check_range(std::string_view field, std::uint64_t v, std::uint64_t max) {
@@ -145,6 +146,7 @@ void validate_parallel(const Recipe& r) {
     throw Error("sequence_parallel: needs tensor parallelism (tp 2 or more); it shards what the tensor-parallel "
                 "group replicates");
   }
+  check_range("cp", r.cp, kMaxCp);  // the rest is checked with the model (graph/context_parallel.cpp)
   if (r.tp > 1) validate_tensor_parallel(r);
   if (r.parallel != Parallel::kFsdp && !r.fsdp.is_default()) {
     throw Error("fsdp_reshard_after_forward / fsdp_replicate / fsdp_param_dtype / fsdp_reduce_dtype: FSDP2 knobs, "
@@ -302,6 +304,7 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   r.parallel = parse_parallel(in.parallel);
   r.tp = in.tp;
   r.sequence_parallel = in.sequence_parallel;
+  r.cp = in.cp;
   r.fsdp.reshard_after_forward = in.fsdp_reshard_after_forward;
   r.fsdp.replicate = in.fsdp_replicate;
   r.fsdp.param_dtype = parse_fsdp_dtype(in.fsdp_param_dtype, "fsdp_param_dtype");

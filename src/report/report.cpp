@@ -44,6 +44,7 @@ ordered_json recipe_object(const Recipe& r) {
   }
   if (r.tp > 1) j["tp"] = r.tp;  // as trainmem-measure writes it: only with tensor parallelism
   if (r.sequence_parallel) j["sequence_parallel"] = true;  // and sequence parallelism only when on
+  if (r.cp > 1) j["cp"] = r.cp;  // and context parallelism only with it
   if (r.parallel == Parallel::kFsdp) {  // FSDP2's knobs, with parallel fsdp only (as trainmem-measure)
     j["fsdp_reshard_after_forward"] = r.fsdp.reshard_after_forward;
     j["fsdp_replicate"] = r.fsdp.replicate;

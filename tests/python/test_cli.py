@@ -104,6 +104,19 @@ def test_tensor_parallel_estimate_is_one_rank_and_keeps_its_recipe(run):
     assert sp["breakdown_at_peak"]["weights"] == w2
 
 
+def test_context_parallel_estimate_is_one_rank_of_seq_over_cp_tokens(run):
+    # --cp 2: a rank runs seq / 2 tokens with the whole model (weights unchanged) plus the ring's
+    # buffers, so its peak lies between the one-GPU peaks at seq / 2 and at seq; the JSON recipe
+    # carries cp only when it is more than 1.
+    base = ["estimate", "llama-3.2-1b", "--precision", "bf16-true", "--optimizer", "sgd", "--json"]
+    full = json.loads(run(*base, "--seq", "4096").stdout)
+    half = json.loads(run(*base, "--seq", "2048").stdout)
+    cp = json.loads(run(*base, "--seq", "4096", "--cp", "2").stdout)
+    assert cp["recipe"]["cp"] == 2 and cp["recipe"]["seq"] == 4096 and "cp" not in full["recipe"]
+    assert cp["breakdown_at_peak"]["weights"] == full["breakdown_at_peak"]["weights"]
+    assert half["peak_allocated_bytes"] < cp["peak_allocated_bytes"] < full["peak_allocated_bytes"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["estimate", "qwen3-4", "--json"], "unknown model 'qwen3-4'; did you mean: qwen3-4b"),
     (["estimate", "qwen3-4b", "--batch", "0"], "batch: must be between 1 and"),
@@ -138,6 +151,18 @@ def test_tensor_parallel_estimate_is_one_rank_and_keeps_its_recipe(run):
      "sequence_parallel: needs tensor parallelism"),
     (["estimate", "llama-3.2-1b", "--tp", "2", "--sequence-parallel", "--seq", "127", "--precision", "fp32"],
      "sequence_parallel: seq 127 is not a multiple of tp: 2"),
+    (["estimate", "llama-3.2-1b", "--cp", "2", "--precision", "fp32", "--seq", "1002"],
+     "cp: 2: seq 1002 is not divisible by 2 * cp = 4"),
+    (["estimate", "llama-3.2-1b", "--cp", "2", "--precision", "fp32", "--attention", "eager"],
+     "context_parallel replaces torch's scaled_dot_product_attention only"),
+    (["estimate", "gpt2", "--cp", "2", "--precision", "fp32"], "cp: 2 with gpt2 is not modelled"),
+    (["estimate", "llama-3.2-1b", "--cp", "2", "--gpus", "2", "--parallel", "fsdp", "--precision", "fp32"],
+     "context parallelism combined with data parallelism"),
+    (["estimate", "llama-3.2-1b", "--cp", "2", "--tp", "2", "--precision", "fp32"],
+     "context and tensor parallelism together are not modelled"),
+    (["estimate", "llama-3.2-1b", "--cp", "2"], "cp: 2 with precision bf16-mixed is not modelled"),
+    (["estimate", "llama-3.2-1b", "--cp", "65"], "cp: must be between 1 and 64"),
+    (["fit", "llama-3.2-1b", "--cp", "2", "--precision", "fp32"], "cp: fit does not search context parallelism"),
     (["estimate", "gpt2", "--gpus", "2", "--parallel", "ddp", "--rank", "2"],
      "rank: 2 is not one of the 2 ranks (0..1) of --gpus 2"),
     (["estimate", "gpt2", "--rank", "1"], "rank: 1 is not one of the 1 ranks (0..0) of --gpus 1"),
