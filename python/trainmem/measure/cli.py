@@ -63,6 +63,12 @@ def _parser() -> _Parser:
     p.add_argument("--tp", type=int, default=defaults.tp, metavar="N",
                    help="tensor-parallel degree: N processes on the CPU (gloo), torch's parallelize_module with "
                         "the Megatron plan (q/k/v, gate/up colwise; o/down rowwise), rank 0 reported (default %(default)s)")
+    p.add_argument("--pp", type=int, default=defaults.pp, metavar="N",
+                   help="pipeline-parallel degree: N processes on the CPU (gloo), torch.distributed.pipelining with "
+                        "the decoder layers split evenly over N stages; --grad-accum is the schedule's "
+                        "n_microbatches; the worst stage reported (default %(default)s)")
+    p.add_argument("--pp-schedule", choices=("1f1b", "gpipe"), default=defaults.pp_schedule,
+                   help="with --pp: Schedule1F1B or ScheduleGPipe (default %(default)s)")
     p.add_argument("--fsdp-reshard-after-forward", choices=("true", "false"), default="true",
                    help="parallel fsdp: fully_shard(layer, reshard_after_forward=...) for the decoder layers; false "
                         "keeps each layer gathered from its forward to its backward (SHARD_GRAD_OP) (default true)")
@@ -150,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                         lora_targets=args.lora_targets, lora_dropout=args.lora_dropout,
                         mode="inference" if args.inference else "training", new_tokens=args.new_tokens,
                         beams=args.beams, gpus=args.gpus, parallel=args.parallel, tp=args.tp,
+                        pp=args.pp, pp_schedule=args.pp_schedule,
                         fsdp_reshard_after_forward=args.fsdp_reshard_after_forward == "true",
                         fsdp_replicate=args.fsdp_replicate, fsdp_param_dtype=args.fsdp_param_dtype,
                         fsdp_reduce_dtype=args.fsdp_reduce_dtype,
