@@ -182,6 +182,10 @@ struct Fsdp {
 // kZero1 / kZero2, with DeepSpeedCPUAdam stepping this rank's fp32 partition on the host (Note
 // [ZeRO-Offload] in src/graph/zero_offload.cpp). Mirrored from the source, unmeasured.
 enum class Offload : std::uint8_t { kNone, kOptimizer };
+// Pipeline schedules of torch.distributed.pipelining (docs/parallelism.md "Pipeline parallelism"):
+// Schedule1F1B and ScheduleGPipe, one stage per rank (Note [Pipeline parallelism] in
+// src/graph/pipeline.cpp).
+enum class PipelineSchedule : std::uint8_t { k1F1B, kGPipe };
 
 // LoRA adapters (peft's LoraConfig): the base model is frozen, every targeted linear layer of
 // every decoder layer gets A (rank × in) and B (out × rank) beside it.
@@ -235,6 +239,11 @@ struct Recipe {
   // the two compose as a 2-D mesh (world = gpus x tp) once that is modelled; today tp > 1 needs
   // gpus 1. The estimate is one rank's memory (every rank holds the same).
   std::uint64_t tp = 1;
+  // Pipeline-parallel degree (docs/parallelism.md "Pipeline parallelism"): torch.distributed.pipelining
+  // with one stage per rank, the decoder layers split over `pp` stages; grad_accum is the schedule's
+  // n_microbatches (batch stays the micro-batch size). 1 is none. The estimate is the worst stage's.
+  std::uint64_t pp = 1;
+  PipelineSchedule pp_schedule = PipelineSchedule::k1F1B;
   Fsdp fsdp;  // parallel kFsdp only
   Offload offload = Offload::kNone;
 
@@ -252,6 +261,7 @@ std::string_view to_string(QuantType);
 std::string_view to_string(Parallel);
 std::string_view to_string(FsdpDtype);
 std::string_view to_string(Offload);
+std::string_view to_string(PipelineSchedule);
 // The knobs as a person spells them (CLI flags, Python keywords, the JSON `recipe` object).
 struct RecipeSpelling {
   std::uint64_t batch = 1;
@@ -277,6 +287,8 @@ struct RecipeSpelling {
   std::uint64_t gpus = 1;
   std::string parallel = "none";  // none | ddp | fsdp | zero1 | zero2 | zero3
   std::uint64_t tp = 1;           // tensor-parallel degree
+  std::uint64_t pp = 1;           // pipeline-parallel degree
+  std::string pp_schedule = "1f1b";  // 1f1b | gpipe
   bool fsdp_reshard_after_forward = true;  // parallel fsdp: FSDP2's knobs (Fsdp above)
   std::uint64_t fsdp_replicate = 1;
   std::string fsdp_param_dtype = "none";   // none | bf16
@@ -298,6 +310,7 @@ QuantType parse_quant_type(std::string_view);
 Parallel parse_parallel(std::string_view);
 FsdpDtype parse_fsdp_dtype(std::string_view, std::string_view field);
 Offload parse_offload(std::string_view);
+PipelineSchedule parse_pipeline_schedule(std::string_view);
 
 // The linear modules of one decoder layer that LoRA can target, as peft names them.
 std::vector<std::string> lora_target_modules(const Architecture&);
