@@ -164,6 +164,7 @@ def test_pipeline_estimate_is_the_worst_stage_and_keeps_its_recipe(run):
     (["estimate", "mistral-7b-v0.3", "--pp", "2", "--pp-schedule", "zb"], "pp_schedule: unknown value 'zb'"),
     (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--precision", "fp32", "--rank", "2"],
      "rank: 2 is not one of the 2 ranks (0..1) of --pp 2"),
+    (["fit", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--precision", "fp32"], "pp: fit searches"),
     (["estimate", "gpt2", "--gpus", "2", "--parallel", "ddp", "--rank", "2"],
      "rank: 2 is not one of the 2 ranks (0..1) of --gpus 2"),
     (["estimate", "gpt2", "--rank", "1"], "rank: 1 is not one of the 1 ranks (0..0) of --gpus 1"),
