@@ -174,7 +174,7 @@ void StepBuilder::pp_forward(std::uint64_t k, PipelineMicro& mb) {
 // backward_one_chunk of micro-batch `k`: its graph put back and run from the loss (last stage) or
 // from the output with the received gradient; the received activation's gradient is kept as its .grad.
 TensorId StepBuilder::pp_backward(std::uint64_t k, PipelineMicro& mb) {
-  const bool first = rank_ == 0, last = rank_ == r_.pp - 1;
+  const bool last = rank_ == r_.pp - 1;
   phase_ = Phase::kBackward;
   layer_ = kNoLayer;
   t_.micro = static_cast<std::uint32_t>(k + 1);
@@ -187,7 +187,6 @@ TensorId StepBuilder::pp_backward(std::uint64_t k, PipelineMicro& mb) {
   } else {
     t_.backward(mb.out.value, pp_recv_grad_[k], mb.leaf.value, &kept);
   }
-  (void)first;
   // fwd_cache's entry goes with the call: the output and the input values.
   t_.drop(mb.out);
   if (mb.leaf.id != kNone) t_.drop(mb.leaf);

@@ -4,10 +4,9 @@
 builds the whole model with the same seed (the same weights), keeps its own stage and drops the
 rest before tracking (`make_stage`), and runs the schedule under its own tracker (`run_steps`).
 
-The split (Note [Pipeline split]): the decoder layers are cut into N contiguous groups as evenly as
-possible, the first `num_layers % N` stages taking one layer more (the rule of torchtitan's
-`generate_llm_fqn_per_model_part`... we use the plainer "earlier stages take the remainder");
-stage 0 also holds the token embedding, the last stage the final norm and lm_head. Each stage
+The split (Note [Pipeline split] in src/graph/pipeline.h): the decoder layers are cut into N
+contiguous groups as evenly as possible, the first `num_layers % N` stages taking one layer more
+(torch's pipelining leaves the split to the user; this is our rule); stage 0 also holds the token embedding, the last stage the final norm and lm_head. Each stage
 also keeps the rotary embedding (its `inv_freq` buffer): every stage computes the cos/sin it
 hands its layers, as LlamaModel.forward does (modeling_llama.py).
 
@@ -40,8 +39,8 @@ Categories: the stage's receive buffers (`_RecvInfo.buffer`: one per micro-batch
 activations a non-first stage receives, one per micro-batch for the gradients a non-last stage
 receives, all made once at the first step and kept) are `other`, like the input batch: data
 handed to this rank. The gradient autograd accumulates into a received activation (a leaf that
-requires grad: `.grad` of the receive buffer, kept until the next step's `clear_runtime_states`)
-is an ordinary temporary.
+requires grad: `.grad` of the receive buffer, which `stage_backward` hands on and sets to None;
+the send's P2P ops and works keep it a while) is an ordinary temporary.
 """
 
 from __future__ import annotations
