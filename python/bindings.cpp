@@ -79,6 +79,8 @@ NB_MODULE(_core, m) {
       .def_rw("parallel", &RecipeSpelling::parallel)
       .def_rw("tp", &RecipeSpelling::tp)
       .def_rw("sequence_parallel", &RecipeSpelling::sequence_parallel)
+      .def_rw("pp", &RecipeSpelling::pp)
+      .def_rw("pp_schedule", &RecipeSpelling::pp_schedule)
       .def_rw("fsdp_reshard_after_forward", &RecipeSpelling::fsdp_reshard_after_forward)
       .def_rw("fsdp_replicate", &RecipeSpelling::fsdp_replicate)
       .def_rw("fsdp_param_dtype", &RecipeSpelling::fsdp_param_dtype)

@@ -46,9 +46,17 @@ Estimate run(const Model& model, const Recipe& resolved, const Gpu& gpu, const E
 //    than on rank 0. ZeRO-3 partitions every parameter on its own into equal, padded partitions
 //    and gathers whole parameters (Note [DeepSpeed ZeRO-3] in graph/zero3.cpp): every rank
 //    allocates the same, so rank 0 stands for all (its three measurements: ranks identical).
+//  * Pipeline stages hold different layers, the first the embedding and the last the head and the
+//    loss, and 1F1B keeps a different number of micro-batches in flight on each (Note [Pipeline
+//    parallelism] in graph/pipeline.cpp): every stage is replayed, the stage being the rank.
 // The worst rank is the one with the most reserved bytes at its peak (what must fit), then the most
 // allocated bytes, then the lowest rank.
-bool ranks_differ(const Recipe& r) { return r.gpus > 1 && is_zero(r.parallel) && r.parallel != Parallel::kZero3; }
+bool ranks_differ(const Recipe& r) {
+  return r.pp > 1 || (r.gpus > 1 && is_zero(r.parallel) && r.parallel != Parallel::kZero3);
+}
+
+// Ranks of the estimate: data-parallel ranks, or pipeline stages (one per GPU).
+std::uint64_t rank_count(const Recipe& r) { return r.gpus * r.pp; }
 
 bool worse(const Estimate& a, const Estimate& b) {
   if (a.peak_reserved_bytes != b.peak_reserved_bytes) return a.peak_reserved_bytes > b.peak_reserved_bytes;
@@ -56,12 +64,13 @@ bool worse(const Estimate& a, const Estimate& b) {
 }
 
 Estimate run_ranks(const Model& model, const Recipe& resolved, const Gpu& gpu, const EstimateOptions& options) {
-  if (options.rank >= 0 && static_cast<std::uint64_t>(options.rank) >= resolved.gpus) {
-    throw Error("rank " + std::to_string(options.rank) + " is not one of the " + std::to_string(resolved.gpus) +
-                " ranks (0.." + std::to_string(resolved.gpus - 1) + ")");
+  const std::uint64_t ranks = rank_count(resolved);
+  if (options.rank >= 0 && static_cast<std::uint64_t>(options.rank) >= ranks) {
+    throw Error("rank " + std::to_string(options.rank) + " is not one of the " + std::to_string(ranks) +
+                " ranks (0.." + std::to_string(ranks - 1) + ")");
   }
   const auto first = static_cast<std::uint64_t>(options.rank >= 0 ? options.rank : 0);
-  const std::uint64_t last = options.rank < 0 && ranks_differ(resolved) ? resolved.gpus - 1 : first;
+  const std::uint64_t last = options.rank < 0 && ranks_differ(resolved) ? ranks - 1 : first;
   // With several ranks, find the worst without a timeline or an event trace, then replay it
   // again with them.
   const bool extras = last > first && (options.timeline || !options.trace_path.empty());
@@ -85,7 +94,7 @@ Estimate run_ranks(const Model& model, const Recipe& resolved, const Gpu& gpu, c
     best = run(model, resolved, gpu, options, best.rank);
     events += best.events;
   }
-  if (resolved.gpus > 1) best.ranks = std::move(peaks);
+  if (ranks > 1) best.ranks = std::move(peaks);
   best.events = events;
   return best;
 }

@@ -32,6 +32,8 @@ def main() -> None:
             knobs = f"{r['parallel']}×{r['gpus']} " + knobs
         if r.get("tp", 1) > 1:
             knobs = f"tp×{r['tp']}{'+sp' if r.get('sequence_parallel') else ''} " + knobs
+        if r.get("pp", 1) > 1:
+            knobs = f"pp×{r['pp']} {r['pp_schedule']} " + knobs
         if r.get("fsdp_replicate", 1) > 1:
             knobs += f" hsdp replicate={r['fsdp_replicate']}"
         if r.get("fsdp_reshard_after_forward") is False:

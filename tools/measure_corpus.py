@@ -61,8 +61,9 @@ def write_derived(matrix: dict) -> dict[str, str]:
 
 
 def is_parallel(config: dict) -> bool:
-    """A multi-process run: data parallelism (`parallel`) or tensor parallelism (`tp` > 1)."""
-    return config["recipe"].get("parallel", "none") != "none" or config["recipe"].get("tp", 1) > 1
+    """A multi-process run: data parallelism (`parallel`), tensor (`tp` > 1) or pipeline (`pp` > 1) parallelism."""
+    return (config["recipe"].get("parallel", "none") != "none" or config["recipe"].get("tp", 1) > 1
+            or config["recipe"].get("pp", 1) > 1)
 
 
 def result_path(config: dict) -> Path:
@@ -257,7 +258,8 @@ def write_parallel_index(matrix: dict) -> None:
         })
     if not entries:
         return
-    doc = {"description": "Data- and tensor-parallel ground truth (recipe gpus/parallel, tp): rank 0 of a multi-process CPU run "
+    doc = {"description": "Data-, tensor- and pipeline-parallel ground truth (recipe gpus/parallel, tp, pp): rank 0 (pipeline: "
+                          "the stage with the highest peak) of a multi-process CPU run "
                           "with gloo; see data/ground_truth/README.md and docs/parallelism.md. Read by the "
                           "accuracy gate (tests/python/test_accuracy.py) with data/ground_truth/*.json.",
            "count": len(entries), "entries": entries}

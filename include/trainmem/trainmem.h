@@ -185,6 +185,10 @@ struct Fsdp {
 // the 16-bit parameter partitions live on the host, the optimizer on the GPU; kBoth is both.
 // Mirrored from the source, unmeasured.
 enum class Offload : std::uint8_t { kNone, kOptimizer, kParams, kBoth };
+// Pipeline schedules of torch.distributed.pipelining (docs/parallelism.md "Pipeline parallelism"):
+// Schedule1F1B and ScheduleGPipe, one stage per rank (Note [Pipeline parallelism] in
+// src/graph/pipeline.cpp).
+enum class PipelineSchedule : std::uint8_t { k1F1B, kGPipe };
 
 // LoRA adapters (peft's LoraConfig): the base model is frozen, every targeted linear layer of
 // every decoder layer gets A (rank × in) and B (out × rank) beside it.
@@ -247,6 +251,11 @@ struct Recipe {
   // Mirrored from the source, not measured; today cp > 1 needs gpus 1 and tp 1. The estimate is
   // the last rank of the group (Note [Context parallelism] in graph/context_parallel.h).
   std::uint64_t cp = 1;
+  // Pipeline-parallel degree (docs/parallelism.md "Pipeline parallelism"): torch.distributed.pipelining
+  // with one stage per rank, the decoder layers split over `pp` stages; grad_accum is the schedule's
+  // n_microbatches (batch stays the micro-batch size). 1 is none. The estimate is the worst stage's.
+  std::uint64_t pp = 1;
+  PipelineSchedule pp_schedule = PipelineSchedule::k1F1B;
   Fsdp fsdp;  // parallel kFsdp only
   Offload offload = Offload::kNone;
 
@@ -264,6 +273,7 @@ std::string_view to_string(QuantType);
 std::string_view to_string(Parallel);
 std::string_view to_string(FsdpDtype);
 std::string_view to_string(Offload);
+std::string_view to_string(PipelineSchedule);
 // The knobs as a person spells them (CLI flags, Python keywords, the JSON `recipe` object).
 struct RecipeSpelling {
   std::uint64_t batch = 1;
@@ -291,6 +301,8 @@ struct RecipeSpelling {
   std::uint64_t tp = 1;           // tensor-parallel degree
   bool sequence_parallel = false;  // with tp > 1: SequenceParallel on the norms
   std::uint64_t cp = 1;           // context-parallel degree
+  std::uint64_t pp = 1;           // pipeline-parallel degree
+  std::string pp_schedule = "1f1b";  // 1f1b | gpipe
   bool fsdp_reshard_after_forward = true;  // parallel fsdp: FSDP2's knobs (Fsdp above)
   std::uint64_t fsdp_replicate = 1;
   std::string fsdp_param_dtype = "none";   // none | bf16
@@ -312,6 +324,7 @@ QuantType parse_quant_type(std::string_view);
 Parallel parse_parallel(std::string_view);
 FsdpDtype parse_fsdp_dtype(std::string_view, std::string_view field);
 Offload parse_offload(std::string_view);
+PipelineSchedule parse_pipeline_schedule(std::string_view);
 
 // The linear modules of one decoder layer that LoRA can target, as peft names them.
 std::vector<std::string> lora_target_modules(const Architecture&);

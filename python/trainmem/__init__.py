@@ -48,7 +48,7 @@ class Estimate:
         d = {k: v for k, v in self.__dict__.items() if k != "_text"}
         if not d["timeline"]:
             del d["timeline"]
-        if self.recipe.get("gpus", 1) == 1:
+        if self.recipe.get("gpus", 1) == 1 and self.recipe.get("pp", 1) == 1:  # a pipeline's ranks are its stages
             del d["rank"], d["ranks"]
         if not d["host_bytes"]:
             del d["host_bytes"]
@@ -86,13 +86,15 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     "parallel": "none",  # none | ddp | fsdp | zero1 | zero2 | zero3 (docs/parallelism.md)
     "tp": 1,  # tensor-parallel degree (docs/parallelism.md "Tensor parallelism")
     "sequence_parallel": False,  # with tp > 1: SequenceParallel on the norms ("Sequence parallelism")
+    "pp": 1,  # pipeline-parallel degree, one stage per GPU (docs/parallelism.md "Pipeline parallelism")
+    "pp_schedule": "1f1b",  # with pp > 1: 1f1b | gpipe
     "fsdp_reshard_after_forward": True,  # parallel fsdp: False keeps the layers gathered (SHARD_GRAD_OP)
     "fsdp_replicate": 1,  # parallel fsdp: HSDP replica groups, mesh (fsdp_replicate, gpus / fsdp_replicate)
     "fsdp_param_dtype": "none",  # parallel fsdp, fp32: MixedPrecisionPolicy param_dtype, none | bf16
     "fsdp_reduce_dtype": "none",  # MixedPrecisionPolicy reduce_dtype, none | fp32 | bf16
     "offload": "none",  # none | optimizer (DeepSpeed offload_optimizer, zero1 / zero2)
 }
-_COUNTS = ("batch", "seq", "grad_accum", "new_tokens", "beams", "gpus", "tp", "fsdp_replicate")
+_COUNTS = ("batch", "seq", "grad_accum", "new_tokens", "beams", "gpus", "tp", "pp", "fsdp_replicate")
 
 
 def _source(model: Any) -> bytes:

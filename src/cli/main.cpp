@@ -69,7 +69,7 @@ struct RecipeFlags {
   bool sequence_parallel = false;
   std::string quant_type = "";
   std::string new_tokens = "128", beams = "1";
-  std::string gpus = "1", parallel = "none", tp = "1", cp = "1", zero = "", offload = "none";
+  std::string gpus = "1", parallel = "none", tp = "1", cp = "1", zero = "", offload = "none", pp = "1", pp_schedule = "1f1b";
   std::string fsdp_reshard_after_forward = "true", fsdp_replicate = "1", fsdp_param_dtype = "none",
               fsdp_reduce_dtype = "none";
   std::vector<std::pair<std::string, CLI::Option*>> options;  // knob name → its flag
@@ -119,6 +119,10 @@ struct RecipeFlags {
                                        "With --tp: sequence parallelism (SequenceParallel on the norms, the residual "
                                        "stream sharded on the sequence)"));
     opt("cp", "--cp", cp, "Context-parallel degree (torch context_parallel, ring attention; unmeasured); 1: none");
+    opt("pp", "--pp", pp,
+        "Pipeline-parallel degree (torch.distributed.pipelining, one stage per GPU; --grad-accum is the number of "
+        "micro-batches); 1: none");
+    opt("pp_schedule", "--pp-schedule", pp_schedule, "With --pp: 1f1b (Schedule1F1B) | gpipe (ScheduleGPipe)");
     opt("fsdp_reshard_after_forward", "--fsdp-reshard-after-forward", fsdp_reshard_after_forward,
         "With --parallel fsdp: true | false (the decoder layers stay gathered from forward to backward: SHARD_GRAD_OP)");
     opt("fsdp_replicate", "--fsdp-replicate", fsdp_replicate,
@@ -168,6 +172,8 @@ struct RecipeFlags {
     sp.tp = parse_count(tp, "tp");
     sp.sequence_parallel = sequence_parallel;
     sp.cp = parse_count(cp, "cp");
+    sp.pp = parse_count(pp, "pp");
+    sp.pp_schedule = pp_schedule;
     sp.fsdp_reshard_after_forward = parse_bool(fsdp_reshard_after_forward, "fsdp_reshard_after_forward");
     sp.fsdp_replicate = parse_count(fsdp_replicate, "fsdp_replicate");
     sp.fsdp_param_dtype = fsdp_param_dtype;
@@ -243,6 +249,8 @@ std::string compare(const std::string& path, bool as_json) {
   sp.gpus = count("gpus", sp.gpus);  // a data-parallel measurement: rank 0 of `gpus`
   sp.parallel = text("parallel", sp.parallel.c_str());
   sp.tp = count("tp", sp.tp);  // a tensor-parallel measurement: rank 0 of `tp`
+  sp.pp = count("pp", sp.pp);  // a pipeline measurement: the worst stage of `pp` (its rank is named)
+  sp.pp_schedule = text("pp_schedule", sp.pp_schedule.c_str());
   sp.offload = text("offload", sp.offload.c_str());
   if (jr.contains("lora_targets")) {
     const nlohmann::json& t = jr["lora_targets"];
@@ -288,7 +296,8 @@ std::string compare(const std::string& path, bool as_json) {
   // A tensor-parallel run has gpus x tp processes; the ranks of a tensor-parallel group hold the
   // same memory (Note [Tensor parallelism] in graph/tensor_parallel.h), so a process is replayed as
   // its data-parallel rank, process / tp.
-  const std::uint64_t world = r.gpus * r.tp;
+  // A pipeline run has pp processes, one per stage: a process is replayed as its stage.
+  const std::uint64_t world = r.gpus * r.tp * r.pp;
   auto rank_options = [&](const nlohmann::json& v) {
     if (!v.is_number_unsigned() || v.get<std::uint64_t>() >= world) {
       throw Error("compare: diagnostics.parallel: a rank must be one of 0.." + std::to_string(world - 1));
@@ -454,9 +463,11 @@ int main(int argc, char** argv) {
       opt.trace_path = trace_path;
       if (rank != "worst") {
         const std::uint64_t n = parse_count(rank, "rank (a rank number or 'worst')");
-        if (n >= r.gpus) {
-          throw Error("rank: " + rank + " is not one of the " + std::to_string(r.gpus) + " ranks (0.." +
-                      std::to_string(r.gpus - 1) + ") of --gpus " + std::to_string(r.gpus));
+        const std::uint64_t ranks = r.gpus * r.pp;
+        if (n >= ranks) {
+          throw Error("rank: " + rank + " is not one of the " + std::to_string(ranks) + " ranks (0.." +
+                      std::to_string(ranks - 1) + ") of " + (r.pp > 1 ? "--pp " : "--gpus ") +
+                      std::to_string(r.pp > 1 ? r.pp : r.gpus));
         }
         opt.rank = static_cast<std::int64_t>(n);
       }

@@ -68,6 +68,7 @@ Trace StepBuilder::build() {
       if (p.trainable) p.master = t_.alloc_bytes(p.numel * 4, Category::kWeights);
     }
   }
+  if (r_.pp > 1) return build_pipeline();  // one stage's step (Note [Pipeline parallelism])
   t_.at(Phase::kSetup, kNoLayer, "batch");
   // Under context parallelism the batch is whole (every rank holds the full sequences, and
   // position_ids beside them) until context_parallel shards it (See Note [Context parallelism]).
@@ -213,29 +214,7 @@ ValueId StepBuilder::forward_and_loss() {
     t_.drop(ar);
   }
   if (!gpt2) {
-    // LlamaRotaryEmbedding: freqs = position_ids[..., None].float() * inv_freq;
-    // emb = cat(freqs, freqs); cos/sin = emb.cos()/sin() * attention_scaling, cast to x.dtype.
-    op("rotary_emb");
-    const std::uint32_t rotary = container_enter(Container::kRotary);
-    const std::uint64_t d = a_.head_dim;
-    T pf = fresh(S_, DType::kF32);
-    T freqs = fresh(S_ * d / 2, DType::kF32);
-    t_.drop(pf);
-    T emb = fresh(S_ * d, DType::kF32);
-    t_.drop(freqs);
-    auto trig = [&]() {
-      T raw = fresh(S_ * d, DType::kF32);
-      T scaled = fresh(S_ * d, DType::kF32);
-      t_.drop(raw);
-      if (hs.dtype == DType::kF32) return scaled;
-      T cast = fresh(S_ * d, hs.dtype);
-      t_.drop(scaled);
-      return cast;
-    };
-    cos_ = trig();
-    sin_ = trig();
-    t_.drop(emb);
-    module_exit(rotary);
+    rotary_embedding(hs.dtype);
   }
   for (std::uint32_t l = 0; l < a_.num_layers; ++l) {
     dp_.layer_pre_forward(l);
@@ -261,6 +240,32 @@ ValueId StepBuilder::forward_and_loss() {
   ValueId loss = r_.loss == Loss::kFused ? fused_loss(normed, emb) : standard_loss(normed, emb);
   exit_autocast();
   return loss;
+}
+
+// LlamaRotaryEmbedding: freqs = position_ids[..., None].float() * inv_freq;
+// emb = cat(freqs, freqs); cos/sin = emb.cos()/sin() * attention_scaling, cast to x.dtype.
+void StepBuilder::rotary_embedding(DType x_dtype) {
+  op("rotary_emb");
+  const std::uint32_t rotary = container_enter(Container::kRotary);
+  const std::uint64_t d = a_.head_dim;
+  T pf = fresh(S_, DType::kF32);
+  T freqs = fresh(S_ * d / 2, DType::kF32);
+  t_.drop(pf);
+  T emb = fresh(S_ * d, DType::kF32);
+  t_.drop(freqs);
+  auto trig = [&]() {
+    T raw = fresh(S_ * d, DType::kF32);
+    T scaled = fresh(S_ * d, DType::kF32);
+    t_.drop(raw);
+    if (x_dtype == DType::kF32) return scaled;
+    T cast = fresh(S_ * d, x_dtype);
+    t_.drop(scaled);
+    return cast;
+  };
+  cos_ = trig();
+  sin_ = trig();
+  t_.drop(emb);
+  module_exit(rotary);
 }
 
 std::uint32_t StepBuilder::lm_head_param(std::uint32_t emb) const {
@@ -294,6 +299,15 @@ ValueId StepBuilder::standard_loss(T& normed, std::uint32_t emb) {
     logits = elementwise({&th}, th.numel, th.dtype, {});
     t_.drop(th);
   }
+  T loss = causal_lm_loss(logits);
+  if (shard.id != kNone) t_.drop(shard);
+  // The model output (logits) is dropped with the output object, before backward.
+  t_.drop(logits);
+  return scale_loss(loss);
+}
+
+// ForCausalLMLoss on the logits (phase loss): the loss, which requires grad.
+T StepBuilder::causal_lm_loss(const T& logits) {
   phase_ = Phase::kLoss;
   op("loss");
   T up = to(logits, DType::kF32);
@@ -334,10 +348,7 @@ ValueId StepBuilder::standard_loss(T& normed, std::uint32_t emb) {
   t_.drop(logp);
   t_.drop(shifted);
   t_.drop(total_weight);
-  if (shard.id != kNone) t_.drop(shard);
-  // The model output (logits) is dropped with the output object, before backward.
-  t_.drop(logits);
-  return scale_loss(loss);
+  return loss;
 }
 
 // Chunked linear + cross-entropy, `--loss fused`: the reference is the tracker's

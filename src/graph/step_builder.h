@@ -96,6 +96,13 @@ struct LoraLabels {
 // trainmem does not model.
 const LoraLabels& lora_labels(std::string_view path);
 
+// A micro-batch in flight on a pipeline stage (Note [Pipeline parallelism] in pipeline.cpp): the
+// stage's output and received input as fwd_cache holds them, the last stage's loss, its graph.
+struct PipelineMicro {
+  T out, leaf, loss;
+  Graph graph;
+};
+
 class StepBuilder {
  public:
   StepBuilder(const Model& m, const Recipe& r, const Gpu& gpu, const MicroBatchHook& hook, std::uint64_t rank);
@@ -106,7 +113,7 @@ class StepBuilder {
   // ---------------------------------------------------------------- parameters (step_parameters.cpp)
   void create_parameters();
   void wrap_data_parallel();
-  std::uint32_t add_param(const ParameterGroup& g, bool in_layer = false);
+  std::uint32_t add_param(const ParameterGroup& g, bool in_layer = false, bool present = true);
   void create_adapters();
   std::uint32_t add_adapter_param(std::uint64_t numel, std::uint64_t rows);
   std::pair<std::uint64_t, std::uint64_t> projection_shape(std::string_view path) const;
@@ -354,8 +361,18 @@ class StepBuilder {
   // ---------------------------------------------------------------- the step (step.cpp)
   T embedding(std::uint32_t w, const T& ids, std::uint64_t n);
   ValueId forward_and_loss();
+
+  // Pipeline parallelism (pipeline.cpp): one stage's step.
+  Trace build_pipeline();
+  bool pp_holds_global(const std::string& name) const;
+  bool pp_holds_layer(std::uint64_t layer) const;
+  void pp_warmup_vote(bool first, bool last);
+  void pp_forward(std::uint64_t k, PipelineMicro& mb);
+  TensorId pp_backward(std::uint64_t k, PipelineMicro& mb);
   std::uint32_t lm_head_param(std::uint32_t emb) const;
   ValueId standard_loss(T& normed, std::uint32_t emb);
+  T causal_lm_loss(const T& logits);
+  void rotary_embedding(DType x_dtype);
   ValueId fused_loss(T& hidden, std::uint32_t emb);
   ValueId scale_loss(T& loss);
   void backward(ValueId loss);
@@ -419,7 +436,8 @@ class StepBuilder {
   std::uint64_t sp_ = 1, res_tok_ = 0;
   bool dtensor_ = false;
   Tape t_;
-  DataParallel dp_{t_, r_, r_.gpu != "cpu", rank_};  // DDP / FSDP2 (graph/parallel.h); nothing without
+  // A pipeline stage (rank_ is the stage) has no data-parallel rank but 0.
+  DataParallel dp_{t_, r_, r_.gpu != "cpu", r_.pp > 1 ? 0 : rank_};  // DDP / FSDP2 (graph/parallel.h); nothing without
   std::vector<Param> params_;
   std::vector<std::pair<std::string, std::uint32_t>> globals_;
   std::vector<LayerParams> layers_;
@@ -445,6 +463,8 @@ class StepBuilder {
   std::int32_t layer_ = kNoLayer;
   std::string_view op_ = "";
   std::uint32_t causal_lm_module_ = kNone, base_model_module_ = kNone;  // ZeRO-3: open until the loss
+  // Pipeline stage (rank_ is the stage): the receive buffers, one per micro-batch.
+  std::vector<TensorId> pp_recv_act_, pp_recv_grad_;
   bool in_lm_head_ = false;  // ZeRO-3: lm_head's nn.Linear (tied: a second module over wte)
 };
 

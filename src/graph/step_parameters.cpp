@@ -36,7 +36,8 @@ void StepBuilder::create_parameters() {
   auto is_layer = [](const ParameterGroup& g) { return g.name.find(".N.") != std::string::npos; };
   for (std::size_t gi = 0; gi < groups.size(); ++gi) {
     if (!is_layer(groups[gi])) {
-      globals_.push_back({groups[gi].name, add_param(groups[gi])});
+      // A pipeline stage holds only its own part of the model (See Note [Pipeline split]).
+      globals_.push_back({groups[gi].name, add_param(groups[gi], false, pp_holds_global(groups[gi].name))});
       continue;
     }
     if (in_layers_done) continue;
@@ -45,7 +46,7 @@ void StepBuilder::create_parameters() {
     while (gend < groups.size() && is_layer(groups[gend])) ++gend;
     for (std::uint64_t l = 0; l < L; ++l) {
       for (std::size_t k = gi; k < gend; ++k) {
-        bind_layer(layers_[l], groups[k].name, add_param(groups[k], /*in_layer=*/true));
+        bind_layer(layers_[l], groups[k].name, add_param(groups[k], /*in_layer=*/true, pp_holds_layer(l)));
       }
     }
     in_layers_done = true;
@@ -97,11 +98,17 @@ void StepBuilder::wrap_data_parallel() {
   if (dp_.zero3()) t_.on_module_backward = [this](std::uint32_t m, bool begin) { dp_.module_backward(m, begin); };
 }
 
-std::uint32_t StepBuilder::add_param(const ParameterGroup& g, bool in_layer) {
+std::uint32_t StepBuilder::add_param(const ParameterGroup& g, bool in_layer, bool present) {
   Param p;
   p.numel = g.numel;
   p.dtype = pol_.param;
   p.trainable = !r_.lora.enabled();  // get_peft_model freezes the whole base model
+  if (!present) {  // another pipeline stage's: no memory here, no gradient, not in the optimizer
+    p.trainable = false;
+    p.slot = t_.new_param(kNone);
+    params_.push_back(p);
+    return static_cast<std::uint32_t>(params_.size() - 1);
+  }
   p.quantized = r_.quant.any() && in_layer && g.matmul_weight;
   if (p.quantized && r_.quant.load_in_8bit) {
     // Int8Params: CB, the parameter's data, and SCB (See Note [LLM.int8]); neither requires grad.

@@ -381,16 +381,24 @@ void Tape::run(std::size_t begin, std::size_t end) {
   }
 }
 
-void Tape::backward(ValueId root) {
-  // The seed gradient of the scalar loss (torch.ones_like(loss)). torch.autograd.backward
-  // holds it in its grad_tensors for the whole call, so it outlives the first node.
+void Tape::backward(ValueId root) { backward(root, kNone, kNone, nullptr); }
+
+void Tape::backward(ValueId root, TensorId grad, ValueId keep_leaf, TensorId* kept) {
+  // The seed gradient of the scalar loss (torch.ones_like(loss)), or the caller's gradient.
+  // torch.autograd.backward holds it in its grad_tensors for the whole call, so it outlives the
+  // first node.
   param_uses_.assign(param_grads_.size(), 0);
   param_pending_.assign(param_grads_.size(), {});
   for (const Node& n : nodes_) {
     for (const ParamGrad& pg : n.params) ++param_uses_[pg.param];
   }
   backward_layer_ = -1;
-  TensorId seed = alloc_bytes(4, Category::kTemporaries);
+  TensorId seed = grad;
+  if (seed == kNone) {
+    seed = alloc_bytes(4, Category::kTemporaries);
+  } else {
+    retain(seed);  // the caller's reference stays: never summed into in place
+  }
   retain(seed);
   deliver(root, seed);
   run(0, nodes_.size());
@@ -398,6 +406,13 @@ void Tape::backward(ValueId root) {
   if (on_final_callbacks) on_final_callbacks();
   release(seed);
   resize_nodes(0);
+  if (kept != nullptr) {
+    *kept = kNone;
+    if (keep_leaf != kNone && value_grad_[keep_leaf] != kNone) {
+      *kept = value_grad_[keep_leaf];  // AccumulateGrad steals it into the leaf's .grad
+      value_grad_[keep_leaf] = kNone;
+    }
+  }
   for (TensorId& g : value_grad_) {
     if (g != kNone) {
       release(g);  // gradients of leaves that need none (e.g. input embeddings) end here
@@ -407,6 +422,34 @@ void Tape::backward(ValueId root) {
   value_grad_.clear();
   value_bytes_.clear();
   subclass_.clear();
+}
+
+Graph Tape::take_graph() {
+  TRAINMEM_ASSERT(open_modules_.empty(), "take_graph inside a module's forward");
+  Graph g;
+  g.nodes = std::move(nodes_);
+  g.module_begins_at = std::move(module_begins_at_);
+  g.module_ends_at = std::move(module_ends_at_);
+  g.value_grad = std::move(value_grad_);
+  g.value_bytes = std::move(value_bytes_);
+  g.subclass = std::move(subclass_);
+  nodes_.clear();
+  module_begins_at_.clear();
+  module_ends_at_.clear();
+  value_grad_.clear();
+  value_bytes_.clear();
+  subclass_.clear();
+  return g;
+}
+
+void Tape::put_graph(Graph&& g) {
+  TRAINMEM_ASSERT(nodes_.empty() && value_grad_.empty() && open_modules_.empty(), "put_graph onto a recording tape");
+  nodes_ = std::move(g.nodes);
+  module_begins_at_ = std::move(g.module_begins_at);
+  module_ends_at_ = std::move(g.module_ends_at);
+  value_grad_ = std::move(g.value_grad);
+  value_bytes_ = std::move(g.value_bytes);
+  subclass_ = std::move(g.subclass);
 }
 
 Trace Tape::take() { return std::move(trace_); }

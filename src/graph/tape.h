@@ -230,6 +230,18 @@ struct Node {
   std::function<void(Node& n, std::vector<TensorId>& left)> kernel;
 };
 
+// A recorded autograd graph taken off the tape (Tape::take_graph), to be put back before its
+// backward runs (Tape::put_graph): a pipeline stage keeps several micro-batches' graphs alive at
+// once and runs their backwards in the schedule's order (Note [Pipeline parallelism] in
+// pipeline.cpp). Its values are numbered within the graph.
+struct Graph {
+  std::vector<Node> nodes;
+  std::vector<std::vector<std::uint32_t>> module_begins_at, module_ends_at;
+  std::vector<TensorId> value_grad;
+  std::vector<std::uint64_t> value_bytes;
+  std::vector<bool> subclass;
+};
+
 class Tape {
  public:
   Tape();
@@ -304,6 +316,16 @@ class Tape {
 
   // Runs backward from `root` (a scalar) and clears the recorded graph.
   void backward(ValueId root);
+  // torch.autograd.backward(root, grad_tensors=[grad]) for a non-scalar root: `grad` (a storage the
+  // caller keeps) is held by the call instead of a seed. When `keep_leaf` is a leaf that requires
+  // grad, the gradient it accumulated (its .grad) is handed to the caller in `*kept` instead of
+  // being freed with the graph (kNone when none arrived).
+  void backward(ValueId root, TensorId grad, ValueId keep_leaf, TensorId* kept);
+
+  // The graph recorded so far, taken off the tape (which is then empty), and put back (onto an
+  // empty tape). No module may be open.
+  Graph take_graph();
+  void put_graph(Graph&& g);
 
   Trace take();
   const Trace& trace() const { return trace_; }  // what has been built so far

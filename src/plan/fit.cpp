@@ -20,6 +20,7 @@
 
 #include "common/checked.h"
 #include "graph/parallel.h"
+#include "graph/pipeline.h"
 #include "graph/quant.h"
 #include "graph/tensor_parallel.h"
 #include "plan/plan.h"
@@ -110,6 +111,7 @@ class Planner {
     k += "/" + r.gpu + "/lora" + std::to_string(r.lora.rank) + "/" + std::to_string(r.lora.dropout);
     k += "/" + std::string(to_string(r.parallel)) + std::to_string(r.gpus);
     k += "/tp" + std::to_string(r.tp) + (r.sequence_parallel ? "sp" : "");
+    k += "/pp" + std::to_string(r.pp) + std::string(to_string(r.pp_schedule));
     k += "/fsdp" + std::string(r.fsdp.reshard_after_forward ? "1" : "0") + std::to_string(r.fsdp.replicate) + "/" +
          std::string(to_string(r.fsdp.param_dtype)) + "/" + std::string(to_string(r.fsdp.reduce_dtype)) + "/" +
          std::string(to_string(r.offload));
@@ -139,6 +141,16 @@ template <typename T>
 std::vector<T> values(const FitRequest& q, std::string_view knob, T base, std::vector<T> all) {
   if (fixed(q, knob)) return {base};
   return all;
+}
+
+// The model-dependent part of what the engine splits into stages (graph/pipeline.h).
+bool pipeline_modelled(const Model& m, const Recipe& r) {
+  try {
+    graph::check_pipeline_model(m.arch, r);
+    return true;
+  } catch (const Error&) {
+    return false;
+  }
 }
 
 bool valid(const Recipe& r) {
@@ -231,7 +243,8 @@ std::uint64_t plan::persistent_floor(const Model& m, const Recipe& r) {
   // states (padded shards are never smaller); HSDP shards over its shard group only. A param_dtype
   // policy keeps fp32 shards, gradients and states (the precision is fp32).
   const std::uint64_t buckets = r.parallel == Parallel::kDdp ? detail::mul(n, pb, "bucket bytes") : 0;
-  const std::uint64_t shards = r.parallel == Parallel::kFsdp ? r.gpus / r.fsdp.replicate : 1;
+  // A pipeline's worst stage holds at least the average stage's share (Note [Pipeline split]).
+  const std::uint64_t shards = r.parallel == Parallel::kFsdp ? r.gpus / r.fsdp.replicate : r.pp;
   // Every parameter's .grad (in the parameter's dtype) exists when the optimizer step starts.
   std::uint64_t extra = detail::mul(n, pb, "gradient bytes");
   if (r.precision == Precision::kBf16Master) extra = detail::add(extra, detail::mul(n, 4, "master bytes"), "master bytes");
@@ -256,6 +269,10 @@ FitResult fit(const Model& model, const FitRequest& q) {
     throw Error("tp: " + std::to_string(q.base.tp) + " with gpus " + std::to_string(q.gpus) +
                 ": the planner puts all the GPUs in one tensor-parallel group (tensor parallelism combined with "
                 "data parallelism is not modelled); use gpus " + std::to_string(q.base.tp));
+  }
+  if (q.base.pp != 1) {
+    throw Error("pp: fit searches pipeline parallelism itself over --gpus (pp = gpus where it is modelled); give "
+                "the recipe without --pp");
   }
   const Gpu& gpu = find_gpu(q.base.gpu);
   if (gpu.capacity_bytes == 0) throw Error("gpu: 'cpu' has no memory to plan for; name a GPU (trainmem gpus)");
@@ -407,6 +424,23 @@ FitResult fit(const Model& model, const FitRequest& q) {
                       r.offload = off;
                       if (!valid(r)) continue;
                       out_space.push_back({r, step_time(model, r), rank_floor(model, r)});
+                    }
+                    // Pipeline parallelism over every GPU (Note [Pipeline parallelism] in
+                    // graph/pipeline.cpp): one stage per GPU, each stage sees the whole global batch
+                    // as grad_accum micro-batches of b; searched with the other wrappers, where the
+                    // recipe and the model take it.
+                    if (tp == 1 && !sp && dp == parallels.front() && q.gpus > 1 && !fixed(q, "parallel") &&
+                        out.global_batch % b == 0 && out.global_batch / b <= kMaxAccum) {
+                      Recipe pr = r;
+                      pr.gpus = 1;
+                      pr.parallel = Parallel::kNone;
+                      pr.fsdp = Fsdp{};
+                      pr.offload = Offload::kNone;
+                      pr.pp = q.gpus;
+                      pr.grad_accum = out.global_batch / b;
+                      if (valid(pr) && pipeline_modelled(model, pr)) {
+                        out_space.push_back({pr, step_time(model, pr), plan::persistent_floor(model, pr)});
+                      }
                     }
                   }
                 }

@@ -247,6 +247,26 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
     if (gpu.host_gbps > 0) t.host_s += pcie / (gpu.host_gbps * 1e9);
     if (offload) t.host_s += np * (28 + 4 + b) / (kHostMemoryGbps * 1e9);
   }
+  if (recipe.pp > 1) {
+    // Pipeline parallelism (Note [Pipeline parallelism] in graph/pipeline.cpp): each of the N
+    // stages does 1/N of the work above (an even split of the layers; the head and the loss are
+    // not singled out), and a step of M micro-batches takes M + N - 1 micro-batch slots of a
+    // stage: the bubble, (N - 1) / (M + N - 1) of the step idle. The optimizer runs after the
+    // pipeline drains, on each stage's share, outside the bubble. On the critical path every
+    // slot also moves one activation forward and one gradient back between neighbours, at the
+    // interconnect bandwidth, not overlapped.
+    const double n = static_cast<double>(recipe.pp);
+    const double slots = (micro + n - 1) / micro;
+    const double opt_s = opt_bytes / bw;
+    t.compute_s = t.compute_s / n * slots;
+    t.memory_s = ((t.memory_s - opt_s) / n) * slots + opt_s / n;
+    t.overhead_s = t.overhead_s / n * slots;
+    t.flops /= n;
+    if (gpu.interconnect_gbps > 0) {
+      const double p2p = 2 * tokens * h * act;  // an activation and its gradient, one micro-batch
+      t.comm_s += (micro + n - 1) * p2p / (gpu.interconnect_gbps * 1e9);
+    }
+  }
   t.seconds = t.compute_s + t.memory_s + t.overhead_s + t.comm_s + t.host_s;
   return t;
 }

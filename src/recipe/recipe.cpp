@@ -47,6 +47,8 @@ constexpr Spellings<Offload, 4> kOffload{{{Offload::kNone, "none"},
                                           {Offload::kOptimizer, "optimizer"},
                                           {Offload::kParams, "params"},
                                           {Offload::kBoth, "both"}}};
+constexpr Spellings<PipelineSchedule, 2> kPipelineSchedule{
+    {{PipelineSchedule::k1F1B, "1f1b"}, {PipelineSchedule::kGPipe, "gpipe"}}};
 
 template <typename E, std::size_t N>
 std::string_view name_of(const Spellings<E, N>& table, E e) {
@@ -76,6 +78,7 @@ constexpr std::uint64_t kMaxAccum = 1024;
 // Data-parallel ranks: the measuring side's bound (python/trainmem/measure/recipe.py MAX_GPUS).
 constexpr std::uint64_t kMaxGpus = 4096;
 constexpr std::uint64_t kMaxCp = 64;  // as many as tensor parallelism's
+constexpr std::uint64_t kMaxPp = 64;  // the measuring side's MAX_PP
 constexpr std::uint64_t kMaxTp = 64;  // the measuring side's MAX_TP (python/trainmem/measure/recipe.py)
 
 void check_range(std::string_view field, std::uint64_t v, std::uint64_t max) {
@@ -137,6 +140,45 @@ void validate_tensor_parallel(const Recipe& r) {
   }
 }
 
+// What the engine models of pipeline parallelism: what the measuring side runs
+// (python/trainmem/measure/recipe.py _check_pp); the architecture's part (the Llama family, untied
+// embeddings, at least one layer per stage) is checked with the model (graph/pipeline.cpp).
+void validate_pipeline_parallel(const Recipe& r) {
+  const std::string pp = "pp: " + std::to_string(r.pp);
+  if (r.parallel != Parallel::kNone || r.gpus != 1 || r.tp != 1) {
+    throw Error(pp + " with gpus " + std::to_string(r.gpus) + " / parallel " + std::string(to_string(r.parallel)) +
+                " / tp " + std::to_string(r.tp) +
+                ": pipeline parallelism combined with data or tensor parallelism is not modelled yet; use gpus 1, "
+                "parallel none and tp 1");
+  }
+  if (r.mode == Mode::kInference) throw Error(pp + " is a training knob; inference runs on one GPU");
+  if (r.lora.enabled() || r.quant.any()) throw Error(pp + " with LoRA or a quantized base is not modelled");
+  if (r.optimizer != Optimizer::kAdamW && r.optimizer != Optimizer::kAdamWFused && r.optimizer != Optimizer::kSgd) {
+    throw Error(pp + " with optimizer " + std::string(to_string(r.optimizer)) +
+                " is not modelled; use adamw, adamw-fused or sgd");
+  }
+  if (r.loss != Loss::kStandard) {
+    throw Error(pp + " with loss fused is not modelled (the last stage's loss is the schedule's loss_fn on the "
+                     "logits); use standard");
+  }
+  if (r.precision != Precision::kFp32 && r.precision != Precision::kBf16True && r.precision != Precision::kFp16True) {
+    throw Error(pp + " with precision " + std::string(to_string(r.precision)) +
+                " is not modelled (autocast around a stage and master copies are unmeasured); use fp32, bf16-true "
+                "or fp16-true");
+  }
+  if (r.checkpointing != Checkpointing::kNone) {
+    throw Error(pp + " with checkpointing " + std::string(to_string(r.checkpointing)) + " is not modelled yet; use none");
+  }
+  if (r.attention != Attention::kSdpa) {
+    throw Error(pp + " with attention " + std::string(to_string(r.attention)) + " is not modelled yet; use sdpa");
+  }
+  if (r.pp_schedule == PipelineSchedule::k1F1B && r.grad_accum < r.pp) {
+    throw Error(pp + " with pp_schedule 1f1b needs grad_accum (the schedule's n_microbatches) of at least " +
+                std::to_string(r.pp) + ", got " + std::to_string(r.grad_accum) +
+                " (Schedule1F1B refuses fewer micro-batches than stages)");
+  }
+}
+
 // What the engine models of data parallelism: what the measuring side runs
 // (python/trainmem/measure/recipe.py _check_parallel, docs/parallelism.md) and nothing more.
 void validate_parallel(const Recipe& r) {
@@ -148,6 +190,9 @@ void validate_parallel(const Recipe& r) {
   }
   check_range("cp", r.cp, kMaxCp);  // the rest is checked with the model (graph/context_parallel.cpp)
   if (r.tp > 1) validate_tensor_parallel(r);
+  check_range("pp", r.pp, kMaxPp);
+  if (r.pp > 1) validate_pipeline_parallel(r);
+  if (r.pp == 1 && r.pp_schedule != PipelineSchedule::k1F1B) throw Error("pp_schedule: a pipeline knob, it needs pp > 1");
   if (r.parallel != Parallel::kFsdp && !r.fsdp.is_default()) {
     throw Error("fsdp_reshard_after_forward / fsdp_replicate / fsdp_param_dtype / fsdp_reduce_dtype: FSDP2 knobs, "
                 "they need parallel fsdp");
@@ -255,6 +300,7 @@ std::string_view to_string(Parallel x) { return name_of(kParallel, x); }
 std::string_view to_string(FsdpDtype x) { return name_of(kFsdpDtypes, x); }
 FsdpDtype parse_fsdp_dtype(std::string_view s, std::string_view field) { return parse(kFsdpDtypes, s, field); }
 std::string_view to_string(Offload x) { return name_of(kOffload, x); }
+std::string_view to_string(PipelineSchedule x) { return name_of(kPipelineSchedule, x); }
 
 Precision parse_precision(std::string_view s) { return parse(kPrecisions, s, "precision"); }
 Optimizer parse_optimizer(std::string_view s) { return parse(kOptimizers, s, "optimizer"); }
@@ -266,6 +312,7 @@ Mode parse_mode(std::string_view s) { return parse(kModes, s, "mode"); }
 QuantType parse_quant_type(std::string_view s) { return parse(kQuantTypes, s, "bnb_4bit_quant_type"); }
 Parallel parse_parallel(std::string_view s) { return parse(kParallel, s, "parallel"); }
 Offload parse_offload(std::string_view s) { return parse(kOffload, s, "offload"); }
+PipelineSchedule parse_pipeline_schedule(std::string_view s) { return parse(kPipelineSchedule, s, "pp_schedule"); }
 
 Recipe parse_recipe(const RecipeSpelling& in) {
   Recipe r;
@@ -305,6 +352,8 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   r.tp = in.tp;
   r.sequence_parallel = in.sequence_parallel;
   r.cp = in.cp;
+  r.pp = in.pp;
+  r.pp_schedule = parse_pipeline_schedule(in.pp_schedule);
   r.fsdp.reshard_after_forward = in.fsdp_reshard_after_forward;
   r.fsdp.replicate = in.fsdp_replicate;
   r.fsdp.param_dtype = parse_fsdp_dtype(in.fsdp_param_dtype, "fsdp_param_dtype");

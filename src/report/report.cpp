@@ -45,6 +45,10 @@ ordered_json recipe_object(const Recipe& r) {
   if (r.tp > 1) j["tp"] = r.tp;  // as trainmem-measure writes it: only with tensor parallelism
   if (r.sequence_parallel) j["sequence_parallel"] = true;  // and sequence parallelism only when on
   if (r.cp > 1) j["cp"] = r.cp;  // and context parallelism only with it
+  if (r.pp > 1) {                 // and the pipeline's degree and schedule only with a pipeline
+    j["pp"] = r.pp;
+    j["pp_schedule"] = to_string(r.pp_schedule);
+  }
   if (r.parallel == Parallel::kFsdp) {  // FSDP2's knobs, with parallel fsdp only (as trainmem-measure)
     j["fsdp_reshard_after_forward"] = r.fsdp.reshard_after_forward;
     j["fsdp_replicate"] = r.fsdp.replicate;
@@ -118,6 +122,7 @@ std::string recipe_words(const Recipe& r) {
 std::string rank_words(const Estimate& e) {
   if (e.ranks.size() <= 1) {
     if (is_zero(e.recipe.parallel) && e.recipe.parallel != Parallel::kZero3) return " (as asked; ranks differ under ZeRO)";
+    if (e.recipe.pp > 1) return " (as asked; pipeline stages differ)";
     return " (every rank runs the same ops on tensors of the same sizes)";
   }
   std::uint64_t least = e.ranks.front().peak_reserved_bytes;
@@ -315,7 +320,7 @@ std::string to_json(const Estimate& e, bool pretty) {
                  {"capacity_bytes", e.gpu.capacity_bytes},
                  {"context_bytes", e.gpu.context_bytes}};
   j["recipe"] = recipe_object(e.recipe);
-  if (e.recipe.gpus > 1) {
+  if (e.recipe.gpus > 1 || e.recipe.pp > 1) {  // a pipeline's ranks are its stages
     j["rank"] = e.rank;
     ordered_json ranks = ordered_json::array();
     for (const RankPeak& p : e.ranks) {
@@ -396,6 +401,12 @@ std::string to_text(const Estimate& e) {
     add("data parallel: %s over %llu GPUs; the figures below are one GPU's, rank %llu%s\n",
         std::string(to_string(r.parallel)).c_str(), static_cast<unsigned long long>(r.gpus),
         static_cast<unsigned long long>(e.rank), rank_words(e).c_str());
+  }
+  if (r.pp > 1) {
+    add("pipeline parallel: %s over %llu stages (one per GPU), %llu micro-batches; the figures below are one GPU's, "
+        "stage %llu%s\n",
+        std::string(to_string(r.pp_schedule)).c_str(), static_cast<unsigned long long>(r.pp),
+        static_cast<unsigned long long>(r.grad_accum), static_cast<unsigned long long>(e.rank), rank_words(e).c_str());
   }
   if (r.offload != Offload::kNone) {
     add("cpu offload: %s (DeepSpeed offload_optimizer / offload_param, pinned); host memory of this rank %s: %s pinned (%s "

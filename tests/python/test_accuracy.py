@@ -109,6 +109,27 @@ def test_tensor_parallel_entries_exact(comparisons):
     assert {r["checkpointing"] for r in sp} == {"none", "full"}
 
 
+def test_pipeline_entries_exact(comparisons):
+    """The pipeline-parallel measurements (recipe.pp, every stage of torch.distributed.pipelining's
+    Schedule1F1B / ScheduleGPipe on gloo ranks; the file's figures are the worst stage's) are
+    reproduced to the byte on every stage, peak and categories: the stage's own parameters, the
+    receive buffers, the in-flight micro-batches and what the schedule's P2P works keep (Note
+    [Pipeline parallelism]); the estimate reports the worst stage."""
+    pp = [(name, c) for name, c in comparisons if c["recipe"].get("pp", 1) > 1]
+    assert len(pp) >= 6, [name for name, _ in pp]
+    assert any(c["recipe"].get("pp_schedule") == "gpipe" for _, c in pp)
+    assert any(c["recipe"]["pp"] > 2 for _, c in pp)
+    for name, c in pp:
+        assert c["measured_peak_allocated_bytes"] == c["predicted_peak_allocated_bytes"], name
+        for cat, v in c["categories"].items():
+            assert v["measured"] == v["predicted"], (name, cat, v)
+        assert len(c["ranks"]) == c["recipe"]["pp"], name
+        for r in c["ranks"]:
+            assert r["measured_peak_allocated_bytes"] == r["predicted_peak_allocated_bytes"], (name, r["rank"])
+            assert r["measured_breakdown_at_peak"] == r["predicted_breakdown_at_peak"], (name, r["rank"])
+        assert c["measured_peak_allocated_bytes"] == max(r["measured_peak_allocated_bytes"] for r in c["ranks"]), name
+
+
 def test_4bit_entries_exact(comparisons):
     """The QLoRA measurements (recipe.load_in_4bit) and the generations with 4-bit or 8-bit weights
     (load_in_8bit) are reproduced to the byte, peak and categories: the packed or int8 weights and
@@ -135,7 +156,7 @@ def test_every_measured_rank(comparisons):
         if "ranks" not in c:
             continue
         zero = c["recipe"].get("parallel", "none").startswith("zero")
-        tp = c["recipe"].get("tp", 1) > 1
+        tp = c["recipe"].get("tp", 1) > 1 or c["recipe"].get("pp", 1) > 1  # pipeline stages: each exact too
         for r in c["ranks"]:
             if zero or tp:
                 assert r["measured_peak_allocated_bytes"] == r["predicted_peak_allocated_bytes"], (name, r["rank"])

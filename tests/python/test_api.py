@@ -115,6 +115,22 @@ def test_tensor_parallel_keyword(trainmem_bin):
         trainmem.estimate("llama-3.2-1b", tp=True)
     with pytest.raises(ValueError, match="tensor parallelism combined with data parallelism"):
         trainmem.estimate("llama-3.2-1b", precision="fp32", tp=2, gpus=2, parallel="ddp")
+def test_pipeline_keywords(trainmem_bin):
+    kw = dict(seq=256, precision="bf16-true", optimizer="sgd", grad_accum=4, pp=2)
+    est = trainmem.estimate("mistral-7b-v0.3", **kw)
+    cli = json.loads(subprocess.run([trainmem_bin, "estimate", "mistral-7b-v0.3", "--seq", "256", "--precision",
+                                     "bf16-true", "--optimizer", "sgd", "--grad-accum", "4", "--pp", "2", "--json"],
+                                    capture_output=True, text=True, check=True).stdout)
+    assert est.to_dict() == cli
+    assert est.recipe["pp"] == 2 and est.recipe["pp_schedule"] == "1f1b"
+    gpipe = trainmem.estimate("mistral-7b-v0.3", **kw, pp_schedule="gpipe")
+    assert gpipe.recipe["pp_schedule"] == "gpipe"
+    with pytest.raises(ValueError, match="pp: must be a positive integer"):
+        trainmem.estimate("mistral-7b-v0.3", pp=True)
+    with pytest.raises(ValueError, match="ties lm_head to the embedding"):
+        trainmem.estimate("llama-3.2-1b", precision="fp32", grad_accum=2, pp=2)
+
+
 def test_fsdp_variant_keywords(trainmem_bin):
     kw = dict(seq=128, gpus=4, parallel="fsdp", precision="fp32", fsdp_reshard_after_forward=False,
               fsdp_replicate=2, fsdp_param_dtype="bf16", fsdp_reduce_dtype="fp32")

@@ -117,6 +117,29 @@ def test_context_parallel_estimate_is_one_rank_of_seq_over_cp_tokens(run):
     assert half["peak_allocated_bytes"] < cp["peak_allocated_bytes"] < full["peak_allocated_bytes"]
 
 
+def test_pipeline_estimate_is_the_worst_stage_and_keeps_its_recipe(run):
+    # --pp 2 over Mistral-7B (32 layers, untied): each stage holds 16 layers, stage 0 the embedding
+    # and stage 1 the norm and lm_head; under 1F1B stage 0 keeps two micro-batches in flight. The
+    # estimate is the worst stage, every stage under `ranks`; --rank names one.
+    base = ["estimate", "mistral-7b-v0.3", "--seq", "1024", "--precision", "bf16-true", "--optimizer", "sgd",
+            "--grad-accum", "4", "--json"]
+    one = json.loads(run(*base).stdout)
+    two = json.loads(run(*base, "--pp", "2").stdout)
+    assert two["recipe"]["pp"] == 2 and two["recipe"]["pp_schedule"] == "1f1b" and "pp" not in one["recipe"]
+    assert "gpus" not in two["recipe"] and "tp" not in two["recipe"]
+    assert [r["rank"] for r in two["ranks"]] == [0, 1]
+    assert two["peak_allocated_bytes"] == max(r["peak_allocated_bytes"] for r in two["ranks"])
+    assert two["peak_allocated_bytes"] < one["peak_allocated_bytes"]
+    stage0 = json.loads(run(*base, "--pp", "2", "--rank", "0").stdout)
+    stage1 = json.loads(run(*base, "--pp", "2", "--rank", "1").stdout)
+    assert stage0["peak_allocated_bytes"] == two["ranks"][0]["peak_allocated_bytes"]
+    # Half the layers each; the embedding and lm_head (32768 x 4096 each) and the norm differ.
+    w0, w1 = stage0["breakdown_at_peak"]["weights"], stage1["breakdown_at_peak"]["weights"]
+    assert w1 - w0 == 4096 * 2
+    gpipe = json.loads(run(*base, "--pp", "2", "--pp-schedule", "gpipe").stdout)
+    assert gpipe["ranks"][0]["peak_allocated_bytes"] > stage0["peak_allocated_bytes"]  # all 4 in flight
+
+
 @pytest.mark.parametrize("args, message", [
     (["estimate", "qwen3-4", "--json"], "unknown model 'qwen3-4'; did you mean: qwen3-4b"),
     (["estimate", "qwen3-4b", "--batch", "0"], "batch: must be between 1 and"),
@@ -163,6 +186,19 @@ def test_context_parallel_estimate_is_one_rank_of_seq_over_cp_tokens(run):
     (["estimate", "llama-3.2-1b", "--cp", "2"], "cp: 2 with precision bf16-mixed is not modelled"),
     (["estimate", "llama-3.2-1b", "--cp", "65"], "cp: must be between 1 and 64"),
     (["fit", "llama-3.2-1b", "--cp", "2", "--precision", "fp32"], "cp: fit does not search context parallelism"),
+    (["estimate", "mistral-7b-v0.3", "--pp", "2", "--precision", "fp32"],
+     "pp: 2 with pp_schedule 1f1b needs grad_accum (the schedule's n_microbatches) of at least 2, got 1"),
+    (["estimate", "llama-3.2-1b", "--pp", "2", "--grad-accum", "2", "--precision", "fp32"],
+     "pp: 2: the model ties lm_head to the embedding"),
+    (["estimate", "gpt2", "--pp", "2", "--grad-accum", "2", "--precision", "fp32"], "pp: 2 with gpt2 is not modelled"),
+    (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2"], "pp: 2 with precision bf16-mixed is not modelled"),
+    (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--precision", "fp32", "--gpus", "2",
+      "--parallel", "ddp"], "pipeline parallelism combined with data or tensor parallelism"),
+    (["estimate", "mistral-7b-v0.3", "--pp-schedule", "gpipe"], "pp_schedule: a pipeline knob"),
+    (["estimate", "mistral-7b-v0.3", "--pp", "2", "--pp-schedule", "zb"], "pp_schedule: unknown value 'zb'"),
+    (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--precision", "fp32", "--rank", "2"],
+     "rank: 2 is not one of the 2 ranks (0..1) of --pp 2"),
+    (["fit", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--precision", "fp32"], "pp: fit searches"),
     (["estimate", "gpt2", "--gpus", "2", "--parallel", "ddp", "--rank", "2"],
      "rank: 2 is not one of the 2 ranks (0..1) of --gpus 2"),
     (["estimate", "gpt2", "--rank", "1"], "rank: 1 is not one of the 1 ranks (0..0) of --gpus 1"),

@@ -108,6 +108,26 @@ def test_several_gpus_search_zero(run):
         assert e["peak_reserved_bytes"] == changes[what]["peak_reserved_bytes"]
 
 
+def test_several_gpus_search_pipeline_stages(run):
+    # Mistral-7B is untied: with 4 GPUs the search includes pp 4 (one stage per GPU), where every stage
+    # runs the whole global batch as grad_accum micro-batches; its figures are the worst stage's, as
+    # `estimate --pp` gives them. Holding --parallel leaves the pipeline out.
+    args = ["fit", "mistral-7b-v0.3", "--gpu", "a100-40gb", "--gpus", "4", "--seq", "2048", "--global-batch", "32",
+            "--top", "12", "--json"]
+    j = json.loads(run(*args, timeout=600).stdout)
+    pp = [p for p in j["plans"] if p["recipe"].get("pp", 1) > 1]
+    assert pp, [p["recipe"] for p in j["plans"]]
+    for p in pp:
+        rc = p["recipe"]
+        assert rc["pp"] == 4 and "gpus" not in rc and rc["batch"] * rc["grad_accum"] == 32
+        e = json.loads(run("estimate", "mistral-7b-v0.3", "--gpu", "a100-40gb", "--batch", rc["batch"], "--grad-accum",
+                           rc["grad_accum"], "--seq", rc["seq"], "--precision", rc["precision"], "--optimizer",
+                           rc["optimizer"], "--allocator", rc["allocator"], "--pp", "4", "--json", timeout=300).stdout)
+        assert e["peak_reserved_bytes"] == p["peak_reserved_bytes"] and len(e["ranks"]) == 4
+    held = json.loads(run(*args, "--parallel", "fsdp", timeout=600).stdout)
+    assert all(p["recipe"].get("pp", 1) == 1 for p in held["plans"])
+
+
 def test_a_held_precision_zero_refuses_leaves_it_out(run):
     r = run("fit", "qwen3-0.6b", "--gpu", "rtx-4090", "--gpus", "4", "--seq", "512", "--global-batch", "16",
             "--precision", "bf16-mixed", "--json", timeout=300)

@@ -299,3 +299,57 @@ def test_zero3_world_size_2(tiny_gpt2):
     # bf16 partitions (n / 2 x 2 B) + fp32 master partition (n / 2 x 4 B) + every parameter gathered.
     assert n + 2 * n + 2 * n <= end["weights"] <= n + 2 * n + 2 * n + 64 * 1024
     assert result["diagnostics"]["untracked_inputs"] == 0
+
+
+# ---------------------------------------------------------------------------------- pipeline
+
+
+@pytest.mark.parametrize("knobs,message", [
+    ({"pp": 0}, "pp must be an integer between 1 (no pipeline parallelism) and 64, got 0"),
+    ({"pp": 2, "grad_accum": 2, "gpus": 2, "parallel": "ddp"}, "combined with data or tensor parallelism"),
+    ({"pp": 2, "grad_accum": 2, "tp": 2, "precision": "fp32"}, "combined with data or tensor parallelism"),
+    ({"pp": 2, "grad_accum": 1, "precision": "fp32"}, "needs grad_accum (the schedule's n_microbatches) >= pp"),
+    ({"pp": 2, "grad_accum": 2, "precision": "bf16-mixed"}, "autocast around a stage"),
+    ({"pp": 2, "grad_accum": 2, "precision": "fp32", "checkpointing": "full"}, "checkpointing='full' is not measured"),
+    ({"pp": 2, "grad_accum": 2, "precision": "fp32", "lora_rank": 8}, "LoRA or a quantized base"),
+    ({"pp_schedule": "gpipe"}, "pp_schedule is a pipeline knob"),
+    ({"pp": 2, "pp_schedule": "interleaved"}, "pp_schedule='interleaved' is not one of 1f1b, gpipe"),
+])
+def test_bad_pp_knobs_are_refused(knobs, message):
+    with pytest.raises(RecipeError) as info:
+        Recipe(**knobs)
+    assert message in str(info.value)
+
+
+def test_pp_recipe_json_and_command():
+    r = Recipe(batch=1, seq=8, grad_accum=2, precision="fp32", pp=2, pp_schedule="gpipe")
+    assert r.is_parallel and r.is_pp and r.world_size == 2
+    d = r.as_dict()
+    assert d["pp"] == 2 and d["pp_schedule"] == "gpipe" and "gpus" not in d and "tp" not in d
+    assert Recipe.from_dict(d) == r
+    assert "pp" not in Recipe(precision="fp32").as_dict() and "pp_schedule" not in Recipe(precision="fp32").as_dict()
+    cmd = default_command(resolve_model("gpt2"), r, device="cpu", fake=False)
+    assert "--pp 2" in cmd and "--pp-schedule gpipe" in cmd
+
+
+def test_pp_split_gives_earlier_stages_the_remainder():
+    from trainmem.measure.pipeline import split_layers
+
+    assert split_layers(4, 2) == [range(0, 2), range(2, 4)]
+    assert split_layers(5, 3) == [range(0, 2), range(2, 4), range(4, 5)]
+
+
+def test_pp_world_size_2(tiny_llama):
+    """Two 1F1B stages: each holds its own half of the model, stage 0 keeps two micro-batches in
+    flight, and the reported rank is the stage with the highest peak."""
+    r = Recipe(batch=1, seq=8, grad_accum=2, precision="fp32", optimizer="sgd", pp=2)
+    out = measure(str(tiny_llama), r)
+    info = out["diagnostics"]["parallel"]
+    assert info["world_size"] == 2 and len(info["ranks"]) == 2 and not info["ranks_identical"]
+    peaks = [x["peak_allocated_bytes"] for x in info["ranks"]]
+    assert out["peak_allocated_bytes"] == max(peaks) and info["rank"] == peaks.index(max(peaks))
+    assert out["recipe"]["pp"] == 2 and "--pp 2" in out["command"]
+    # The receive buffers: two micro-batches' activations (stage 1) or gradients (stage 0), each
+    # 1 x 8 x 64 fp32 = 2 KiB, beside the 512 B block of the ids or the labels.
+    for x in info["ranks"]:
+        assert x["breakdown_at_peak"]["other"] == 2 * 2048 + 512

@@ -66,6 +66,12 @@ def _parser() -> _Parser:
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: sequence parallelism, SequenceParallel on the norms, the residual stream "
                         "sharded on the sequence (all-gather before q/k/v and gate/up, reduce-scatter after o/down)")
+    p.add_argument("--pp", type=int, default=defaults.pp, metavar="N",
+                   help="pipeline-parallel degree: N processes on the CPU (gloo), torch.distributed.pipelining with "
+                        "the decoder layers split evenly over N stages; --grad-accum is the schedule's "
+                        "n_microbatches; the worst stage reported (default %(default)s)")
+    p.add_argument("--pp-schedule", choices=("1f1b", "gpipe"), default=defaults.pp_schedule,
+                   help="with --pp: Schedule1F1B or ScheduleGPipe (default %(default)s)")
     p.add_argument("--fsdp-reshard-after-forward", choices=("true", "false"), default="true",
                    help="parallel fsdp: fully_shard(layer, reshard_after_forward=...) for the decoder layers; false "
                         "keeps each layer gathered from its forward to its backward (SHARD_GRAD_OP) (default true)")
@@ -154,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                         mode="inference" if args.inference else "training", new_tokens=args.new_tokens,
                         beams=args.beams, gpus=args.gpus, parallel=args.parallel, tp=args.tp,
                         sequence_parallel=args.sequence_parallel,
+                        pp=args.pp, pp_schedule=args.pp_schedule,
                         fsdp_reshard_after_forward=args.fsdp_reshard_after_forward == "true",
                         fsdp_replicate=args.fsdp_replicate, fsdp_param_dtype=args.fsdp_param_dtype,
                         fsdp_reduce_dtype=args.fsdp_reduce_dtype,

@@ -108,7 +108,8 @@ def launch(model, recipe: Recipe, *, device: str, fake: bool, trace: str | None,
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    what = f"tp={recipe.tp}" if recipe.is_tp else f"parallel={recipe.parallel!r}"
+    what = (f"pp={recipe.pp}" if recipe.is_pp else f"tp={recipe.tp}" if recipe.is_tp
+            else f"parallel={recipe.parallel!r}")
     if fake:
         raise RecipeError(f"{what} cannot run on fake tensors: the collectives move real data")
     if device != "cpu":
@@ -130,6 +131,19 @@ def launch(model, recipe: Recipe, *, device: str, fake: bool, trace: str | None,
         for proc in procs:
             proc.join(timeout)
         results = []
+        docs = {}
+        for rank in range(world):
+            path = os.path.join(tmp, f"rank{rank}.json")
+            if os.path.exists(path):
+                docs[rank] = json.loads(open(path).read())
+        # A rank that failed on its own is the cause; the others then see their peer's connection close.
+        failed = [r for r, d in docs.items() if "error" in d]
+        first = next((r for r in failed if "Connection closed by peer" not in docs[r]["error"]), None)
+        if first is not None:
+            doc = docs[first]
+            cls = RecipeError if doc.get("type") == "RecipeError" else RuntimeError
+            print(doc.get("traceback", ""), file=sys.stderr)
+            raise cls(f"parallel rank {first}: {doc['error']}")
         for rank, proc in enumerate(procs):
             if proc.is_alive():
                 proc.kill()
@@ -142,7 +156,7 @@ def launch(model, recipe: Recipe, *, device: str, fake: bool, trace: str | None,
                 cls = RecipeError if doc.get("type") == "RecipeError" else RuntimeError
                 raise cls(f"parallel rank {rank}: {doc['error']}")
             results.append(doc)
-    return _merge(results)
+    return _merge(results, worst=recipe.is_pp)
 
 
 def _rank_main(rank: int, world: int, port: int, model, recipe: Recipe, device: str, trace, command, steps,
@@ -178,13 +192,18 @@ def _summary(rank: int, result: dict) -> dict:
             "storages": result["diagnostics"]["storages"], "events": result["diagnostics"]["events"]}
 
 
-def _merge(results: list[dict]) -> dict:
-    out = results[0]
+def _merge(results: list[dict], worst: bool = False) -> dict:
+    """Rank 0's result, or with `worst` (pipeline stages, which hold different memory) the rank with
+    the highest peak (the lowest such rank): the per-GPU figure that must fit."""
     ranks = [_summary(r, doc) for r, doc in enumerate(results)]
+    chosen = 0
+    if worst:
+        chosen = max(range(len(results)), key=lambda r: (results[r]["peak_allocated_bytes"], -r))
+    out = results[chosen]
     keys = ("peak_allocated_bytes", "breakdown_at_peak", "peak", "steps", "storages", "events")
     identical = all(all(s[k] == ranks[0][k] for k in keys) for s in ranks[1:])
     info = out["diagnostics"].setdefault("parallel", {})
-    info.update({"world_size": len(results), "rank": 0, "ranks_identical": identical, "ranks": ranks})
+    info.update({"world_size": len(results), "rank": chosen, "ranks_identical": identical, "ranks": ranks})
     return out
 
 
@@ -229,9 +248,13 @@ def wrap_model(model: torch.nn.Module, recipe: Recipe, device: str) -> torch.nn.
 
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != recipe.world_size:
-        raise RecipeError(f"world size {world} differs from gpus x tp = {recipe.world_size}")
+        raise RecipeError(f"world size {world} differs from gpus x tp x pp = {recipe.world_size}")
     if recipe.is_tp and recipe.parallel == "fsdp":
         return _tp_fsdp(model, recipe, device)
+    if recipe.is_pp:
+        from .pipeline import make_stage
+
+        return make_stage(model, recipe, device)  # every stage runs rank 0's batch
     if recipe.is_tp:
         tensor_parallelize(model, recipe, device)
         return model  # every rank of the tensor-parallel group runs rank 0's batch

@@ -25,6 +25,10 @@ MAX_GPUS = 4096
 # own beside the data-parallel `gpus` so that the two can compose as a 2-D mesh later
 # (world = gpus x tp); today tp > 1 runs with gpus 1 and parallel none, on `tp` processes.
 MAX_TP = 64
+# Pipeline parallelism (docs/parallelism.md "Pipeline parallelism"): `pp` stages, one process
+# each, torch.distributed.pipelining with `pp_schedule`; grad_accum is the schedule's n_microbatches.
+MAX_PP = 64
+PP_SCHEDULES = ("1f1b", "gpipe")
 MODES = ("training", "inference")
 # Inference loads the weights in one dtype and runs in it: no autocast, no master copy.
 INFERENCE_PRECISIONS = ("fp32", "bf16-true", "fp16-true")
@@ -89,6 +93,9 @@ class Recipe:
     # Sequence parallelism with tp > 1 (parallel.py tensor_parallelize): SequenceParallel on the
     # norms, the residual stream sharded on the sequence between them (docs/parallelism.md).
     sequence_parallel: bool = False
+    # Pipeline-parallel degree and schedule (pipeline.py): stage r on rank r; 1 is no pipeline.
+    pp: int = 1
+    pp_schedule: str = "1f1b"
     # FSDP2 (parallel fsdp, parallel.py): fully_shard(layer, reshard_after_forward=...) for the
     # decoder layers (False is FSDP1's SHARD_GRAD_OP: a layer stays gathered from its forward to
     # its backward); fsdp_replicate > 1 is HSDP, a 2-D mesh (replicate, shard) of fsdp_replicate x
@@ -161,6 +168,15 @@ class Recipe:
             raise RecipeError("sequence_parallel needs tensor parallelism: tp 2 or more")
         if tp > 1:
             self._check_tp()
+        pp = self.pp
+        if not isinstance(pp, int) or isinstance(pp, bool) or not 1 <= pp <= MAX_PP:
+            raise RecipeError(f"pp must be an integer between 1 (no pipeline parallelism) and {MAX_PP}, got {pp!r}")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise RecipeError(f"pp_schedule={self.pp_schedule!r} is not one of {', '.join(PP_SCHEDULES)}")
+        if pp > 1:
+            self._check_pp()
+        elif self.pp_schedule != "1f1b":
+            raise RecipeError("pp_schedule is a pipeline knob: it needs pp > 1")
         if self.parallel == "none" and gpus != 1:
             raise RecipeError(f"gpus={gpus} needs a data-parallel wrapper: parallel ddp, fsdp, zero1, zero2 or zero3")
         self._check_fsdp()
@@ -228,10 +244,36 @@ class Recipe:
                               "casts and master copies of DTensor parameters are unexplored); use fp32, bf16-true "
                               "or fp16-true")
 
+    def _check_pp(self) -> None:
+        """What the measuring side can run under pipeline parallelism (docs/parallelism.md)."""
+        if self.parallel != "none" or self.gpus != 1 or self.tp != 1:
+            raise RecipeError(f"pp={self.pp} with gpus={self.gpus} / parallel={self.parallel!r} / tp={self.tp} is not "
+                              "measured: pipeline parallelism combined with data or tensor parallelism is not "
+                              "modelled yet; use gpus 1, parallel none and tp 1")
+        if self.is_inference:
+            raise RecipeError(f"pp={self.pp} is a training knob: inference runs on one process")
+        if self.uses_lora or self.load_in_4bit or self.load_in_8bit:
+            raise RecipeError(f"pp={self.pp} with LoRA or a quantized base is not measured")
+        if self.optimizer not in ("adamw", "adamw-fused", "sgd"):
+            raise RecipeError(f"pp={self.pp} with optimizer={self.optimizer!r} is not measured; use adamw, "
+                              "adamw-fused or sgd")
+        if self.loss != "standard":
+            raise RecipeError(f"pp={self.pp} with loss={self.loss!r} is not measured: the last stage's loss is the "
+                              "schedule's loss_fn on the logits")
+        if self.precision not in ("fp32", "bf16-true", "fp16-true"):
+            raise RecipeError(f"pp={self.pp} with precision={self.precision!r} is not measured (autocast around a "
+                              "stage and master copies are unexplored); use fp32, bf16-true or fp16-true")
+        if self.checkpointing != "none":
+            raise RecipeError(f"pp={self.pp} with checkpointing={self.checkpointing!r} is not measured yet")
+        if self.pp_schedule == "1f1b" and self.grad_accum < self.pp:
+            raise RecipeError(f"pp={self.pp} with pp_schedule 1f1b needs grad_accum (the schedule's n_microbatches) "
+                              f">= pp, got {self.grad_accum} (Schedule1F1B refuses fewer micro-batches than stages)")
+
     @property
     def world_size(self) -> int:
-        """Processes of a run: data-parallel ranks times the tensor-parallel degree."""
-        return self.gpus * self.tp
+        """Processes of a run: data-parallel ranks times the tensor-parallel and pipeline degrees."""
+        return self.gpus * self.tp * self.pp
+
     def _check_fsdp(self) -> None:
         """FSDP2's own knobs: only with parallel fsdp, and what FSDP2 accepts (docs/parallelism.md)."""
         if not isinstance(self.fsdp_reshard_after_forward, bool):
@@ -266,11 +308,15 @@ class Recipe:
     @property
     def is_parallel(self) -> bool:
         """More than one process (data or tensor parallelism)."""
-        return self.parallel != "none" or self.tp > 1
+        return self.parallel != "none" or self.tp > 1 or self.pp > 1
 
     @property
     def is_tp(self) -> bool:
         return self.tp > 1
+
+    @property
+    def is_pp(self) -> bool:
+        return self.pp > 1
 
     @property
     def is_zero(self) -> bool:
@@ -396,6 +442,8 @@ class Recipe:
             del out["tp"]
         if not self.sequence_parallel:  # and sequence parallelism only when it is on
             del out["sequence_parallel"]
+        if not self.is_pp:  # the pipeline degree and schedule only when there is a pipeline
+            del out["pp"], out["pp_schedule"]
         if self.parallel != "fsdp":  # FSDP2's knobs with parallel fsdp only, as the engine writes them
             for key in ("fsdp_reshard_after_forward", "fsdp_replicate", "fsdp_param_dtype", "fsdp_reduce_dtype"):
                 del out[key]

@@ -149,9 +149,10 @@ def measure(model: str | ModelSpec, recipe: Recipe, *, device: str = "cpu", fake
         tracker.add_weight(t, name)
     if recipe.is_parallel:
         _parallel.attach(tracker, runner, recipe)
-    forward_and_loss = None if recipe.is_inference else hf_loss_fn(runner, recipe, tracker)
-    embedding = model_obj.get_input_embeddings().weight
-    vocab = getattr(embedding, "ds_shape", embedding.shape)[0]  # ZeRO-3 leaves an empty placeholder
+    forward_and_loss = None if recipe.is_inference or recipe.is_pp else hf_loss_fn(runner, recipe, tracker)
+    embedding = model_obj.get_input_embeddings()  # a later pipeline stage has none (pipeline.py)
+    embedding = embedding.weight if embedding is not None else None
+    vocab = getattr(embedding, "ds_shape", embedding.shape)[0] if embedding is not None else None  # ZeRO-3: placeholder
 
     def make_prompt():
         input_ids = torch.randint(vocab, (recipe.batch, recipe.seq), device=device)
@@ -194,6 +195,13 @@ def measure(model: str | ModelSpec, recipe: Recipe, *, device: str = "cpu", fake
                                              fake_mode=fake_mode)
             if step_hooks:
                 step_hooks["on_step_end"](1)
+        elif recipe.is_pp:  # runner is this rank's PipelineStage (pipeline.py)
+            generation_info = None
+            from .pipeline import run_steps as run_pipeline_steps
+            from .training import make_optimizer
+
+            run_pipeline_steps(model_obj, runner, recipe, tracker, device=device, steps=steps,
+                               make_optimizer=make_optimizer)
         else:
             generation_info = None
             run_steps(runner, recipe, tracker, device=device, make_batch=make_batch,
@@ -443,7 +451,7 @@ def default_command(spec: ModelSpec, recipe: Recipe, *, device: str, fake: bool)
                       ("precision", "--precision"), ("optimizer", "--optimizer"),
                       ("checkpointing", "--checkpointing"), ("attention", "--attention"), ("loss", "--loss"),
                       ("allocator", "--allocator"), ("gpus", "--gpus"), ("parallel", "--parallel"),
-                      ("tp", "--tp")):
+                      ("tp", "--tp"), ("pp", "--pp"), ("pp_schedule", "--pp-schedule")):
         value = getattr(recipe, key)
         if value != getattr(defaults, key):
             args += [flag, str(value)]

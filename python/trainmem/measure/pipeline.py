@@ -1,0 +1,221 @@
+"""Pipeline-parallel measurements: torch.distributed.pipelining on gloo CPU ranks.
+
+`recipe.pp` = N > 1 starts N processes (parallel.launch); rank r is pipeline stage r. Every rank
+builds the whole model with the same seed (the same weights), keeps its own stage and drops the
+rest before tracking (`make_stage`), and runs the schedule under its own tracker (`run_steps`).
+
+The split (Note [Pipeline split] in src/graph/pipeline.h): the decoder layers are cut into N
+contiguous groups as evenly as possible, the first `num_layers % N` stages taking one layer more
+(torch's pipelining leaves the split to the user; this is our rule); stage 0 also holds the token embedding, the last stage the final norm and lm_head. Each stage
+also keeps the rotary embedding (its `inv_freq` buffer): every stage computes the cos/sin it
+hands its layers, as LlamaModel.forward does (modeling_llama.py).
+
+Each stage is a `PipelineStage` built by hand (`_StageModule`: the stage's part of
+LlamaModel.forward, by the HF modules themselves), with static metadata: `input_args` and
+`output_args` as meta tensors of one micro-batch, so the schedule runs no metadata inference (no
+extra forward/backward in the first step: stage.py `InferenceMode.needs_dynamic` is False for plain
+tensors with complete forward metadata).
+
+Micro-batches: the recipe's `batch` is the micro-batch size and `grad_accum` the schedule's
+`n_microbatches`: `schedule.step` is handed a batch of batch x grad_accum sequences and splits it
+along dim 0 (views). The loss function is the model's own (ForCausalLMLoss, mean over tokens);
+the schedule's default `scale_grads=True` divides the gradients by n_microbatches after the last
+backward (in place), so the step is the same as grad_accum micro-batches of `batch` on one GPU.
+`schedule.step(..., return_outputs=False)`: the last stage keeps no micro-batch logits for a
+merged output (torchtitan passes the same).
+
+The loop per rank:
+
+    for step in 1, 2:
+        schedule.step(input_ids | , target=labels | , return_outputs=False)   # stage 0 | last stage
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+Phases and labels: each `forward_one_chunk` is phase forward of micro-batch chunk+1, the loss
+function phase loss, each `backward_one_chunk` phase backward; what the schedule allocates when
+it is first stepped (its receive buffers) is labelled forward of micro-batch 1.
+
+Categories: the stage's receive buffers (`_RecvInfo.buffer`: one per micro-batch for the
+activations a non-first stage receives, one per micro-batch for the gradients a non-last stage
+receives, all made once at the first step and kept) are `other`, like the input batch: data
+handed to this rank. The gradient autograd accumulates into a received activation (a leaf that
+requires grad: `.grad` of the receive buffer, which `stage_backward` hands on and sets to None;
+the send's P2P ops and works keep it a while) is an ordinary temporary.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .recipe import Recipe, RecipeError
+from .tracker import LOSS
+
+PP_FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+def split_layers(num_layers: int, stages: int) -> list[range]:
+    """Note [Pipeline split]: contiguous groups, the first num_layers % stages one layer longer."""
+    base, extra = divmod(num_layers, stages)
+    out, start = [], 0
+    for s in range(stages):
+        n = base + (1 if s < extra else 0)
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+class _StageModule(torch.nn.Module):
+    """Stage `index` of LlamaModel.forward + the head: embedding (first), its layers, norm and
+    lm_head (last). Holds the HF model as a child, so parameters and labels are the HF ones."""
+
+    def __init__(self, hf_model, index: int, stages: int, layers: range):
+        super().__init__()
+        self.hf = hf_model
+        self.first = index == 0
+        self.last = index == stages - 1
+        self.layer_ids = list(layers)
+
+    def forward(self, x):
+        from transformers.masking_utils import create_causal_mask
+
+        base = self.hf.model
+        hidden = base.embed_tokens(x) if self.first else x
+        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        mask = create_causal_mask(config=base.config, inputs_embeds=hidden, attention_mask=None, cache=None,
+                                  position_ids=position_ids)
+        position_embeddings = base.rotary_emb(hidden, position_ids=position_ids)
+        for i in self.layer_ids:
+            hidden = base.layers[i](hidden, attention_mask=mask, position_embeddings=position_embeddings,
+                                    position_ids=position_ids, cache=None, use_cache=False)
+        if not self.last:
+            return hidden
+        hidden = base.norm(hidden)
+        return self.hf.lm_head(hidden)
+
+
+def check(model: torch.nn.Module, recipe: Recipe) -> None:
+    name = type(model).__name__
+    if name not in PP_FAMILIES:
+        raise RecipeError(f"pp={recipe.pp}: {name} is not split by the measuring side; "
+                          f"use one of {', '.join(PP_FAMILIES)}")
+    if model.config.tie_word_embeddings:
+        raise RecipeError(f"pp={recipe.pp}: the model ties lm_head to the embedding, which the first and the last "
+                          "stage would each need; pipelining tied weights is not modelled")
+    if model.config.num_hidden_layers < recipe.pp:
+        raise RecipeError(f"pp={recipe.pp}: the model has {model.config.num_hidden_layers} decoder layers, fewer "
+                          "than the stages")
+
+
+def make_stage(model: torch.nn.Module, recipe: Recipe, device: str):
+    """Prune the model to this rank's stage (in place, before tracking) and build its PipelineStage."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+
+    check(model, recipe)
+    rank, stages = dist.get_rank(), recipe.pp
+    cuts = split_layers(model.config.num_hidden_layers, stages)
+    base = model.model
+    for i in range(len(base.layers)):
+        if i not in cuts[rank]:
+            base.layers[i] = torch.nn.Identity()
+    if rank != 0:
+        base.embed_tokens = None
+    if rank != stages - 1:
+        base.norm = None
+        model.lm_head = None
+    module = _StageModule(model, rank, stages, cuts[rank])
+    cfg = model.config
+    dtype = next(model.parameters()).dtype
+    meta = torch.device("meta")
+    # The metadata says what requires grad: the hidden states between stages do (the receiving
+    # stage makes its receive buffer a leaf that requires grad, and the sender gets a gradient
+    # receive buffer), the input ids do not.
+    hidden = torch.empty(recipe.batch, recipe.seq, cfg.hidden_size, dtype=dtype, device=meta, requires_grad=True)
+    ids = torch.empty(recipe.batch, recipe.seq, dtype=torch.int64, device=meta)
+    logits = torch.empty(recipe.batch, recipe.seq, cfg.vocab_size, dtype=dtype, device=meta, requires_grad=True)
+    stage = PipelineStage(module, rank, stages, torch.device(device),
+                          input_args=(ids if rank == 0 else hidden,),
+                          output_args=(logits if rank == stages - 1 else hidden,))
+    return stage
+
+
+def run_steps(model, stage, recipe: Recipe, tracker, *, device: str, steps: int = 2, make_optimizer) -> None:
+    """The reference loop of one pipeline rank under an active tracker (see the module docstring)."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    hf = model
+    vocab = hf.config.vocab_size
+    original_loss = hf.loss_function
+
+    def loss_fn(logits, labels):
+        tracker.set_phase("loss")
+        with tracker.scope(LOSS):
+            loss = original_loss(logits=logits, labels=labels, vocab_size=vocab)
+        tracker.label_graph(loss, LOSS)
+        return loss
+
+    cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[recipe.pp_schedule]
+    schedule = cls(stage, n_microbatches=recipe.grad_accum, loss_fn=loss_fn)
+    params = [p for p in stage.submod.parameters() if p.requires_grad]
+    current = {"step": 0}
+
+    def forward_one_chunk(fn):
+        @functools.wraps(fn)
+        def wrapper(chunk, *args, **kwargs):
+            tracker.set_phase("forward", current["step"], chunk + 1)
+            return fn(chunk, *args, **kwargs)
+        return wrapper
+
+    def backward_one_chunk(fn):
+        @functools.wraps(fn)
+        def wrapper(chunk, *args, **kwargs):
+            tracker.set_phase("backward", current["step"], chunk + 1)
+            out = fn(chunk, *args, **kwargs)
+            tracker.collect_garbage()
+            tracker.mark_gradients(params)
+            return out
+        return wrapper
+
+    def forced_other(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with tracker.forced("other"):
+                return fn(*args, **kwargs)
+        return wrapper
+
+    stage.forward_one_chunk = forward_one_chunk(stage.forward_one_chunk)
+    stage.backward_one_chunk = backward_one_chunk(stage.backward_one_chunk)
+    stage._prepare_forward_infra = forced_other(stage._prepare_forward_infra)
+    stage._prepare_backward_infra = forced_other(stage._prepare_backward_infra)
+
+    tracker.set_phase("setup", 0, 0)
+    first, last = stage.is_first, stage.is_last
+    # Every rank draws rank 0's batch (the same seed): stage 0 keeps it as the input ids, the last
+    # stage as the labels (the same values, as labels = input_ids.clone() on one GPU), a middle
+    # stage needs neither.
+    input_ids = labels = None
+    with tracker.forced("other"):
+        if first:
+            input_ids = torch.randint(vocab, (recipe.batch * recipe.grad_accum, recipe.seq), device=device)
+        elif last:
+            labels = torch.randint(vocab, (recipe.batch * recipe.grad_accum, recipe.seq), device=device)
+    optimizer = make_optimizer(recipe.optimizer, params)
+    for step in range(1, steps + 1):
+        current["step"] = step
+        tracker.set_phase("forward", step, 1)
+        if first:
+            schedule.step(input_ids, return_outputs=False)
+        elif last:
+            schedule.step(target=labels, return_outputs=False)
+        else:
+            schedule.step(return_outputs=False)
+        tracker.collect_garbage()
+        tracker.mark_gradients(params)
+        tracker.set_phase("optimizer", step, recipe.grad_accum)
+        optimizer.step()
+        tracker.mark_optimizer_state(optimizer)
+        tracker.mark_gradients(params)
+        optimizer.zero_grad(set_to_none=True)
+        tracker.collect_garbage()

@@ -1,0 +1,274 @@
+// Pipeline parallelism: the training step of one pipeline stage (pipeline.h), as
+// torch.distributed.pipelining runs it with a hand-built PipelineStage per rank
+// (python/trainmem/measure/pipeline.py is the measured code).
+#include "graph/pipeline.h"
+
+#include <string>
+
+#include "graph/step_builder.h"
+
+namespace trainmem::graph {
+
+// Note [Pipeline parallelism]
+// What torch.distributed.pipelining (torch 2.13: torch/distributed/pipelining/schedules.py,
+// stage.py, _backward.py) allocates on the rank of stage s of N, with a PipelineStage built with
+// static metadata (input_args / output_args of one micro-batch, plain tensors: no metadata
+// inference runs) and Schedule1F1B or ScheduleGPipe(stage, n_microbatches = M, loss_fn), stepped
+// with return_outputs=False; measured on gloo CPU ranks (data/ground_truth/parallel/):
+//  * the batch: schedule.step splits the whole batch (M micro-batches of `batch` sequences) into
+//    views along dim 0. Stage 0 holds the input ids, the last stage the labels, others neither.
+//  * first step only (_initialize_pp_stages): the P2P warm-up vote (_warmup_forward_vote /
+//    _warmup_backward_result: a few one-element tensors, freed at once), then the receive
+//    buffers, one per micro-batch and kept for the run (_make_tensor_from_meta, empty_strided):
+//    a non-first stage's activation buffers (_setup_forward_recv_info), then a non-last stage's
+//    gradient buffers (_setup_backward_recv_info). Category other, like the input batch.
+//  * the gradient a non-first stage sends back is the .grad autograd accumulated into its receive
+//    buffer (a leaf that requires grad, _retrieve_recv_activations); stage_backward takes it and
+//    sets .grad to None (_backward.py), and it lives on in the send's P2P ops and works: in
+//    Schedule1F1B `bwd_sends` / `send_work` hold micro-batch k's until the backward of k + 1 has
+//    made its own (the last one to the end of step()); ScheduleGPipe keeps every backward's send
+//    works (bwd_sends_to_wait) to the end of step().
+//  * forward_one_chunk: the stage module's forward on the receive buffer (or the ids' view);
+//    fwd_cache keeps the output and the inputs until that micro-batch's backward_one_chunk,
+//    which runs torch.autograd.backward(output, grad_tensors=[the gradient receive buffer]) on a
+//    non-last stage and backward from the loss (a ones seed) on the last. The last stage's loss
+//    is the schedule's loss_fn(output, target) right after the forward; the schedule keeps every
+//    micro-batch's loss to the end of step() (_internal_losses).
+//  * Python references that keep a stage output past its backward: the schedule's `output`
+//    variable (and for a non-last stage `fwd_sends`, the P2P ops of its send) hold the latest
+//    forward's output until the next forward returns, or to the end of step(); in Schedule1F1B the
+//    warm-up's `send_work` keeps the works of its last fired send (micro-batch W - 2) until the
+//    steady phase ends; ScheduleGPipe keeps every forward's send works (fwd_sends_to_wait) to the
+//    end of step(). A gloo send work holds the tensor it sends.
+//  * the order of the actions (pipeline_order): Schedule1F1B runs W = min(M, N - s) warm-up
+//    forwards (torch's code: the last stage 1, the first N), then a backward and a forward while
+//    forwards remain, then the remaining backwards; so stage s holds at most N - s micro-batches'
+//    activations, stage 0 the most. ScheduleGPipe runs M forwards, then M backwards.
+//  * after the last backward, perform_reduce_grad scales the gradients by 1 / M in place
+//    (scale_grads); then the caller's optimizer.step() and zero_grad() over the stage's parameters.
+// Not modelled (refused): pipeline with data or tensor parallelism, interleaved and zero-bubble
+// schedules (several stages per rank), checkpointing, autocast and bf16-master, LoRA and
+// quantized bases, eager attention, tied embeddings, other families, inference. On CUDA the P2P
+// sends run on NCCL's streams (record_stream): unmeasured.
+
+StageLayers pipeline_stage_layers(std::uint64_t num_layers, std::uint64_t stages, std::uint64_t stage) {
+  const std::uint64_t base = num_layers / stages, extra = num_layers % stages;
+  StageLayers s;
+  s.begin = stage * base + (stage < extra ? stage : extra);
+  s.end = s.begin + base + (stage < extra ? 1 : 0);
+  return s;
+}
+
+std::vector<PipelineAction> pipeline_order(PipelineSchedule schedule, std::uint64_t stages, std::uint64_t stage,
+                                           std::uint64_t micro_batches) {
+  std::vector<PipelineAction> out;
+  const std::uint64_t m = micro_batches;
+  if (schedule == PipelineSchedule::kGPipe) {
+    for (std::uint64_t i = 0; i < m; ++i) out.push_back({true, i});
+    for (std::uint64_t i = 0; i < m; ++i) out.push_back({false, i});
+    return out;
+  }
+  const std::uint64_t warmup = std::min(m, stages - stage);
+  std::uint64_t f = 0, b = 0;
+  for (; f < warmup; ++f) out.push_back({true, f});
+  while (true) {
+    out.push_back({false, b++});
+    if (f == m) break;
+    out.push_back({true, f++});
+  }
+  while (b < m) out.push_back({false, b++});
+  return out;
+}
+
+void check_pipeline_model(const Architecture& a, const Recipe& r) {
+  const std::string pp = "pp: " + std::to_string(r.pp);
+  if (a.family != Family::kLlama && a.family != Family::kMistral && a.family != Family::kQwen2 &&
+      a.family != Family::kQwen3) {
+    throw Error(pp + " with " + std::string(family_name(a.family)) +
+                " is not modelled; the stages are split from Llama, Mistral, Qwen2 and Qwen3 models");
+  }
+  if (a.tie_word_embeddings) {
+    throw Error(pp + ": the model ties lm_head to the embedding, which the first and the last stage would each "
+                     "need; pipelining tied weights is not modelled");
+  }
+  if (a.num_layers < r.pp) {
+    throw Error(pp + ": the model has " + std::to_string(a.num_layers) + " decoder layers, fewer than the stages");
+  }
+}
+
+namespace step {
+
+bool StepBuilder::pp_holds_global(const std::string& name) const {
+  if (r_.pp <= 1) return true;
+  if (ends_with(name, "embed_tokens.weight")) return rank_ == 0;
+  return rank_ == r_.pp - 1;  // the final norm and lm_head
+}
+
+bool StepBuilder::pp_holds_layer(std::uint64_t layer) const {
+  return r_.pp <= 1 || pipeline_stage_layers(a_.num_layers, r_.pp, rank_).holds(layer);
+}
+
+// See Note [Pipeline parallelism]: the P2P warm-up vote of the first step.
+void StepBuilder::pp_warmup_vote(bool first, bool last) {
+  op("pipeline.warmup_vote");
+  std::vector<TensorId> live;
+  const TensorId vote = t_.alloc_bytes(4, Category::kTemporaries);  // torch.tensor([vote])
+  live.push_back(vote);
+  if (!first) {
+    const TensorId received = t_.alloc_bytes(4, Category::kTemporaries);  // zeros(1), received into
+    live.push_back(t_.alloc_bytes(4, Category::kTemporaries));           // acc = received * vote
+    t_.release(received);
+    t_.release(vote);  // the forward vote's local
+    live.erase(live.begin());
+  }
+  if (!last) live.push_back(t_.alloc_bytes(4, Category::kTemporaries));  // the result, received into
+  for (TensorId id : live) t_.release(id);
+}
+
+// forward_one_chunk of micro-batch `k` (0-based): the stage module's forward (pipeline.py
+// _StageModule), and on the last stage the schedule's loss_fn. The graph is taken off the tape.
+void StepBuilder::pp_forward(std::uint64_t k, PipelineMicro& mb) {
+  const bool first = rank_ == 0, last = rank_ == r_.pp - 1;
+  const StageLayers layers = pipeline_stage_layers(a_.num_layers, r_.pp, rank_);
+  phase_ = Phase::kForward;
+  layer_ = kNoLayer;
+  t_.micro = static_cast<std::uint32_t>(k + 1);
+  T hs;
+  if (first) {
+    op("embed_tokens");
+    T ids = input_ids_;  // this micro-batch's rows: a view of the batch
+    ids.numel = tok_;
+    hs = embedding(global("embed_tokens.weight"), ids, tok_);
+  } else {
+    op("pipeline.recv");
+    // The receive buffer made a leaf that requires grad; fwd_cache keeps it as an input value.
+    mb.leaf = T{pp_recv_act_[k], tok_ * a_.hidden_size, pol_.param};
+    t_.retain(mb.leaf.id);
+    requires_grad(mb.leaf);
+    hs = t_.ref(mb.leaf);
+  }
+  // position_ids = arange(s).unsqueeze(0) (a view), cos/sin: the stage's own.
+  op("position_ids");
+  position_ids_ = fresh(S_, DType::kI64);
+  rotary_embedding(hs.dtype);
+  for (std::uint64_t l = layers.begin; l < layers.end; ++l) {
+    T next = decoder_layer(hs, static_cast<std::uint32_t>(l));
+    t_.drop(hs);
+    hs = next;
+  }
+  layer_ = kNoLayer;
+  if (last) {
+    T normed = rms_norm(hs, global("norm.weight"), tok_, "norm");
+    t_.drop(hs);
+    op("lm_head");
+    mb.out = linear(normed, global("lm_head.weight"), kNone, a_.vocab_size);
+    t_.drop(normed);
+  } else {
+    mb.out = hs;
+  }
+  t_.drop(cos_);
+  t_.drop(sin_);
+  t_.drop(position_ids_);
+}
+
+// backward_one_chunk of micro-batch `k`: its graph put back and run from the loss (last stage) or
+// from the output with the received gradient; the received activation's gradient is kept as its .grad.
+TensorId StepBuilder::pp_backward(std::uint64_t k, PipelineMicro& mb) {
+  const bool last = rank_ == r_.pp - 1;
+  phase_ = Phase::kBackward;
+  layer_ = kNoLayer;
+  t_.micro = static_cast<std::uint32_t>(k + 1);
+  t_.put_graph(std::move(mb.graph));
+  t_.at(Phase::kBackward, kNoLayer, last ? "loss" : "pipeline.recv_grad");
+  ensure_workspace(true);
+  TensorId kept = kNone;
+  if (last) {
+    t_.backward(mb.loss.value, kNone, mb.leaf.value, &kept);
+  } else {
+    t_.backward(mb.out.value, pp_recv_grad_[k], mb.leaf.value, &kept);
+  }
+  // fwd_cache's entry goes with the call: the output and the input values.
+  t_.drop(mb.out);
+  if (mb.leaf.id != kNone) t_.drop(mb.leaf);
+  return kept;  // the gradient to send back (kNone on the first stage)
+}
+
+Trace StepBuilder::build_pipeline() {
+  check_pipeline_model(a_, r_);
+  const bool first = rank_ == 0, last = rank_ == r_.pp - 1;
+  const std::uint64_t M = r_.grad_accum;
+  const std::uint64_t act_bytes = tok_ * a_.hidden_size * dtype_bytes(pol_.param);
+  const bool gpipe = r_.pp_schedule == PipelineSchedule::kGPipe;
+  const std::uint64_t warmup = std::min<std::uint64_t>(M, r_.pp - rank_);
+  t_.at(Phase::kSetup, kNoLayer, "batch");
+  if (first) input_ids_ = t_.make(tok_ * M, DType::kI64, Category::kOther);
+  if (last) labels_ = t_.make(tok_ * M, DType::kI64, Category::kOther);
+  for (std::uint32_t step = 1; step <= r_.steps; ++step) {
+    t_.step = step;
+    t_.micro = 1;
+    phase_ = Phase::kForward;
+    layer_ = kNoLayer;
+    if (step == 1) {
+      pp_warmup_vote(first, last);
+      op("pipeline.recv_buffers");
+      if (!first) {
+        for (std::uint64_t k = 0; k < M; ++k) pp_recv_act_.push_back(t_.alloc_bytes(act_bytes, Category::kOther));
+      }
+      if (!last) {
+        for (std::uint64_t k = 0; k < M; ++k) pp_recv_grad_.push_back(t_.alloc_bytes(act_bytes, Category::kOther));
+      }
+    }
+    std::vector<PipelineMicro> mbs(M);
+    T output;     // the schedule's `output` (and fwd_sends): the latest forward's output
+    T warm_send;  // 1F1B: the warm-up's send_work (the last send fired in the warm-up)
+    std::vector<TensorId> grad_sends;  // the sent gradients the schedule's variables still hold
+    std::vector<T> gpipe_sends;  // GPipe: fwd_sends_to_wait, every forward's send
+    std::uint64_t forwards = 0, backwards = 0;
+    for (const PipelineAction& act : pipeline_order(r_.pp_schedule, r_.pp, rank_, M)) {
+      PipelineMicro& mb = mbs[act.micro];
+      if (act.forward) {
+        pp_forward(act.micro, mb);
+        if (output.id != kNone) t_.drop(output);
+        output = t_.ref(mb.out);
+        if (!last && gpipe) gpipe_sends.push_back(t_.ref(mb.out));
+        if (!last && !gpipe && forwards + 1 < warmup) {
+          if (warm_send.id != kNone) t_.drop(warm_send);
+          warm_send = t_.ref(mb.out);
+        }
+        ++forwards;
+        if (last) mb.loss = causal_lm_loss(mb.out);
+        mb.graph = t_.take_graph();
+      } else {
+        const TensorId sent = pp_backward(act.micro, mb);
+        // 1F1B: this backward's sends replace the previous one's (bwd_sends, send_work).
+        if (!gpipe) {
+          for (TensorId g : grad_sends) t_.release(g);
+          grad_sends.clear();
+        }
+        if (sent != kNone) grad_sends.push_back(sent);
+        ++backwards;
+        // 1F1B: after the steady phase's last backward, send_work is rebound to that backward's sends.
+        if (!gpipe && forwards == M && backwards == M - warmup + 1 && warm_send.id != kNone) t_.drop(warm_send);
+      }
+    }
+    // _update_losses, perform_reduce_grad (in place), then step() returns.
+    phase_ = Phase::kBackward;
+    op("pipeline.reduce_grad");
+    for (PipelineMicro& mb : mbs) {
+      if (mb.loss.id != kNone) t_.drop(mb.loss);
+    }
+    if (output.id != kNone) t_.drop(output);
+    if (warm_send.id != kNone) t_.drop(warm_send);
+    for (T& s : gpipe_sends) t_.drop(s);
+    for (TensorId g : grad_sends) t_.release(g);
+    t_.micro = static_cast<std::uint32_t>(M);
+    t_.seal_categories();
+    const MicroBatchNext next = hook_ ? hook_(t_.trace(), step, t_.micro) : MicroBatchNext::kGoOn;
+    if (next == MicroBatchNext::kStop) return finish_trace();
+    optimizer_step(step == 1);
+  }
+  return finish_trace();
+}
+
+}  // namespace step
+}  // namespace trainmem::graph

@@ -1,0 +1,43 @@
+// Pipeline parallelism on one rank: which part of the model a stage of a torch.distributed.pipelining
+// run holds, and the order in which its schedule runs the micro-batches' forwards and backwards
+// (docs/parallelism.md, "Pipeline parallelism"; python/trainmem/measure/pipeline.py is the
+// measured code). The step of one stage is built by StepBuilder::build_pipeline (pipeline.cpp).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "trainmem/trainmem.h"
+
+namespace trainmem::graph {
+
+// Note [Pipeline split]
+// The decoder layers are cut into `stages` contiguous groups as evenly as possible, the first
+// num_layers % stages stages taking one layer more (python/trainmem/measure/pipeline.py
+// split_layers; torch's pipelining leaves the split to the user). Stage 0 also holds the token
+// embedding, the last stage the final norm and lm_head; every stage holds the rotary embedding's
+// buffers (inv_freq, original_inv_freq) and computes the position ids and cos/sin for its own
+// layers, as LlamaModel.forward does. Tied embeddings (lm_head is the embedding's weight) would be
+// needed on the first and the last stage: refused.
+struct StageLayers {
+  std::uint64_t begin = 0, end = 0;  // [begin, end)
+  bool holds(std::uint64_t layer) const { return layer >= begin && layer < end; }
+};
+StageLayers pipeline_stage_layers(std::uint64_t num_layers, std::uint64_t stages, std::uint64_t stage);
+
+// One action of a stage's schedule: the forward or the (full) backward of a micro-batch (0-based).
+struct PipelineAction {
+  bool forward = true;
+  std::uint64_t micro = 0;
+};
+
+// The order of a stage's actions in one schedule step (Note [Pipeline parallelism] in pipeline.cpp):
+// Schedule1F1B: min(M, stages - stage) warm-up forwards, then one backward and one forward while
+// forwards remain, then the remaining backwards; ScheduleGPipe: every forward, then every backward.
+std::vector<PipelineAction> pipeline_order(PipelineSchedule schedule, std::uint64_t stages, std::uint64_t stage,
+                                           std::uint64_t micro_batches);
+
+// Throws Error for a model the engine does not split (see Note [Pipeline split]).
+void check_pipeline_model(const Architecture& a, const Recipe& r);
+
+}  // namespace trainmem::graph

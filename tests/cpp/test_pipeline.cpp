@@ -1,0 +1,117 @@
+// Tests for pipeline parallelism in the graph stage (src/graph/pipeline.{h,cpp}), against what
+// torch.distributed.pipelining does with one PipelineStage per gloo rank for the narrow 4-layer
+// Llama (data/ground_truth/configs/llama-3.2-1b-w512-l4.json: hidden 512, 8 heads, 4 KV heads,
+// head_dim 64, intermediate 2,048, vocab 1,000, untied). The accuracy gate
+// (tests/python/test_accuracy.py) holds whole estimates to the measurements; these pin the pieces.
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "graph/pipeline.h"
+#include "graph/step.h"
+#include "test_util.h"
+#include "trainmem/trainmem.h"
+
+namespace trainmem {
+namespace {
+
+using testing::error_of;
+using testing::kWeights;
+
+Model llama_w512() {
+  return load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/llama-3.2-1b-w512-l4.json");
+}
+
+// The measured recipe of cpu-pp2-llamaw512l4-fp32-adamw-ga4-b2s128.
+Recipe pp_recipe(std::uint64_t pp, std::uint64_t micro_batches) {
+  Recipe r;
+  r.batch = 2;
+  r.seq = 128;
+  r.grad_accum = micro_batches;
+  r.precision = Precision::kFp32;
+  r.optimizer = Optimizer::kAdamW;
+  r.gpu = "cpu";
+  r.allocator = AllocatorMode::kExpandable;
+  r.pp = pp;
+  r.validate();
+  return r;
+}
+
+std::string order_of(PipelineSchedule s, std::uint64_t stages, std::uint64_t stage, std::uint64_t m) {
+  std::string out;
+  for (const graph::PipelineAction& a : graph::pipeline_order(s, stages, stage, m)) {
+    out += (a.forward ? "F" : "B") + std::to_string(a.micro) + " ";
+  }
+  return out;
+}
+
+TEST(Pipeline, SplitGivesEarlierStagesTheRemainder) {
+  EXPECT_EQ(graph::pipeline_stage_layers(4, 2, 0).begin, 0u);
+  EXPECT_EQ(graph::pipeline_stage_layers(4, 2, 0).end, 2u);
+  EXPECT_EQ(graph::pipeline_stage_layers(4, 2, 1).begin, 2u);
+  EXPECT_EQ(graph::pipeline_stage_layers(4, 2, 1).end, 4u);
+  // 5 layers over 3 stages: 2, 2, 1.
+  EXPECT_EQ(graph::pipeline_stage_layers(5, 3, 0).end, 2u);
+  EXPECT_EQ(graph::pipeline_stage_layers(5, 3, 1).end, 4u);
+  EXPECT_EQ(graph::pipeline_stage_layers(5, 3, 2).begin, 4u);
+  EXPECT_EQ(graph::pipeline_stage_layers(5, 3, 2).end, 5u);
+}
+
+TEST(Pipeline, OneFOneBOrderIsTorchs) {
+  // schedules.py Schedule1F1B: min(M, N - s) warm-up forwards, then B/F pairs, then the rest.
+  EXPECT_EQ(order_of(PipelineSchedule::k1F1B, 2, 0, 4), "F0 F1 B0 F2 B1 F3 B2 B3 ");
+  EXPECT_EQ(order_of(PipelineSchedule::k1F1B, 2, 1, 4), "F0 B0 F1 B1 F2 B2 F3 B3 ");
+  EXPECT_EQ(order_of(PipelineSchedule::k1F1B, 4, 1, 4), "F0 F1 F2 B0 F3 B1 B2 B3 ");
+  EXPECT_EQ(order_of(PipelineSchedule::kGPipe, 2, 1, 3), "F0 F1 F2 B0 B1 B2 ");
+}
+
+TEST(Pipeline, StagesHoldTheirOwnParameters) {
+  const Model m = llama_w512();
+  const Recipe r = pp_recipe(2, 4);
+  EstimateOptions o0, o1;
+  o0.rank = 0;
+  o1.rank = 1;
+  const Estimate s0 = estimate(m, r, o0), s1 = estimate(m, r, o1);
+  // Measured (cpu-pp2-llamaw512l4-fp32-adamw-ga4-b2s128, weights at each rank's peak): stage 0 holds
+  // the embedding and layers 0-1, stage 1 layers 2-3, the norm and lm_head; both the rotary buffers.
+  EXPECT_EQ(s0.breakdown_at_peak[kWeights], 33'514'496u);
+  EXPECT_EQ(s1.breakdown_at_peak[kWeights], 33'516'544u);
+}
+
+TEST(Pipeline, TheWorstStageIsReported) {
+  const Model m = llama_w512();
+  const Estimate e = estimate(m, pp_recipe(2, 4));
+  ASSERT_EQ(e.ranks.size(), 2u);
+  const std::uint64_t worst = std::max(e.ranks[0].peak_allocated_bytes, e.ranks[1].peak_allocated_bytes);
+  EXPECT_EQ(e.peak_allocated_bytes, worst);
+  // 1F1B keeps two micro-batches in flight on stage 0 and one on stage 1.
+  EXPECT_NE(e.ranks[0].peak_allocated_bytes, e.ranks[1].peak_allocated_bytes);
+}
+
+TEST(Pipeline, RefusesWhatIsNotModelled) {
+  Recipe r = pp_recipe(2, 4);
+  r.grad_accum = 1;
+  EXPECT_NE(error_of([&] { r.validate(); }).find("grad_accum"), std::string::npos);
+  r = pp_recipe(2, 4);
+  r.gpus = 2;
+  r.parallel = Parallel::kDdp;
+  EXPECT_NE(error_of([&] { r.validate(); }).find("not modelled"), std::string::npos);
+  r = pp_recipe(2, 4);
+  r.checkpointing = Checkpointing::kFull;
+  EXPECT_NE(error_of([&] { r.validate(); }).find("checkpointing"), std::string::npos);
+  r = pp_recipe(2, 4);
+  r.mode = Mode::kInference;
+  EXPECT_NE(error_of([&] { r.validate(); }).find("inference"), std::string::npos);
+  // Tied embeddings (Llama-3.2-1B ties lm_head to embed_tokens) and too few layers.
+  const Model tied = load_model("llama-3.2-1b");
+  EXPECT_NE(error_of([&] { estimate(tied, pp_recipe(2, 4)); }).find("ties"), std::string::npos);
+  EXPECT_NE(error_of([&] { estimate(llama_w512(), pp_recipe(8, 8)); }).find("fewer than the stages"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { estimate(testing::gpt2_l2(), pp_recipe(2, 4)); }).find("not modelled"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace trainmem
