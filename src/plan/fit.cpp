@@ -11,16 +11,18 @@
 // the default allocator first and with expandable segments only when it does not fit.
 //
 // Note [Fewer replays]
-// Three things cut replays and wait without changing an answer (plan::fit_reference keeps the
-// search without them; tests/cpp/test_plan.cpp compares every field of the two):
+// Two things cut replays without changing an answer (plan::fit_reference keeps the search
+// without them; tests/cpp/test_plan.cpp compares every field of the two):
 //  * a recipe is also ruled out by plan::loss_floor (Note [The loss floor]), a lower bound like
 //    the persistent floor: weights, states and the fp32 logits the standard loss holds at once;
 //  * when nothing fits, the closest miss is the recipe with the fewest reserved bytes (the first
 //    of equals), so a replay may stop once it passes the closest one so far: a stopped replay
 //    never wins and a complete one has the step's peaks. A recipe whose bound is above them is
-//    not replayed. The recipes are the ones the persistent floor leaves, as before;
-//  * the expandable-segments probes of a window run in parallel too, for the recipes whose
-//    default-allocator probe did not fit (before, one at a time in the walk).
+//    not replayed. The recipes are the ones the persistent floor leaves, as before.
+// Measured (bench/README.md), the replays they save are mostly cheap ones (probes that stop
+// early): CPU time drops by less than the replay count. Running a window's expandable-segments
+// probes in parallel too was tried and dropped: two more replays on 8 GPUs and no gain measured
+// on the shared 2-core machine.
 // Only the counts (FitResult::simulated, pruned) change. ZeRO-1/2's ranks (Note [The worst rank]
 // in estimate.cpp) are not deduplicated: their partitions are disjoint ranges of the flat group,
 // so two ranks see alike parameters only when both lie inside one parameter (not done).
@@ -445,16 +447,6 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
         if (space[k].bound <= usable) next.push_back(space[k].r);
       }
       planner.prefetch(next, usable);
-      if (!reference && allocators.size() > 1) {
-        // See Note [Fewer replays]: the second allocator's probes of the window, in parallel too.
-        std::vector<Recipe> second;
-        for (Recipe r : next) {
-          if (judged(planner.probe(r, usable), usable, host).fits) continue;
-          r.allocator = allocators[1];
-          second.push_back(r);
-        }
-        planner.prefetch(second, usable);
-      }
     }
     if (c.bound > usable) {
       out.pruned += allocators.size();

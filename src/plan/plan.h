@@ -25,8 +25,8 @@ std::uint64_t persistent_floor(const Model& m, const Recipe& r);
 // plan/fit.cpp): 0 where it is not counted. The peak is never below it either.
 std::uint64_t loss_floor(const Model& m, const Recipe& r);
 
-// Internal: the search before the loss floor, the closest miss's stop limit and the threaded
-// second allocator (kept for the differential test and the benchmark; same answers, more replays).
+// Internal: the search before the loss floor and the closest miss's stop limit (kept for the
+// differential test and the benchmark; same answers, more replays).
 FitResult fit_reference(const Model& model, const FitRequest& request);
 
 }  // namespace trainmem::plan
