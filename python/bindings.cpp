@@ -78,6 +78,7 @@ NB_MODULE(_core, m) {
       .def_rw("gpus", &RecipeSpelling::gpus)
       .def_rw("parallel", &RecipeSpelling::parallel)
       .def_rw("tp", &RecipeSpelling::tp)
+      .def_rw("sequence_parallel", &RecipeSpelling::sequence_parallel)
       .def_rw("fsdp_reshard_after_forward", &RecipeSpelling::fsdp_reshard_after_forward)
       .def_rw("fsdp_replicate", &RecipeSpelling::fsdp_replicate)
       .def_rw("fsdp_param_dtype", &RecipeSpelling::fsdp_param_dtype)

@@ -31,7 +31,7 @@ def main() -> None:
         if r.get("parallel", "none") != "none":
             knobs = f"{r['parallel']}×{r['gpus']} " + knobs
         if r.get("tp", 1) > 1:
-            knobs = f"tp×{r['tp']} " + knobs
+            knobs = f"tp×{r['tp']}{'+sp' if r.get('sequence_parallel') else ''} " + knobs
         if r.get("fsdp_replicate", 1) > 1:
             knobs += f" hsdp replicate={r['fsdp_replicate']}"
         if r.get("fsdp_reshard_after_forward") is False:

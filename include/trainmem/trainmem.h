@@ -238,6 +238,10 @@ struct Recipe {
   // the two compose as a 2-D mesh (world = gpus x tp) once that is modelled; today tp > 1 needs
   // gpus 1. The estimate is one rank's memory (every rank holds the same).
   std::uint64_t tp = 1;
+  // Sequence parallelism with tp > 1 (docs/parallelism.md "Sequence parallelism"): torch's
+  // SequenceParallel on the norms, the residual stream sharded on the sequence between the
+  // all-gather before q/k/v and gate/up and the reduce-scatter after o/down.
+  bool sequence_parallel = false;
   Fsdp fsdp;  // parallel kFsdp only
   Offload offload = Offload::kNone;
 
@@ -280,6 +284,7 @@ struct RecipeSpelling {
   std::uint64_t gpus = 1;
   std::string parallel = "none";  // none | ddp | fsdp | zero1 | zero2 | zero3
   std::uint64_t tp = 1;           // tensor-parallel degree
+  bool sequence_parallel = false;  // with tp > 1: SequenceParallel on the norms
   bool fsdp_reshard_after_forward = true;  // parallel fsdp: FSDP2's knobs (Fsdp above)
   std::uint64_t fsdp_replicate = 1;
   std::string fsdp_param_dtype = "none";   // none | bf16

@@ -85,6 +85,7 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     "gpus": 1,  # data-parallel ranks; more than 1 needs parallel
     "parallel": "none",  # none | ddp | fsdp | zero1 | zero2 | zero3 (docs/parallelism.md)
     "tp": 1,  # tensor-parallel degree (docs/parallelism.md "Tensor parallelism")
+    "sequence_parallel": False,  # with tp > 1: SequenceParallel on the norms ("Sequence parallelism")
     "fsdp_reshard_after_forward": True,  # parallel fsdp: False keeps the layers gathered (SHARD_GRAD_OP)
     "fsdp_replicate": 1,  # parallel fsdp: HSDP replica groups, mesh (fsdp_replicate, gpus / fsdp_replicate)
     "fsdp_param_dtype": "none",  # parallel fsdp, fp32: MixedPrecisionPolicy param_dtype, none | bf16
@@ -124,7 +125,8 @@ def _spelling(knobs: dict[str, Any]):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"lora_dropout: must be a number, got {value!r}")
             value = float(value)
-        elif name in ("load_in_4bit", "bnb_4bit_use_double_quant", "load_in_8bit", "fsdp_reshard_after_forward"):
+        elif name in ("load_in_4bit", "bnb_4bit_use_double_quant", "load_in_8bit", "fsdp_reshard_after_forward",
+                      "sequence_parallel"):
             if not isinstance(value, bool):
                 raise ValueError(f"{name}: must be True or False, got {value!r}")
         elif name == "lora_targets" and isinstance(value, (list, tuple)):

@@ -66,6 +66,7 @@ struct RecipeFlags {
   std::string lora_rank = "0", lora_targets = "default", lora_dropout = "0";
   bool inference = false;
   bool load_in_4bit = false, double_quant = false, qlora = false, load_in_8bit = false;
+  bool sequence_parallel = false;
   std::string quant_type = "";
   std::string new_tokens = "128", beams = "1";
   std::string gpus = "1", parallel = "none", tp = "1", zero = "", offload = "none";
@@ -113,6 +114,10 @@ struct RecipeFlags {
         "none | ddp (DistributedDataParallel) | fsdp (FSDP2 per decoder layer) | zero1 | zero2 | zero3 (DeepSpeed ZeRO)");
     opt("parallel", "--zero", zero, "DeepSpeed ZeRO stage 1 | 2 | 3: --zero N is --parallel zeroN");
     opt("tp", "--tp", tp, "Tensor-parallel degree (torch parallelize_module, Megatron plan); 1: none");
+    options.emplace_back("sequence_parallel",
+                         app->add_flag("--sequence-parallel", sequence_parallel,
+                                       "With --tp: sequence parallelism (SequenceParallel on the norms, the residual "
+                                       "stream sharded on the sequence)"));
     opt("fsdp_reshard_after_forward", "--fsdp-reshard-after-forward", fsdp_reshard_after_forward,
         "With --parallel fsdp: true | false (the decoder layers stay gathered from forward to backward: SHARD_GRAD_OP)");
     opt("fsdp_replicate", "--fsdp-replicate", fsdp_replicate,
@@ -160,6 +165,7 @@ struct RecipeFlags {
     sp.gpus = parse_count(gpus, "gpus");
     sp.parallel = parallel;
     sp.tp = parse_count(tp, "tp");
+    sp.sequence_parallel = sequence_parallel;
     sp.fsdp_reshard_after_forward = parse_bool(fsdp_reshard_after_forward, "fsdp_reshard_after_forward");
     sp.fsdp_replicate = parse_count(fsdp_replicate, "fsdp_replicate");
     sp.fsdp_param_dtype = fsdp_param_dtype;
@@ -263,6 +269,7 @@ std::string compare(const std::string& path, bool as_json) {
   sp.bnb_4bit_quant_type = text("bnb_4bit_quant_type", sp.bnb_4bit_quant_type.c_str());
   sp.bnb_4bit_use_double_quant = flag("bnb_4bit_use_double_quant", false);
   sp.load_in_8bit = flag("load_in_8bit", false);
+  sp.sequence_parallel = flag("sequence_parallel", false);
   if (jr.contains("lora_dropout")) {
     if (!jr["lora_dropout"].is_number()) throw Error("compare: recipe.lora_dropout must be a number");
     sp.lora_dropout = jr["lora_dropout"].get<double>();

@@ -33,6 +33,8 @@ StepBuilder::StepBuilder(const Model& m, const Recipe& r, const Gpu& gpu, const 
   B_ = r.batch;
   S_ = r.seq;
   tok_ = detail::mul(B_, S_, "batch * seq");
+  sp_ = r.sequence_parallel ? r.tp : 1;
+  res_tok_ = tok_ / sp_;  // seq is a multiple of tp (recipe validation)
   // Every activation-sized product must fit in 64 bits with room for a few factors.
   detail::mul({tok_, std::max({a_.hidden_size, a_.intermediate_size * 2, a_.vocab_size}), 8},
               "tokens * width bytes");
@@ -146,6 +148,12 @@ ValueId StepBuilder::forward_and_loss() {
     t_.drop(hs);
     hs = scaled;
   }
+  if (sp_ > 1) {  // PrepareModuleOutput's hook: this rank's sequence shard, a DTensor from here on
+    T shard = seq_shard(hs);
+    t_.drop(hs);
+    hs = shard;
+    dtensor_ = true;
+  }
   module_exit(emb_module);
   // The model's forward keeps `inputs_embeds` (GPT-2 also `position_embeds`) to its return.
   T inputs_embeds = t_.ref(hs);
@@ -224,7 +232,7 @@ ValueId StepBuilder::forward_and_loss() {
   }
   layer_ = kNoLayer;
   T normed = gpt2 ? layer_norm(hs, global("ln_f.weight"), global("ln_f.bias"), tok_, "ln_f")
-                  : rms_norm(hs, global("norm.weight"), tok_, "norm");
+                  : rms_norm(hs, global("norm.weight"), res_tok_, "norm");
   module_exit(base_model_module_);
   base_model_module_ = kNone;
   t_.drop(hs);
@@ -251,9 +259,19 @@ ValueId StepBuilder::standard_loss(T& normed, std::uint32_t emb) {
   const std::uint64_t V = a_.vocab_size;
   op("lm_head");
   in_lm_head_ = true;
-  T logits = linear(normed, lm_head_param(emb), kNone, V);
+  // Sequence parallelism: PrepareModuleInput all-gathers lm_head's input; the norm's output (a
+  // shard nothing saves) is held by the model's forward until it returns, after the loss.
+  T gathered = sp_ > 1 ? seq_all_gather(normed, /*partial_grad=*/false) : T{};
+  dtensor_ = false;
+  T logits = linear(sp_ > 1 ? gathered : normed, lm_head_param(emb), kNone, V);
   in_lm_head_ = false;
-  t_.drop(normed);
+  T shard;
+  if (sp_ > 1) {
+    t_.drop(gathered);
+    shard = normed;
+  } else {
+    t_.drop(normed);
+  }
   if (a_.final_logit_softcap > 0) {  // Gemma-2: logits / cap, tanh, * cap
     T d1 = elementwise({&logits}, logits.numel, logits.dtype, {});
     t_.drop(logits);
@@ -298,6 +316,7 @@ ValueId StepBuilder::standard_loss(T& normed, std::uint32_t emb) {
   t_.drop(logp);
   t_.drop(shifted);
   t_.drop(total_weight);
+  if (shard.id != kNone) t_.drop(shard);
   // The model output (logits) is dropped with the output object, before backward.
   t_.drop(logits);
   return scale_loss(loss);

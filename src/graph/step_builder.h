@@ -136,11 +136,17 @@ class StepBuilder {
     return n;
   }
 
-  static GradIn grad_of(const T& x) { return GradIn{x.value, x.bytes(), false}; }
+  // Under sequence parallelism the residual stream and the norms are DTensors, whose gradients
+  // autograd never accumulates in place (See Note [Sequence parallelism]).
+  GradIn grad_of(const T& x) const {
+    GradIn g{x.value, x.bytes(), false};
+    g.subclass = dtensor_;
+    return g;
+  }
   static GradIn pass_to(const T& x) { return GradIn{x.value, 0, true}; }
   // A fused attention backward computes the gradients of q, k and v together; one whose input
   // does not require grad (LoRA: layer 0 before the first adapter) is made and dropped.
-  static GradIn fused_grad_of(const T& x) {
+  GradIn fused_grad_of(const T& x) const {
     GradIn g = grad_of(x);
     g.discard = !x.requires_grad();
     return g;
@@ -241,6 +247,11 @@ class StepBuilder {
   // Tensor parallelism's projections (Note [Tensor parallelism] in tensor_parallel.h).
   T colwise_linear(const T& x_in, std::uint32_t w, std::uint32_t b, std::uint64_t out_features);
   T rowwise_linear(const T& x, std::uint32_t w, std::uint32_t b, std::uint64_t out_features);
+  // Sequence parallelism's redistributions of a [b, s, h] tensor along the sequence (Note
+  // [Sequence parallelism] in tensor_parallel.h).
+  T seq_all_gather(const T& shard, bool partial_grad);
+  T seq_reduce_scatter(const T& partial);
+  T seq_shard(const T& full);
   T lora_4bit(const T& x, T& base, const Adapter& ad, const LoraLabels& labels);
 
   // Elementwise op producing `numel` elements of `d`; `saved` are kept for backward; each input
@@ -401,6 +412,11 @@ class StepBuilder {
   Attention attention_;
   bool cuda_ = true;
   std::uint64_t B_ = 0, S_ = 0, tok_ = 0;
+  // Sequence parallelism: the degree the residual stream is sharded by (tp, else 1), the tokens
+  // of that stream on a rank, and whether the values being built are DTensors (Note [Sequence
+  // parallelism] in tensor_parallel.h).
+  std::uint64_t sp_ = 1, res_tok_ = 0;
+  bool dtensor_ = false;
   Tape t_;
   DataParallel dp_{t_, r_, r_.gpu != "cpu", rank_};  // DDP / FSDP2 (graph/parallel.h); nothing without
   std::vector<Param> params_;

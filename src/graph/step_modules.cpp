@@ -242,6 +242,12 @@ T StepBuilder::proj(const T& x, std::string_view path, std::uint32_t w, std::uin
 // is a view, whose backward all-reduces the linear's Partial input gradient into a new tensor (an
 // AsyncCollectiveTensor) and frees the partial one.
 T StepBuilder::colwise_linear(const T& x_in, std::uint32_t w, std::uint32_t b, std::uint64_t out_features) {
+  if (sp_ > 1) {  // ColwiseParallel(input_layouts=Shard(1)): See Note [Sequence parallelism]
+    T full = seq_all_gather(x_in, /*partial_grad=*/true);
+    T y = linear(full, w, b, out_features);
+    t_.drop(full);
+    return y;
+  }
   T x = t_.ref(x_in);
   if (x_in.requires_grad()) {
     requires_grad(x);
@@ -261,6 +267,11 @@ T StepBuilder::colwise_linear(const T& x_in, std::uint32_t w, std::uint32_t b, s
 // redistribution's backward hands the gradient on.
 T StepBuilder::rowwise_linear(const T& x, std::uint32_t w, std::uint32_t b, std::uint64_t out_features) {
   T partial = linear(x, w, b, out_features);
+  if (sp_ > 1) {  // RowwiseParallel(output_layouts=Shard(1)): See Note [Sequence parallelism]
+    T y = seq_reduce_scatter(partial);
+    t_.drop(partial);
+    return y;
+  }
   T y = fresh(partial.numel, partial.dtype);
   if (partial.requires_grad()) {
     requires_grad(y);
@@ -270,6 +281,58 @@ T StepBuilder::rowwise_linear(const T& x, std::uint32_t w, std::uint32_t b, std:
   }
   t_.drop(partial);
   return y;
+}
+
+// Shard(1) -> Replicate: all_gather_into_tensor stacks the shards on dim 0, torch.cat(chunk(.., tp),
+// dim=1) makes the gathered tensor. Backward redistributes its gradient back to Shard(1): a
+// Partial one (a colwise input's) is reduce-scattered (the chunks concatenated on dim 0 first,
+// a full-size buffer), a Replicate one (lm_head's input) is a clone of this rank's chunk. See Note
+// [Sequence parallelism] in tensor_parallel.h.
+T StepBuilder::seq_all_gather(const T& shard, bool partial_grad) {
+  const std::uint64_t n = shard.numel * sp_;
+  T stacked = fresh(n, shard.dtype);
+  T full = fresh(n, shard.dtype);
+  t_.drop(stacked);
+  if (shard.requires_grad()) {
+    requires_grad(full);
+    Node nd = node(full);
+    GradIn g = grad_of(shard);
+    g.subclass = true;  // a DTensor around the collective's AsyncCollectiveTensor
+    nd.inputs.push_back(g);
+    if (partial_grad) nd.scratch.push_back(n * dtype_bytes(shard.dtype));
+    t_.record(std::move(nd));
+  }
+  return full;
+}
+
+// Partial -> Shard(1): the chunks concatenated on dim 0, reduce_scatter_tensor into this rank's
+// shard. Backward all-gathers the shard's gradient (stacked, then concatenated on dim 1).
+T StepBuilder::seq_reduce_scatter(const T& partial) {
+  const std::uint64_t n = partial.numel;
+  T stacked = fresh(n, partial.dtype);
+  T shard = fresh(n / sp_, partial.dtype);
+  t_.drop(stacked);
+  if (partial.requires_grad()) {
+    requires_grad(shard);
+    Node nd = node(shard);
+    nd.inputs.push_back(grad_of(partial));
+    nd.scratch.push_back(partial.bytes());  // all_gather_into_tensor's stacked output
+    t_.record(std::move(nd));
+  }
+  return shard;
+}
+
+// Replicate -> Shard(1): a clone of this rank's chunk. Backward all-gathers the gradient.
+T StepBuilder::seq_shard(const T& full) {
+  T shard = fresh(full.numel / sp_, full.dtype);
+  if (full.requires_grad()) {
+    requires_grad(shard);
+    Node nd = node(shard);
+    nd.inputs.push_back(grad_of(full));
+    nd.scratch.push_back(full.bytes());  // all_gather_into_tensor's stacked output
+    t_.record(std::move(nd));
+  }
+  return shard;
 }
 
 // peft's lora.bnb.Linear4bit around a 4-bit projection whose output is `base` (Note [QLoRA]).
@@ -679,7 +742,10 @@ T StepBuilder::gpt2_attention_core(T& q, T& k, T& v) {
 
 T StepBuilder::attention(const T& x, const LayerParams& lp) {
   const std::uint32_t m = container_enter(Container::kAttention);
+  const bool dtensor = dtensor_;
+  dtensor_ = false;  // the projections hand on local tensors (See Note [Sequence parallelism])
   T y = attention_module(x, lp);
+  dtensor_ = dtensor;
   module_exit(m);
   return y;
 }
@@ -765,7 +831,10 @@ T StepBuilder::slice(const T& fused, std::uint64_t width) {
 
 T StepBuilder::mlp(const T& x, const LayerParams& lp) {
   const std::uint32_t m = container_enter(Container::kMlp);
+  const bool dtensor = dtensor_;
+  dtensor_ = false;  // See Note [Sequence parallelism]
   T y = mlp_module(x, lp);
+  dtensor_ = dtensor;
   module_exit(m);
   return y;
 }
@@ -846,8 +915,8 @@ T StepBuilder::decoder_layer(const T& x, std::uint32_t l) {
 T StepBuilder::decoder_layer_module(const T& x, std::uint32_t l) {
   const LayerParams& lp = layers_[l];
   const bool gpt2 = a_.family == Family::kGpt2;
-  T n1 = gpt2 ? layer_norm(x, lp.in_norm, lp.in_norm_b, tok_, "ln_1")
-              : rms_norm(x, lp.in_norm, tok_, "input_layernorm");
+  T n1 = gpt2 ? layer_norm(x, lp.in_norm, lp.in_norm_b, res_tok_, "ln_1")
+              : rms_norm(x, lp.in_norm, res_tok_, "input_layernorm");
   T att = attention(n1, lp);  // GPT-2's residual dropout happens inside, as in GPT2Attention
   t_.drop(n1);
   att = post_norm(att, lp.post_attn_norm, "post_attention_layernorm");
@@ -855,8 +924,8 @@ T StepBuilder::decoder_layer_module(const T& x, std::uint32_t l) {
   // output outlives the MLP); the other families rebind hidden_states at the add.
   T attn_output = gpt2 ? t_.ref(att) : T{};
   T h1 = residual_add(x, att);
-  T n2 = gpt2 ? layer_norm(h1, lp.post_attn_norm, lp.post_attn_norm_b, tok_, "ln_2")
-              : rms_norm(h1, a_.sandwich_norms ? lp.pre_ff_norm : lp.post_attn_norm, tok_,
+  T n2 = gpt2 ? layer_norm(h1, lp.post_attn_norm, lp.post_attn_norm_b, res_tok_, "ln_2")
+              : rms_norm(h1, a_.sandwich_norms ? lp.pre_ff_norm : lp.post_attn_norm, res_tok_,
                          a_.sandwich_norms ? "pre_feedforward_layernorm" : "post_attention_layernorm");
   T m = mlp(n2, lp);
   t_.drop(n2);
@@ -871,7 +940,7 @@ T StepBuilder::decoder_layer_module(const T& x, std::uint32_t l) {
 // (after the layer has rebound hidden_states, so the sub-layer's input is already dropped).
 T StepBuilder::post_norm(T y, std::uint32_t norm, std::string_view name) {
   if (!a_.sandwich_norms) return y;
-  T pn = rms_norm(y, norm, tok_, name);
+  T pn = rms_norm(y, norm, res_tok_, name);
   t_.drop(y);
   return pn;
 }
@@ -923,7 +992,10 @@ T StepBuilder::checkpointed_layer(const T& x, std::uint32_t l) {
     cos_ = cos;
     sin_ = sin;
     mask_ = mask;
+    const bool dtensor = dtensor_;
+    dtensor_ = sp_ > 1;  // the layer's input is a DTensor shard (See Note [Sequence parallelism])
     T o = decoder_layer(xin, l);
+    dtensor_ = dtensor;
     exit_autocast();  // the recompute runs in an autocast context of its own
     cos_ = sin_ = mask_ = T{};
     layer_ = layer;

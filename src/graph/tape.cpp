@@ -105,7 +105,7 @@ std::uint32_t Tape::new_param(TensorId) {
   return static_cast<std::uint32_t>(param_grads_.size() - 1);
 }
 
-void Tape::record(Node node) {
+void Tape::record(Node&& node) {
   for (TensorId id : node.kept) retain(id);
   if (saving) {
     for (TensorId id : node.saved) {

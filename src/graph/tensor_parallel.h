@@ -45,8 +45,44 @@ namespace trainmem::graph {
 // Not modelled (refused): degrees that do not divide the heads, key/value heads or the MLP's
 // width; families other than Llama and Mistral (GPT-2's fused c_attn, Phi-3's qkv_proj /
 // gate_up_proj are not split by this plan; Qwen3's q_norm/k_norm would need their gradients
-// all-reduced; Qwen2's and Gemma-2's variants are unmeasured); sequence parallelism, a sharded
-// embedding or lm_head (loss_parallel), and tensor parallelism combined with data parallelism.
+// all-reduced; Qwen2's and Gemma-2's variants are unmeasured); a sharded embedding or lm_head
+// (loss_parallel), and tensor parallelism combined with data parallelism.
+
+// Note [Sequence parallelism]
+// Recipe `sequence_parallel` with tp > 1 (python/trainmem/measure/parallel.py
+// _sequence_parallelize is the measured code; torch 2.13, torch/distributed/tensor/parallel/style.py
+// and torch/distributed/_functional_collectives.py): SequenceParallel() on input_layernorm,
+// post_attention_layernorm and the final norm, ColwiseParallel(input_layouts=Shard(1)) on q/k/v and
+// gate/up, RowwiseParallel(output_layouts=Shard(1), use_local_output=False) on o/down; the
+// embedding and lm_head replicated, the embedding's output split to Shard(1)
+// (PrepareModuleOutput) and lm_head's input gathered to Replicate (PrepareModuleInput). The
+// residual stream stays a Shard(1) DTensor because transformers' LlamaModel takes the positions
+// and the causal mask from inputs_embeds.shape[1] (a DTensor's global length). What a rank
+// allocates (measured on 2 gloo ranks, data/ground_truth/parallel/cpu-tp2sp-*):
+//  * the residual stream, the norms and their saved tensors are batch x seq/tp x hidden: a
+//    DTensor op runs the local op on the shard. Every value there is a DTensor, so autograd's
+//    InputBuffer never accumulates their gradients in place (the residual gradient and a norm's
+//    input gradient are summed into a new tensor); inside the attention and the MLP (local
+//    tensors after to_local) nothing changes.
+//  * Shard(1) -> Replicate before each colwise projection (each of q, k, v, gate, up gathers
+//    on its own: the redistribution is in the module's input hook): all_gather_into_tensor
+//    stacks the shards on dim 0 ([tp*b, s/tp, h]), torch.cat of its chunks on dim 1 makes the
+//    gathered [b, s, h], the stacked buffer dies. The projection saves the gathered input (its
+//    own copy) for the weight's gradient. Backward: the Partial input gradient is
+//    reduce-scattered to Shard(1) (its chunks concatenated on dim 0, a full-size buffer, then
+//    reduce_scatter_tensor into the shard), after which the partial gradient dies.
+//  * RowwiseParallel's Partial output is reduce-scattered the same way (the concatenated
+//    chunks, then the shard), then the partial output dies; backward all-gathers the shard's
+//    gradient (stacked, then concatenated) into the local matmul's output gradient.
+//  * the embedding's full output dies once its shard (Replicate -> Shard(1): a clone of this
+//    rank's chunk) is made; backward all-gathers the shard gradient. lm_head's input is
+//    all-gathered like a colwise input; its gradient (Replicate) goes back to Shard(1) as a
+//    clone of this rank's chunk. The final norm's output is a shard nothing saves: the model's
+//    forward holds it until it returns, after the loss.
+//  * the norms' weight gradients are Partial DTensors of the weight's size; the measured steps
+//    show no collective for them (any redistribution inside the optimizer's DTensor ops is not
+//    seen by the tracker, and is a few hidden-sized vectors).
+// Not modelled (refused): a sequence not divisible by tp (DTensor pads uneven shards).
 
 // The model one rank holds: the Architecture with local heads and MLP width, the projections'
 // parameters sharded as the plan shards them (parameter_count stays the whole model's, as the

@@ -38,6 +38,7 @@
 #include "common/checked.h"
 #include "graph/parallel.h"
 #include "graph/quant.h"
+#include "graph/tensor_parallel.h"
 #include "plan/plan.h"
 
 namespace trainmem {
@@ -125,6 +126,7 @@ class Planner {
     }
     k += "/" + r.gpu + "/lora" + std::to_string(r.lora.rank) + "/" + std::to_string(r.lora.dropout);
     k += "/" + std::string(to_string(r.parallel)) + std::to_string(r.gpus);
+    k += "/tp" + std::to_string(r.tp) + (r.sequence_parallel ? "sp" : "");
     k += "/fsdp" + std::string(r.fsdp.reshard_after_forward ? "1" : "0") + std::to_string(r.fsdp.replicate) + "/" +
          std::string(to_string(r.fsdp.param_dtype)) + "/" + std::string(to_string(r.fsdp.reduce_dtype)) + "/" +
          std::string(to_string(r.offload));
@@ -163,6 +165,27 @@ bool valid(const Recipe& r) {
   } catch (const Error&) {
     return false;
   }
+}
+
+// Whether the engine models `tp`-way tensor parallelism of this model (the family and the
+// divisibility of heads, key/value heads and the MLP's width: Note [Tensor parallelism]).
+bool tp_modelled(const Model& m, std::uint64_t tp) {
+  try {
+    (void)graph::tensor_parallel_model(m, tp);
+    return true;
+  } catch (const Error&) {
+    return false;
+  }
+}
+
+// The floor of a recipe, on the model one rank holds: its local shards, counted as local elements
+// (tensor_parallel_model keeps the DTensors' global parameter_count).
+std::uint64_t rank_floor(const Model& m, const Recipe& r) {
+  if (r.tp <= 1) return plan::persistent_floor(m, r);
+  Model local = graph::tensor_parallel_model(m, r.tp);
+  local.parameter_count = 0;
+  for (const ParameterGroup& g : local.parameters) local.parameter_count += g.numel * g.count;
+  return plan::persistent_floor(local, r);
 }
 
 }  // namespace
@@ -281,7 +304,7 @@ std::uint64_t plan::loss_floor(const Model& m, const Recipe& r) {
 const std::vector<std::string>& fit_knobs() {
   static const std::vector<std::string> kKnobs = {"batch", "precision", "optimizer", "checkpointing",
                                                   "attention", "loss", "allocator", "parallel",
-                                                  "offload"};
+                                                  "offload", "tp"};
   return kKnobs;
 }
 
@@ -291,9 +314,10 @@ namespace {
 FitResult search(const Model& model, const FitRequest& q, bool reference) {
   q.base.validate();
   if (q.base.mode != Mode::kTraining) throw Error("mode: fit plans training recipes; estimate a generation with `estimate --inference`");
-  if (q.base.tp != 1) {
-    throw Error("tp: fit does not search tensor parallelism yet; estimate a tensor-parallel recipe with "
-                "`estimate --tp N`");
+  if (q.base.tp > 1 && q.base.tp != q.gpus) {
+    throw Error("tp: " + std::to_string(q.base.tp) + " with gpus " + std::to_string(q.gpus) +
+                ": the planner puts all the GPUs in one tensor-parallel group (tensor parallelism combined with "
+                "data parallelism is not modelled); use gpus " + std::to_string(q.base.tp));
   }
   const Gpu& gpu = find_gpu(q.base.gpu);
   if (gpu.capacity_bytes == 0) throw Error("gpu: 'cpu' has no memory to plan for; name a GPU (trainmem gpus)");
@@ -334,16 +358,18 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
 
   // The user's recipe as given, at the global batch asked for; on several GPUs data-parallel
   // (DDP unless the recipe names the wrapper).
+  // A tensor-parallel recipe (tp = --gpus) is one data-parallel rank: it runs the global batch.
   Recipe base = q.base;
-  base.gpus = q.gpus;
-  if (q.gpus > 1 && base.parallel == Parallel::kNone) base.parallel = Parallel::kDdp;
+  base.gpus = q.base.tp > 1 ? 1 : q.gpus;
+  if (base.gpus > 1 && base.parallel == Parallel::kNone) base.parallel = Parallel::kDdp;
   base.validate();
-  if (base.batch * base.grad_accum != per_gpu) {
-    if (per_gpu % base.batch != 0) {
+  const std::uint64_t base_per_rank = q.base.tp > 1 ? out.global_batch : per_gpu;
+  if (base.batch * base.grad_accum != base_per_rank) {
+    if (base_per_rank % base.batch != 0) {
       throw Error("global_batch: " + std::to_string(out.global_batch) + " is not a multiple of batch " +
                   std::to_string(base.batch) + (q.gpus > 1 ? " times the GPUs" : ""));
     }
-    base.grad_accum = per_gpu / base.batch;
+    base.grad_accum = base_per_rank / base.batch;
     if (base.grad_accum > kMaxAccum) {
       throw Error("global_batch: needs grad_accum " + std::to_string(base.grad_accum) + " at batch " +
                   std::to_string(base.batch) + "; more than " + std::to_string(kMaxAccum));
@@ -352,18 +378,32 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
   out.baseline = judged(planner.replay(base), out.capacity_bytes, host);
 
   // ---- the search space (Note [Search order])
-  std::vector<std::uint64_t> batches;
-  if (fixed(q, "batch")) {
-    batches = {base.batch};
-  } else {
-    for (std::uint64_t b = 1; b <= per_gpu; b *= 2) {
-      if (per_gpu % b == 0 && per_gpu / b <= kMaxAccum) batches.push_back(b);
+  // Micro-batches reaching `per_rank` sequences per data-parallel rank.
+  auto batches_for = [&](std::uint64_t per_rank) {
+    std::vector<std::uint64_t> bs;
+    if (fixed(q, "batch")) {
+      if (per_rank % base.batch == 0 && per_rank / base.batch <= kMaxAccum) bs = {base.batch};
+      return bs;
     }
-    if (per_gpu % base.batch == 0 && std::find(batches.begin(), batches.end(), base.batch) == batches.end()) {
-      batches.push_back(base.batch);
+    for (std::uint64_t b = 1; b <= per_rank; b *= 2) {
+      if (per_rank % b == 0 && per_rank / b <= kMaxAccum) bs.push_back(b);
     }
+    if (per_rank % base.batch == 0 && std::find(bs.begin(), bs.end(), base.batch) == bs.end()) {
+      bs.push_back(base.batch);
+    }
+    return bs;
+  };
+  const std::vector<std::uint64_t> batches = batches_for(per_gpu);
+  // Tensor-parallel degrees: 1 (data parallelism over the GPUs, or one GPU) and, for a model the
+  // engine models under tensor parallelism, every GPU in one tensor-parallel group (TP x DP is not
+  // modelled), with and without sequence parallelism.
+  std::vector<std::uint64_t> tps = {1};
+  if (fixed(q, "tp")) {
+    tps = {q.base.tp};
+  } else if (q.gpus > 1 && q.gpus <= 64 && tp_modelled(model, q.gpus)) {
+    tps.push_back(q.gpus);
   }
-  if (batches.empty()) {
+  if (batches.empty() && std::find(tps.begin(), tps.end(), std::uint64_t{1}) != tps.end()) {
     throw Error("global_batch: " + std::to_string(out.global_batch) + " needs more than " +
                 std::to_string(kMaxAccum) + " micro-batches per GPU at any power-of-two micro-batch");
   }
@@ -396,29 +436,44 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
         g.bf16 ? std::vector<Precision>{Precision::kBf16Mixed, Precision::kBf16True, Precision::kBf16Master, Precision::kFp32}
                : std::vector<Precision>{Precision::kFp16Mixed, Precision::kFp32});
     std::vector<Candidate> out_space;
-    for (std::uint64_t b : batches) {
-      for (Precision p : precisions) {
-        for (Optimizer o : optimizers) {
-          for (Checkpointing c : ckpts) {
-            for (Loss l : losses) {
-              for (Parallel dp : parallels) {
-                Recipe r = base;
-                r.gpu = g.name;
-                r.batch = b;
-                r.grad_accum = per_gpu / b;
-                r.precision = p;
-                r.optimizer = o;
-                r.checkpointing = c;
-                r.loss = l;
-                r.parallel = dp;
-                if (dp != Parallel::kFsdp) r.fsdp = Fsdp{};  // FSDP2's knobs belong to fsdp alone
-                r.allocator = allocators.front();
-                for (Offload off : offloads) {
-                  r.offload = off;
-                  if (!valid(r)) continue;
-                  const std::uint64_t floor = plan::persistent_floor(model, r);
-                  out_space.push_back({r, step_time(model, r), floor,
-                                       reference ? floor : std::max(floor, plan::loss_floor(model, r))});
+    for (std::uint64_t tp : tps) {
+      // A tensor-parallel group of all the GPUs is one data-parallel rank: no wrapper, the
+      // global batch; with and without sequence parallelism.
+      const std::uint64_t per_rank = tp > 1 ? out.global_batch : per_gpu;
+      const std::vector<std::uint64_t> tp_batches = tp > 1 ? batches_for(per_rank) : batches;
+      const std::vector<Parallel> tp_parallels = tp > 1 ? std::vector<Parallel>{Parallel::kNone} : parallels;
+      const std::vector<bool> sps = tp > 1 ? std::vector<bool>{false, true} : std::vector<bool>{false};
+      for (bool sp : sps) {
+        for (std::uint64_t b : tp_batches) {
+          for (Precision p : precisions) {
+            for (Optimizer o : optimizers) {
+              for (Checkpointing c : ckpts) {
+                for (Loss l : losses) {
+                  for (Parallel dp : tp_parallels) {
+                    Recipe r = base;
+                    r.gpu = g.name;
+                    r.tp = tp;
+                    r.sequence_parallel = sp;
+                    if (tp > 1) r.gpus = 1;
+                    else if (q.base.tp > 1) r.gpus = q.gpus;  // a TP base: its data-parallel counterpart
+                    r.batch = b;
+                    r.grad_accum = per_rank / b;
+                    r.precision = p;
+                    r.optimizer = o;
+                    r.checkpointing = c;
+                    r.loss = l;
+                    r.parallel = dp;
+                    if (tp == 1 && r.gpus > 1 && dp == Parallel::kNone) r.parallel = Parallel::kDdp;
+                    if (r.parallel != Parallel::kFsdp) r.fsdp = Fsdp{};  // FSDP2's knobs belong to fsdp alone
+                    r.allocator = allocators.front();
+                    for (Offload off : offloads) {
+                      r.offload = off;
+                      if (!valid(r)) continue;
+                      const std::uint64_t floor = rank_floor(model, r);
+                      out_space.push_back({r, step_time(model, r), floor,
+                                           reference ? floor : std::max(floor, plan::loss_floor(model, r))});
+                    }
+                  }
                 }
               }
             }
@@ -606,6 +661,29 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
       }
       change(what, r);
     }
+  }
+  // Tensor parallelism (Note [Tensor parallelism] in graph/tensor_parallel.h): all the GPUs in one
+  // tensor-parallel group instead of data parallelism, and sequence parallelism on or off.
+  if (base.tp == 1 && q.gpus > 1 && q.gpus <= 64 && tp_modelled(model, q.gpus)) {
+    Recipe r = base;
+    r.tp = q.gpus;
+    r.gpus = 1;
+    r.parallel = Parallel::kNone;
+    r.fsdp = Fsdp{};
+    r.offload = Offload::kNone;
+    r.grad_accum = base.grad_accum * q.gpus;  // one data-parallel rank runs the global batch
+    std::string what = "tp " + std::to_string(q.gpus) + " (no data parallelism)";
+    // Tensor parallelism is modelled without autocast: a mixed recipe moves to its -true twin.
+    if (r.precision == Precision::kBf16Mixed || r.precision == Precision::kFp16Mixed) {
+      r.precision = r.precision == Precision::kBf16Mixed ? Precision::kBf16True : Precision::kFp16True;
+      what += ", precision " + std::string(to_string(r.precision));
+    }
+    if (r.grad_accum <= kMaxAccum) change(what, r);
+  }
+  if (base.tp > 1) {
+    Recipe r = base;
+    r.sequence_parallel = !base.sequence_parallel;
+    change(std::string("sequence_parallel ") + (r.sequence_parallel ? "on" : "off"), r);
   }
   if (base.parallel == Parallel::kFsdp) {
     // FSDP2's reshard_after_forward on the layers: false (SHARD_GRAD_OP) skips the backward's

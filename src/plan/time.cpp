@@ -42,6 +42,17 @@
 //    the boundary (4 Np) and the updated partition back (b Np, host to host under offload_param);
 //    offload_param reads the host partitions at every all-gather (two per micro-batch: 2 m b Np)
 //    and, with the optimizer on the GPU, writes the updated partition to the host (b Np);
+//  * tensor parallelism (tp > 1, Note [Tensor parallelism] and Note [Sequence parallelism] in
+//    graph/tensor_parallel.h): FLOPs, optimizer traffic and the MLP's elementwise traffic are those
+//    of the rank's local model (num_heads / tp, intermediate_size / tp; embedding and lm_head
+//    whole); the hidden-width elementwise traffic is whole, or 1/tp under sequence parallelism.
+//    Its collectives at the GPU's interconnect bandwidth (intra-node), ring algorithms, per
+//    decoder layer and micro-batch, of one activation (tokens x hidden in the compute dtype):
+//    without sequence parallelism 2 all-reduces in the forward (o_proj, down_proj) and 5 in the
+//    backward (the inputs of q/k/v, gate/up); with it 5 all-gathers and 2 reduce-scatters in the
+//    forward and 5 reduce-scatters and 2 all-gathers in the backward (the same volume), plus
+//    lm_head's all-gather and the embedding gradient's once per micro-batch. Full checkpointing
+//    repeats the forward's collectives in the recompute. Not overlapped with compute;
 //  * launches: kLaunchSeconds per kernel; kKernelsPerLayer per decoder layer and micro-batch
 //    (forward and backward), more for eager attention and recomputation, and the optimizer's:
 //    a few per tensor for per-parameter loops (8-bit AdamW, Adafactor), a few per group for
@@ -51,6 +62,7 @@
 #include <string>
 
 #include "common/checked.h"
+#include "graph/tensor_parallel.h"
 #include "plan/plan.h"
 
 namespace trainmem {
@@ -107,7 +119,9 @@ MatmulCounts count(const Model& m, const Recipe& r) {
 
 }  // namespace
 
-StepTime step_time(const Model& model, const Recipe& spelled) {
+StepTime step_time(const Model& full, const Recipe& spelled) {
+  // A tensor-parallel rank computes on its local model (See Note [Tensor parallelism]).
+  const Model model = spelled.tp > 1 ? graph::tensor_parallel_model(full, spelled.tp) : full;
   Recipe recipe = spelled;
   if (recipe.lora.enabled()) recipe.lora.targets = resolve_lora_targets(model.arch, spelled.lora.targets);
   const Gpu& gpu = find_gpu(recipe.gpu);
@@ -135,7 +149,8 @@ StepTime step_time(const Model& model, const Recipe& spelled) {
   // Memory traffic.
   const double act = half_compute(recipe.precision) ? 2 : 4;
   const double h = static_cast<double>(a.hidden_size), inter = static_cast<double>(a.intermediate_size);
-  double layer_bytes = tokens * L * (10 * h + 4 * inter) * act * kElementwisePasses;
+  const double residual_h = recipe.sequence_parallel ? h / static_cast<double>(recipe.tp) : h;
+  double layer_bytes = tokens * L * (10 * residual_h + 4 * inter) * act * kElementwisePasses;
   if (recipe.checkpointing == Checkpointing::kFull) layer_bytes *= 4.0 / 3.0;
   const double V = static_cast<double>(a.vocab_size);
   const double loss_bytes = tokens * V * (recipe.loss == Loss::kFused ? 2 * act + 8 : 2 * (2 * act + 12));
@@ -204,6 +219,20 @@ StepTime step_time(const Model& model, const Recipe& spelled) {
       case Parallel::kNone: break;
     }
     t.comm_s = moved / (gpu.interconnect_gbps * 1e9);
+  }
+  if (recipe.tp > 1 && gpu.interconnect_gbps > 0) {
+    const double n = static_cast<double>(recipe.tp);
+    const double ring = (n - 1) / n;
+    const double activation = tokens * h * act;  // one [batch, seq, hidden] in the compute dtype
+    const bool ckpt = recipe.checkpointing == Checkpointing::kFull;
+    double per_layer = 0, per_micro_extra = 0;  // ring-step bytes through each GPU's link
+    if (recipe.sequence_parallel) {
+      per_layer = (7 + 7 + (ckpt ? 7 : 0)) * ring * activation;  // forward, backward, recompute
+      per_micro_extra = 2 * ring * activation;                     // lm_head's input, the embedding's gradient
+    } else {
+      per_layer = (2 + 5 + (ckpt ? 2 : 0)) * 2 * ring * activation;
+    }
+    t.comm_s += (per_layer * L + per_micro_extra) * micro / (gpu.interconnect_gbps * 1e9);
   }
   if (offload || offload_params) {
     const double np = c.trainable_elements / static_cast<double>(recipe.gpus);

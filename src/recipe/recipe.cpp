@@ -113,6 +113,10 @@ void validate_tensor_parallel(const Recipe& r) {
                 "and parallel none");
   }
   if (r.mode == Mode::kInference) throw Error(tp + " is a training knob; inference runs on one GPU");
+  if (r.sequence_parallel && r.seq % r.tp != 0) {
+    throw Error("sequence_parallel: seq " + std::to_string(r.seq) + " is not a multiple of " + tp +
+                "; uneven sequence shards (DTensor pads them) are not modelled");
+  }
   if (r.lora.enabled() || r.quant.enabled()) {
     throw Error(tp + " with LoRA or a 4-bit base is not modelled (peft's and bitsandbytes' layers are not the "
                      "nn.Linear modules ColwiseParallel / RowwiseParallel shard)");
@@ -137,6 +141,10 @@ void validate_tensor_parallel(const Recipe& r) {
 void validate_parallel(const Recipe& r) {
   check_range("gpus", r.gpus, kMaxGpus);
   check_range("tp", r.tp, kMaxTp);
+  if (r.sequence_parallel && r.tp == 1) {
+    throw Error("sequence_parallel: needs tensor parallelism (tp 2 or more); it shards what the tensor-parallel "
+                "group replicates");
+  }
   if (r.tp > 1) validate_tensor_parallel(r);
   if (r.parallel != Parallel::kFsdp && !r.fsdp.is_default()) {
     throw Error("fsdp_reshard_after_forward / fsdp_replicate / fsdp_param_dtype / fsdp_reduce_dtype: FSDP2 knobs, "
@@ -293,6 +301,7 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   r.gpus = in.gpus;
   r.parallel = parse_parallel(in.parallel);
   r.tp = in.tp;
+  r.sequence_parallel = in.sequence_parallel;
   r.fsdp.reshard_after_forward = in.fsdp_reshard_after_forward;
   r.fsdp.replicate = in.fsdp_replicate;
   r.fsdp.param_dtype = parse_fsdp_dtype(in.fsdp_param_dtype, "fsdp_param_dtype");

@@ -43,6 +43,7 @@ ordered_json recipe_object(const Recipe& r) {
     j["parallel"] = to_string(r.parallel);
   }
   if (r.tp > 1) j["tp"] = r.tp;  // as trainmem-measure writes it: only with tensor parallelism
+  if (r.sequence_parallel) j["sequence_parallel"] = true;  // and sequence parallelism only when on
   if (r.parallel == Parallel::kFsdp) {  // FSDP2's knobs, with parallel fsdp only (as trainmem-measure)
     j["fsdp_reshard_after_forward"] = r.fsdp.reshard_after_forward;
     j["fsdp_replicate"] = r.fsdp.replicate;
@@ -101,9 +102,10 @@ std::string recipe_words(const Recipe& r) {
                 std::string(to_string(r.optimizer)).c_str(), std::string(to_string(r.checkpointing)).c_str(),
                 std::string(to_string(r.loss)).c_str(), std::string(to_string(r.allocator)).c_str());
   std::string words = buf;
-  if (r.parallel != Parallel::kNone) {  // column "dp": the wrapper, and ZeRO-Offload if on
+  if (r.parallel != Parallel::kNone || r.tp > 1) {  // column "dp / tp": the wrapper (ZeRO-Offload if on), or the TP degree
     std::string dp(to_string(r.parallel));
     if (r.offload != Offload::kNone) dp += "+offload";
+    if (r.tp > 1) dp = "tp" + std::to_string(r.tp) + (r.sequence_parallel ? "+sp" : "");
     char col[32];
     std::snprintf(col, sizeof col, " %-13s", dp.c_str());
     words += col;
@@ -201,7 +203,7 @@ std::string fit_to_text(const std::string& model, const FitResult& f) {
     const bool host = std::any_of(f.plans.begin(), f.plans.end(),
                                   [](const Plan& p) { return p.recipe.offload != Offload::kNone; });
     add("%3s %-11s %-11s %-11s %-4s %-8s %-10s%s %12s %12s %10s%s\n", "#", "batch x acc", "precision", "optimizer",
-        "ckpt", "loss", "allocator", f.gpus > 1 ? " dp           " : "", "reserved", "allocated", "step time",
+        "ckpt", "loss", "allocator", f.gpus > 1 ? " dp / tp      " : "", "reserved", "allocated", "step time",
         host ? "         host" : "");
     for (std::size_t i = 0; i < f.plans.size(); ++i) {
       const Plan& p = f.plans[i];

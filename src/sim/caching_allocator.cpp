@@ -212,6 +212,9 @@ std::size_t CachingAllocator::FreeIndex::bucket_at_least(int stream, std::uint64
 namespace {
 template <typename V>
 auto address_position(V& v, std::uint64_t address) {
+  // A freed block often has the lowest address of its size (the backward frees layers from the
+  // last one down), so it goes last: checked before searching.
+  if (v.empty() || v.back().address > address) return v.end();
   return std::lower_bound(v.begin(), v.end(), address,
                           [](const auto& e, std::uint64_t a) { return e.address > a; });
 }

@@ -72,6 +72,10 @@ struct Replay::State {
     prev = Mark{};
     cur = Mark{};
     micro_events_begin = micro_storages_begin = 0;
+    track_owners = r.grad_accum > 1;
+    last_moment = UINT32_MAX;
+    cur_step = UINT32_MAX;
+    fresh_step = false;
   }
 
   CachingAllocator alloc;
@@ -79,7 +83,9 @@ struct Replay::State {
   EstimateOptions options;
   std::vector<CachingAllocator::BlockId> block;  // by tensor
   std::vector<std::uint8_t> cat_of;              // category charged at allocation, by tensor
-  std::vector<std::uint32_t> owner;              // tensor by block id
+  std::vector<std::uint32_t> owner;              // tensor by block id, when track_owners
+  // Only the micro-batch fingerprint reads `owner`, and only with more than one micro-batch.
+  bool track_owners = false;
   Breakdown live{};
   Breakdown at_peak{};
   std::uint32_t peak_moment = 0;
@@ -102,7 +108,15 @@ struct Replay::State {
   std::size_t micro_events_begin = 0, micro_storages_begin = 0;
   std::vector<CachingAllocator::RangeView> ranges;
 
+  // The moment and step of the last event replayed, and whether the state after the event being
+  // replayed must be taken for its step's peaks (Note [Step peaks between steps]).
+  std::uint32_t last_moment = UINT32_MAX;
+  std::uint32_t cur_step = UINT32_MAX;
+  bool fresh_step = false;
+
   void consume(const graph::Trace& trace, std::size_t end_hint);
+  template <bool kWatch>  // a trace file or a timeline is written
+  void consume_events(const graph::Trace& trace, std::size_t end_hint);
   std::vector<std::uint64_t> fingerprint();
   bool same_events(const graph::Trace& t) const;
 };
@@ -112,18 +126,47 @@ void Replay::State::consume(const graph::Trace& trace, std::size_t total_hint) {
     block.resize(trace.storages.size(), UINT32_MAX);
     cat_of.resize(trace.storages.size(), 0);
   }
-  for (std::size_t i = next; i < trace.events.size(); ++i) {
-    const graph::Event& e = trace.events[i];
-    const graph::Storage& s = trace.storages[e.tensor];
-    if (out) {
-      const graph::MomentTag& m = trace.moments[e.moment];
-      Moment mo = to_moment(m);
-      std::fprintf(out.get(),
-                   "{\"i\":%zu,\"event\":\"%s\",\"sid\":%u,\"nbytes\":%llu,\"category\":\"%s\","
-                   "\"phase\":\"%s\",\"step\":%u,\"micro_batch\":%u,\"op\":\"%s\"}\n",
-                   i, e.alloc ? "alloc" : "free", e.tensor, static_cast<unsigned long long>(s.bytes),
-                   std::string(category_name(s.category)).c_str(), std::string(phase_name(mo.phase)).c_str(),
-                   m.step, m.micro, mo.op.c_str());
+  if (out || stride) {
+    consume_events<true>(trace, total_hint);
+  } else {
+    consume_events<false>(trace, total_hint);
+  }
+}
+
+// Note [Step peaks between steps]
+// A step's peaks are the highest allocated and reserved bytes seen after any of its events. Only
+// an allocation can raise either: a release lowers allocated bytes and leaves reserved bytes as
+// they are (segments go back only through empty_cache, which is no event). So after the step's
+// first event, whose state is taken whatever it is, only allocations need a look, and the step
+// of an event is only looked up when its moment differs from the previous event's.
+template <bool kWatch>
+void Replay::State::consume_events(const graph::Trace& trace, std::size_t total_hint) {
+  const graph::Event* const events = trace.events.data();
+  const graph::Storage* const storages = trace.storages.data();
+  const std::size_t n = trace.events.size();
+  for (std::size_t i = next; i < n; ++i) {
+    const graph::Event& e = events[i];
+    const graph::Storage& s = storages[e.tensor];
+    if constexpr (kWatch) {
+      if (out) {
+        const graph::MomentTag& m = trace.moments[e.moment];
+        Moment mo = to_moment(m);
+        std::fprintf(out.get(),
+                     "{\"i\":%zu,\"event\":\"%s\",\"sid\":%u,\"nbytes\":%llu,\"category\":\"%s\","
+                     "\"phase\":\"%s\",\"step\":%u,\"micro_batch\":%u,\"op\":\"%s\"}\n",
+                     i, e.alloc ? "alloc" : "free", e.tensor, static_cast<unsigned long long>(s.bytes),
+                     std::string(category_name(s.category)).c_str(), std::string(phase_name(mo.phase)).c_str(),
+                     m.step, m.micro, mo.op.c_str());
+      }
+    }
+    if (e.moment != last_moment) {
+      last_moment = e.moment;
+      const std::uint32_t step = trace.moments[e.moment].step;
+      if (step != cur_step) {
+        cur_step = step;
+        fresh_step = true;
+        if (step > 0 && est.steps.size() < step) est.steps.resize(step);
+      }
     }
     if (e.alloc) {
       const auto cat = static_cast<std::size_t>(s.category);
@@ -133,40 +176,48 @@ void Replay::State::consume(const graph::Trace& trace, std::size_t total_hint) {
       auto id = alloc.allocate(s.bytes);
       block[e.tensor] = id;
       cat_of[e.tensor] = static_cast<std::uint8_t>(cat);
-      if (owner.size() <= id) owner.resize(static_cast<std::size_t>(id) + 1, UINT32_MAX);
-      owner[id] = e.tensor;
-      live[cat] += alloc.allocated_bytes() - before;
+      if (track_owners) {
+        if (owner.size() <= id) owner.resize(static_cast<std::size_t>(id) + 1, UINT32_MAX);
+        owner[id] = e.tensor;
+      }
+      const std::uint64_t allocated = alloc.allocated_bytes();
+      live[cat] += allocated - before;
       if (stop_above && alloc.reserved_bytes() > stop_above) stopped = true;
-      if (alloc.allocated_bytes() > peak) {
-        peak = alloc.allocated_bytes();
+      if (allocated > peak) {
+        peak = allocated;
         at_peak = live;
         peak_moment = e.moment;
       }
+      fresh_step = true;  // See Note [Step peaks between steps]
     } else {
       auto id = block[e.tensor];
       TRAINMEM_ASSERT(id != UINT32_MAX, "free of a storage never allocated");
-      owner[id] = UINT32_MAX;
+      if (track_owners) owner[id] = UINT32_MAX;
       const std::uint64_t before = alloc.allocated_bytes();
       alloc.release(id);
       live[cat_of[e.tensor]] -= before - alloc.allocated_bytes();
     }
-    const graph::MomentTag& m = trace.moments[e.moment];
-    if (m.step > 0) {
-      if (est.steps.size() < m.step) est.steps.resize(m.step);
-      StepPeak& sp = est.steps[m.step - 1];
-      sp.step = m.step;
-      sp.peak_allocated_bytes = std::max(sp.peak_allocated_bytes, alloc.allocated_bytes());
-      sp.peak_reserved_bytes = std::max(sp.peak_reserved_bytes, alloc.reserved_bytes());
+    if (fresh_step) {
+      fresh_step = false;
+      if (cur_step > 0) {
+        StepPeak& sp = est.steps[cur_step - 1];
+        sp.step = cur_step;
+        sp.peak_allocated_bytes = std::max(sp.peak_allocated_bytes, alloc.allocated_bytes());
+        sp.peak_reserved_bytes = std::max(sp.peak_reserved_bytes, alloc.reserved_bytes());
+      }
     }
-    if (stride && (i % stride == 0 || i + 1 == total_hint)) {
-      est.timeline.push_back({i, alloc.allocated_bytes(), alloc.reserved_bytes(), to_moment(m)});
+    if constexpr (kWatch) {
+      if (stride && (i % stride == 0 || i + 1 == total_hint)) {
+        est.timeline.push_back(
+            {i, alloc.allocated_bytes(), alloc.reserved_bytes(), to_moment(trace.moments[e.moment])});
+      }
     }
     if (stopped) {
       next = i + 1;
       return;
     }
   }
-  next = trace.events.size();
+  next = n;
 }
 
 // Note [Stopping early]

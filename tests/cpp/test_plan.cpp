@@ -386,6 +386,71 @@ TEST(StepTime, CollectivesAtTheInterconnect) {
   EXPECT_DOUBLE_EQ(step_time(m, r).comm_s, ddp.comm_s * 3);  // every micro-batch communicates
 }
 
+TEST(StepTime, TensorParallelCollectivesPerLayer) {
+  const Model m = load_model("llama-3.1-8b");
+  Recipe r = base_recipe("h100-80gb", 4096);
+  r.precision = Precision::kBf16True;
+  const StepTime one = step_time(m, r);
+  r.tp = 8;
+  const StepTime tp = step_time(m, r);
+  // 7 ring all-reduces of one bf16 activation (tokens x hidden) per layer: 2 * 7/8 of each.
+  const double act = 4096.0 * 4096 * 2, link = find_gpu("h100-80gb").interconnect_gbps * 1e9;
+  EXPECT_DOUBLE_EQ(tp.comm_s, 32 * 7 * 2 * (7.0 / 8) * act / link);
+  // The local model computes the layers' matmuls at 1/8 (embedding and lm_head whole).
+  EXPECT_LT(tp.flops, one.flops / 4);
+  // Sequence parallelism moves the same volume per layer, plus lm_head's input and the
+  // embedding's gradient once per micro-batch.
+  r.sequence_parallel = true;
+  EXPECT_DOUBLE_EQ(step_time(m, r).comm_s, tp.comm_s + 2 * (7.0 / 8) * act / link);
+  // Checkpointing repeats the forward's collectives (2 all-reduces of 7).
+  r.sequence_parallel = false;
+  r.checkpointing = Checkpointing::kFull;
+  EXPECT_DOUBLE_EQ(step_time(m, r).comm_s, tp.comm_s * 9 / 7);
+}
+
+TEST(Fit, SeveralGpusSearchTensorParallelism) {
+  const Model m = load_model("llama-3.1-8b");
+  FitRequest q;
+  q.base = base_recipe("a100-40gb", 2048);
+  q.gpus = 4;
+  q.global_batch = 8;
+  q.top = 1000;
+  const FitResult f = fit(m, q);
+  std::set<std::pair<std::uint64_t, bool>> seen;
+  for (const Plan& p : f.plans) {
+    if (p.recipe.tp == 1) continue;
+    EXPECT_EQ(p.recipe.tp, 4u);
+    EXPECT_EQ(p.recipe.gpus, 1u);
+    EXPECT_EQ(p.recipe.parallel, Parallel::kNone);
+    EXPECT_EQ(p.recipe.batch * p.recipe.grad_accum, 8u);  // one data-parallel rank: the global batch
+    EXPECT_GT(p.time.comm_s, 0);
+    // A plan is an estimate of exactly that recipe (the floor, on the rank's local shards, let it through).
+    if (seen.insert({p.recipe.tp, p.recipe.sequence_parallel}).second) {
+      EXPECT_EQ(estimate(m, p.recipe).peak_reserved_bytes, p.peak_reserved_bytes);
+    }
+  }
+  EXPECT_TRUE(seen.count({4, false}));
+  EXPECT_TRUE(seen.count({4, true}));
+  // The base recipe is bf16-mixed: the change moves it to bf16-true (TP is modelled without autocast).
+  EXPECT_TRUE(std::any_of(f.changes.begin(), f.changes.end(), [](const Change& c) {
+    return c.what == "tp 4 (no data parallelism), precision bf16-true" && c.plan.recipe.tp == 4;
+  }));
+  // A family the engine does not split is never searched with tp.
+  FitRequest g = q;
+  g.top = 50;
+  for (const Plan& p : fit(load_model("qwen3-4b"), g).plans) EXPECT_EQ(p.recipe.tp, 1u);
+  // tp held: only tp 4 plans; a tp that is not --gpus is an error (TP x DP is not modelled).
+  q.base.tp = 4;
+  q.base.precision = Precision::kBf16True;
+  q.fixed = {"tp"};
+  q.top = 5;
+  const FitResult held = fit(m, q);
+  EXPECT_EQ(held.baseline.recipe.tp, 4u);
+  for (const Plan& p : held.plans) EXPECT_EQ(p.recipe.tp, 4u);
+  q.base.tp = 2;
+  EXPECT_NE(error_of([&] { fit(m, q); }).find("tensor parallelism combined with data parallelism"), std::string::npos);
+}
+
 TEST(StepTime, MovesAsTheModelSays) {
   const Model m = load_model("llama-3.1-8b");
   Recipe r = base_recipe("h100-80gb", 4096);

@@ -139,5 +139,52 @@ TEST(TensorParallel, RefusesWhatIsNotModelled) {
   EXPECT_NE(error_of([&] { r.validate(); }).find("training knob"), std::string::npos);
 }
 
+// Sequence parallelism (Note [Sequence parallelism]): the recipe of
+// cpu-tp2sp-llamaw512l4-fp32-sgd-b2s64, whose trace (trainmem-measure --trace) the numbers below
+// are read from: layer 1, step 1; a shard is [2, 32, 512] fp32 (131,072 B), the gathered or
+// stacked tensor [2, 64, 512] / [4, 32, 512] (262,144 B).
+Recipe sp_recipe() {
+  Recipe r = tp_recipe(2);
+  r.seq = 64;
+  r.sequence_parallel = true;
+  r.validate();
+  return r;
+}
+
+TEST(SequenceParallel, ColwiseInputsAreGatheredEachOnItsOwn) {
+  const graph::Trace t = graph::build_training_trace(llama_w512(), sp_recipe(), find_gpu("cpu"));
+  const std::uint64_t full = 2 * 64 * 512 * 4;
+  // q_proj: the stacked all_gather_into_tensor output, the gathered input (saved), the local output.
+  EXPECT_EQ(allocs(t, Phase::kForward, 1, "self_attn.q_proj"), (std::vector<std::uint64_t>{full, full, 128 * 256 * 4}));
+  EXPECT_EQ(allocs(t, Phase::kForward, 1, "self_attn.k_proj"), (std::vector<std::uint64_t>{full, full, 128 * 128 * 4}));
+  // o_proj: the Partial local output, the chunks concatenated for reduce_scatter_tensor, the shard.
+  EXPECT_EQ(allocs(t, Phase::kForward, 1, "self_attn.o_proj"), (std::vector<std::uint64_t>{full, full, full / 2}));
+  EXPECT_EQ(allocs(t, Phase::kForward, 1, "mlp.down_proj"), (std::vector<std::uint64_t>{full, full, full / 2}));
+  // The norms run on the shard: pow's output is [2, 32, 512].
+  EXPECT_EQ(allocs(t, Phase::kForward, 1, "input_layernorm").front(), full / 2);
+}
+
+TEST(SequenceParallel, ColwiseBackwardReduceScattersAndSumsOutOfPlace) {
+  const graph::Trace t = graph::build_training_trace(llama_w512(), sp_recipe(), find_gpu("cpu"));
+  const std::uint64_t full = 2 * 64 * 512 * 4;
+  // Measured at v_proj: the Partial input gradient and the weight's gradient (the measurement
+  // makes the weight's first, as on one process), the concatenated chunks and the
+  // reduce-scattered shard. k_proj adds the sum with v's shard gradient (a new tensor: a
+  // DTensor's gradient is never accumulated in place).
+  EXPECT_EQ(allocs(t, Phase::kBackward, 1, "self_attn.v_proj"),
+            (std::vector<std::uint64_t>{full, 128 * 512 * 4, full, full / 2}));
+  EXPECT_EQ(allocs(t, Phase::kBackward, 1, "self_attn.k_proj"),
+            (std::vector<std::uint64_t>{full, 128 * 512 * 4, full, full / 2, full / 2}));
+}
+
+TEST(SequenceParallel, RefusesAnUnevenSequenceAndNoTensorParallelism) {
+  Recipe r = sp_recipe();
+  r.seq = 63;
+  EXPECT_NE(error_of([&] { r.validate(); }).find("seq 63 is not a multiple of tp: 2"), std::string::npos);
+  r = tp_recipe(1);
+  r.sequence_parallel = true;
+  EXPECT_NE(error_of([&] { r.validate(); }).find("sequence_parallel: needs tensor parallelism"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace trainmem

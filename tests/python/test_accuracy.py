@@ -103,6 +103,10 @@ def test_tensor_parallel_entries_exact(comparisons):
         assert c["measured_peak_allocated_bytes"] == c["predicted_peak_allocated_bytes"], name
         for cat, v in c["categories"].items():
             assert v["measured"] == v["predicted"], (name, cat, v)
+    # Sequence parallelism (Note [Sequence parallelism]): SGD, AdamW, bf16-true and checkpointing.
+    sp = [c["recipe"] for _, c in tp if c["recipe"].get("sequence_parallel")]
+    assert len(sp) >= 4, sp
+    assert {r["checkpointing"] for r in sp} == {"none", "full"}
 
 
 def test_4bit_entries_exact(comparisons):

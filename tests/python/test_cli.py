@@ -97,6 +97,11 @@ def test_tensor_parallel_estimate_is_one_rank_and_keeps_its_recipe(run):
     # (tied to lm_head) and the norms are whole.
     w1, w2 = one["breakdown_at_peak"]["weights"], two["breakdown_at_peak"]["weights"]
     assert w1 - w2 == 973_078_528 // 2 * 4
+    # --sequence-parallel: the same weights, the norms and the residual stream on half the sequence
+    # (the activations the layers keep for backward shrink), and the knob in the JSON recipe.
+    sp = json.loads(run(*base, "--tp", "2", "--sequence-parallel").stdout)
+    assert sp["recipe"]["sequence_parallel"] is True and "sequence_parallel" not in two["recipe"]
+    assert sp["breakdown_at_peak"]["weights"] == w2
 
 
 @pytest.mark.parametrize("args, message", [
@@ -128,7 +133,11 @@ def test_tensor_parallel_estimate_is_one_rank_and_keeps_its_recipe(run):
     (["estimate", "llama-3.2-1b", "--tp", "2"], "tp: 2 with precision bf16-mixed is not modelled"),
     (["estimate", "llama-3.2-1b", "--tp", "2", "--precision", "fp32", "--lora", "8"], "with LoRA or a 4-bit base"),
     (["estimate", "llama-3.2-1b", "--tp", "0"], "tp: must be between 1 and 64"),
-    (["fit", "llama-3.2-1b", "--tp", "2", "--precision", "fp32"], "tp"),
+    (["fit", "llama-3.2-1b", "--tp", "2", "--precision", "fp32"], "tp: 2 with gpus 1: the planner puts all the GPUs"),
+    (["estimate", "llama-3.2-1b", "--sequence-parallel", "--precision", "fp32"],
+     "sequence_parallel: needs tensor parallelism"),
+    (["estimate", "llama-3.2-1b", "--tp", "2", "--sequence-parallel", "--seq", "127", "--precision", "fp32"],
+     "sequence_parallel: seq 127 is not a multiple of tp: 2"),
     (["estimate", "gpt2", "--gpus", "2", "--parallel", "ddp", "--rank", "2"],
      "rank: 2 is not one of the 2 ranks (0..1) of --gpus 2"),
     (["estimate", "gpt2", "--rank", "1"], "rank: 1 is not one of the 1 ranks (0..0) of --gpus 1"),

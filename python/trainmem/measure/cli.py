@@ -63,6 +63,9 @@ def _parser() -> _Parser:
     p.add_argument("--tp", type=int, default=defaults.tp, metavar="N",
                    help="tensor-parallel degree: N processes on the CPU (gloo), torch's parallelize_module with "
                         "the Megatron plan (q/k/v, gate/up colwise; o/down rowwise), rank 0 reported (default %(default)s)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp: sequence parallelism, SequenceParallel on the norms, the residual stream "
+                        "sharded on the sequence (all-gather before q/k/v and gate/up, reduce-scatter after o/down)")
     p.add_argument("--fsdp-reshard-after-forward", choices=("true", "false"), default="true",
                    help="parallel fsdp: fully_shard(layer, reshard_after_forward=...) for the decoder layers; false "
                         "keeps each layer gathered from its forward to its backward (SHARD_GRAD_OP) (default true)")
@@ -150,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                         lora_targets=args.lora_targets, lora_dropout=args.lora_dropout,
                         mode="inference" if args.inference else "training", new_tokens=args.new_tokens,
                         beams=args.beams, gpus=args.gpus, parallel=args.parallel, tp=args.tp,
+                        sequence_parallel=args.sequence_parallel,
                         fsdp_reshard_after_forward=args.fsdp_reshard_after_forward == "true",
                         fsdp_replicate=args.fsdp_replicate, fsdp_param_dtype=args.fsdp_param_dtype,
                         fsdp_reduce_dtype=args.fsdp_reduce_dtype,

@@ -27,7 +27,10 @@ The wrappers, as the recipe knobs say (docs/parallelism.md):
   parameters Replicate DTensors (the same values on every rank; a foreach optimizer cannot step
   DTensor and plain parameters in one group), their inputs Replicate views (`DTensor.from_local`)
   and their outputs local tensors again, so they compute exactly what they compute unwrapped.
-  Every rank of the tensor-parallel group draws the same batch (rank 0's).
+  Every rank of the tensor-parallel group draws the same batch (rank 0's). With recipe
+  `sequence_parallel`: SequenceParallel() on the norms, ColwiseParallel(input_layouts=Shard(1)),
+  RowwiseParallel(output_layouts=Shard(1), use_local_output=False), the embedding's output split
+  and lm_head's input gathered (`_sequence_parallelize`).
 
 Note [Parallel categories]
     A storage is categorized by what it holds (see docs/parallelism.md for the reasoning):
@@ -227,6 +230,8 @@ def wrap_model(model: torch.nn.Module, recipe: Recipe, device: str) -> torch.nn.
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != recipe.world_size:
         raise RecipeError(f"world size {world} differs from gpus x tp = {recipe.world_size}")
+    if recipe.is_tp and recipe.parallel == "fsdp":
+        return _tp_fsdp(model, recipe, device)
     if recipe.is_tp:
         tensor_parallelize(model, recipe, device)
         return model  # every rank of the tensor-parallel group runs rank 0's batch
@@ -276,7 +281,28 @@ TP_COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.g
 TP_ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 
 
-def tensor_parallelize(model: torch.nn.Module, recipe: Recipe, device: str) -> None:
+def _tp_fsdp(model: torch.nn.Module, recipe: Recipe, device: str) -> torch.nn.Module:
+    """TP x DP, torch's FSDP + TP recipe: a 2-D mesh (dp, tp), the plan over mesh["tp"], then
+    fully_shard over mesh["dp"] on every (tensor-parallelized) decoder layer and the root. The
+    ranks of a tensor-parallel group run the same batch; each data-parallel group its own."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(torch.device(device).type, (recipe.gpus, recipe.tp), mesh_dim_names=("dp", "tp"))
+    tensor_parallelize(model, recipe, device, mesh=mesh["tp"])
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=recipe.fsdp_reshard_after_forward)
+    fully_shard(model, mesh=mesh["dp"])
+    dp_rank = dist.get_rank() // recipe.tp
+    if dp_rank > 0:
+        from .run import SEED
+
+        torch.manual_seed(SEED + dp_rank)
+    return model
+
+
+def tensor_parallelize(model: torch.nn.Module, recipe: Recipe, device: str, mesh=None) -> None:
     """parallelize_module on every decoder layer with the Megatron plan over a 1-D mesh of tp ranks."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, distribute_module
@@ -303,14 +329,56 @@ def tensor_parallelize(model: torch.nn.Module, recipe: Recipe, device: str) -> N
         if extra:  # e.g. Qwen3's q_norm / k_norm: over the local heads, their gradient would need an all-reduce
             raise RecipeError(f"tp={tp}: {type(layer).__name__} has parameters inside the attention besides the "
                               f"projections ({', '.join(extra)}), which the Megatron plan here does not split")
-    mesh = init_device_mesh(torch.device(device).type, (tp,))
+    if mesh is None:
+        mesh = init_device_mesh(torch.device(device).type, (tp,))
+    if recipe.sequence_parallel:
+        _sequence_parallelize(model, layers, mesh)
+        return
     plan = {**{n: ColwiseParallel() for n in TP_COLWISE}, **{n: RowwiseParallel() for n in TP_ROWWISE}}
     for layer in layers:
         parallelize_module(layer, mesh, plan)
-    for module in model.modules():  # the rest (embedding, norms, lm_head): Replicate DTensors
+    _replicate_the_rest(model, mesh)
+
+
+def _replicate_the_rest(model: torch.nn.Module, mesh) -> None:
+    """The modules the plan leaves alone (embedding, norms, lm_head) become Replicate DTensors."""
+    from torch.distributed.tensor import DTensor, distribute_module
+
+    for module in model.modules():
         own = list(module.parameters(recurse=False))
         if own and not any(isinstance(p, DTensor) for p in own):
             distribute_module(module, mesh, input_fn=_replicated_inputs, output_fn=_local_outputs)
+
+
+# Sequence parallelism (torch's Llama TP example, torch/distributed/tensor/parallel/style.py): the
+# norms run on the sequence shard (SequenceParallel), the colwise projections all-gather their
+# input from Shard(1), the rowwise ones reduce-scatter their output to Shard(1). The residual
+# stream between them stays a Shard(1) DTensor (use_local_output=False): transformers' LlamaModel
+# takes the positions and the causal mask from inputs_embeds.shape[1], the global length of a
+# DTensor (torch's own example model counts the tokens instead and can pass local shards). The
+# embedding and lm_head stay replicated: the embedding's output is split to Shard(1)
+# (PrepareModuleOutput, a local chunk), lm_head's input all-gathered to Replicate
+# (PrepareModuleInput).
+def _sequence_parallelize(model: torch.nn.Module, layers, mesh) -> None:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                                   RowwiseParallel, SequenceParallel, parallelize_module)
+
+    plan = {"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),
+            **{n: ColwiseParallel(input_layouts=Shard(1)) for n in TP_COLWISE},
+            **{n: RowwiseParallel(output_layouts=Shard(1), use_local_output=False) for n in TP_ROWWISE}}
+    for layer in layers:
+        missing = [n for n in ("input_layernorm", "post_attention_layernorm") if not hasattr(layer, n)]
+        if missing:
+            raise RecipeError(f"sequence_parallel: {type(layer).__name__} has no {', '.join(missing)}")
+        parallelize_module(layer, mesh, plan)
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    parallelize_module(base.norm, mesh, SequenceParallel())
+    _replicate_the_rest(model, mesh)
+    parallelize_module(base.embed_tokens, mesh, PrepareModuleOutput(
+        output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False))
+    parallelize_module(model.get_output_embeddings(), mesh, PrepareModuleInput(
+        input_layouts=Shard(1), desired_input_layouts=Replicate()))
 
 
 def _replicated_inputs(module, inputs, mesh):

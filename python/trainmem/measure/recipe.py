@@ -86,6 +86,9 @@ class Recipe:
     # Tensor-parallel degree (parallel.py wrap_model): torch's parallelize_module with the
     # Megatron plan over a 1-D mesh of `tp` ranks; 1 is no tensor parallelism.
     tp: int = 1
+    # Sequence parallelism with tp > 1 (parallel.py tensor_parallelize): SequenceParallel on the
+    # norms, the residual stream sharded on the sequence between them (docs/parallelism.md).
+    sequence_parallel: bool = False
     # FSDP2 (parallel fsdp, parallel.py): fully_shard(layer, reshard_after_forward=...) for the
     # decoder layers (False is FSDP1's SHARD_GRAD_OP: a layer stays gathered from its forward to
     # its backward); fsdp_replicate > 1 is HSDP, a 2-D mesh (replicate, shard) of fsdp_replicate x
@@ -152,6 +155,10 @@ class Recipe:
         tp = self.tp
         if not isinstance(tp, int) or isinstance(tp, bool) or not 1 <= tp <= MAX_TP:
             raise RecipeError(f"tp must be an integer between 1 (no tensor parallelism) and {MAX_TP}, got {tp!r}")
+        if not isinstance(self.sequence_parallel, bool):
+            raise RecipeError(f"sequence_parallel must be true or false, got {self.sequence_parallel!r}")
+        if self.sequence_parallel and tp == 1:
+            raise RecipeError("sequence_parallel needs tensor parallelism: tp 2 or more")
         if tp > 1:
             self._check_tp()
         if self.parallel == "none" and gpus != 1:
@@ -195,10 +202,16 @@ class Recipe:
 
     def _check_tp(self) -> None:
         """What the measuring side can run under tensor parallelism (docs/parallelism.md)."""
-        if self.parallel != "none" or self.gpus != 1:
+        # TP x DP: FSDP2 over the data-parallel dimension of a 2-D mesh (dp, tp), torch's FSDP + TP
+        # recipe (parallel.py _tp_fsdp); FSDP2's default knobs only.
+        fsdp_default = (self.fsdp_replicate == 1 and self.fsdp_param_dtype == "none"
+                        and self.fsdp_reduce_dtype == "none")
+        if (self.parallel not in ("none", "fsdp") or (self.parallel == "none" and self.gpus != 1)
+                or (self.parallel == "fsdp" and (self.gpus < 2 or not fsdp_default or self.sequence_parallel))):
             raise RecipeError(f"tp={self.tp} with gpus={self.gpus} / parallel={self.parallel!r} is not measured: "
-                              "tensor parallelism combined with data parallelism (a 2-D mesh) is not modelled yet; "
-                              "use gpus 1 and parallel none")
+                              "tensor parallelism combined with data parallelism is measured only as FSDP2 over "
+                              "a 2-D mesh (parallel fsdp, gpus 2 or more, FSDP2's default knobs, no sequence "
+                              "parallelism); use gpus 1 and parallel none otherwise")
         if self.is_inference:
             raise RecipeError(f"tp={self.tp} is a training knob: inference runs on one process")
         if self.uses_lora or self.load_in_4bit:
@@ -381,6 +394,8 @@ class Recipe:
             del out["gpus"], out["parallel"]
         if not self.is_tp:  # the tensor-parallel degree only when there is one
             del out["tp"]
+        if not self.sequence_parallel:  # and sequence parallelism only when it is on
+            del out["sequence_parallel"]
         if self.parallel != "fsdp":  # FSDP2's knobs with parallel fsdp only, as the engine writes them
             for key in ("fsdp_reshard_after_forward", "fsdp_replicate", "fsdp_param_dtype", "fsdp_reduce_dtype"):
                 del out[key]
