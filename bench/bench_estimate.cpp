@@ -7,6 +7,7 @@
 //                           see Note [Estimates are not extrapolated over layers]
 //   BM_Sweep/llama-3.1-8b   1,000 recipes: batch × seq × precision × checkpointing × attention
 //   BM_Fit/<case>           trainmem fit: the recipe space timed, ordered, ruled out or replayed
+//   BM_FitReference/<case>  the same search without Note [Fewer replays] (plan::fit_reference)
 //   BM_GradAccum/<n>        one llama-3.1-8b estimate with n micro-batches per step
 #include <benchmark/benchmark.h>
 
@@ -16,6 +17,7 @@
 
 #include "graph/step.h"
 #include "model/model.h"
+#include "plan/plan.h"
 #include "sim/simulator.h"
 #include "trainmem/trainmem.h"
 
@@ -144,29 +146,36 @@ void BM_Sweep(benchmark::State& state) {
 struct FitCase {
   const char* model;
   const char* gpu;
-  std::uint64_t seq, global_batch;
+  std::uint64_t seq, global_batch, gpus;
 };
-constexpr std::array kFitCases{FitCase{"llama-3.1-8b", "h100-80gb", 4096, 64},
-                               FitCase{"qwen3-4b", "a100-40gb", 2048, 32},
-                               FitCase{"llama-3.1-70b", "rtx-4090", 4096, 1}};
+constexpr std::array kFitCases{FitCase{"llama-3.1-8b", "h100-80gb", 4096, 64, 1},
+                               FitCase{"qwen3-4b", "a100-40gb", 2048, 32, 1},
+                               FitCase{"llama-3.1-70b", "rtx-4090", 4096, 1, 1},
+                               FitCase{"llama-3.1-8b", "h100-80gb", 4096, 64, 8},
+                               FitCase{"qwen3-4b", "t4-16gb", 4096, 8, 1}};
 
-void BM_Fit(benchmark::State& state) {
+void fit_case(benchmark::State& state, FitResult (*search)(const Model&, const FitRequest&)) {
   const FitCase& c = kFitCases[state.range(0)];
   const Model m = load_model(c.model);
   FitRequest q;
   q.base.gpu = c.gpu;
   q.base.seq = c.seq;
+  if (!find_gpu(c.gpu).bf16) q.base.precision = Precision::kFp16Mixed;
   q.global_batch = c.global_batch;
+  q.gpus = c.gpus;
   FitResult f;
   for (auto _ : state) {
-    f = fit(m, q);
+    f = search(m, q);
     benchmark::DoNotOptimize(f.plans.data());
   }
-  state.SetLabel(std::string(c.model) + " on " + c.gpu + ": " + std::to_string(f.searched) + " searched, " +
+  state.SetLabel(std::string(c.model) + " on " + c.gpu + " x" + std::to_string(c.gpus) + ": " + std::to_string(f.searched) + " searched, " +
                  std::to_string(f.simulated) + " replayed, " + std::to_string(f.pruned) + " ruled out");
   state.counters["searched"] = static_cast<double>(f.searched);
   state.counters["replayed"] = static_cast<double>(f.simulated);
 }
+
+void BM_Fit(benchmark::State& state) { fit_case(state, fit); }
+void BM_FitReference(benchmark::State& state) { fit_case(state, plan::fit_reference); }
 
 void BM_GradAccum(benchmark::State& state) {
   const Model m = load_model("llama-3.1-8b");
@@ -190,7 +199,8 @@ BENCHMARK(BM_BuildTrace)->Apply(each_model);
 BENCHMARK(BM_Replay)->Apply(each_model);
 BENCHMARK(BM_CutModels)->Apply(each_model);
 BENCHMARK(BM_Sweep)->Iterations(1)->Repetitions(3)->ReportAggregatesOnly(true)->Unit(benchmark::kSecond);
-BENCHMARK(BM_Fit)->ArgName("case")->DenseRange(0, kFitCases.size() - 1)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Fit)->ArgName("case")->DenseRange(0, kFitCases.size() - 1)->Unit(benchmark::kMillisecond)->UseRealTime()->MeasureProcessCPUTime();
+BENCHMARK(BM_FitReference)->ArgName("case")->DenseRange(0, kFitCases.size() - 1)->Unit(benchmark::kMillisecond)->UseRealTime()->MeasureProcessCPUTime();
 BENCHMARK(BM_GradAccum)->ArgName("grad_accum")->Arg(1)->Arg(2)->Arg(4)->Arg(64)->Unit(benchmark::kMillisecond);
 
 }  // namespace

@@ -9,6 +9,23 @@
 // through step 2, so the peak cannot be lower) already exceed the usable memory. The
 // allocator setting costs no time, so it is not a ranking dimension: a recipe is replayed with
 // the default allocator first and with expandable segments only when it does not fit.
+//
+// Note [Fewer replays]
+// Two things cut replays without changing an answer (plan::fit_reference keeps the search
+// without them; tests/cpp/test_plan.cpp compares every field of the two):
+//  * a recipe is also ruled out by plan::loss_floor (Note [The loss floor]), a lower bound like
+//    the persistent floor: weights, states and the fp32 logits the standard loss holds at once;
+//  * when nothing fits, the closest miss is the recipe with the fewest reserved bytes (the first
+//    of equals), so a replay may stop once it passes the closest one so far: a stopped replay
+//    never wins and a complete one has the step's peaks. A recipe whose bound is above them is
+//    not replayed. The recipes are the ones the persistent floor leaves, as before.
+// Measured (bench/README.md), the replays they save are mostly cheap ones (probes that stop
+// early): CPU time drops by less than the replay count. Running a window's expandable-segments
+// probes in parallel too was tried and dropped: two more replays on 8 GPUs and no gain measured
+// on the shared 2-core machine.
+// Only the counts (FitResult::simulated, pruned) change. ZeRO-1/2's ranks (Note [The worst rank]
+// in estimate.cpp) are not deduplicated: their partitions are disjoint ranges of the flat group,
+// so two ranks see alike parameters only when both lie inside one parameter (not done).
 #include <algorithm>
 #include <future>
 #include <map>
@@ -185,8 +202,12 @@ std::uint64_t rank_floor(const Model& m, const Recipe& r) {
 
 }  // namespace
 
-std::uint64_t plan::persistent_floor(const Model& m, const Recipe& r) {
-  const std::uint64_t pb = parameter_bytes(r.precision);
+namespace {
+
+// The weights every rank holds for the whole run, before ZeRO-3 partitions them: the model in the
+// precision's parameter dtype, or a 4-bit base.
+std::uint64_t weight_bytes(const Model& m, const Recipe& r) {
+  const std::uint64_t pb = plan::parameter_bytes(r.precision);
   std::uint64_t weights = 0;
   for (const ParameterGroup& g : m.parameters) {
     // A 4-bit base (Note [QLoRA]): the layers' linear weights packed, everything else fp32.
@@ -195,18 +216,30 @@ std::uint64_t plan::persistent_floor(const Model& m, const Recipe& r) {
                                      : detail::mul(g.numel, r.quant.enabled() ? 4 : pb, "parameter bytes");
     weights = detail::add(weights, detail::mul(one, g.count, "parameter bytes"), "parameter bytes");
   }
-  if (r.lora.enabled()) return weights;  // adapters and their states only add
-  const std::uint64_t n = m.parameter_count;
-  const std::uint64_t sb = state_bytes(r.precision);
-  // Optimizer states per trained element, in bytes (8-bit AdamW: two 1-byte states).
-  std::uint64_t states_per_element = 0;
+  return weights;
+}
+
+// Optimizer states per trained element, in bytes (8-bit AdamW: two 1-byte states).
+std::uint64_t state_bytes_per_element(const Recipe& r) {
+  const std::uint64_t sb = plan::state_bytes(r.precision);
   switch (r.optimizer) {
     case Optimizer::kAdamW:
-    case Optimizer::kAdamWFused: states_per_element = 2 * sb; break;
-    case Optimizer::kAdamW8bit: states_per_element = 2; break;
-    case Optimizer::kSgd: states_per_element = sb; break;
-    case Optimizer::kAdafactor: break;
+    case Optimizer::kAdamWFused: return 2 * sb;
+    case Optimizer::kAdamW8bit: return 2;
+    case Optimizer::kSgd: return sb;
+    case Optimizer::kAdafactor: return 0;
   }
+  return 0;
+}
+
+}  // namespace
+
+std::uint64_t plan::persistent_floor(const Model& m, const Recipe& r) {
+  const std::uint64_t pb = parameter_bytes(r.precision);
+  const std::uint64_t weights = weight_bytes(m, r);
+  if (r.lora.enabled()) return weights;  // adapters and their states only add
+  const std::uint64_t n = m.parameter_count;
+  const std::uint64_t states_per_element = state_bytes_per_element(r);
   if (r.parallel == Parallel::kZero3) {
     // ZeRO-3 (See Note [DeepSpeed ZeRO-3] in graph/zero3.cpp): from deepspeed.initialize on, every
     // rank holds its 16-bit (or fp32) partition, the fp32 master partition, the flat gradient
@@ -252,6 +285,35 @@ std::uint64_t plan::persistent_floor(const Model& m, const Recipe& r) {
   return detail::add(detail::add(weights, extra, "persistent bytes") / shards, buckets, "persistent bytes");
 }
 
+// Note [The loss floor]
+// ForCausalLMLoss (StepBuilder::standard_loss, after transformers' loss_utils.py) upcasts the
+// logits to fp32 (`up`; the logits themselves when they are fp32 already) and log_softmax writes
+// its fp32 output while `up` is alive: 8 bytes per logit, micro-batch x seq x vocab of them, at
+// one moment of every forward (the fused loss never makes full logits: nothing counted). In step
+// 2's forward the weights (and bf16-master's fp32 masters) are alive, and so are the optimizer
+// states made by step 1's step; the .grads are gone (optimizer.zero_grad sets them to None,
+// graph/optimizer.cpp) except from the second micro-batch of a step on, which accumulates into
+// the first one's. Only the single-GPU, full-parameter step is counted this way (the wrappers'
+// shards, buckets and partitions come and go on their own schedule; LoRA counts its frozen
+// weights only): every other recipe gets the persistent floor alone.
+std::uint64_t plan::loss_floor(const Model& m, const Recipe& r) {
+  if (r.loss != Loss::kStandard || r.mode != Mode::kTraining || r.gpus != 1 || r.parallel != Parallel::kNone ||
+      r.tp != 1) {
+    return 0;
+  }
+  const std::uint64_t logits = detail::mul({r.batch, r.seq, m.arch.vocab_size, 8}, "loss floor bytes");
+  std::uint64_t held = weight_bytes(m, r);
+  if (!r.lora.enabled()) {
+    const std::uint64_t n = m.parameter_count;
+    if (r.precision == Precision::kBf16Master) held = detail::add(held, detail::mul(n, 4, "master bytes"), "master bytes");
+    held = detail::add(held, detail::mul(n, state_bytes_per_element(r), "state bytes"), "state bytes");
+    if (r.grad_accum >= 2) {
+      held = detail::add(held, detail::mul(n, parameter_bytes(r.precision), "gradient bytes"), "gradient bytes");
+    }
+  }
+  return detail::add(held, logits, "loss floor bytes");
+}
+
 const std::vector<std::string>& fit_knobs() {
   static const std::vector<std::string> kKnobs = {"batch", "precision", "optimizer", "checkpointing",
                                                   "attention", "loss", "allocator", "parallel",
@@ -259,7 +321,10 @@ const std::vector<std::string>& fit_knobs() {
   return kKnobs;
 }
 
-FitResult fit(const Model& model, const FitRequest& q) {
+namespace {
+
+// `reference`: the search as it was before Note [Fewer replays] (plan::fit_reference).
+FitResult search(const Model& model, const FitRequest& q, bool reference) {
   q.base.validate();
   if (q.base.mode != Mode::kTraining) throw Error("mode: fit plans training recipes; estimate a generation with `estimate --inference`");
   if (q.base.cp != 1) {
@@ -381,7 +446,8 @@ FitResult fit(const Model& model, const FitRequest& q) {
   struct Candidate {
     Recipe r;
     StepTime t;
-    std::uint64_t floor = 0;
+    std::uint64_t floor = 0;  // persistent_floor: also what the closest miss reports unreplayed
+    std::uint64_t bound = 0;  // the best lower bound: rules the recipe out when above the memory
   };
   // The space on one GPU, fastest first there (precisions by what the GPU supports).
   auto space_on = [&](const Gpu& g) {
@@ -423,7 +489,9 @@ FitResult fit(const Model& model, const FitRequest& q) {
                     for (Offload off : offloads) {
                       r.offload = off;
                       if (!valid(r)) continue;
-                      out_space.push_back({r, step_time(model, r), rank_floor(model, r)});
+                      const std::uint64_t floor = rank_floor(model, r);
+                      out_space.push_back({r, step_time(model, r), floor,
+                                           reference ? floor : std::max(floor, plan::loss_floor(model, r))});
                     }
                     // Pipeline parallelism over every GPU (Note [Pipeline parallelism] in
                     // graph/pipeline.cpp): one stage per GPU, each stage sees the whole global batch
@@ -468,11 +536,11 @@ FitResult fit(const Model& model, const FitRequest& q) {
     if (i % window == 0) {  // the next window's first probes, in parallel
       std::vector<Recipe> next;
       for (std::size_t k = i; k < std::min(space.size(), i + window); ++k) {
-        if (space[k].floor <= usable) next.push_back(space[k].r);
+        if (space[k].bound <= usable) next.push_back(space[k].r);
       }
       planner.prefetch(next, usable);
     }
-    if (c.floor > usable) {
+    if (c.bound > usable) {
       out.pruned += allocators.size();
       continue;
     }
@@ -490,24 +558,39 @@ FitResult fit(const Model& model, const FitRequest& q) {
   if (out.plans.empty()) {
     // The closest miss: every recipe the floor did not rule out, replayed to the end (the
     // probes only said "too big"); when the floor ruled out everything, the smallest floor.
+    // The same recipes as the walk's persistent floor left (the loss floor would change which
+    // recipe comes closest); see Note [Fewer replays] for the stop limit.
     std::vector<Recipe> all;
+    std::vector<std::uint64_t> bounds;
     for (const Candidate& c : space) {
       if (c.floor > usable) continue;
       for (AllocatorMode a : allocators) {
         Recipe r = c.r;
         r.allocator = a;
         all.push_back(r);
+        bounds.push_back(c.bound);
       }
     }
+    // The closest so far: only a recipe under its reserved bytes can take its place (ties keep
+    // the earlier one), so later replays may stop above them.
+    auto limit = [&]() -> std::uint64_t {
+      return reference || !out.has_closest_miss ? 0 : out.closest_miss.peak_reserved_bytes;
+    };
     for (std::size_t i = 0; i < all.size(); i += window) {
-      planner.prefetch({all.begin() + static_cast<std::ptrdiff_t>(i),
-                        all.begin() + static_cast<std::ptrdiff_t>(std::min(all.size(), i + window))}, 0);
-    }
-    for (const Recipe& r : all) {
-      const Plan p = judged(planner.replay(r), usable, host);
-      if (!out.has_closest_miss || p.peak_reserved_bytes < out.closest_miss.peak_reserved_bytes) {
-        out.closest_miss = p;
-        out.has_closest_miss = true;
+      const std::size_t end = std::min(all.size(), i + window);
+      std::vector<Recipe> next;
+      for (std::size_t k = i; k < end; ++k) {
+        if (reference || !out.has_closest_miss || bounds[k] <= limit()) next.push_back(all[k]);
+      }
+      planner.prefetch(next, limit());
+      for (std::size_t k = i; k < end; ++k) {
+        if (!reference && out.has_closest_miss && bounds[k] > limit()) continue;  // its peak is higher still
+        const Plan p = judged(limit() ? planner.probe(all[k], limit()) : planner.replay(all[k]), usable, host);
+        if (!p.complete) continue;  // stopped above the closest so far
+        if (!out.has_closest_miss || p.peak_reserved_bytes < out.closest_miss.peak_reserved_bytes) {
+          out.closest_miss = p;
+          out.has_closest_miss = true;
+        }
       }
     }
     if (!out.has_closest_miss && !space.empty()) {
@@ -538,9 +621,9 @@ FitResult fit(const Model& model, const FitRequest& q) {
         };
         if (!lowest || rank(c) < rank(*lowest)) lowest = &c;
       }
-      if (!lowest || lowest->floor > room) continue;
+      if (!lowest || lowest->bound > room) continue;
       auto fits_there = [&](const Candidate& c) -> std::optional<Plan> {
-        if (c.floor > room) return std::nullopt;
+        if (c.bound > room) return std::nullopt;
         for (AllocatorMode a : allocators) {
           Recipe r = c.r;
           r.allocator = a;
@@ -687,5 +770,11 @@ FitResult fit(const Model& model, const FitRequest& q) {
   out.simulated = planner.recipes_replayed();
   return out;
 }
+
+}  // namespace
+
+FitResult fit(const Model& model, const FitRequest& q) { return search(model, q, false); }
+
+FitResult plan::fit_reference(const Model& model, const FitRequest& q) { return search(model, q, true); }
 
 }  // namespace trainmem

@@ -21,4 +21,12 @@ inline std::uint64_t state_bytes(Precision p) {
 // peak of a two-step estimate is never below it.
 std::uint64_t persistent_floor(const Model& m, const Recipe& r);
 
+// Bytes alive together at the standard loss of step 2's forward (Note [The loss floor] in
+// plan/fit.cpp): 0 where it is not counted. The peak is never below it either.
+std::uint64_t loss_floor(const Model& m, const Recipe& r);
+
+// Internal: the search before the loss floor and the closest miss's stop limit (kept for the
+// differential test and the benchmark; same answers, more replays).
+FitResult fit_reference(const Model& model, const FitRequest& request);
+
 }  // namespace trainmem::plan

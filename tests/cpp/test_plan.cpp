@@ -8,8 +8,11 @@
 #include <set>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
 #include "model/model.h"
 #include "plan/plan.h"
+#include "report/report.h"
 #include "test_util.h"
 #include "trainmem/trainmem.h"
 
@@ -87,6 +90,107 @@ TEST(Fit, TheFloorIsNeverAboveTheReplayedPeak) {
       }
     }
   }
+}
+
+// The loss floor (Note [The loss floor] in plan/fit.cpp) is a lower bound too: over micro-batches,
+// accumulation, checkpointing, LoRA and every precision and optimizer, with Gemma-2's softcapped
+// logits among the models. It is the sharper bound where the logits are large (asserted below, so
+// that it rules something out at all).
+TEST(Fit, TheLossFloorIsNeverAboveTheReplayedPeak) {
+  std::uint64_t sharper = 0, counted = 0;
+  for (const char* name : {"gpt2", "qwen3-0.6b", "gemma-2-2b", "llama-3.2-1b"}) {
+    const Model m = model::with_layers(load_model(name), 2);
+    for (Precision p : {Precision::kFp32, Precision::kBf16Mixed, Precision::kBf16Master, Precision::kBf16True}) {
+      for (Optimizer o : {Optimizer::kAdamW, Optimizer::kAdamW8bit, Optimizer::kSgd, Optimizer::kAdafactor}) {
+        for (std::uint64_t batch : {1u, 4u}) {
+          for (std::uint64_t accum : {1u, 2u, 3u}) {
+            for (Checkpointing c : {Checkpointing::kNone, Checkpointing::kFull}) {
+              for (std::uint64_t lora : {0u, 8u}) {
+                if (lora && (o != Optimizer::kAdamW || p == Precision::kBf16Master)) continue;
+                Recipe r = base_recipe("h100-80gb", 256);
+                r.precision = p;
+                r.optimizer = o;
+                r.batch = batch;
+                r.grad_accum = accum;
+                r.checkpointing = c;
+                if (lora) {
+                  r.lora.rank = lora;
+                  r.lora.targets = {"default"};
+                }
+                const std::uint64_t floor = plan::loss_floor(m, r);
+                const Estimate e = estimate(m, r);
+                ASSERT_GT(floor, 0u);
+                EXPECT_LE(floor, e.peak_allocated_bytes)
+                    << name << " " << to_string(p) << " " << to_string(o) << " b" << batch << " accum " << accum
+                    << " " << to_string(c) << " lora " << lora;
+                ++counted;
+                if (floor > plan::persistent_floor(m, r)) ++sharper;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GT(sharper, counted / 4);
+  // Not counted where the fused loss never makes full logits, nor under a data-parallel wrapper.
+  const Model m = model::with_layers(load_model("gpt2"), 2);
+  Recipe r = base_recipe("h100-80gb", 256);
+  r.loss = Loss::kFused;
+  EXPECT_EQ(plan::loss_floor(m, r), 0u);
+  r.loss = Loss::kStandard;
+  r.gpus = 2;
+  r.parallel = Parallel::kDdp;
+  EXPECT_EQ(plan::loss_floor(m, r), 0u);
+}
+
+// The search with fewer replays (Note [Fewer replays]) against the one before it: every field of
+// `fit --json` but the replay and rule-out counts, over models x GPUs x global batches x GPU
+// counts, with cases where nothing fits (closest miss and fits_on) and where the loss floor rules
+// recipes out.
+TEST(Fit, FewerReplaysGiveTheSameAnswers) {
+  struct Case {
+    const char* model;
+    std::uint64_t layers;  // 0: all
+    const char* gpu;
+    std::uint64_t seq, global_batch, gpus;
+  };
+  const Case cases[] = {
+      {"qwen3-0.6b", 0, "t4-16gb", 1024, 16, 1},      {"qwen3-0.6b", 0, "rtx-4090", 2048, 64, 1},
+      {"gpt2", 0, "t4-16gb", 1024, 256, 1},            {"gemma-2-2b", 4, "a10g-24gb", 2048, 32, 1},
+      {"llama-3.2-1b", 0, "a100-40gb", 4096, 32, 1},   {"llama-3.1-8b", 2, "rtx-4090", 4096, 64, 1},
+      {"llama-3.1-8b", 2, "t4-16gb", 16384, 8, 1},     {"qwen3-0.6b", 0, "t4-16gb", 32768, 4, 1},
+      {"qwen3-0.6b", 0, "rtx-4090", 2048, 64, 4},      {"llama-3.2-1b", 2, "a10g-24gb", 4096, 16, 2},
+      {"gpt2", 0, "t4-16gb", 1024, 64, 8},           {"qwen3-0.6b", 0, "t4-16gb", 65536, 2, 1},
+  };
+  std::uint64_t nothing_fits = 0, fewer = 0;
+  for (const Case& c : cases) {
+    const Model full = load_model(c.model);
+    const Model m = c.layers ? model::with_layers(full, c.layers) : full;
+    FitRequest q;
+    q.base = base_recipe(c.gpu, c.seq);
+    if (!find_gpu(c.gpu).bf16) q.base.precision = Precision::kFp16Mixed;
+    q.global_batch = c.global_batch;
+    q.gpus = c.gpus;
+    const FitResult now = fit(m, q);
+    const FitResult before = plan::fit_reference(m, q);
+    nlohmann::json a = nlohmann::json::parse(report::fit_to_json(c.model, now));
+    nlohmann::json b = nlohmann::json::parse(report::fit_to_json(c.model, before));
+    const std::string what = std::string(c.model) + " on " + c.gpu + " seq " + std::to_string(c.seq) + " batch " +
+                             std::to_string(c.global_batch) + " x" + std::to_string(c.gpus);
+    EXPECT_EQ(a["searched"], b["searched"]) << what;
+    EXPECT_LE(now.simulated, before.simulated) << what;
+    EXPECT_GE(now.pruned, before.pruned) << what;
+    for (const char* counter : {"simulated", "pruned"}) {
+      a.erase(counter);
+      b.erase(counter);
+    }
+    EXPECT_EQ(a.dump(1), b.dump(1)) << what;
+    nothing_fits += now.plans.empty();
+    fewer += now.simulated < before.simulated;
+  }
+  EXPECT_GE(nothing_fits, 2u);  // the closest miss's stop limit is exercised
+  EXPECT_GE(fewer, 4u);
 }
 
 // With a 4-bit base the floor counts the packed weights and fp32 for the rest: still below the
