@@ -26,10 +26,13 @@ StepBuilder::StepBuilder(const Model& m, const Recipe& r, const Gpu& gpu, const 
       // generation keeps the precision's dtype everywhere (See Note [Quantized generation]).
       // FSDP2's MixedPrecisionPolicy(param_dtype=bf16) computes as bf16-true over fp32 shards
       // (See Note [FSDP2 variants]).
-      pol_(policy_for(r.quant.enabled() && r.mode == Mode::kTraining ? Precision::kFp32
-                      : r.fsdp.param_dtype == FsdpDtype::kBf16       ? Precision::kBf16True
-                                                                     : r.precision)),
-      quant_dtype_(policy_for(r.precision).param),
+      // Under autocast (bf16-mixed) the fp32 model is autocast's as usual and the 4-bit matmuls
+      // run in its dtype (bnb_4bit_compute_dtype).
+      pol_(policy_for(r.quant.enabled() && r.mode == Mode::kTraining && !policy_for(r.precision).autocast
+                          ? Precision::kFp32
+                      : r.fsdp.param_dtype == FsdpDtype::kBf16 ? Precision::kBf16True
+                                                               : r.precision)),
+      quant_dtype_(policy_for(r.precision).autocast ? policy_for(r.precision).compute : policy_for(r.precision).param),
       rank_(rank) {
   B_ = r.batch;
   S_ = r.seq / r.cp;  // a context-parallel rank's tokens (Note [Context parallelism])

@@ -346,7 +346,11 @@ T StepBuilder::lora_4bit(const T& x, T& base, const Adapter& ad, const LoraLabel
     t_.record(std::move(n));
   }
   t_.drop(base);
-  T xa = to(x, params_[ad.a].dtype);  // _cast_input_dtype (no autocast here)
+  // peft converts x to the adapter's dtype and the adapter's output back unless
+  // torch.is_autocast_enabled(), which asks about CUDA's autocast only: a CPU run under CPU
+  // autocast converts, a CUDA run under autocast adds the bf16 output to the fp32 result.
+  const bool convert = !(pol_.autocast && cuda_);
+  T xa = convert ? to(x, params_[ad.a].dtype) : t_.ref(x);  // _cast_input_dtype
   T xd = r_.lora.dropout > 0 ? dropout(xa) : t_.ref(xa);
   op(labels.a);
   T down = linear(xd, ad.a, kNone, r_.lora.rank);
@@ -357,7 +361,7 @@ T StepBuilder::lora_4bit(const T& x, T& base, const Adapter& ad, const LoraLabel
   op(labels.path);
   T scaled = elementwise({&up}, up.numel, up.dtype, {});  // * scaling (a Python float)
   t_.drop(up);
-  T cast = to(scaled, result.dtype);
+  T cast = convert ? to(scaled, result.dtype) : t_.ref(scaled);
   t_.drop(scaled);
   T sum = add(result, cast);
   t_.drop(cast);

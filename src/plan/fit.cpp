@@ -757,7 +757,7 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
     r.quant.load_in_4bit = true;
     r.quant.quant_type = QuantType::kNf4;
     r.quant.double_quant = true;
-    if (r.precision != Precision::kFp32 && r.precision != Precision::kFp16True) {
+    if (r.precision == Precision::kBf16Master) {  // the one precision a 4-bit base has no counterpart of
       r.precision = gpu.bf16 ? Precision::kBf16True : Precision::kFp16True;
     }
     change(std::string(base.lora.enabled() ? "qlora" : "qlora 16 (default targets)") + ": nf4 base, double quant, " +

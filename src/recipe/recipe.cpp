@@ -408,9 +408,13 @@ void Recipe::validate() const {
                   "that is QLoRA");
     }
     // The precision's dtype is the load dtype and bnb_4bit_compute_dtype; prepare_model_for_kbit_training
-    // makes everything else fp32. Autocast over that, or a master copy, is not modelled.
-    if (precision != Precision::kFp32 && precision != Precision::kBf16True && precision != Precision::kFp16True) {
-      throw Error("precision: load_in_4bit runs with fp32, bf16-true or fp16-true (the 4-bit matmuls' dtype), got " +
+    // makes everything else fp32. Training may also run under autocast (bf16-mixed: the compute
+    // dtype is autocast's); a master copy is not modelled.
+    const bool autocast = precision == Precision::kBf16Mixed || precision == Precision::kFp16Mixed;
+    if (precision != Precision::kFp32 && precision != Precision::kBf16True && precision != Precision::kFp16True &&
+        !(autocast && mode == Mode::kTraining)) {
+      throw Error("precision: load_in_4bit runs with fp32, bf16-true or fp16-true (the 4-bit matmuls' dtype), or "
+                  "for training under autocast (bf16-mixed, fp16-mixed), got " +
                   std::string(to_string(precision)));
     }
   }

@@ -198,22 +198,26 @@ TEST(Fit, FewerReplaysGiveTheSameAnswers) {
 TEST(Fit, QloraFloorAndSingleChange) {
   const Model m = model::with_layers(load_model("llama-3.2-1b"), 2);
   for (bool dq : {false, true}) {
+   for (Precision p : {Precision::kBf16True, Precision::kBf16Mixed}) {
     Recipe r = base_recipe("h100-80gb", 64);
-    r.precision = Precision::kBf16True;
+    r.precision = p;
     r.lora.rank = 8;
     r.lora.targets = {"default"};
     r.quant.load_in_4bit = true;
     r.quant.double_quant = dq;
     const Estimate e = estimate(m, r);
     EXPECT_LE(plan::persistent_floor(m, r), e.breakdown_at_peak[0]);
-    EXPECT_GT(plan::persistent_floor(m, r), e.breakdown_at_peak[0] * 9 / 10);
+    // Under autocast the peak's weights also hold the frozen lm_head's bf16 cast (made at each use).
+    if (p == Precision::kBf16True) EXPECT_GT(plan::persistent_floor(m, r), e.breakdown_at_peak[0] * 9 / 10);
+   }
   }
   FitRequest q;
   q.base = base_recipe("a100-40gb", 512);
   const FitResult f = fit(m, q);
   bool offered = false;
   for (const Change& c : f.changes) {
-    if (c.what != "qlora 16 (default targets): nf4 base, double quant, bf16-true") continue;
+    // The user's precision is kept: a 4-bit base runs under autocast too.
+    if (c.what != "qlora 16 (default targets): nf4 base, double quant, bf16-mixed") continue;
     offered = true;
     EXPECT_TRUE(c.plan.recipe.quant.enabled() && c.plan.recipe.lora.rank == 16);
     EXPECT_EQ(c.plan.peak_reserved_bytes, estimate(m, c.plan.recipe).peak_reserved_bytes);

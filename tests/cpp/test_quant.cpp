@@ -103,9 +103,12 @@ TEST(QloraRecipe, Errors) {
   EXPECT_EQ(error_of([&] { parse_recipe(s); }),
             "load_in_4bit: a 4-bit base model cannot be trained itself; add LoRA adapters (lora_rank > 0): that is QLoRA");
   s = qlora_spelling();
-  s.precision = "bf16-mixed";
+  s.precision = "bf16-mixed";  // autocast over the fp32 model, bf16 4-bit matmuls
+  EXPECT_EQ(parse_recipe(s).precision, Precision::kBf16Mixed);
+  s.precision = "bf16-master";
   EXPECT_EQ(error_of([&] { parse_recipe(s); }),
-            "precision: load_in_4bit runs with fp32, bf16-true or fp16-true (the 4-bit matmuls' dtype), got bf16-mixed");
+            "precision: bf16-master keeps fp32 masters of half trainable weights, but peft makes LoRA adapters fp32 "
+            "already; use bf16-true (half base, fp32 adapters) or bf16-mixed");
   s = RecipeSpelling{};
   s.bnb_4bit_use_double_quant = true;
   EXPECT_EQ(error_of([&] { parse_recipe(s); }),

@@ -81,8 +81,9 @@ def test_qlora_keywords_match_the_cli(run):
     assert est.recipe["bnb_4bit_quant_type"] == "nf4" and est.recipe["load_in_4bit"] is True
     with pytest.raises(ValueError, match="load_in_4bit: must be True or False"):
         trainmem.estimate("llama-3.2-1b", lora_rank=8, load_in_4bit="yes", precision="bf16-true")
-    with pytest.raises(ValueError, match="precision: load_in_4bit runs with fp32, bf16-true or fp16-true"):
-        trainmem.estimate("llama-3.2-1b", lora_rank=8, load_in_4bit=True, precision="bf16-mixed")
+    # QLoRA under autocast: the 4-bit matmuls in autocast's dtype.
+    assert trainmem.estimate("llama-3.2-1b", lora_rank=8, load_in_4bit=True,
+                             precision="bf16-mixed").recipe["precision"] == "bf16-mixed"
     # Without a precision a 4-bit base runs in bf16-true, its matmuls' dtype.
     assert trainmem.estimate("llama-3.2-1b", lora_rank=8, load_in_4bit=True).recipe["precision"] == "bf16-true"
     # Qwen2's biased q/k/v are quantized too (Note [Quantized linear biases]), no longer refused.

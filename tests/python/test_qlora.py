@@ -28,7 +28,7 @@ from trainmem.measure.models import ModelSpec, build_real_model, quant_state_ten
 
 @pytest.mark.parametrize("knobs,message", [
     (dict(load_in_4bit=True), "load_in_4bit: a 4-bit base model cannot be trained itself; add LoRA adapters"),
-    (dict(lora_rank=8, load_in_4bit=True, precision="bf16-mixed"),
+    (dict(mode="inference", load_in_4bit=True, precision="bf16-mixed"),
      "precision='bf16-mixed' with load_in_4bit is not measured"),
     (dict(lora_rank=8, load_in_4bit=True, precision="bf16-true", bnb_4bit_quant_type="int4"),
      "bnb_4bit_quant_type='int4' is not one of fp4, nf4"),

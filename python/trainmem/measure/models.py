@@ -110,6 +110,11 @@ def model_dtype(recipe: Recipe) -> torch.dtype:
     return _DTYPES[recipe.weight_dtype_name]
 
 
+def compute_dtype(recipe: Recipe) -> torch.dtype:
+    """The matmuls' dtype: autocast's under bf16-/fp16-mixed, else the weights'."""
+    return _DTYPES[recipe.autocast_dtype_name or recipe.weight_dtype_name]
+
+
 def _causal_lm_from_config(cfg, recipe: Recipe):
     from transformers import AutoModelForCausalLM
 
@@ -208,7 +213,7 @@ def bnb_config(recipe: Recipe):
         return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=recipe.bnb_4bit_quant_type,
                               bnb_4bit_use_double_quant=recipe.bnb_4bit_use_double_quant,
-                              bnb_4bit_compute_dtype=model_dtype(recipe))
+                              bnb_4bit_compute_dtype=compute_dtype(recipe))
 
 
 def build_quantized_model(model, recipe: Recipe, device: str):

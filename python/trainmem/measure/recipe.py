@@ -372,10 +372,11 @@ class Recipe:
         if self.mode == "training" and not self.uses_lora:
             raise RecipeError("load_in_4bit: a 4-bit base model cannot be trained itself; add LoRA adapters "
                               "(lora_rank > 0): that is QLoRA")
-        if self.precision not in QUANTIZED_PRECISIONS:
+        if self.precision not in QUANTIZED_PRECISIONS and not (self.autocast_dtype_name and self.mode == "training"):
             key = "load_in_4bit" if self.load_in_4bit else "load_in_8bit"
             raise RecipeError(f"precision={self.precision!r} with {key} is not measured: the precision's dtype "
-                              f"is the load and compute dtype; use {', '.join(QUANTIZED_PRECISIONS)}")
+                              f"is the load and compute dtype; use {', '.join(QUANTIZED_PRECISIONS)}, or for "
+                              "training bf16-mixed / fp16-mixed (autocast's dtype is the compute dtype)")
 
     @property
     def is_quantized(self) -> bool:
