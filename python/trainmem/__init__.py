@@ -86,6 +86,7 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     "parallel": "none",  # none | ddp | fsdp | zero1 | zero2 | zero3 (docs/parallelism.md)
     "tp": 1,  # tensor-parallel degree (docs/parallelism.md "Tensor parallelism")
     "sequence_parallel": False,  # with tp > 1: SequenceParallel on the norms ("Sequence parallelism")
+    "cp": 1,  # context-parallel degree, ring attention (docs/parallelism.md "Context parallelism"; unmeasured)
     "pp": 1,  # pipeline-parallel degree, one stage per GPU (docs/parallelism.md "Pipeline parallelism")
     "pp_schedule": "1f1b",  # with pp > 1: 1f1b | gpipe
     "fsdp_reshard_after_forward": True,  # parallel fsdp: False keeps the layers gathered (SHARD_GRAD_OP)
@@ -94,7 +95,7 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     "fsdp_reduce_dtype": "none",  # MixedPrecisionPolicy reduce_dtype, none | fp32 | bf16
     "offload": "none",  # none | optimizer (DeepSpeed offload_optimizer, zero1 / zero2)
 }
-_COUNTS = ("batch", "seq", "grad_accum", "new_tokens", "beams", "gpus", "tp", "pp", "fsdp_replicate")
+_COUNTS = ("batch", "seq", "grad_accum", "new_tokens", "beams", "gpus", "tp", "cp", "pp", "fsdp_replicate")
 
 
 def _source(model: Any) -> bytes:

@@ -297,8 +297,9 @@ std::uint64_t plan::persistent_floor(const Model& m, const Recipe& r) {
 // shards, buckets and partitions come and go on their own schedule; LoRA counts its frozen
 // weights only): every other recipe gets the persistent floor alone.
 std::uint64_t plan::loss_floor(const Model& m, const Recipe& r) {
+  // A pipeline stage may hold no loss, and a context-parallel rank only its own tokens' logits.
   if (r.loss != Loss::kStandard || r.mode != Mode::kTraining || r.gpus != 1 || r.parallel != Parallel::kNone ||
-      r.tp != 1) {
+      r.tp != 1 || r.pp != 1 || r.cp != 1) {
     return 0;
   }
   const std::uint64_t logits = detail::mul({r.batch, r.seq, m.arch.vocab_size, 8}, "loss floor bytes");
@@ -507,7 +508,8 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
                       pr.pp = q.gpus;
                       pr.grad_accum = out.global_batch / b;
                       if (valid(pr) && pipeline_modelled(model, pr)) {
-                        out_space.push_back({pr, step_time(model, pr), plan::persistent_floor(model, pr)});
+                        const std::uint64_t pfloor = plan::persistent_floor(model, pr);
+                        out_space.push_back({pr, step_time(model, pr), pfloor, pfloor});
                       }
                     }
                   }
