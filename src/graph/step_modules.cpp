@@ -309,17 +309,9 @@ T StepBuilder::seq_all_gather(const T& shard, bool partial_grad) {
 // Partial -> Shard(1): the chunks concatenated on dim 0, reduce_scatter_tensor into this rank's
 // shard. Backward all-gathers the shard's gradient (stacked, then concatenated on dim 1).
 T StepBuilder::seq_reduce_scatter(const T& partial) {
-  const std::uint64_t n = partial.numel;
-  T stacked = fresh(n, partial.dtype);
-  T shard = fresh(n / sp_, partial.dtype);
+  T stacked = fresh(partial.numel, partial.dtype);
+  T shard = seq_shard(partial);  // the shard, with the same backward as a plain one
   t_.drop(stacked);
-  if (partial.requires_grad()) {
-    requires_grad(shard);
-    Node nd = node(shard);
-    nd.inputs.push_back(grad_of(partial));
-    nd.scratch.push_back(partial.bytes());  // all_gather_into_tensor's stacked output
-    t_.record(std::move(nd));
-  }
   return shard;
 }
 
