@@ -22,10 +22,8 @@ namespace {
 using testing::error_of;
 using testing::kActs;
 using testing::kWeights;
+using testing::llama_w512;
 
-Model llama_w512() {
-  return load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/llama-3.2-1b-w512-l4.json");
-}
 
 Recipe cp_recipe(std::uint64_t cp, std::uint64_t seq = 512, Precision p = Precision::kFp32) {
   Recipe r;

@@ -22,10 +22,8 @@ namespace {
 
 using testing::error_of;
 using testing::kWeights;
+using testing::llama_w512;
 
-Model llama_w512() {
-  return load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/llama-3.2-1b-w512-l4.json");
-}
 
 // The measured recipe of cpu-tp2-llamaw512l4-fp32-sgd-b2s512.
 Recipe tp_recipe(std::uint64_t tp) {

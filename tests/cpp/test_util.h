@@ -42,6 +42,11 @@ inline constexpr std::size_t kTemps = static_cast<std::size_t>(Category::kTempor
 // parameter count.
 inline constexpr std::uint64_t kGpt2L2Params = 53'561'088;
 inline Model gpt2_l2() { return load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/gpt2-l2.json"); }
+// The narrow 4-layer Llama of the tensor-, pipeline- and context-parallel measurements (hidden 512,
+// 8 heads, 4 KV heads).
+inline Model llama_w512() {
+  return load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/llama-3.2-1b-w512-l4.json");
+}
 
 // The data-parallel measurements' recipe shape: batch 2 x 32 tokens on the CPU, expandable
 // segments, under `parallel` over `gpus` ranks.
