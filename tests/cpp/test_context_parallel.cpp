@@ -24,7 +24,6 @@ using testing::kActs;
 using testing::kWeights;
 using testing::llama_w512;
 
-
 Recipe cp_recipe(std::uint64_t cp, std::uint64_t seq = 512, Precision p = Precision::kFp32) {
   Recipe r;
   r.batch = 1;

@@ -22,7 +22,6 @@ using testing::error_of;
 using testing::kWeights;
 using testing::llama_w512;
 
-
 // The measured recipe of cpu-pp2-llamaw512l4-fp32-adamw-ga4-b2s128.
 Recipe pp_recipe(std::uint64_t pp, std::uint64_t micro_batches) {
   Recipe r;

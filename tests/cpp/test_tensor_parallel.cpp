@@ -24,7 +24,6 @@ using testing::error_of;
 using testing::kWeights;
 using testing::llama_w512;
 
-
 // The measured recipe of cpu-tp2-llamaw512l4-fp32-sgd-b2s512.
 Recipe tp_recipe(std::uint64_t tp) {
   Recipe r;
