@@ -107,10 +107,14 @@ std::string recipe_words(const Recipe& r) {
                 std::string(to_string(r.optimizer)).c_str(), std::string(to_string(r.checkpointing)).c_str(),
                 std::string(to_string(r.loss)).c_str(), std::string(to_string(r.allocator)).c_str());
   std::string words = buf;
-  if (r.parallel != Parallel::kNone || r.tp > 1) {  // column "dp / tp": the wrapper (ZeRO-Offload if on), or the TP degree
+  // Column "parallel": the data-parallel wrapper (with its CPU offload), or the tensor-, pipeline-
+  // or context-parallel degree.
+  if (r.parallel != Parallel::kNone || r.tp > 1 || r.pp > 1 || r.cp > 1) {
     std::string dp(to_string(r.parallel));
     if (r.offload != Offload::kNone) dp += "+offload";
     if (r.tp > 1) dp = "tp" + std::to_string(r.tp) + (r.sequence_parallel ? "+sp" : "");
+    if (r.pp > 1) dp = "pp" + std::to_string(r.pp) + (r.pp_schedule == PipelineSchedule::kGPipe ? "+gpipe" : "");
+    if (r.cp > 1) dp = "cp" + std::to_string(r.cp);
     char col[32];
     std::snprintf(col, sizeof col, " %-13s", dp.c_str());
     words += col;
@@ -209,7 +213,7 @@ std::string fit_to_text(const std::string& model, const FitResult& f) {
     const bool host = std::any_of(f.plans.begin(), f.plans.end(),
                                   [](const Plan& p) { return p.recipe.offload != Offload::kNone; });
     add("%3s %-11s %-11s %-11s %-4s %-8s %-10s%s %12s %12s %10s%s\n", "#", "batch x acc", "precision", "optimizer",
-        "ckpt", "loss", "allocator", f.gpus > 1 ? " dp / tp      " : "", "reserved", "allocated", "step time",
+        "ckpt", "loss", "allocator", f.gpus > 1 ? " parallel     " : "", "reserved", "allocated", "step time",
         host ? "         host" : "");
     for (std::size_t i = 0; i < f.plans.size(); ++i) {
       const Plan& p = f.plans[i];
