@@ -81,6 +81,12 @@ constexpr std::uint64_t kMaxCp = 64;  // as many as tensor parallelism's
 constexpr std::uint64_t kMaxPp = 64;  // the measuring side's MAX_PP
 constexpr std::uint64_t kMaxTp = 64;  // the measuring side's MAX_TP (python/trainmem/measure/recipe.py)
 
+// A precision with one dtype for weights and compute: no autocast, no master copy.
+bool one_dtype(Precision p) { return p == Precision::kFp32 || p == Precision::kBf16True || p == Precision::kFp16True; }
+
+// A torch optimizer (torch.optim.AdamW, fused or not, or SGD), not bitsandbytes' or transformers'.
+bool torch_optimizer(Optimizer o) { return o == Optimizer::kAdamW || o == Optimizer::kAdamWFused || o == Optimizer::kSgd; }
+
 void check_range(std::string_view field, std::uint64_t v, std::uint64_t max) {
   if (v < 1 || v > max) {
     throw Error(std::string(field) + ": must be between 1 and " + std::to_string(max) + ", got " +
@@ -125,7 +131,7 @@ void validate_tensor_parallel(const Recipe& r) {
     throw Error(tp + " with LoRA or a 4-bit base is not modelled (peft's and bitsandbytes' layers are not the "
                      "nn.Linear modules ColwiseParallel / RowwiseParallel shard)");
   }
-  if (r.optimizer == Optimizer::kAdamW8bit || r.optimizer == Optimizer::kAdafactor) {
+  if (!torch_optimizer(r.optimizer)) {
     throw Error(tp + " with optimizer " + std::string(to_string(r.optimizer)) +
                 " is not modelled; use adamw, adamw-fused or sgd");
   }
@@ -133,7 +139,7 @@ void validate_tensor_parallel(const Recipe& r) {
     throw Error(tp + " with loss fused is not modelled (the chunked loss reads lm_head.weight outside the "
                      "module's forward); use standard");
   }
-  if (r.precision != Precision::kFp32 && r.precision != Precision::kBf16True && r.precision != Precision::kFp16True) {
+  if (!one_dtype(r.precision)) {
     throw Error(tp + " with precision " + std::string(to_string(r.precision)) +
                 " is not modelled (autocast's cached casts and master copies of DTensor parameters are "
                 "unmeasured); use fp32, bf16-true or fp16-true");
@@ -153,7 +159,7 @@ void validate_pipeline_parallel(const Recipe& r) {
   }
   if (r.mode == Mode::kInference) throw Error(pp + " is a training knob; inference runs on one GPU");
   if (r.lora.enabled() || r.quant.any()) throw Error(pp + " with LoRA or a quantized base is not modelled");
-  if (r.optimizer != Optimizer::kAdamW && r.optimizer != Optimizer::kAdamWFused && r.optimizer != Optimizer::kSgd) {
+  if (!torch_optimizer(r.optimizer)) {
     throw Error(pp + " with optimizer " + std::string(to_string(r.optimizer)) +
                 " is not modelled; use adamw, adamw-fused or sgd");
   }
@@ -161,7 +167,7 @@ void validate_pipeline_parallel(const Recipe& r) {
     throw Error(pp + " with loss fused is not modelled (the last stage's loss is the schedule's loss_fn on the "
                      "logits); use standard");
   }
-  if (r.precision != Precision::kFp32 && r.precision != Precision::kBf16True && r.precision != Precision::kFp16True) {
+  if (!one_dtype(r.precision)) {
     throw Error(pp + " with precision " + std::string(to_string(r.precision)) +
                 " is not modelled (autocast around a stage and master copies are unmeasured); use fp32, bf16-true "
                 "or fp16-true");
@@ -213,7 +219,7 @@ void validate_parallel(const Recipe& r) {
                   " under parallel fsdp is not modelled (FSDP2 keeps no separate master copy: its bf16 compute "
                   "over fp32 weights is a MixedPrecisionPolicy); use fp32, bf16-true or bf16-mixed");
     }
-    if (r.optimizer == Optimizer::kAdamW8bit || r.optimizer == Optimizer::kAdafactor) {
+    if (!torch_optimizer(r.optimizer)) {
       throw Error("optimizer: " + std::string(to_string(r.optimizer)) +
                   " under parallel fsdp is not modelled; use adamw, adamw-fused or sgd");
     }
@@ -250,7 +256,7 @@ void validate_parallel(const Recipe& r) {
                   " is not modelled (DeepSpeed's bf16 mode is a bf16 model over fp32 master partitions); use "
                   "fp32 or bf16-master");
     }
-    if (r.optimizer != Optimizer::kAdamW && r.optimizer != Optimizer::kAdamWFused && r.optimizer != Optimizer::kSgd) {
+    if (!torch_optimizer(r.optimizer)) {
       throw Error("optimizer: " + std::string(to_string(r.optimizer)) + " under parallel " + p +
                   " is not modelled; use adamw, adamw-fused or sgd (a torch optimizer handed to deepspeed.initialize)");
     }
@@ -371,7 +377,7 @@ void Recipe::validate() const {
   find_gpu(gpu);
   if (mode == Mode::kInference) {
     // Generation: weights in one dtype, no optimizer, no accumulation, no adapters (merge them).
-    if (precision != Precision::kFp32 && precision != Precision::kBf16True && precision != Precision::kFp16True) {
+    if (!one_dtype(precision)) {
       throw Error("precision: inference loads the weights in one dtype: fp32, bf16-true or fp16-true, got " +
                   std::string(to_string(precision)));
     }
@@ -411,7 +417,7 @@ void Recipe::validate() const {
     // makes everything else fp32. Training may also run under autocast (bf16-mixed: the compute
     // dtype is autocast's); a master copy is not modelled.
     const bool autocast = precision == Precision::kBf16Mixed || precision == Precision::kFp16Mixed;
-    if (precision != Precision::kFp32 && precision != Precision::kBf16True && precision != Precision::kFp16True &&
+    if (!one_dtype(precision) &&
         !(autocast && mode == Mode::kTraining)) {
       throw Error("precision: load_in_4bit runs with fp32, bf16-true or fp16-true (the 4-bit matmuls' dtype), or "
                   "for training under autocast (bf16-mixed, fp16-mixed), got " +
