@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -61,6 +62,17 @@ inline Recipe dp_recipe(Parallel parallel, std::uint64_t gpus, Precision precisi
   r.gpus = gpus;
   r.validate();
   return r;
+}
+
+// Live bytes per category after the trace's first `events` events.
+inline std::array<std::uint64_t, 6> live_after_events(const graph::Trace& t, std::size_t events) {
+  std::array<std::uint64_t, 6> live{};
+  for (std::size_t i = 0; i < events; ++i) {
+    const graph::Event& e = t.events[i];
+    const std::size_t c = static_cast<std::size_t>(t.storages[e.tensor].category);
+    live[c] = e.alloc ? live[c] + t.storages[e.tensor].bytes : live[c] - t.storages[e.tensor].bytes;
+  }
+  return live;
 }
 
 // Bytes of the storages first allocated under the op `op`, in order.

@@ -284,13 +284,7 @@ std::array<std::uint64_t, 6> live_after_forward(const graph::Trace& t, std::uint
     const graph::MomentTag& m = t.moments[t.events[i].moment];
     if (m.step == step && m.phase == Phase::kForward && m.op == op) last = i + 1;
   }
-  std::array<std::uint64_t, 6> live{};
-  for (std::size_t i = 0; i < last; ++i) {
-    const graph::Event& e = t.events[i];
-    const std::size_t c = static_cast<std::size_t>(t.storages[e.tensor].category);
-    live[c] = e.alloc ? live[c] + t.storages[e.tensor].bytes : live[c] - t.storages[e.tensor].bytes;
-  }
-  return live;
+  return testing::live_after_events(t, last);
 }
 
 std::uint64_t gpt2_l2_partition(std::uint64_t world) {

@@ -49,13 +49,7 @@ std::array<std::uint64_t, 6> live_after(const graph::Trace& t, std::uint32_t ste
       if (m.step == step && m.op == op) last = i + 1;
     }
   }
-  std::array<std::uint64_t, 6> live{};
-  for (std::size_t i = 0; i < last; ++i) {
-    const graph::Event& e = t.events[i];
-    const std::size_t c = static_cast<std::size_t>(t.storages[e.tensor].category);
-    live[c] = e.alloc ? live[c] + t.storages[e.tensor].bytes : live[c] - t.storages[e.tensor].bytes;
-  }
-  return live;
+  return testing::live_after_events(t, last);
 }
 
 std::uint64_t most_live(const graph::Trace& t, std::size_t category) {
@@ -221,11 +215,8 @@ TEST(Zero3Offload, TheBoundaryMicroBatchTakesTheNormsAndIsNeverSkipped) {
   EXPECT_FALSE(allocs_at(one, "zero3.offload_grad_norm").empty());
 }
 
-TEST(Zero3Offload, RecipeRefusals) {
-  Recipe r = dp_recipe(Parallel::kFsdp, 2, Precision::kFp32);
-  r.offload = Offload::kOptimizer;
-  EXPECT_NE(error_of([&] { r.validate(); }).find("CPUOffloadPolicy is not modelled yet"), std::string::npos);
-  r = dp_recipe(Parallel::kDdp, 2, Precision::kFp32);
+TEST(Zero3Offload, RecipeRefusals) {  // FSDP2's CPUOffloadPolicy: ZeroOffload.RecipeRefusals
+  Recipe r = dp_recipe(Parallel::kDdp, 2, Precision::kFp32);
   r.offload = Offload::kParams;
   EXPECT_NE(error_of([&] { r.validate(); }).find("needs parallel zero1, zero2 or zero3"), std::string::npos);
   r = dp_recipe(Parallel::kZero2, 2, Precision::kFp32);
