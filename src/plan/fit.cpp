@@ -160,6 +160,15 @@ std::vector<T> values(const FitRequest& q, std::string_view knob, T base, std::v
   return all;
 }
 
+// Note [Pipeline schedule in the planner]
+// A pipeline recipe of M micro-batches on N stages is searched with one schedule, never both:
+//  * M >= N: Schedule1F1B. Its step time is GPipe's in the time model (both take M + N - 1
+//    micro-batch slots, time.cpp), and it holds less: stage s keeps N - s micro-batches'
+//    activations in flight where GPipe keeps all M (Note [Pipeline parallelism] in
+//    graph/pipeline.cpp), so a GPipe plan would only repeat it, slower to fit.
+//  * M < N: ScheduleGPipe, the only one torch runs there (Schedule1F1B refuses fewer micro-batches
+//    than stages, recipe.cpp). That is where a small global batch over many GPUs lands.
+
 // The model-dependent part of what the engine splits into stages (graph/pipeline.h).
 bool pipeline_modelled(const Model& m, const Recipe& r) {
   try {
@@ -461,11 +470,21 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
       // A tensor-parallel group of all the GPUs is one data-parallel rank: no wrapper, the
       // global batch; with and without sequence parallelism.
       const std::uint64_t per_rank = tp > 1 ? out.global_batch : per_gpu;
-      const std::vector<std::uint64_t> tp_batches = tp > 1 ? batches_for(per_rank) : batches;
+      std::vector<std::uint64_t> tp_batches = tp > 1 ? batches_for(per_rank) : batches;
+      // A pipeline stage runs the whole global batch (below), so its micro-batches reach past the
+      // data-parallel ones: those go last, and make pipeline recipes only.
+      const std::size_t dp_batches = tp_batches.size();
+      const bool pipelines = tp == 1 && q.gpus > 1 && !fixed(q, "parallel");
+      if (pipelines) {
+        for (std::uint64_t b : batches_for(out.global_batch)) {
+          if (std::find(tp_batches.begin(), tp_batches.end(), b) == tp_batches.end()) tp_batches.push_back(b);
+        }
+      }
       const std::vector<Parallel> tp_parallels = tp > 1 ? std::vector<Parallel>{Parallel::kNone} : parallels;
       const std::vector<bool> sps = tp > 1 ? std::vector<bool>{false, true} : std::vector<bool>{false};
       for (bool sp : sps) {
-        for (std::uint64_t b : tp_batches) {
+        for (std::size_t bi = 0; bi < tp_batches.size(); ++bi) {
+          const std::uint64_t b = tp_batches[bi];
           for (Precision p : precisions) {
             for (Optimizer o : optimizers) {
               for (Checkpointing c : ckpts) {
@@ -489,7 +508,7 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
                     r.allocator = allocators.front();
                     for (Offload off : offloads) {
                       r.offload = off;
-                      if (!valid(r)) continue;
+                      if (bi >= dp_batches || !valid(r)) continue;
                       const std::uint64_t floor = rank_floor(model, r);
                       out_space.push_back({r, step_time(model, r), floor,
                                            reference ? floor : std::max(floor, plan::loss_floor(model, r))});
@@ -497,9 +516,10 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
                     // Pipeline parallelism over every GPU (Note [Pipeline parallelism] in
                     // graph/pipeline.cpp): one stage per GPU, each stage sees the whole global batch
                     // as grad_accum micro-batches of b; searched with the other wrappers, where the
-                    // recipe and the model take it.
-                    if (tp == 1 && !sp && dp == parallels.front() && q.gpus > 1 && !fixed(q, "parallel") &&
-                        out.global_batch % b == 0 && out.global_batch / b <= kMaxAccum) {
+                    // recipe and the model take it. One schedule per recipe, Note [Pipeline schedule
+                    // in the planner].
+                    if (pipelines && dp == parallels.front() && out.global_batch % b == 0 &&
+                        out.global_batch / b <= kMaxAccum) {
                       Recipe pr = r;
                       pr.gpus = 1;
                       pr.parallel = Parallel::kNone;
@@ -507,6 +527,7 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
                       pr.offload = Offload::kNone;
                       pr.pp = q.gpus;
                       pr.grad_accum = out.global_batch / b;
+                      pr.pp_schedule = pr.grad_accum >= pr.pp ? PipelineSchedule::k1F1B : PipelineSchedule::kGPipe;
                       if (valid(pr) && pipeline_modelled(model, pr)) {
                         const std::uint64_t pfloor = plan::persistent_floor(model, pr);
                         out_space.push_back({pr, step_time(model, pr), pfloor, pfloor});

@@ -122,10 +122,34 @@ def test_several_gpus_search_pipeline_stages(run):
         assert rc["pp"] == 4 and "gpus" not in rc and rc["batch"] * rc["grad_accum"] == 32
         e = json.loads(run("estimate", "mistral-7b-v0.3", "--gpu", "a100-40gb", "--batch", rc["batch"], "--grad-accum",
                            rc["grad_accum"], "--seq", rc["seq"], "--precision", rc["precision"], "--optimizer",
-                           rc["optimizer"], "--allocator", rc["allocator"], "--pp", "4", "--json", timeout=300).stdout)
+                           rc["optimizer"], "--allocator", rc["allocator"], "--pp", "4", "--pp-schedule",
+                           rc["pp_schedule"], "--json", timeout=300).stdout)
         assert e["peak_reserved_bytes"] == p["peak_reserved_bytes"] and len(e["ranks"]) == 4
     held = json.loads(run(*args, "--parallel", "fsdp", timeout=600).stdout)
     assert all(p["recipe"].get("pp", 1) == 1 for p in held["plans"])
+
+
+def test_pipeline_micro_batches_past_the_data_parallel_ones_run_gpipe(run):
+    # A global batch of 4 over 4 GPUs: data parallelism has micro-batch 1 only, a pipeline stage runs
+    # all 4 sequences, as 4 micro-batches of 1 (1F1B) or 2 of 2 and 1 of 4, fewer than the stages,
+    # where torch runs GPipe only (Note [Pipeline schedule in the planner]).
+    j = json.loads(run("fit", "mistral-7b-v0.3", "--gpu", "a100-40gb", "--gpus", "4", "--seq", "2048",
+                       "--global-batch", "4", "--top", "40", "--json", timeout=600).stdout)
+    pp = [p["recipe"] for p in j["plans"] if p["recipe"].get("pp", 1) > 1]
+    assert {(r["batch"], r["grad_accum"], r["pp_schedule"]) for r in pp} >= {(1, 4, "1f1b"), (2, 2, "gpipe")}, pp
+    for r in pp:
+        assert r["batch"] * r["grad_accum"] == 4
+        assert r["pp_schedule"] == ("1f1b" if r["grad_accum"] >= 4 else "gpipe")
+    dp = [p["recipe"] for p in j["plans"] if p["recipe"].get("pp", 1) == 1 and p["recipe"].get("tp", 1) == 1]
+    assert dp and all(r["batch"] == 1 and r["grad_accum"] == 1 for r in dp), dp
+    gpipe = next(p for p in j["plans"] if p["recipe"].get("pp_schedule") == "gpipe")
+    rc = gpipe["recipe"]
+    e = json.loads(run("estimate", "mistral-7b-v0.3", "--gpu", "a100-40gb", "--batch", rc["batch"], "--grad-accum",
+                       rc["grad_accum"], "--seq", rc["seq"], "--precision", rc["precision"], "--optimizer",
+                       rc["optimizer"], "--allocator", rc["allocator"], "--pp", "4", "--pp-schedule", "gpipe",
+                       "--json", timeout=300).stdout)
+    assert e["peak_reserved_bytes"] == gpipe["peak_reserved_bytes"]
+    assert e["peak_allocated_bytes"] == gpipe["peak_allocated_bytes"]
 
 
 def test_a_held_precision_zero_refuses_leaves_it_out(run):
