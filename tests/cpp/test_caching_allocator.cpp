@@ -9,6 +9,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <map>
+#include <set>
+#include <tuple>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -634,5 +637,197 @@ TEST(CachingAllocatorTrace, RandomTraceKeepsTheBooksBalanced) {
   }
 }
 
+
+// ---- every decision against a plain model of best fit ----
+
+// The caching allocator without its index: free blocks in one ordered set per pool, keyed
+// (stream, size, address) as PyTorch's BlockComparatorSize orders them, every block in an
+// address-ordered map. Segments only (no expandable arenas). It uses CachingAllocator's
+// sizing helpers (round_size, allocation_size), so what it checks is the index and the
+// take/split/merge/release bookkeeping around it: which block best fit picks, in every tie.
+class PlainAllocator {
+ public:
+  explicit PlainAllocator(AllocatorConfig config) : config_(config) {}
+
+  // Returns the address of the block handed out.
+  std::uint64_t allocate(std::uint64_t requested_bytes, int stream) {
+    const std::uint64_t size = CachingAllocator::round_size(requested_bytes, config_);
+    const int pool = size <= CachingAllocator::kSmallRequestMaxBytes ? 0 : 1;
+    std::uint64_t address = 0;
+    auto it = free_[pool].lower_bound({stream, size, 0});
+    const bool fits = it != free_[pool].end() && std::get<0>(*it) == stream;
+    const std::uint64_t found = fits ? std::get<1>(*it) : 0;
+    const std::uint64_t max_split = config_.max_split_size_bytes;
+    const bool vetoed = fits && ((size < max_split && found >= max_split) ||
+                                 (size >= max_split && found - size >= config_.max_non_split_rounding_bytes));
+    if (fits && !vetoed) {
+      address = std::get<2>(*it);
+      free_[pool].erase(it);
+    } else {
+      const std::uint64_t segment = CachingAllocator::allocation_size(size);
+      address = next_address_;
+      next_address_ += segment;
+      blocks_[address] = Block{segment, address, stream, pool, false};
+      reserved_bytes_ += segment;
+      ++segments_;
+    }
+    Block& b = blocks_.at(address);
+    const std::uint64_t remaining = b.size - size;
+    const bool split = pool == 0 ? remaining >= CachingAllocator::kMinBlockBytes
+                                 : size < max_split && remaining > CachingAllocator::kSmallRequestMaxBytes;
+    if (split) {
+      blocks_[address + size] = Block{remaining, b.segment, stream, pool, false};
+      free_[pool].insert({stream, remaining, address + size});
+      b.size = size;
+    }
+    b.allocated = true;
+    allocated_bytes_ += b.size;
+    return address;
+  }
+
+  void release(std::uint64_t address) {
+    auto it = blocks_.find(address);
+    it->second.allocated = false;
+    allocated_bytes_ -= it->second.size;
+    if (it != blocks_.begin()) {
+      auto prev = std::prev(it);
+      if (!prev->second.allocated && prev->second.segment == it->second.segment) {
+        unfree(prev);
+        prev->second.size += it->second.size;
+        blocks_.erase(it);
+        it = prev;
+      }
+    }
+    auto next = std::next(it);
+    if (next != blocks_.end() && !next->second.allocated && next->second.segment == it->second.segment) {
+      unfree(next);
+      it->second.size += next->second.size;
+      blocks_.erase(next);
+    }
+    free_[it->second.pool].insert({it->second.stream, it->second.size, it->first});
+  }
+
+  void empty_cache() {
+    for (auto it = blocks_.begin(); it != blocks_.end();) {
+      const Block& b = it->second;
+      if (!b.allocated && b.segment == it->first && is_last_of_segment(it)) {
+        unfree(it);
+        reserved_bytes_ -= b.size;
+        --segments_;
+        it = blocks_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+
+  // The same ranges CachingAllocator::layout() gives, less the ids.
+  void expect_same_layout(const CachingAllocator& real, std::vector<CachingAllocator::RangeView>& ranges) const {
+    real.layout(ranges);
+    ASSERT_EQ(ranges.size(), blocks_.size());
+    auto it = blocks_.begin();
+    for (const auto& r : ranges) {
+      ASSERT_EQ(r.address, it->first);
+      ASSERT_EQ(r.size, it->second.size) << "at address " << r.address;
+      ASSERT_EQ(r.allocated, it->second.allocated) << "at address " << r.address;
+      ASSERT_EQ(r.stream, it->second.stream);
+      ASSERT_EQ(r.segment_start, it->second.segment == it->first);
+      ++it;
+    }
+    ASSERT_EQ(real.allocated_bytes(), allocated_bytes_);
+    ASSERT_EQ(real.reserved_bytes(), reserved_bytes_);
+    ASSERT_EQ(real.segment_count(), segments_);
+    ASSERT_EQ(real.next_address(), next_address_);
+  }
+
+ private:
+  struct Block {
+    std::uint64_t size;
+    std::uint64_t segment;  // address of the segment's first block
+    int stream;
+    int pool;
+    bool allocated;
+  };
+  using Iter = std::map<std::uint64_t, Block>::iterator;
+  void unfree(Iter it) { free_[it->second.pool].erase({it->second.stream, it->second.size, it->first}); }
+  bool is_last_of_segment(Iter it) const {
+    const auto next = std::next(it);
+    return next == blocks_.end() || next->second.segment != it->second.segment;
+  }
+
+  AllocatorConfig config_;
+  std::map<std::uint64_t, Block> blocks_;
+  std::set<std::tuple<int, std::uint64_t, std::uint64_t>> free_[2];
+  std::uint64_t next_address_ = 0;
+  std::uint64_t allocated_bytes_ = 0;
+  std::uint64_t reserved_bytes_ = 0;
+  std::uint64_t segments_ = 0;
+};
+
+// Random traces built to make ties: request sizes drawn from a few dozen values (a layer's
+// tensors repeat), so many free blocks share a size, plus random sizes that leave split
+// remainders of every size; two streams; frees in random order and in reverse order of
+// allocation (as the backward frees activations); empty_cache now and then.
+TEST(CachingAllocatorTrace, EveryDecisionMatchesAPlainBestFitModel) {
+  std::vector<AllocatorConfig> configs(4);
+  configs[1].max_split_size_bytes = 40 * MiB;
+  configs[2].max_split_size_bytes = 20 * MiB;
+  configs[2].max_non_split_rounding_bytes = 30 * MiB;
+  configs[3].roundup_power2_divisions = 4;
+  std::vector<CachingAllocator::RangeView> ranges;
+  for (std::size_t ci = 0; ci < configs.size(); ++ci) {
+    SCOPED_TRACE("config " + std::to_string(ci));
+    CachingAllocator real(configs[ci]);
+    PlainAllocator plain(configs[ci]);
+    std::mt19937_64 rng(2024 + ci);
+    std::vector<std::uint64_t> common;
+    for (int k = 0; k < 40; ++k) {
+      const std::uint64_t scale = k % 3 == 0 ? 4 * KiB : k % 3 == 1 ? 256 * KiB : 6 * MiB;
+      common.push_back(1 + rng() % scale);
+    }
+    struct Live {
+      Id id;
+      std::uint64_t address;
+    };
+    std::vector<Live> live;
+    for (int step = 0; step < 12000; ++step) {
+      const int phase = (step / 1500) % 2;  // 0: mostly allocate, 1: mostly free
+      const bool do_alloc = live.empty() || rng() % 100 < (phase == 0 ? 70u : 30u);
+      if (do_alloc) {
+        const std::uint64_t kind = rng() % 8;
+        const std::uint64_t bytes = kind < 5   ? common[rng() % common.size()]
+                                    : kind == 5 ? rng() % (2 * MiB)
+                                    : kind == 6 ? rng() % (24 * MiB)
+                                                : rng() % (90 * MiB);
+        const int stream = rng() % 5 == 0 ? 1 : 0;
+        const Id id = real.allocate(bytes, stream);
+        const std::uint64_t address = plain.allocate(bytes, stream);
+        live.push_back({id, address});
+      } else {
+        const std::size_t pick = rng() % 2 ? live.size() - 1 : rng() % live.size();
+        real.release(live[pick].id);
+        plain.release(live[pick].address);
+        live[pick] = live.back();
+        live.pop_back();
+      }
+      if (step % 2000 == 1999) {
+        real.empty_cache();
+        plain.empty_cache();
+      }
+      plain.expect_same_layout(real, ranges);
+      if (::testing::Test::HasFatalFailure()) {
+        ADD_FAILURE() << "first difference after operation " << step;
+        return;
+      }
+      if (do_alloc) {
+        // The block handed out is the one the plain model picked.
+        const auto at = std::find_if(ranges.begin(), ranges.end(),
+                                     [&](const CachingAllocator::RangeView& r) { return r.id == live.back().id; });
+        ASSERT_NE(at, ranges.end());
+        ASSERT_EQ(at->address, live.back().address) << "operation " << step;
+      }
+    }
+  }
+}
 }  // namespace
 }  // namespace trainmem::sim
