@@ -84,23 +84,11 @@ struct AllocatorConfig {
   unsigned roundup_power2_divisions = 0;
 };
 
-// Note [Allocator symbols are hidden]
-// trainmem_core is built as position-independent code (CMAKE_POSITION_INDEPENDENT_CODE, for the
-// Python extension it is linked into). For a function with default visibility, -fPIC tells GCC
-// that the dynamic linker might replace it with another definition, so calls between the
-// allocator's own member functions (allocate -> round_size, take_free_block -> the free index,
-// release -> try_merge -> erase_free, ...) were never inlined: measured with callgrind over the
-// 45,583 events of the llama-3.1-70b seq-4096 trace (bench/alloc_replay.cpp), 15.6 M instructions
-// per replay with -fPIC against 13.0 M without. Hidden visibility makes the symbols bind inside
-// the library or module that holds them, which nothing outside needs (trainmem_core is a static
-// library; the CLI, the tests and the extension link it in), and gives back the non-PIC code.
-// Nothing the model decides depends on it.
-
 // Replays one device's caching allocator. Single-threaded; best fit is a binary
 // search over the distinct sizes of cached blocks (FreeIndex), and a warmed-up
 // replay allocates almost nothing. Not copyable or movable (the unmapped-range
 // sets draw their nodes from a pool owned by the object); reset() reuses it.
-class [[gnu::visibility("hidden")]] CachingAllocator {  // See Note [Allocator symbols are hidden]
+class CachingAllocator {  // hidden symbols: See Note [Engine symbols are hidden] in CMakeLists.txt
  public:
   using BlockId = std::uint32_t;
 
