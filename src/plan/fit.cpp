@@ -203,7 +203,7 @@ bool tp_modelled(const Model& m, std::uint64_t tp) {
 // (tensor_parallel_model keeps the DTensors' global parameter_count).
 std::uint64_t rank_floor(const Model& m, const Recipe& r) {
   if (r.tp <= 1) return plan::persistent_floor(m, r);
-  Model local = graph::tensor_parallel_model(m, r.tp);
+  Model local = graph::tensor_parallel_model(m, r.tp, r.loss_parallel);
   local.parameter_count = 0;
   for (const ParameterGroup& g : local.parameters) local.parameter_count += g.numel * g.count;
   return plan::persistent_floor(local, r);
