@@ -215,6 +215,10 @@ def test_zero2_world_size_2(tiny_gpt2):
     ({"tp": 2, "gpus": 4, "parallel": "fsdp", "precision": "fp32", "fsdp_replicate": 2},
      "measured only as FSDP2 over a 2-D mesh"),
     ({"tp": 2, "sequence_parallel": 1}, "sequence_parallel must be true or false"),
+    ({"loss_parallel": True}, "loss_parallel needs tensor parallelism"),
+    ({"tp": 2, "loss_parallel": 1}, "loss_parallel must be true or false"),
+    ({"tp": 2, "gpus": 2, "parallel": "fsdp", "precision": "fp32", "loss_parallel": True},
+     "loss_parallel with parallel fsdp is not measured"),
 ])
 def test_bad_tp_knobs_are_refused(knobs, message):
     with pytest.raises(RecipeError) as info:
@@ -237,6 +241,10 @@ def test_tp_recipe_json_and_command():
     sp = Recipe(batch=2, seq=8, precision="fp32", tp=2, sequence_parallel=True)
     assert sp.as_dict()["sequence_parallel"] is True and Recipe.from_dict(sp.as_dict()) == sp
     assert "--sequence-parallel" in default_command(resolve_model("gpt2"), sp, device="cpu", fake=False)
+    assert "loss_parallel" not in d and "--loss-parallel" not in cmd
+    lp = Recipe(batch=2, seq=8, precision="fp32", tp=2, loss_parallel=True)
+    assert lp.as_dict()["loss_parallel"] is True and Recipe.from_dict(lp.as_dict()) == lp
+    assert "--loss-parallel" in default_command(resolve_model("gpt2"), lp, device="cpu", fake=False)
 
 
 @pytest.fixture(scope="module")
