@@ -287,6 +287,26 @@ def test_tp_world_size_2(tiny_llama):
     assert tp["diagnostics"]["untracked_inputs"] == 0
 
 
+
+def test_tp_loss_parallel_world_size_2(tiny_llama, tmp_path):
+    """--loss-parallel: lm_head ColwiseParallel(Shard(-1)) on top of the Megatron plan, the loss and
+    its backward inside loss_parallel(): each rank keeps half of lm_head (256 x 64 fp32) and the
+    ranks measure the same; a tied lm_head is refused before any rank starts."""
+    base = dict(batch=2, seq=8, precision="fp32", optimizer="sgd", tp=2)
+    tp = measure(str(tiny_llama), Recipe(**base))
+    lp = measure(str(tiny_llama), Recipe(**base, loss_parallel=True))
+    assert lp["recipe"]["loss_parallel"] is True and "--loss-parallel" in lp["command"]
+    assert lp["parameters"] == tp["parameters"]
+    end = lambda r: r["diagnostics"]["live_bytes_at_end"]["weights"]  # noqa: E731
+    assert end(tp) - end(lp) == 256 * 64 * 4 // 2
+    peaks = [r["peak_allocated_bytes"] for r in lp["diagnostics"]["parallel"]["ranks"]]
+    assert max(peaks) - min(peaks) <= 2 * 8 * 64 * 4, peaks
+    tied = tmp_path / "config.json"
+    tied.write_text(json.dumps({**json.loads(tiny_llama.read_text()), "tie_word_embeddings": True}))
+    with pytest.raises(RecipeError, match="tied embeddings is not measured"):
+        measure(str(tied), Recipe(**base, loss_parallel=True))
+
+
 def test_zero3_world_size_2(tiny_gpt2):
     """DeepSpeed ZeRO-3 (bf16 model, fp32 master partitions): every parameter is partitioned; this
     tiny model's parameters are all at most stage3_param_persistence_threshold (1e5) elements, so
