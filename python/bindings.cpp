@@ -79,6 +79,7 @@ NB_MODULE(_core, m) {
       .def_rw("parallel", &RecipeSpelling::parallel)
       .def_rw("tp", &RecipeSpelling::tp)
       .def_rw("sequence_parallel", &RecipeSpelling::sequence_parallel)
+      .def_rw("loss_parallel", &RecipeSpelling::loss_parallel)
       .def_rw("cp", &RecipeSpelling::cp)
       .def_rw("pp", &RecipeSpelling::pp)
       .def_rw("pp_schedule", &RecipeSpelling::pp_schedule)

@@ -31,7 +31,7 @@ def main() -> None:
         if r.get("parallel", "none") != "none":
             knobs = f"{r['parallel']}×{r['gpus']} " + knobs
         if r.get("tp", 1) > 1:
-            knobs = f"tp×{r['tp']}{'+sp' if r.get('sequence_parallel') else ''} " + knobs
+            knobs = f"tp×{r['tp']}{'+sp' if r.get('sequence_parallel') else ''}{'+lp' if r.get('loss_parallel') else ''} " + knobs
         if r.get("pp", 1) > 1:
             knobs = f"pp×{r['pp']} {r['pp_schedule']} " + knobs
         if r.get("fsdp_replicate", 1) > 1:

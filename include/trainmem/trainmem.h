@@ -246,6 +246,10 @@ struct Recipe {
   // SequenceParallel on the norms, the residual stream sharded on the sequence between the
   // all-gather before q/k/v and gate/up and the reduce-scatter after o/down.
   bool sequence_parallel = false;
+  // Loss parallelism with tp > 1 (docs/parallelism.md "Loss parallel"): lm_head ColwiseParallel
+  // with vocab-sharded logits (Shard(-1), use_local_output=False) and the cross-entropy inside
+  // torch's loss_parallel(); each rank holds vocab / tp columns of the logits and of lm_head.
+  bool loss_parallel = false;
   // Context-parallel degree (docs/parallelism.md "Context parallelism"): torch's context_parallel
   // over `cp` ranks, each holding seq / cp tokens and running ring attention in SDPA; 1 is none.
   // Mirrored from the source, not measured; today cp > 1 needs gpus 1 and tp 1. The estimate is
@@ -300,6 +304,7 @@ struct RecipeSpelling {
   std::string parallel = "none";  // none | ddp | fsdp | zero1 | zero2 | zero3
   std::uint64_t tp = 1;           // tensor-parallel degree
   bool sequence_parallel = false;  // with tp > 1: SequenceParallel on the norms
+  bool loss_parallel = false;      // with tp > 1: vocab-parallel lm_head and loss_parallel()
   std::uint64_t cp = 1;           // context-parallel degree
   std::uint64_t pp = 1;           // pipeline-parallel degree
   std::string pp_schedule = "1f1b";  // 1f1b | gpipe

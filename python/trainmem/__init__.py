@@ -86,6 +86,7 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     "parallel": "none",  # none | ddp | fsdp | zero1 | zero2 | zero3 (docs/parallelism.md)
     "tp": 1,  # tensor-parallel degree (docs/parallelism.md "Tensor parallelism")
     "sequence_parallel": False,  # with tp > 1: SequenceParallel on the norms ("Sequence parallelism")
+    "loss_parallel": False,  # with tp > 1: vocab-parallel lm_head and loss_parallel() ("Loss parallel")
     "cp": 1,  # context-parallel degree, ring attention (docs/parallelism.md "Context parallelism"; unmeasured)
     "pp": 1,  # pipeline-parallel degree, one stage per GPU (docs/parallelism.md "Pipeline parallelism")
     "pp_schedule": "1f1b",  # with pp > 1: 1f1b | gpipe
@@ -129,7 +130,7 @@ def _spelling(knobs: dict[str, Any]):
                 raise ValueError(f"lora_dropout: must be a number, got {value!r}")
             value = float(value)
         elif name in ("load_in_4bit", "bnb_4bit_use_double_quant", "load_in_8bit", "fsdp_reshard_after_forward",
-                      "sequence_parallel"):
+                      "sequence_parallel", "loss_parallel"):
             if not isinstance(value, bool):
                 raise ValueError(f"{name}: must be True or False, got {value!r}")
         elif name == "lora_targets" and isinstance(value, (list, tuple)):

@@ -67,6 +67,7 @@ struct RecipeFlags {
   bool inference = false;
   bool load_in_4bit = false, double_quant = false, qlora = false, load_in_8bit = false;
   bool sequence_parallel = false;
+  bool loss_parallel = false;
   std::string quant_type = "";
   std::string new_tokens = "128", beams = "1";
   std::string gpus = "1", parallel = "none", tp = "1", cp = "1", zero = "", offload = "none", pp = "1", pp_schedule = "1f1b";
@@ -118,6 +119,10 @@ struct RecipeFlags {
                          app->add_flag("--sequence-parallel", sequence_parallel,
                                        "With --tp: sequence parallelism (SequenceParallel on the norms, the residual "
                                        "stream sharded on the sequence)"));
+    options.emplace_back("loss_parallel",
+                         app->add_flag("--loss-parallel", loss_parallel,
+                                       "With --tp: vocab-parallel lm_head (ColwiseParallel, Shard(-1) logits) and "
+                                       "the cross-entropy inside torch's loss_parallel()"));
     opt("cp", "--cp", cp, "Context-parallel degree (torch context_parallel, ring attention; unmeasured); 1: none");
     opt("pp", "--pp", pp,
         "Pipeline-parallel degree (torch.distributed.pipelining, one stage per GPU; --grad-accum is the number of "
@@ -171,6 +176,7 @@ struct RecipeFlags {
     sp.parallel = parallel;
     sp.tp = parse_count(tp, "tp");
     sp.sequence_parallel = sequence_parallel;
+    sp.loss_parallel = loss_parallel;
     sp.cp = parse_count(cp, "cp");
     sp.pp = parse_count(pp, "pp");
     sp.pp_schedule = pp_schedule;
@@ -280,6 +286,7 @@ std::string compare(const std::string& path, bool as_json) {
   sp.bnb_4bit_use_double_quant = flag("bnb_4bit_use_double_quant", false);
   sp.load_in_8bit = flag("load_in_8bit", false);
   sp.sequence_parallel = flag("sequence_parallel", false);
+  sp.loss_parallel = flag("loss_parallel", false);
   if (jr.contains("lora_dropout")) {
     if (!jr["lora_dropout"].is_number()) throw Error("compare: recipe.lora_dropout must be a number");
     sp.lora_dropout = jr["lora_dropout"].get<double>();

@@ -240,7 +240,9 @@ ValueId StepBuilder::forward_and_loss() {
   if (position_ids_.id != kNone) t_.drop(position_ids_);
   t_.drop(inputs_embeds);
   if (position_embeds.id != kNone) t_.drop(position_embeds);
-  ValueId loss = r_.loss == Loss::kFused ? fused_loss(normed, emb) : standard_loss(normed, emb);
+  ValueId loss = r_.loss == Loss::kFused ? fused_loss(normed, emb)
+                 : r_.loss_parallel        ? vocab_parallel_loss(normed, emb)
+                                           : standard_loss(normed, emb);
   exit_autocast();
   return loss;
 }
@@ -309,8 +311,9 @@ ValueId StepBuilder::standard_loss(T& normed, std::uint32_t emb) {
   return scale_loss(loss);
 }
 
-// ForCausalLMLoss on the logits (phase loss): the loss, which requires grad.
-T StepBuilder::causal_lm_loss(const T& logits) {
+// ForCausalLMLoss on the logits (phase loss): the loss, which requires grad. `vocab_parallel`:
+// vocab-sharded logits inside loss_parallel() (See Note [Loss parallel] in tensor_parallel.h).
+T StepBuilder::causal_lm_loss(const T& logits, bool vocab_parallel) {
   phase_ = Phase::kLoss;
   op("loss");
   T up = to(logits, DType::kF32);
@@ -328,14 +331,16 @@ T StepBuilder::causal_lm_loss(const T& logits) {
   } else {
     padded = fresh(tok_ + B_, DType::kI64);
     shifted = fresh(tok_, DType::kI64);
-    t_.drop(padded);
+    if (!vocab_parallel) t_.drop(padded);  // else held until ForCausalLMLoss returns (measured)
   }
   T logp = fresh(logits.numel, DType::kF32);
   requires_grad(logp);
   {
     Node nd = node(logp);
     nd.saved = {logp.id};
-    nd.inputs.push_back(grad_of(up));
+    // loss_parallel's _log_softmax_backward_data hands its incoming gradient on: the fused
+    // nll_loss backward computed both.
+    nd.inputs.push_back(vocab_parallel ? pass_to(up) : grad_of(up));
     t_.record(std::move(nd));
   }
   t_.drop(up);
@@ -351,6 +356,7 @@ T StepBuilder::causal_lm_loss(const T& logits) {
   t_.drop(logp);
   t_.drop(shifted);
   t_.drop(total_weight);
+  if (vocab_parallel && padded.id != kNone && B_ > 1) t_.drop(padded);
   return loss;
 }
 
@@ -522,7 +528,7 @@ namespace trainmem::graph {
 Trace build_training_trace(const Model& model, const Recipe& recipe, const Gpu& gpu, const MicroBatchHook& hook,
                            std::uint64_t rank) {
   // A tensor-parallel rank builds the step of its local model (Note [Tensor parallelism]).
-  const Model local = tensor_parallel_model(model, recipe.tp);
+  const Model local = tensor_parallel_model(model, recipe.tp, recipe.loss_parallel);
   check_context_parallel(model, recipe);
   step::StepBuilder b(local, recipe, gpu, hook, rank);
   return b.build();

@@ -371,7 +371,9 @@ class StepBuilder {
   TensorId pp_backward(std::uint64_t k, PipelineMicro& mb);
   std::uint32_t lm_head_param(std::uint32_t emb) const;
   ValueId standard_loss(T& normed, std::uint32_t emb);
-  T causal_lm_loss(const T& logits);
+  T causal_lm_loss(const T& logits, bool vocab_parallel = false);
+  // Recipe loss_parallel (tensor_parallel.cpp; Note [Loss parallel] in tensor_parallel.h).
+  ValueId vocab_parallel_loss(T& normed, std::uint32_t emb);
   void rotary_embedding(DType x_dtype);
   ValueId fused_loss(T& hidden, std::uint32_t emb);
   ValueId scale_loss(T& loss);

@@ -3,6 +3,7 @@
 
 #include <string>
 
+#include "graph/step_builder.h"
 #include "model/model.h"
 
 namespace trainmem::graph {
@@ -16,7 +17,7 @@ TpStyle tp_style(std::string_view path) {
   return TpStyle::kNone;
 }
 
-Model tensor_parallel_model(const Model& model, std::uint64_t tp) {
+Model tensor_parallel_model(const Model& model, std::uint64_t tp, bool loss_parallel) {
   if (tp <= 1) return model;
   const Architecture& a = model.arch;
   const std::string prefix = "tp: " + std::to_string(tp) + " with " + std::string(family_name(a.family));
@@ -45,7 +46,53 @@ Model tensor_parallel_model(const Model& model, std::uint64_t tp) {
   // out_features / tp rows, RowwiseParallel's Shard(1) in_features / tp columns.
   local.parameters = model::parameter_groups(local.arch);
   local.parameter_count = model.parameter_count;  // a DTensor's numel is the global one
+  if (loss_parallel) {  // See Note [Loss parallel]
+    if (a.tie_word_embeddings) {
+      throw Error("loss_parallel: " + std::string(family_name(a.family)) +
+                  " with tied embeddings is not modelled (ColwiseParallel on lm_head would shard the embedding's "
+                  "weight too); use a model with tie_word_embeddings false, or drop loss_parallel");
+    }
+    if (a.vocab_size % tp != 0) {
+      throw Error("loss_parallel: vocab_size = " + std::to_string(a.vocab_size) + " is not divisible by tp " +
+                  std::to_string(tp) + "; uneven vocabulary shards are not modelled");
+    }
+    bool found = false;
+    for (ParameterGroup& g : local.parameters) {
+      if (g.name != "lm_head.weight") continue;
+      g.numel /= tp;  // Shard(0): vocab / tp rows of hidden_size
+      g.rows /= tp;
+      found = true;
+    }
+    if (!found) throw Error("loss_parallel: the model has no separate lm_head.weight to shard");
+  }
   return local;
 }
 
 }  // namespace trainmem::graph
+
+namespace trainmem::graph::step {
+
+// lm_head ColwiseParallel with Shard(-1) logits, then ForCausalLMLoss inside loss_parallel()
+// (See Note [Loss parallel]): the local vocab / tp columns of the logits only.
+ValueId StepBuilder::vocab_parallel_loss(T& normed, std::uint32_t emb) {
+  const std::uint64_t local_vocab = a_.vocab_size / r_.tp;  // tensor_parallel_model checked it
+  op("lm_head");
+  in_lm_head_ = true;
+  dtensor_ = false;
+  // Sequence parallelism: the norm's output (a shard nothing saves) is held by the model's
+  // forward until it returns, after the loss (as in standard_loss).
+  T logits = colwise_linear(normed, lm_head_param(emb), kNone, local_vocab);
+  in_lm_head_ = false;
+  T shard;
+  if (sp_ > 1) {
+    shard = normed;
+  } else {
+    t_.drop(normed);
+  }
+  T loss = causal_lm_loss(logits, /*vocab_parallel=*/true);
+  if (shard.id != kNone) t_.drop(shard);
+  t_.drop(logits);  // the model output, dropped with the output object before backward
+  return scale_loss(loss);
+}
+
+}  // namespace trainmem::graph::step

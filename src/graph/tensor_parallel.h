@@ -46,7 +46,8 @@ namespace trainmem::graph {
 // width; families other than Llama and Mistral (GPT-2's fused c_attn, Phi-3's qkv_proj /
 // gate_up_proj are not split by this plan; Qwen3's q_norm/k_norm would need their gradients
 // all-reduced; Qwen2's and Gemma-2's variants are unmeasured); a sharded embedding or lm_head
-// (loss_parallel), and tensor parallelism combined with data parallelism.
+// (a sharded lm_head is recipe loss_parallel: See Note [Loss parallel]), and tensor parallelism
+// combined with data parallelism.
 
 // Note [Sequence parallelism]
 // Recipe `sequence_parallel` with tp > 1 (python/trainmem/measure/parallel.py
@@ -84,10 +85,44 @@ namespace trainmem::graph {
 //    seen by the tracker, and is a few hidden-sized vectors).
 // Not modelled (refused): a sequence not divisible by tp (DTensor pads uneven shards).
 
+// Note [Loss parallel]
+// Recipe `loss_parallel` with tp > 1 (python/trainmem/measure/parallel.py _vocab_parallelize_head
+// and training.py run_steps are the measured code; torch 2.13,
+// torch/distributed/tensor/parallel/loss.py and style.py; torchtitan's Llama plan): lm_head is
+// ColwiseParallel(output_layouts=Shard(-1), use_local_output=False) (input_layouts=Shard(1) under
+// sequence parallelism) and the step runs inside loss_parallel(), which swaps the DTensor
+// handlers of _log_softmax, nll_loss_forward and their backwards for vocab-parallel ones. What a
+// rank holds (measured on 2 gloo ranks, data/ground_truth/parallel/cpu-tp2lp-*, cpu-tp2splp-*):
+//  * lm_head.weight is Shard(0): vocab / tp rows, and so are its gradient and optimizer states.
+//    Its input is a Replicate view (from_local) whose backward all-reduces the Partial input
+//    gradient, as for any colwise projection; under sequence parallelism it is all-gathered
+//    from Shard(1) and its gradient reduce-scattered back (See Note [Sequence parallelism]).
+//  * the logits are a Shard(-1) DTensor: [b, s, vocab / tp] on each rank; ForCausalLMLoss's
+//    .float() and view(-1, vocab) act on the local shard.
+//  * _log_softmax's handler computes the max and the sum-exp locally and all-reduces them
+//    (funcol.all_reduce, out of place) and returns the local [tokens, vocab / tp] fp32 result,
+//    which autograd saves as for a plain log_softmax. nll_loss_forward's handler masks the
+//    targets outside this rank's vocab range (_MaskPartial), gathers, all-reduces the picked
+//    values and returns the loss and total_weight, saved with the targets as usual.
+//  * backward: nll_loss_backward's handler computes the fused gradient of nll_loss and
+//    log_softmax ((one-hot + exp(logp)) * grad) into one [tokens, vocab / tp] tensor;
+//    _log_softmax_backward_data's handler returns its incoming gradient as is (.to(the same
+//    dtype)): no second logits-sized gradient, unlike a plain cross-entropy.
+//  * the shifted labels' padded tensor lives until ForCausalLMLoss returns (measured).
+// The measuring side sees an op's outputs only (its TorchDispatchMode is off while DTensor's
+// dispatch runs the handlers): the handlers' own intermediates (the max and sum-exp and their
+// all-reduced copies, the shifted logits and their exp in forward, [tokens, vocab / tp] fp32
+// each, and in backward the zeros, exp and sum of the same size, the target masks) are neither
+// measured nor modelled. They are transient inside one op; a step whose peak is in the loss
+// would be under-estimated by up to three [tokens, vocab / tp] fp32 buffers.
+// Not modelled (refused): tied embeddings (ColwiseParallel would shard the embedding's weight
+// too), a vocabulary not divisible by tp (uneven shards), loss fused, tp 1.
+
 // The model one rank holds: the Architecture with local heads and MLP width, the projections'
-// parameters sharded as the plan shards them (parameter_count stays the whole model's, as the
-// DTensors report it). Throws Error for what is not modelled (see the Note).
-Model tensor_parallel_model(const Model& model, std::uint64_t tp);
+// parameters sharded as the plan shards them, and with `loss_parallel` lm_head's weight Shard(0)
+// (parameter_count stays the whole model's, as the DTensors report it). Throws Error for what is
+// not modelled (see the Notes).
+Model tensor_parallel_model(const Model& model, std::uint64_t tp, bool loss_parallel = false);
 
 // The plan's style for a decoder-layer projection path ("self_attn.q_proj"): colwise, rowwise or
 // none (the module is replicated).

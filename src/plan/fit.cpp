@@ -127,7 +127,7 @@ class Planner {
     }
     k += "/" + r.gpu + "/lora" + std::to_string(r.lora.rank) + "/" + std::to_string(r.lora.dropout);
     k += "/" + std::string(to_string(r.parallel)) + std::to_string(r.gpus);
-    k += "/tp" + std::to_string(r.tp) + (r.sequence_parallel ? "sp" : "");
+    k += "/tp" + std::to_string(r.tp) + (r.sequence_parallel ? "sp" : "") + (r.loss_parallel ? "lp" : "");
     k += "/pp" + std::to_string(r.pp) + std::string(to_string(r.pp_schedule));
     k += "/fsdp" + std::string(r.fsdp.reshard_after_forward ? "1" : "0") + std::to_string(r.fsdp.replicate) + "/" +
          std::string(to_string(r.fsdp.param_dtype)) + "/" + std::string(to_string(r.fsdp.reduce_dtype)) + "/" +
@@ -199,11 +199,22 @@ bool tp_modelled(const Model& m, std::uint64_t tp) {
   }
 }
 
+// Whether it also models loss parallelism there (untied embeddings, a vocabulary divisible by tp:
+// Note [Loss parallel] in graph/tensor_parallel.h).
+bool lp_modelled(const Model& m, std::uint64_t tp) {
+  try {
+    (void)graph::tensor_parallel_model(m, tp, /*loss_parallel=*/true);
+    return true;
+  } catch (const Error&) {
+    return false;
+  }
+}
+
 // The floor of a recipe, on the model one rank holds: its local shards, counted as local elements
 // (tensor_parallel_model keeps the DTensors' global parameter_count).
 std::uint64_t rank_floor(const Model& m, const Recipe& r) {
   if (r.tp <= 1) return plan::persistent_floor(m, r);
-  Model local = graph::tensor_parallel_model(m, r.tp);
+  Model local = graph::tensor_parallel_model(m, r.tp, r.loss_parallel);
   local.parameter_count = 0;
   for (const ParameterGroup& g : local.parameters) local.parameter_count += g.numel * g.count;
   return plan::persistent_floor(local, r);
@@ -482,6 +493,11 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
       }
       const std::vector<Parallel> tp_parallels = tp > 1 ? std::vector<Parallel>{Parallel::kNone} : parallels;
       const std::vector<bool> sps = tp > 1 ? std::vector<bool>{false, true} : std::vector<bool>{false};
+      // Loss parallelism where the model takes it (See Note [Loss parallel]); kept on when asked.
+      std::vector<bool> lps{false};
+      if (tp > 1 && base.loss_parallel) lps = {true};
+      else if (tp > 1 && lp_modelled(model, tp)) lps = {false, true};
+      for (bool lp : lps)
       for (bool sp : sps) {
         for (std::size_t bi = 0; bi < tp_batches.size(); ++bi) {
           const std::uint64_t b = tp_batches[bi];
@@ -494,6 +510,7 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
                     r.gpu = g.name;
                     r.tp = tp;
                     r.sequence_parallel = sp;
+                    r.loss_parallel = lp;
                     if (tp > 1) r.gpus = 1;
                     else if (q.base.tp > 1) r.gpus = q.gpus;  // a TP base: its data-parallel counterpart
                     r.batch = b;
@@ -744,6 +761,11 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
     Recipe r = base;
     r.sequence_parallel = !base.sequence_parallel;
     change(std::string("sequence_parallel ") + (r.sequence_parallel ? "on" : "off"), r);
+    if (base.loss_parallel || lp_modelled(model, base.tp)) {
+      Recipe l = base;
+      l.loss_parallel = !base.loss_parallel;
+      change(std::string("loss_parallel ") + (l.loss_parallel ? "on" : "off"), l);
+    }
   }
   if (base.parallel == Parallel::kFsdp) {
     // FSDP2's reshard_after_forward on the layers: false (SHARD_GRAD_OP) skips the backward's

@@ -51,7 +51,10 @@
 //    without sequence parallelism 2 all-reduces in the forward (o_proj, down_proj) and 5 in the
 //    backward (the inputs of q/k/v, gate/up); with it 5 all-gathers and 2 reduce-scatters in the
 //    forward and 5 reduce-scatters and 2 all-gathers in the backward (the same volume), plus
-//    lm_head's all-gather and the embedding gradient's once per micro-batch. Full checkpointing
+//    lm_head's all-gather and the embedding gradient's once per micro-batch; loss parallelism
+//    (Note [Loss parallel]) shards lm_head's FLOPs and the loss traffic by tp and adds lm_head's
+//    input-gradient all-reduce (reduce-scatter with sequence parallelism) and three per-token
+//    fp32 all-reduces once per micro-batch. Full checkpointing
 //    repeats the forward's collectives in the recompute. Not overlapped with compute;
 //  * launches: kLaunchSeconds per kernel; kKernelsPerLayer per decoder layer and micro-batch
 //    (forward and backward), more for eager attention and recomputation, and the optimizer's:
@@ -121,7 +124,7 @@ MatmulCounts count(const Model& m, const Recipe& r) {
 
 StepTime step_time(const Model& full, const Recipe& spelled) {
   // A tensor-parallel rank computes on its local model (See Note [Tensor parallelism]).
-  const Model model = spelled.tp > 1 ? graph::tensor_parallel_model(full, spelled.tp) : full;
+  const Model model = spelled.tp > 1 ? graph::tensor_parallel_model(full, spelled.tp, spelled.loss_parallel) : full;
   Recipe recipe = spelled;
   if (recipe.lora.enabled()) recipe.lora.targets = resolve_lora_targets(model.arch, spelled.lora.targets);
   const Gpu& gpu = find_gpu(recipe.gpu);
@@ -152,7 +155,8 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
   const double residual_h = recipe.sequence_parallel ? h / static_cast<double>(recipe.tp) : h;
   double layer_bytes = tokens * L * (10 * residual_h + 4 * inter) * act * kElementwisePasses;
   if (recipe.checkpointing == Checkpointing::kFull) layer_bytes *= 4.0 / 3.0;
-  const double V = static_cast<double>(a.vocab_size);
+  // Loss parallelism: a rank's logits are vocab / tp wide (See Note [Loss parallel]).
+  const double V = static_cast<double>(a.vocab_size) / (recipe.loss_parallel ? static_cast<double>(recipe.tp) : 1.0);
   const double loss_bytes = tokens * V * (recipe.loss == Loss::kFused ? 2 * act + 8 : 2 * (2 * act + 12));
   const double pb = static_cast<double>(plan::parameter_bytes(recipe.precision));
   const bool master = recipe.precision == Precision::kBf16Master;
@@ -231,6 +235,11 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
       per_micro_extra = 2 * ring * activation;                     // lm_head's input, the embedding's gradient
     } else {
       per_layer = (2 + 5 + (ckpt ? 2 : 0)) * 2 * ring * activation;
+    }
+    if (recipe.loss_parallel) {
+      // lm_head's input gradient: all-reduced, or reduce-scattered under sequence parallelism;
+      // and loss_parallel's three all-reduces of one fp32 value per token (max, sum-exp, target).
+      per_micro_extra += (recipe.sequence_parallel ? 1 : 2) * ring * activation + 3 * 2 * ring * tokens * 4;
     }
     t.comm_s += (per_layer * L + per_micro_extra) * micro / (gpu.interconnect_gbps * 1e9);
   }

@@ -194,6 +194,10 @@ void validate_parallel(const Recipe& r) {
     throw Error("sequence_parallel: needs tensor parallelism (tp 2 or more); it shards what the tensor-parallel "
                 "group replicates");
   }
+  if (r.loss_parallel && r.tp == 1) {
+    throw Error("loss_parallel: needs tensor parallelism (tp 2 or more); it shards lm_head and the loss over the "
+                "tensor-parallel group");
+  }
   check_range("cp", r.cp, kMaxCp);  // the rest is checked with the model (graph/context_parallel.cpp)
   if (r.tp > 1) validate_tensor_parallel(r);
   check_range("pp", r.pp, kMaxPp);
@@ -357,6 +361,7 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   r.parallel = parse_parallel(in.parallel);
   r.tp = in.tp;
   r.sequence_parallel = in.sequence_parallel;
+  r.loss_parallel = in.loss_parallel;
   r.cp = in.cp;
   r.pp = in.pp;
   r.pp_schedule = parse_pipeline_schedule(in.pp_schedule);

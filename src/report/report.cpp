@@ -44,6 +44,7 @@ ordered_json recipe_object(const Recipe& r) {
   }
   if (r.tp > 1) j["tp"] = r.tp;  // as trainmem-measure writes it: only with tensor parallelism
   if (r.sequence_parallel) j["sequence_parallel"] = true;  // and sequence parallelism only when on
+  if (r.loss_parallel) j["loss_parallel"] = true;          // and loss parallelism only when on
   if (r.cp > 1) j["cp"] = r.cp;  // and context parallelism only with it
   if (r.pp > 1) {                 // and the pipeline's degree and schedule only with a pipeline
     j["pp"] = r.pp;
@@ -112,7 +113,8 @@ std::string recipe_words(const Recipe& r) {
   if (r.parallel != Parallel::kNone || r.tp > 1 || r.pp > 1 || r.cp > 1) {
     std::string dp(to_string(r.parallel));
     if (r.offload != Offload::kNone) dp += "+offload";
-    if (r.tp > 1) dp = "tp" + std::to_string(r.tp) + (r.sequence_parallel ? "+sp" : "");
+    if (r.tp > 1) dp = "tp" + std::to_string(r.tp) + (r.sequence_parallel ? "+sp" : "") +
+                        (r.loss_parallel ? "+lp" : "");
     if (r.pp > 1) dp = "pp" + std::to_string(r.pp) + (r.pp_schedule == PipelineSchedule::kGPipe ? "+gpipe" : "");
     if (r.cp > 1) dp = "cp" + std::to_string(r.cp);
     char col[32];

@@ -410,6 +410,14 @@ TEST(StepTime, TensorParallelCollectivesPerLayer) {
   r.sequence_parallel = false;
   r.checkpointing = Checkpointing::kFull;
   EXPECT_DOUBLE_EQ(step_time(m, r).comm_s, tp.comm_s * 9 / 7);
+  // Loss parallelism (Note [Loss parallel]): lm_head's input gradient all-reduced once per
+  // micro-batch and three per-token fp32 all-reduces; lm_head's FLOPs at 1/8.
+  r.checkpointing = Checkpointing::kNone;
+  r.loss_parallel = true;
+  const StepTime lp = step_time(m, r);
+  EXPECT_DOUBLE_EQ(lp.comm_s, tp.comm_s + (2 * (7.0 / 8) * act + 3 * 2 * (7.0 / 8) * 4096.0 * 4) / link);
+  EXPECT_DOUBLE_EQ(tp.flops - lp.flops, 3 * 2 * 4096.0 * 128'256 * 4096 * 7 / 8);
+  EXPECT_LT(lp.memory_s, tp.memory_s);
 }
 
 TEST(Fit, SeveralGpusSearchTensorParallelism) {
@@ -439,6 +447,25 @@ TEST(Fit, SeveralGpusSearchTensorParallelism) {
   EXPECT_TRUE(std::any_of(f.changes.begin(), f.changes.end(), [](const Change& c) {
     return c.what == "tp 4 (no data parallelism), precision bf16-true" && c.plan.recipe.tp == 4;
   }));
+  // Loss parallelism is searched with tp (Llama-3.1-8B's lm_head is untied, 128,256 = 4 x 32,064),
+  // and its plans are estimates of exactly their recipe too.
+  bool lp_seen = false;
+  for (const Plan& p : f.plans) {
+    if (!p.recipe.loss_parallel) continue;
+    EXPECT_EQ(p.recipe.tp, 4u);
+    if (!lp_seen) EXPECT_EQ(estimate(m, p.recipe).peak_reserved_bytes, p.peak_reserved_bytes);
+    lp_seen = true;
+  }
+  EXPECT_TRUE(lp_seen);
+  // Llama-3.2-1B ties lm_head to the embedding: tp plans, never loss parallelism.
+  FitRequest t = q;
+  t.top = 200;
+  bool tied_tp = false;
+  for (const Plan& p : fit(load_model("llama-3.2-1b"), t).plans) {
+    EXPECT_FALSE(p.recipe.loss_parallel);
+    tied_tp = tied_tp || p.recipe.tp > 1;
+  }
+  EXPECT_TRUE(tied_tp);
   // A family the engine does not split is never searched with tp.
   FitRequest g = q;
   g.top = 50;

@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -181,6 +182,89 @@ TEST(SequenceParallel, RefusesAnUnevenSequenceAndNoTensorParallelism) {
   r = tp_recipe(1);
   r.sequence_parallel = true;
   EXPECT_NE(error_of([&] { r.validate(); }).find("sequence_parallel: needs tensor parallelism"), std::string::npos);
+}
+
+// Loss parallelism (Note [Loss parallel]): the recipe of cpu-tp2lp-llamaw512l4-fp32-sgd-b2s512 and,
+// for the op-by-op numbers, `trainmem-measure ... --tp 2 --loss-parallel --batch 2 --seq 64
+// --precision fp32 --optimizer sgd --trace` (step 1): a rank's logits are [128, 500] fp32.
+Recipe lp_recipe(std::uint64_t seq, bool sp = false) {
+  Recipe r = tp_recipe(2);
+  r.seq = seq;
+  r.sequence_parallel = sp;
+  r.loss_parallel = true;
+  r.validate();
+  return r;
+}
+
+// Every storage first allocated in step 1 outside the decoder layers in `phase` under one of `ops`.
+std::vector<std::uint64_t> head_allocs(const graph::Trace& t, Phase phase, std::vector<std::string_view> ops) {
+  std::vector<std::uint64_t> out;
+  for (std::string_view op : ops) {
+    for (std::uint64_t b : allocs(t, phase, -1, op)) out.push_back(b);
+  }
+  return out;
+}
+
+TEST(LossParallel, LmHeadWeightIsTheVocabShard) {
+  const Model m = llama_w512();
+  const Model local = graph::tensor_parallel_model(m, 2, /*loss_parallel=*/true);
+  // Measured: 34,547,712 B of fp32 parameters on each rank, lm_head's 1,000 x 512 halved.
+  EXPECT_EQ(numel_of(local) * 4, 34'547'712u);
+  EXPECT_EQ(numel_of(graph::tensor_parallel_model(m, 2)) * 4 - numel_of(local) * 4, 500u * 512 * 4);
+  const Estimate e = estimate(m, lp_recipe(512));
+  EXPECT_EQ(e.breakdown_at_peak[kWeights], 34'548'736u);  // measured, with the rotary buffer
+}
+
+TEST(LossParallel, LocalLogitsAndOneLogitsGradient) {
+  const graph::Trace t = graph::build_training_trace(llama_w512(), lp_recipe(64), find_gpu("cpu"));
+  const std::uint64_t logits = 128 * 500 * 4;
+  // Forward: lm_head's local output only.
+  EXPECT_EQ(allocs(t, Phase::kForward, -1, "lm_head"), (std::vector<std::uint64_t>{logits}));
+  // Loss (measured): padded labels [2, 65], shifted [2, 64], log_softmax's local result, the loss
+  // and total_weight, the division by grad_accum.
+  EXPECT_EQ(head_allocs(t, Phase::kLoss, {"loss"}),
+            (std::vector<std::uint64_t>{2 * 65 * 8, 2 * 64 * 8, logits, 4, 4, 4}));
+  // Backward (measured): the seed and its division, ONE local logits gradient (the fused
+  // nll_loss + log_softmax backward; a plain cross-entropy makes two), lm_head's local weight
+  // gradient and its Partial input gradient, and the all-reduced input gradient.
+  std::vector<std::uint64_t> back = head_allocs(t, Phase::kBackward, {"loss", "lm_head"});
+  std::sort(back.begin(), back.end());
+  std::vector<std::uint64_t> want{4, 4, logits, 500 * 512 * 4, 128 * 512 * 4, 128 * 512 * 4};
+  std::sort(want.begin(), want.end());
+  EXPECT_EQ(back, want);
+  // Without loss_parallel the logits are whole and the cross-entropy backward makes two gradients.
+  Recipe plain = lp_recipe(64);
+  plain.loss_parallel = false;
+  const graph::Trace p = graph::build_training_trace(llama_w512(), plain, find_gpu("cpu"));
+  EXPECT_EQ(allocs(p, Phase::kForward, -1, "lm_head"), (std::vector<std::uint64_t>{2 * logits}));
+}
+
+TEST(LossParallel, SequenceParallelGathersTheHeadInput) {
+  // Under sequence parallelism lm_head's input is all-gathered (stacked, then concatenated) and
+  // its Partial gradient reduce-scattered back to the shard, as for any colwise projection.
+  const graph::Trace t = graph::build_training_trace(llama_w512(), lp_recipe(64, true), find_gpu("cpu"));
+  const std::uint64_t full = 2 * 64 * 512 * 4;
+  EXPECT_EQ(allocs(t, Phase::kForward, -1, "lm_head"), (std::vector<std::uint64_t>{full, full, 128 * 500 * 4}));
+}
+
+TEST(LossParallel, RefusesWhatIsNotModelled) {
+  Recipe r = tp_recipe(1);
+  r.loss_parallel = true;
+  EXPECT_NE(error_of([&] { r.validate(); }).find("loss_parallel: needs tensor parallelism"), std::string::npos);
+  r = lp_recipe(64);
+  r.loss = Loss::kFused;
+  EXPECT_NE(error_of([&] { r.validate(); }).find("loss fused is not modelled"), std::string::npos);
+  // Tied embeddings: Llama-3.2-1B ties lm_head to the embedding.
+  const Model tied = load_model("llama-3.2-1b");
+  ASSERT_TRUE(tied.arch.tie_word_embeddings);
+  EXPECT_NE(error_of([&] { graph::tensor_parallel_model(tied, 2, true); }).find("tied embeddings"), std::string::npos);
+  EXPECT_NO_THROW(graph::tensor_parallel_model(tied, 2, false));
+  // An odd vocabulary cannot be split in two equal shards.
+  Model odd = llama_w512();
+  odd.arch.vocab_size = 1001;
+  odd.parameters = graph::tensor_parallel_model(odd, 1).parameters;
+  EXPECT_NE(error_of([&] { graph::tensor_parallel_model(odd, 2, true); }).find("vocab_size = 1001 is not divisible"),
+            std::string::npos);
 }
 
 }  // namespace

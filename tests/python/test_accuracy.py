@@ -107,6 +107,12 @@ def test_tensor_parallel_entries_exact(comparisons):
     sp = [c["recipe"] for _, c in tp if c["recipe"].get("sequence_parallel")]
     assert len(sp) >= 4, sp
     assert {r["checkpointing"] for r in sp} == {"none", "full"}
+    # Loss parallelism (Note [Loss parallel]): vocab-sharded lm_head and logits, with and without
+    # sequence parallelism, checkpointing once, SGD and AdamW.
+    lp = [c["recipe"] for _, c in tp if c["recipe"].get("loss_parallel")]
+    assert len(lp) >= 4, lp
+    assert any(r.get("sequence_parallel") for r in lp) and any(not r.get("sequence_parallel") for r in lp)
+    assert {r["checkpointing"] for r in lp} == {"none", "full"}
 
 
 def test_pipeline_entries_exact(comparisons):

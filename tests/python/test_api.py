@@ -116,6 +116,22 @@ def test_tensor_parallel_keyword(trainmem_bin):
         trainmem.estimate("llama-3.2-1b", tp=True)
     with pytest.raises(ValueError, match="tensor parallelism combined with data parallelism"):
         trainmem.estimate("llama-3.2-1b", precision="fp32", tp=2, gpus=2, parallel="ddp")
+
+
+def test_loss_parallel_keyword(trainmem_bin):
+    kw = dict(seq=128, precision="fp32", optimizer="sgd", tp=2)
+    est = trainmem.estimate("mistral-7b-v0.3", loss_parallel=True, **kw)
+    cli = json.loads(subprocess.run([trainmem_bin, "estimate", "mistral-7b-v0.3", "--seq", "128", "--precision", "fp32",
+                                     "--optimizer", "sgd", "--tp", "2", "--loss-parallel", "--json"],
+                                    capture_output=True, text=True, check=True).stdout)
+    assert est.to_dict() == cli and est.recipe["loss_parallel"] is True
+    assert "loss_parallel" not in trainmem.estimate("mistral-7b-v0.3", **kw).recipe
+    with pytest.raises(ValueError, match="loss_parallel: must be True or False"):
+        trainmem.estimate("mistral-7b-v0.3", loss_parallel=1, **kw)
+    with pytest.raises(ValueError, match="tied embeddings is not modelled"):
+        trainmem.estimate("llama-3.2-1b", loss_parallel=True, **kw)
+
+
 def test_pipeline_keywords(trainmem_bin):
     kw = dict(seq=256, precision="bf16-true", optimizer="sgd", grad_accum=4, pp=2)
     est = trainmem.estimate("mistral-7b-v0.3", **kw)

@@ -104,6 +104,22 @@ def test_tensor_parallel_estimate_is_one_rank_and_keeps_its_recipe(run):
     assert sp["breakdown_at_peak"]["weights"] == w2
 
 
+def test_loss_parallel_shards_lm_head_by_vocabulary(run):
+    # --loss-parallel (Note [Loss parallel]): Mistral-7B's untied lm_head (32,768 x 4,096) is
+    # Shard(0) over the 2 ranks, so a rank holds half of it, and the logits are vocab / 2 wide: the
+    # peak drops; the knob is in the JSON recipe only when on.
+    base = ["estimate", "mistral-7b-v0.3", "--seq", "256", "--precision", "fp32", "--optimizer", "sgd", "--tp", "2",
+            "--json"]
+    tp = json.loads(run(*base).stdout)
+    lp = json.loads(run(*base, "--loss-parallel").stdout)
+    assert lp["recipe"]["loss_parallel"] is True and "loss_parallel" not in tp["recipe"]
+    assert tp["breakdown_at_peak"]["weights"] - lp["breakdown_at_peak"]["weights"] == 32_768 * 4_096 // 2 * 4
+    assert lp["peak_allocated_bytes"] < tp["peak_allocated_bytes"]
+    assert lp["parameters"] == tp["parameters"]
+    sp = json.loads(run(*base, "--loss-parallel", "--sequence-parallel").stdout)
+    assert sp["recipe"]["loss_parallel"] is True and sp["recipe"]["sequence_parallel"] is True
+
+
 def test_context_parallel_estimate_is_one_rank_of_seq_over_cp_tokens(run):
     # --cp 2: a rank runs seq / 2 tokens with the whole model (weights unchanged) plus the ring's
     # buffers, so its peak lies between the one-GPU peaks at seq / 2 and at seq; the JSON recipe
@@ -174,6 +190,12 @@ def test_pipeline_estimate_is_the_worst_stage_and_keeps_its_recipe(run):
      "sequence_parallel: needs tensor parallelism"),
     (["estimate", "llama-3.2-1b", "--tp", "2", "--sequence-parallel", "--seq", "127", "--precision", "fp32"],
      "sequence_parallel: seq 127 is not a multiple of tp: 2"),
+    (["estimate", "mistral-7b-v0.3", "--loss-parallel", "--precision", "fp32"],
+     "loss_parallel: needs tensor parallelism"),
+    (["estimate", "llama-3.2-1b", "--tp", "2", "--loss-parallel", "--precision", "fp32"],
+     "loss_parallel: llama with tied embeddings is not modelled"),
+    (["estimate", "mistral-7b-v0.3", "--tp", "2", "--loss-parallel", "--loss", "fused", "--precision", "fp32"],
+     "tp: 2 with loss fused is not modelled"),
     (["estimate", "llama-3.2-1b", "--cp", "2", "--precision", "fp32", "--seq", "1002"],
      "cp: 2: seq 1002 is not divisible by 2 * cp = 4"),
     (["estimate", "llama-3.2-1b", "--cp", "2", "--precision", "fp32", "--attention", "eager"],

@@ -215,6 +215,10 @@ def test_zero2_world_size_2(tiny_gpt2):
     ({"tp": 2, "gpus": 4, "parallel": "fsdp", "precision": "fp32", "fsdp_replicate": 2},
      "measured only as FSDP2 over a 2-D mesh"),
     ({"tp": 2, "sequence_parallel": 1}, "sequence_parallel must be true or false"),
+    ({"loss_parallel": True}, "loss_parallel needs tensor parallelism"),
+    ({"tp": 2, "loss_parallel": 1}, "loss_parallel must be true or false"),
+    ({"tp": 2, "gpus": 2, "parallel": "fsdp", "precision": "fp32", "loss_parallel": True},
+     "loss_parallel with parallel fsdp is not measured"),
 ])
 def test_bad_tp_knobs_are_refused(knobs, message):
     with pytest.raises(RecipeError) as info:
@@ -237,6 +241,10 @@ def test_tp_recipe_json_and_command():
     sp = Recipe(batch=2, seq=8, precision="fp32", tp=2, sequence_parallel=True)
     assert sp.as_dict()["sequence_parallel"] is True and Recipe.from_dict(sp.as_dict()) == sp
     assert "--sequence-parallel" in default_command(resolve_model("gpt2"), sp, device="cpu", fake=False)
+    assert "loss_parallel" not in d and "--loss-parallel" not in cmd
+    lp = Recipe(batch=2, seq=8, precision="fp32", tp=2, loss_parallel=True)
+    assert lp.as_dict()["loss_parallel"] is True and Recipe.from_dict(lp.as_dict()) == lp
+    assert "--loss-parallel" in default_command(resolve_model("gpt2"), lp, device="cpu", fake=False)
 
 
 @pytest.fixture(scope="module")
@@ -277,6 +285,26 @@ def test_tp_world_size_2(tiny_llama):
     # Half of every projection is gone; the embedding, the norms and lm_head are whole.
     assert single["diagnostics"]["live_bytes_at_end"]["weights"] - end == 4 * L * layer // 2
     assert tp["diagnostics"]["untracked_inputs"] == 0
+
+
+
+def test_tp_loss_parallel_world_size_2(tiny_llama, tmp_path):
+    """--loss-parallel: lm_head ColwiseParallel(Shard(-1)) on top of the Megatron plan, the loss and
+    its backward inside loss_parallel(): each rank keeps half of lm_head (256 x 64 fp32) and the
+    ranks measure the same; a tied lm_head is refused before any rank starts."""
+    base = dict(batch=2, seq=8, precision="fp32", optimizer="sgd", tp=2)
+    tp = measure(str(tiny_llama), Recipe(**base))
+    lp = measure(str(tiny_llama), Recipe(**base, loss_parallel=True))
+    assert lp["recipe"]["loss_parallel"] is True and "--loss-parallel" in lp["command"]
+    assert lp["parameters"] == tp["parameters"]
+    end = lambda r: r["diagnostics"]["live_bytes_at_end"]["weights"]  # noqa: E731
+    assert end(tp) - end(lp) == 256 * 64 * 4 // 2
+    peaks = [r["peak_allocated_bytes"] for r in lp["diagnostics"]["parallel"]["ranks"]]
+    assert max(peaks) - min(peaks) <= 2 * 8 * 64 * 4, peaks
+    tied = tmp_path / "config.json"
+    tied.write_text(json.dumps({**json.loads(tiny_llama.read_text()), "tie_word_embeddings": True}))
+    with pytest.raises(RecipeError, match="tied embeddings is not measured"):
+        measure(str(tied), Recipe(**base, loss_parallel=True))
 
 
 def test_zero3_world_size_2(tiny_gpt2):

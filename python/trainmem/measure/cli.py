@@ -66,6 +66,9 @@ def _parser() -> _Parser:
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: sequence parallelism, SequenceParallel on the norms, the residual stream "
                         "sharded on the sequence (all-gather before q/k/v and gate/up, reduce-scatter after o/down)")
+    p.add_argument("--loss-parallel", action="store_true",
+                   help="with --tp: lm_head ColwiseParallel with vocab-sharded logits (Shard(-1) DTensor) and the "
+                        "loss and its backward inside torch's loss_parallel()")
     p.add_argument("--pp", type=int, default=defaults.pp, metavar="N",
                    help="pipeline-parallel degree: N processes on the CPU (gloo), torch.distributed.pipelining with "
                         "the decoder layers split evenly over N stages; --grad-accum is the schedule's "
@@ -159,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                         lora_targets=args.lora_targets, lora_dropout=args.lora_dropout,
                         mode="inference" if args.inference else "training", new_tokens=args.new_tokens,
                         beams=args.beams, gpus=args.gpus, parallel=args.parallel, tp=args.tp,
-                        sequence_parallel=args.sequence_parallel,
+                        sequence_parallel=args.sequence_parallel, loss_parallel=args.loss_parallel,
                         pp=args.pp, pp_schedule=args.pp_schedule,
                         fsdp_reshard_after_forward=args.fsdp_reshard_after_forward == "true",
                         fsdp_replicate=args.fsdp_replicate, fsdp_param_dtype=args.fsdp_param_dtype,

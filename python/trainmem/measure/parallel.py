@@ -30,7 +30,9 @@ The wrappers, as the recipe knobs say (docs/parallelism.md):
   Every rank of the tensor-parallel group draws the same batch (rank 0's). With recipe
   `sequence_parallel`: SequenceParallel() on the norms, ColwiseParallel(input_layouts=Shard(1)),
   RowwiseParallel(output_layouts=Shard(1), use_local_output=False), the embedding's output split
-  and lm_head's input gathered (`_sequence_parallelize`).
+  and lm_head's input gathered (`_sequence_parallelize`). With recipe `loss_parallel`: lm_head
+  ColwiseParallel(output_layouts=Shard(-1), use_local_output=False) (input_layouts Shard(1) with
+  sequence parallelism), vocab-sharded DTensor logits, the step inside `loss_parallel()`.
 
 Note [Parallel categories]
     A storage is categorized by what it holds (see docs/parallelism.md for the reasoning):
@@ -354,13 +356,45 @@ def tensor_parallelize(model: torch.nn.Module, recipe: Recipe, device: str, mesh
                               f"projections ({', '.join(extra)}), which the Megatron plan here does not split")
     if mesh is None:
         mesh = init_device_mesh(torch.device(device).type, (tp,))
+    if recipe.loss_parallel:
+        _check_loss_parallel(model, tp)
     if recipe.sequence_parallel:
-        _sequence_parallelize(model, layers, mesh)
+        _sequence_parallelize(model, layers, mesh, recipe.loss_parallel)
         return
     plan = {**{n: ColwiseParallel() for n in TP_COLWISE}, **{n: RowwiseParallel() for n in TP_ROWWISE}}
     for layer in layers:
         parallelize_module(layer, mesh, plan)
+    if recipe.loss_parallel:
+        _vocab_parallelize_head(model, mesh, sequence_parallel=False)
     _replicate_the_rest(model, mesh)
+
+
+# Loss parallelism (torchtitan's Llama plan; torch/distributed/tensor/parallel/loss.py): lm_head is
+# ColwiseParallel with output_layouts=Shard(-1), use_local_output=False, so each rank computes and
+# keeps only its vocab / tp columns of the logits as a Shard(-1) DTensor; the model's own loss
+# (ForCausalLMLoss: .float(), view, cross_entropy) then runs on that DTensor, and inside
+# loss_parallel() (training.py run_steps) log_softmax and nll_loss dispatch to torch's
+# vocab-parallel versions (all-reduces of the max, the sum-exp and the picked logit). With
+# sequence parallelism the head's input is gathered from Shard(1) by the same style.
+def _check_loss_parallel(model: torch.nn.Module, tp: int) -> None:
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        raise RecipeError(f"loss_parallel needs an nn.Linear lm_head, got {type(head).__name__}")
+    embed = model.get_input_embeddings()
+    if embed is not None and head.weight is embed.weight:
+        raise RecipeError("loss_parallel with tied embeddings is not measured: ColwiseParallel would shard the "
+                          "embedding's weight too (use a model with tie_word_embeddings false)")
+    if head.out_features % tp:
+        raise RecipeError(f"loss_parallel: vocab_size={head.out_features} is not divisible by tp={tp}")
+
+
+def _vocab_parallelize_head(model: torch.nn.Module, mesh, *, sequence_parallel: bool) -> None:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    parallelize_module(model.get_output_embeddings(), mesh, ColwiseParallel(
+        input_layouts=Shard(1) if sequence_parallel else Replicate(), output_layouts=Shard(-1),
+        use_local_output=False))
 
 
 def _replicate_the_rest(model: torch.nn.Module, mesh) -> None:
@@ -382,7 +416,7 @@ def _replicate_the_rest(model: torch.nn.Module, mesh) -> None:
 # embedding and lm_head stay replicated: the embedding's output is split to Shard(1)
 # (PrepareModuleOutput, a local chunk), lm_head's input all-gathered to Replicate
 # (PrepareModuleInput).
-def _sequence_parallelize(model: torch.nn.Module, layers, mesh) -> None:
+def _sequence_parallelize(model: torch.nn.Module, layers, mesh, loss_parallel: bool = False) -> None:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
                                                    RowwiseParallel, SequenceParallel, parallelize_module)
@@ -397,11 +431,14 @@ def _sequence_parallelize(model: torch.nn.Module, layers, mesh) -> None:
         parallelize_module(layer, mesh, plan)
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     parallelize_module(base.norm, mesh, SequenceParallel())
+    if loss_parallel:
+        _vocab_parallelize_head(model, mesh, sequence_parallel=True)
     _replicate_the_rest(model, mesh)
     parallelize_module(base.embed_tokens, mesh, PrepareModuleOutput(
         output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False))
-    parallelize_module(model.get_output_embeddings(), mesh, PrepareModuleInput(
-        input_layouts=Shard(1), desired_input_layouts=Replicate()))
+    if not loss_parallel:
+        parallelize_module(model.get_output_embeddings(), mesh, PrepareModuleInput(
+            input_layouts=Shard(1), desired_input_layouts=Replicate()))
 
 
 def _replicated_inputs(module, inputs, mesh):

@@ -93,6 +93,10 @@ class Recipe:
     # Sequence parallelism with tp > 1 (parallel.py tensor_parallelize): SequenceParallel on the
     # norms, the residual stream sharded on the sequence between them (docs/parallelism.md).
     sequence_parallel: bool = False
+    # Loss parallelism with tp > 1 (parallel.py tensor_parallelize, training.py run_steps): lm_head
+    # ColwiseParallel with vocab-sharded DTensor logits, the loss and its backward inside
+    # torch.distributed.tensor.parallel.loss_parallel() (docs/parallelism.md "Loss parallel").
+    loss_parallel: bool = False
     # Pipeline-parallel degree and schedule (pipeline.py): stage r on rank r; 1 is no pipeline.
     pp: int = 1
     pp_schedule: str = "1f1b"
@@ -166,6 +170,10 @@ class Recipe:
             raise RecipeError(f"sequence_parallel must be true or false, got {self.sequence_parallel!r}")
         if self.sequence_parallel and tp == 1:
             raise RecipeError("sequence_parallel needs tensor parallelism: tp 2 or more")
+        if not isinstance(self.loss_parallel, bool):
+            raise RecipeError(f"loss_parallel must be true or false, got {self.loss_parallel!r}")
+        if self.loss_parallel and tp == 1:
+            raise RecipeError("loss_parallel needs tensor parallelism: tp 2 or more")
         if tp > 1:
             self._check_tp()
         pp = self.pp
@@ -239,6 +247,8 @@ class Recipe:
         if self.loss == "fused":
             raise RecipeError(f"tp={self.tp} with loss=fused is not measured: the chunked loss reads "
                               "lm_head.weight outside the module's forward")
+        if self.loss_parallel and self.parallel != "none":
+            raise RecipeError("loss_parallel with parallel fsdp is not measured: use gpus 1 and parallel none")
         if self.precision not in ("fp32", "bf16-true", "fp16-true"):
             raise RecipeError(f"tp={self.tp} with precision={self.precision!r} is not measured (autocast's cached "
                               "casts and master copies of DTensor parameters are unexplored); use fp32, bf16-true "
@@ -443,6 +453,8 @@ class Recipe:
             del out["tp"]
         if not self.sequence_parallel:  # and sequence parallelism only when it is on
             del out["sequence_parallel"]
+        if not self.loss_parallel:  # and loss parallelism only when it is on
+            del out["loss_parallel"]
         if not self.is_pp:  # the pipeline degree and schedule only when there is a pipeline
             del out["pp"], out["pp_schedule"]
         if self.parallel != "fsdp":  # FSDP2's knobs with parallel fsdp only, as the engine writes them

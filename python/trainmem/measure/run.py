@@ -457,6 +457,8 @@ def default_command(spec: ModelSpec, recipe: Recipe, *, device: str, fake: bool)
             args += [flag, str(value)]
     if recipe.sequence_parallel:
         args.append("--sequence-parallel")
+    if recipe.loss_parallel:
+        args.append("--loss-parallel")
     if not recipe.fsdp_reshard_after_forward:
         args += ["--fsdp-reshard-after-forward", "false"]
     for key, flag in (("fsdp_replicate", "--fsdp-replicate"), ("fsdp_param_dtype", "--fsdp-param-dtype"),

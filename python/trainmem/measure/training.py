@@ -239,51 +239,62 @@ def run_steps(model: torch.nn.Module, recipe: Recipe, tracker: MemoryTracker, *,
     else:
         autocast = contextlib.nullcontext
 
-    for step in range(1, steps + 1):
-        if on_step_start is not None:
-            on_step_start(step)
-        for micro in range(1, recipe.grad_accum + 1):
-            tracker.set_phase("forward", step, micro)
-            with autocast():
-                loss = forward_and_loss(batch)
-            tracker.set_phase("loss")
-            with tracker.scope(LOSS):
-                scaled = loss / recipe.grad_accum
-                del loss
-                if scaler is not None:
-                    with tracker.forced("other"):
-                        scaled = scaler.scale(scaled)
-            tracker.label_graph(scaled, LOSS)
-            tracker.set_phase("backward")
-            scaled.backward()
-            del scaled
-            tracker.collect_garbage()
-            tracker.mark_gradients(params)
+    # loss_parallel() swaps in the vocab-parallel log_softmax / nll_loss (and their backward) for
+    # DTensor inputs; the backward must run inside it too (torch/distributed/tensor/parallel/loss.py).
+    with _loss_context(recipe):
+        for step in range(1, steps + 1):
+            if on_step_start is not None:
+                on_step_start(step)
+            for micro in range(1, recipe.grad_accum + 1):
+                tracker.set_phase("forward", step, micro)
+                with autocast():
+                    loss = forward_and_loss(batch)
+                tracker.set_phase("loss")
+                with tracker.scope(LOSS):
+                    scaled = loss / recipe.grad_accum
+                    del loss
+                    if scaler is not None:
+                        with tracker.forced("other"):
+                            scaled = scaler.scale(scaled)
+                tracker.label_graph(scaled, LOSS)
+                tracker.set_phase("backward")
+                scaled.backward()
+                del scaled
+                tracker.collect_garbage()
+                tracker.mark_gradients(params)
 
-        tracker.set_phase("optimizer")
-        if masters:
-            for p, master in zip(params, masters):
-                master.grad = p.grad.float() if p.grad is not None else None
-                tracker.mark(master.grad, "gradients")
-                p.grad = None
-        if scaler is not None:
-            with tracker.forced("other"):
-                scaler.unscale_(optimizer)
-            scaler.step(optimizer)
-            with tracker.forced("other"):
-                scaler.update()
-        else:
-            optimizer.step()
-        if masters:
-            with torch.no_grad():
+            tracker.set_phase("optimizer")
+            if masters:
                 for p, master in zip(params, masters):
-                    p.copy_(master)
-        tracker.mark_optimizer_state(optimizer)
-        tracker.mark_gradients(masters or params)
-        optimizer.zero_grad(set_to_none=True)
-        tracker.collect_garbage()
-        if on_step_end is not None:
-            on_step_end(step)
+                    master.grad = p.grad.float() if p.grad is not None else None
+                    tracker.mark(master.grad, "gradients")
+                    p.grad = None
+            if scaler is not None:
+                with tracker.forced("other"):
+                    scaler.unscale_(optimizer)
+                scaler.step(optimizer)
+                with tracker.forced("other"):
+                    scaler.update()
+            else:
+                optimizer.step()
+            if masters:
+                with torch.no_grad():
+                    for p, master in zip(params, masters):
+                        p.copy_(master)
+            tracker.mark_optimizer_state(optimizer)
+            tracker.mark_gradients(masters or params)
+            optimizer.zero_grad(set_to_none=True)
+            tracker.collect_garbage()
+            if on_step_end is not None:
+                on_step_end(step)
+
+
+def _loss_context(recipe: Recipe):
+    if not recipe.loss_parallel:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
 
 
 def _run_engine_steps(engine, recipe: Recipe, tracker: MemoryTracker, *, make_batch, forward_and_loss, steps: int,
