@@ -23,7 +23,8 @@ deps:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	fi
 
-$(VENV)/.ready: pyproject.toml
+# deps is order-only: the venv needs python3-venv, but a phony prerequisite would redo it each time.
+$(VENV)/.ready: pyproject.toml | deps
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q scikit-build-core nanobind pytest hypothesis
@@ -46,8 +47,14 @@ build: deps
 	cmake -S . -B $(BUILD) -G Ninja -DTRAINMEM_BUILD_TESTS=ON >/dev/null
 	cmake --build $(BUILD) -j $(JOBS)
 
-install: venv
-	$(PIP) install -q .
+# The wheel is built in $(BUILD) itself (scikit-build-core's build-dir, tests kept on so the
+# configuration matches `make build`): only the binding is compiled, the engine objects are the
+# ones `make build` made. --no-build-isolation uses the venv's scikit-build-core and nanobind
+# (.ready) instead of downloading them into a fresh temporary environment, whose changing path
+# would also make nanobind's own sources compile again each time.
+install: venv build
+	$(PY) -m pip install -q --no-build-isolation -C build-dir=$(BUILD) \
+	  -C cmake.define.TRAINMEM_BUILD_TESTS=ON .
 
 demo: build install
 	$(VENV)/bin/trainmem models
@@ -57,7 +64,7 @@ test-cpp: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
 
 test-python: install $(VENV)/.measure
-	TRAINMEM_BIN=$(abspath $(BUILD))/trainmem $(PY) -m pytest -q tests/python
+	TRAINMEM_BIN=$(abspath $(BUILD))/trainmem $(PY) -m pytest -q --durations=15 tests/python
 
 # Sanitizers and a short fuzz run are part of every test run (mk/hardening.mk).
 test: test-cpp test-python test-sanitize fuzz-smoke
