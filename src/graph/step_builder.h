@@ -128,7 +128,9 @@ class StepBuilder {
 
   bool trainable(std::uint32_t pi) const { return pi != kNone && params_[pi].trainable; }
   static bool ends_with(const std::string& s, std::string_view suffix);
-  void bind_layer(LayerParams& lp, const std::string& n, std::uint32_t idx);
+  // The LayerParams field a layer parameter's name binds to ("model.layers.N.self_attn.q_proj.weight"
+  // names every layer's q_proj: the same field for each layer).
+  static std::uint32_t LayerParams::*layer_field(const std::string& n);
   std::uint32_t global(std::string_view suffix) const;
 
   // ---------------------------------------------------------------- op helpers (linear, proj: step_modules.cpp)
