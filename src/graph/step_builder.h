@@ -144,6 +144,13 @@ class StepBuilder {
     n.output = out.value;
     return n;
   }
+  // node(out) built in the tape's node list (Tape::open_node): fill it, then t_.close_node().
+  Node& open_node(const T& out) {
+    Node& n = t_.open_node();
+    n.tag = MomentTag{t_.step, t_.micro, Phase::kBackward, layer_, op_};
+    n.output = out.value;
+    return n;
+  }
 
   // Under sequence parallelism the residual stream and the norms are DTensors, whose gradients
   // autograd never accumulates in place (See Note [Sequence parallelism]).
@@ -200,9 +207,9 @@ class StepBuilder {
     T y = fresh(x.numel, d);
     if (x.requires_grad()) {
       requires_grad(y);
-      Node n = node(y);
+      Node& n = open_node(y);
       n.inputs.push_back(grad_of(x));
-      t_.record(std::move(n));
+      t_.close_node();
     }
     return y;
   }
@@ -273,14 +280,14 @@ class StepBuilder {
     for (const T* x : inputs) any = any || x->requires_grad();
     if (any) {
       requires_grad(y);
-      Node n = node(y);
+      Node& n = open_node(y);
       n.saved.assign(saved.begin(), saved.end());
       if (save_output) n.saved.push_back(y.id);
       for (const T* x : inputs) {
         if (x->requires_grad()) n.inputs.push_back(grad_of(*x));
       }
       n.scratch.assign(scratch.begin(), scratch.end());
-      t_.record(std::move(n));
+      t_.close_node();
     }
     return y;
   }
@@ -291,12 +298,12 @@ class StepBuilder {
     T y = fresh(out_numel, d);
     if (!a.requires_grad() && !b.requires_grad()) return y;
     requires_grad(y);
-    Node nd = node(y);
+    Node& nd = open_node(y);
     if (b.requires_grad()) nd.saved.push_back(a.id);
     if (a.requires_grad()) nd.saved.push_back(b.id);
     if (a.requires_grad()) nd.inputs.push_back(grad_of(a));
     if (b.requires_grad()) nd.inputs.push_back(grad_of(b));
-    t_.record(std::move(nd));
+    t_.close_node();
     return y;
   }
   T bmm(const T& a, const T& b, std::uint64_t out_numel, DType d) { return product(a, b, out_numel, d); }
@@ -319,10 +326,10 @@ class StepBuilder {
     T y = fresh(std::max(a.numel, b.numel), promote(a.dtype, b.dtype));
     if (!a.requires_grad() && !b.requires_grad()) return y;
     requires_grad(y);
-    Node n = node(y);
+    Node& n = open_node(y);
     if (a.requires_grad()) n.inputs.push_back(a.dtype == y.dtype ? pass_to(a) : grad_of(a));
     if (b.requires_grad()) n.inputs.push_back(b.dtype == y.dtype ? pass_to(b) : grad_of(b));
-    t_.record(std::move(n));
+    t_.close_node();
     return y;
   }
 
