@@ -128,7 +128,9 @@ class StepBuilder {
 
   bool trainable(std::uint32_t pi) const { return pi != kNone && params_[pi].trainable; }
   static bool ends_with(const std::string& s, std::string_view suffix);
-  void bind_layer(LayerParams& lp, const std::string& n, std::uint32_t idx);
+  // The LayerParams field a layer parameter's name binds to ("model.layers.N.self_attn.q_proj.weight"
+  // names every layer's q_proj: the same field for each layer).
+  static std::uint32_t LayerParams::*layer_field(const std::string& n);
   std::uint32_t global(std::string_view suffix) const;
 
   // ---------------------------------------------------------------- op helpers (linear, proj: step_modules.cpp)
@@ -138,6 +140,13 @@ class StepBuilder {
 
   Node node(const T& out) {
     Node n;
+    n.tag = MomentTag{t_.step, t_.micro, Phase::kBackward, layer_, op_};
+    n.output = out.value;
+    return n;
+  }
+  // node(out) built in the tape's node list (Tape::open_node): fill it, then t_.close_node().
+  Node& open_node(const T& out) {
+    Node& n = t_.open_node();
     n.tag = MomentTag{t_.step, t_.micro, Phase::kBackward, layer_, op_};
     n.output = out.value;
     return n;
@@ -198,9 +207,9 @@ class StepBuilder {
     T y = fresh(x.numel, d);
     if (x.requires_grad()) {
       requires_grad(y);
-      Node n = node(y);
+      Node& n = open_node(y);
       n.inputs.push_back(grad_of(x));
-      t_.record(std::move(n));
+      t_.close_node();
     }
     return y;
   }
@@ -271,14 +280,14 @@ class StepBuilder {
     for (const T* x : inputs) any = any || x->requires_grad();
     if (any) {
       requires_grad(y);
-      Node n = node(y);
+      Node& n = open_node(y);
       n.saved.assign(saved.begin(), saved.end());
       if (save_output) n.saved.push_back(y.id);
       for (const T* x : inputs) {
         if (x->requires_grad()) n.inputs.push_back(grad_of(*x));
       }
       n.scratch.assign(scratch.begin(), scratch.end());
-      t_.record(std::move(n));
+      t_.close_node();
     }
     return y;
   }
@@ -289,12 +298,12 @@ class StepBuilder {
     T y = fresh(out_numel, d);
     if (!a.requires_grad() && !b.requires_grad()) return y;
     requires_grad(y);
-    Node nd = node(y);
+    Node& nd = open_node(y);
     if (b.requires_grad()) nd.saved.push_back(a.id);
     if (a.requires_grad()) nd.saved.push_back(b.id);
     if (a.requires_grad()) nd.inputs.push_back(grad_of(a));
     if (b.requires_grad()) nd.inputs.push_back(grad_of(b));
-    t_.record(std::move(nd));
+    t_.close_node();
     return y;
   }
   T bmm(const T& a, const T& b, std::uint64_t out_numel, DType d) { return product(a, b, out_numel, d); }
@@ -317,10 +326,10 @@ class StepBuilder {
     T y = fresh(std::max(a.numel, b.numel), promote(a.dtype, b.dtype));
     if (!a.requires_grad() && !b.requires_grad()) return y;
     requires_grad(y);
-    Node n = node(y);
+    Node& n = open_node(y);
     if (a.requires_grad()) n.inputs.push_back(a.dtype == y.dtype ? pass_to(a) : grad_of(a));
     if (b.requires_grad()) n.inputs.push_back(b.dtype == y.dtype ? pass_to(b) : grad_of(b));
-    t_.record(std::move(n));
+    t_.close_node();
     return y;
   }
 

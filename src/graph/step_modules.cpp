@@ -186,7 +186,7 @@ T StepBuilder::linear_module(const T& x_in, std::uint32_t w, std::uint32_t b, st
   if (x.requires_grad() || wt || bt) {
     // mm/addmm save the input for the weight's gradient and the weight for the input's.
     requires_grad(y);
-    Node n = node(y);
+    Node& n = open_node(y);
     if (wt) n.saved.push_back(x.id);
     if (x.requires_grad()) {
       // The saved weight keeps the storage it had when ZeRO-3 releases the parameter (See
@@ -198,7 +198,7 @@ T StepBuilder::linear_module(const T& x_in, std::uint32_t w, std::uint32_t b, st
     // AccumulateGrad runs first (what DDP's gradient-ready order shows: Note [DDP buckets]).
     if (bt) n.params.push_back(param_grad(b, cd));
     if (wt) n.params.push_back(param_grad(w, cd));
-    t_.record(std::move(n));
+    t_.close_node();
   }
   t_.drop(x);
   t_.drop(wc);
@@ -382,9 +382,9 @@ T StepBuilder::rms_norm_module(const T& x, std::uint32_t w, std::uint64_t rows) 
   T ve = fresh(rows, DType::kF32);
   if (var.requires_grad()) {
     requires_grad(ve);
-    Node nd = node(ve);
+    Node& nd = open_node(ve);
     nd.inputs.push_back(pass_to(var));
-    t_.record(std::move(nd));
+    t_.close_node();
   }
   const bool gemma = a_.family == Family::kGemma2;
   // LlamaRMSNorm keeps `variance` to its return; Gemma-2's _norm has it in one expression.
@@ -395,12 +395,12 @@ T StepBuilder::rms_norm_module(const T& x, std::uint32_t w, std::uint64_t rows) 
   T hn = fresh(n, DType::kF32);
   if (h32.requires_grad()) {
     requires_grad(hn);
-    Node nd = node(hn);
+    Node& nd = open_node(hn);
     nd.saved = {h32.id, rs.id};  // mul saves both factors (both require grad)
     nd.inputs.push_back(grad_of(h32));
     nd.inputs.push_back(grad_of(rs));
     nd.scratch.push_back(n * 4);  // grad * x before the sum over the hidden dim
-    t_.record(std::move(nd));
+    t_.close_node();
   }
   t_.drop(h32);
   t_.drop(rs);
@@ -447,12 +447,12 @@ T StepBuilder::rms_norm_module(const T& x, std::uint32_t w, std::uint64_t rows) 
   // weight * x: x is saved for the weight's gradient (the weight, saved for x's, is the
   // parameter itself).
   requires_grad(out);
-  Node nd = node(out);
+  Node& nd = open_node(out);
   if (trainable(w)) nd.saved = {hc.id};
   if (dp_.zero3() && hc.requires_grad()) nd.saved.push_back(dp_.zero3_data(w));  // See Note [DeepSpeed ZeRO-3]
   if (hc.requires_grad()) nd.inputs.push_back(GradIn{hc.value, hc.bytes(), false});
   if (trainable(w)) nd.params.push_back(param_grad(w, od, n * dtype_bytes(od)));
-  t_.record(std::move(nd));
+  t_.close_node();
   t_.drop(hc);
   t_.drop(var);
   return out;
@@ -510,10 +510,10 @@ T StepBuilder::rope(const T& q) {
   T rot = fresh(q.numel, q.dtype);  // cat((-x2, x1))
   if (q.requires_grad()) {
     requires_grad(rot);
-    Node nd = node(rot);
+    Node& nd = open_node(rot);
     nd.inputs.push_back(GradIn{neg.value, neg.bytes(), false});
     nd.inputs.push_back(GradIn{q.value, q.bytes(), false});
-    t_.record(std::move(nd));
+    t_.close_node();
   }
   t_.drop(neg);
   T b = elementwise({&rot}, q.numel, d, {sin_.id});
@@ -607,14 +607,14 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
   T lse = fresh(B_ * heads * S_, DType::kF32);
   if (qc.requires_grad() || kc.requires_grad() || vc.requires_grad()) {
     requires_grad(o);
-    Node nd = node(o);
+    Node& nd = open_node(o);
     nd.saved = {qc.id, kc.id, vc.id, o.id, lse.id};
     for (const T* x : {&qc, &kc, &vc}) nd.inputs.push_back(fused_grad_of(*x));
     // Flash backward (flash_api.cpp mha_bwd): a contiguous copy of grad_out, fp32 dq_accum,
     // fp32 softmax_d, and with GQA dk/dv at the query head count before the group sum.
     nd.scratch = {qn * dtype_bytes(c), qn * 4, B_ * heads * S_ * 4};
     if (gqa_native) nd.scratch.insert(nd.scratch.end(), {qn * dtype_bytes(c), qn * dtype_bytes(c)});
-    t_.record(std::move(nd));
+    t_.close_node();
   }
   t_.drop(lse);
   t_.drop(qc);

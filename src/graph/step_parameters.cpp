@@ -44,9 +44,13 @@ void StepBuilder::create_parameters() {
     // HF creates layer 0's tensors, then layer 1's, ...
     std::size_t gend = gi;
     while (gend < groups.size() && is_layer(groups[gend])) ++gend;
+    // The names match once, not once per layer (80 layers × a dozen suffix tests each were a
+    // twentieth of the 70B model's graph stage).
+    std::vector<std::uint32_t LayerParams::*> fields;
+    for (std::size_t k = gi; k < gend; ++k) fields.push_back(layer_field(groups[k].name));
     for (std::uint64_t l = 0; l < L; ++l) {
       for (std::size_t k = gi; k < gend; ++k) {
-        bind_layer(layers_[l], groups[k].name, add_param(groups[k], /*in_layer=*/true, pp_holds_layer(l)));
+        layers_[l].*fields[k - gi] = add_param(groups[k], /*in_layer=*/true, pp_holds_layer(l));
       }
     }
     in_layers_done = true;
@@ -246,7 +250,7 @@ bool StepBuilder::ends_with(const std::string& s, std::string_view suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-void StepBuilder::bind_layer(LayerParams& lp, const std::string& n, std::uint32_t idx) {
+std::uint32_t LayerParams::*StepBuilder::layer_field(const std::string& n) {
   struct Binding {
     std::string_view suffix;
     std::uint32_t LayerParams::*field;
@@ -289,12 +293,10 @@ void StepBuilder::bind_layer(LayerParams& lp, const std::string& n, std::uint32_
       {".mlp.c_proj.bias", &LayerParams::down_b},
   };
   for (const auto& b : kBindings) {
-    if (ends_with(n, b.suffix)) {
-      lp.*b.field = idx;
-      return;
-    }
+    if (ends_with(n, b.suffix)) return b.field;
   }
   TRAINMEM_ASSERT(false, "unbound layer parameter");
+  return nullptr;
 }
 
 std::uint32_t StepBuilder::global(std::string_view suffix) const {

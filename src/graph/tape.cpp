@@ -42,12 +42,6 @@ Tape::~Tape() {
   }
 }
 
-void Tape::at(Phase phase, std::int32_t layer, std::string_view op) {
-  tag_ = MomentTag{step, micro, phase, layer, op, recomputing && phase != Phase::kBackward};
-  trace_.moments.push_back(tag_);
-  moment_ = static_cast<std::uint32_t>(trace_.moments.size() - 1);
-}
-
 // A storage's category is read by the replay when it consumes the allocation; every change must
 // come before that (the categories of docs/schema.md are what a storage *becomes*).
 void Tape::recategorize(TensorId id, Category c) {
@@ -59,13 +53,6 @@ void Tape::recategorize(TensorId id, Category c) {
 
 void Tape::set_category(TensorId id, Category c) { recategorize(id, c); }
 
-TensorId Tape::alloc_bytes(std::uint64_t bytes, Category category) {
-  TensorId id = static_cast<TensorId>(trace_.storages.size());
-  trace_.storages.push_back({bytes, category, 1});
-  trace_.events.push_back({id, moment_, true});
-  return id;
-}
-
 TensorId Tape::reserve(std::uint64_t bytes, Category category) {
   TensorId id = static_cast<TensorId>(trace_.storages.size());
   trace_.storages.push_back({bytes, category, 1});
@@ -74,38 +61,22 @@ TensorId Tape::reserve(std::uint64_t bytes, Category category) {
 
 void Tape::resize(TensorId id, bool allocated) { trace_.events.push_back({id, moment_, allocated}); }
 
-T Tape::make(std::uint64_t numel, DType dtype, Category category) {
-  T t;
-  t.numel = numel;
-  t.dtype = dtype;
-  t.id = alloc_bytes(detail::mul(numel, dtype_bytes(dtype), "tensor size"), category);
-  return t;
-}
-
-void Tape::retain(TensorId id) {
-  if (id == kNone) return;
-  ++trace_.storages[id].refs;
-}
-
-void Tape::release(TensorId id) {
-  if (id == kNone) return;
-  Storage& s = trace_.storages[id];
-  TRAINMEM_ASSERT(s.refs > 0, "release of a freed storage");
-  if (--s.refs == 0) trace_.events.push_back({id, moment_, false});
-}
-
-ValueId Tape::new_value(std::uint64_t grad_bytes) {
-  value_grad_.push_back(kNone);
-  value_bytes_.push_back(grad_bytes);
-  return static_cast<ValueId>(value_grad_.size() - 1);
-}
-
 std::uint32_t Tape::new_param(TensorId) {
   param_grads_.push_back(kNone);
   return static_cast<std::uint32_t>(param_grads_.size() - 1);
 }
 
 void Tape::record(Node&& node) {
+  TRAINMEM_ASSERT(!node_open_, "record with a node still open");
+  nodes_.push_back(std::move(node));
+  node_open_ = true;
+  close_node();
+}
+
+void Tape::close_node() {
+  TRAINMEM_ASSERT(node_open_ && !nodes_.empty(), "close_node without open_node");
+  node_open_ = false;
+  Node& node = nodes_.back();
   for (TensorId id : node.kept) retain(id);
   if (saving) {
     for (TensorId id : node.saved) {
@@ -133,7 +104,6 @@ void Tape::record(Node&& node) {
     }
     op_begin_event_ = trace_.events.size();
   }
-  nodes_.push_back(std::move(node));
 }
 
 void Tape::module_end() {

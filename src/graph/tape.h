@@ -30,6 +30,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "common/checked.h"
 #include "trainmem/trainmem.h"
 
 namespace trainmem::graph {
@@ -57,7 +58,7 @@ class SmallVec {
   }
   SmallVec& operator=(SmallVec&& o) noexcept {
     if (this != &o) {
-      std::free(heap_);
+      if (heap_) std::free(heap_);
       heap_ = nullptr;
       take(o);
     }
@@ -67,7 +68,11 @@ class SmallVec {
     assign(il.begin(), il.end());
     return *this;
   }
-  ~SmallVec() { std::free(heap_); }
+  // Most lists never leave their inline buffer: no call into free() for them (a node's five
+  // lists are destroyed twice per node, once moved from and once after its backward).
+  ~SmallVec() {
+    if (heap_) std::free(heap_);
+  }
 
   V* data() noexcept { return heap_ ? heap_ : inline_; }
   const V* data() const noexcept { return heap_ ? heap_ : inline_; }
@@ -113,7 +118,7 @@ class SmallVec {
     V* h = static_cast<V*>(std::malloc(cap * sizeof(V)));
     if (!h) throw std::bad_alloc();
     std::memcpy(h, data(), size_ * sizeof(V));
-    std::free(heap_);
+    if (heap_) std::free(heap_);
     heap_ = h;
     cap_ = cap;
   }
@@ -253,6 +258,9 @@ class Tape {
   std::uint32_t step = 0;
   std::uint32_t micro = 0;
   bool recomputing = false;
+  // The per-event calls (at, make, alloc_bytes, retain, release, new_value) are defined below the
+  // class: inlined into the builders, each is a few stores instead of a call that saves
+  // registers around a vector's growth path (a third of the graph stage's instructions).
   void at(Phase phase, std::int32_t layer, std::string_view op);
   Phase phase() const { return tag_.phase; }
 
@@ -288,6 +296,16 @@ class Tape {
   // more on its way into the tape.
   void record(Node&& node);
   void record(const Node& node) { record(Node(node)); }
+  // The same without moving a node in: open_node() appends an empty node and hands it out, the
+  // caller fills it and close_node() records it as record() would. Nothing may touch the graph
+  // in between (the reference lives in the node list). A node is a few hundred bytes: moving it
+  // in and destroying the moved-from one was a tenth of the graph stage.
+  Node& open_node() {
+    TRAINMEM_ASSERT(!node_open_, "open_node with a node still open");
+    node_open_ = true;
+    return nodes_.emplace_back();
+  }
+  void close_node();
   std::size_t node_count() const { return nodes_.size(); }
   // Forgets nodes recorded since `n` (a checkpointed forward's graph, replaced by one node).
   void truncate_nodes(std::size_t n) { resize_nodes(n); }
@@ -364,8 +382,48 @@ class Tape {
   std::vector<std::pair<std::uint32_t, std::size_t>> open_modules_;
   std::vector<std::vector<std::uint32_t>> module_begins_at_, module_ends_at_;
   void resize_nodes(std::size_t n);
+  bool node_open_ = false;  // between open_node() and close_node()
   // run_node's working lists, kept for their capacity.
   std::vector<TensorId> node_scratch_, node_grads_, node_pgrads_;
 };
+
+inline void Tape::at(Phase phase, std::int32_t layer, std::string_view op) {
+  tag_ = MomentTag{step, micro, phase, layer, op, recomputing && phase != Phase::kBackward};
+  trace_.moments.push_back(tag_);
+  moment_ = static_cast<std::uint32_t>(trace_.moments.size() - 1);
+}
+
+inline TensorId Tape::alloc_bytes(std::uint64_t bytes, Category category) {
+  TensorId id = static_cast<TensorId>(trace_.storages.size());
+  trace_.storages.push_back({bytes, category, 1});
+  trace_.events.push_back({id, moment_, true});
+  return id;
+}
+
+inline T Tape::make(std::uint64_t numel, DType dtype, Category category) {
+  T t;
+  t.numel = numel;
+  t.dtype = dtype;
+  t.id = alloc_bytes(detail::mul(numel, dtype_bytes(dtype), "tensor size"), category);
+  return t;
+}
+
+inline void Tape::retain(TensorId id) {
+  if (id == kNone) return;
+  ++trace_.storages[id].refs;
+}
+
+inline void Tape::release(TensorId id) {
+  if (id == kNone) return;
+  Storage& s = trace_.storages[id];
+  TRAINMEM_ASSERT(s.refs > 0, "release of a freed storage");
+  if (--s.refs == 0) trace_.events.push_back({id, moment_, false});
+}
+
+inline ValueId Tape::new_value(std::uint64_t grad_bytes) {
+  value_grad_.push_back(kNone);
+  value_bytes_.push_back(grad_bytes);
+  return static_cast<ValueId>(value_grad_.size() - 1);
+}
 
 }  // namespace trainmem::graph

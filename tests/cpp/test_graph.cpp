@@ -213,6 +213,67 @@ TEST(GraphTape, SmallVecBehavesLikeAVector) {
   EXPECT_EQ(std::vector<std::uint64_t>(moved.begin(), moved.end()), (std::vector<std::uint64_t>{4, 5, 6, 7, 4}));
 }
 
+// A node filled in the tape's list (open_node / close_node) is recorded exactly as one built
+// aside and handed to record(): the saved input becomes an activation held until the node runs,
+// the kept tensor lives to then, and backward makes the same events. The graph: x (a leaf that
+// requires grad) -> y = f(x) saving x and a temporary, keeping a third; backward from y.
+TEST(GraphTape, NodesBuiltInPlaceMatchRecorded) {
+  auto build = [](bool in_place) {
+    graph::Tape t;
+    t.at(Phase::kForward, 0, "f");
+    graph::T x = t.make(8, DType::kF32);
+    x.value = t.new_value(x.bytes());
+    graph::T tmp = t.make(4, DType::kF32);
+    graph::T kept = t.make(2, DType::kF32);
+    graph::T y = t.make(8, DType::kF32);
+    y.value = t.new_value(y.bytes());
+    auto fill = [&](graph::Node& n) {
+      n.tag = MomentTag{0, 0, Phase::kBackward, 0, "f"};
+      n.output = y.value;
+      n.saved = {x.id, tmp.id};
+      n.kept.push_back(kept.id);
+      n.inputs.push_back(graph::GradIn{x.value, x.bytes(), false});
+      n.scratch.push_back(16);
+    };
+    if (in_place) {
+      fill(t.open_node());
+      t.close_node();
+    } else {
+      graph::Node n;
+      fill(n);
+      t.record(std::move(n));
+    }
+    EXPECT_EQ(t.category(tmp.id), Category::kActivations);
+    t.drop(tmp);
+    t.drop(kept);
+    t.drop(x);
+    t.backward(y.value);
+    t.drop(y);
+    return t.take();
+  };
+  const Trace a = build(true), b = build(false);
+  ASSERT_EQ(a.storages.size(), b.storages.size());
+  for (std::size_t i = 0; i < a.storages.size(); ++i) {
+    EXPECT_EQ(a.storages[i].bytes, b.storages[i].bytes);
+    EXPECT_EQ(a.storages[i].category, b.storages[i].category);
+    EXPECT_EQ(a.storages[i].refs, 0u);  // everything was freed
+    EXPECT_EQ(b.storages[i].refs, 0u);
+  }
+  ASSERT_EQ(a.events.size(), b.events.size());
+  for (std::size_t i = 0; i < a.events.size(); ++i) {
+    EXPECT_EQ(a.events[i].tensor, b.events[i].tensor);
+    EXPECT_EQ(a.events[i].moment, b.events[i].moment);
+    EXPECT_EQ(a.events[i].alloc, b.events[i].alloc);
+  }
+  ASSERT_EQ(a.moments.size(), b.moments.size());
+  // The saved temporary and the kept tensor are freed by the node's backward, not at their drop.
+  std::size_t tmp_free = 0;
+  for (std::size_t i = 0; i < a.events.size(); ++i) {
+    if (a.events[i].tensor == 1 && !a.events[i].alloc) tmp_free = i;
+  }
+  EXPECT_EQ(a.moments[a.events[tmp_free].moment].phase, Phase::kBackward);
+}
+
 TEST(GraphActivations, EagerBf16PerLayer) {
   const Dims x = kProbe;
   const std::uint64_t want = 24 * x.bsh() + 8 * x.bsi() + 6 * x.bas2() + 8 * x.bs();
