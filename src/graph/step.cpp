@@ -333,7 +333,7 @@ T StepBuilder::causal_lm_loss(const T& logits, bool vocab_parallel) {
     shifted = fresh(tok_, DType::kI64);
     if (!vocab_parallel) t_.drop(padded);  // else held until ForCausalLMLoss returns (measured)
   }
-  T logp = fresh(logits.numel, DType::kF32);
+  T logp = vocab_parallel ? vocab_parallel_log_softmax(up) : fresh(logits.numel, DType::kF32);
   requires_grad(logp);
   {
     Node nd = node(logp);
@@ -344,13 +344,20 @@ T StepBuilder::causal_lm_loss(const T& logits, bool vocab_parallel) {
     t_.record(std::move(nd));
   }
   t_.drop(up);
-  T loss = fresh(1, DType::kF32);
-  T total_weight = fresh(1, DType::kF32);
+  T total_weight;
+  T loss;
+  if (vocab_parallel) {
+    loss = vocab_parallel_nll_loss(shifted, total_weight);
+  } else {
+    loss = fresh(1, DType::kF32);
+    total_weight = fresh(1, DType::kF32);
+  }
   requires_grad(loss);
   {
     Node nd = node(loss);
     nd.saved = {logp.id, shifted.id, total_weight.id};
     nd.inputs.push_back(grad_of(logp));
+    if (vocab_parallel) vocab_parallel_nll_backward(nd, tok_, logits.numel / tok_);
     t_.record(std::move(nd));
   }
   t_.drop(logp);

@@ -383,6 +383,10 @@ class StepBuilder {
   T causal_lm_loss(const T& logits, bool vocab_parallel = false);
   // Recipe loss_parallel (tensor_parallel.cpp; Note [Loss parallel] in tensor_parallel.h).
   ValueId vocab_parallel_loss(T& normed, std::uint32_t emb);
+  T vocab_parallel_log_softmax(const T& x);
+  T vocab_parallel_nll_loss(const T& target, T& total_weight);
+  T partition_targets(std::uint64_t n);
+  void vocab_parallel_nll_backward(Node& nd, std::uint64_t tokens, std::uint64_t local_vocab);
   void rotary_embedding(DType x_dtype);
   ValueId fused_loss(T& hidden, std::uint32_t emb);
   ValueId scale_loss(T& loss);

@@ -95,4 +95,127 @@ ValueId StepBuilder::vocab_parallel_loss(T& normed, std::uint32_t emb) {
   return scale_loss(loss);
 }
 
+// loss_parallel's _log_softmax handler on the local [tokens, vocab / tp] fp32 logits `x` (See
+// Note [Loss parallel] in tensor_parallel.h): the row max and its all-reduced copy, the shifted
+// logits, their exp (freed once summed), the sum-exp and its all-reduced copy, its log, then
+// the result; the handler's locals die when it returns.
+T StepBuilder::vocab_parallel_log_softmax(const T& x) {
+  const std::uint64_t rows = tok_;
+  T x_max = fresh(rows, DType::kF32);  // amax(keepdim)
+  T max_all = fresh(rows, DType::kF32);  // funcol.all_reduce(MAX), out of place
+  t_.drop(x_max);
+  T shifted = fresh(x.numel, DType::kF32);
+  T e = fresh(x.numel, DType::kF32);
+  T sum_exp = fresh(rows, DType::kF32);
+  t_.drop(e);
+  T sum_all = fresh(rows, DType::kF32);  // funcol.all_reduce(SUM)
+  t_.drop(sum_exp);
+  T lse = fresh(rows, DType::kF32);
+  T result = fresh(x.numel, DType::kF32);
+  t_.drop(shifted);
+  t_.drop(sum_all);
+  t_.drop(lse);
+  t_.drop(max_all);
+  return result;
+}
+
+// loss_parallel's nll_loss_forward handler (reduction mean, no weight): the safe targets, this
+// rank's vocab-range mask and the shifted targets (_MaskPartial._partition_value), the gathered
+// values and their all-reduced copy, the masked negation, total_weight and the mean. Returns
+// the loss; `total_weight` is set (both live on, as autograd saves the latter).
+T StepBuilder::vocab_parallel_nll_loss(const T& target, T& total_weight) {
+  const std::uint64_t n = target.numel;
+  const DType b = DType::kU8, i64 = DType::kI64, f32 = DType::kF32;
+  T ne = fresh(n, b);
+  T safe = fresh(n, i64);  // where(target != ignore_index, target, 0)
+  t_.drop(ne);
+  T mask = partition_targets(n);
+  T local_target = fresh(n, i64);
+  {
+    T lifted = fresh(1, i64);  // masked_tensor[mask] = 0
+    t_.drop(lifted);
+  }
+  T picked = fresh(n, f32);  // gather
+  {
+    T lifted = fresh(1, f32);  // _reduce_value: result[mask] = 0, then the mask is released
+    t_.drop(lifted);
+  }
+  t_.drop(mask);
+  T reduced = fresh(n, f32);  // all_reduce(SUM)
+  T neg = fresh(n, f32);
+  T ne2 = fresh(n, b);
+  T result = fresh(n, f32);  // where(target != ignore_index, result, 0)
+  t_.drop(ne2);
+  t_.drop(neg);
+  T ne3 = fresh(n, b);
+  T count = fresh(1, i64);
+  t_.drop(ne3);
+  total_weight = fresh(1, f32);  // count.to(x)
+  t_.drop(count);
+  T sum = fresh(1, f32);
+  T loss = fresh(1, f32);  // sum / total_weight
+  t_.drop(sum);
+  t_.drop(result);
+  t_.drop(safe);
+  t_.drop(local_target);
+  t_.drop(picked);
+  t_.drop(reduced);
+  return loss;
+}
+
+// _MaskPartial._partition_value's mask (torch/distributed/tensor/_ops/_embedding_ops.py):
+// (t < start) | (t >= end), the two comparisons freed once or'd; then t.clone() - start,
+// whose clone dies at once (the caller makes the subtraction's result).
+T StepBuilder::partition_targets(std::uint64_t n) {
+  T lt = fresh(n, DType::kU8);
+  T ge = fresh(n, DType::kU8);
+  T mask = fresh(n, DType::kU8);
+  t_.drop(lt);
+  t_.drop(ge);
+  T copy = fresh(n, DType::kI64);
+  t_.drop(copy);
+  return mask;
+}
+
+// The loss node's backward under loss_parallel: the nll_loss_backward handler
+// (_nll_loss_and_log_softmax_backward) computes the gradient of log_softmax's input too.
+// Its own buffers, in order: grad_output / total_weight, the safe targets, zeros_like(x), the
+// partition's mask and shifted targets, the mask's update (to fp32, minus 1), arange, the
+// masked grad_output, then exp(x), grad_input + exp, and their product: the gradient.
+void StepBuilder::vocab_parallel_nll_backward(Node& nd, std::uint64_t tokens, std::uint64_t local_vocab) {
+  nd.kernel = [this, tokens, local_vocab](Node& n, std::vector<TensorId>& left) {
+    const std::uint64_t big = tokens * local_vocab;
+    const DType b = DType::kU8, i64 = DType::kI64, f32 = DType::kF32;
+    T scaled = fresh(1, f32);
+    T ne = fresh(tokens, b);
+    T safe = fresh(tokens, i64);
+    t_.drop(ne);
+    T zeros = fresh(big, f32);
+    T mask = partition_targets(tokens);
+    T local_target = fresh(tokens, i64);
+    {
+      T lifted = fresh(1, i64);
+      t_.drop(lifted);
+    }
+    T as_f32 = fresh(tokens, f32);
+    T update = fresh(tokens, f32);
+    t_.drop(as_f32);
+    T arange = fresh(tokens, i64);
+    T ne2 = fresh(tokens, b);
+    T go = fresh(tokens, f32);  // where(target != ignore_index, grad_output, 0)
+    t_.drop(ne2);
+    t_.drop(scaled);
+    T e = fresh(big, f32);
+    T sum = fresh(big, f32);
+    t_.drop(e);
+    T grad = fresh(big, f32);
+    t_.drop(sum);
+    TRAINMEM_ASSERT(n.inputs.size() == 1, "the vocab-parallel loss node has one input");
+    n.inputs[0].reuse = grad.id;
+    for (TensorId id : {go.id, safe.id, zeros.id, mask.id, local_target.id, update.id, arange.id, grad.id}) {
+      left.push_back(id);
+    }
+  };
+}
+
 }  // namespace trainmem::graph::step

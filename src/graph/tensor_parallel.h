@@ -109,12 +109,19 @@ namespace trainmem::graph {
 //    _log_softmax_backward_data's handler returns its incoming gradient as is (.to(the same
 //    dtype)): no second logits-sized gradient, unlike a plain cross-entropy.
 //  * the shifted labels' padded tensor lives until ForCausalLMLoss returns (measured).
-// The measuring side sees an op's outputs only (its TorchDispatchMode is off while DTensor's
-// dispatch runs the handlers): the handlers' own intermediates (the max and sum-exp and their
-// all-reduced copies, the shifted logits and their exp in forward, [tokens, vocab / tp] fp32
-// each, and in backward the zeros, exp and sum of the same size, the target masks) are neither
-// measured nor modelled. They are transient inside one op; a step whose peak is in the loss
-// would be under-estimated by up to three [tokens, vocab / tp] fp32 buffers.
+//  * the handlers' own intermediates (measured: the measuring side runs each handler of
+//    loss.py's customized_loss_ops under the tracker's dispatch mode, training.py _loss_context;
+//    torch 2.13 loss.py _log_softmax, _nll_loss_forward, _nll_loss_and_log_softmax_backward and
+//    _embedding_ops.py _MaskPartial._partition_value), category temporaries, op by op:
+//    forward: amax and its all-reduced copy (the local max dies), the shifted logits, their exp
+//    (freed once summed), the sum and its all-reduced copy, log, then the result, the locals
+//    freed on return; nll_loss_forward: the safe targets, the vocab-range mask (lt, ge, or),
+//    the rank-local targets (clone - offset), gather, its all-reduce, the masked negation, the
+//    valid count, total_weight and the mean. Backward: grad_output / total_weight, the safe
+//    targets, zeros_like(logp), the partition again, the mask update, arange, the masked
+//    grad_output, then exp(logp), the sum and the product (the gradient). With logp saved, the
+//    loss backward holds four [tokens, vocab / tp] fp32 buffers at once (zeros, exp, sum, logp),
+//    which is where cpu-tp2lp-llamaw512l4-fp32-sgd-b2s512 peaks.
 // Not modelled (refused): tied embeddings (ColwiseParallel would shard the embedding's weight
 // too), a vocabulary not divisible by tp (uneven shards), loss fused, tp 1.
 

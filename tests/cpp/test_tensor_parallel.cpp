@@ -220,18 +220,28 @@ TEST(LossParallel, LocalLogitsAndOneLogitsGradient) {
   const std::uint64_t logits = 128 * 500 * 4;
   // Forward: lm_head's local output only.
   EXPECT_EQ(allocs(t, Phase::kForward, -1, "lm_head"), (std::vector<std::uint64_t>{logits}));
-  // Loss (measured): padded labels [2, 65], shifted [2, 64], log_softmax's local result, the loss
-  // and total_weight, the division by grad_accum.
+  const std::uint64_t n = 128;  // tokens
+  // Loss (measured event by event, the handlers under the tracker's mode): padded labels
+  // [2, 65], shifted [2, 64]; _log_softmax's handler: amax, its all-reduce, the shifted logits,
+  // exp, sum, its all-reduce, log, the result; nll_loss_forward's handler: ne, the safe targets,
+  // lt, ge, the mask, clone, sub, a lifted 0, gather, a lifted 0.0, the all-reduce, neg, ne,
+  // where, ne, the count, total_weight, sum, the mean; then the division by grad_accum.
   EXPECT_EQ(head_allocs(t, Phase::kLoss, {"loss"}),
-            (std::vector<std::uint64_t>{2 * 65 * 8, 2 * 64 * 8, logits, 4, 4, 4}));
-  // Backward (measured): the seed and its division, ONE local logits gradient (the fused
-  // nll_loss + log_softmax backward; a plain cross-entropy makes two), lm_head's local weight
-  // gradient and its Partial input gradient, and the all-reduced input gradient.
-  std::vector<std::uint64_t> back = head_allocs(t, Phase::kBackward, {"loss", "lm_head"});
-  std::sort(back.begin(), back.end());
-  std::vector<std::uint64_t> want{4, 4, logits, 500 * 512 * 4, 128 * 512 * 4, 128 * 512 * 4};
-  std::sort(want.begin(), want.end());
-  EXPECT_EQ(back, want);
+            (std::vector<std::uint64_t>{2 * 65 * 8, 2 * 64 * 8,
+                                        n * 4, n * 4, logits, logits, n * 4, n * 4, n * 4, logits,
+                                        n, n * 8, n, n, n, n * 8, n * 8, 8, n * 4, 4, n * 4,
+                                        n * 4, n, n * 4, n, 8, 4, 4, 4, 4}));
+  // Backward (measured): the seed and its division; nll_loss_backward's handler: the scaled
+  // grad_output, ne, the safe targets, zeros_like(x), the partition (lt, ge, mask, clone, sub,
+  // a lifted 0), the mask as fp32 and minus 1, arange, ne, the masked grad_output, exp(x), the
+  // sum and the product: ONE local logits gradient (a plain cross-entropy makes two). Then
+  // lm_head's local weight gradient, its Partial input gradient, the all-reduced one.
+  EXPECT_EQ(head_allocs(t, Phase::kBackward, {"loss"}),
+            (std::vector<std::uint64_t>{4, 4, 4, n, n * 8, logits, n, n, n, n * 8, n * 8, 8, n * 4, n * 4,
+                                        n * 8, n, n * 4, logits, logits, logits}));
+  std::vector<std::uint64_t> head = head_allocs(t, Phase::kBackward, {"lm_head"});
+  std::sort(head.begin(), head.end());
+  EXPECT_EQ(head, (std::vector<std::uint64_t>{128 * 512 * 4, 128 * 512 * 4, 500 * 512 * 4}));
   // Without loss_parallel the logits are whole and the cross-entropy backward makes two gradients.
   Recipe plain = lp_recipe(64);
   plain.loss_parallel = false;

@@ -294,8 +294,18 @@ def test_tp_loss_parallel_world_size_2(tiny_llama, tmp_path):
     ranks measure the same; a tied lm_head is refused before any rank starts."""
     base = dict(batch=2, seq=8, precision="fp32", optimizer="sgd", tp=2)
     tp = measure(str(tiny_llama), Recipe(**base))
-    lp = measure(str(tiny_llama), Recipe(**base, loss_parallel=True))
+    trace = tmp_path / "lp.jsonl"
+    lp = measure(str(tiny_llama), Recipe(**base, loss_parallel=True), trace=str(trace))
     assert lp["recipe"]["loss_parallel"] is True and "--loss-parallel" in lp["command"]
+    # The handlers run under the tracker's mode: their local [16 tokens, 128] fp32 intermediates
+    # are recorded (forward: shifted logits, exp, result; backward: zeros, exp, sum, product),
+    # and none of DTensor's global-shape fake tensors ([16, 256]) from its sharding propagation.
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    big = [(e["phase"], e["aten_op"]) for e in events
+           if e["event"] == "alloc" and e["step"] == 1 and e.get("shape") == [16, 128] and e["phase"] != "forward"]
+    assert big == [("loss", "sub"), ("loss", "exp"), ("loss", "sub"), ("backward", "zeros_like"),
+                   ("backward", "exp"), ("backward", "add"), ("backward", "mul")], big
+    assert not any(e["event"] == "alloc" and e.get("shape") == [16, 256] for e in events)
     assert lp["parameters"] == tp["parameters"]
     end = lambda r: r["diagnostics"]["live_bytes_at_end"]["weights"]  # noqa: E731
     assert end(tp) - end(lp) == 256 * 64 * 4 // 2

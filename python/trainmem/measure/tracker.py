@@ -419,6 +419,24 @@ class MemoryTracker:
         self._exit_stack = stack
         return self
 
+    def track_inside(self, handler):
+        """`handler` (a DTensor custom op handler: op_call, args, kwargs) with this tracker's
+        dispatch mode active in its body.
+
+        DTensor's dispatch runs below the tracker's mode (the mode is off while it runs), so the
+        local ops of a handler such as loss_parallel()'s vocab-parallel log_softmax would not be
+        seen. Inside the handler the tensors are local ones: a fresh mode on this tracker records
+        their outputs as any op's; the handler's DTensor result wraps a local tensor already
+        recorded, so the outer op adds nothing twice. The fake tensors of DTensor's sharding
+        propagation that a handler runs (_propagate_tensor_meta) are not memory (_trackable)."""
+
+        @functools.wraps(handler)
+        def tracked(op_call, args, kwargs):
+            with _DispatchMode(self):
+                return handler(op_call, args, kwargs)
+
+        return tracked
+
     def __exit__(self, *exc) -> None:
         if self._exit_stack is not None:
             self._exit_stack.close()
@@ -628,6 +646,8 @@ class MemoryTracker:
                 return False  # a real constant being lifted into the fake world is not device memory
             device = t.fake_device  # t.device would dispatch prim.device through the fake mode
         else:
+            if isinstance(t, FakeTensor):
+                return False  # DTensor's sharding propagation inside a handler (track_inside): no memory
             device = t.device
         return device.type == self.device_type and not t.is_sparse
 

@@ -241,7 +241,7 @@ def run_steps(model: torch.nn.Module, recipe: Recipe, tracker: MemoryTracker, *,
 
     # loss_parallel() swaps in the vocab-parallel log_softmax / nll_loss (and their backward) for
     # DTensor inputs; the backward must run inside it too (torch/distributed/tensor/parallel/loss.py).
-    with _loss_context(recipe):
+    with _loss_context(recipe, tracker):
         for step in range(1, steps + 1):
             if on_step_start is not None:
                 on_step_start(step)
@@ -289,12 +289,25 @@ def run_steps(model: torch.nn.Module, recipe: Recipe, tracker: MemoryTracker, *,
                 on_step_end(step)
 
 
-def _loss_context(recipe: Recipe):
+@contextlib.contextmanager
+def _loss_context(recipe: Recipe, tracker: MemoryTracker):
+    """loss_parallel() with each handler it installs run under the tracker's mode, so that its
+    local intermediates (max, sum-exp, shifted logits, exp; zeros, masks in backward) are recorded
+    (torch 2.13, torch/distributed/tensor/parallel/loss.py customized_loss_ops)."""
     if not recipe.loss_parallel:
-        return contextlib.nullcontext()
-    from torch.distributed.tensor.parallel import loss_parallel
+        yield
+        return
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss as tp_loss
 
-    return loss_parallel()
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    with tp_loss.loss_parallel():
+        saved = {op: handlers[op] for op in tp_loss.customized_loss_ops}
+        handlers.update({op: tracker.track_inside(h) for op, h in saved.items()})
+        try:
+            yield
+        finally:
+            handlers.update(saved)  # loss_parallel() pops them on exit
 
 
 def _run_engine_steps(engine, recipe: Recipe, tracker: MemoryTracker, *, make_batch, forward_and_loss, steps: int,
