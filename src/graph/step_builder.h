@@ -385,7 +385,7 @@ class StepBuilder {
   ValueId vocab_parallel_loss(T& normed, std::uint32_t emb);
   T vocab_parallel_log_softmax(const T& x);
   T vocab_parallel_nll_loss(const T& target, T& total_weight);
-  T partition_targets(std::uint64_t n);
+  T partition_targets(std::uint64_t n, T& local_target);
   void vocab_parallel_nll_backward(Node& nd, std::uint64_t tokens, std::uint64_t local_vocab);
   void rotary_embedding(DType x_dtype);
   ValueId fused_loss(T& hidden, std::uint32_t emb);

@@ -129,12 +129,8 @@ T StepBuilder::vocab_parallel_nll_loss(const T& target, T& total_weight) {
   T ne = fresh(n, b);
   T safe = fresh(n, i64);  // where(target != ignore_index, target, 0)
   t_.drop(ne);
-  T mask = partition_targets(n);
-  T local_target = fresh(n, i64);
-  {
-    T lifted = fresh(1, i64);  // masked_tensor[mask] = 0
-    t_.drop(lifted);
-  }
+  T local_target;
+  T mask = partition_targets(n, local_target);
   T picked = fresh(n, f32);  // gather
   {
     T lifted = fresh(1, f32);  // _reduce_value: result[mask] = 0, then the mask is released
@@ -163,10 +159,11 @@ T StepBuilder::vocab_parallel_nll_loss(const T& target, T& total_weight) {
   return loss;
 }
 
-// _MaskPartial._partition_value's mask (torch/distributed/tensor/_ops/_embedding_ops.py):
-// (t < start) | (t >= end), the two comparisons freed once or'd; then t.clone() - start,
-// whose clone dies at once (the caller makes the subtraction's result).
-T StepBuilder::partition_targets(std::uint64_t n) {
+// _MaskPartial._partition_value (torch/distributed/tensor/_ops/_embedding_ops.py) on `n`
+// targets: the mask (t < start) | (t >= end), the two comparisons freed once or'd; then
+// t.clone() - start, whose clone dies at once, into `local_target`; then
+// masked_tensor[mask] = 0, whose one-element index value dies with it. Returns the mask.
+T StepBuilder::partition_targets(std::uint64_t n, T& local_target) {
   T lt = fresh(n, DType::kU8);
   T ge = fresh(n, DType::kU8);
   T mask = fresh(n, DType::kU8);
@@ -174,6 +171,9 @@ T StepBuilder::partition_targets(std::uint64_t n) {
   t_.drop(ge);
   T copy = fresh(n, DType::kI64);
   t_.drop(copy);
+  local_target = fresh(n, DType::kI64);
+  T lifted = fresh(1, DType::kI64);
+  t_.drop(lifted);
   return mask;
 }
 
@@ -191,12 +191,8 @@ void StepBuilder::vocab_parallel_nll_backward(Node& nd, std::uint64_t tokens, st
     T safe = fresh(tokens, i64);
     t_.drop(ne);
     T zeros = fresh(big, f32);
-    T mask = partition_targets(tokens);
-    T local_target = fresh(tokens, i64);
-    {
-      T lifted = fresh(1, i64);
-      t_.drop(lifted);
-    }
+    T local_target;
+    T mask = partition_targets(tokens, local_target);
     T as_f32 = fresh(tokens, f32);
     T update = fresh(tokens, f32);
     t_.drop(as_f32);
