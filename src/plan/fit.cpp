@@ -169,45 +169,36 @@ std::vector<T> values(const FitRequest& q, std::string_view knob, T base, std::v
 //  * M < N: ScheduleGPipe, the only one torch runs there (Schedule1F1B refuses fewer micro-batches
 //    than stages, recipe.cpp). That is where a small global batch over many GPUs lands.
 
-// The model-dependent part of what the engine splits into stages (graph/pipeline.h).
-bool pipeline_modelled(const Model& m, const Recipe& r) {
+// Whether `check` goes through: the engine's refusals (trainmem::Error) as a yes / no.
+template <typename F>
+bool accepted(F&& check) {
   try {
-    graph::check_pipeline_model(m.arch, r);
+    check();
     return true;
   } catch (const Error&) {
     return false;
   }
 }
 
+// The model-dependent part of what the engine splits into stages (graph/pipeline.h).
+bool pipeline_modelled(const Model& m, const Recipe& r) {
+  return accepted([&] { graph::check_pipeline_model(m.arch, r); });
+}
+
 bool valid(const Recipe& r) {
-  try {
-    r.validate();
-    return true;
-  } catch (const Error&) {
-    return false;
-  }
+  return accepted([&] { r.validate(); });
 }
 
 // Whether the engine models `tp`-way tensor parallelism of this model (the family and the
 // divisibility of heads, key/value heads and the MLP's width: Note [Tensor parallelism]).
 bool tp_modelled(const Model& m, std::uint64_t tp) {
-  try {
-    (void)graph::tensor_parallel_model(m, tp);
-    return true;
-  } catch (const Error&) {
-    return false;
-  }
+  return accepted([&] { (void)graph::tensor_parallel_model(m, tp); });
 }
 
 // Whether it also models loss parallelism there (untied embeddings, a vocabulary divisible by tp:
 // Note [Loss parallel] in graph/tensor_parallel.h).
 bool lp_modelled(const Model& m, std::uint64_t tp) {
-  try {
-    (void)graph::tensor_parallel_model(m, tp, /*loss_parallel=*/true);
-    return true;
-  } catch (const Error&) {
-    return false;
-  }
+  return accepted([&] { (void)graph::tensor_parallel_model(m, tp, /*loss_parallel=*/true); });
 }
 
 // The floor of a recipe, on the model one rank holds: its local shards, counted as local elements
