@@ -482,6 +482,9 @@ struct FitResult {
   std::uint64_t simulated = 0;       // of those, replayed through the engine
   std::uint64_t pruned = 0;          // ruled out by a lower bound without replay
   Plan baseline;                     // the base recipe as given
+  // The global batch does not split over the GPUs, so the baseline is the base recipe as a
+  // pipeline (or tensor-parallel group) over all of them instead of data-parallel.
+  bool baseline_moved = false;
   std::vector<Change> changes;       // single changes from the baseline, biggest saving first
   bool has_closest_miss = false;     // no plan fits: the recipe that came closest
   Plan closest_miss;

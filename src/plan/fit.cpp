@@ -380,11 +380,16 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
   // the checkpoint loaded before the wrap) is not modelled and not counted.
   const std::uint64_t host = q.host_memory_bytes;
   out.host_capacity_bytes = host;
-  if (out.global_batch % q.gpus != 0) {
-    throw Error("global_batch: " + std::to_string(out.global_batch) + " sequences do not split over " +
-                std::to_string(q.gpus) + " GPUs");
-  }
-  const std::uint64_t per_gpu = out.global_batch / q.gpus;
+  // Note [A global batch that does not split over the GPUs]
+  // Data parallelism gives every GPU global_batch / gpus sequences, so it needs the global batch
+  // to divide. A pipeline over every GPU and a tensor-parallel group of every GPU are one
+  // data-parallel rank that runs the whole global batch, so they take any global batch. When it
+  // does not divide, the search keeps those two and leaves data parallelism out; a data-parallel
+  // recipe of the user's becomes its pipeline counterpart as the baseline (pp = gpus, the user's
+  // micro-batch, the schedule as the search would pick it), or its tensor-parallel one where the
+  // engine does not model the pipeline, and the text output says so.
+  const bool dp_splits = out.global_batch % q.gpus == 0;
+  const std::uint64_t per_gpu = dp_splits ? out.global_batch / q.gpus : 0;
 
   Planner planner(model);
 
@@ -395,7 +400,47 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
   base.gpus = q.base.tp > 1 ? 1 : q.gpus;
   if (base.gpus > 1 && base.parallel == Parallel::kNone) base.parallel = Parallel::kDdp;
   base.validate();
-  const std::uint64_t base_per_rank = q.base.tp > 1 ? out.global_batch : per_gpu;
+  if (!dp_splits && q.base.tp == 1) {
+    // See Note [A global batch that does not split over the GPUs].
+    auto no_split = [&](const std::string& why) {
+      return Error("global_batch: " + std::to_string(out.global_batch) + " sequences do not split over " +
+                   std::to_string(q.gpus) + " data-parallel GPUs, and " + why);
+    };
+    if (fixed(q, "parallel")) throw no_split("--fixed parallel keeps the data-parallel wrapper");
+    if (out.global_batch % base.batch != 0) {
+      throw no_split("a pipeline or tensor-parallel group over them runs it in micro-batches of " +
+                     std::to_string(base.batch) + ", which do not divide it either");
+    }
+    Recipe pr = base;
+    pr.gpus = 1;
+    pr.parallel = Parallel::kNone;
+    pr.fsdp = Fsdp{};
+    pr.offload = Offload::kNone;
+    pr.grad_accum = out.global_batch / base.batch;
+    Recipe tr = pr;
+    pr.pp = q.gpus;
+    pr.pp_schedule = pr.grad_accum >= pr.pp ? PipelineSchedule::k1F1B : PipelineSchedule::kGPipe;
+    tr.tp = q.gpus;
+    // Tensor parallelism is modelled without autocast: a mixed recipe moves to its -true twin, as
+    // in the single change `tp N` below.
+    if (tr.precision == Precision::kBf16Mixed) tr.precision = Precision::kBf16True;
+    if (tr.precision == Precision::kFp16Mixed) tr.precision = Precision::kFp16True;
+    if (pr.grad_accum > kMaxAccum) {
+      throw no_split("a pipeline or tensor-parallel group over them needs grad_accum " +
+                     std::to_string(pr.grad_accum) + " at batch " + std::to_string(base.batch) + "; more than " +
+                     std::to_string(kMaxAccum));
+    }
+    if (valid(pr) && pipeline_modelled(model, pr)) {
+      base = pr;
+    } else if (q.gpus <= 64 && tp_modelled(model, q.gpus) && valid(tr)) {
+      base = tr;
+    } else {
+      throw no_split("the engine models this recipe neither as a pipeline nor as tensor parallelism over " +
+                     std::to_string(q.gpus) + " GPUs (docs/parallelism.md)");
+    }
+    out.baseline_moved = true;
+  }
+  const std::uint64_t base_per_rank = base.tp > 1 || base.pp > 1 ? out.global_batch : per_gpu;
   if (base.batch * base.grad_accum != base_per_rank) {
     if (base_per_rank % base.batch != 0) {
       throw Error("global_batch: " + std::to_string(out.global_batch) + " is not a multiple of batch " +
@@ -425,7 +470,7 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
     }
     return bs;
   };
-  const std::vector<std::uint64_t> batches = batches_for(per_gpu);
+  const std::vector<std::uint64_t> batches = dp_splits ? batches_for(per_gpu) : std::vector<std::uint64_t>{};
   // Tensor-parallel degrees: 1 (data parallelism over the GPUs, or one GPU) and, for a model the
   // engine models under tensor parallelism, every GPU in one tensor-parallel group (TP x DP is not
   // modelled), with and without sequence parallelism.
@@ -435,7 +480,7 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
   } else if (q.gpus > 1 && q.gpus <= 64 && tp_modelled(model, q.gpus)) {
     tps.push_back(q.gpus);
   }
-  if (batches.empty() && std::find(tps.begin(), tps.end(), std::uint64_t{1}) != tps.end()) {
+  if (dp_splits && batches.empty() && std::find(tps.begin(), tps.end(), std::uint64_t{1}) != tps.end()) {
     throw Error("global_batch: " + std::to_string(out.global_batch) + " needs more than " +
                 std::to_string(kMaxAccum) + " micro-batches per GPU at any power-of-two micro-batch");
   }
@@ -739,7 +784,9 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
     r.parallel = Parallel::kNone;
     r.fsdp = Fsdp{};
     r.offload = Offload::kNone;
-    r.grad_accum = base.grad_accum * q.gpus;  // one data-parallel rank runs the global batch
+    r.pp = 1;
+    r.pp_schedule = Recipe{}.pp_schedule;
+    r.grad_accum = out.global_batch / base.batch;  // one data-parallel rank runs the global batch
     std::string what = "tp " + std::to_string(q.gpus) + " (no data parallelism)";
     // Tensor parallelism is modelled without autocast: a mixed recipe moves to its -true twin.
     if (r.precision == Precision::kBf16Mixed || r.precision == Precision::kFp16Mixed) {
@@ -747,6 +794,21 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
       what += ", precision " + std::string(to_string(r.precision));
     }
     if (r.grad_accum <= kMaxAccum) change(what, r);
+  }
+  // Pipeline parallelism over every GPU for a data-parallel recipe (Note [Pipeline schedule in
+  // the planner] picks the schedule), where the engine models the pipeline.
+  if (base.tp == 1 && base.pp == 1 && q.gpus > 1) {
+    Recipe r = base;
+    r.pp = q.gpus;
+    r.gpus = 1;
+    r.parallel = Parallel::kNone;
+    r.fsdp = Fsdp{};
+    r.offload = Offload::kNone;
+    r.grad_accum = out.global_batch / base.batch;  // every stage runs the global batch
+    r.pp_schedule = r.grad_accum >= r.pp ? PipelineSchedule::k1F1B : PipelineSchedule::kGPipe;
+    if (r.grad_accum <= kMaxAccum && valid(r) && pipeline_modelled(model, r)) {
+      change("pp " + std::to_string(q.gpus) + " " + std::string(to_string(r.pp_schedule)) + " (no data parallelism)", r);
+    }
   }
   if (base.tp > 1) {
     Recipe r = base;

@@ -161,6 +161,7 @@ std::string fit_to_json(const std::string& model, const FitResult& f, bool prett
   for (const Plan& p : f.plans) plans.push_back(plan_object(p));
   j["plans"] = plans;
   j["baseline"] = plan_object(f.baseline);
+  j["baseline_moved"] = f.baseline_moved;
   ordered_json changes = ordered_json::array();
   for (const Change& c : f.changes) {
     ordered_json x = plan_object(c.plan);
@@ -265,6 +266,11 @@ std::string fit_to_text(const std::string& model, const FitResult& f) {
     }
   }
   add("\nyour recipe: %s\n", recipe_words(b).c_str());
+  if (f.baseline_moved) {
+    add("  (%llu sequences do not split over %llu data-parallel GPUs: your recipe as %s over all of them)\n",
+        static_cast<unsigned long long>(f.global_batch), static_cast<unsigned long long>(f.gpus),
+        b.pp > 1 ? "a pipeline" : "one tensor-parallel group");
+  }
   if (f.baseline.fits) {
     add("  fits: %s reserved, %s to spare; step time %.3gs\n", detail::format_bytes(f.baseline.peak_reserved_bytes).c_str(),
         detail::format_bytes(f.capacity_bytes - f.baseline.peak_reserved_bytes).c_str(), f.baseline.time.seconds);

@@ -324,7 +324,7 @@ TEST(Fit, BadRequestsAreErrors) {
   EXPECT_EQ(error_of([&] { fit(m, q); }), "gpus: must be between 1 and 4096, got 5000");
   q.gpus = 3;
   q.global_batch = 8;
-  EXPECT_NE(error_of([&] { fit(m, q); }).find("8 sequences do not split over 3 GPUs"), std::string::npos);
+  EXPECT_NE(error_of([&] { fit(m, q); }).find("8 sequences do not split over 3 data-parallel GPUs"), std::string::npos);
   q.gpus = 1;
   q.base.batch = 3;
   q.global_batch = 8;

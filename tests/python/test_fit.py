@@ -153,6 +153,42 @@ def test_pipeline_micro_batches_past_the_data_parallel_ones_run_gpipe(run):
     assert e["peak_allocated_bytes"] == gpipe["peak_allocated_bytes"]
 
 
+def test_a_global_batch_the_gpus_cannot_split_plans_pipelines_and_tensor_parallelism(run):
+    # 6 sequences over 4 GPUs: no data-parallel recipe, but a 4-stage pipeline or a 4-way tensor-parallel
+    # group runs all 6 (Note [A global batch that does not split over the GPUs]). The baseline is the
+    # user's recipe as the pipeline, and every plan is what `estimate` gives for it.
+    j = json.loads(run("fit", "mistral-7b-v0.3", "--gpu", "a100-40gb", "--gpus", "4", "--seq", "1024",
+                       "--global-batch", "6", "--top", "40", "--json", timeout=600).stdout)
+    assert j["baseline_moved"] is True
+    b = j["baseline"]["recipe"]
+    assert (b["pp"], b["batch"], b["grad_accum"], b["pp_schedule"]) == (4, 1, 6, "1f1b") and "gpus" not in b
+    assert j["plans"]
+    kinds = set()
+    for p in j["plans"]:
+        rc = p["recipe"]
+        assert "gpus" not in rc and rc["batch"] * rc["grad_accum"] == 6, rc
+        assert (rc.get("pp", 1) == 4) != (rc.get("tp", 1) == 4), rc
+        kinds.add("pp" if rc.get("pp", 1) == 4 else "tp")
+    assert kinds == {"pp", "tp"}, kinds
+    gp = next(p for p in j["plans"] if p["recipe"].get("pp_schedule") == "gpipe")  # 3 micro-batches of 2
+    rc = gp["recipe"]
+    assert (rc["batch"], rc["grad_accum"]) == (2, 3)
+    e = json.loads(run("estimate", "mistral-7b-v0.3", "--gpu", "a100-40gb", "--batch", rc["batch"], "--grad-accum",
+                       rc["grad_accum"], "--seq", rc["seq"], "--precision", rc["precision"], "--optimizer",
+                       rc["optimizer"], "--allocator", rc["allocator"], "--pp", "4", "--pp-schedule", "gpipe",
+                       "--json", timeout=300).stdout)
+    assert e["peak_reserved_bytes"] == gp["peak_reserved_bytes"]
+    assert "tp 4 (no data parallelism)" in {c["change"] for c in j["changes"]}
+    text = run("fit", "mistral-7b-v0.3", "--gpu", "a100-40gb", "--gpus", "4", "--seq", "1024",
+               "--global-batch", "6", timeout=600).stdout
+    assert "6 sequences do not split over 4 data-parallel GPUs: your recipe as a pipeline over all of them" in text
+    # A global batch that splits keeps the data-parallel baseline, and offers the pipeline as a change.
+    j = json.loads(run("fit", "mistral-7b-v0.3", "--gpu", "a100-40gb", "--gpus", "4", "--seq", "1024",
+                       "--global-batch", "8", "--top", "1", "--json", timeout=600).stdout)
+    assert j["baseline_moved"] is False and j["baseline"]["recipe"]["parallel"] == "ddp"
+    assert "pp 4 1f1b (no data parallelism)" in {c["change"] for c in j["changes"]}
+
+
 def test_a_held_precision_zero_refuses_leaves_it_out(run):
     r = run("fit", "qwen3-0.6b", "--gpu", "rtx-4090", "--gpus", "4", "--seq", "512", "--global-batch", "16",
             "--precision", "bf16-mixed", "--json", timeout=300)
@@ -183,7 +219,10 @@ def test_held_zero_without_precision_starts_from_bf16_master(run):
 
 @pytest.mark.parametrize("args,message", [
     (["fit", "gpt2", "--gpu", "cpu"], "no memory to plan for"),
-    (["fit", "gpt2", "--gpus", "3", "--global-batch", "8"], "8 sequences do not split over 3 GPUs"),
+    (["fit", "gpt2", "--gpus", "3", "--global-batch", "8"], "8 sequences do not split over 3 data-parallel GPUs, and "
+     "the engine models this recipe neither as a pipeline nor as tensor parallelism over 3 GPUs"),
+    (["fit", "mistral-7b-v0.3", "--gpus", "4", "--global-batch", "6", "--parallel", "fsdp"],
+     "6 sequences do not split over 4 data-parallel GPUs, and --fixed parallel keeps the data-parallel wrapper"),
     (["fit", "gpt2", "--gpus", "2", "--parallel", "fsdp", "--optimizer", "adafactor"], "optimizer: adafactor under parallel fsdp"),
     (["fit", "gpt2", "--batch", "3", "--global-batch", "8"], "not a multiple of batch 3"),
     (["fit", "gpt2", "--global-batch", "x"], "global_batch: must be a positive integer"),
