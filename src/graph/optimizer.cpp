@@ -5,6 +5,52 @@
 
 namespace trainmem::graph::step {
 
+namespace {
+
+// Note [Parameter registration order]
+// The catalog lists a decoder layer's parameters in forward order (input norm, attention,
+// post-attention norm, MLP), the order the engine creates them in. model.parameters(), which a
+// loop over the parameters walks, is the modules' registration order instead: HF's Llama-style
+// decoder layers (modeling_llama.py LlamaDecoderLayer.__init__, likewise Mistral, Qwen2, Qwen3,
+// Gemma-2, Phi-3) register self_attn, then mlp, then their norms; Phi3Attention registers o_proj
+// before qkv_proj; GPT2Block registers ln_1, attn, ln_2, mlp, the catalog's order. Where a loop
+// allocates per parameter and frees the previous one's input (bf16-master's fp32 gradients), the
+// order moves the peak: measured, cpu-pp2-llamaw512l4-bf16master-sgd-ga2-b1s64 peaks at the last
+// layer's down_proj with its norms' half gradients still there.
+std::vector<std::uint32_t> registration_order(const std::vector<ParameterGroup>& groups,
+                                              std::uint64_t num_layers, Family family) {
+  auto is_layer = [](const ParameterGroup& g) { return g.name.find(".N.") != std::string::npos; };
+  auto rank = [&](const std::string& name) {
+    if (family == Family::kGpt2) return 0;
+    const std::string rest = name.substr(name.find(".N.") + 3);
+    if (rest.starts_with("self_attn.")) return family == Family::kPhi3 && rest == "self_attn.o_proj.weight" ? 0 : 1;
+    return rest.starts_with("mlp.") ? 2 : 3;
+  };
+  std::vector<std::uint32_t> out;
+  std::uint32_t idx = 0;
+  for (std::size_t gi = 0; gi < groups.size(); ++gi) {
+    if (!is_layer(groups[gi])) {
+      out.push_back(idx++);
+      continue;
+    }
+    std::size_t per_layer = 0;
+    while (gi + per_layer < groups.size() && is_layer(groups[gi + per_layer])) ++per_layer;
+    std::vector<std::uint32_t> within(per_layer);
+    for (std::uint32_t k = 0; k < per_layer; ++k) within[k] = k;
+    std::stable_sort(within.begin(), within.end(), [&](std::uint32_t x, std::uint32_t y) {
+      return rank(groups[gi + x].name) < rank(groups[gi + y].name);
+    });
+    for (std::uint64_t l = 0; l < num_layers; ++l) {
+      for (std::uint32_t k : within) out.push_back(idx + static_cast<std::uint32_t>(l * per_layer) + k);
+    }
+    idx += static_cast<std::uint32_t>(num_layers * per_layer);
+    gi += per_layer - 1;
+  }
+  return out;
+}
+
+}  // namespace
+
 // bitsandbytes' two 256-entry fp32 quantization maps (signed and unsigned dynamic).
 // optimizer.state holds them (qmap1, qmap2) only for a tensor with 8-bit states (4096 elements
 // or more); when every trainable tensor is smaller (small LoRA adapters) they are temporaries
@@ -39,7 +85,10 @@ void StepBuilder::optimizer_step(bool first) {
   if (pol_.master && !dp_.zero()) {
     // fp32 gradients for the master copy, parameter by parameter; the half .grad goes.
     op("optimizer.master_grads");
-    for (Param& p : params_) {
+    const std::vector<std::uint32_t> order = registration_order(m_.parameters, a_.num_layers, a_.family);
+    TRAINMEM_ASSERT(order.size() == params_.size(), "the registration order misses parameters");
+    for (std::uint32_t pi : order) {  // See Note [Parameter registration order]
+      Param& p = params_[pi];
       TensorId g = t_.param_grad(p.slot);
       if (g == kNone) continue;
       TensorId g32 = t_.alloc_bytes(p.numel * 4, Category::kGradients);

@@ -45,10 +45,29 @@ namespace trainmem::graph {
 //    forwards remain, then the remaining backwards; so stage s holds at most N - s micro-batches'
 //    activations, stage 0 the most. ScheduleGPipe runs M forwards, then M backwards.
 //  * after the last backward, perform_reduce_grad scales the gradients by 1 / M in place
-//    (scale_grads); then the caller's optimizer.step() and zero_grad() over the stage's parameters.
+//    (scale_grads); then the caller's optimizer.step() and zero_grad() over the stage's parameters
+//    (bf16-master: the fp32 masters' .grad made from the half ones first, the masters copied back
+//    after, as on one GPU: python/trainmem/measure/training.py grads_to_masters).
+//  * the stage module is the HF model's own modules called in LlamaModel.forward's order
+//    (pipeline.py _StageModule): position ids, create_causal_mask (eager attention: the [b, 1, s, s]
+//    mask of the step, made by each forward; SDPA: none), the rotary cos/sin, the stage's layers.
+//    Checkpointing (HF's gradient_checkpointing_enable, non-reentrant, before the stage is cut) wraps
+//    each of those layers as GradientCheckpointingLayer.__call__ does on one GPU: the checkpoint
+//    keeps the layer input, the mask and cos/sin are held by its closure, and the backward of a
+//    micro-batch recomputes its layers.
+//  * bf16-mixed: where the autocast context sits is the caller's choice, as torch leaves it; the
+//    measured code (pipeline.py stage_autocast) gives each stage forward a torch.autocast context
+//    of its own, and the last stage's loss_fn another (torch's amp docs: autocast wraps the
+//    forward and the loss, not the backward; NeMo's PipelineMixedPrecisionPlugin likewise wraps the
+//    per-micro-batch forward-and-loss function instead of the whole step). So the cached weight
+//    casts go when each forward returns (exit_autocast), unless a backward node saved them, and the
+//    backward runs outside autocast. The residual stream, and so what a stage sends and receives,
+//    stays fp32; the last stage's logits are bf16 (lm_head under autocast). torchtitan has no
+//    autocast with pipelining (it refuses mixed precision with PP unless FSDP does it):
+//    torchtitan/distributed/utils.py maybe_enable_amp.
 // Not modelled (refused): pipeline with data or tensor parallelism, interleaved and zero-bubble
-// schedules (several stages per rank), checkpointing, autocast and bf16-master, LoRA and
-// quantized bases, eager attention, tied embeddings, other families, inference. On CUDA the P2P
+// schedules (several stages per rank), fp16-mixed (a GradScaler inside loss_fn), LoRA and
+// quantized bases, flash attention, tied embeddings, other families, inference. On CUDA the P2P
 // sends run on NCCL's streams (record_stream): unmeasured.
 
 StageLayers pipeline_stage_layers(std::uint64_t num_layers, std::uint64_t stages, std::uint64_t stage) {
@@ -147,12 +166,22 @@ void StepBuilder::pp_forward(std::uint64_t k, PipelineMicro& mb) {
     requires_grad(mb.leaf);
     hs = t_.ref(mb.leaf);
   }
-  // position_ids = arange(s).unsqueeze(0) (a view), cos/sin: the stage's own.
+  // position_ids = arange(s).unsqueeze(0) (a view), then the stage's own causal mask (eager
+  // attention: [b, 1, s, s] in the hidden states' dtype, as the step's; SDPA: none) and cos/sin.
   op("position_ids");
   position_ids_ = fresh(S_, DType::kI64);
+  mask_ = T{};
+  if (attention_ == Attention::kEager) {
+    op("causal_mask");
+    T boolean = fresh(B_ * S_ * S_, DType::kU8);
+    mask_ = fresh(B_ * S_ * S_, hs.dtype);
+    t_.drop(boolean);
+  }
   rotary_embedding(hs.dtype);
   for (std::uint64_t l = layers.begin; l < layers.end; ++l) {
-    T next = decoder_layer(hs, static_cast<std::uint32_t>(l));
+    const auto layer = static_cast<std::uint32_t>(l);
+    // HF's checkpointing wraps each layer the stage calls (See Note [Pipeline parallelism]).
+    T next = r_.checkpointing == Checkpointing::kFull ? checkpointed_layer(hs, layer) : decoder_layer(hs, layer);
     t_.drop(hs);
     hs = next;
   }
@@ -168,7 +197,9 @@ void StepBuilder::pp_forward(std::uint64_t k, PipelineMicro& mb) {
   }
   t_.drop(cos_);
   t_.drop(sin_);
+  if (mask_.id != kNone) t_.drop(mask_);
   t_.drop(position_ids_);
+  exit_autocast();  // bf16-mixed: the stage forward's own autocast context (Note [Pipeline parallelism])
 }
 
 // backward_one_chunk of micro-batch `k`: its graph put back and run from the loss (last stage) or

@@ -129,6 +129,13 @@ def test_pipeline_entries_exact(comparisons):
     assert len(pp) >= 6, [name for name, _ in pp]
     assert any(c["recipe"].get("pp_schedule") == "gpipe" for _, c in pp)
     assert any(c["recipe"]["pp"] > 2 for _, c in pp)
+    # Issue 4: checkpointing, eager attention, autocast and master weights inside a stage; Qwen2
+    # (biases) and Qwen3 (q/k norms) split into stages.
+    recipes = [c["recipe"] for _, c in pp]
+    assert any(r["checkpointing"] == "full" for r in recipes)
+    assert any(r["attention"] == "eager" for r in recipes)
+    assert {"bf16-mixed", "bf16-master"} <= {r["precision"] for r in recipes}
+    assert any("qwen2" in c["model"] for _, c in pp) and any("qwen3" in c["model"] for _, c in pp)
     for name, c in pp:
         assert c["measured_peak_allocated_bytes"] == c["predicted_peak_allocated_bytes"], name
         for cat, v in c["categories"].items():

@@ -31,6 +31,15 @@ The loop per rank:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+Checkpointing: run.py enables HF's (non-reentrant) checkpointing on the whole model before the
+stage is cut, so each decoder layer `_StageModule` calls is checkpointed as on one GPU. Precision
+bf16-mixed: torch leaves the autocast context to the caller; here each stage forward runs in a
+`torch.autocast` context of its own, and the last stage's loss_fn in another (`stage_autocast`),
+not the whole `schedule.step` (which would run the backwards under autocast too and keep the weight
+casts across micro-batches). What a stage sends stays fp32 (the residual stream), the last stage's
+logits are bf16. bf16-master: fp32 masters of the stage's parameters, stepped by the optimizer and
+copied back, as in training.py (`make_masters`, `grads_to_masters`, `masters_to_params`).
+
 Phases and labels: each `forward_one_chunk` is phase forward of micro-batch chunk+1, the loss
 function phase loss, each `backward_one_chunk` phase backward; what the schedule allocates when
 it is first stepped (its receive buffers) is labelled forward of micro-batch 1.
@@ -70,14 +79,19 @@ class _StageModule(torch.nn.Module):
     """Stage `index` of LlamaModel.forward + the head: embedding (first), its layers, norm and
     lm_head (last). Holds the HF model as a child, so parameters and labels are the HF ones."""
 
-    def __init__(self, hf_model, index: int, stages: int, layers: range):
+    def __init__(self, hf_model, index: int, stages: int, layers: range, autocast):
         super().__init__()
         self.hf = hf_model
         self.first = index == 0
         self.last = index == stages - 1
         self.layer_ids = list(layers)
+        self.autocast = autocast
 
     def forward(self, x):
+        with self.autocast():  # bf16-mixed: each micro-batch's forward in a context of its own
+            return self._forward(x)
+
+    def _forward(self, x):
         from transformers.masking_utils import create_causal_mask
 
         base = self.hf.model
@@ -108,6 +122,17 @@ def check(model: torch.nn.Module, recipe: Recipe) -> None:
                           "than the stages")
 
 
+def stage_autocast(recipe: Recipe, device: str):
+    """bf16-mixed: a fresh torch.autocast context for each stage forward and each loss_fn call
+    (see the module docstring); a no-op context otherwise."""
+    import contextlib
+
+    if recipe.autocast_dtype_name is None:
+        return contextlib.nullcontext
+    dtype = getattr(torch, recipe.autocast_dtype_name)
+    return functools.partial(torch.autocast, torch.device(device).type, dtype=dtype)
+
+
 def make_stage(model: torch.nn.Module, recipe: Recipe, device: str):
     """Prune the model to this rank's stage (in place, before tracking) and build its PipelineStage."""
     import torch.distributed as dist
@@ -125,16 +150,20 @@ def make_stage(model: torch.nn.Module, recipe: Recipe, device: str):
     if rank != stages - 1:
         base.norm = None
         model.lm_head = None
-    module = _StageModule(model, rank, stages, cuts[rank])
+    module = _StageModule(model, rank, stages, cuts[rank], stage_autocast(recipe, device))
     cfg = model.config
     dtype = next(model.parameters()).dtype
+    # Under autocast the residual stream (what a stage sends) stays in the parameters' dtype and
+    # the logits come out of lm_head in autocast's.
+    logits_dtype = getattr(torch, recipe.autocast_dtype_name) if recipe.autocast_dtype_name else dtype
     meta = torch.device("meta")
     # The metadata says what requires grad: the hidden states between stages do (the receiving
     # stage makes its receive buffer a leaf that requires grad, and the sender gets a gradient
     # receive buffer), the input ids do not.
     hidden = torch.empty(recipe.batch, recipe.seq, cfg.hidden_size, dtype=dtype, device=meta, requires_grad=True)
     ids = torch.empty(recipe.batch, recipe.seq, dtype=torch.int64, device=meta)
-    logits = torch.empty(recipe.batch, recipe.seq, cfg.vocab_size, dtype=dtype, device=meta, requires_grad=True)
+    logits = torch.empty(recipe.batch, recipe.seq, cfg.vocab_size, dtype=logits_dtype, device=meta,
+                         requires_grad=True)
     stage = PipelineStage(module, rank, stages, torch.device(device),
                           input_args=(ids if rank == 0 else hidden,),
                           output_args=(logits if rank == stages - 1 else hidden,))
@@ -145,13 +174,17 @@ def run_steps(model, stage, recipe: Recipe, tracker, *, device: str, steps: int 
     """The reference loop of one pipeline rank under an active tracker (see the module docstring)."""
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
+    from .training import grads_to_masters, make_masters, masters_to_params
+
     hf = model
     vocab = hf.config.vocab_size
     original_loss = hf.loss_function
+    autocast = stage_autocast(recipe, device)
+    tracker.autocast = recipe.autocast_dtype_name is not None
 
     def loss_fn(logits, labels):
         tracker.set_phase("loss")
-        with tracker.scope(LOSS):
+        with tracker.scope(LOSS), autocast():
             loss = original_loss(logits=logits, labels=labels, vocab_size=vocab)
         tracker.label_graph(loss, LOSS)
         return loss
@@ -201,7 +234,8 @@ def run_steps(model, stage, recipe: Recipe, tracker, *, device: str, steps: int 
             input_ids = torch.randint(vocab, (recipe.batch * recipe.grad_accum, recipe.seq), device=device)
         elif last:
             labels = torch.randint(vocab, (recipe.batch * recipe.grad_accum, recipe.seq), device=device)
-    optimizer = make_optimizer(recipe.optimizer, params)
+    masters = make_masters(recipe, params, tracker)
+    optimizer = make_optimizer(recipe.optimizer, masters or params)
     for step in range(1, steps + 1):
         current["step"] = step
         tracker.set_phase("forward", step, 1)
@@ -214,8 +248,10 @@ def run_steps(model, stage, recipe: Recipe, tracker, *, device: str, steps: int 
         tracker.collect_garbage()
         tracker.mark_gradients(params)
         tracker.set_phase("optimizer", step, recipe.grad_accum)
+        grads_to_masters(params, masters, tracker)
         optimizer.step()
+        masters_to_params(params, masters)
         tracker.mark_optimizer_state(optimizer)
-        tracker.mark_gradients(params)
+        tracker.mark_gradients(masters or params)
         optimizer.zero_grad(set_to_none=True)
         tracker.collect_garbage()

@@ -207,6 +207,31 @@ def _build_optimizer(recipe: Recipe, params, tracker: MemoryTracker, fake_mode):
     return optimizer
 
 
+def make_masters(recipe: Recipe, params: list[torch.Tensor], tracker: MemoryTracker) -> list[torch.Tensor]:
+    """bf16-master: an fp32 copy of every parameter (category weights), which the optimizer steps;
+    no copies for the other precisions."""
+    if not recipe.uses_master_weights:
+        return []
+    with tracker.forced("weights"):
+        return [torch.nn.Parameter(p.detach().float()) for p in params]
+
+
+def grads_to_masters(params: list[torch.Tensor], masters: list[torch.Tensor], tracker: MemoryTracker) -> None:
+    """bf16-master, before optimizer.step(): each half .grad becomes its master's fp32 .grad, one
+    parameter at a time (the half gradient goes at once)."""
+    for p, master in zip(params, masters):
+        master.grad = p.grad.float() if p.grad is not None else None
+        tracker.mark(master.grad, "gradients")
+        p.grad = None
+
+
+def masters_to_params(params: list[torch.Tensor], masters: list[torch.Tensor]) -> None:
+    """bf16-master, after optimizer.step(): the stepped fp32 masters copied into the half parameters."""
+    with torch.no_grad():
+        for p, master in zip(params, masters):
+            p.copy_(master)
+
+
 def run_steps(model: torch.nn.Module, recipe: Recipe, tracker: MemoryTracker, *, device: str,
               make_batch, forward_and_loss, steps: int = 2, on_step_start=None, on_step_end=None,
               fake_mode=None, engine=None) -> None:
@@ -224,10 +249,7 @@ def run_steps(model: torch.nn.Module, recipe: Recipe, tracker: MemoryTracker, *,
     tracker.set_phase("setup", 0, 0)
     with tracker.forced("other"):
         batch = make_batch()
-    masters: list[torch.Tensor] = []
-    if recipe.uses_master_weights:
-        with tracker.forced("weights"):
-            masters = [torch.nn.Parameter(p.detach().float()) for p in params]
+    masters = make_masters(recipe, params, tracker)
     optimizer = _build_optimizer(recipe, masters or params, tracker, fake_mode)
     scaler = _AlwaysStepGradScaler(device_type) if recipe.uses_grad_scaler else None
     tracker.autocast = recipe.autocast_dtype_name is not None
@@ -264,11 +286,7 @@ def run_steps(model: torch.nn.Module, recipe: Recipe, tracker: MemoryTracker, *,
                 tracker.mark_gradients(params)
 
             tracker.set_phase("optimizer")
-            if masters:
-                for p, master in zip(params, masters):
-                    master.grad = p.grad.float() if p.grad is not None else None
-                    tracker.mark(master.grad, "gradients")
-                    p.grad = None
+            grads_to_masters(params, masters, tracker)
             if scaler is not None:
                 with tracker.forced("other"):
                     scaler.unscale_(optimizer)
@@ -277,10 +295,7 @@ def run_steps(model: torch.nn.Module, recipe: Recipe, tracker: MemoryTracker, *,
                     scaler.update()
             else:
                 optimizer.step()
-            if masters:
-                with torch.no_grad():
-                    for p, master in zip(params, masters):
-                        p.copy_(master)
+            masters_to_params(params, masters)
             tracker.mark_optimizer_state(optimizer)
             tracker.mark_gradients(masters or params)
             optimizer.zero_grad(set_to_none=True)
