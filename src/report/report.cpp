@@ -113,8 +113,10 @@ std::string recipe_words(const Recipe& r) {
   if (r.parallel != Parallel::kNone || r.tp > 1 || r.pp > 1 || r.cp > 1) {
     std::string dp(to_string(r.parallel));
     if (r.offload != Offload::kNone) dp += "+offload";
-    if (r.tp > 1) dp = "tp" + std::to_string(r.tp) + (r.sequence_parallel ? "+sp" : "") +
-                        (r.loss_parallel ? "+lp" : "");
+    if (r.tp > 1) {
+      dp = (r.parallel != Parallel::kNone ? dp + "+" : std::string()) + "tp" + std::to_string(r.tp) +
+           (r.sequence_parallel ? "+sp" : "") + (r.loss_parallel ? "+lp" : "");
+    }
     if (r.pp > 1) dp = "pp" + std::to_string(r.pp) + (r.pp_schedule == PipelineSchedule::kGPipe ? "+gpipe" : "");
     if (r.cp > 1) dp = "cp" + std::to_string(r.cp);
     char col[32];
