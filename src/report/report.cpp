@@ -406,8 +406,12 @@ std::string to_text(const Estimate& e) {
         std::string(to_string(r.precision)).c_str());
   }
   if (r.parallel != Parallel::kNone) {
-    add("data parallel: %s over %llu GPUs; the figures below are one GPU's, rank %llu%s\n",
-        std::string(to_string(r.parallel)).c_str(), static_cast<unsigned long long>(r.gpus),
+    // TP x DP: `gpus` is the data-parallel degree, each rank a tensor-parallel group of `tp` GPUs.
+    const std::string tp = r.tp > 1 ? " x tensor parallel " + std::to_string(r.tp) + " (" +
+                                          std::to_string(r.gpus * r.tp) + " GPUs)"
+                                    : "";
+    add("data parallel: %s over %llu GPUs%s; the figures below are one GPU's, rank %llu%s\n",
+        std::string(to_string(r.parallel)).c_str(), static_cast<unsigned long long>(r.gpus), tp.c_str(),
         static_cast<unsigned long long>(e.rank), rank_words(e).c_str());
   }
   if (r.pp > 1) {
