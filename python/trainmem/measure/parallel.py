@@ -664,7 +664,7 @@ def _attach_ddp(tracker, ddp) -> None:
 
 # Note [Settled reduce-scatter]
 # gloo's reduce_scatter_tensor (ProcessGroupGloo, C++) reduces through a temporary of the input's
-# size that its Work object owns. The Work runs on gloo's worker thread, which carries the
+# size that, as far as the traces tell (the C++ was not read), its Work object owns. The Work runs on gloo's worker thread, which carries the
 # caller's thread-local state (so the tracker's dispatch mode sees the temporary's ops there, at
 # a `split`), and `dist.reduce_scatter_single(..., async_op=False)` returns once the Work's future
 # completes, while the worker thread may still hold the Work. The temporary dies with the last
