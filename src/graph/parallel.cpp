@@ -124,6 +124,10 @@ DataParallel::DataParallel(Tape& tape, const Recipe& recipe, bool cuda, std::uin
   // See Note [FSDP2 variants].
   const Fsdp& f = recipe.fsdp;
   shard_world_ = world_ / f.replicate;
+  // TP x DP (a tensor-parallel model under FSDP2): FSDP2 shards each rank's TP-local parameters
+  // over the dp group, which is what wrap() does with the local model the step builder passes.
+  // See Note [gloo's reduce-scatter temporary] for what the measuring side does there.
+  settled_reduce_scatter_ = recipe.tp > 1;
   reshard_after_forward_ = f.reshard_after_forward;
   cast_params_ = f.param_dtype != FsdpDtype::kNone;
   // init_dtype_attrs clamps a reduce_dtype equal to param_dtype to None.
@@ -336,6 +340,14 @@ DType DataParallel::local_dtype(std::uint32_t slot, DType dtype) const {
 // backward, or with reshard_after_forward=False a layer still gathered from its forward: there
 // the measured ranks freed it at once, cpu-fsdp-llamaw512l4-fp32-adamw-sgo-b1s256). NCCL makes no
 // such tensor (Note [Collectives on CUDA]).
+// Why it varies (traced on TP x DP, docs/parallelism.md "TP x DP"): the temporary is owned by
+// gloo's Work, which its worker thread may still hold when reduce_scatter_single returns; the
+// storage dies with that reference, and its free needs the GIL, so it lands wherever the main
+// thread is. TP x DP runs are measured with the wait of Note [Settled reduce-scatter]
+// (python/trainmem/measure/parallel.py): the measuring side sleeps after FSDP2's reduce-scatter
+// until what the call made is freed, so the temporary lives inside the collective only, as
+// NCCL's memory does, and the engine frees it at once there. The 1-D FSDP2 / HSDP corpus was
+// measured before that wait; it keeps the later free until it is re-measured with it.
 void DataParallel::release_gloo_temporary() {
   if (gloo_temporary_ == kNone) return;
   t_.release(gloo_temporary_);
@@ -420,7 +432,10 @@ void DataParallel::reduce(Unit& u) {
   // function returns (measured: cpu-fsdp-gpt2l2-fp32-adamw-bf16params-b2s32, whose peak is there).
   for (std::size_t k = 0; k + 1 < grads.size(); ++k) t_.release(grads[k]);
   TensorId out = t_.alloc_bytes(out_bytes, Category::kGradients);
-  if (!cuda_) gloo_temporary_ = t_.alloc_bytes(out_bytes * shard_world_, Category::kGradients);
+  if (!cuda_) {
+    gloo_temporary_ = t_.alloc_bytes(out_bytes * shard_world_, Category::kGradients);
+    if (settled_reduce_scatter_) release_gloo_temporary();  // See Note [gloo's reduce-scatter temporary]
+  }
   if (reduce_dtype != orig_dtype_) {
     const TensorId cast =
         t_.alloc_bytes(detail::mul(u.shard_numel, dtype_bytes(orig_dtype_), "sharded gradient bytes"), Category::kGradients);

@@ -367,7 +367,26 @@ T StepBuilder::lora_4bit(const T& x, T& base, const Adapter& ad, const LoraLabel
 T StepBuilder::rms_norm(const T& x, std::uint32_t w, std::uint64_t rows, std::string_view name) {
   op(name);
   const std::uint32_t m = module_enter(w);
-  T out = rms_norm_module(x, w, rows);
+  // Under tensor parallelism without sequence parallelism a norm is a Replicate DTensor module
+  // (distribute_module with DTensor.from_local on its input, python/trainmem/measure/parallel.py
+  // _replicate_the_rest): its input is a view of x with a gradient of its own, its ops run on
+  // DTensors, whose gradients are never summed in place, and from_local's backward hands the
+  // norm's summed input gradient on to x, where it is added to the residual's out of place
+  // (measured: the TP x DP traces, docs/parallelism.md "TP x DP"). Sequence parallelism has its
+  // DTensors already (See Note [Sequence parallelism]).
+  const bool replicated = r_.tp > 1 && sp_ == 1;
+  const bool dtensor = dtensor_;
+  T xd = t_.ref(x);
+  if (replicated && x.requires_grad()) {
+    requires_grad(xd);
+    Node& nd = open_node(xd);
+    nd.inputs.push_back(pass_to(x));
+    t_.close_node();
+  }
+  if (replicated) dtensor_ = true;
+  T out = rms_norm_module(xd, w, rows);
+  dtensor_ = dtensor;
+  t_.drop(xd);
   module_exit(m);
   return out;
 }

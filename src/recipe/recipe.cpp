@@ -111,17 +111,46 @@ std::vector<std::string> split_targets(std::string_view s) {
   return out;
 }
 
+// What the engine models of TP x DP: torch's FSDP + TP recipe as the measuring side runs it
+// (python/trainmem/measure/parallel.py _tp_fsdp; docs/parallelism.md "TP x DP"): a 2-D mesh
+// (dp = gpus, tp), the Megatron plan over mesh["tp"], fully_shard over mesh["dp"] with FSDP2's
+// default knobs. `gpus` is the data-parallel degree; the run has gpus x tp GPUs. What was not
+// measured is refused.
+void validate_tensor_x_data_parallel(const Recipe& r) {
+  const std::string what = "tp: " + std::to_string(r.tp) + " with gpus " + std::to_string(r.gpus) + " / parallel " +
+                           std::string(to_string(r.parallel));
+  if (r.parallel != Parallel::kFsdp) {
+    throw Error(what + ": tensor parallelism combined with data parallelism is modelled under parallel fsdp only (torch's "
+                       "FSDP2 + TP over a (dp, tp) mesh); DDP or DeepSpeed ZeRO over a tensor-parallel model is "
+                       "unmeasured");
+  }
+  if (r.gpus < 2) {
+    throw Error(what + ": parallel fsdp with tp needs gpus (the data-parallel degree) of 2 or more; use parallel "
+                       "none for tensor parallelism alone");
+  }
+  if (!r.fsdp.is_default()) {
+    throw Error(what + ": fsdp_reshard_after_forward / fsdp_replicate / fsdp_param_dtype / fsdp_reduce_dtype are "
+                       "not modelled with tensor parallelism (HSDP + TP and mixed-precision policies over DTensor "
+                       "parameters are unmeasured); keep FSDP2's defaults");
+  }
+  if (r.sequence_parallel || r.loss_parallel) {
+    throw Error(what + ": sequence_parallel and loss_parallel are not modelled with data parallelism yet (under "
+                       "FSDP2 the norms' Partial gradients are redistributed in its post-backward, unmeasured); "
+                       "drop them or use gpus 1 and parallel none");
+  }
+  if (r.precision != Precision::kFp32 && r.precision != Precision::kBf16True) {
+    throw Error(what + " with precision " + std::string(to_string(r.precision)) +
+                " is not modelled (unmeasured); use fp32 or bf16-true");
+  }
+}
+
 // What the engine models of tensor parallelism: what the measuring side runs
 // (python/trainmem/measure/recipe.py _check_tp); the architecture's part (divisible heads, the
 // families whose projections are separate nn.Linear modules) is checked with the model
 // (graph/tensor_parallel.cpp).
 void validate_tensor_parallel(const Recipe& r) {
   const std::string tp = "tp: " + std::to_string(r.tp);
-  if (r.parallel != Parallel::kNone || r.gpus != 1) {
-    throw Error(tp + " with gpus " + std::to_string(r.gpus) + " / parallel " + std::string(to_string(r.parallel)) +
-                ": tensor parallelism combined with data parallelism (a 2-D mesh) is not modelled yet; use gpus 1 "
-                "and parallel none");
-  }
+  if (r.gpus > 1 || r.parallel != Parallel::kNone) validate_tensor_x_data_parallel(r);
   if (r.mode == Mode::kInference) throw Error(tp + " is a training knob; inference runs on one GPU");
   if (r.sequence_parallel && r.seq % r.tp != 0) {
     throw Error("sequence_parallel: seq " + std::to_string(r.seq) + " is not a multiple of " + tp +

@@ -113,8 +113,10 @@ std::string recipe_words(const Recipe& r) {
   if (r.parallel != Parallel::kNone || r.tp > 1 || r.pp > 1 || r.cp > 1) {
     std::string dp(to_string(r.parallel));
     if (r.offload != Offload::kNone) dp += "+offload";
-    if (r.tp > 1) dp = "tp" + std::to_string(r.tp) + (r.sequence_parallel ? "+sp" : "") +
-                        (r.loss_parallel ? "+lp" : "");
+    if (r.tp > 1) {
+      dp = (r.parallel != Parallel::kNone ? dp + "+" : std::string()) + "tp" + std::to_string(r.tp) +
+           (r.sequence_parallel ? "+sp" : "") + (r.loss_parallel ? "+lp" : "");
+    }
     if (r.pp > 1) dp = "pp" + std::to_string(r.pp) + (r.pp_schedule == PipelineSchedule::kGPipe ? "+gpipe" : "");
     if (r.cp > 1) dp = "cp" + std::to_string(r.cp);
     char col[32];
@@ -410,8 +412,12 @@ std::string to_text(const Estimate& e) {
         std::string(to_string(r.precision)).c_str());
   }
   if (r.parallel != Parallel::kNone) {
-    add("data parallel: %s over %llu GPUs; the figures below are one GPU's, rank %llu%s\n",
-        std::string(to_string(r.parallel)).c_str(), static_cast<unsigned long long>(r.gpus),
+    // TP x DP: `gpus` is the data-parallel degree, each rank a tensor-parallel group of `tp` GPUs.
+    const std::string tp = r.tp > 1 ? " x tensor parallel " + std::to_string(r.tp) + " (" +
+                                          std::to_string(r.gpus * r.tp) + " GPUs)"
+                                    : "";
+    add("data parallel: %s over %llu GPUs%s; the figures below are one GPU's, rank %llu%s\n",
+        std::string(to_string(r.parallel)).c_str(), static_cast<unsigned long long>(r.gpus), tp.c_str(),
         static_cast<unsigned long long>(e.rank), rank_words(e).c_str());
   }
   if (r.pp > 1) {

@@ -21,7 +21,9 @@
 namespace trainmem {
 namespace {
 
+using testing::allocs_at;
 using testing::error_of;
+using testing::kStates;
 using testing::kWeights;
 using testing::llama_w512;
 
@@ -275,6 +277,78 @@ TEST(LossParallel, RefusesWhatIsNotModelled) {
   odd.parameters = graph::tensor_parallel_model(odd, 1).parameters;
   EXPECT_NE(error_of([&] { graph::tensor_parallel_model(odd, 2, true); }).find("vocab_size = 1001 is not divisible"),
             std::string::npos);
+}
+
+// TP x DP (docs/parallelism.md "TP x DP"): FSDP2 over the dp dimension of a (dp, tp) mesh, the
+// recipe of cpu-tp2dp2-llamaw512l4-fp32-sgd-b1s64 (4 gloo ranks, tp 2, gpus (dp) 2).
+Recipe tpdp_recipe() {
+  Recipe r = tp_recipe(2);
+  r.batch = 1;
+  r.seq = 64;
+  r.allocator = AllocatorMode::kDefault;
+  r.gpus = 2;
+  r.parallel = Parallel::kFsdp;
+  r.validate();
+  return r;
+}
+
+TEST(TensorXDataParallel, ShardsAreTheTpLocalParametersOverDp) {
+  // fully_shard over mesh["dp"] splits dim 0 of each rank's TP-local tensor (_fsdp_param.py,
+  // _init_sharding_spec_tp returns the DTensor's _local_tensor): every local dim 0 of this model
+  // is even, so the shards are exactly the TP-local parameters / dp. Measured: 17,785,856 B of
+  // SGD momentum (one per shard) on every rank.
+  const Model m = llama_w512();
+  const graph::Trace t = graph::build_training_trace(m, tpdp_recipe(), find_gpu("cpu"));
+  std::uint64_t sharded = 0;
+  for (std::uint64_t b : allocs_at(t, "fsdp.fully_shard")) sharded += b;
+  EXPECT_EQ(sharded, numel_of(graph::tensor_parallel_model(m, 2)) * 4 / 2);
+  EXPECT_EQ(sharded, 17'785'856u);
+  // A layer's all-gather is dp x its shard: the whole TP-local layer (measured: 7,868,416 B).
+  const std::vector<std::uint64_t> flats = allocs_at(t, "fsdp.all_gather");
+  ASSERT_GE(flats.size(), 2u);
+  EXPECT_EQ(flats[1], 7'868'416u);
+  const Estimate e = estimate(m, tpdp_recipe());
+  EXPECT_EQ(e.breakdown_at_peak[kStates], 17'785'856u);
+}
+
+TEST(TensorXDataParallel, ReplicatedNormSumsItsGradientsOutOfPlace) {
+  // Measured (the trace of cpu-tp2dp2-llamaw512l4-fp32-sgd-b1s64, layer 1's input_layernorm in
+  // step 1's backward): the norm is a Replicate DTensor module, so the sum of its input's two
+  // gradients (through pow and through the normalising mul) and then the sum with the residual's
+  // gradient are new tensors; a [1, 64, 512] fp32 tensor is 131,072 B.
+  const std::uint64_t x = 64 * 512 * 4;
+  const std::vector<std::uint64_t> want = {x, x, 2048, x, x, 256, 256, 256, 256, x, x, x, x, x, x};
+  const graph::Trace t = graph::build_training_trace(llama_w512(), tpdp_recipe(), find_gpu("cpu"));
+  EXPECT_EQ(allocs(t, Phase::kBackward, 1, "input_layernorm"), want);
+  // Without tensor parallelism both sums are in place: two tensors fewer.
+  Recipe one = tpdp_recipe();
+  one.tp = 1;
+  one.validate();
+  const graph::Trace u = graph::build_training_trace(llama_w512(), one, find_gpu("cpu"));
+  EXPECT_EQ(allocs(u, Phase::kBackward, 1, "input_layernorm").size(), want.size() - 2);
+}
+
+TEST(TensorXDataParallel, RefusesWhatIsNotMeasured) {
+  EXPECT_NO_THROW(tpdp_recipe());
+  Recipe r = tpdp_recipe();
+  r.parallel = Parallel::kZero2;
+  EXPECT_NE(error_of([&] { r.validate(); }).find("modelled under parallel fsdp only"), std::string::npos);
+  r = tpdp_recipe();
+  r.gpus = 1;
+  EXPECT_NE(error_of([&] { r.validate(); }).find("gpus (the data-parallel degree) of 2 or more"), std::string::npos);
+  r = tpdp_recipe();
+  r.gpus = 4;
+  r.fsdp.replicate = 2;
+  EXPECT_NE(error_of([&] { r.validate(); }).find("not modelled with tensor parallelism"), std::string::npos);
+  r = tpdp_recipe();
+  r.fsdp.reshard_after_forward = false;
+  EXPECT_NE(error_of([&] { r.validate(); }).find("keep FSDP2's defaults"), std::string::npos);
+  r = tpdp_recipe();
+  r.sequence_parallel = true;
+  EXPECT_NE(error_of([&] { r.validate(); }).find("not modelled with data parallelism yet"), std::string::npos);
+  r = tpdp_recipe();
+  r.precision = Precision::kFp16True;
+  EXPECT_NE(error_of([&] { r.validate(); }).find("precision fp16-true is not modelled"), std::string::npos);
 }
 
 }  // namespace

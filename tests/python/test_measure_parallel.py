@@ -288,6 +288,24 @@ def test_tp_world_size_2(tiny_llama):
 
 
 
+def test_tp_fsdp_reduce_scatter_temporary_is_settled(tiny_llama, tmp_path):
+    """TP x DP (4 gloo ranks, mesh (dp 2, tp 2), parallel.py _tp_fsdp): gloo's reduce-scatter
+    temporary (world x the unit's shard, seen at a `split`) is freed by the very next event on
+    every rank, inside FSDP2's reduce-scatter (Note [Settled reduce-scatter] in parallel.py);
+    without the wait its free lands wherever gloo's worker thread gets the GIL."""
+    trace = tmp_path / "t.jsonl"
+    out = measure(str(tiny_llama), Recipe(batch=2, seq=8, precision="fp32", optimizer="sgd", tp=2, gpus=2,
+                                          parallel="fsdp"), trace=str(trace))
+    assert out["diagnostics"]["parallel"]["world_size"] == 4
+    for path in [trace] + [Path(f"{trace}.rank{r}") for r in (1, 2, 3)]:
+        events = [json.loads(line) for line in path.read_text().splitlines()]
+        temps = [e for e in events if e["event"] == "alloc" and e["aten_op"] == "split" and e["category"] == "gradients"]
+        assert len(temps) == 2 * 3, path  # two steps x (two layers and the root)
+        for e in temps:
+            after = events[e["i"] + 1]
+            assert after["event"] == "free" and after["sid"] == e["sid"], (path, e["i"])
+
+
 def test_tp_loss_parallel_world_size_2(tiny_llama, tmp_path):
     """--loss-parallel: lm_head ColwiseParallel(Shard(-1)) on top of the Megatron plan, the loss and
     its backward inside loss_parallel(): each rank keeps half of lm_head (256 x 64 fp32) and the

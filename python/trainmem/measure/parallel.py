@@ -460,7 +460,7 @@ def attach(tracker, runner: torch.nn.Module, recipe: Recipe) -> None:
     if recipe.parallel == "ddp":
         _attach_ddp(tracker, runner)
     elif recipe.parallel == "fsdp":
-        _attach_fsdp(tracker)
+        _attach_fsdp(tracker, settle_reduce_scatter=recipe.is_tp)
     elif recipe.is_zero:
         _attach_zero(tracker, runner)
 
@@ -662,8 +662,46 @@ def _attach_ddp(tracker, ddp) -> None:
     tracker._restore.append(functools.partial(setattr, ddp, "reducer", reducer))
 
 
-def _attach_fsdp(tracker) -> None:
-    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+# Note [Settled reduce-scatter]
+# gloo's reduce_scatter_tensor (ProcessGroupGloo, C++) reduces through a temporary of the input's
+# size that, as far as the traces tell (the C++ was not read), its Work object owns. The Work runs on gloo's worker thread, which carries the
+# caller's thread-local state (so the tracker's dispatch mode sees the temporary's ops there, at
+# a `split`), and `dist.reduce_scatter_single(..., async_op=False)` returns once the Work's future
+# completes, while the worker thread may still hold the Work. The temporary dies with the last
+# reference, and its free (the storage's Python object, so it needs the GIL) lands wherever the
+# main thread happens to be: at once, or only after the next unit's all-gather copy-out (traced:
+# docs/parallelism.md, "TP x DP"). NCCL makes no such tensor: on CUDA the collective's memory
+# is NCCL's own and is gone when the reduce-scatter ends, and FSDP2 (_fsdp_collectives.py
+# foreach_reduce) keeps only its own input and output. So with `settle_reduce_scatter` the
+# measuring side waits, after FSDP2's reduce-scatter returns, until every storage made inside
+# the call is freed (sleeping hands the GIL to the worker thread), which makes the run
+# deterministic with the temporary living inside the collective only. Done for TP x DP (the
+# 2-D mesh) runs; the 1-D FSDP2 corpus was measured without it (Note [gloo's reduce-scatter
+# temporary] in src/graph/parallel.cpp).
+_SETTLE_TIMEOUT_S = 60.0
+
+
+def _settled_reduce_scatter(tracker, fn):
+    import time
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        first = len(tracker.records)
+        out = fn(*args, **kwargs)
+        if isinstance(out, torch.distributed.Work):
+            out.wait()  # an async caller; FSDP2 calls it synchronously
+        deadline = time.monotonic() + _SETTLE_TIMEOUT_S
+        while any(rec.free_index is None for rec in tracker.records[first:]):
+            if time.monotonic() > deadline:
+                raise RuntimeError("gloo's reduce-scatter kept a temporary alive for "
+                                   f"{_SETTLE_TIMEOUT_S:.0f} s (Note [Settled reduce-scatter])")
+            time.sleep(0.001)  # releases the GIL: the worker thread drops the Work
+        return out
+    return wrapper
+
+
+def _attach_fsdp(tracker, settle_reduce_scatter: bool = False) -> None:
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param, _fsdp_param_group
 
     def resized(fn, name):
         @functools.wraps(fn)
@@ -713,6 +751,9 @@ def _attach_fsdp(tracker) -> None:
         (_fsdp_param_group, "foreach_reduce", forced(_fsdp_param_group.foreach_reduce, "gradients")),
         (group_cls, "post_backward", post_backward),
     ]
+    if settle_reduce_scatter:  # See Note [Settled reduce-scatter]
+        comm = _fsdp_collectives.DefaultReduceScatter
+        patches.append((comm, "__call__", _settled_reduce_scatter(tracker, comm.__dict__["__call__"])))
     for owner, name, new in patches:
         old = owner.__dict__[name]
         setattr(owner, name, new)
