@@ -342,10 +342,9 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
   if (q.base.cp != 1) {
     throw Error("cp: fit does not search context parallelism; estimate a context-parallel recipe with `estimate --cp N`");
   }
-  if (q.base.tp > 1 && q.base.tp != q.gpus) {
-    throw Error("tp: " + std::to_string(q.base.tp) + " with gpus " + std::to_string(q.gpus) +
-                ": the planner puts all the GPUs in one tensor-parallel group (tensor parallelism combined with "
-                "data parallelism is not modelled); use gpus " + std::to_string(q.base.tp));
+  if (q.base.tp > 1 && q.gpus % q.base.tp != 0) {
+    throw Error("tp: " + std::to_string(q.base.tp) + " does not divide gpus " + std::to_string(q.gpus) +
+                ": the planner splits the GPUs into tensor-parallel groups of tp, data-parallel over the groups");
   }
   if (q.base.pp != 1) {
     throw Error("pp: fit searches pipeline parallelism itself over --gpus (pp = gpus where it is modelled); give "
@@ -395,11 +394,19 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
 
   // The user's recipe as given, at the global batch asked for; on several GPUs data-parallel
   // (DDP unless the recipe names the wrapper).
-  // A tensor-parallel recipe (tp = --gpus) is one data-parallel rank: it runs the global batch.
+  // A tensor-parallel recipe (tp = --gpus) is one data-parallel rank: it runs the global batch; with
+  // tp below --gpus the gpus / tp groups are data-parallel under FSDP2 (docs/parallelism.md
+  // "TP x DP"), each running its share.
   Recipe base = q.base;
-  base.gpus = q.base.tp > 1 ? 1 : q.gpus;
-  if (base.gpus > 1 && base.parallel == Parallel::kNone) base.parallel = Parallel::kDdp;
+  base.gpus = q.gpus / q.base.tp;
+  if (base.gpus > 1 && base.parallel == Parallel::kNone) {
+    base.parallel = q.base.tp > 1 ? Parallel::kFsdp : Parallel::kDdp;
+  }
   base.validate();
+  if (q.base.tp > 1 && base.gpus > 1 && out.global_batch % base.gpus != 0) {
+    throw Error("global_batch: " + std::to_string(out.global_batch) + " sequences do not split over " +
+                std::to_string(base.gpus) + " data-parallel groups of tp " + std::to_string(q.base.tp));
+  }
   if (!dp_splits && q.base.tp == 1) {
     // See Note [A global batch that does not split over the GPUs].
     auto no_split = [&](const std::string& why) {
@@ -440,7 +447,7 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
     }
     out.baseline_moved = true;
   }
-  const std::uint64_t base_per_rank = base.tp > 1 || base.pp > 1 ? out.global_batch : per_gpu;
+  const std::uint64_t base_per_rank = base.pp > 1 ? out.global_batch : out.global_batch / base.gpus;
   if (base.batch * base.grad_accum != base_per_rank) {
     if (base_per_rank % base.batch != 0) {
       throw Error("global_batch: " + std::to_string(out.global_batch) + " is not a multiple of batch " +
@@ -472,14 +479,16 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
   };
   const std::vector<std::uint64_t> batches = dp_splits ? batches_for(per_gpu) : std::vector<std::uint64_t>{};
   // Tensor-parallel degrees: 1 (data parallelism over the GPUs, or one GPU) and, for a model the
-  // engine models under tensor parallelism, every GPU in one tensor-parallel group (TP x DP is not
-  // modelled), with and without sequence parallelism.
-  std::vector<std::uint64_t> tps = {1};
-  if (fixed(q, "tp")) {
-    tps = {q.base.tp};
-  } else if (q.gpus > 1 && q.gpus <= 64 && tp_modelled(model, q.gpus)) {
-    tps.push_back(q.gpus);
+  // engine models under tensor parallelism, every divisor t of the GPUs up to 64 that the model's
+  // heads and widths divide: t = --gpus is one tensor-parallel group (with and without sequence
+  // parallelism), t below it gpus / t groups data-parallel under FSDP2 (TP x DP, docs/parallelism.md).
+  std::vector<std::uint64_t> tp_degrees;  // above 1: also the single changes' (below)
+  for (std::uint64_t t = 2; t <= std::min<std::uint64_t>(q.gpus, 64); ++t) {
+    if (q.gpus % t == 0 && tp_modelled(model, t)) tp_degrees.push_back(t);
   }
+  std::vector<std::uint64_t> tps = {1};
+  if (fixed(q, "tp")) tps = {q.base.tp};
+  else tps.insert(tps.end(), tp_degrees.begin(), tp_degrees.end());
   if (dp_splits && batches.empty() && std::find(tps.begin(), tps.end(), std::uint64_t{1}) != tps.end()) {
     throw Error("global_batch: " + std::to_string(out.global_batch) + " needs more than " +
                 std::to_string(kMaxAccum) + " micro-batches per GPU at any power-of-two micro-batch");
@@ -515,8 +524,12 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
     std::vector<Candidate> out_space;
     for (std::uint64_t tp : tps) {
       // A tensor-parallel group of all the GPUs is one data-parallel rank: no wrapper, the
-      // global batch; with and without sequence parallelism.
-      const std::uint64_t per_rank = tp > 1 ? out.global_batch : per_gpu;
+      // global batch; with and without sequence parallelism. Smaller groups are data-parallel
+      // under FSDP2 and run their share of it, without sequence or loss parallelism (what the
+      // engine models of TP x DP).
+      const std::uint64_t groups = q.gpus / tp;
+      if (tp > 1 && out.global_batch % groups != 0) continue;
+      const std::uint64_t per_rank = tp > 1 ? out.global_batch / groups : per_gpu;
       std::vector<std::uint64_t> tp_batches = tp > 1 ? batches_for(per_rank) : batches;
       // A pipeline stage runs the whole global batch (below), so its micro-batches reach past the
       // data-parallel ones: those go last, and make pipeline recipes only.
@@ -527,12 +540,15 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
           if (std::find(tp_batches.begin(), tp_batches.end(), b) == tp_batches.end()) tp_batches.push_back(b);
         }
       }
-      const std::vector<Parallel> tp_parallels = tp > 1 ? std::vector<Parallel>{Parallel::kNone} : parallels;
-      const std::vector<bool> sps = tp > 1 ? std::vector<bool>{false, true} : std::vector<bool>{false};
+      const std::vector<Parallel> tp_parallels = tp == 1 ? parallels
+                                                 : groups == 1 ? std::vector<Parallel>{Parallel::kNone}
+                                                               : std::vector<Parallel>{Parallel::kFsdp};
+      const bool one_group = tp > 1 && groups == 1;
+      const std::vector<bool> sps = one_group ? std::vector<bool>{false, true} : std::vector<bool>{false};
       // Loss parallelism where the model takes it (See Note [Loss parallel]); kept on when asked.
       std::vector<bool> lps{false};
-      if (tp > 1 && base.loss_parallel) lps = {true};
-      else if (tp > 1 && lp_modelled(model, tp)) lps = {false, true};
+      if (one_group && base.loss_parallel) lps = {true};
+      else if (one_group && lp_modelled(model, tp)) lps = {false, true};
       for (bool lp : lps)
       for (bool sp : sps) {
         for (std::size_t bi = 0; bi < tp_batches.size(); ++bi) {
@@ -547,8 +563,9 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
                     r.tp = tp;
                     r.sequence_parallel = sp;
                     r.loss_parallel = lp;
-                    if (tp > 1) r.gpus = 1;
-                    else if (q.base.tp > 1) r.gpus = q.gpus;  // a TP base: its data-parallel counterpart
+                    r.gpus = groups;  // a TP base at tp 1: its data-parallel counterpart
+                    r.pp = 1;         // a moved baseline's pipeline (the pipeline rows are below)
+                    r.pp_schedule = Recipe{}.pp_schedule;
                     r.batch = b;
                     r.grad_accum = per_rank / b;
                     r.precision = p;
@@ -776,24 +793,30 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
     }
   }
   // Tensor parallelism (Note [Tensor parallelism] in graph/tensor_parallel.h): all the GPUs in one
-  // tensor-parallel group instead of data parallelism, and sequence parallelism on or off.
-  if (base.tp == 1 && q.gpus > 1 && q.gpus <= 64 && tp_modelled(model, q.gpus)) {
-    Recipe r = base;
-    r.tp = q.gpus;
-    r.gpus = 1;
-    r.parallel = Parallel::kNone;
-    r.fsdp = Fsdp{};
-    r.offload = Offload::kNone;
-    r.pp = 1;
-    r.pp_schedule = Recipe{}.pp_schedule;
-    r.grad_accum = out.global_batch / base.batch;  // one data-parallel rank runs the global batch
-    std::string what = "tp " + std::to_string(q.gpus) + " (no data parallelism)";
-    // Tensor parallelism is modelled without autocast: a mixed recipe moves to its -true twin.
-    if (r.precision == Precision::kBf16Mixed || r.precision == Precision::kFp16Mixed) {
-      r.precision = r.precision == Precision::kBf16Mixed ? Precision::kBf16True : Precision::kFp16True;
-      what += ", precision " + std::string(to_string(r.precision));
+  // tensor-parallel group instead of data parallelism, or groups of t data-parallel under FSDP2
+  // (TP x DP), for each degree the search takes; and sequence parallelism on or off.
+  if (base.tp == 1 && q.gpus > 1) {
+    for (std::uint64_t t : tp_degrees) {
+      const std::uint64_t groups = q.gpus / t;
+      if (out.global_batch % (groups * base.batch) != 0) continue;
+      Recipe r = base;
+      r.tp = t;
+      r.gpus = groups;
+      r.parallel = groups > 1 ? Parallel::kFsdp : Parallel::kNone;
+      r.fsdp = Fsdp{};
+      r.offload = Offload::kNone;
+      r.pp = 1;
+      r.pp_schedule = Recipe{}.pp_schedule;
+      r.grad_accum = out.global_batch / groups / base.batch;  // a group runs its share of the global batch
+      std::string what = groups > 1 ? "tp " + std::to_string(t) + " x fsdp " + std::to_string(groups)
+                                    : "tp " + std::to_string(t) + " (no data parallelism)";
+      // Tensor parallelism is modelled without autocast: a mixed recipe moves to its -true twin.
+      if (r.precision == Precision::kBf16Mixed || r.precision == Precision::kFp16Mixed) {
+        r.precision = r.precision == Precision::kBf16Mixed ? Precision::kBf16True : Precision::kFp16True;
+        what += ", precision " + std::string(to_string(r.precision));
+      }
+      if (r.grad_accum <= kMaxAccum) change(what, r);
     }
-    if (r.grad_accum <= kMaxAccum) change(what, r);
   }
   // Pipeline parallelism over every GPU for a data-parallel recipe (Note [Pipeline schedule in
   // the planner] picks the schedule), where the engine models the pipeline.

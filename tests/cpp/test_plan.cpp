@@ -431,10 +431,19 @@ TEST(Fit, SeveralGpusSearchTensorParallelism) {
   std::set<std::pair<std::uint64_t, bool>> seen;
   for (const Plan& p : f.plans) {
     if (p.recipe.tp == 1) continue;
-    EXPECT_EQ(p.recipe.tp, 4u);
-    EXPECT_EQ(p.recipe.gpus, 1u);
-    EXPECT_EQ(p.recipe.parallel, Parallel::kNone);
-    EXPECT_EQ(p.recipe.batch * p.recipe.grad_accum, 8u);  // one data-parallel rank: the global batch
+    if (p.recipe.tp == 2) {
+      // TP x DP: two tensor-parallel groups of 2 under FSDP2, each running half the global batch;
+      // no sequence or loss parallelism there (what the engine models of it).
+      EXPECT_EQ(p.recipe.gpus, 2u);
+      EXPECT_EQ(p.recipe.parallel, Parallel::kFsdp);
+      EXPECT_EQ(p.recipe.batch * p.recipe.grad_accum, 4u);
+      EXPECT_FALSE(p.recipe.sequence_parallel || p.recipe.loss_parallel);
+    } else {
+      EXPECT_EQ(p.recipe.tp, 4u);
+      EXPECT_EQ(p.recipe.gpus, 1u);
+      EXPECT_EQ(p.recipe.parallel, Parallel::kNone);
+      EXPECT_EQ(p.recipe.batch * p.recipe.grad_accum, 8u);  // one data-parallel rank: the global batch
+    }
     EXPECT_GT(p.time.comm_s, 0);
     // A plan is an estimate of exactly that recipe (the floor, on the rank's local shards, let it through).
     if (seen.insert({p.recipe.tp, p.recipe.sequence_parallel}).second) {
@@ -443,6 +452,7 @@ TEST(Fit, SeveralGpusSearchTensorParallelism) {
   }
   EXPECT_TRUE(seen.count({4, false}));
   EXPECT_TRUE(seen.count({4, true}));
+  EXPECT_TRUE(seen.count({2, false}));
   // The base recipe is bf16-mixed: the change moves it to bf16-true (TP is modelled without autocast).
   EXPECT_TRUE(std::any_of(f.changes.begin(), f.changes.end(), [](const Change& c) {
     return c.what == "tp 4 (no data parallelism), precision bf16-true" && c.plan.recipe.tp == 4;
@@ -470,7 +480,8 @@ TEST(Fit, SeveralGpusSearchTensorParallelism) {
   FitRequest g = q;
   g.top = 50;
   for (const Plan& p : fit(load_model("qwen3-4b"), g).plans) EXPECT_EQ(p.recipe.tp, 1u);
-  // tp held: only tp 4 plans; a tp that is not --gpus is an error (TP x DP is not modelled).
+  // tp held: only tp 4 plans; tp 2 of 4 GPUs: two groups under FSDP2, the baseline too; a tp that
+  // does not divide --gpus is an error.
   q.base.tp = 4;
   q.base.precision = Precision::kBf16True;
   q.fixed = {"tp"};
@@ -479,7 +490,16 @@ TEST(Fit, SeveralGpusSearchTensorParallelism) {
   EXPECT_EQ(held.baseline.recipe.tp, 4u);
   for (const Plan& p : held.plans) EXPECT_EQ(p.recipe.tp, 4u);
   q.base.tp = 2;
-  EXPECT_NE(error_of([&] { fit(m, q); }).find("tensor parallelism combined with data parallelism"), std::string::npos);
+  const FitResult two = fit(m, q);
+  EXPECT_EQ(two.baseline.recipe.tp, 2u);
+  EXPECT_EQ(two.baseline.recipe.gpus, 2u);
+  EXPECT_EQ(two.baseline.recipe.parallel, Parallel::kFsdp);
+  EXPECT_EQ(two.baseline.recipe.batch * two.baseline.recipe.grad_accum, 4u);
+  for (const Plan& p : two.plans) EXPECT_EQ(p.recipe.tp, 2u);
+  q.base.tp = 3;
+  EXPECT_EQ(error_of([&] { fit(m, q); }),
+            "tp: 3 does not divide gpus 4: the planner splits the GPUs into tensor-parallel groups of tp, "
+            "data-parallel over the groups");
 }
 
 TEST(StepTime, MovesAsTheModelSays) {

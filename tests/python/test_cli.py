@@ -187,7 +187,7 @@ def test_pipeline_estimate_is_the_worst_stage_and_keeps_its_recipe(run):
     (["estimate", "llama-3.2-1b", "--tp", "2"], "tp: 2 with precision bf16-mixed is not modelled"),
     (["estimate", "llama-3.2-1b", "--tp", "2", "--precision", "fp32", "--lora", "8"], "with LoRA or a 4-bit base"),
     (["estimate", "llama-3.2-1b", "--tp", "0"], "tp: must be between 1 and 64"),
-    (["fit", "llama-3.2-1b", "--tp", "2", "--precision", "fp32"], "tp: 2 with gpus 1: the planner puts all the GPUs"),
+    (["fit", "llama-3.2-1b", "--tp", "2", "--precision", "fp32"], "tp: 2 does not divide gpus 1: the planner splits the GPUs into tensor-parallel groups"),
     (["estimate", "llama-3.2-1b", "--sequence-parallel", "--precision", "fp32"],
      "sequence_parallel: needs tensor parallelism"),
     (["estimate", "llama-3.2-1b", "--tp", "2", "--sequence-parallel", "--seq", "127", "--precision", "fp32"],
