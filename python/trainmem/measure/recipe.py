@@ -231,11 +231,11 @@ class Recipe:
         fsdp_default = (self.fsdp_replicate == 1 and self.fsdp_param_dtype == "none"
                         and self.fsdp_reduce_dtype == "none")
         if (self.parallel not in ("none", "fsdp") or (self.parallel == "none" and self.gpus != 1)
-                or (self.parallel == "fsdp" and (self.gpus < 2 or not fsdp_default or self.sequence_parallel))):
+                or (self.parallel == "fsdp" and (self.gpus < 2 or not fsdp_default))):
             raise RecipeError(f"tp={self.tp} with gpus={self.gpus} / parallel={self.parallel!r} is not measured: "
                               "tensor parallelism combined with data parallelism is measured only as FSDP2 over "
-                              "a 2-D mesh (parallel fsdp, gpus 2 or more, FSDP2's default knobs, no sequence "
-                              "parallelism); use gpus 1 and parallel none otherwise")
+                              "a 2-D mesh (parallel fsdp, gpus 2 or more, FSDP2's default knobs); use gpus 1 "
+                              "and parallel none otherwise")
         if self.is_inference:
             raise RecipeError(f"tp={self.tp} is a training knob: inference runs on one process")
         if self.uses_lora or self.load_in_4bit:
