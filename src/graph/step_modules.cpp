@@ -630,9 +630,13 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
     nd.saved = {qc.id, kc.id, vc.id, o.id, lse.id};
     for (const T* x : {&qc, &kc, &vc}) nd.inputs.push_back(fused_grad_of(*x));
     // Flash backward (flash_api.cpp mha_bwd): a contiguous copy of grad_out, fp32 dq_accum,
-    // fp32 softmax_d, and with GQA dk/dv at the query head count before the group sum.
-    nd.scratch = {qn * dtype_bytes(c), qn * 4, B_ * heads * S_ * 4};
-    if (gqa_native) nd.scratch.insert(nd.scratch.end(), {qn * dtype_bytes(c), qn * dtype_bytes(c)});
+    // fp32 softmax_d, and with GQA dk/dv at the query head count before the group sum. On the
+    // CPU (_scaled_dot_product_flash_attention_for_cpu_backward) the tracker sees dq, dk and dv
+    // only (measured: the SDPA backward of the cpu-tp2dp2sp-*-b2s64 traces, native GQA).
+    if (cuda_) {
+      nd.scratch = {qn * dtype_bytes(c), qn * 4, B_ * heads * S_ * 4};
+      if (gqa_native) nd.scratch.insert(nd.scratch.end(), {qn * dtype_bytes(c), qn * dtype_bytes(c)});
+    }
     t_.close_node();
   }
   t_.drop(lse);
