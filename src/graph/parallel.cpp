@@ -408,14 +408,36 @@ void DataParallel::reshard(Unit& u) {
   u.gathered = false;
 }
 
+// Note [Partial gradients under FSDP2]
+// TP x DP with sequence parallelism: a SequenceParallel norm's weight is a Replicate DTensor on
+// the tensor-parallel mesh, and its .grad comes out of backward as a Partial DTensor (each rank
+// summed over its own sequence shard). FSDP2's post_backward (torch 2.13,
+// torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py) reads each gradient through
+// FSDPParam.unsharded_grad_data (_fsdp_param.py _get_grad_inner_tensor), which redistributes a
+// gradient whose placements differ from the parameter's on the non-dp mesh dimensions: Partial ->
+// Replicate, a functional all_reduce into a new tensor of the weight's size; then
+// `unsharded_param.grad = None` frees the Partial one. One after the other, in fsdp_params order,
+// before the reshard; the all-reduced tensors (the tracker counts them as temporaries: nothing
+// marks them as gradients) then go into the reduce-scatter's copy-in like any gradient, the last
+// one of the unit held to the end of foreach_reduce as always. Measured:
+// data/ground_truth/parallel/cpu-tp2dp2sp-* (docs/parallelism.md "TP x DP").
+
 // A unit's post-backward (see Note [FSDP2 units]).
 void DataParallel::reduce(Unit& u) {
   std::vector<TensorId> grads;  // in fsdp_params order, the unit's parameter order
   for (std::uint32_t pi : u.params) {
     const std::uint32_t slot = params_[pi].slot;
     if (t_.param_grad(slot) == kNone) continue;
-    grads.push_back(t_.param_grad(slot));
+    TensorId g = t_.param_grad(slot);
     t_.set_param_grad(slot, kNone);
+    if (params_[pi].partial_grad) {  // See Note [Partial gradients under FSDP2]
+      t_.at(t_.phase(), kNoLayer, "fsdp.redistribute_grad");
+      const TensorId replicated = t_.alloc_bytes(
+          detail::mul(params_[pi].numel, dtype_bytes(params_[pi].dtype), "gradient bytes"), Category::kTemporaries);
+      t_.release(g);
+      g = replicated;
+    }
+    grads.push_back(g);
   }
   reshard(u);
   if (grads.empty()) return;

@@ -24,6 +24,9 @@ struct WrappedParam {
   std::uint64_t numel = 0;
   std::uint64_t rows = 0;  // dim 0 as stored (FSDP2 shards it); 0 for 1-D tensors
   DType dtype = DType::kF32;
+  // A Partial DTensor .grad on the tensor-parallel mesh (a SequenceParallel norm's weight under
+  // TP x DP): FSDP2 all-reduces it before the reduce-scatter (See Note [Partial gradients under FSDP2]).
+  bool partial_grad = false;
 };
 
 class DataParallel {

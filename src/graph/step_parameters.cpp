@@ -75,16 +75,40 @@ void StepBuilder::wrap_data_parallel() {
   bool in_layers_done = false;
   const auto& groups = m_.parameters;
   auto is_layer = [](const ParameterGroup& g) { return g.name.find(".N.") != std::string::npos; };
+  auto ends_with = [](const std::string& s, std::string_view tail) {
+    return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+  };
+  // The SequenceParallel norms' weights get Partial gradients (See Note [Partial gradients under FSDP2]).
+  auto partial = [&](const std::string& name) {
+    return r_.sequence_parallel && (ends_with(name, ".input_layernorm.weight") ||
+                                    ends_with(name, ".post_attention_layernorm.weight") || name == "model.norm.weight");
+  };
   for (std::size_t gi = 0; gi < groups.size(); ++gi) {
     if (!is_layer(groups[gi])) {
+      wp[idx].partial_grad = partial(groups[gi].name);
       root.push_back(idx++);
       continue;
     }
     if (in_layers_done) continue;
     std::size_t per_layer = 0;
     while (gi + per_layer < groups.size() && is_layer(groups[gi + per_layer])) ++per_layer;
+    // FSDP2's fsdp_params follow module.parameters(), the order the decoder layer registers its
+    // modules: GPT-2's Block ln_1, attn, ln_2, mlp (the listed order); the Llama-like layers
+    // self_attn, mlp, then the norms (transformers 5.24 modeling_llama.py LlamaDecoderLayer
+    // __init__, also Qwen2/3, Mistral, Phi-3, Gemma-2). It decides which gradient foreach_reduce
+    // holds to its end (See Note [FSDP2 units]); measured on cpu-tp2dp2sp-*.
+    std::vector<std::size_t> order;
+    for (std::size_t k = 0; k < per_layer; ++k) order.push_back(k);
+    if (a_.family != Family::kGpt2) {
+      std::stable_partition(order.begin(), order.end(),
+                            [&](std::size_t k) { return !ends_with(groups[gi + k].name, "layernorm.weight"); });
+    }
     for (auto& layer : layers) {
-      for (std::size_t k = 0; k < per_layer; ++k) layer.push_back(idx++);
+      for (std::size_t k : order) {
+        wp[idx + k].partial_grad = partial(groups[gi + k].name);
+        layer.push_back(static_cast<std::uint32_t>(idx + k));
+      }
+      idx += static_cast<std::uint32_t>(per_layer);
     }
     in_layers_done = true;
   }

@@ -133,10 +133,9 @@ void validate_tensor_x_data_parallel(const Recipe& r) {
                        "not modelled with tensor parallelism (HSDP + TP and mixed-precision policies over DTensor "
                        "parameters are unmeasured); keep FSDP2's defaults");
   }
-  if (r.sequence_parallel || r.loss_parallel) {
-    throw Error(what + ": sequence_parallel and loss_parallel are not modelled with data parallelism yet (under "
-                       "FSDP2 the norms' Partial gradients are redistributed in its post-backward, unmeasured); "
-                       "drop them or use gpus 1 and parallel none");
+  if (r.loss_parallel) {
+    throw Error(what + ": loss_parallel is not modelled with data parallelism yet (unmeasured under FSDP2); drop "
+                       "it or use gpus 1 and parallel none");
   }
   if (r.precision != Precision::kFp32 && r.precision != Precision::kBf16True) {
     throw Error(what + " with precision " + std::string(to_string(r.precision)) +

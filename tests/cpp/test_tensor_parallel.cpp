@@ -328,6 +328,49 @@ TEST(TensorXDataParallel, ReplicatedNormSumsItsGradientsOutOfPlace) {
   EXPECT_EQ(allocs(u, Phase::kBackward, 1, "input_layernorm").size(), want.size() - 2);
 }
 
+// The events (alloc or free, bytes) of step 1's backward from the first `from` moment on.
+std::vector<std::pair<bool, std::uint64_t>> backward_events_from(const graph::Trace& t, std::string_view from,
+                                                                 std::size_t n) {
+  std::vector<std::pair<bool, std::uint64_t>> out;
+  for (const graph::Event& e : t.events) {
+    const graph::MomentTag& m = t.moments[e.moment];
+    if (m.step != 1 || m.phase != Phase::kBackward || (out.empty() && m.op != from)) continue;
+    if (out.size() == n) break;
+    out.emplace_back(e.alloc, t.storages[e.tensor].bytes);
+  }
+  return out;
+}
+
+TEST(TensorXDataParallel, SequenceParallelNormGradientsAreAllReducedInThePostBackward) {
+  // Measured (the trace of tp 2 x dp 2 --sequence-parallel, fp32 SGD b1 s64, layer 3's
+  // post-backward in step 1; See Note [Partial gradients under FSDP2]): input_layernorm's and
+  // then post_attention_layernorm's Partial gradient is all-reduced into a new 2,048 B tensor
+  // and the Partial one freed, before the reshard frees the unsharded parameters (fsdp_params
+  // order: q, k, v, o, gate, up, down, then the two norms).
+  Recipe r = tpdp_recipe();
+  r.sequence_parallel = true;
+  r.validate();
+  const graph::Trace t = graph::build_training_trace(llama_w512(), r, find_gpu("cpu"));
+  const std::uint64_t q = 524'288, kv = 262'144, mlp = 2'097'152, norm = 2048;
+  const std::vector<std::pair<bool, std::uint64_t>> want = {
+      {true, norm}, {false, norm}, {true, norm}, {false, norm},  // the two all-reduces
+      {false, q},   {false, kv},   {false, kv},  {false, q},    {false, mlp}, {false, mlp}, {false, mlp},
+      {false, norm}, {false, norm},  // the reshard
+      // The reduce-scatter input; the copy-in frees all but the last gradient (the tracker saw
+      // them freed in another order inside the same copy-in).
+      {true, 7'868'416},
+      {false, q}, {false, kv}, {false, kv}, {false, q}, {false, mlp}, {false, mlp}, {false, mlp}, {false, norm},
+      {true, 3'934'208}, {true, 7'868'416}, {false, 7'868'416},  // output, gloo's settled temporary
+      {false, norm}};  // post_attention_layernorm's all-reduced gradient, held to foreach_reduce's end
+  EXPECT_EQ(backward_events_from(t, "fsdp.redistribute_grad", want.size()), want);
+  // Four layers' two norms and the final norm, in each step.
+  EXPECT_EQ(allocs_at(t, "fsdp.redistribute_grad"), std::vector<std::uint64_t>(2 * 9, norm));
+  // Without sequence parallelism the norms' gradients are Replicate: nothing to redistribute.
+  EXPECT_TRUE(allocs_at(graph::build_training_trace(llama_w512(), tpdp_recipe(), find_gpu("cpu")),
+                        "fsdp.redistribute_grad")
+                  .empty());
+}
+
 TEST(TensorXDataParallel, RefusesWhatIsNotMeasured) {
   EXPECT_NO_THROW(tpdp_recipe());
   Recipe r = tpdp_recipe();
@@ -345,7 +388,14 @@ TEST(TensorXDataParallel, RefusesWhatIsNotMeasured) {
   EXPECT_NE(error_of([&] { r.validate(); }).find("keep FSDP2's defaults"), std::string::npos);
   r = tpdp_recipe();
   r.sequence_parallel = true;
-  EXPECT_NE(error_of([&] { r.validate(); }).find("not modelled with data parallelism yet"), std::string::npos);
+  EXPECT_NO_THROW(r.validate());  // measured: cpu-tp2dp2sp-*
+  r = tpdp_recipe();
+  r.loss_parallel = true;
+  EXPECT_NE(error_of([&] { r.validate(); }).find("loss_parallel is not modelled with data parallelism yet"),
+            std::string::npos);
+  r.sequence_parallel = true;
+  EXPECT_NE(error_of([&] { r.validate(); }).find("loss_parallel is not modelled with data parallelism yet"),
+            std::string::npos);
   r = tpdp_recipe();
   r.precision = Precision::kFp16True;
   EXPECT_NE(error_of([&] { r.validate(); }).find("precision fp16-true is not modelled"), std::string::npos);
