@@ -183,7 +183,7 @@ def test_pipeline_estimate_is_the_worst_stage_and_keeps_its_recipe(run):
     (["estimate", "llama-3.2-1b", "--tp", "2", "--gpus", "2", "--parallel", "ddp", "--precision", "fp32"],
      "tensor parallelism combined with data parallelism is modelled under parallel fsdp only"),
     (["estimate", "llama-3.2-1b", "--tp", "2", "--gpus", "2", "--parallel", "fsdp", "--precision", "fp32",
-      "--sequence-parallel"], "sequence_parallel and loss_parallel are not modelled with data parallelism yet"),
+      "--loss-parallel"], "loss_parallel is not modelled with data parallelism yet"),
     (["estimate", "llama-3.2-1b", "--tp", "2"], "tp: 2 with precision bf16-mixed is not modelled"),
     (["estimate", "llama-3.2-1b", "--tp", "2", "--precision", "fp32", "--lora", "8"], "with LoRA or a 4-bit base"),
     (["estimate", "llama-3.2-1b", "--tp", "0"], "tp: must be between 1 and 64"),

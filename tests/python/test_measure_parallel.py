@@ -210,8 +210,6 @@ def test_zero2_world_size_2(tiny_gpt2):
     ({"tp": 2, "precision": "fp32", "loss": "fused"}, "loss=fused is not measured"),
     ({"tp": 2, "precision": "bf16-mixed"}, "autocast's cached casts"),
     ({"sequence_parallel": True}, "sequence_parallel needs tensor parallelism"),
-    ({"tp": 2, "gpus": 2, "parallel": "fsdp", "precision": "fp32", "sequence_parallel": True},
-     "measured only as FSDP2 over a 2-D mesh"),
     ({"tp": 2, "gpus": 4, "parallel": "fsdp", "precision": "fp32", "fsdp_replicate": 2},
      "measured only as FSDP2 over a 2-D mesh"),
     ({"tp": 2, "sequence_parallel": 1}, "sequence_parallel must be true or false"),
@@ -238,6 +236,9 @@ def test_tp_recipe_json_and_command():
     assert "sequence_parallel" not in d
     # TP x DP: FSDP2 over the dp dimension of a (gpus, tp) mesh, gpus x tp processes.
     assert Recipe(batch=2, seq=8, precision="fp32", tp=2, gpus=2, parallel="fsdp").world_size == 4
+    # TP x DP with sequence parallelism (measured: data/ground_truth/parallel/cpu-tp2dp2sp-*).
+    spdp = Recipe(batch=2, seq=8, precision="fp32", tp=2, gpus=2, parallel="fsdp", sequence_parallel=True)
+    assert spdp.world_size == 4 and Recipe.from_dict(spdp.as_dict()) == spdp
     sp = Recipe(batch=2, seq=8, precision="fp32", tp=2, sequence_parallel=True)
     assert sp.as_dict()["sequence_parallel"] is True and Recipe.from_dict(sp.as_dict()) == sp
     assert "--sequence-parallel" in default_command(resolve_model("gpt2"), sp, device="cpu", fake=False)
