@@ -107,6 +107,12 @@ def test_tensor_parallel_entries_exact(comparisons):
     sp = [c["recipe"] for _, c in tp if c["recipe"].get("sequence_parallel")]
     assert len(sp) >= 4, sp
     assert {r["checkpointing"] for r in sp} == {"none", "full"}
+    # ... and under TP x DP (Note [Partial gradients under FSDP2]): FSDP2 all-reduces the
+    # sequence-parallel norms' Partial gradients in its post-backward.
+    spdp = [r for r in sp if r.get("parallel") == "fsdp"]
+    assert len(spdp) >= 4, spdp
+    assert {r["checkpointing"] for r in spdp} == {"none", "full"}
+    assert {r["optimizer"] for r in spdp} >= {"sgd", "adamw"} and "bf16-true" in {r["precision"] for r in spdp}
     # Loss parallelism (Note [Loss parallel]): vocab-sharded lm_head and logits, with and without
     # sequence parallelism, checkpointing once, SGD and AdamW.
     lp = [c["recipe"] for _, c in tp if c["recipe"].get("loss_parallel")]
