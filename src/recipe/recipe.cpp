@@ -114,8 +114,10 @@ std::vector<std::string> split_targets(std::string_view s) {
 // What the engine models of TP x DP: torch's FSDP + TP recipe as the measuring side runs it
 // (python/trainmem/measure/parallel.py _tp_fsdp; docs/parallelism.md "TP x DP"): a 2-D mesh
 // (dp = gpus, tp), the Megatron plan over mesh["tp"], fully_shard over mesh["dp"] with FSDP2's
-// default knobs. `gpus` is the data-parallel degree; the run has gpus x tp GPUs. What was not
-// measured is refused.
+// default knobs, with or without sequence and loss parallelism (measured:
+// data/ground_truth/parallel/cpu-tp2dp2sp*, cpu-tp2dp2lp-*; See Note [Partial gradients under
+// FSDP2]). `gpus` is the data-parallel degree; the run has gpus x tp GPUs. What was not measured
+// is refused.
 void validate_tensor_x_data_parallel(const Recipe& r) {
   const std::string what = "tp: " + std::to_string(r.tp) + " with gpus " + std::to_string(r.gpus) + " / parallel " +
                            std::string(to_string(r.parallel));
@@ -132,10 +134,6 @@ void validate_tensor_x_data_parallel(const Recipe& r) {
     throw Error(what + ": fsdp_reshard_after_forward / fsdp_replicate / fsdp_param_dtype / fsdp_reduce_dtype are "
                        "not modelled with tensor parallelism (HSDP + TP and mixed-precision policies over DTensor "
                        "parameters are unmeasured); keep FSDP2's defaults");
-  }
-  if (r.loss_parallel) {
-    throw Error(what + ": loss_parallel is not modelled with data parallelism yet (unmeasured under FSDP2); drop "
-                       "it or use gpus 1 and parallel none");
   }
   if (r.precision != Precision::kFp32 && r.precision != Precision::kBf16True) {
     throw Error(what + " with precision " + std::string(to_string(r.precision)) +

@@ -215,8 +215,6 @@ def test_zero2_world_size_2(tiny_gpt2):
     ({"tp": 2, "sequence_parallel": 1}, "sequence_parallel must be true or false"),
     ({"loss_parallel": True}, "loss_parallel needs tensor parallelism"),
     ({"tp": 2, "loss_parallel": 1}, "loss_parallel must be true or false"),
-    ({"tp": 2, "gpus": 2, "parallel": "fsdp", "precision": "fp32", "loss_parallel": True},
-     "loss_parallel with parallel fsdp is not measured"),
 ])
 def test_bad_tp_knobs_are_refused(knobs, message):
     with pytest.raises(RecipeError) as info:
@@ -236,9 +234,11 @@ def test_tp_recipe_json_and_command():
     assert "sequence_parallel" not in d
     # TP x DP: FSDP2 over the dp dimension of a (gpus, tp) mesh, gpus x tp processes.
     assert Recipe(batch=2, seq=8, precision="fp32", tp=2, gpus=2, parallel="fsdp").world_size == 4
-    # TP x DP with sequence parallelism (measured: data/ground_truth/parallel/cpu-tp2dp2sp-*).
-    spdp = Recipe(batch=2, seq=8, precision="fp32", tp=2, gpus=2, parallel="fsdp", sequence_parallel=True)
-    assert spdp.world_size == 4 and Recipe.from_dict(spdp.as_dict()) == spdp
+    # TP x DP with sequence and loss parallelism (measured: data/ground_truth/parallel/cpu-tp2dp2sp*,
+    # cpu-tp2dp2lp-*).
+    for knobs in ({"sequence_parallel": True}, {"loss_parallel": True}, {"sequence_parallel": True, "loss_parallel": True}):
+        spdp = Recipe(batch=2, seq=8, precision="fp32", tp=2, gpus=2, parallel="fsdp", **knobs)
+        assert spdp.world_size == 4 and Recipe.from_dict(spdp.as_dict()) == spdp
     sp = Recipe(batch=2, seq=8, precision="fp32", tp=2, sequence_parallel=True)
     assert sp.as_dict()["sequence_parallel"] is True and Recipe.from_dict(sp.as_dict()) == sp
     assert "--sequence-parallel" in default_command(resolve_model("gpt2"), sp, device="cpu", fake=False)

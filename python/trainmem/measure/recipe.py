@@ -247,8 +247,6 @@ class Recipe:
         if self.loss == "fused":
             raise RecipeError(f"tp={self.tp} with loss=fused is not measured: the chunked loss reads "
                               "lm_head.weight outside the module's forward")
-        if self.loss_parallel and self.parallel != "none":
-            raise RecipeError("loss_parallel with parallel fsdp is not measured: use gpus 1 and parallel none")
         if self.precision not in ("fp32", "bf16-true", "fp16-true"):
             raise RecipeError(f"tp={self.tp} with precision={self.precision!r} is not measured (autocast's cached "
                               "casts and master copies of DTensor parameters are unexplored); use fp32, bf16-true "
