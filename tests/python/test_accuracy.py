@@ -118,6 +118,8 @@ def test_tensor_parallel_entries_exact(comparisons):
     lp = [c["recipe"] for _, c in tp if c["recipe"].get("loss_parallel")]
     assert len(lp) >= 4, lp
     assert any(r.get("sequence_parallel") for r in lp) and any(not r.get("sequence_parallel") for r in lp)
+    lpdp = [r for r in lp if r.get("parallel") == "fsdp"]  # ... and under TP x DP, with and without sp
+    assert any(r.get("sequence_parallel") for r in lpdp) and any(not r.get("sequence_parallel") for r in lpdp)
     assert {r["checkpointing"] for r in lp} == {"none", "full"}
     # One peaks inside the loss (the nll_loss backward handler's buffers: the corpus' b2s512 run),
     # so the handlers' own intermediates are checked at the peak.
