@@ -7,6 +7,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -391,8 +392,8 @@ class StepBuilder {
   T layer_forward(const T& x, std::uint32_t l);
   void layer_tables(const T& x, std::uint32_t l);
   bool matches(const LayerTemplate& k, const T& x, std::uint32_t l) const;
-  void capture_layer(std::uint32_t l, const T& out, std::size_t casts_before);
-  T stamp_layer(std::uint32_t l);
+  void capture_layer(LayerTemplate& k, std::uint32_t l, const T& out, std::size_t casts_before);
+  T stamp_layer(const LayerTemplate& k, std::uint32_t l);
 
   // ---------------------------------------------------------------- the step (step.cpp)
   T embedding(std::uint32_t w, const T& ids, std::uint64_t n);
@@ -508,12 +509,15 @@ class StepBuilder {
   // Pipeline stage (rank_ is the stage): the receive buffers, one per micro-batch.
   std::vector<TensorId> pp_recv_act_, pp_recv_grad_;
   bool in_lm_head_ = false;  // ZeRO-3: lm_head's nn.Linear (tied: a second module over wte)
-  // Layer stamping: whether this recipe may stamp, the template, the tables of the layer at
+  // Layer stamping: whether this recipe may stamp, the templates, the tables of the layer at
   // hand (its parameters by role, its outside storages, values and parameter slots: Tape::stamp)
   // and the mark of a layer being captured.
   bool stamps_ = false;
   std::uint32_t stamp_failures_ = 0;
-  LayerTemplate template_;
+  // The last few layers captured (a forward's layers 0 and 1 and the rest have three keys; the
+  // next forward's layers 1.. match the first's), the oldest replaced first.
+  std::array<LayerTemplate, 3> templates_;
+  std::uint32_t next_template_ = 0, last_template_ = 0;  // replaced next, matched last
   std::vector<std::uint32_t> roles_;
   std::vector<TensorId> outside_;
   std::vector<ValueId> outside_values_;

@@ -100,11 +100,19 @@ bool StepBuilder::matches(const LayerTemplate& k, const T& x, std::uint32_t l) c
 T StepBuilder::layer_forward(const T& x, std::uint32_t l) {
   if (!stamps_) return decoder_layer(x, l);
   layer_tables(x, l);
-  if (matches(template_, x, l)) return stamp_layer(l);
-  // Built, and captured as the template unless two captures failed already (the recipe then
+  if (matches(templates_[last_template_], x, l)) return stamp_layer(templates_[last_template_], l);
+  for (std::uint32_t i = 0; i < templates_.size(); ++i) {
+    if (i != last_template_ && matches(templates_[i], x, l)) {
+      last_template_ = i;
+      return stamp_layer(templates_[i], l);
+    }
+  }
+  // Built, and captured as a template unless two captures failed already (the recipe then
   // builds the rest: a capture costs a copy of the storage table).
   if (stamp_failures_ >= 2) return decoder_layer(x, l);
-  LayerTemplate& k = template_;
+  last_template_ = next_template_;
+  LayerTemplate& k = templates_[next_template_];
+  next_template_ = (next_template_ + 1) % static_cast<std::uint32_t>(templates_.size());
   k.valid = false;
   k.x_numel = x.numel;
   k.x_dtype = x.dtype;
@@ -130,13 +138,12 @@ T StepBuilder::layer_forward(const T& x, std::uint32_t l) {
   const std::size_t casts_before = casts_.size();
   const TensorId ws_fwd = ws_fwd_, ws_bwd = ws_bwd_;
   T out = decoder_layer(x, l);
-  if (keyed && ws_fwd == ws_fwd_ && ws_bwd == ws_bwd_) capture_layer(l, out, casts_before);
+  if (keyed && ws_fwd == ws_fwd_ && ws_bwd == ws_bwd_) capture_layer(k, l, out, casts_before);
   if (!k.valid) ++stamp_failures_;
   return out;
 }
 
-void StepBuilder::capture_layer(std::uint32_t l, const T& out, std::size_t casts_before) {
-  LayerTemplate& k = template_;
+void StepBuilder::capture_layer(LayerTemplate& k, std::uint32_t l, const T& out, std::size_t casts_before) {
   const TensorId s0 = mark_.storages;
   if (layer_ != static_cast<std::int32_t>(l) || phase_ != Phase::kForward || out.id == kNone || out.id < s0 ||
       (out.value != kNone && out.value < mark_.values)) {
@@ -171,8 +178,7 @@ void StepBuilder::capture_layer(std::uint32_t l, const T& out, std::size_t casts
   k.valid = t_.capture(mark_, outside_, outside_values_, slots_, layer_, k.span);
 }
 
-T StepBuilder::stamp_layer(std::uint32_t l) {
-  const LayerTemplate& k = template_;
+T StepBuilder::stamp_layer(const LayerTemplate& k, std::uint32_t l) {
   const TensorId s0 = static_cast<TensorId>(t_.trace().storages.size());
   const ValueId v0 = t_.value_count();
   layer_ = static_cast<std::int32_t>(l);
