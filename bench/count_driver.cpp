@@ -3,8 +3,8 @@
 // whole estimate or the graph stage alone, with layer stamping on or off. Run it with n = 1 and
 // n = 6; (Ir(6) - Ir(1)) / 5 is one run without the loading.
 //
-//   valgrind --tool=callgrind --callgrind-out-file=/dev/null \
-//     build-bench/bench/trainmem_count llama-3.1-70b 6 [estimate|graph] [stamping 1|0]
+//   valgrind --tool=callgrind --callgrind-out-file=/dev/null build-bench/bench/trainmem_count
+//     llama-3.1-70b 6 [estimate|graph] [stamping 1|0]
 #include <cstdio>
 #include <string>
 

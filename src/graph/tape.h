@@ -56,7 +56,7 @@ class SmallVec {
     if (o.heap_) {
       assign(o.begin(), o.end());
     } else {
-      std::memcpy(inline_, o.inline_, sizeof(inline_));
+      std::memcpy(inline_.v, o.inline_.v, sizeof(inline_.v));
       size_ = o.size_;
     }
   }
@@ -83,8 +83,8 @@ class SmallVec {
     if (heap_) std::free(heap_);
   }
 
-  V* data() noexcept { return heap_ ? heap_ : inline_; }
-  const V* data() const noexcept { return heap_ ? heap_ : inline_; }
+  V* data() noexcept { return heap_ ? heap_ : inline_.v; }
+  const V* data() const noexcept { return heap_ ? heap_ : inline_.v; }
   V* begin() noexcept { return data(); }
   V* end() noexcept { return data() + size_; }
   const V* begin() const noexcept { return data(); }
@@ -140,7 +140,7 @@ class SmallVec {
     } else {
       // The whole inline buffer, a constant size: a few moves instead of a memcpy call (a node
       // is moved twice on its way into the tape). Entries past size_ are never read.
-      std::memcpy(inline_, o.inline_, sizeof(inline_));
+      std::memcpy(inline_.v, o.inline_.v, sizeof(inline_.v));
     }
     o.size_ = 0;
     o.cap_ = N;
@@ -149,7 +149,12 @@ class SmallVec {
   V* heap_ = nullptr;
   std::size_t size_ = 0;
   std::size_t cap_ = N;
-  V inline_[N];
+  // Left uninitialised: entries past size_ are never read, and the entry types' default member
+  // initializers would otherwise run for every slot of every node made or copied.
+  union Inline {
+    Inline() {}
+    V v[N];
+  } inline_;
 };
 
 struct Storage {
