@@ -369,7 +369,7 @@ class StepBuilder {
   void drop_nodes_since(std::size_t n);
 
   // ---------------------------------------------------------------- layer stamping (step_stamp.cpp)
-  // A decoder layer's forward, built or stamped from the last built one (See Note [Stamped
+  // A decoder layer's forward, built or stamped from a layer built before (See Note [Stamped
   // decoder layers] in tape.h; what must match: Note [Layer stamp keys] in step_stamp.cpp).
   struct LayerTemplate {
     bool valid = false;
