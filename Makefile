@@ -3,17 +3,23 @@
 #   make test   the same set-up, then every test (C++, CLI, Python API, tracker, accuracy gate,
 #               sanitizers, a short fuzz run)
 # .ci/run calls `make test`.
+#
+# `make test` runs its stages as one dependency graph with two make jobs (TEST_JOBS), so a
+# stage that keeps one core busy (pytest, the CLI runs, the fuzzers) or none (pip downloading)
+# overlaps with a compile; -O prints each stage's output in one piece when it ends.
+# docs/development.md has the timings.
 
 VENV       ?= .venv
 PY         := $(VENV)/bin/python
 PIP        := $(VENV)/bin/pip
 BUILD      ?= build
 JOBS       ?= $(shell nproc)
+TEST_JOBS  ?= 2
 TORCH      ?= torch==2.13.0
 APT_PACKAGES := g++ cmake ninja-build python3-venv python3-dev nlohmann-json3-dev libcli11-dev \
                 libgtest-dev libgmock-dev libbenchmark-dev
 
-.PHONY: deps venv build install demo test test-cpp test-python bench clean
+.PHONY: deps venv build install demo test test-all test-cpp test-python bench clean
 
 # Debian packages, installed only when one is missing (needs root, as on our machines).
 deps:
@@ -67,7 +73,13 @@ test-python: install $(VENV)/.measure
 	TRAINMEM_BIN=$(abspath $(BUILD))/trainmem $(PY) -m pytest -q --durations=15 tests/python
 
 # Sanitizers and a short fuzz run are part of every test run (mk/hardening.mk).
-test: test-cpp test-python test-sanitize fuzz-smoke
+test:
+	$(MAKE) --no-print-directory -j $(TEST_JOBS) -O test-all
+
+test-all: test-cpp test-python test-sanitize fuzz-smoke
+
+# Under `make -j`, pip reconfigures $(BUILD) only once ctest is done with it.
+install: | $(if $(filter test test-all,$(MAKECMDGOALS)),test-cpp)
 
 bench: deps
 	cmake -S . -B $(BUILD)-bench -G Ninja -DTRAINMEM_BUILD_BENCH=ON -DTRAINMEM_BUILD_TESTS=OFF >/dev/null

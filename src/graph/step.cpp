@@ -57,6 +57,10 @@ StepBuilder::StepBuilder(const Model& m, const Recipe& r, const Gpu& gpu, const 
   attention_ = r.attention;
   // Gemma-2 declares no SDPA/flash support in transformers 5: it always runs eager attention.
   if (a_.family == Family::kGemma2) attention_ = Attention::kEager;
+  // See Note [Layer stamp keys] (step_stamp.cpp): the recipes whose layers' forwards depend on
+  // nothing but what the key holds.
+  stamps_ = layer_stamping() && r.mode == Mode::kTraining && r.parallel == Parallel::kNone && r.tp == 1 &&
+            r.cp == 1 && r.pp == 1 && !r.quant.any() && r.checkpointing == Checkpointing::kNone;
 }
 
 Trace StepBuilder::build() {
@@ -221,7 +225,7 @@ ValueId StepBuilder::forward_and_loss() {
   }
   for (std::uint32_t l = 0; l < a_.num_layers; ++l) {
     dp_.layer_pre_forward(l);
-    T next = r_.checkpointing == Checkpointing::kFull ? checkpointed_layer(hs, l) : decoder_layer(hs, l);
+    T next = r_.checkpointing == Checkpointing::kFull ? checkpointed_layer(hs, l) : layer_forward(hs, l);
     dp_.layer_post_forward(l);
     t_.drop(hs);
     hs = next;

@@ -20,4 +20,11 @@ using MicroBatchHook = std::function<MicroBatchNext(const Trace&, std::uint32_t 
 Trace build_training_trace(const Model& model, const Recipe& recipe, const Gpu& gpu,
                            const MicroBatchHook& hook = {}, std::uint64_t rank = 0);
 
+// Layer stamping (Note [Stamped decoder layers] in tape.h) on this thread: on unless a test or
+// benchmark turns it off to compare with every layer built. The count is of the layers stamped
+// on this thread so far.
+void set_layer_stamping(bool on);
+bool layer_stamping();
+std::uint64_t stamped_layers();
+
 }  // namespace trainmem::graph

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -367,6 +368,33 @@ class StepBuilder {
   T checkpointed_layer(const T& x, std::uint32_t l);
   void drop_nodes_since(std::size_t n);
 
+  // ---------------------------------------------------------------- layer stamping (step_stamp.cpp)
+  // A decoder layer's forward, built or stamped from a layer built before (See Note [Stamped
+  // decoder layers] in tape.h; what must match: Note [Layer stamp keys] in step_stamp.cpp).
+  struct LayerTemplate {
+    bool valid = false;
+    TapeSpan span;
+    // The key: what the layer's forward reads besides its ids.
+    std::uint64_t x_numel = 0;
+    DType x_dtype = DType::kF32;
+    bool x_bshd = false, x_grad = false, ws_fwd = false;
+    std::string_view op_before, op_after;
+    DType cos_dtype = DType::kF32, mask_dtype = DType::kF32;
+    std::uint64_t cos_numel = 0, mask_numel = 0;
+    std::vector<std::uint32_t> roles;  // the layer's parameters (kNone: absent)
+    std::vector<Param> params;         // as they were, by role
+    std::vector<Adapter> adapters;
+    // What it leaves: the output (ids relative to the span) and the autocast cache entries it
+    // made (role, cast storage relative to the span), in the order they joined casts_.
+    T out;
+    std::vector<std::pair<std::uint32_t, TensorId>> casts;
+  };
+  T layer_forward(const T& x, std::uint32_t l);
+  void layer_tables(const T& x, std::uint32_t l);
+  bool matches(const LayerTemplate& k, const T& x, std::uint32_t l) const;
+  void capture_layer(LayerTemplate& k, std::uint32_t l, const T& out, std::size_t casts_before);
+  T stamp_layer(const LayerTemplate& k, std::uint32_t l);
+
   // ---------------------------------------------------------------- the step (step.cpp)
   T embedding(std::uint32_t w, const T& ids, std::uint64_t n);
   ValueId forward_and_loss();
@@ -481,6 +509,20 @@ class StepBuilder {
   // Pipeline stage (rank_ is the stage): the receive buffers, one per micro-batch.
   std::vector<TensorId> pp_recv_act_, pp_recv_grad_;
   bool in_lm_head_ = false;  // ZeRO-3: lm_head's nn.Linear (tied: a second module over wte)
+  // Layer stamping: whether this recipe may stamp, the templates, the tables of the layer at
+  // hand (its parameters by role, its outside storages, values and parameter slots: Tape::stamp)
+  // and the mark of a layer being captured.
+  bool stamps_ = false;
+  std::uint32_t stamp_failures_ = 0;
+  // The last few layers captured (a forward's layers 0 and 1 and the rest have three keys; the
+  // next forward's layers 1.. match the first's), the oldest replaced first.
+  std::array<LayerTemplate, 3> templates_;
+  std::uint32_t next_template_ = 0, last_template_ = 0;  // replaced next, matched last
+  std::vector<std::uint32_t> roles_;
+  std::vector<TensorId> outside_;
+  std::vector<ValueId> outside_values_;
+  std::vector<std::uint32_t> slots_;
+  TapeMark mark_;
 };
 
 }  // namespace trainmem::graph::step

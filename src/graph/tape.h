@@ -50,7 +50,16 @@ class SmallVec {
  public:
   SmallVec() = default;
   SmallVec(std::initializer_list<V> il) { assign(il.begin(), il.end()); }
-  SmallVec(const SmallVec& o) { assign(o.begin(), o.end()); }
+  // A copy of a list in its inline buffer is one fixed-size copy (stamped layers copy every node:
+  // Note [Stamped decoder layers]).
+  SmallVec(const SmallVec& o) {
+    if (o.heap_) {
+      assign(o.begin(), o.end());
+    } else {
+      std::memcpy(inline_.v, o.inline_.v, sizeof(inline_.v));
+      size_ = o.size_;
+    }
+  }
   SmallVec(SmallVec&& o) noexcept { take(o); }
   SmallVec& operator=(const SmallVec& o) {
     if (this != &o) assign(o.begin(), o.end());
@@ -74,8 +83,8 @@ class SmallVec {
     if (heap_) std::free(heap_);
   }
 
-  V* data() noexcept { return heap_ ? heap_ : inline_; }
-  const V* data() const noexcept { return heap_ ? heap_ : inline_; }
+  V* data() noexcept { return heap_ ? heap_ : inline_.v; }
+  const V* data() const noexcept { return heap_ ? heap_ : inline_.v; }
   V* begin() noexcept { return data(); }
   V* end() noexcept { return data() + size_; }
   const V* begin() const noexcept { return data(); }
@@ -131,7 +140,7 @@ class SmallVec {
     } else {
       // The whole inline buffer, a constant size: a few moves instead of a memcpy call (a node
       // is moved twice on its way into the tape). Entries past size_ are never read.
-      std::memcpy(inline_, o.inline_, sizeof(inline_));
+      std::memcpy(inline_.v, o.inline_.v, sizeof(inline_.v));
     }
     o.size_ = 0;
     o.cap_ = N;
@@ -140,7 +149,12 @@ class SmallVec {
   V* heap_ = nullptr;
   std::size_t size_ = 0;
   std::size_t cap_ = N;
-  V inline_[N];
+  // Left uninitialised: entries past size_ are never read, and the entry types' default member
+  // initializers would otherwise run for every slot of every node made or copied.
+  union Inline {
+    Inline() {}
+    V v[N];
+  } inline_;
 };
 
 struct Storage {
@@ -247,6 +261,55 @@ struct Graph {
   std::vector<bool> subclass;
 };
 
+// Note [Stamped decoder layers]
+// A decoder layer's forward records the same storages, events, moments, values and nodes in
+// every layer of a plain model: only the ids differ (new ones, the layer's input, its
+// parameters) and the layer number in the tags. The step builder records one layer as usual
+// and captures that span of the tape (Tape::capture); a later layer whose inputs are the same
+// is appended from the capture with its ids shifted and its outside storages, values and
+// parameter slots substituted (Tape::stamp), which gives the trace, refcounts, categories and
+// nodes that building it gives: backward then runs over the stamped nodes as over built ones.
+// What may differ between the two layers is what the builder checks (step_stamp.cpp); what the
+// tape checks is that the captured span touched nothing it cannot reproduce:
+//  * no event names a storage made before the span, and no event has a moment from before it;
+//  * every older storage whose references or category changed is one of the caller's outside
+//    storages (the layer's input, the rotary tables, the layer's parameters, ...): the stamp
+//    applies the same change to the stamped layer's one, which must hold at least as many
+//    references as the captured one did (then none reaches zero inside the layer either) and
+//    have the same category;
+//  * nodes have no closures (checkpoint recomputes, context parallelism's kernels), and name
+//    only storages, values and parameter slots the span made or the caller listed;
+//  * nothing else of the tape changed (parameter slots, module lists, tensor subclasses), and
+//    neither a checkpoint's recompute nor a non-saving forward was running.
+// A span that fails a check is not captured, and the layer after it is built.
+struct TapeSpan {
+  // Ids in a captured span: relative to the span's first storage or value, or the outside
+  // storage or value at slot `id & ~kOutside` of the table the caller hands in.
+  static constexpr std::uint32_t kOutside = 0x80000000u;
+  struct Outside {
+    bool present = false;           // the slot names a storage
+    std::uint32_t refs_before = 0;  // references when the span began
+    std::int32_t refs_delta = 0;    // net change over the span
+    Category before = Category::kTemporaries, after = Category::kTemporaries;
+  };
+  std::vector<Storage> storages;  // as the span left them
+  std::vector<Event> events;      // moments relative to the span's first
+  std::vector<MomentTag> moments;
+  std::vector<Node> nodes;
+  std::vector<std::uint64_t> value_bytes;
+  std::vector<Outside> outside;   // per slot of the outside storages (unused slots: kNone ids)
+  std::uint32_t step = 0, micro = 0;
+  std::int32_t layer = -1;
+};
+
+// Where the tape stood when a span began, with the storages as they were (to find what the span
+// changed among the older ones).
+struct TapeMark {
+  std::uint32_t storages = 0, events = 0, moments = 0, nodes = 0, values = 0;
+  std::size_t param_slots = 0, module_lists = 0, open_modules = 0, subclass = 0;
+  std::vector<Storage> before;
+};
+
 class Tape {
  public:
   Tape();
@@ -344,6 +407,29 @@ class Tape {
   // empty tape). No module may be open.
   Graph take_graph();
   void put_graph(Graph&& g);
+
+  // Layer stamping (See Note [Stamped decoder layers]). mark() before the layer's forward;
+  // capture() after it, with the outside storages, values and parameter slots of that layer
+  // (kNone for an absent one) and the tags' layer: false when the span cannot be stamped.
+  void mark(TapeMark& m) const;
+  bool capture(const TapeMark& m, const std::vector<TensorId>& outside_storages,
+               const std::vector<ValueId>& outside_values, const std::vector<std::uint32_t>& param_slots,
+               std::int32_t layer, TapeSpan& span) const;
+  // Whether `span` can be stamped with these outside storages (same slots present, enough
+  // references, same categories), and the stamp itself: the span appended with its ids shifted,
+  // the tables' ids substituted and `layer` in its tags.
+  bool can_stamp(const TapeSpan& span, const std::vector<TensorId>& outside_storages) const;
+  void stamp(const TapeSpan& span, const std::vector<TensorId>& outside_storages,
+             const std::vector<ValueId>& outside_values, const std::vector<std::uint32_t>& param_slots,
+             std::int32_t layer);
+  std::uint32_t value_count() const { return static_cast<std::uint32_t>(value_grad_.size()); }
+
+ private:
+  bool distinct(const std::vector<TensorId>& table) const;
+  mutable std::vector<std::uint32_t> seen_;  // distinct()'s marks, by TensorId
+  mutable std::uint32_t seen_mark_ = 0;
+
+ public:
 
   Trace take();
   const Trace& trace() const { return trace_; }  // what has been built so far

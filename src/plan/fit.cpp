@@ -211,6 +211,40 @@ std::uint64_t rank_floor(const Model& m, const Recipe& r) {
   return plan::persistent_floor(local, r);
 }
 
+// `r` as a pipeline of `stages` stages, one per GPU and no data parallelism: every stage runs the
+// global batch in micro-batches of r.batch, with the schedule Note [Pipeline schedule in the
+// planner] picks. The caller checks that r.batch divides the global batch.
+Recipe as_pipeline(Recipe r, std::uint64_t stages, std::uint64_t global_batch) {
+  r.gpus = 1;
+  r.parallel = Parallel::kNone;
+  r.fsdp = Fsdp{};
+  r.offload = Offload::kNone;
+  r.tp = 1;
+  r.pp = stages;
+  r.grad_accum = global_batch / r.batch;
+  r.pp_schedule = r.grad_accum >= r.pp ? PipelineSchedule::k1F1B : PipelineSchedule::kGPipe;
+  return r;
+}
+
+// `r` as `groups` tensor-parallel groups of `tp` GPUs (data-parallel under FSDP2 when more than
+// one: TP x DP), each running its share of the global batch. Tensor parallelism is modelled
+// without autocast, so a mixed recipe moves to its -true twin; `moved` says so.
+Recipe as_tensor_parallel(Recipe r, std::uint64_t tp, std::uint64_t groups, std::uint64_t global_batch,
+                          bool* moved = nullptr) {
+  r.tp = tp;
+  r.gpus = groups;
+  r.parallel = groups > 1 ? Parallel::kFsdp : Parallel::kNone;
+  r.fsdp = Fsdp{};
+  r.offload = Offload::kNone;
+  r.pp = 1;
+  r.pp_schedule = Recipe{}.pp_schedule;
+  r.grad_accum = global_batch / groups / r.batch;
+  const bool mixed = r.precision == Precision::kBf16Mixed || r.precision == Precision::kFp16Mixed;
+  if (mixed) r.precision = r.precision == Precision::kBf16Mixed ? Precision::kBf16True : Precision::kFp16True;
+  if (moved) *moved = mixed;
+  return r;
+}
+
 }  // namespace
 
 namespace {
@@ -418,20 +452,8 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
       throw no_split("a pipeline or tensor-parallel group over them runs it in micro-batches of " +
                      std::to_string(base.batch) + ", which do not divide it either");
     }
-    Recipe pr = base;
-    pr.gpus = 1;
-    pr.parallel = Parallel::kNone;
-    pr.fsdp = Fsdp{};
-    pr.offload = Offload::kNone;
-    pr.grad_accum = out.global_batch / base.batch;
-    Recipe tr = pr;
-    pr.pp = q.gpus;
-    pr.pp_schedule = pr.grad_accum >= pr.pp ? PipelineSchedule::k1F1B : PipelineSchedule::kGPipe;
-    tr.tp = q.gpus;
-    // Tensor parallelism is modelled without autocast: a mixed recipe moves to its -true twin, as
-    // in the single change `tp N` below.
-    if (tr.precision == Precision::kBf16Mixed) tr.precision = Precision::kBf16True;
-    if (tr.precision == Precision::kFp16Mixed) tr.precision = Precision::kFp16True;
+    const Recipe pr = as_pipeline(base, q.gpus, out.global_batch);
+    const Recipe tr = as_tensor_parallel(base, q.gpus, 1, out.global_batch);
     if (pr.grad_accum > kMaxAccum) {
       throw no_split("a pipeline or tensor-parallel group over them needs grad_accum " +
                      std::to_string(pr.grad_accum) + " at batch " + std::to_string(base.batch) + "; more than " +
@@ -590,14 +612,7 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
                     // in the planner].
                     if (pipelines && dp == parallels.front() && out.global_batch % b == 0 &&
                         out.global_batch / b <= kMaxAccum) {
-                      Recipe pr = r;
-                      pr.gpus = 1;
-                      pr.parallel = Parallel::kNone;
-                      pr.fsdp = Fsdp{};
-                      pr.offload = Offload::kNone;
-                      pr.pp = q.gpus;
-                      pr.grad_accum = out.global_batch / b;
-                      pr.pp_schedule = pr.grad_accum >= pr.pp ? PipelineSchedule::k1F1B : PipelineSchedule::kGPipe;
+                      const Recipe pr = as_pipeline(r, q.gpus, out.global_batch);
                       if (valid(pr) && pipeline_modelled(model, pr)) {
                         const std::uint64_t pfloor = plan::persistent_floor(model, pr);
                         out_space.push_back({pr, step_time(model, pr), pfloor, pfloor});
@@ -799,36 +814,18 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
     for (std::uint64_t t : tp_degrees) {
       const std::uint64_t groups = q.gpus / t;
       if (out.global_batch % (groups * base.batch) != 0) continue;
-      Recipe r = base;
-      r.tp = t;
-      r.gpus = groups;
-      r.parallel = groups > 1 ? Parallel::kFsdp : Parallel::kNone;
-      r.fsdp = Fsdp{};
-      r.offload = Offload::kNone;
-      r.pp = 1;
-      r.pp_schedule = Recipe{}.pp_schedule;
-      r.grad_accum = out.global_batch / groups / base.batch;  // a group runs its share of the global batch
+      bool moved = false;
+      const Recipe r = as_tensor_parallel(base, t, groups, out.global_batch, &moved);
       std::string what = groups > 1 ? "tp " + std::to_string(t) + " x fsdp " + std::to_string(groups)
                                     : "tp " + std::to_string(t) + " (no data parallelism)";
-      // Tensor parallelism is modelled without autocast: a mixed recipe moves to its -true twin.
-      if (r.precision == Precision::kBf16Mixed || r.precision == Precision::kFp16Mixed) {
-        r.precision = r.precision == Precision::kBf16Mixed ? Precision::kBf16True : Precision::kFp16True;
-        what += ", precision " + std::string(to_string(r.precision));
-      }
+      if (moved) what += ", precision " + std::string(to_string(r.precision));
       if (r.grad_accum <= kMaxAccum) change(what, r);
     }
   }
   // Pipeline parallelism over every GPU for a data-parallel recipe (Note [Pipeline schedule in
   // the planner] picks the schedule), where the engine models the pipeline.
   if (base.tp == 1 && base.pp == 1 && q.gpus > 1) {
-    Recipe r = base;
-    r.pp = q.gpus;
-    r.gpus = 1;
-    r.parallel = Parallel::kNone;
-    r.fsdp = Fsdp{};
-    r.offload = Offload::kNone;
-    r.grad_accum = out.global_batch / base.batch;  // every stage runs the global batch
-    r.pp_schedule = r.grad_accum >= r.pp ? PipelineSchedule::k1F1B : PipelineSchedule::kGPipe;
+    const Recipe r = as_pipeline(base, q.gpus, out.global_batch);
     if (r.grad_accum <= kMaxAccum && valid(r) && pipeline_modelled(model, r)) {
       change("pp " + std::to_string(q.gpus) + " " + std::string(to_string(r.pp_schedule)) + " (no data parallelism)", r);
     }

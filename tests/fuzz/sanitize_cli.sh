@@ -3,9 +3,9 @@
 # (every value of every knob appears, every model runs several recipes) plus the listing
 # commands and a model directory with a checkpoint. Each run must exit 0 with nothing on
 # stderr: with ASAN_OPTIONS=abort_on_error=1 and UBSAN_OPTIONS=halt_on_error=1 any sanitizer
-# report (leaks included) fails the run. `make test-sanitize` calls it with build-asan/trainmem.
+# report (leaks included) fails the run. `make test-sanitize` calls it with build-fuzz/trainmem.
 #
-#   tests/fuzz/sanitize_cli.sh build-asan/trainmem
+#   tests/fuzz/sanitize_cli.sh build-fuzz/trainmem
 set -uo pipefail
 
 BIN="${1:?usage: sanitize_cli.sh path/to/sanitized/trainmem}"
