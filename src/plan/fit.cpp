@@ -546,9 +546,8 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
     std::vector<Candidate> out_space;
     for (std::uint64_t tp : tps) {
       // A tensor-parallel group of all the GPUs is one data-parallel rank: no wrapper, the
-      // global batch; with and without sequence parallelism. Smaller groups are data-parallel
-      // under FSDP2 and run their share of it, without sequence or loss parallelism (what the
-      // engine models of TP x DP).
+      // global batch. Smaller groups are data-parallel under FSDP2 and run their share of it.
+      // Either with and without sequence and loss parallelism (docs/parallelism.md "TP × DP").
       const std::uint64_t groups = q.gpus / tp;
       if (tp > 1 && out.global_batch % groups != 0) continue;
       const std::uint64_t per_rank = tp > 1 ? out.global_batch / groups : per_gpu;
@@ -565,12 +564,11 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
       const std::vector<Parallel> tp_parallels = tp == 1 ? parallels
                                                  : groups == 1 ? std::vector<Parallel>{Parallel::kNone}
                                                                : std::vector<Parallel>{Parallel::kFsdp};
-      const bool one_group = tp > 1 && groups == 1;
-      const std::vector<bool> sps = one_group ? std::vector<bool>{false, true} : std::vector<bool>{false};
+      const std::vector<bool> sps = tp > 1 ? std::vector<bool>{false, true} : std::vector<bool>{false};
       // Loss parallelism where the model takes it (See Note [Loss parallel]); kept on when asked.
       std::vector<bool> lps{false};
-      if (one_group && base.loss_parallel) lps = {true};
-      else if (one_group && lp_modelled(model, tp)) lps = {false, true};
+      if (tp > 1 && base.loss_parallel) lps = {true};
+      else if (tp > 1 && lp_modelled(model, tp)) lps = {false, true};
       for (bool lp : lps)
       for (bool sp : sps) {
         for (std::size_t bi = 0; bi < tp_batches.size(); ++bi) {
