@@ -75,9 +75,6 @@ void StepBuilder::wrap_data_parallel() {
   bool in_layers_done = false;
   const auto& groups = m_.parameters;
   auto is_layer = [](const ParameterGroup& g) { return g.name.find(".N.") != std::string::npos; };
-  auto ends_with = [](const std::string& s, std::string_view tail) {
-    return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
-  };
   // The SequenceParallel norms' weights get Partial gradients (See Note [Partial gradients under FSDP2]).
   auto partial = [&](const std::string& name) {
     return r_.sequence_parallel && (ends_with(name, ".input_layernorm.weight") ||

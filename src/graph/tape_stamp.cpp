@@ -99,20 +99,17 @@ bool Tape::capture(const TapeMark& m, const std::vector<TensorId>& outside_stora
   }
   span.value_bytes.assign(value_bytes_.begin() + v0, value_bytes_.end());
   bool ok = true;
-  auto storage = [&](TensorId id) -> TensorId {
+  // An id relative to the span [lo, hi), or the slot of an older one (not a slot: the capture fails).
+  auto relative = [&](std::uint32_t id, std::uint32_t lo, std::uint32_t hi,
+                      const std::vector<std::uint32_t>& outside) -> std::uint32_t {
     if (id == kNone) return kNone;
-    if (id >= s0 && id < s1) return id - s0;
-    const std::uint32_t k = id < s0 ? slot_in(outside_storages, id) : kNone;
+    if (id >= lo && id < hi) return id - lo;
+    const std::uint32_t k = id < lo ? slot_in(outside, id) : kNone;
     if (k == kNone) ok = false;
     return TapeSpan::kOutside | k;
   };
-  auto value = [&](ValueId v) -> ValueId {
-    if (v == kNone) return kNone;
-    if (v >= v0 && v < v1) return v - v0;
-    const std::uint32_t k = v < v0 ? slot_in(outside_values, v) : kNone;
-    if (k == kNone) ok = false;
-    return TapeSpan::kOutside | k;
-  };
+  auto storage = [&](TensorId id) -> TensorId { return relative(id, s0, s1, outside_storages); };
+  auto value = [&](ValueId v) -> ValueId { return relative(v, v0, v1, outside_values); };
   span.nodes.clear();
   span.nodes.reserve(nodes_.size() - m.nodes);
   for (std::size_t i = m.nodes; i < nodes_.size() && ok; ++i) {
