@@ -1,6 +1,10 @@
 """Pipeline-parallel measurements: torch.distributed.pipelining on gloo CPU ranks.
 
-`recipe.pp` = N > 1 starts N processes (parallel.launch); rank r is pipeline stage r. Every rank
+`recipe.pp` = N > 1 starts N processes (parallel.launch); rank r is pipeline stage r. With
+`gpus` D > 1 and `parallel` ddp (PP x DP) it starts N x D: a 2-D DeviceMesh (pp, dp), pp outermost
+as torchtitan's, so rank r is stage r // D, and each stage module is wrapped by
+DistributedDataParallel over its dp group (`_data_parallel`; torch's PipelineStage runs it under
+no_sync but for the step's last backward: docs/parallelism.md "PP x DP with DDP"). Every rank
 builds the whole model with the same seed (the same weights), keeps its own stage and drops the
 rest before tracking (`make_stage`), and runs the schedule under its own tracker (`run_steps`).
 
