@@ -397,6 +397,24 @@ def test_pp_with_ddp_is_pp_times_gpus_ranks():
     assert Recipe.from_dict(d) == r
 
 
+def test_pp_with_ddp_world_size_4(tiny_llama):
+    """PP x DP: 2 stages x 2 DDP replicas (rank = stage x 2 + dp rank). A stage's replicas hold the
+    same memory, and each holds the Reducer's buckets beside its .grads."""
+    r = Recipe(batch=1, seq=8, grad_accum=2, precision="fp32", optimizer="sgd", pp=2, gpus=2, parallel="ddp")
+    out = measure(str(tiny_llama), r)
+    info = out["diagnostics"]["parallel"]
+    assert info["world_size"] == 4 and len(info["ranks"]) == 4 and not info["ranks_identical"]
+    ranks = info["ranks"]
+    for a, b in ((0, 1), (2, 3)):
+        assert ranks[a]["peak_allocated_bytes"] == ranks[b]["peak_allocated_bytes"]
+        assert ranks[a]["breakdown_at_peak"] == ranks[b]["breakdown_at_peak"]
+    alone = measure(str(tiny_llama), Recipe(batch=1, seq=8, grad_accum=2, precision="fp32", optimizer="sgd", pp=2))
+    for x in ranks:  # the buckets: about one more copy of the stage's gradients (the peaks' moments differ)
+        g = alone["diagnostics"]["parallel"]["ranks"][x["rank"] // 2]["breakdown_at_peak"]["gradients"]
+        assert 1.9 * g < x["breakdown_at_peak"]["gradients"] <= 2 * g
+    assert "--gpus 2 --parallel ddp --pp 2" in out["command"]
+
+
 def test_pp_split_gives_earlier_stages_the_remainder():
     from trainmem.measure.pipeline import split_layers
 
