@@ -157,6 +157,23 @@ TEST(Pipeline, DdpReplicasAddTheReducersBuckets) {
   EXPECT_NE(error_of([&] { estimate(m, r, o4); }).find("not one of the 4 ranks"), std::string::npos);
 }
 
+TEST(Pipeline, DdpAllReducesOncePerStepOnTheStagesShare) {
+  // The planner's time: under a pipeline DDP all-reduces in the step's last backward only, each
+  // stage its own share of the gradients (See Note [Pipeline with DDP]), whatever grad_accum is.
+  const Model m = llama_w512();
+  const double bw = find_gpu("h100-80gb").interconnect_gbps * 1e9;
+  const double grads = static_cast<double>(m.parameter_count) * 4;  // fp32
+  for (std::uint64_t micro : {4u, 8u}) {
+    Recipe r = pp_recipe(2, micro);
+    r.gpu = "h100-80gb";
+    const double alone = step_time(m, r).comm_s;  // the P2P sends only
+    r.gpus = 4;
+    r.parallel = Parallel::kDdp;
+    const double all_reduce_s = 2 * 3.0 / 4 * grads / 2 / bw;
+    EXPECT_NEAR(step_time(m, r).comm_s - alone, all_reduce_s, all_reduce_s * 1e-12) << micro;
+  }
+}
+
 TEST(Pipeline, RefusesWhatIsNotModelled) {
   Recipe r = pp_recipe(2, 4);
   r.grad_accum = 1;
