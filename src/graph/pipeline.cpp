@@ -91,7 +91,7 @@ namespace trainmem::graph {
 //    divided by D).
 // The replicas of a stage run the same ops on the same sizes (each draws its own batch): the
 // stage's data-parallel rank 0 stands for all of them (Note [The worst rank] in estimate.cpp).
-// Measured on pp2 x dp2 gloo ranks (data/ground_truth/parallel/cpu-pp2dp2-*).
+// Measured on pp2 x dp2 and pp3 x dp2 gloo ranks (data/ground_truth/parallel/cpu-pp2dp2-*, cpu-pp3dp2-*).
 
 StageLayers pipeline_stage_layers(std::uint64_t num_layers, std::uint64_t stages, std::uint64_t stage) {
   const std::uint64_t base = num_layers / stages, extra = num_layers % stages;
