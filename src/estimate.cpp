@@ -48,14 +48,17 @@ Estimate run(const Model& model, const Recipe& resolved, const Gpu& gpu, const E
 //    allocates the same, so rank 0 stands for all (its three measurements: ranks identical).
 //  * Pipeline stages hold different layers, the first the embedding and the last the head and the
 //    loss, and 1F1B keeps a different number of micro-batches in flight on each (Note [Pipeline
-//    parallelism] in graph/pipeline.cpp): every stage is replayed, the stage being the rank.
+//    parallelism] in graph/pipeline.cpp): every stage is replayed, the stage being the rank. Under
+//    PP x DP (rank = stage x gpus + dp rank) a stage's DDP replicas allocate the same (Note
+//    [Pipeline with DDP]): each stage's data-parallel rank 0 stands for its replicas.
 // The worst rank is the one with the most reserved bytes at its peak (what must fit), then the most
 // allocated bytes, then the lowest rank.
 bool ranks_differ(const Recipe& r) {
   return r.pp > 1 || (r.gpus > 1 && is_zero(r.parallel) && r.parallel != Parallel::kZero3);
 }
 
-// Ranks of the estimate: data-parallel ranks, or pipeline stages (one per GPU).
+// Ranks of the estimate: data-parallel ranks, or pipeline stages (one per GPU) times their
+// data-parallel replicas.
 std::uint64_t rank_count(const Recipe& r) { return r.gpus * r.pp; }
 
 bool worse(const Estimate& a, const Estimate& b) {
@@ -82,7 +85,9 @@ Estimate run_ranks(const Model& model, const Recipe& resolved, const Gpu& gpu, c
   std::vector<RankPeak> peaks;
   std::uint64_t events = 0;
   Estimate best;
-  for (std::uint64_t rank = first; rank <= last; ++rank) {
+  // See Note [The worst rank]: a stage's replicas are the same, so each stage is replayed once.
+  const std::uint64_t stride = resolved.pp > 1 ? resolved.gpus : 1;
+  for (std::uint64_t rank = first; rank <= last; rank += stride) {
     Estimate est = run(model, resolved, gpu, probe, rank);
     peaks.push_back({rank, est.peak_allocated_bytes, est.peak_reserved_bytes});
     events += est.events;

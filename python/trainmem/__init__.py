@@ -82,7 +82,7 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     "mode": "training",
     "new_tokens": 128,
     "beams": 1,
-    "gpus": 1,  # data-parallel ranks; more than 1 needs parallel
+    "gpus": 1,  # data-parallel ranks (with pp > 1: each stage's replicas); more than 1 needs parallel
     "parallel": "none",  # none | ddp | fsdp | zero1 | zero2 | zero3 (docs/parallelism.md)
     "tp": 1,  # tensor-parallel degree (docs/parallelism.md "Tensor parallelism")
     "sequence_parallel": False,  # with tp > 1: SequenceParallel on the norms ("Sequence parallelism")
@@ -146,7 +146,8 @@ def _spelling(knobs: dict[str, Any]):
 def estimate(model: str, *, timeline: bool = False, rank: int | None = None, **recipe: Any) -> Estimate:
     """Peak memory of one training step. Recipe knobs are keyword arguments with the names and
     defaults of RECIPE_DEFAULTS (the CLI's flags). With gpus > 1 the figures are the worst rank's,
-    or rank `rank`'s (0 .. gpus - 1). Raises ValueError on bad input."""
+    or rank `rank`'s (0 .. gpus - 1; with pp > 1, 0 .. gpus x pp - 1, rank = stage x gpus + dp
+    rank). Raises ValueError on bad input."""
     from . import _core
 
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):

@@ -110,7 +110,8 @@ struct RecipeFlags {
     options.emplace_back("mode", inf);
     opt("new_tokens", "--new-tokens", new_tokens, "Inference: tokens generated after the prompt of --seq tokens");
     opt("beams", "--beams", beams, "Inference: beam-search width (1: greedy)");
-    opt("gpus", "--gpus", gpus, "Data-parallel GPUs (ranks); more than 1 needs --parallel");
+    opt("gpus", "--gpus", gpus,
+        "Data-parallel GPUs (ranks); more than 1 needs --parallel (with --tp or --pp: the data-parallel degree)");
     opt("parallel", "--parallel", parallel,
         "none | ddp (DistributedDataParallel) | fsdp (FSDP2 per decoder layer) | zero1 | zero2 | zero3 (DeepSpeed ZeRO)");
     opt("parallel", "--zero", zero, "DeepSpeed ZeRO stage 1 | 2 | 3: --zero N is --parallel zeroN");
@@ -126,7 +127,7 @@ struct RecipeFlags {
     opt("cp", "--cp", cp, "Context-parallel degree (torch context_parallel, ring attention; unmeasured); 1: none");
     opt("pp", "--pp", pp,
         "Pipeline-parallel degree (torch.distributed.pipelining, one stage per GPU; --grad-accum is the number of "
-        "micro-batches); 1: none");
+        "micro-batches; with --gpus D --parallel ddp: D replicas of each stage, pp x D GPUs); 1: none");
     opt("pp_schedule", "--pp-schedule", pp_schedule, "With --pp: 1f1b (Schedule1F1B) | gpipe (ScheduleGPipe)");
     opt("fsdp_reshard_after_forward", "--fsdp-reshard-after-forward", fsdp_reshard_after_forward,
         "With --parallel fsdp: true | false (the decoder layers stay gathered from forward to backward: SHARD_GRAD_OP)");
@@ -303,7 +304,8 @@ std::string compare(const std::string& path, bool as_json) {
   // A tensor-parallel run has gpus x tp processes; the ranks of a tensor-parallel group hold the
   // same memory (Note [Tensor parallelism] in graph/tensor_parallel.h), so a process is replayed as
   // its data-parallel rank, process / tp.
-  // A pipeline run has pp processes, one per stage: a process is replayed as its stage.
+  // A pipeline run has pp processes, one per stage: a process is replayed as its stage; under PP x
+  // DP, gpus x pp processes, process stage x gpus + dp rank, replayed as that rank.
   const std::uint64_t world = r.gpus * r.tp * r.pp;
   auto rank_options = [&](const nlohmann::json& v) {
     if (!v.is_number_unsigned() || v.get<std::uint64_t>() >= world) {
@@ -406,7 +408,8 @@ int main(int argc, char** argv) {
   est->add_flag("--timeline", timeline, "Include an allocated/reserved timeline in --json");
   est->add_option("--trace", trace_path, "Write every simulated alloc/free event to FILE as JSON lines");
   est->add_option("--rank", rank,
-                  "With --gpus N: the rank to report, 0..N-1, or 'worst' (the rank that needs the most memory)")
+                  "With --gpus N: the rank to report, 0..N-1 (with --pp P: 0..N x P - 1, stage x N + dp rank), or "
+                  "'worst' (the rank that needs the most memory)")
       ->capture_default_str();
 
   auto* fitc = app.add_subcommand(
@@ -473,8 +476,10 @@ int main(int argc, char** argv) {
         const std::uint64_t ranks = r.gpus * r.pp;
         if (n >= ranks) {
           throw Error("rank: " + rank + " is not one of the " + std::to_string(ranks) + " ranks (0.." +
-                      std::to_string(ranks - 1) + ") of " + (r.pp > 1 ? "--pp " : "--gpus ") +
-                      std::to_string(r.pp > 1 ? r.pp : r.gpus));
+                      std::to_string(ranks - 1) + ") of " +
+                      (r.pp > 1 && r.gpus > 1 ? "--pp " + std::to_string(r.pp) + " x --gpus " + std::to_string(r.gpus)
+                       : r.pp > 1             ? "--pp " + std::to_string(r.pp)
+                                              : "--gpus " + std::to_string(r.gpus)));
         }
         opt.rank = static_cast<std::int64_t>(n);
       }

@@ -120,6 +120,7 @@ DataParallel::DataParallel(Tape& tape, const Recipe& recipe, bool cuda, std::uin
   // offload_optimizer (zero_offload.cpp, zero3_offload.cpp) and ZeRO-3's offload_param.
   offload_ = recipe.offload == Offload::kOptimizer || recipe.offload == Offload::kBoth;
   offload_params_ = recipe.offload == Offload::kParams || recipe.offload == Offload::kBoth;
+  forward_no_sync_ = recipe.pp > 1;  // See Note [Pipeline with DDP] in pipeline.cpp
   if (kind_ != Parallel::kFsdp) return;
   // See Note [FSDP2 variants].
   const Fsdp& f = recipe.fsdp;
@@ -159,7 +160,10 @@ void DataParallel::wrap(std::vector<WrappedParam>& params, const std::vector<std
   if (kind_ == Parallel::kDdp) {  // See Note [DDP buckets]
     t_.at(Phase::kSetup, kNoLayer, "ddp.reducer");
     std::uint64_t bytes = 0;
-    for (const WrappedParam& p : params) bytes = detail::add(bytes, p.numel * dtype_bytes(p.dtype), "bucket bytes");
+    for (const WrappedParam& p : params) {
+      if (p.storage == kNone) continue;  // another pipeline stage's parameter
+      bytes = detail::add(bytes, p.numel * dtype_bytes(p.dtype), "bucket bytes");
+    }
     buckets_.push_back(t_.alloc_bytes(bytes, Category::kGradients));
     return;
   }
@@ -197,7 +201,10 @@ void DataParallel::pre_forward() {
   if (zero3()) return zero3_reset_step();
   if (kind_ == Parallel::kDdp) {
     if (backward_seen_ && !rebuilt_) rebuild_buckets();
-    if (buffers_.empty()) return;
+    if (buffers_.empty() || !forward_param_sync_) return;
+    // require_forward_param_sync: a forward under no_sync clears it (_post_forward), so a
+    // pipeline's stage broadcasts its buffers in the run's first forward only.
+    if (forward_no_sync_) forward_param_sync_ = false;
     t_.at(Phase::kForward, kNoLayer, "ddp.broadcast_buffers");
     std::vector<std::pair<DType, std::uint64_t>> flat;  // one flattened tensor per dtype
     for (const auto& buffer : buffers_) {
@@ -364,6 +371,7 @@ void DataParallel::rebuild_buckets() {
   }
   std::uint64_t limit = kFirstBucketBytes, bytes = 0;
   for (std::uint32_t pi : order) {
+    if (params_[pi].storage == kNone) continue;  // another pipeline stage's parameter
     bytes += params_[pi].numel * dtype_bytes(params_[pi].dtype);
     if (bytes >= limit) {
       buckets_.push_back(t_.alloc_bytes(bytes, Category::kGradients));

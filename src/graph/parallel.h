@@ -142,6 +142,8 @@ class DataParallel {
   std::vector<std::uint32_t> ready_order_;  // parameter indices, first backward
   std::vector<std::uint32_t> param_of_slot_;
   bool backward_seen_ = false, rebuilt_ = false;
+  bool forward_no_sync_ = false;     // a pipeline stage: every forward runs under no_sync
+  bool forward_param_sync_ = true;   // require_forward_param_sync: broadcast the buffers
   // FSDP2
   std::vector<Unit> units_;  // decoder layers, then the root
   std::uint64_t shard_world_ = 1;       // ranks of a shard group: gpus / fsdp_replicate

@@ -65,10 +65,33 @@ namespace trainmem::graph {
 //    stays fp32; the last stage's logits are bf16 (lm_head under autocast). torchtitan has no
 //    autocast with pipelining (it refuses mixed precision with PP unless FSDP does it):
 //    torchtitan/distributed/utils.py maybe_enable_amp.
-// Not modelled (refused): pipeline with data or tensor parallelism, interleaved and zero-bubble
+// Not modelled (refused): pipeline with tensor parallelism or FSDP2 / ZeRO, interleaved and zero-bubble
 // schedules (several stages per rank), fp16-mixed (a GradScaler inside loss_fn), LoRA and
 // quantized bases, flash attention, tied embeddings, other families, inference. On CUDA the P2P
 // sends run on NCCL's streams (record_stream): unmeasured.
+
+// Note [Pipeline with DDP]
+// PP x DP with DDP (--pp P --gpus D --parallel ddp: P x D ranks, rank = stage x D + dp rank, a 2-D
+// mesh (pp, dp) as torchtitan's, pp outermost): each stage module is wrapped by
+// DistributedDataParallel over its stage's D replicas (PyTorch's defaults, as on one stage: Note
+// [DDP buckets] in parallel.cpp) and the PipelineStage drives it (torch 2.13,
+// torch/distributed/pipelining/stage.py):
+//  * forward_maybe_with_nosync runs every forward under DDP's no_sync(): _post_forward then clears
+//    require_forward_param_sync, so the buffers are broadcast in the run's first forward only,
+//    and no forward calls prepare_for_backward;
+//  * backward_maybe_with_nosync runs every backward under no_sync but the step's last one
+//    (last_backward: the schedule's micro-batch M - 1), which calls reducer.prepare_for_backward
+//    on the stage's output by hand: only that backward's AccumulateGrad hooks reach the Reducer,
+//    which copies the accumulated .grads (divided by D) into its buckets, all-reduces them and
+//    copies them back, all in place. The gradients of the earlier micro-batches accumulate in .grad
+//    as on one stage;
+//  * that backward also records the gradients' order, so the buckets are rebuilt in the next
+//    forward (the second step's first), as on one GPU;
+//  * perform_reduce_grad then only scales the gradients by 1 / M (scale_grads: DDP has already
+//    divided by D).
+// The replicas of a stage run the same ops on the same sizes (each draws its own batch): the
+// stage's data-parallel rank 0 stands for all of them (Note [The worst rank] in estimate.cpp).
+// Measured on pp2 x dp2 and pp3 x dp2 gloo ranks (data/ground_truth/parallel/cpu-pp2dp2-*, cpu-pp3dp2-*).
 
 StageLayers pipeline_stage_layers(std::uint64_t num_layers, std::uint64_t stages, std::uint64_t stage) {
   const std::uint64_t base = num_layers / stages, extra = num_layers % stages;
@@ -152,6 +175,7 @@ void StepBuilder::pp_forward(std::uint64_t k, PipelineMicro& mb) {
   phase_ = Phase::kForward;
   layer_ = kNoLayer;
   t_.micro = static_cast<std::uint32_t>(k + 1);
+  dp_.pre_forward();  // DDP's forward, under no_sync (See Note [Pipeline with DDP])
   T hs;
   if (first) {
     op("embed_tokens");
@@ -277,6 +301,9 @@ Trace StepBuilder::build_pipeline() {
           grad_sends.clear();
         }
         if (sent != kNone) grad_sends.push_back(sent);
+        // DDP: the last backward synchronized; the buckets are rebuilt in the next forward
+        // (See Note [Pipeline with DDP]).
+        if (act.micro + 1 == M) dp_.backward_end();
         ++backwards;
         // 1F1B: after the steady phase's last backward, send_work is rebound to that backward's sends.
         if (!gpipe && forwards == M && backwards == M - warmup + 1 && warm_send.id != kNone) t_.drop(warm_send);

@@ -469,7 +469,7 @@ class StepBuilder {
   const MicroBatchHook& hook_;
   Policy pol_;
   DType quant_dtype_;  // a 4-bit base: the load and compute dtype of its matmuls (Note [QLoRA])
-  std::uint64_t rank_ = 0;  // the data-parallel rank built (graph/parallel.h)
+  std::uint64_t rank_ = 0;  // the data-parallel rank built (graph/parallel.h); under pp the stage
   Attention attention_;
   bool cuda_ = true;
   std::uint64_t B_ = 0, S_ = 0, tok_ = 0;
@@ -479,7 +479,8 @@ class StepBuilder {
   std::uint64_t sp_ = 1, res_tok_ = 0;
   bool dtensor_ = false;
   Tape t_;
-  // A pipeline stage (rank_ is the stage) has no data-parallel rank but 0.
+  // A pipeline stage (rank_ is the stage) is built as its data-parallel rank 0: DDP's replicas of a
+  // stage hold the same memory (See Note [Pipeline with DDP] in pipeline.cpp).
   DataParallel dp_{t_, r_, r_.gpu != "cpu", r_.pp > 1 ? 0 : rank_};  // DDP / FSDP2 (graph/parallel.h); nothing without
   std::vector<Param> params_;
   std::vector<std::pair<std::string, std::uint32_t>> globals_;

@@ -195,7 +195,11 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
     const double params = c.trainable_elements * pb;
     double moved = 0;  // bytes through each GPU's link per optimizer step
     switch (recipe.parallel) {
-      case Parallel::kDdp: moved = 2 * ring * grads * micro; break;
+      // Under a pipeline each stage all-reduces its own share of the gradients once, in the step's
+      // last backward (See Note [Pipeline with DDP] in graph/pipeline.cpp).
+      case Parallel::kDdp:
+        moved = recipe.pp > 1 ? 2 * ring * grads / static_cast<double>(recipe.pp) : 2 * ring * grads * micro;
+        break;
       case Parallel::kFsdp: {
         // All-gathers of the (param_dtype) parameters, two per micro-batch or one with
         // reshard_after_forward false, and the reduce-scatter of the (reduce_dtype) gradients, over

@@ -177,11 +177,12 @@ void validate_tensor_parallel(const Recipe& r) {
 // embeddings, at least one layer per stage) is checked with the model (graph/pipeline.cpp).
 void validate_pipeline_parallel(const Recipe& r) {
   const std::string pp = "pp: " + std::to_string(r.pp);
-  if (r.parallel != Parallel::kNone || r.gpus != 1 || r.tp != 1) {
-    throw Error(pp + " with gpus " + std::to_string(r.gpus) + " / parallel " + std::string(to_string(r.parallel)) +
-                " / tp " + std::to_string(r.tp) +
-                ": pipeline parallelism combined with data or tensor parallelism is not modelled yet; use gpus 1, "
-                "parallel none and tp 1");
+  // PP x DP: --gpus is the data-parallel degree (as under --tp), DDP over each stage's replicas
+  // (See Note [Pipeline with DDP] in graph/pipeline.cpp).
+  if ((r.parallel != Parallel::kNone && r.parallel != Parallel::kDdp) || r.tp != 1) {
+    throw Error(pp + " with parallel " + std::string(to_string(r.parallel)) + " / tp " + std::to_string(r.tp) +
+                ": pipeline parallelism combined with tensor parallelism or a data-parallel wrapper other than DDP "
+                "is not modelled yet; use tp 1 and parallel none or ddp");
   }
   if (r.mode == Mode::kInference) throw Error(pp + " is a training knob; inference runs on one GPU");
   if (r.lora.enabled() || r.quant.any()) throw Error(pp + " with LoRA or a quantized base is not modelled");

@@ -117,7 +117,10 @@ std::string recipe_words(const Recipe& r) {
       dp = (r.parallel != Parallel::kNone ? dp + "+" : std::string()) + "tp" + std::to_string(r.tp) +
            (r.sequence_parallel ? "+sp" : "") + (r.loss_parallel ? "+lp" : "");
     }
-    if (r.pp > 1) dp = "pp" + std::to_string(r.pp) + (r.pp_schedule == PipelineSchedule::kGPipe ? "+gpipe" : "");
+    if (r.pp > 1) {
+      dp = "pp" + std::to_string(r.pp) + (r.pp_schedule == PipelineSchedule::kGPipe ? "+gpipe" : "") +
+           (r.parallel != Parallel::kNone ? "+" + dp : std::string());  // PP x DP: pp2+ddp
+    }
     if (r.cp > 1) dp = "cp" + std::to_string(r.cp);
     char col[32];
     std::snprintf(col, sizeof col, " %-13s", dp.c_str());
@@ -411,7 +414,7 @@ std::string to_text(const Estimate& e) {
     add("8-bit weights: LLM.int8, threshold 6.0 (bitsandbytes), the rest %s\n",
         std::string(to_string(r.precision)).c_str());
   }
-  if (r.parallel != Parallel::kNone) {
+  if (r.parallel != Parallel::kNone && r.pp == 1) {  // PP x DP: the pipeline line below says it
     // TP x DP: `gpus` is the data-parallel degree, each rank a tensor-parallel group of `tp` GPUs.
     const std::string tp = r.tp > 1 ? " x tensor parallel " + std::to_string(r.tp) + " (" +
                                           std::to_string(r.gpus * r.tp) + " GPUs)"
@@ -420,11 +423,19 @@ std::string to_text(const Estimate& e) {
         std::string(to_string(r.parallel)).c_str(), static_cast<unsigned long long>(r.gpus), tp.c_str(),
         static_cast<unsigned long long>(e.rank), rank_words(e).c_str());
   }
-  if (r.pp > 1) {
+  if (r.pp > 1 && r.parallel == Parallel::kNone) {
     add("pipeline parallel: %s over %llu stages (one per GPU), %llu micro-batches; the figures below are one GPU's, "
         "stage %llu%s\n",
         std::string(to_string(r.pp_schedule)).c_str(), static_cast<unsigned long long>(r.pp),
         static_cast<unsigned long long>(r.grad_accum), static_cast<unsigned long long>(e.rank), rank_words(e).c_str());
+  } else if (r.pp > 1) {  // PP x DP: rank = stage x gpus + data-parallel rank (Note [Pipeline with DDP])
+    add("pipeline parallel: %s over %llu stages x data parallel %s over %llu replicas (%llu GPUs), %llu "
+        "micro-batches; the figures below are one GPU's, rank %llu (stage %llu)%s\n",
+        std::string(to_string(r.pp_schedule)).c_str(), static_cast<unsigned long long>(r.pp),
+        std::string(to_string(r.parallel)).c_str(), static_cast<unsigned long long>(r.gpus),
+        static_cast<unsigned long long>(r.pp * r.gpus), static_cast<unsigned long long>(r.grad_accum),
+        static_cast<unsigned long long>(e.rank), static_cast<unsigned long long>(e.rank / r.gpus),
+        rank_words(e).c_str());
   }
   if (r.offload != Offload::kNone) {
     add("cpu offload: %s (DeepSpeed offload_optimizer / offload_param, pinned); host memory of this rank %s: %s pinned (%s "

@@ -144,11 +144,13 @@ def test_pipeline_entries_exact(comparisons):
     assert any(r["attention"] == "eager" for r in recipes)
     assert {"bf16-mixed", "bf16-master"} <= {r["precision"] for r in recipes}
     assert any("qwen2" in c["model"] for _, c in pp) and any("qwen3" in c["model"] for _, c in pp)
+    # Issue 4: PP x DP, each stage wrapped by DDP over its replicas (Note [Pipeline with DDP]).
+    assert any(r.get("parallel") == "ddp" and r.get("gpus", 1) > 1 for r in recipes)
     for name, c in pp:
         assert c["measured_peak_allocated_bytes"] == c["predicted_peak_allocated_bytes"], name
         for cat, v in c["categories"].items():
             assert v["measured"] == v["predicted"], (name, cat, v)
-        assert len(c["ranks"]) == c["recipe"]["pp"], name
+        assert len(c["ranks"]) == c["recipe"]["pp"] * c["recipe"].get("gpus", 1), name  # PP x DP: every rank
         for r in c["ranks"]:
             assert r["measured_peak_allocated_bytes"] == r["predicted_peak_allocated_bytes"], (name, r["rank"])
             assert r["measured_breakdown_at_peak"] == r["predicted_breakdown_at_peak"], (name, r["rank"])

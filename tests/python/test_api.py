@@ -146,6 +146,17 @@ def test_pipeline_keywords(trainmem_bin):
         trainmem.estimate("mistral-7b-v0.3", pp=True)
     with pytest.raises(ValueError, match="ties lm_head to the embedding"):
         trainmem.estimate("llama-3.2-1b", precision="fp32", grad_accum=2, pp=2)
+    # PP x DP: gpus is the data-parallel degree; the ranks are stage x gpus + dp rank, each stage
+    # replayed once; the same object as the CLI's.
+    dp = trainmem.estimate("mistral-7b-v0.3", **kw, gpus=2, parallel="ddp")
+    cli = json.loads(subprocess.run([trainmem_bin, "estimate", "mistral-7b-v0.3", "--seq", "256", "--precision",
+                                     "bf16-true", "--optimizer", "sgd", "--grad-accum", "4", "--pp", "2", "--gpus", "2",
+                                     "--parallel", "ddp", "--json"], capture_output=True, text=True, check=True).stdout)
+    assert dp.to_dict() == cli
+    assert [r["rank"] for r in dp.ranks] == [0, 2] and dp.peak_allocated_bytes > est.peak_allocated_bytes
+    assert trainmem.estimate("mistral-7b-v0.3", **kw, gpus=2, parallel="ddp", rank=3).rank == 3
+    with pytest.raises(ValueError, match="other than DDP is not modelled"):
+        trainmem.estimate("mistral-7b-v0.3", **kw, gpus=2, parallel="fsdp")
 
 
 def test_fsdp_variant_keywords(trainmem_bin):

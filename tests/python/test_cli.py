@@ -156,6 +156,23 @@ def test_pipeline_estimate_is_the_worst_stage_and_keeps_its_recipe(run):
     assert gpipe["ranks"][0]["peak_allocated_bytes"] > stage0["peak_allocated_bytes"]  # all 4 in flight
 
 
+def test_pipeline_with_ddp_replays_each_stage_once(run):
+    # --pp 2 --gpus 2 --parallel ddp: four GPUs, rank = stage x 2 + dp rank (Note [Pipeline with DDP]).
+    # Each stage is replayed once (its dp rank 0), and it holds the Reducer's buckets besides its
+    # .grads: one more stage's worth of gradient bytes at a backward peak.
+    base = ["estimate", "mistral-7b-v0.3", "--seq", "1024", "--precision", "bf16-true", "--optimizer", "sgd",
+            "--grad-accum", "4", "--pp", "2"]
+    alone = json.loads(run(*base, "--json").stdout)
+    dp = json.loads(run(*base, "--gpus", "2", "--parallel", "ddp", "--json").stdout)
+    assert (dp["recipe"]["pp"], dp["recipe"]["gpus"], dp["recipe"]["parallel"]) == (2, 2, "ddp")
+    assert [r["rank"] for r in dp["ranks"]] == [0, 2]
+    assert dp["peak_allocated_bytes"] > alone["peak_allocated_bytes"]
+    three = json.loads(run(*base, "--gpus", "2", "--parallel", "ddp", "--rank", "3", "--json").stdout)
+    assert three["rank"] == 3 and three["peak_allocated_bytes"] == dp["ranks"][1]["peak_allocated_bytes"]
+    text = run(*base, "--gpus", "2", "--parallel", "ddp", "--rank", "3").stdout
+    assert "2 stages x data parallel ddp over 2 replicas (4 GPUs)" in text and "rank 3 (stage 1)" in text
+
+
 @pytest.mark.parametrize("args, message", [
     (["estimate", "qwen3-4", "--json"], "unknown model 'qwen3-4'; did you mean: qwen3-4b"),
     (["estimate", "qwen3-4b", "--batch", "0"], "batch: must be between 1 and"),
@@ -218,7 +235,10 @@ def test_pipeline_estimate_is_the_worst_stage_and_keeps_its_recipe(run):
     (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--precision", "fp16-mixed"],
      "pp: 2 with precision fp16-mixed is not modelled"),
     (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--precision", "fp32", "--gpus", "2",
-      "--parallel", "ddp"], "pipeline parallelism combined with data or tensor parallelism"),
+      "--parallel", "fsdp"], "pipeline parallelism combined with tensor parallelism or a data-parallel wrapper other "
+                             "than DDP"),
+    (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--precision", "fp32", "--tp", "2"],
+     "pp: 2 with parallel none / tp 2"),
     (["estimate", "mistral-7b-v0.3", "--pp-schedule", "gpipe"], "pp_schedule: a pipeline knob"),
     (["estimate", "mistral-7b-v0.3", "--pp", "2", "--pp-schedule", "zb"], "pp_schedule: unknown value 'zb'"),
     (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--precision", "fp32", "--rank", "2"],

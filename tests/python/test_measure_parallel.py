@@ -363,8 +363,8 @@ def test_zero3_world_size_2(tiny_gpt2):
 
 @pytest.mark.parametrize("knobs,message", [
     ({"pp": 0}, "pp must be an integer between 1 (no pipeline parallelism) and 64, got 0"),
-    ({"pp": 2, "grad_accum": 2, "gpus": 2, "parallel": "ddp"}, "combined with data or tensor parallelism"),
-    ({"pp": 2, "grad_accum": 2, "tp": 2, "precision": "fp32"}, "combined with data or tensor parallelism"),
+    ({"pp": 2, "grad_accum": 2, "gpus": 2, "parallel": "fsdp"}, "a data-parallel wrapper other than DDP"),
+    ({"pp": 2, "grad_accum": 2, "tp": 2, "precision": "fp32"}, "combined with tensor parallelism"),
     ({"pp": 2, "grad_accum": 1, "precision": "fp32"}, "needs grad_accum (the schedule's n_microbatches) >= pp"),
     ({"pp": 2, "grad_accum": 2, "precision": "fp16-mixed"}, "GradScaler inside the schedule's loss_fn"),
     ({"pp": 2, "grad_accum": 2, "precision": "fp32", "lora_rank": 8}, "LoRA or a quantized base"),
@@ -386,6 +386,33 @@ def test_pp_recipe_json_and_command():
     assert "pp" not in Recipe(precision="fp32").as_dict() and "pp_schedule" not in Recipe(precision="fp32").as_dict()
     cmd = default_command(resolve_model("gpt2"), r, device="cpu", fake=False)
     assert "--pp 2" in cmd and "--pp-schedule gpipe" in cmd
+
+
+def test_pp_with_ddp_is_pp_times_gpus_ranks():
+    """PP x DP: gpus is the data-parallel degree (each stage's DDP replicas), as under tp."""
+    r = Recipe(batch=1, seq=8, grad_accum=2, precision="fp32", pp=2, gpus=2, parallel="ddp")
+    assert r.is_pp and r.world_size == 4
+    d = r.as_dict()
+    assert (d["pp"], d["gpus"], d["parallel"]) == (2, 2, "ddp")
+    assert Recipe.from_dict(d) == r
+
+
+def test_pp_with_ddp_world_size_4(tiny_llama):
+    """PP x DP: 2 stages x 2 DDP replicas (rank = stage x 2 + dp rank). A stage's replicas hold the
+    same memory, and each holds the Reducer's buckets beside its .grads."""
+    r = Recipe(batch=1, seq=8, grad_accum=2, precision="fp32", optimizer="sgd", pp=2, gpus=2, parallel="ddp")
+    out = measure(str(tiny_llama), r)
+    info = out["diagnostics"]["parallel"]
+    assert info["world_size"] == 4 and len(info["ranks"]) == 4 and not info["ranks_identical"]
+    ranks = info["ranks"]
+    for a, b in ((0, 1), (2, 3)):
+        assert ranks[a]["peak_allocated_bytes"] == ranks[b]["peak_allocated_bytes"]
+        assert ranks[a]["breakdown_at_peak"] == ranks[b]["breakdown_at_peak"]
+    alone = measure(str(tiny_llama), Recipe(batch=1, seq=8, grad_accum=2, precision="fp32", optimizer="sgd", pp=2))
+    for x in ranks:  # the buckets: about one more copy of the stage's gradients (the peaks' moments differ)
+        g = alone["diagnostics"]["parallel"]["ranks"][x["rank"] // 2]["breakdown_at_peak"]["gradients"]
+        assert 1.9 * g < x["breakdown_at_peak"]["gradients"] <= 2 * g
+    assert "--gpus 2 --parallel ddp --pp 2" in out["command"]
 
 
 def test_pp_split_gives_earlier_stages_the_remainder():

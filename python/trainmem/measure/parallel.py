@@ -458,7 +458,7 @@ def attach(tracker, runner: torch.nn.Module, recipe: Recipe) -> None:
     """Register what the wrapper made before tracking, and patch what tracking must see;
     undone by tracker.close()."""
     if recipe.parallel == "ddp":
-        _attach_ddp(tracker, runner)
+        _attach_ddp(tracker, runner.submod if recipe.is_pp else runner)  # PP x DP: the stage's DDP
     elif recipe.parallel == "fsdp":
         _attach_fsdp(tracker, settle_reduce_scatter=recipe.is_tp)
     elif recipe.is_zero:

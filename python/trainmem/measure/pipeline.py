@@ -1,6 +1,10 @@
 """Pipeline-parallel measurements: torch.distributed.pipelining on gloo CPU ranks.
 
-`recipe.pp` = N > 1 starts N processes (parallel.launch); rank r is pipeline stage r. Every rank
+`recipe.pp` = N > 1 starts N processes (parallel.launch); rank r is pipeline stage r. With
+`gpus` D > 1 and `parallel` ddp (PP x DP) it starts N x D: a 2-D DeviceMesh (pp, dp), pp outermost
+as torchtitan's, so rank r is stage r // D, and each stage module is wrapped by
+DistributedDataParallel over its dp group (`_data_parallel`; torch's PipelineStage runs it under
+no_sync but for the step's last backward: docs/parallelism.md "PP x DP with DDP"). Every rank
 builds the whole model with the same seed (the same weights), keeps its own stage and drops the
 rest before tracking (`make_stage`), and runs the schedule under its own tracker (`run_steps`).
 
@@ -139,7 +143,13 @@ def make_stage(model: torch.nn.Module, recipe: Recipe, device: str):
     from torch.distributed.pipelining import PipelineStage
 
     check(model, recipe)
-    rank, stages = dist.get_rank(), recipe.pp
+    stages = recipe.pp
+    rank, group, dp_group = dist.get_rank(), None, None
+    if recipe.gpus > 1:  # PP x DP: a 2-D mesh (pp, dp), as torchtitan's (pp outermost)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(torch.device(device).type, (stages, recipe.gpus), mesh_dim_names=("pp", "dp"))
+        rank, group, dp_group = mesh["pp"].get_local_rank(), mesh.get_group("pp"), mesh.get_group("dp")
     cuts = split_layers(model.config.num_hidden_layers, stages)
     base = model.model
     for i in range(len(base.layers)):
@@ -151,6 +161,8 @@ def make_stage(model: torch.nn.Module, recipe: Recipe, device: str):
         base.norm = None
         model.lm_head = None
     module = _StageModule(model, rank, stages, cuts[rank], stage_autocast(recipe, device))
+    if dp_group is not None:
+        module = _data_parallel(module, recipe, dp_group)
     cfg = model.config
     dtype = next(model.parameters()).dtype
     # Under autocast the residual stream (what a stage sends) stays in the parameters' dtype and
@@ -166,8 +178,28 @@ def make_stage(model: torch.nn.Module, recipe: Recipe, device: str):
                          requires_grad=True)
     stage = PipelineStage(module, rank, stages, torch.device(device),
                           input_args=(ids if rank == 0 else hidden,),
-                          output_args=(logits if rank == stages - 1 else hidden,))
+                          output_args=(logits if rank == stages - 1 else hidden,), group=group)
     return stage
+
+
+def _data_parallel(module: torch.nn.Module, recipe: Recipe, dp_group) -> torch.nn.Module:
+    """PP x DP: the stage module wrapped by DDP over its data-parallel group (PyTorch's defaults,
+    as parallel.wrap_model), and this replica's own batch: data-parallel rank d > 0 reseeds with
+    SEED + d, so every stage of a replica draws the same batch (and stage d of replica 0 rank 0's)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from .parallel import _Capture
+    from .run import SEED
+
+    capture = _Capture()
+    with capture:  # the Reducer's buckets are made here, in C++, through aten
+        runner = DistributedDataParallel(module, process_group=dp_group)
+    runner._trainmem_made = capture.made
+    dp_rank = dist.get_rank(dp_group)
+    if dp_rank > 0:
+        torch.manual_seed(SEED + dp_rank)
+    return runner
 
 
 def run_steps(model, stage, recipe: Recipe, tracker, *, device: str, steps: int = 2, make_optimizer) -> None:

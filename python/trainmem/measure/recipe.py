@@ -254,10 +254,10 @@ class Recipe:
 
     def _check_pp(self) -> None:
         """What the measuring side can run under pipeline parallelism (docs/parallelism.md)."""
-        if self.parallel != "none" or self.gpus != 1 or self.tp != 1:
-            raise RecipeError(f"pp={self.pp} with gpus={self.gpus} / parallel={self.parallel!r} / tp={self.tp} is not "
-                              "measured: pipeline parallelism combined with data or tensor parallelism is not "
-                              "modelled yet; use gpus 1, parallel none and tp 1")
+        if self.tp != 1 or self.parallel not in ("none", "ddp"):
+            raise RecipeError(f"pp={self.pp} with parallel={self.parallel!r} / tp={self.tp} is not measured: pipeline "
+                              "parallelism combined with tensor parallelism or a data-parallel wrapper other than "
+                              "DDP is not modelled yet; use tp 1 and parallel none or ddp")
         if self.is_inference:
             raise RecipeError(f"pp={self.pp} is a training knob: inference runs on one process")
         if self.uses_lora or self.load_in_4bit or self.load_in_8bit:
