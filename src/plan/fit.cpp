@@ -211,17 +211,19 @@ std::uint64_t rank_floor(const Model& m, const Recipe& r) {
   return plan::persistent_floor(local, r);
 }
 
-// `r` as a pipeline of `stages` stages, one per GPU and no data parallelism: every stage runs the
-// global batch in micro-batches of r.batch, with the schedule Note [Pipeline schedule in the
-// planner] picks. The caller checks that r.batch divides the global batch.
-Recipe as_pipeline(Recipe r, std::uint64_t stages, std::uint64_t global_batch) {
-  r.gpus = 1;
-  r.parallel = Parallel::kNone;
+// `r` as a pipeline of `stages` stages, one per GPU, in `replicas` copies data-parallel under DDP
+// when more than one (PP x DP, Note [Pipeline with DDP] in graph/pipeline.cpp): every replica's
+// stages run its share of the global batch in micro-batches of r.batch, with the schedule Note
+// [Pipeline schedule in the planner] picks. The caller checks that replicas x r.batch divides the
+// global batch.
+Recipe as_pipeline(Recipe r, std::uint64_t stages, std::uint64_t global_batch, std::uint64_t replicas = 1) {
+  r.gpus = replicas;
+  r.parallel = replicas > 1 ? Parallel::kDdp : Parallel::kNone;
   r.fsdp = Fsdp{};
   r.offload = Offload::kNone;
   r.tp = 1;
   r.pp = stages;
-  r.grad_accum = global_batch / r.batch;
+  r.grad_accum = global_batch / replicas / r.batch;
   r.pp_schedule = r.grad_accum >= r.pp ? PipelineSchedule::k1F1B : PipelineSchedule::kGPipe;
   return r;
 }
@@ -321,12 +323,14 @@ std::uint64_t plan::persistent_floor(const Model& m, const Recipe& r) {
   // states (padded shards are never smaller); HSDP shards over its shard group only. A param_dtype
   // policy keeps fp32 shards, gradients and states (the precision is fp32).
   const std::uint64_t buckets = r.parallel == Parallel::kDdp ? detail::mul(n, pb, "bucket bytes") : 0;
-  // A pipeline's worst stage holds at least the average stage's share (Note [Pipeline split]).
+  // A pipeline's worst stage holds at least the average stage's share (Note [Pipeline split]),
+  // its DDP buckets included: they hold the stage's own gradients (Note [Pipeline with DDP]).
   const std::uint64_t shards = r.parallel == Parallel::kFsdp ? r.gpus / r.fsdp.replicate : r.pp;
   // Every parameter's .grad (in the parameter's dtype) exists when the optimizer step starts.
   std::uint64_t extra = detail::mul(n, pb, "gradient bytes");
   if (r.precision == Precision::kBf16Master) extra = detail::add(extra, detail::mul(n, 4, "master bytes"), "master bytes");
   extra = detail::add(extra, detail::mul(n, states_per_element, "state bytes"), "state bytes");
+  if (r.pp > 1) return detail::add(detail::add(weights, extra, "persistent bytes"), buckets, "persistent bytes") / r.pp;
   return detail::add(detail::add(weights, extra, "persistent bytes") / shards, buckets, "persistent bytes");
 }
 
@@ -381,8 +385,8 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
                 ": the planner splits the GPUs into tensor-parallel groups of tp, data-parallel over the groups");
   }
   if (q.base.pp != 1) {
-    throw Error("pp: fit searches pipeline parallelism itself over --gpus (pp = gpus where it is modelled); give "
-                "the recipe without --pp");
+    throw Error("pp: fit searches pipeline parallelism itself over --gpus (every degree that divides them, the "
+                "rest data-parallel under DDP, where it is modelled); give the recipe without --pp");
   }
   const Gpu& gpu = find_gpu(q.base.gpu);
   if (gpu.capacity_bytes == 0) throw Error("gpu: 'cpu' has no memory to plan for; name a GPU (trainmem gpus)");
@@ -508,6 +512,12 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
   for (std::uint64_t t = 2; t <= std::min<std::uint64_t>(q.gpus, 64); ++t) {
     if (q.gpus % t == 0 && tp_modelled(model, t)) tp_degrees.push_back(t);
   }
+  // Pipeline degrees: every divisor P > 1 of the GPUs the model has layers for, P = --gpus one
+  // pipeline over all of them, P below it --gpus / P replicas of it under DDP (PP x DP).
+  std::vector<std::uint64_t> pp_degrees;
+  for (std::uint64_t p = 2; p <= q.gpus; ++p) {
+    if (q.gpus % p == 0 && p <= model.arch.num_layers) pp_degrees.push_back(p);
+  }
   std::vector<std::uint64_t> tps = {1};
   if (fixed(q, "tp")) tps = {q.base.tp};
   else tps.insert(tps.end(), tp_degrees.begin(), tp_degrees.end());
@@ -608,9 +618,13 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
                     // as grad_accum micro-batches of b; searched with the other wrappers, where the
                     // recipe and the model take it. One schedule per recipe, Note [Pipeline schedule
                     // in the planner].
-                    if (pipelines && dp == parallels.front() && out.global_batch % b == 0 &&
-                        out.global_batch / b <= kMaxAccum) {
-                      const Recipe pr = as_pipeline(r, q.gpus, out.global_batch);
+                    // Pipelines over fewer GPUs are replicated under DDP, each replica running its
+                    // share of the global batch.
+                    for (std::uint64_t stages : pipelines && dp == parallels.front() ? pp_degrees
+                                                                                     : std::vector<std::uint64_t>{}) {
+                      const std::uint64_t replicas = q.gpus / stages;
+                      if (out.global_batch % (replicas * b) != 0 || out.global_batch / replicas / b > kMaxAccum) continue;
+                      const Recipe pr = as_pipeline(r, stages, out.global_batch, replicas);
                       if (valid(pr) && pipeline_modelled(model, pr)) {
                         const std::uint64_t pfloor = plan::persistent_floor(model, pr);
                         out_space.push_back({pr, step_time(model, pr), pfloor, pfloor});
@@ -820,12 +834,17 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
       if (r.grad_accum <= kMaxAccum) change(what, r);
     }
   }
-  // Pipeline parallelism over every GPU for a data-parallel recipe (Note [Pipeline schedule in
-  // the planner] picks the schedule), where the engine models the pipeline.
+  // Pipeline parallelism for a data-parallel recipe (Note [Pipeline schedule in the planner] picks
+  // the schedule), where the engine models the pipeline: over every GPU, or over fewer in replicas
+  // under DDP (PP x DP).
   if (base.tp == 1 && base.pp == 1 && q.gpus > 1) {
-    const Recipe r = as_pipeline(base, q.gpus, out.global_batch);
-    if (r.grad_accum <= kMaxAccum && valid(r) && pipeline_modelled(model, r)) {
-      change("pp " + std::to_string(q.gpus) + " " + std::string(to_string(r.pp_schedule)) + " (no data parallelism)", r);
+    for (std::uint64_t stages : pp_degrees) {
+      const std::uint64_t replicas = q.gpus / stages;
+      if (out.global_batch % (replicas * base.batch) != 0) continue;
+      const Recipe r = as_pipeline(base, stages, out.global_batch, replicas);
+      if (r.grad_accum > kMaxAccum || !valid(r) || !pipeline_modelled(model, r)) continue;
+      const std::string what = "pp " + std::to_string(stages) + " " + std::string(to_string(r.pp_schedule));
+      change(replicas > 1 ? what + " x ddp " + std::to_string(replicas) : what + " (no data parallelism)", r);
     }
   }
   if (base.tp > 1) {

@@ -92,6 +92,35 @@ TEST(Fit, TheFloorIsNeverAboveTheReplayedPeak) {
   }
 }
 
+// A pipeline's floor (the average stage's share, DDP's buckets included under PP x DP) is a lower
+// bound of its worst stage; a floor that counted every stage's buckets on one would not be.
+TEST(Fit, APipelinesFloorIsNeverAboveItsWorstStage) {
+  for (const char* name : {"llama-3.1-8b", "qwen2.5-7b"}) {
+    const Model m = model::with_layers(load_model(name), 6);
+    for (std::uint64_t pp : {2, 3}) {
+      for (std::uint64_t replicas : {1, 2}) {
+        for (Precision p : {Precision::kFp32, Precision::kBf16Mixed, Precision::kBf16Master, Precision::kBf16True}) {
+          for (Optimizer o : {Optimizer::kAdamW, Optimizer::kSgd}) {
+            Recipe r = base_recipe("h100-80gb", 64);
+            r.pp = pp;
+            r.grad_accum = pp;
+            r.gpus = replicas;
+            r.parallel = replicas > 1 ? Parallel::kDdp : Parallel::kNone;
+            r.precision = p;
+            r.optimizer = o;
+            const std::string what = std::string(name) + " pp" + std::to_string(pp) + " x" + std::to_string(replicas) +
+                                     " " + std::string(to_string(p)) + " " + std::string(to_string(o));
+            const std::uint64_t floor = plan::persistent_floor(m, r);
+            const Estimate e = estimate(m, r);
+            EXPECT_LE(floor, e.peak_allocated_bytes) << what;
+            EXPECT_GT(floor, e.peak_allocated_bytes / 4) << what;  // and not so low it rules nothing out
+          }
+        }
+      }
+    }
+  }
+}
+
 // The loss floor (Note [The loss floor] in plan/fit.cpp) is a lower bound too: over micro-batches,
 // accumulation, checkpointing, LoRA and every precision and optimizer, with Gemma-2's softcapped
 // logits among the models. It is the sharper bound where the logits are large (asserted below, so

@@ -110,21 +110,38 @@ def test_several_gpus_search_zero(run):
 
 def test_several_gpus_search_pipeline_stages(run):
     # Mistral-7B is untied: with 4 GPUs the search includes pp 4 (one stage per GPU), where every stage
-    # runs the whole global batch as grad_accum micro-batches; its figures are the worst stage's, as
-    # `estimate --pp` gives them. Holding --parallel leaves the pipeline out.
+    # runs the whole global batch as grad_accum micro-batches, and pp 2 in two replicas under DDP
+    # (PP x DP), each running half of it; the figures are the worst stage's, as `estimate --pp`
+    # gives them (a stage's replicas are alike: one rank per stage). Holding --parallel leaves the
+    # pipelines out.
     args = ["fit", "mistral-7b-v0.3", "--gpu", "a100-40gb", "--gpus", "4", "--seq", "2048", "--global-batch", "32",
             "--top", "12", "--json"]
     j = json.loads(run(*args, timeout=600).stdout)
     pp = [p for p in j["plans"] if p["recipe"].get("pp", 1) > 1]
     assert pp, [p["recipe"] for p in j["plans"]]
+    layouts = set()
     for p in pp:
         rc = p["recipe"]
-        assert rc["pp"] == 4 and "gpus" not in rc and rc["batch"] * rc["grad_accum"] == 32
+        replicas = rc.get("gpus", 1)
+        layouts.add((rc["pp"], replicas))
+        assert (rc["pp"], replicas) in {(4, 1), (2, 2)}, rc
+        assert rc.get("parallel", "none") == ("ddp" if replicas > 1 else "none"), rc
+        assert rc["batch"] * rc["grad_accum"] * replicas == 32, rc
         e = json.loads(run("estimate", "mistral-7b-v0.3", "--gpu", "a100-40gb", "--batch", rc["batch"], "--grad-accum",
                            rc["grad_accum"], "--seq", rc["seq"], "--precision", rc["precision"], "--optimizer",
-                           rc["optimizer"], "--allocator", rc["allocator"], "--pp", "4", "--pp-schedule",
-                           rc["pp_schedule"], "--json", timeout=300).stdout)
-        assert e["peak_reserved_bytes"] == p["peak_reserved_bytes"] and len(e["ranks"]) == 4
+                           rc["optimizer"], "--allocator", rc["allocator"], "--pp", rc["pp"], "--pp-schedule",
+                           rc["pp_schedule"], "--gpus", replicas, "--parallel", rc.get("parallel", "none"), "--json",
+                           timeout=300).stdout)
+        assert e["peak_reserved_bytes"] == p["peak_reserved_bytes"] and len(e["ranks"]) == rc["pp"]
+    assert (4, 1) in layouts, layouts
+    # pp 2 x ddp 2 is searched too: a single change of the DDP baseline, exactly its estimate.
+    two = next(c for c in j["changes"] if c["change"] == "pp 2 1f1b x ddp 2")
+    rc = two["recipe"]
+    assert (rc["pp"], rc["gpus"], rc["parallel"], rc["batch"] * rc["grad_accum"]) == (2, 2, "ddp", 16), rc
+    e = json.loads(run("estimate", "mistral-7b-v0.3", "--gpu", "a100-40gb", "--batch", rc["batch"], "--grad-accum",
+                       rc["grad_accum"], "--seq", rc["seq"], "--pp", "2", "--gpus", "2", "--parallel", "ddp",
+                       "--precision", rc["precision"], "--optimizer", rc["optimizer"], "--json", timeout=300).stdout)
+    assert e["peak_reserved_bytes"] == two["peak_reserved_bytes"]
     held = json.loads(run(*args, "--parallel", "fsdp", timeout=600).stdout)
     assert all(p["recipe"].get("pp", 1) == 1 for p in held["plans"])
 
@@ -137,11 +154,11 @@ def test_pipeline_micro_batches_past_the_data_parallel_ones_run_gpipe(run):
     # parallelism) come first.
     j = json.loads(run("fit", "mistral-7b-v0.3", "--gpu", "a100-40gb", "--gpus", "4", "--seq", "2048",
                        "--global-batch", "4", "--top", "160", "--json", timeout=600).stdout)
-    pp = [p["recipe"] for p in j["plans"] if p["recipe"].get("pp", 1) > 1]
+    pp = [p["recipe"] for p in j["plans"] if p["recipe"].get("pp", 1) == 4]
     assert {(r["batch"], r["grad_accum"], r["pp_schedule"]) for r in pp} >= {(1, 4, "1f1b"), (2, 2, "gpipe")}, pp
-    for r in pp:
-        assert r["batch"] * r["grad_accum"] == 4
-        assert r["pp_schedule"] == ("1f1b" if r["grad_accum"] >= 4 else "gpipe")
+    for r in (p["recipe"] for p in j["plans"] if p["recipe"].get("pp", 1) > 1):  # pp 2 x ddp 2: 2 sequences each
+        assert r["batch"] * r["grad_accum"] * r.get("gpus", 1) == 4
+        assert r["pp_schedule"] == ("1f1b" if r["grad_accum"] >= r["pp"] else "gpipe")
     dp = [p["recipe"] for p in j["plans"] if p["recipe"].get("pp", 1) == 1 and p["recipe"].get("tp", 1) == 1]
     assert dp and all(r["batch"] == 1 and r["grad_accum"] == 1 for r in dp), dp
     gpipe = next(p for p in j["plans"] if p["recipe"].get("pp_schedule") == "gpipe")
@@ -165,13 +182,14 @@ def test_a_global_batch_the_gpus_cannot_split_plans_pipelines_and_tensor_paralle
     assert (b["pp"], b["batch"], b["grad_accum"], b["pp_schedule"]) == (4, 1, 6, "1f1b") and "gpus" not in b
     assert j["plans"]
     kinds = set()
-    for p in j["plans"]:  # pp 4, tp 4, or tp 2 x fsdp 2 (3 sequences per group): never tp 1 over 4 GPUs
+    # pp 4, tp 4, tp 2 x fsdp 2 or pp 2 x ddp 2 (3 sequences per group or replica): never tp 1 over 4 GPUs
+    for p in j["plans"]:
         rc = p["recipe"]
         kind = (rc.get("pp", 1), rc.get("tp", 1), rc.get("gpus", 1))
-        assert kind in {(4, 1, 1), (1, 4, 1), (1, 2, 2)}, rc
+        assert kind in {(4, 1, 1), (1, 4, 1), (1, 2, 2), (2, 1, 2)}, rc
         assert rc["batch"] * rc["grad_accum"] * kind[2] == 6, rc
         kinds.add(kind)
-    assert kinds == {(4, 1, 1), (1, 4, 1), (1, 2, 2)}, kinds
+    assert kinds == {(4, 1, 1), (1, 4, 1), (1, 2, 2), (2, 1, 2)}, kinds
     gp = next(p for p in j["plans"] if p["recipe"].get("pp_schedule") == "gpipe")  # 3 micro-batches of 2
     rc = gp["recipe"]
     assert (rc["batch"], rc["grad_accum"]) == (2, 3)
@@ -188,7 +206,7 @@ def test_a_global_batch_the_gpus_cannot_split_plans_pipelines_and_tensor_paralle
     j = json.loads(run("fit", "mistral-7b-v0.3", "--gpu", "a100-40gb", "--gpus", "4", "--seq", "1024",
                        "--global-batch", "8", "--top", "1", "--json", timeout=600).stdout)
     assert j["baseline_moved"] is False and j["baseline"]["recipe"]["parallel"] == "ddp"
-    assert "pp 4 1f1b (no data parallelism)" in {c["change"] for c in j["changes"]}
+    assert {"pp 4 1f1b (no data parallelism)", "pp 2 1f1b x ddp 2"} <= {c["change"] for c in j["changes"]}
 
 
 def test_tensor_parallel_groups_below_the_gpus_are_data_parallel_under_fsdp(run):
