@@ -121,6 +121,8 @@ void Tape::module_end() {
 
 void Tape::resize_nodes(std::size_t n) {
   nodes_.resize(n);
+  while (!ranges_.empty() && ranges_.back().nodes_end > n) ranges_.pop_back();
+  if (ranges_.empty()) range_tables_.clear();
   if (module_begins_at_.size() > n) {
     module_begins_at_.resize(n);
     module_ends_at_.resize(n);
@@ -371,7 +373,11 @@ void Tape::backward(ValueId root, TensorId grad, ValueId keep_leaf, TensorId* ke
   }
   retain(seed);
   deliver(root, seed);
-  run(0, nodes_.size());
+  if (stamp_backward && !ranges_.empty()) {
+    run_ranges();  // See Note [Stamped layer backwards]
+  } else {
+    run(0, nodes_.size());
+  }
   if (on_layer_change && backward_layer_ != -1) on_layer_change(backward_layer_, -1);
   if (on_final_callbacks) on_final_callbacks();
   release(seed);
@@ -404,6 +410,8 @@ Graph Tape::take_graph() {
   g.value_bytes = std::move(value_bytes_);
   g.subclass = std::move(subclass_);
   nodes_.clear();
+  ranges_.clear();
+  range_tables_.clear();
   module_begins_at_.clear();
   module_ends_at_.clear();
   value_grad_.clear();

@@ -11,10 +11,14 @@
 namespace trainmem {
 namespace {
 
-graph::Trace build(const Model& m, const Recipe& r, bool stamping) {
+// stamping: layers' forwards stamped; backwards: their backwards too (Note [Stamped layer
+// backwards] in src/graph/tape.h).
+graph::Trace build(const Model& m, const Recipe& r, bool stamping, bool backwards = true) {
   graph::set_layer_stamping(stamping);
+  graph::set_backward_stamping(backwards);
   graph::Trace t = graph::build_training_trace(m, r, find_gpu(r.gpu));
   graph::set_layer_stamping(true);
+  graph::set_backward_stamping(true);
   return t;
 }
 
@@ -135,29 +139,44 @@ TEST(LayerStamp, StampedTracesAreBuiltTracesOverTheCatalog) {
     const Model m = model::with_layers(load_model(e.name), 5);
     for (const Case& c : cases_for(m, variant++)) {
       SCOPED_TRACE(e.name + ", " + c.label);
-      graph::Trace built, stamped;
-      std::string built_error, stamped_error;
+      graph::Trace built, forwards, stamped;
+      std::string built_error, forwards_error, stamped_error;
       try {
         built = build(m, c.r, false);
       } catch (const Error& ex) {
         built_error = ex.what();
       }
-      const std::uint64_t before = graph::stamped_layers();
+      const std::uint64_t before = graph::stamped_backwards();
+      try {
+        forwards = build(m, c.r, true, false);
+      } catch (const Error& ex) {
+        forwards_error = ex.what();
+      }
+      EXPECT_EQ(graph::stamped_backwards(), before);  // backward stamping off: none
+      const std::uint64_t layers_before = graph::stamped_layers();
       try {
         stamped = build(m, c.r, true);
       } catch (const Error& ex) {
         stamped_error = ex.what();
       }
-      const std::uint64_t count = graph::stamped_layers() - before;
+      const std::uint64_t count = graph::stamped_layers() - layers_before;
+      const std::uint64_t backwards = graph::stamped_backwards() - before;
+      ASSERT_EQ(built_error, forwards_error);
       ASSERT_EQ(built_error, stamped_error);
       if (!built_error.empty()) continue;
+      EXPECT_EQ(difference(built, forwards), "");
       EXPECT_EQ(difference(built, stamped), "");
       if (c.stamps) {
-        // Five layers, two passes or more: at least layers 2..4 of each forward are stamped.
+        // Five layers, two passes or more: at least layers 2..4 of each forward are stamped, and
+        // of each backward at least one layer (layer 4's backward is captured: its incoming
+        // gradient comes from the final norm; layer 0's is another: its input is no layer's
+        // output).
         EXPECT_GE(count, 3u * c.r.steps);
+        EXPECT_GE(backwards, 1u * c.r.steps);
         ++stamping_cases;
       } else {
         EXPECT_EQ(count, 0u);
+        EXPECT_EQ(backwards, 0u);
       }
     }
   }
