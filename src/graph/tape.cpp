@@ -121,8 +121,12 @@ void Tape::module_end() {
 
 void Tape::resize_nodes(std::size_t n) {
   nodes_.resize(n);
-  while (!ranges_.empty() && ranges_.back().nodes_end > n) ranges_.pop_back();
-  if (ranges_.empty()) range_tables_.clear();
+  // Layer ranges past the end go (Note [Stamped layer backwards]); all of them with the graph.
+  while (!ranges_.empty() && (n == 0 || ranges_.back().nodes_end > n)) ranges_.pop_back();
+  if (ranges_.empty()) {
+    range_tables_.clear();
+    retired_.clear();
+  }
   if (module_begins_at_.size() > n) {
     module_begins_at_.resize(n);
     module_ends_at_.resize(n);
@@ -364,6 +368,7 @@ void Tape::backward(ValueId root, TensorId grad, ValueId keep_leaf, TensorId* ke
   for (const Node& n : nodes_) {
     for (const ParamGrad& pg : n.params) ++param_uses_[pg.param];
   }
+  if (!ranges_.empty()) count_range_uses();
   backward_layer_ = -1;
   TensorId seed = grad;
   if (seed == kNone) {
@@ -402,6 +407,7 @@ void Tape::backward(ValueId root, TensorId grad, ValueId keep_leaf, TensorId* ke
 
 Graph Tape::take_graph() {
   TRAINMEM_ASSERT(open_modules_.empty(), "take_graph inside a module's forward");
+  TRAINMEM_ASSERT(ranges_.empty(), "take_graph with stamped layers' nodes in their spans");
   Graph g;
   g.nodes = std::move(nodes_);
   g.module_begins_at = std::move(module_begins_at_);
@@ -410,8 +416,6 @@ Graph Tape::take_graph() {
   g.value_bytes = std::move(value_bytes_);
   g.subclass = std::move(subclass_);
   nodes_.clear();
-  ranges_.clear();
-  range_tables_.clear();
   module_begins_at_.clear();
   module_ends_at_.clear();
   value_grad_.clear();

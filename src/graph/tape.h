@@ -25,6 +25,7 @@
 #include <cstring>
 #include <functional>
 #include <initializer_list>
+#include <memory>
 #include <new>
 #include <string_view>
 #include <type_traits>
@@ -192,8 +193,10 @@ struct Trace {
 // thousands of events then reuse memory instead of fresh (kernel-zeroed) pages.
 void recycle(Trace&& trace);
 
-// Layer backwards stamped on this thread so far (Note [Stamped layer backwards]).
+// Layer backwards stamped, and captured to be stamped, on this thread so far (Note [Stamped
+// layer backwards]).
 std::uint64_t stamped_backwards();
+std::uint64_t captured_backwards();
 
 // A tensor as Python code holds it: a reference to a storage (views share it) plus, when it
 // requires grad, its autograd identity.
@@ -366,6 +369,9 @@ struct TapeSpan {
   // captures that failed (after two none is tried).
   std::vector<TapeBackward> backwards;
   std::uint32_t backward_failures = 0;
+  // Every node's parameters as indices into the parameter slots' table, node after node: the
+  // uses Tape::backward counts for a layer whose nodes stay here.
+  std::vector<std::uint32_t> param_roles;
 };
 
 // Where the tape stood when a span began, with the storages as they were (to find what the span
@@ -494,11 +500,13 @@ class Tape {
   bool stamp_backward = false;
 
  private:
-  // A captured or stamped layer's nodes [nodes_begin, nodes_end), its span (valid while the
+  // A captured or stamped layer's nodes [nodes_begin, nodes_end) (or, in_span, none: they are
+  // its span's, renamed, made only if its backward is not stamped), its span (valid while the
   // span's generation is this one), where its forward's storages and values began, and its
   // outside storages, values and parameter slots (in range_tables_ from `tables`).
   struct LayerRange {
     std::uint32_t nodes_begin = 0, nodes_end = 0;
+    bool in_span = false;
     TapeSpan* span = nullptr;
     std::uint64_t generation = 0;
     TensorId sbase = 0;
@@ -510,12 +518,17 @@ class Tape {
   std::vector<std::uint32_t> range_tables_;
   void note_range(TapeSpan& span, std::uint32_t nodes_begin, TensorId sbase, ValueId vbase,
                   const std::vector<TensorId>& outside_storages, const std::vector<ValueId>& outside_values,
-                  const std::vector<std::uint32_t>& param_slots, std::int32_t layer);
+                  const std::vector<std::uint32_t>& param_slots, std::int32_t layer, bool in_span);
+  void append_nodes(const TapeSpan& span, TensorId sbase, ValueId vbase, const TensorId* outside_storages,
+                    const ValueId* outside_values, const std::uint32_t* param_slots, std::int32_t layer);
+  void retire(TapeSpan& span);
+  std::vector<std::unique_ptr<TapeSpan>> retired_;  // spans of pending ranges that a capture replaced
   // Backward over the node list with the ranges stamped where they can be.
+  void count_range_uses();
   void run_ranges();
   void run_range(const LayerRange& r);
   bool stamp_range(const LayerRange& r);
-  bool capture_range(const LayerRange& r, TapeBackward& b);
+  bool capture_range(const LayerRange& r, std::size_t begin, std::size_t end, TapeBackward& b);
   std::vector<TensorId> older_ids_;            // stamp_range's and capture_range's older storages
   std::vector<std::uint32_t> older_index_;     // capture_range's: by TensorId, kNone when not older
   bool distinct(const std::uint32_t* ids, std::size_t n) const;

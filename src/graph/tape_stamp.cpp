@@ -3,6 +3,7 @@
 // code is compiled (and inlined) as before.
 #include <algorithm>
 #include <cstring>
+#include <memory>
 
 #include "common/checked.h"
 #include "graph/tape.h"
@@ -26,6 +27,7 @@ void Tape::mark(TapeMark& m) const {
 namespace {
 thread_local std::uint64_t t_generation = 0;        // TapeSpan::generation's last
 thread_local std::uint64_t t_stamped_backwards = 0;  // stamped_backwards()
+thread_local std::uint64_t t_captured_backwards = 0;  // captured_backwards()
 
 std::uint32_t slot_in(const std::vector<std::uint32_t>& table, std::uint32_t id) {
   for (std::size_t k = 0; k < table.size(); ++k) {
@@ -64,6 +66,7 @@ bool Tape::distinct_slots(const std::uint32_t* slots, std::size_t n) const {
 bool Tape::capture(const TapeMark& m, const std::vector<TensorId>& outside_storages,
                    const std::vector<ValueId>& outside_values, const std::vector<std::uint32_t>& param_slots,
                    std::int32_t layer, TapeSpan& span) {
+  retire(span);
   span.generation = 0;
   span.backwards.clear();
   span.backward_failures = 0;
@@ -163,7 +166,11 @@ bool Tape::capture(const TapeMark& m, const std::vector<TensorId>& outside_stora
   span.generation = ++t_generation;
   span.value_slots = static_cast<std::uint32_t>(outside_values.size());
   span.param_slots = static_cast<std::uint32_t>(param_slots.size());
-  note_range(span, m.nodes, s0, v0, outside_storages, outside_values, param_slots, layer);
+  span.param_roles.clear();
+  for (const Node& c : span.nodes) {
+    for (const ParamGrad& pg : c.params) span.param_roles.push_back(pg.param);
+  }
+  note_range(span, m.nodes, s0, v0, outside_storages, outside_values, param_slots, layer, false);
   return true;
 }
 
@@ -203,6 +210,21 @@ void Tape::stamp(TapeSpan& span, const std::vector<TensorId>& outside_storages,
   for (const Event& e : span.events) trace_.events.push_back({e.tensor + sbase, e.moment + mbase, e.alloc});
   value_grad_.resize(value_grad_.size() + span.value_bytes.size(), kNone);
   value_bytes_.insert(value_bytes_.end(), span.value_bytes.begin(), span.value_bytes.end());
+  // See Note [Stamped layer backwards]: where backward stamps the layer, its nodes are its span's
+  // and are made only for a backward that cannot be stamped (materialize).
+  const std::size_t first = nodes_.size();
+  const bool in_span = stamp_backward && !on_module_backward;
+  if (!in_span) {
+    append_nodes(span, sbase, vbase, outside_storages.data(), outside_values.data(), param_slots.data(), layer);
+  }
+  tag_ = trace_.moments.back();
+  moment_ = static_cast<std::uint32_t>(trace_.moments.size() - 1);
+  note_range(span, static_cast<std::uint32_t>(first), sbase, vbase, outside_storages, outside_values, param_slots,
+             layer, in_span);
+}
+
+void Tape::append_nodes(const TapeSpan& span, TensorId sbase, ValueId vbase, const TensorId* outside_storages,
+                        const ValueId* outside_values, const std::uint32_t* param_slots, std::int32_t layer) {
   auto storage = [&](TensorId id) -> TensorId {
     if (id == kNone) return kNone;
     return (id & TapeSpan::kOutside) ? outside_storages[id & ~TapeSpan::kOutside] : id + sbase;
@@ -231,24 +253,22 @@ void Tape::stamp(TapeSpan& span, const std::vector<TensorId>& outside_storages,
       pg.reuse = storage(pg.reuse);
     }
   }
-  tag_ = trace_.moments.back();
-  moment_ = static_cast<std::uint32_t>(trace_.moments.size() - 1);
-  note_range(span, static_cast<std::uint32_t>(first), sbase, vbase, outside_storages, outside_values, param_slots,
-             layer);
 }
 
 // ---------------------------------------------------------------- backward (Note [Stamped layer backwards])
 
 std::uint64_t stamped_backwards() { return t_stamped_backwards; }
+std::uint64_t captured_backwards() { return t_captured_backwards; }
 
 void Tape::note_range(TapeSpan& span, std::uint32_t nodes_begin, TensorId sbase, ValueId vbase,
                       const std::vector<TensorId>& outside_storages, const std::vector<ValueId>& outside_values,
-                      const std::vector<std::uint32_t>& param_slots, std::int32_t layer) {
+                      const std::vector<std::uint32_t>& param_slots, std::int32_t layer, bool in_span) {
   if (!stamp_backward) return;
   TRAINMEM_ASSERT(ranges_.empty() || ranges_.back().nodes_end <= nodes_begin, "layer ranges out of order");
   LayerRange& r = ranges_.emplace_back();
   r.nodes_begin = nodes_begin;
-  r.nodes_end = nodes_begin + static_cast<std::uint32_t>(span.nodes.size());
+  r.nodes_end = nodes_begin + (in_span ? 0 : static_cast<std::uint32_t>(span.nodes.size()));
+  r.in_span = in_span;
   r.span = &span;
   r.generation = span.generation;
   r.sbase = sbase;
@@ -303,23 +323,53 @@ constexpr std::uint32_t kMaxBackwards = 6;  // captured backwards kept per span
 
 void Tape::run_range(const LayerRange& r) {
   TapeSpan& span = *r.span;
-  if (span.generation != r.generation || on_module_backward || !subclass_.empty()) {
-    run(r.nodes_begin, r.nodes_end);
-    return;
-  }
-  if (stamp_range(r)) {
+  TRAINMEM_ASSERT(!r.in_span || span.generation == r.generation, "a stamped layer's span was replaced");
+  const bool stampable = span.generation == r.generation && !on_module_backward && subclass_.empty();
+  if (stampable && stamp_range(r)) {
     ++t_stamped_backwards;
     return;
   }
-  if (span.backward_failures >= 2 || span.backwards.size() >= kMaxBackwards) {
-    run(r.nodes_begin, r.nodes_end);
-    return;
+  // Built: a layer whose nodes are its span's gets them now, after the nodes already run.
+  std::size_t begin = r.nodes_begin, end = r.nodes_end;
+  if (r.in_span) {
+    begin = nodes_.size();
+    const std::uint32_t* t = range_tables_.data() + r.tables;
+    append_nodes(span, r.sbase, r.vbase, t, t + span.outside.size(), t + span.outside.size() + span.value_slots,
+                 r.layer);
+    end = nodes_.size();
   }
-  TapeBackward b;
-  if (capture_range(r, b)) {
-    span.backwards.push_back(std::move(b));
+  if (!stampable || span.backward_failures >= 2 || span.backwards.size() >= kMaxBackwards) {
+    run(begin, end);
   } else {
-    ++span.backward_failures;
+    TapeBackward b;
+    if (capture_range(r, begin, end, b)) {
+      span.backwards.push_back(std::move(b));
+      ++t_captured_backwards;
+    } else {
+      ++span.backward_failures;
+    }
+  }
+  if (r.in_span) nodes_.resize(begin);
+}
+
+// A span with layers still waiting for their backward is moved to the tape before a capture
+// overwrites it: those layers' nodes and captured backwards are in it.
+void Tape::retire(TapeSpan& span) {
+  bool pending = false;
+  for (const LayerRange& r : ranges_) pending = pending || r.span == &span;
+  if (!pending) return;
+  TapeSpan* kept = retired_.emplace_back(std::make_unique<TapeSpan>(std::move(span))).get();
+  for (LayerRange& r : ranges_) {
+    if (r.span == &span) r.span = kept;
+  }
+  span = TapeSpan{};
+}
+
+void Tape::count_range_uses() {
+  for (const LayerRange& r : ranges_) {
+    if (!r.in_span) continue;  // its nodes are in the list
+    const std::uint32_t* slots = range_tables_.data() + r.tables + r.span->outside.size() + r.span->value_slots;
+    for (const std::uint32_t role : r.span->param_roles) ++param_uses_[slots[role]];
   }
 }
 
@@ -430,19 +480,19 @@ bool Tape::stamp_range(const LayerRange& r) {
 // Runs the range node by node (as run() would) and captures what it did, when it is what the
 // span's nodes renamed and the state it starts from and leaves can be named (else false, the
 // range having run all the same).
-bool Tape::capture_range(const LayerRange& r, TapeBackward& b) {
+bool Tape::capture_range(const LayerRange& r, std::size_t begin, std::size_t end, TapeBackward& b) {
   const TapeSpan& span = *r.span;
   const std::uint32_t* t = range_tables_.data() + r.tables;
   const RangeNames names{span, t, t + span.outside.size(), t + span.outside.size() + span.value_slots,
                          r.sbase, r.vbase, static_cast<std::uint32_t>(span.value_bytes.size())};
   auto plain = [&] {
-    run(r.nodes_begin, r.nodes_end);
+    run(begin, end);
     return false;
   };
   // The range's nodes are the span's, renamed.
-  if (r.nodes_end - r.nodes_begin != span.nodes.size()) return plain();
+  if (end - begin != span.nodes.size()) return plain();
   for (std::size_t i = 0; i < span.nodes.size(); ++i) {
-    const Node& n = nodes_[r.nodes_begin + i];
+    const Node& n = nodes_[begin + i];
     const Node& c = span.nodes[i];
     bool same = !n.recompute && !n.kernel && n.tag.layer == r.layer && n.tag.op.data() == c.tag.op.data() &&
                 n.tag.op.size() == c.tag.op.size() && n.output == names.node_value(c.output) &&
@@ -524,7 +574,7 @@ bool Tape::capture_range(const LayerRange& r, TapeBackward& b) {
   // The run, node by node, noting each older storage's lowest count at the boundaries.
   const TensorId bs0 = static_cast<TensorId>(trace_.storages.size());
   const std::size_t e0 = trace_.events.size(), m0 = trace_.moments.size(), node_count = nodes_.size();
-  for (std::size_t i = r.nodes_end; i-- > r.nodes_begin;) {
+  for (std::size_t i = end; i-- > begin;) {
     run(i, i + 1);
     for (std::size_t j = 0; j < older_ids_.size(); ++j) {
       b.older[j].lowest = std::min(b.older[j].lowest, trace_.storages[older_ids_[j]].refs);
