@@ -61,6 +61,9 @@ StepBuilder::StepBuilder(const Model& m, const Recipe& r, const Gpu& gpu, const 
   // nothing but what the key holds.
   stamps_ = layer_stamping() && r.mode == Mode::kTraining && r.parallel == Parallel::kNone && r.tp == 1 &&
             r.cp == 1 && r.pp == 1 && !r.quant.any() && r.checkpointing == Checkpointing::kNone;
+  // See Note [Stamped layer backwards] (tape.h): without a data-parallel wrapper (stamps_ implies
+  // Parallel::kNone) the backward hooks the tape calls do nothing.
+  t_.stamp_backward = stamps_ && backward_stamping();
 }
 
 Trace StepBuilder::build() {

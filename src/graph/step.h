@@ -26,5 +26,9 @@ Trace build_training_trace(const Model& model, const Recipe& recipe, const Gpu& 
 void set_layer_stamping(bool on);
 bool layer_stamping();
 std::uint64_t stamped_layers();
+// The same for the stamped layers' backwards (Note [Stamped layer backwards] in tape.h): only
+// where layers are stamped; counted by stamped_backwards() (tape.h).
+void set_backward_stamping(bool on);
+bool backward_stamping();
 
 }  // namespace trainmem::graph

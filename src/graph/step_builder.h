@@ -393,7 +393,7 @@ class StepBuilder {
   void layer_tables(const T& x, std::uint32_t l);
   bool matches(const LayerTemplate& k, const T& x, std::uint32_t l) const;
   void capture_layer(LayerTemplate& k, std::uint32_t l, const T& out, std::size_t casts_before);
-  T stamp_layer(const LayerTemplate& k, std::uint32_t l);
+  T stamp_layer(LayerTemplate& k, std::uint32_t l);
 
   // ---------------------------------------------------------------- the step (step.cpp)
   T embedding(std::uint32_t w, const T& ids, std::uint64_t n);

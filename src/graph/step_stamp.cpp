@@ -6,11 +6,14 @@ namespace trainmem::graph {
 
 namespace {
 thread_local bool t_stamping = true;
+thread_local bool t_backward_stamping = true;
 thread_local std::uint64_t t_stamped = 0;
 }  // namespace
 
 void set_layer_stamping(bool on) { t_stamping = on; }
 bool layer_stamping() { return t_stamping; }
+void set_backward_stamping(bool on) { t_backward_stamping = on; }
+bool backward_stamping() { return t_backward_stamping; }
 std::uint64_t stamped_layers() { return t_stamped; }
 
 }  // namespace trainmem::graph
@@ -178,7 +181,7 @@ void StepBuilder::capture_layer(LayerTemplate& k, std::uint32_t l, const T& out,
   k.valid = t_.capture(mark_, outside_, outside_values_, slots_, layer_, k.span);
 }
 
-T StepBuilder::stamp_layer(const LayerTemplate& k, std::uint32_t l) {
+T StepBuilder::stamp_layer(LayerTemplate& k, std::uint32_t l) {
   const TensorId s0 = static_cast<TensorId>(t_.trace().storages.size());
   const ValueId v0 = t_.value_count();
   layer_ = static_cast<std::int32_t>(l);

@@ -121,6 +121,12 @@ void Tape::module_end() {
 
 void Tape::resize_nodes(std::size_t n) {
   nodes_.resize(n);
+  // Layer ranges past the end go (Note [Stamped layer backwards]); all of them with the graph.
+  while (!ranges_.empty() && (n == 0 || ranges_.back().nodes_end > n)) ranges_.pop_back();
+  if (ranges_.empty()) {
+    range_tables_.clear();
+    retired_.clear();
+  }
   if (module_begins_at_.size() > n) {
     module_begins_at_.resize(n);
     module_ends_at_.resize(n);
@@ -362,6 +368,7 @@ void Tape::backward(ValueId root, TensorId grad, ValueId keep_leaf, TensorId* ke
   for (const Node& n : nodes_) {
     for (const ParamGrad& pg : n.params) ++param_uses_[pg.param];
   }
+  if (!ranges_.empty()) count_range_uses();
   backward_layer_ = -1;
   TensorId seed = grad;
   if (seed == kNone) {
@@ -371,7 +378,11 @@ void Tape::backward(ValueId root, TensorId grad, ValueId keep_leaf, TensorId* ke
   }
   retain(seed);
   deliver(root, seed);
-  run(0, nodes_.size());
+  if (stamp_backward && !ranges_.empty()) {
+    run_ranges();  // See Note [Stamped layer backwards]
+  } else {
+    run(0, nodes_.size());
+  }
   if (on_layer_change && backward_layer_ != -1) on_layer_change(backward_layer_, -1);
   if (on_final_callbacks) on_final_callbacks();
   release(seed);
@@ -396,6 +407,7 @@ void Tape::backward(ValueId root, TensorId grad, ValueId keep_leaf, TensorId* ke
 
 Graph Tape::take_graph() {
   TRAINMEM_ASSERT(open_modules_.empty(), "take_graph inside a module's forward");
+  TRAINMEM_ASSERT(ranges_.empty(), "take_graph with stamped layers' nodes in their spans");
   Graph g;
   g.nodes = std::move(nodes_);
   g.module_begins_at = std::move(module_begins_at_);

@@ -25,9 +25,11 @@
 #include <cstring>
 #include <functional>
 #include <initializer_list>
+#include <memory>
 #include <new>
 #include <string_view>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "common/checked.h"
@@ -191,6 +193,11 @@ struct Trace {
 // thousands of events then reuse memory instead of fresh (kernel-zeroed) pages.
 void recycle(Trace&& trace);
 
+// Layer backwards stamped, and captured to be stamped, on this thread so far (Note [Stamped
+// layer backwards]).
+std::uint64_t stamped_backwards();
+std::uint64_t captured_backwards();
+
 // A tensor as Python code holds it: a reference to a storage (views share it) plus, when it
 // requires grad, its autograd identity.
 struct T {
@@ -282,6 +289,61 @@ struct Graph {
 //  * nothing else of the tape changed (parameter slots, module lists, tensor subclasses), and
 //    neither a checkpoint's recompute nor a non-saving forward was running.
 // A span that fails a check is not captured, and the layer after it is built.
+//
+// Note [Stamped layer backwards]
+// Backward runs a stamped layer's nodes (and those of the layer its template was captured
+// from) as one contiguous range of the node list, and what that range does depends, besides
+// the nodes themselves (the template's, renamed), only on this state when it starts:
+//  * which of the layer's values hold a gradient, and which storage: at least the layer's
+//    output, whose incoming gradient was made by the layer above (or the final norm);
+//  * the references and category of every storage older than the range that its nodes name
+//    or its values hold (the layer's saved activations, the rotary tables and the mask it
+//    saved, its input, its parameters' storages, the incoming gradient). run_node reads a
+//    storage's references only to see them reach zero (release) or be 1 (deliver's in-place
+//    sums), and within a node it retains before it releases, so if the lowest count a storage
+//    reaches at a node boundary is 2 or more, every such test fails for any count at least as
+//    high (the rotary tables: every layer saves them, so their count differs in every layer but
+//    reaches zero only in layer 0). Storages that do come down to 0 or 1 must match exactly;
+//  * each parameter slot's `.grad` (empty: the gradient is stolen; set: it is added and freed),
+//    how many nodes of the pass use the parameter, and nothing pending for it;
+//  * the gradient sizes of the outside values (a sum into the layer's input allocates one).
+// The first backward of a range whose state matches none captured so far is run node by node
+// and captured (Tape::capture_backward: its new storages, events and moments, the older
+// storages' changes, the values' and slots' gradients as the range leaves them); a later range
+// of the same template whose start state matches one (Tape::stamp_backward) is appended from it
+// with its ids. Recipes with data-parallel hooks that act on the backward (on_param_ready,
+// on_layer_change, on_module_backward) do not stamp backwards (Tape::stamp_backward stays
+// false), nor do tensor subclasses or closures (the forward stamp refuses those anyway).
+struct TapeBackward {
+  // Names of older storages: an id relative to the forward span, TapeSpan::kOutside | slot of
+  // the outside storages, or kHeld | value name (the storage that value holds at the start).
+  // Value names: the span's values, then its outside values. In values and slots, kOlder | i is
+  // older storage i, anything else is relative to the range's first new storage.
+  static constexpr std::uint32_t kHeld = 0x40000000u;
+  static constexpr std::uint32_t kOlder = 0x80000000u;
+  struct Older {
+    std::uint32_t name = 0;
+    std::uint32_t refs_before = 0;
+    std::uint32_t lowest = 0;   // the lowest count at a node boundary
+    std::int32_t refs_delta = 0;
+    std::uint64_t bytes = 0;
+    Category before = Category::kTemporaries, after = Category::kTemporaries;
+  };
+  std::vector<Older> older;
+  std::vector<std::uint32_t> held;  // the older ones named kHeld
+  std::vector<std::uint32_t> values_before, values_after;  // per value name: kNone or an id as above
+  std::vector<std::uint64_t> outside_value_bytes;
+  std::vector<std::uint8_t> grad_before;   // per parameter slot: whether .grad was set
+  std::vector<std::uint32_t> uses;         // per parameter slot: nodes of the pass using it
+  std::vector<std::uint32_t> grad_after;   // per parameter slot: kNone (unchanged) or an id as above
+  std::vector<Storage> storages;           // the new ones, as the range left them
+  // Moments relative to the range's first; tensors relative to its first new storage, but for
+  // the events in older_events (event, older storage).
+  std::vector<Event> events;
+  std::vector<std::pair<std::uint32_t, std::uint32_t>> older_events;
+  std::vector<MomentTag> moments;
+};
+
 struct TapeSpan {
   // Ids in a captured span: relative to the span's first storage or value, or the outside
   // storage or value at slot `id & ~kOutside` of the table the caller hands in.
@@ -300,6 +362,16 @@ struct TapeSpan {
   std::vector<Outside> outside;   // per slot of the outside storages (unused slots: kNone ids)
   std::uint32_t step = 0, micro = 0;
   std::int32_t layer = -1;
+  // Set by each capture (0 while none holds): a backward range remembers the span by it.
+  std::uint64_t generation = 0;
+  std::uint32_t value_slots = 0, param_slots = 0;  // sizes of the outside values' and slots' tables
+  // See Note [Stamped layer backwards]: the backwards captured for layers of this span, and the
+  // captures that failed (after two none is tried).
+  std::vector<TapeBackward> backwards;
+  std::uint32_t backward_failures = 0;
+  // Every node's parameters as indices into the parameter slots' table, node after node: the
+  // uses Tape::backward counts for a layer whose nodes stay here.
+  std::vector<std::uint32_t> param_roles;
 };
 
 // Where the tape stood when a span began, with the storages as they were (to find what the span
@@ -414,18 +486,55 @@ class Tape {
   void mark(TapeMark& m) const;
   bool capture(const TapeMark& m, const std::vector<TensorId>& outside_storages,
                const std::vector<ValueId>& outside_values, const std::vector<std::uint32_t>& param_slots,
-               std::int32_t layer, TapeSpan& span) const;
+               std::int32_t layer, TapeSpan& span);
   // Whether `span` can be stamped with these outside storages (same slots present, enough
   // references, same categories), and the stamp itself: the span appended with its ids shifted,
   // the tables' ids substituted and `layer` in its tags.
   bool can_stamp(const TapeSpan& span, const std::vector<TensorId>& outside_storages) const;
-  void stamp(const TapeSpan& span, const std::vector<TensorId>& outside_storages,
+  void stamp(TapeSpan& span, const std::vector<TensorId>& outside_storages,
              const std::vector<ValueId>& outside_values, const std::vector<std::uint32_t>& param_slots,
              std::int32_t layer);
   std::uint32_t value_count() const { return static_cast<std::uint32_t>(value_grad_.size()); }
+  // Whether backward may stamp the ranges of stamped and captured layers (See Note [Stamped layer
+  // backwards]): set by the builder only where the data-parallel hooks do nothing.
+  bool stamp_backward = false;
 
  private:
-  bool distinct(const std::vector<TensorId>& table) const;
+  // A captured or stamped layer's nodes [nodes_begin, nodes_end) (or, in_span, none: they are
+  // its span's, renamed, made only if its backward is not stamped), its span (valid while the
+  // span's generation is this one), where its forward's storages and values began, and its
+  // outside storages, values and parameter slots (in range_tables_ from `tables`).
+  struct LayerRange {
+    std::uint32_t nodes_begin = 0, nodes_end = 0;
+    bool in_span = false;
+    TapeSpan* span = nullptr;
+    std::uint64_t generation = 0;
+    TensorId sbase = 0;
+    ValueId vbase = 0;
+    std::uint32_t tables = 0;
+    std::int32_t layer = -1;
+  };
+  std::vector<LayerRange> ranges_;
+  std::vector<std::uint32_t> range_tables_;
+  void note_range(TapeSpan& span, std::uint32_t nodes_begin, TensorId sbase, ValueId vbase,
+                  const std::vector<TensorId>& outside_storages, const std::vector<ValueId>& outside_values,
+                  const std::vector<std::uint32_t>& param_slots, std::int32_t layer, bool in_span);
+  void append_nodes(const TapeSpan& span, TensorId sbase, ValueId vbase, const TensorId* outside_storages,
+                    const ValueId* outside_values, const std::uint32_t* param_slots, std::int32_t layer);
+  void retire(TapeSpan& span);
+  std::vector<std::unique_ptr<TapeSpan>> retired_;  // spans of pending ranges that a capture replaced
+  // Backward over the node list with the ranges stamped where they can be.
+  void count_range_uses();
+  void run_ranges();
+  void run_range(const LayerRange& r);
+  bool stamp_range(const LayerRange& r);
+  bool capture_range(const LayerRange& r, std::size_t begin, std::size_t end, TapeBackward& b);
+  std::vector<TensorId> older_ids_;            // stamp_range's and capture_range's older storages
+  std::vector<std::uint32_t> older_index_;     // capture_range's: by TensorId, kNone when not older
+  bool distinct(const std::uint32_t* ids, std::size_t n) const;
+  bool distinct_slots(const std::uint32_t* slots, std::size_t n) const;  // parameter slots
+  mutable std::vector<std::uint32_t> seen_slots_;
+  bool distinct(const std::vector<TensorId>& table) const { return distinct(table.data(), table.size()); }
   mutable std::vector<std::uint32_t> seen_;  // distinct()'s marks, by TensorId
   mutable std::uint32_t seen_mark_ = 0;
 
