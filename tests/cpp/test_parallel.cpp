@@ -137,6 +137,22 @@ TEST(Fsdp, LayerPeakOfTheUntiedLlamaAsMeasured) {
   EXPECT_EQ(e.breakdown_at_peak[kGrads], 29'843'456u);
 }
 
+TEST(Fsdp, UnitsFollowTheRegistrationOrder) {
+  // FSDP2's fsdp_params are module.parameters(): Phi3Attention registers o_proj before qkv_proj
+  // (See Note [Parameter registration order]). Measured (the trace of
+  // cpu-fsdp-phi3w512l2-fp32-adamw-b1s256, step 1): the root's copy-out (embed_tokens, the final
+  // norm, lm_head), then layer 0's: o_proj, qkv_proj, gate_up_proj, down_proj, the two norms.
+  const Model m = load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/phi-3-mini-4k-instruct-w512-l2.json");
+  Recipe r = dp_recipe(Parallel::kFsdp, 2, Precision::kFp32);
+  r.batch = 1;
+  r.seq = 256;
+  r.validate();
+  std::vector<std::uint64_t> outs = allocs_at(graph::build_training_trace(m, r, find_gpu("cpu")), "fsdp.all_gather_copy_out");
+  outs.resize(9);
+  EXPECT_EQ(outs, (std::vector<std::uint64_t>{2'048'000, 2048, 2'048'000, 1'048'576, 3'145'728, 4'194'304, 2'097'152,
+                                              2048, 2048}));
+}
+
 // Note [FSDP2 variants]: reshard_after_forward=False keeps the layers gathered from forward to
 // backward, so each layer gathers once per step (in its forward) and the backward gathers nothing.
 TEST(FsdpVariants, ShardGradOpGathersEachLayerOncePerStep) {
