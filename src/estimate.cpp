@@ -37,8 +37,8 @@ Estimate run(const Model& model, const Recipe& resolved, const Gpu& gpu, const E
 // the wrappers give each rank:
 //  * DDP replicates the model and its buckets, and FSDP2 pads every shard to the same size
 //    (Note [FSDP2 units] in graph/parallel.cpp): every rank runs the same ops on tensors of the same
-//    sizes, so rank 0 stands for all of them. (On gloo the moment a reduce-scatter temporary goes
-//    varies between ranks and runs; the engine keeps it as long as the worst rank does.)
+//    sizes, so rank 0 stands for all of them. (gloo's reduce-scatter temporary is measured inside
+//    the collective on every rank: Note [gloo's reduce-scatter temporary] in graph/parallel.cpp.)
 //  * DeepSpeed ZeRO cuts the flat group into equal partitions, but which parameters overlap a
 //    partition differs by rank, and with them the whole-parameter gradient copies
 //    (grads_in_partition) and the moments they happen (Note [DeepSpeed ZeRO-1/2]): every rank is

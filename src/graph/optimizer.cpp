@@ -5,6 +5,23 @@
 
 namespace trainmem::graph::step {
 
+// See Note [Parameter registration order] (below).
+std::vector<std::uint32_t> layer_registration_order(const std::vector<ParameterGroup>& groups, std::size_t first,
+                                                    std::size_t count, Family family) {
+  auto rank = [&](const std::string& name) {
+    if (family == Family::kGpt2) return 0;
+    const std::string rest = name.substr(name.find(".N.") + 3);
+    if (rest.starts_with("self_attn.")) return family == Family::kPhi3 && rest == "self_attn.o_proj.weight" ? 0 : 1;
+    return rest.starts_with("mlp.") ? 2 : 3;
+  };
+  std::vector<std::uint32_t> within(count);
+  for (std::uint32_t k = 0; k < count; ++k) within[k] = k;
+  std::stable_sort(within.begin(), within.end(), [&](std::uint32_t x, std::uint32_t y) {
+    return rank(groups[first + x].name) < rank(groups[first + y].name);
+  });
+  return within;
+}
+
 namespace {
 
 // Note [Parameter registration order]
@@ -16,16 +33,14 @@ namespace {
 // before qkv_proj; GPT2Block registers ln_1, attn, ln_2, mlp, the catalog's order. Where a loop
 // allocates per parameter and frees the previous one's input (bf16-master's fp32 gradients), the
 // order moves the peak: measured, cpu-pp2-llamaw512l4-bf16master-sgd-ga2-b1s64 peaks at the last
-// layer's down_proj with its norms' half gradients still there.
+// layer's down_proj with its norms' half gradients still there. FSDP2's fsdp_params are the same
+// order (step_parameters.cpp wrap_data_parallel): it orders a unit's copy-out and reduce-scatter
+// copy-in, and foreach_reduce holds its last gradient, a norm's, to its end; the measured trace of
+// cpu-fsdp-phi3w512l2-fp32-adamw-b1s256 gathers o_proj before qkv_proj. layer_registration_order
+// is the one place that knows it.
 std::vector<std::uint32_t> registration_order(const std::vector<ParameterGroup>& groups,
                                               std::uint64_t num_layers, Family family) {
   auto is_layer = [](const ParameterGroup& g) { return g.name.find(".N.") != std::string::npos; };
-  auto rank = [&](const std::string& name) {
-    if (family == Family::kGpt2) return 0;
-    const std::string rest = name.substr(name.find(".N.") + 3);
-    if (rest.starts_with("self_attn.")) return family == Family::kPhi3 && rest == "self_attn.o_proj.weight" ? 0 : 1;
-    return rest.starts_with("mlp.") ? 2 : 3;
-  };
   std::vector<std::uint32_t> out;
   std::uint32_t idx = 0;
   for (std::size_t gi = 0; gi < groups.size(); ++gi) {
@@ -35,11 +50,7 @@ std::vector<std::uint32_t> registration_order(const std::vector<ParameterGroup>&
     }
     std::size_t per_layer = 0;
     while (gi + per_layer < groups.size() && is_layer(groups[gi + per_layer])) ++per_layer;
-    std::vector<std::uint32_t> within(per_layer);
-    for (std::uint32_t k = 0; k < per_layer; ++k) within[k] = k;
-    std::stable_sort(within.begin(), within.end(), [&](std::uint32_t x, std::uint32_t y) {
-      return rank(groups[gi + x].name) < rank(groups[gi + y].name);
-    });
+    const std::vector<std::uint32_t> within = layer_registration_order(groups, gi, per_layer, family);
     for (std::uint64_t l = 0; l < num_layers; ++l) {
       for (std::uint32_t k : within) out.push_back(idx + static_cast<std::uint32_t>(l * per_layer) + k);
     }

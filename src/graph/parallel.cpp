@@ -68,8 +68,8 @@ constexpr std::uint64_t kBucketCapBytes = std::uint64_t{25} << 20;
 //    that requires grad: it reduces in the final callback of the backward, which then drops the
 //    last reduce-scatter state (_fsdp_param_group.py post_backward, _fsdp_state.py);
 //  * gloo's reduce_scatter_tensor makes a world x output temporary that the CPU measurements see
-//    (gradients; Note [gloo's reduce-scatter temporary]); NCCL allocates nothing through the
-//    caching allocator. See Note [Collectives on CUDA].
+//    inside the collective (gradients; Note [gloo's reduce-scatter temporary]); NCCL allocates
+//    nothing through the caching allocator. See Note [Collectives on CUDA].
 // Everything a collective allocates is weights (all-gather) or gradients (reduce-scatter), as
 // the measuring side counts it (docs/parallelism.md, "Categories").
 
@@ -127,8 +127,6 @@ DataParallel::DataParallel(Tape& tape, const Recipe& recipe, bool cuda, std::uin
   shard_world_ = world_ / f.replicate;
   // TP x DP (a tensor-parallel model under FSDP2): FSDP2 shards each rank's TP-local parameters
   // over the dp group, which is what wrap() does with the local model the step builder passes.
-  // See Note [gloo's reduce-scatter temporary] for what the measuring side does there.
-  settled_reduce_scatter_ = recipe.tp > 1;
   reshard_after_forward_ = f.reshard_after_forward;
   cast_params_ = f.param_dtype != FsdpDtype::kNone;
   // init_dtype_attrs clamps a reduce_dtype equal to param_dtype to None.
@@ -259,14 +257,11 @@ void DataParallel::backward_begin() {
 void DataParallel::layer_change(std::int32_t from, std::int32_t to) {
   if (kind_ != Parallel::kFsdp) return;
   if (from >= 0) reduce(units_[static_cast<std::size_t>(from)]);
-  if (to < 0) release_gloo_temporary();
   if (to >= 0) {
     Unit& u = units_[static_cast<std::size_t>(to)];
     if (!u.gathered) {
       if (u.flat == kNone) all_gather(u);
       copy_out(u);
-    } else {
-      release_gloo_temporary();  // no copy-out follows (reshard_after_forward=False): dropped at once
     }
     if (to > 0) {
       Unit& prev = units_[static_cast<std::size_t>(to - 1)];
@@ -303,7 +298,6 @@ void DataParallel::final_callback() {
   for (Unit& u : units_) reduce(u);
   for (TensorId id : all_reduce_inputs_) t_.release(id);  // finalize_backward drops _all_reduce_state
   all_reduce_inputs_.clear();
-  release_gloo_temporary();
   if (pending_reduce_input_ != kNone) {
     t_.release(pending_reduce_input_);
     pending_reduce_input_ = kNone;
@@ -336,30 +330,20 @@ DType DataParallel::local_dtype(std::uint32_t slot, DType dtype) const {
 }
 
 // Note [gloo's reduce-scatter temporary]
-// On the CPU, gloo's reduce_scatter_tensor makes a world x output tensor that the tracker sees
-// only when it surfaces in Python (at the next split) and sees freed when its last reference
-// goes, which depends on when gloo's worker thread finishes with it. In the measured traces
-// (data/ground_truth/parallel/unstable/, docs/parallelism.md) it is freed either at once or only
-// after the next unit's pre-backward has allocated its unsharded parameters, and which of the two
-// happens changes from rank to rank and run to run. The engine takes the later one, the rank with
-// the most memory: the temporary lives until the next all-gather copy-out when the backward goes
-// on into another layer that must be gathered, and is dropped at once otherwise (the root's
-// backward, or with reshard_after_forward=False a layer still gathered from its forward: there
-// the measured ranks freed it at once, cpu-fsdp-llamaw512l4-fp32-adamw-sgo-b1s256). NCCL makes no
-// such tensor (Note [Collectives on CUDA]).
-// Why it varies (traced on TP x DP, docs/parallelism.md "TP x DP"): the temporary is owned by
-// gloo's Work, which its worker thread may still hold when reduce_scatter_single returns; the
-// storage dies with that reference, and its free needs the GIL, so it lands wherever the main
-// thread is. TP x DP runs are measured with the wait of Note [Settled reduce-scatter]
+// On the CPU, gloo's reduce_scatter_tensor makes a world x output tensor (the reduce-scatter
+// input's size, of the shard group) that the tracker sees when it surfaces in Python, at a
+// `split` on gloo's worker thread. Its free needs the last reference to go: gloo's Work owns it,
+// the worker thread may still hold the Work when reduce_scatter_single returns, and the free
+// (the storage's Python object, so it needs the GIL) lands wherever the main thread is: at once,
+// or after the next unit's all-gather copy-out, changing from rank to rank and run to run (the
+// traces of the first 1-D and TP x DP measurements: docs/parallelism.md "In the engine" and
+// "TP x DP"). Every FSDP2 run is measured with the wait of Note [Settled reduce-scatter]
 // (python/trainmem/measure/parallel.py): the measuring side sleeps after FSDP2's reduce-scatter
-// until what the call made is freed, so the temporary lives inside the collective only, as
-// NCCL's memory does, and the engine frees it at once there. The 1-D FSDP2 / HSDP corpus was
-// measured before that wait; it keeps the later free until it is re-measured with it.
-void DataParallel::release_gloo_temporary() {
-  if (gloo_temporary_ == kNone) return;
-  t_.release(gloo_temporary_);
-  gloo_temporary_ = kNone;
-}
+// until what the call made is freed, so the temporary lives inside the collective only, and the
+// engine allocates it after the output and frees it at once, the one rule for 1-D FSDP2, HSDP and
+// TP x DP. On CUDA NCCL makes no such tensor (Note [Collectives on CUDA]): its buffers are
+// outside the caching allocator, so "gone when the collective returns" is the CUDA timeline
+// without the instant the temporary exists.
 
 void DataParallel::rebuild_buckets() {
   t_.at(Phase::kForward, kNoLayer, "ddp.rebuild_buckets");
@@ -397,7 +381,6 @@ void DataParallel::all_gather(Unit& u) {
 void DataParallel::copy_out(Unit& u) {
   t_.at(t_.phase(), kNoLayer, "fsdp.all_gather_copy_out");
   for (std::uint32_t pi : u.params) t_.resize(unsharded_[pi], true);
-  release_gloo_temporary();  // See Note [gloo's reduce-scatter temporary]
   if (t_.phase() == Phase::kForward) {
     // In forward the buffer is kept in all_gather_state until the next unit's copy-out or the
     // root's post-forward (See Note [FSDP2 units]).
@@ -450,7 +433,6 @@ void DataParallel::reduce(Unit& u) {
   reshard(u);
   if (grads.empty()) return;
   t_.at(t_.phase(), kNoLayer, "fsdp.reduce_scatter");
-  release_gloo_temporary();
   if (pending_reduce_input_ != kNone) t_.release(pending_reduce_input_);
   // The gradients are in the unsharded parameters' dtype; reduced in reduce_dtype when the policy
   // has one, then cast to the sharded parameters' dtype (See Note [FSDP2 variants]).
@@ -462,9 +444,8 @@ void DataParallel::reduce(Unit& u) {
   // function returns (measured: cpu-fsdp-gpt2l2-fp32-adamw-bf16params-b2s32, whose peak is there).
   for (std::size_t k = 0; k + 1 < grads.size(); ++k) t_.release(grads[k]);
   TensorId out = t_.alloc_bytes(out_bytes, Category::kGradients);
-  if (!cuda_) {
-    gloo_temporary_ = t_.alloc_bytes(out_bytes * shard_world_, Category::kGradients);
-    if (settled_reduce_scatter_) release_gloo_temporary();  // See Note [gloo's reduce-scatter temporary]
+  if (!cuda_) {  // gloo's temporary, gone inside the collective: See Note [gloo's reduce-scatter temporary]
+    t_.release(t_.alloc_bytes(detail::mul(out_bytes, shard_world_, "reduce-scatter bytes"), Category::kGradients));
   }
   if (reduce_dtype != orig_dtype_) {
     const TensorId cast =

@@ -129,7 +129,6 @@ class DataParallel {
   void copy_out(Unit& u);
   void reshard(Unit& u);
   void reduce(Unit& u);
-  void release_gloo_temporary();
 
   Tape& t_;
   Parallel kind_;
@@ -156,8 +155,6 @@ class DataParallel {
   std::vector<std::uint64_t> shard_numel_;  // per parameter, padded
   std::vector<TensorId> unsharded_;         // per parameter
   TensorId pending_reduce_input_ = kNone;   // the last reduce-scatter's input, kept until the next
-  TensorId gloo_temporary_ = kNone;         // CPU: gloo's reduce-scatter temporary still alive
-  bool settled_reduce_scatter_ = false;     // CPU, TP x DP: the measuring side waits for it to go
   // ZeRO-1/2 (zero.cpp)
   void zero_wrap();
   void zero_param_ready(std::uint32_t slot);

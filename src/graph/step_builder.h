@@ -97,6 +97,13 @@ struct LoraLabels {
 // trainmem does not model.
 const LoraLabels& lora_labels(std::string_view path);
 
+// The order module.parameters() walks one decoder layer's `count` parameter groups in, starting at
+// groups[first] (the catalog lists them in forward order): indices 0..count-1 into them
+// (optimizer.cpp, Note [Parameter registration order]; FSDP2's fsdp_params and the optimizer's
+// loops follow it).
+std::vector<std::uint32_t> layer_registration_order(const std::vector<ParameterGroup>& groups, std::size_t first,
+                                                    std::size_t count, Family family);
+
 // A micro-batch in flight on a pipeline stage (Note [Pipeline parallelism] in pipeline.cpp): the
 // stage's output and received input as fwd_cache holds them, the last stage's loss, its graph.
 struct PipelineMicro {

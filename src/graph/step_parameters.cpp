@@ -90,16 +90,11 @@ void StepBuilder::wrap_data_parallel() {
     std::size_t per_layer = 0;
     while (gi + per_layer < groups.size() && is_layer(groups[gi + per_layer])) ++per_layer;
     // FSDP2's fsdp_params follow module.parameters(), the order the decoder layer registers its
-    // modules: GPT-2's Block ln_1, attn, ln_2, mlp (the listed order); the Llama-like layers
-    // self_attn, mlp, then the norms (transformers 5.24 modeling_llama.py LlamaDecoderLayer
-    // __init__, also Qwen2/3, Mistral, Phi-3, Gemma-2). It decides which gradient foreach_reduce
-    // holds to its end (See Note [FSDP2 units]); measured on cpu-tp2dp2sp-*.
-    std::vector<std::size_t> order;
-    for (std::size_t k = 0; k < per_layer; ++k) order.push_back(k);
-    if (a_.family != Family::kGpt2) {
-      std::stable_partition(order.begin(), order.end(),
-                            [&](std::size_t k) { return !ends_with(groups[gi + k].name, "layernorm.weight"); });
-    }
+    // modules (See Note [Parameter registration order]): GPT-2's listed order; the Llama-like
+    // layers self_attn (Phi-3: o_proj before qkv_proj), mlp, then the norms. It decides which
+    // gradient foreach_reduce holds to its end (See Note [FSDP2 units]); measured on
+    // cpu-tp2dp2sp-*, and for Phi-3 on cpu-fsdp-phi3w512l2-*.
+    const std::vector<std::uint32_t> order = layer_registration_order(groups, gi, per_layer, a_.family);
     for (auto& layer : layers) {
       for (std::size_t k : order) {
         wp[idx + k].partial_grad = partial(groups[gi + k].name);

@@ -289,16 +289,18 @@ def test_tp_world_size_2(tiny_llama):
 
 
 
-def test_tp_fsdp_reduce_scatter_temporary_is_settled(tiny_llama, tmp_path):
-    """TP x DP (4 gloo ranks, mesh (dp 2, tp 2), parallel.py _tp_fsdp): gloo's reduce-scatter
-    temporary (world x the unit's shard, seen at a `split`) is freed by the very next event on
-    every rank, inside FSDP2's reduce-scatter (Note [Settled reduce-scatter] in parallel.py);
-    without the wait its free lands wherever gloo's worker thread gets the GIL."""
+@pytest.mark.parametrize("knobs, world", [({"gpus": 2}, 2), ({"gpus": 2, "tp": 2}, 4)], ids=["fsdp", "tp-fsdp"])
+def test_fsdp_reduce_scatter_temporary_is_settled(tiny_llama, tmp_path, knobs, world):
+    """Every FSDP2 run on gloo, 1-D (2 ranks) and TP x DP (4 ranks, mesh (dp 2, tp 2), parallel.py
+    _tp_fsdp): gloo's reduce-scatter temporary (world x the unit's shard, seen at a `split`) is
+    freed by the very next event on every rank, inside FSDP2's reduce-scatter (Note [Settled
+    reduce-scatter] in parallel.py); without the wait its free lands wherever gloo's worker thread
+    gets the GIL."""
     trace = tmp_path / "t.jsonl"
-    out = measure(str(tiny_llama), Recipe(batch=2, seq=8, precision="fp32", optimizer="sgd", tp=2, gpus=2,
-                                          parallel="fsdp"), trace=str(trace))
-    assert out["diagnostics"]["parallel"]["world_size"] == 4
-    for path in [trace] + [Path(f"{trace}.rank{r}") for r in (1, 2, 3)]:
+    out = measure(str(tiny_llama), Recipe(batch=2, seq=8, precision="fp32", optimizer="sgd", parallel="fsdp", **knobs),
+                  trace=str(trace))
+    assert out["diagnostics"]["parallel"]["world_size"] == world
+    for path in [trace] + [Path(f"{trace}.rank{r}") for r in range(1, world)]:
         events = [json.loads(line) for line in path.read_text().splitlines()]
         temps = [e for e in events if e["event"] == "alloc" and e["aten_op"] == "split" and e["category"] == "gradients"]
         assert len(temps) == 2 * 3, path  # two steps x (two layers and the root)

@@ -460,7 +460,7 @@ def attach(tracker, runner: torch.nn.Module, recipe: Recipe) -> None:
     if recipe.parallel == "ddp":
         _attach_ddp(tracker, runner.submod if recipe.is_pp else runner)  # PP x DP: the stage's DDP
     elif recipe.parallel == "fsdp":
-        _attach_fsdp(tracker, settle_reduce_scatter=recipe.is_tp)
+        _attach_fsdp(tracker)
     elif recipe.is_zero:
         _attach_zero(tracker, runner)
 
@@ -672,12 +672,13 @@ def _attach_ddp(tracker, ddp) -> None:
 # main thread happens to be: at once, or only after the next unit's all-gather copy-out (traced:
 # docs/parallelism.md, "TP x DP"). NCCL makes no such tensor: on CUDA the collective's memory
 # is NCCL's own and is gone when the reduce-scatter ends, and FSDP2 (_fsdp_collectives.py
-# foreach_reduce) keeps only its own input and output. So with `settle_reduce_scatter` the
+# foreach_reduce) keeps only its own input and output. So the
 # measuring side waits, after FSDP2's reduce-scatter returns, until every storage made inside
 # the call is freed (sleeping hands the GIL to the worker thread), which makes the run
-# deterministic with the temporary living inside the collective only. Done for TP x DP (the
-# 2-D mesh) runs; the 1-D FSDP2 corpus was measured without it (Note [gloo's reduce-scatter
-# temporary] in src/graph/parallel.cpp).
+# deterministic with the temporary living inside the collective only. Done for every FSDP2 run
+# (1-D, HSDP and TP x DP meshes; the measuring side runs on gloo only), and the engine frees the
+# temporary inside the collective too (Note [gloo's reduce-scatter temporary] in
+# src/graph/parallel.cpp).
 _SETTLE_TIMEOUT_S = 60.0
 
 
@@ -700,7 +701,7 @@ def _settled_reduce_scatter(tracker, fn):
     return wrapper
 
 
-def _attach_fsdp(tracker, settle_reduce_scatter: bool = False) -> None:
+def _attach_fsdp(tracker) -> None:
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param, _fsdp_param_group
 
     def resized(fn, name):
@@ -751,9 +752,8 @@ def _attach_fsdp(tracker, settle_reduce_scatter: bool = False) -> None:
         (_fsdp_param_group, "foreach_reduce", forced(_fsdp_param_group.foreach_reduce, "gradients")),
         (group_cls, "post_backward", post_backward),
     ]
-    if settle_reduce_scatter:  # See Note [Settled reduce-scatter]
-        comm = _fsdp_collectives.DefaultReduceScatter
-        patches.append((comm, "__call__", _settled_reduce_scatter(tracker, comm.__dict__["__call__"])))
+    comm = _fsdp_collectives.DefaultReduceScatter  # See Note [Settled reduce-scatter]
+    patches.append((comm, "__call__", _settled_reduce_scatter(tracker, comm.__dict__["__call__"])))
     for owner, name, new in patches:
         old = owner.__dict__[name]
         setattr(owner, name, new)
