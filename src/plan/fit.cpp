@@ -518,6 +518,17 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
   for (std::uint64_t p = 2; p <= q.gpus; ++p) {
     if (q.gpus % p == 0 && p <= model.arch.num_layers) pp_degrees.push_back(p);
   }
+  // `r` as a pipeline of `stages` stages in --gpus / stages replicas, where its micro-batch splits
+  // every replica's share of the global batch within kMaxAccum and the engine models it.
+  auto pipeline_of = [&](const Recipe& r, std::uint64_t stages) -> std::optional<Recipe> {
+    const std::uint64_t replicas = q.gpus / stages;
+    if (out.global_batch % (replicas * r.batch) != 0 || out.global_batch / replicas / r.batch > kMaxAccum) {
+      return std::nullopt;
+    }
+    Recipe pr = as_pipeline(r, stages, out.global_batch, replicas);
+    if (!valid(pr) || !pipeline_modelled(model, pr)) return std::nullopt;
+    return pr;
+  };
   std::vector<std::uint64_t> tps = {1};
   if (fixed(q, "tp")) tps = {q.base.tp};
   else tps.insert(tps.end(), tp_degrees.begin(), tp_degrees.end());
@@ -620,14 +631,12 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
                     // in the planner].
                     // Pipelines over fewer GPUs are replicated under DDP, each replica running its
                     // share of the global batch.
-                    for (std::uint64_t stages : pipelines && dp == parallels.front() ? pp_degrees
-                                                                                     : std::vector<std::uint64_t>{}) {
-                      const std::uint64_t replicas = q.gpus / stages;
-                      if (out.global_batch % (replicas * b) != 0 || out.global_batch / replicas / b > kMaxAccum) continue;
-                      const Recipe pr = as_pipeline(r, stages, out.global_batch, replicas);
-                      if (valid(pr) && pipeline_modelled(model, pr)) {
-                        const std::uint64_t pfloor = plan::persistent_floor(model, pr);
-                        out_space.push_back({pr, step_time(model, pr), pfloor, pfloor});
+                    if (pipelines && dp == parallels.front()) {
+                      for (std::uint64_t stages : pp_degrees) {
+                        if (const auto pr = pipeline_of(r, stages)) {
+                          const std::uint64_t pfloor = plan::persistent_floor(model, *pr);
+                          out_space.push_back({*pr, step_time(model, *pr), pfloor, pfloor});
+                        }
                       }
                     }
                   }
@@ -839,12 +848,11 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
   // under DDP (PP x DP).
   if (base.tp == 1 && base.pp == 1 && q.gpus > 1) {
     for (std::uint64_t stages : pp_degrees) {
+      const auto r = pipeline_of(base, stages);
+      if (!r) continue;
       const std::uint64_t replicas = q.gpus / stages;
-      if (out.global_batch % (replicas * base.batch) != 0) continue;
-      const Recipe r = as_pipeline(base, stages, out.global_batch, replicas);
-      if (r.grad_accum > kMaxAccum || !valid(r) || !pipeline_modelled(model, r)) continue;
-      const std::string what = "pp " + std::to_string(stages) + " " + std::string(to_string(r.pp_schedule));
-      change(replicas > 1 ? what + " x ddp " + std::to_string(replicas) : what + " (no data parallelism)", r);
+      const std::string what = "pp " + std::to_string(stages) + " " + std::string(to_string(r->pp_schedule));
+      change(replicas > 1 ? what + " x ddp " + std::to_string(replicas) : what + " (no data parallelism)", *r);
     }
   }
   if (base.tp > 1) {
