@@ -347,7 +347,7 @@ bool pipeline_modelled(const Model& m, const Recipe& r) {
 }
 
 bool valid(const Recipe& r) {
-  return accepted([&] { r.validate(); });
+  return !plan::plainly_refused(r) && accepted([&] { r.validate(); });
 }
 
 // Whether the engine models `tp`-way tensor parallelism of this model (the family and the
@@ -441,6 +441,35 @@ std::uint64_t state_bytes_per_element(const Recipe& r) {
 }
 
 }  // namespace
+
+// Note [Refusals the search skips]
+// The search space is the product of every knob, and most of its ~20,000 combinations on several
+// GPUs are recipes Recipe::validate refuses (CPU offload without ZeRO, ZeRO with a precision,
+// optimizer or loss DeepSpeed's engine is not modelled with). Each refusal is an exception, ~5 us
+// with its message: 0.1 s of a multi-GPU search (bench/README.md, "Planner threads"). These few
+// refusals of recipe.cpp's validate_parallel and validate_offload are checked first, without one;
+// every other combination still goes through validate(). Fit.PlainRefusalsAreRefusals checks
+// that nothing validate() takes is refused here.
+bool plan::plainly_refused(const Recipe& r) {
+  const bool zero = is_zero(r.parallel);
+  // validate_offload: offload is DeepSpeed's; parameters only under ZeRO-3; DeepSpeedCPUAdam.
+  if (r.offload != Offload::kNone && !zero) return true;
+  if ((r.offload == Offload::kParams || r.offload == Offload::kBoth) && r.parallel != Parallel::kZero3) return true;
+  if ((r.offload == Offload::kOptimizer || r.offload == Offload::kBoth) && r.optimizer != Optimizer::kAdamW) return true;
+  // validate_parallel, validate_tensor_parallel, validate_pipeline_parallel: ZeRO, tensor and
+  // pipeline parallelism take a torch optimizer and the standard loss; ZeRO fp32 or bf16-master,
+  // tensor parallelism one dtype, a pipeline no fp16-mixed.
+  const bool torch_optimizer = r.optimizer == Optimizer::kAdamW || r.optimizer == Optimizer::kAdamWFused ||
+                               r.optimizer == Optimizer::kSgd;
+  if ((zero || r.tp > 1 || r.pp > 1) && (!torch_optimizer || r.loss != Loss::kStandard)) return true;
+  if (zero && r.precision != Precision::kFp32 && r.precision != Precision::kBf16Master) return true;
+  if (r.tp > 1 && r.precision != Precision::kFp32 && r.precision != Precision::kBf16True &&
+      r.precision != Precision::kFp16True) {
+    return true;
+  }
+  if (r.pp > 1 && r.precision == Precision::kFp16Mixed) return true;
+  return false;
+}
 
 std::uint64_t plan::persistent_floor(const Model& m, const Recipe& r) {
   const std::uint64_t pb = parameter_bytes(r.precision);

@@ -280,6 +280,51 @@ TEST(Fit, ThreadedSearchGivesTheReferenceAnswersOnSeveralGpus) {
   EXPECT_GE(nothing_fits, 1u);
 }
 
+// The search skips a few refusals without asking Recipe::validate (Note [Refusals the search
+// skips] in plan/fit.cpp); it must never skip a recipe validate() takes, and it does skip most of
+// what validate() refuses among these.
+TEST(Fit, PlainRefusalsAreRefusals) {
+  std::uint64_t refused = 0, skipped = 0;
+  for (Parallel dp : {Parallel::kNone, Parallel::kDdp, Parallel::kFsdp, Parallel::kZero1, Parallel::kZero2, Parallel::kZero3})
+  for (Precision p : {Precision::kFp32, Precision::kBf16Mixed, Precision::kBf16True, Precision::kBf16Master,
+                      Precision::kFp16Mixed, Precision::kFp16True})
+  for (Optimizer o : {Optimizer::kAdamW, Optimizer::kAdamWFused, Optimizer::kAdamW8bit, Optimizer::kAdafactor, Optimizer::kSgd})
+  for (Loss l : {Loss::kStandard, Loss::kFused})
+  for (Offload off : {Offload::kNone, Offload::kOptimizer, Offload::kParams, Offload::kBoth})
+  for (std::uint64_t gpus : {1, 4})
+  for (std::uint64_t lora : {0, 16})
+  for (std::uint64_t tp : {1, 2})
+  for (std::uint64_t pp : {1, 2}) {
+    Recipe r = base_recipe("h100-80gb", 1024);
+    r.parallel = dp;
+    r.gpus = dp == Parallel::kNone ? 1 : gpus;
+    r.tp = tp;
+    r.pp = pp;
+    r.grad_accum = pp;
+    r.precision = p;
+    r.optimizer = o;
+    r.loss = l;
+    r.offload = off;
+    if (lora) {
+      r.lora.rank = lora;
+      r.lora.targets = {"default"};
+    }
+    bool ok = true;
+    try {
+      r.validate();
+    } catch (const Error&) {
+      ok = false;
+    }
+    const bool plain = plan::plainly_refused(r);
+    EXPECT_FALSE(ok && plain) << to_string(dp) << " " << to_string(p) << " " << to_string(o) << " " << to_string(l)
+                              << " " << to_string(off) << " gpus " << r.gpus << " lora " << lora << " tp " << tp
+                              << " pp " << pp;
+    refused += !ok;
+    skipped += plain;
+  }
+  EXPECT_GT(skipped, refused / 2);
+}
+
 // With a 4-bit base the floor counts the packed weights and fp32 for the rest: still below the
 // replayed peak, and the planner offers QLoRA as a single change of a full fine-tuning recipe.
 TEST(Fit, QloraFloorAndSingleChange) {
