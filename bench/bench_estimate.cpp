@@ -152,7 +152,9 @@ constexpr std::array kFitCases{FitCase{"llama-3.1-8b", "h100-80gb", 4096, 64, 1}
                                FitCase{"qwen3-4b", "a100-40gb", 2048, 32, 1},
                                FitCase{"llama-3.1-70b", "rtx-4090", 4096, 1, 1},
                                FitCase{"llama-3.1-8b", "h100-80gb", 4096, 64, 8},
-                               FitCase{"qwen3-4b", "t4-16gb", 4096, 8, 1}};
+                               FitCase{"qwen3-4b", "t4-16gb", 4096, 8, 1},
+                               // issue #4's multi-GPU case: 8 of its 10 plans are pipelines
+                               FitCase{"llama-3.1-8b", "h100-80gb", 4096, 64, 4}};
 
 void fit_case(benchmark::State& state, FitResult (*search)(const Model&, const FitRequest&)) {
   const FitCase& c = kFitCases[state.range(0)];
