@@ -20,9 +20,11 @@
 //    never wins and a complete one has the step's peaks. A recipe whose bound is above them is
 //    not replayed. The recipes are the ones the persistent floor leaves, as before.
 // Measured (bench/README.md), the replays they save are mostly cheap ones (probes that stop
-// early): CPU time drops by less than the replay count. Running a window's expandable-segments
-// probes in parallel too was tried and dropped: two more replays on 8 GPUs and no gain measured
-// on the shared 2-core machine.
+// early): CPU time drops by less than the replay count. A window of probes (Note [Planner
+// threads]) holds no more recipes than plans are still missing, so no probe lands past the last
+// plan, and its expandable-segments probes are the ones of its recipes that did not fit with the
+// default allocator: the walk probes exactly those next. (Running them in parallel with fixed
+// windows of four had cost two more replays on 8 GPUs.)
 // Only the counts (FitResult::simulated, pruned) change. ZeRO-1/2's ranks (Note [The worst rank]
 // in estimate.cpp) are not deduplicated: their partitions are disjoint ranges of the flat group,
 // so two ranks see alike parameters only when both lie inside one parameter (not done).
@@ -160,10 +162,15 @@ class Planner {
   void prefetch(const std::vector<Recipe>& rs, std::uint64_t limit) {
     if (reference_) return;
     std::vector<std::unique_ptr<Pending>> todo;
-    for (const Recipe& r : rs) {
-      if (known(r, limit)) continue;
-      if (std::any_of(todo.begin(), todo.end(), [&](const auto& t) { return key(t->r) == key(r); })) continue;
-      todo.push_back(start(r, limit));
+    try {
+      for (const Recipe& r : rs) {
+        if (known(r, limit)) continue;
+        if (std::any_of(todo.begin(), todo.end(), [&](const auto& t) { return key(t->r) == key(r); })) continue;
+        todo.push_back(start(r, limit));
+      }
+    } catch (...) {
+      workers_->wait();  // the queued jobs write into `todo`
+      throw;
     }
     workers_->wait();
     for (const auto& t : todo) remember(*t);
