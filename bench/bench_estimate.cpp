@@ -7,7 +7,8 @@
 //                           see Note [Estimates are not extrapolated over layers]
 //   BM_Sweep/llama-3.1-8b   1,000 recipes: batch × seq × precision × checkpointing × attention
 //   BM_Fit/<case>           trainmem fit: the recipe space timed, ordered, ruled out or replayed
-//   BM_FitReference/<case>  the same search without Note [Fewer replays] (plan::fit_reference)
+//   BM_FitReference/<case>  the same search without Note [Fewer replays], one estimate() per recipe on
+//                           one thread (plan::fit_reference)
 //   BM_GradAccum/<n>        one llama-3.1-8b estimate with n micro-batches per step
 #include <benchmark/benchmark.h>
 
