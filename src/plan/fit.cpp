@@ -178,7 +178,8 @@ class Planner {
 
   // Distinct recipes replayed or probed (a probe later replayed to the end counts once).
   std::uint64_t recipes_replayed() const {
-    return static_cast<std::uint64_t>(std::count_if(memo_.begin(), memo_.end(), [](const auto& kv) { return !kv.second.error; }));
+    return static_cast<std::uint64_t>(
+        std::count_if(memo_.begin(), memo_.end(), [](const auto& kv) { return !kv.second.error; }));
   }
 
  private:
@@ -462,7 +463,9 @@ bool plan::plainly_refused(const Recipe& r) {
   // validate_offload: offload is DeepSpeed's; parameters only under ZeRO-3; DeepSpeedCPUAdam.
   if (r.offload != Offload::kNone && !zero) return true;
   if ((r.offload == Offload::kParams || r.offload == Offload::kBoth) && r.parallel != Parallel::kZero3) return true;
-  if ((r.offload == Offload::kOptimizer || r.offload == Offload::kBoth) && r.optimizer != Optimizer::kAdamW) return true;
+  if ((r.offload == Offload::kOptimizer || r.offload == Offload::kBoth) && r.optimizer != Optimizer::kAdamW) {
+    return true;
+  }
   // validate_parallel, validate_tensor_parallel, validate_pipeline_parallel: ZeRO, tensor and
   // pipeline parallelism take a torch optimizer and the standard loss; ZeRO fp32 or bf16-master,
   // tensor parallelism one dtype, a pipeline no fp16-mixed.
