@@ -7,7 +7,8 @@
 //                           see Note [Estimates are not extrapolated over layers]
 //   BM_Sweep/llama-3.1-8b   1,000 recipes: batch × seq × precision × checkpointing × attention
 //   BM_Fit/<case>           trainmem fit: the recipe space timed, ordered, ruled out or replayed
-//   BM_FitReference/<case>  the same search without Note [Fewer replays] (plan::fit_reference)
+//   BM_FitReference/<case>  the same search without Note [Fewer replays], one estimate() per recipe on
+//                           one thread (plan::fit_reference)
 //   BM_GradAccum/<n>        one llama-3.1-8b estimate with n micro-batches per step
 #include <benchmark/benchmark.h>
 
@@ -152,7 +153,9 @@ constexpr std::array kFitCases{FitCase{"llama-3.1-8b", "h100-80gb", 4096, 64, 1}
                                FitCase{"qwen3-4b", "a100-40gb", 2048, 32, 1},
                                FitCase{"llama-3.1-70b", "rtx-4090", 4096, 1, 1},
                                FitCase{"llama-3.1-8b", "h100-80gb", 4096, 64, 8},
-                               FitCase{"qwen3-4b", "t4-16gb", 4096, 8, 1}};
+                               FitCase{"qwen3-4b", "t4-16gb", 4096, 8, 1},
+                               // issue #4's multi-GPU case: 8 of its 10 plans are pipelines
+                               FitCase{"llama-3.1-8b", "h100-80gb", 4096, 64, 4}};
 
 void fit_case(benchmark::State& state, FitResult (*search)(const Model&, const FitRequest&)) {
   const FitCase& c = kFitCases[state.range(0)];

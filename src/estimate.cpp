@@ -5,6 +5,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "estimate.h"
 #include "graph/step.h"
 #include "sim/simulator.h"
 
@@ -61,10 +62,23 @@ bool ranks_differ(const Recipe& r) {
 // data-parallel replicas.
 std::uint64_t rank_count(const Recipe& r) { return r.gpus * r.pp; }
 
-bool worse(const Estimate& a, const Estimate& b) {
+}  // namespace
+
+std::vector<std::uint64_t> detail::replayed_ranks(const Recipe& r) {
+  if (!ranks_differ(r)) return {0};
+  // See Note [The worst rank]: a stage's replicas are the same, so each stage is replayed once.
+  const std::uint64_t stride = r.pp > 1 ? r.gpus : 1;
+  std::vector<std::uint64_t> ranks;
+  for (std::uint64_t rank = 0; rank < rank_count(r); rank += stride) ranks.push_back(rank);
+  return ranks;
+}
+
+bool detail::worse_rank(const Estimate& a, const Estimate& b) {
   if (a.peak_reserved_bytes != b.peak_reserved_bytes) return a.peak_reserved_bytes > b.peak_reserved_bytes;
   return a.peak_allocated_bytes > b.peak_allocated_bytes;
 }
+
+namespace {
 
 Estimate run_ranks(const Model& model, const Recipe& resolved, const Gpu& gpu, const EstimateOptions& options) {
   const std::uint64_t ranks = rank_count(resolved);
@@ -72,11 +86,12 @@ Estimate run_ranks(const Model& model, const Recipe& resolved, const Gpu& gpu, c
     throw Error("rank " + std::to_string(options.rank) + " is not one of the " + std::to_string(ranks) +
                 " ranks (0.." + std::to_string(ranks - 1) + ")");
   }
-  const auto first = static_cast<std::uint64_t>(options.rank >= 0 ? options.rank : 0);
-  const std::uint64_t last = options.rank < 0 && ranks_differ(resolved) ? ranks - 1 : first;
+  const std::vector<std::uint64_t> replayed =
+      options.rank >= 0 ? std::vector<std::uint64_t>{static_cast<std::uint64_t>(options.rank)}
+                        : detail::replayed_ranks(resolved);
   // With several ranks, find the worst without a timeline or an event trace, then replay it
   // again with them.
-  const bool extras = last > first && (options.timeline || !options.trace_path.empty());
+  const bool extras = replayed.size() > 1 && (options.timeline || !options.trace_path.empty());
   EstimateOptions probe = options;
   if (extras) {
     probe.timeline = false;
@@ -85,14 +100,12 @@ Estimate run_ranks(const Model& model, const Recipe& resolved, const Gpu& gpu, c
   std::vector<RankPeak> peaks;
   std::uint64_t events = 0;
   Estimate best;
-  // See Note [The worst rank]: a stage's replicas are the same, so each stage is replayed once.
-  const std::uint64_t stride = resolved.pp > 1 ? resolved.gpus : 1;
-  for (std::uint64_t rank = first; rank <= last; rank += stride) {
+  for (std::uint64_t rank : replayed) {
     Estimate est = run(model, resolved, gpu, probe, rank);
     peaks.push_back({rank, est.peak_allocated_bytes, est.peak_reserved_bytes});
     events += est.events;
     const bool stopped = !est.complete;  // past the caller's limit: no rank can undo that
-    if (rank == first || worse(est, best)) best = std::move(est);
+    if (rank == replayed.front() || detail::worse_rank(est, best)) best = std::move(est);
     if (stopped) break;
   }
   if (extras) {

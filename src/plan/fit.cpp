@@ -20,15 +20,22 @@
 //    never wins and a complete one has the step's peaks. A recipe whose bound is above them is
 //    not replayed. The recipes are the ones the persistent floor leaves, as before.
 // Measured (bench/README.md), the replays they save are mostly cheap ones (probes that stop
-// early): CPU time drops by less than the replay count. Running a window's expandable-segments
-// probes in parallel too was tried and dropped: two more replays on 8 GPUs and no gain measured
-// on the shared 2-core machine.
+// early): CPU time drops by less than the replay count. A window of probes (Note [Planner
+// threads]) holds no more recipes than plans are still missing, so no probe lands past the last
+// plan, and its expandable-segments probes are the ones of its recipes that did not fit with the
+// default allocator: the walk probes exactly those next. (Running them in parallel with fixed
+// windows of four had cost two more replays on 8 GPUs.)
 // Only the counts (FitResult::simulated, pruned) change. ZeRO-1/2's ranks (Note [The worst rank]
 // in estimate.cpp) are not deduplicated: their partitions are disjoint ranges of the flat group,
 // so two ranks see alike parameters only when both lie inside one parameter (not done).
 #include <algorithm>
-#include <future>
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <functional>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <thread>
 #include <tuple>
@@ -36,6 +43,7 @@
 #include <string>
 
 #include "common/checked.h"
+#include "estimate.h"
 #include "graph/parallel.h"
 #include "graph/pipeline.h"
 #include "graph/quant.h"
@@ -47,41 +55,147 @@ namespace {
 
 constexpr std::uint64_t kMaxAccum = 1024;  // Recipe::validate's bound
 
+// Note [Planner threads]
+// The planner's replays are independent and deterministic, so it runs them on a few threads that
+// live as long as the search (Workers): a window's probes (Note [Search order]), the single
+// changes, and the ranks of one recipe that estimate() would replay one after the other (Note [The
+// worst rank] in estimate.cpp: a pipeline's stages, ZeRO-1/2's ranks). Each thread keeps the
+// traces and replay states it pooled (Note [Pooled replay state] in sim/simulator.cpp); the
+// search used to start a thread per probe (std::async), whose pools began empty every time, and
+// paid for it in fresh pages (bench/README.md, "Planner threads"). A recipe's ranks are replayed as
+// estimate() replays them and its worst rank picked by the same rule (detail::replayed_ranks,
+// detail::worse_rank): a probe replays the first rank alone and the others only when it stayed
+// under the limit (a stopped rank ends the probe: nothing after it can undo that; 1F1B's stage 0,
+// which holds the most micro-batches in flight, is where the probes that stop stop), a full
+// replay all of them at once. Ranks after a stopped one are never looked at, so nothing depends
+// on the thread count or on the order threads finish in. plan::fit_reference keeps the plain
+// estimate() of every recipe, one after the other, to compare against.
+class Workers {
+ public:
+  // `threads` besides the caller, which runs jobs in wait() too.
+  explicit Workers(std::size_t threads) {
+    for (std::size_t i = 0; i < threads; ++i) threads_.emplace_back([this] { work(); });
+  }
+  ~Workers() {
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      closing_ = true;
+    }
+    cv_.notify_all();
+    for (std::thread& t : threads_) t.join();
+  }
+  Workers(const Workers&) = delete;
+  Workers& operator=(const Workers&) = delete;
+
+  // Queues a job (which may queue more); jobs must not throw.
+  void add(std::function<void()> job) {
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      queue_.push_back(std::move(job));
+      ++pending_;
+    }
+    cv_.notify_all();  // a worker, or the caller in wait()
+  }
+
+  // Runs queued jobs on the calling thread too, until every job queued so far and every job they
+  // queued has finished.
+  void wait() {
+    std::unique_lock<std::mutex> lock(m_);
+    while (true) {
+      cv_.wait(lock, [this] { return pending_ == 0 || !queue_.empty(); });
+      if (pending_ == 0) return;
+      run_one(lock);
+    }
+  }
+
+ private:
+  void work() {
+    std::unique_lock<std::mutex> lock(m_);
+    while (true) {
+      cv_.wait(lock, [this] { return closing_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // closing, nothing left
+      run_one(lock);
+    }
+  }
+
+  void run_one(std::unique_lock<std::mutex>& lock) {
+    std::function<void()> job = std::move(queue_.front());
+    queue_.pop_front();
+    lock.unlock();
+    job();
+    lock.lock();
+    if (--pending_ == 0) cv_.notify_all();
+  }
+
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  std::size_t pending_ = 0;
+  bool closing_ = false;
+  std::vector<std::thread> threads_;
+};
+
+// Threads for the planner besides the caller's: the machine's cores, at most 16 in all.
+std::size_t worker_threads() {
+  const std::size_t cores = std::thread::hardware_concurrency();
+  return std::min<std::size_t>(cores, 16) - (cores > 0 ? 1 : 0);
+}
+
 // Replays for the planner, memoized by recipe. A probe may stop early (Note [Stopping early] in
 // sim/simulator.cpp): it answers "does it fit under `limit`?" exactly, and its peaks are then only
-// "more than the limit". A full replay always runs to the end.
+// "more than the limit". A full replay always runs to the end. `reference`: every recipe is one
+// estimate() on the caller's thread (plan::fit_reference).
 class Planner {
  public:
-  explicit Planner(const Model& m) : m_(m) {}
+  Planner(const Model& m, bool reference) : m_(m), reference_(reference) {
+    if (!reference) workers_.emplace(worker_threads());
+  }
 
   Plan replay(const Recipe& r) { return run(r, 0); }
 
   // Exact about peak_reserved_bytes <= limit; plan.complete says whether the peaks are the step's.
   Plan probe(const Recipe& r, std::uint64_t limit) { return run(r, limit); }
 
-  // Probes (limit > 0) or replays (limit 0) the recipes not known yet on all cores; probe() and
-  // replay() then find them. Results do not depend on the thread count: each replay is
-  // independent and deterministic.
+  // Probes (limit > 0) or replays (limit 0) the recipes not known yet, all at once on the
+  // planner's threads (See Note [Planner threads]); probe() and replay() then find them. A recipe
+  // the engine refuses throws when probe() or replay() asks for it.
   void prefetch(const std::vector<Recipe>& rs, std::uint64_t limit) {
-    std::vector<const Recipe*> todo;
-    for (const Recipe& r : rs) {
-      if (!known(r, limit)) todo.push_back(&r);
+    if (reference_) return;
+    std::vector<std::unique_ptr<Pending>> todo;
+    try {
+      for (const Recipe& r : rs) {
+        if (known(r, limit)) continue;
+        if (std::any_of(todo.begin(), todo.end(), [&](const auto& t) { return key(t->r) == key(r); })) continue;
+        todo.push_back(start(r, limit));
+      }
+    } catch (...) {
+      workers_->wait();  // the queued jobs write into `todo`
+      throw;
     }
-    if (todo.size() < 2) return;
-    std::vector<std::future<Plan>> jobs;
-    for (const Recipe* r : todo) {
-      jobs.push_back(std::async(std::launch::async, [this, r, limit] { return compute(*r, limit); }));
-    }
-    for (std::size_t i = 0; i < todo.size(); ++i) remember(*todo[i], jobs[i].get(), limit);  // rethrows here
+    workers_->wait();
+    for (const auto& t : todo) remember(*t);
   }
 
   // Distinct recipes replayed or probed (a probe later replayed to the end counts once).
-  std::uint64_t recipes_replayed() const { return memo_.size(); }
+  std::uint64_t recipes_replayed() const {
+    return static_cast<std::uint64_t>(
+        std::count_if(memo_.begin(), memo_.end(), [](const auto& kv) { return !kv.second.error; }));
+  }
 
  private:
   struct Known {
     Plan plan;
     std::uint64_t limit = 0;  // the stop limit it ran under (0: none)
+    std::exception_ptr error;  // the engine refused the recipe
+  };
+
+  // One recipe on the planner's threads: its ranks' estimates, filled in by the jobs.
+  struct Pending {
+    Recipe r;
+    std::uint64_t limit = 0;
+    std::vector<std::uint64_t> ranks;
+    std::vector<std::optional<Estimate>> est;  // by position in `ranks`
+    std::vector<std::exception_ptr> error;
   };
 
   // A complete replay answers everything; a stopped one says "peak > its limit", which answers a
@@ -89,25 +203,78 @@ class Planner {
   bool known(const Recipe& r, std::uint64_t limit) const {
     auto it = memo_.find(key(r));
     if (it == memo_.end()) return false;
-    return it->second.plan.complete || (limit != 0 && limit <= it->second.limit);
+    return it->second.error || it->second.plan.complete || (limit != 0 && limit <= it->second.limit);
   }
 
   Plan run(const Recipe& r, std::uint64_t limit) {
-    if (known(r, limit)) return memo_.at(key(r)).plan;
-    Plan p = compute(r, limit);
-    remember(r, p, limit);
-    return p;
+    if (!known(r, limit)) {
+      if (reference_) {
+        EstimateOptions opt;
+        opt.stop_above_reserved_bytes = limit;
+        memo_[key(r)] = Known{plan_of(r, estimate(m_, r, opt)), limit, nullptr};  // a refusal throws, unremembered
+      } else {
+        const std::unique_ptr<Pending> t = start(r, limit);
+        workers_->wait();
+        remember(*t);
+      }
+    }
+    const Known& k = memo_.at(key(r));
+    if (k.error) std::rethrow_exception(k.error);
+    return k.plan;
   }
 
-  void remember(const Recipe& r, const Plan& p, std::uint64_t limit) { memo_[key(r)] = Known{p, limit}; }
+  // Queues the estimates of `r`'s ranks (See Note [Planner threads]).
+  std::unique_ptr<Pending> start(const Recipe& r, std::uint64_t limit) {
+    auto t = std::make_unique<Pending>();
+    t->r = r;
+    t->limit = limit;
+    t->ranks = detail::replayed_ranks(r);
+    t->est.resize(t->ranks.size());
+    t->error.resize(t->ranks.size());
+    Pending* p = t.get();
+    auto job = [this, p](std::size_t i) {
+      try {
+        EstimateOptions opt;
+        opt.stop_above_reserved_bytes = p->limit;
+        if (p->ranks.size() > 1) opt.rank = static_cast<std::int64_t>(p->ranks[i]);
+        p->est[i] = estimate(m_, p->r, opt);
+      } catch (...) {
+        p->error[i] = std::current_exception();
+      }
+    };
+    if (limit == 0 || t->ranks.size() == 1) {
+      for (std::size_t i = 0; i < t->ranks.size(); ++i) workers_->add([job, i] { job(i); });
+    } else {
+      workers_->add([this, job, p] {
+        job(0);
+        if (!p->est[0] || !p->est[0]->complete) return;  // refused or stopped: the answer is known
+        for (std::size_t i = 1; i < p->ranks.size(); ++i) workers_->add([job, i] { job(i); });
+      });
+    }
+    return t;
+  }
 
-  Plan compute(const Recipe& r, std::uint64_t limit) const {
+  // The estimate() of a finished Pending: the worst rank, as run_ranks picks it.
+  void remember(const Pending& t) {
+    Known k;
+    k.limit = t.limit;
+    const Estimate* best = nullptr;
+    for (std::size_t i = 0; i < t.ranks.size(); ++i) {
+      if (t.error[i]) {
+        k.error = t.error[i];
+        break;
+      }
+      const Estimate& e = *t.est[i];
+      if (!best || detail::worse_rank(e, *best)) best = &e;
+      if (!e.complete) break;
+    }
+    if (!k.error) k.plan = plan_of(t.r, *best);
+    memo_[key(t.r)] = std::move(k);
+  }
+
+  Plan plan_of(const Recipe& r, const Estimate& e) const {
     Plan p;
-    p.recipe = r;
     p.time = step_time(m_, r);
-    EstimateOptions opt;
-    opt.stop_above_reserved_bytes = limit;
-    const Estimate e = estimate(m_, r, opt);
     p.recipe = e.recipe;  // LoRA targets resolved
     p.peak_allocated_bytes = e.peak_allocated_bytes;
     p.peak_reserved_bytes = e.peak_reserved_bytes;
@@ -140,6 +307,8 @@ class Planner {
   }
 
   const Model& m_;
+  const bool reference_;
+  std::optional<Workers> workers_;
   std::map<std::string, Known> memo_;
 };
 
@@ -186,7 +355,7 @@ bool pipeline_modelled(const Model& m, const Recipe& r) {
 }
 
 bool valid(const Recipe& r) {
-  return accepted([&] { r.validate(); });
+  return !plan::plainly_refused(r) && accepted([&] { r.validate(); });
 }
 
 // Whether the engine models `tp`-way tensor parallelism of this model (the family and the
@@ -280,6 +449,37 @@ std::uint64_t state_bytes_per_element(const Recipe& r) {
 }
 
 }  // namespace
+
+// Note [Refusals the search skips]
+// The search space is the product of every knob, and most of its ~20,000 combinations on several
+// GPUs are recipes Recipe::validate refuses (CPU offload without ZeRO, ZeRO with a precision,
+// optimizer or loss DeepSpeed's engine is not modelled with). Each refusal is an exception, ~5 us
+// with its message: 0.1 s of a multi-GPU search (bench/README.md, "Planner threads"). These few
+// refusals of recipe.cpp's validate_parallel and validate_offload are checked first, without one;
+// every other combination still goes through validate(). Fit.PlainRefusalsAreRefusals checks
+// that nothing validate() takes is refused here.
+bool plan::plainly_refused(const Recipe& r) {
+  const bool zero = is_zero(r.parallel);
+  // validate_offload: offload is DeepSpeed's; parameters only under ZeRO-3; DeepSpeedCPUAdam.
+  if (r.offload != Offload::kNone && !zero) return true;
+  if ((r.offload == Offload::kParams || r.offload == Offload::kBoth) && r.parallel != Parallel::kZero3) return true;
+  if ((r.offload == Offload::kOptimizer || r.offload == Offload::kBoth) && r.optimizer != Optimizer::kAdamW) {
+    return true;
+  }
+  // validate_parallel, validate_tensor_parallel, validate_pipeline_parallel: ZeRO, tensor and
+  // pipeline parallelism take a torch optimizer and the standard loss; ZeRO fp32 or bf16-master,
+  // tensor parallelism one dtype, a pipeline no fp16-mixed.
+  const bool torch_optimizer = r.optimizer == Optimizer::kAdamW || r.optimizer == Optimizer::kAdamWFused ||
+                               r.optimizer == Optimizer::kSgd;
+  if ((zero || r.tp > 1 || r.pp > 1) && (!torch_optimizer || r.loss != Loss::kStandard)) return true;
+  if (zero && r.precision != Precision::kFp32 && r.precision != Precision::kBf16Master) return true;
+  if (r.tp > 1 && r.precision != Precision::kFp32 && r.precision != Precision::kBf16True &&
+      r.precision != Precision::kFp16True) {
+    return true;
+  }
+  if (r.pp > 1 && r.precision == Precision::kFp16Mixed) return true;
+  return false;
+}
 
 std::uint64_t plan::persistent_floor(const Model& m, const Recipe& r) {
   const std::uint64_t pb = parameter_bytes(r.precision);
@@ -428,7 +628,7 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
   const bool dp_splits = out.global_batch % q.gpus == 0;
   const std::uint64_t per_gpu = dp_splits ? out.global_batch / q.gpus : 0;
 
-  Planner planner(model);
+  Planner planner(model, reference);
 
   // The user's recipe as given, at the global batch asked for; on several GPUs data-parallel
   // (DDP unless the recipe names the wrapper).
@@ -655,19 +855,28 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
   out.searched = space.size() * allocators.size();
 
   const std::uint64_t usable = out.capacity_bytes;
-  // Probes run kWindow at a time, in parallel; a fixed window keeps every count the same on any
-  // machine (a window can probe a few recipes past the last plan).
+  // Probes run a window at a time, all at once (Note [Planner threads]); a window is a fixed
+  // count of recipes, not of threads, which keeps every count the same on any machine.
   constexpr std::size_t window = 4;
   // Probes stop once reserved bytes pass the usable memory: exact about fitting, and most of the
-  // fastest recipes do not fit.
+  // fastest recipes do not fit. A window holds the next recipes the bounds leave, as many as plans
+  // are still missing and at most `window`: each recipe adds one plan at most, so the walk reaches
+  // every one of them and no probe lands past the last plan. Their first allocator's probes go
+  // first, then the next allocator's of those that did not fit, which the walk probes next.
+  std::size_t prefetched = 0;  // space[0, prefetched) is in a window already
   for (std::size_t i = 0; i < space.size() && out.plans.size() < q.top; ++i) {
     const Candidate& c = space[i];
-    if (i % window == 0) {  // the next window's first probes, in parallel
+    if (i == prefetched && !reference) {
       std::vector<Recipe> next;
-      for (std::size_t k = i; k < std::min(space.size(), i + window); ++k) {
-        if (space[k].bound <= usable) next.push_back(space[k].r);
+      const std::size_t want = std::min(window, q.top - out.plans.size());
+      for (; prefetched < space.size() && next.size() < want; ++prefetched) {
+        if (space[prefetched].bound <= usable) next.push_back(space[prefetched].r);
       }
-      planner.prefetch(next, usable);
+      for (AllocatorMode a : allocators) {
+        for (Recipe& r : next) r.allocator = a;
+        planner.prefetch(next, usable);
+        std::erase_if(next, [&](const Recipe& r) { return judged(planner.probe(r, usable), usable, host).fits; });
+      }
     }
     if (c.bound > usable) {
       out.pruned += allocators.size();
@@ -771,14 +980,10 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
     }
   }
 
-  // ---- single changes of the user's recipe
+  // ---- single changes of the user's recipe, gathered first and then replayed all at once
+  std::vector<std::pair<std::string, Recipe>> changes;
   auto change = [&](std::string what, Recipe r) {
-    if (!valid(r)) return;
-    try {
-      out.changes.push_back({std::move(what), judged(planner.replay(r), out.capacity_bytes, host)});
-    } catch (const Error&) {
-      // a change this model cannot take (e.g. LoRA defaults on Phi-3): not offered
-    }
+    if (valid(r)) changes.emplace_back(std::move(what), std::move(r));
   };
   for (Checkpointing c : {Checkpointing::kNone, Checkpointing::kFull}) {
     if (c != base.checkpointing) { Recipe r = base; r.checkpointing = c; change("checkpointing " + std::string(to_string(c)), r); }
@@ -906,6 +1111,18 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
     change(std::string(base.lora.enabled() ? "qlora" : "qlora 16 (default targets)") + ": nf4 base, double quant, " +
                std::string(to_string(r.precision)),
            r);
+  }
+  {
+    std::vector<Recipe> rs;
+    for (const auto& c : changes) rs.push_back(c.second);
+    planner.prefetch(rs, 0);
+  }
+  for (auto& [what, r] : changes) {
+    try {
+      out.changes.push_back({std::move(what), judged(planner.replay(r), out.capacity_bytes, host)});
+    } catch (const Error&) {
+      // a change this model cannot take (e.g. LoRA defaults on Phi-3): not offered
+    }
   }
   std::stable_sort(out.changes.begin(), out.changes.end(), [](const Change& a, const Change& b) {
     return a.plan.peak_reserved_bytes < b.plan.peak_reserved_bytes;

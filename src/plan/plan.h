@@ -25,8 +25,13 @@ std::uint64_t persistent_floor(const Model& m, const Recipe& r);
 // plan/fit.cpp): 0 where it is not counted. The peak is never below it either.
 std::uint64_t loss_floor(const Model& m, const Recipe& r);
 
-// Internal: the search before the loss floor and the closest miss's stop limit (kept for the
-// differential test and the benchmark; same answers, more replays).
+// A few of Recipe::validate's refusals, told without an exception (Note [Refusals the search
+// skips] in plan/fit.cpp): true only for recipes validate() refuses.
+bool plainly_refused(const Recipe& r);
+
+// Internal: the search before the loss floor and the closest miss's stop limit, with one
+// estimate() per recipe on the caller's thread (Note [Planner threads] in plan/fit.cpp); kept for
+// the differential tests and the benchmark: same answers, more replays.
 FitResult fit_reference(const Model& model, const FitRequest& request);
 
 }  // namespace trainmem::plan

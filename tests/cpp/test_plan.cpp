@@ -222,6 +222,109 @@ TEST(Fit, FewerReplaysGiveTheSameAnswers) {
   EXPECT_GE(fewer, 4u);
 }
 
+// The search's threads, its windows that end at the last plan, its single changes replayed at
+// once and its pipeline stages and ZeRO ranks replayed apart (Note [Planner threads] in
+// plan/fit.cpp) give every field of the reference search, which runs one estimate() per recipe on
+// one thread: on several GPUs, with pipelines among the plans, the stopped probes and the single
+// changes, and with nothing fitting.
+TEST(Fit, ThreadedSearchGivesTheReferenceAnswersOnSeveralGpus) {
+  struct Case {
+    const char* model;
+    std::uint64_t layers;
+    const char* gpu;
+    std::uint64_t seq, global_batch, gpus;
+    bool bf16_master = false;  // held: ZeRO-1/2 plans, whose ranks are replayed apart
+  };
+  const Case cases[] = {
+      {"llama-3.1-8b", 4, "rtx-4090", 2048, 16, 4},
+      {"llama-3.1-8b", 8, "a100-40gb", 2048, 16, 8},
+      {"llama-3.1-8b", 8, "t4-16gb", 4096, 4, 2},
+      {"qwen3-0.6b", 0, "rtx-4090", 512, 16, 4, true},
+  };
+  std::uint64_t pipeline_plans = 0, pipeline_changes = 0, nothing_fits = 0, zero_plans = 0;
+  for (const Case& c : cases) {
+    const Model full = load_model(c.model);
+    const Model m = c.layers ? model::with_layers(full, c.layers) : full;
+    FitRequest q;
+    q.base = base_recipe(c.gpu, c.seq);
+    if (!find_gpu(c.gpu).bf16) q.base.precision = Precision::kFp16Mixed;
+    if (c.bf16_master) {
+      q.base.precision = Precision::kBf16Master;
+      q.fixed = {"precision"};
+    }
+    q.global_batch = c.global_batch;
+    q.gpus = c.gpus;
+    const FitResult now = fit(m, q);
+    const FitResult before = plan::fit_reference(m, q);
+    nlohmann::json a = nlohmann::json::parse(report::fit_to_json(c.model, now));
+    nlohmann::json b = nlohmann::json::parse(report::fit_to_json(c.model, before));
+    const std::string what = std::string(c.model) + " on " + c.gpu + " seq " + std::to_string(c.seq) + " batch " +
+                             std::to_string(c.global_batch) + " x" + std::to_string(c.gpus);
+    EXPECT_EQ(a["searched"], b["searched"]) << what;
+    EXPECT_LE(now.simulated, before.simulated) << what;
+    for (const char* counter : {"simulated", "pruned"}) {
+      a.erase(counter);
+      b.erase(counter);
+    }
+    EXPECT_EQ(a.dump(1), b.dump(1)) << what;
+    for (const Plan& p : now.plans) {
+      pipeline_plans += p.recipe.pp > 1;
+      zero_plans += p.recipe.parallel == Parallel::kZero1 || p.recipe.parallel == Parallel::kZero2;
+    }
+    for (const Change& x : now.changes) pipeline_changes += x.plan.recipe.pp > 1;
+    nothing_fits += now.plans.empty();
+  }
+  EXPECT_GE(pipeline_plans, 4u);
+  EXPECT_GE(pipeline_changes, 4u);
+  EXPECT_GE(zero_plans, 1u);
+  EXPECT_GE(nothing_fits, 1u);
+}
+
+// The search skips a few refusals without asking Recipe::validate (Note [Refusals the search
+// skips] in plan/fit.cpp); it must never skip a recipe validate() takes, and it does skip most of
+// what validate() refuses among these.
+TEST(Fit, PlainRefusalsAreRefusals) {
+  std::uint64_t refused = 0, skipped = 0;
+  for (Parallel dp : {Parallel::kNone, Parallel::kDdp, Parallel::kFsdp, Parallel::kZero1, Parallel::kZero2, Parallel::kZero3})
+  for (Precision p : {Precision::kFp32, Precision::kBf16Mixed, Precision::kBf16True, Precision::kBf16Master,
+                      Precision::kFp16Mixed, Precision::kFp16True})
+  for (Optimizer o : {Optimizer::kAdamW, Optimizer::kAdamWFused, Optimizer::kAdamW8bit, Optimizer::kAdafactor, Optimizer::kSgd})
+  for (Loss l : {Loss::kStandard, Loss::kFused})
+  for (Offload off : {Offload::kNone, Offload::kOptimizer, Offload::kParams, Offload::kBoth})
+  for (std::uint64_t gpus : {1, 4})
+  for (std::uint64_t lora : {0, 16})
+  for (std::uint64_t tp : {1, 2})
+  for (std::uint64_t pp : {1, 2}) {
+    Recipe r = base_recipe("h100-80gb", 1024);
+    r.parallel = dp;
+    r.gpus = dp == Parallel::kNone ? 1 : gpus;
+    r.tp = tp;
+    r.pp = pp;
+    r.grad_accum = pp;
+    r.precision = p;
+    r.optimizer = o;
+    r.loss = l;
+    r.offload = off;
+    if (lora) {
+      r.lora.rank = lora;
+      r.lora.targets = {"default"};
+    }
+    bool ok = true;
+    try {
+      r.validate();
+    } catch (const Error&) {
+      ok = false;
+    }
+    const bool plain = plan::plainly_refused(r);
+    EXPECT_FALSE(ok && plain) << to_string(dp) << " " << to_string(p) << " " << to_string(o) << " " << to_string(l)
+                              << " " << to_string(off) << " gpus " << r.gpus << " lora " << lora << " tp " << tp
+                              << " pp " << pp;
+    refused += !ok;
+    skipped += plain;
+  }
+  EXPECT_GT(skipped, refused / 2);
+}
+
 // With a 4-bit base the floor counts the packed weights and fp32 for the rest: still below the
 // replayed peak, and the planner offers QLoRA as a single change of a full fine-tuning recipe.
 TEST(Fit, QloraFloorAndSingleChange) {
