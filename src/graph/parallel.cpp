@@ -516,7 +516,9 @@ void DataParallel::reduce(Unit& u) {
   // unsharded_grads.clear() after the copy-in frees them, all but the last: the loop variable of
   // foreach_reduce's first loop (over the Shard(i > 0) parameters) still holds it until the
   // function returns (measured: cpu-fsdp-gpt2l2-fp32-adamw-bf16params-b2s32, whose peak is there).
-  for (std::size_t k = 0; k + 1 < grads.size(); ++k) t_.release(grads[k]);
+  // CPython's list clear drops the items from the last to the first (the traces of
+  // cpu-pp2fsdp2-*: a unit's MLP gradients go before its attention's).
+  for (std::size_t k = grads.size() - 1; k-- > 0;) t_.release(grads[k]);
   TensorId out = t_.alloc_bytes(out_bytes, Category::kGradients);
   if (!cuda_) {  // gloo's temporary, gone inside the collective: See Note [gloo's reduce-scatter temporary]
     t_.release(t_.alloc_bytes(detail::mul(out_bytes, shard_world_, "reduce-scatter bytes"), Category::kGradients));
