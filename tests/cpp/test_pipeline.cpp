@@ -215,6 +215,32 @@ TEST(Pipeline, FsdpReducesOnlyAtPerformReduceGrad) {
   for (const auto& [step, first] : first_reduce_scatter) EXPECT_GT(first, last_layer_backward[step]) << step;
 }
 
+TEST(Pipeline, FsdpShardsOnlyTheStagesOwnParameters) {
+  // pp 3 x dp 2 (measured: cpu-pp3fsdp2-llamaw512l4-fp32-sgd-ga3-b1s64; 2, 1, 1 layers): fully_shard
+  // gives each stage the shards of its own parameters only, and the middle stage's root (no
+  // embedding, no head) none: its shards are layer 2's half (a layer is 15,732,736 B in fp32).
+  Recipe r = pp2_fsdp2();
+  r.pp = 3;
+  r.grad_accum = 3;
+  r.validate();
+  auto sharded_bytes = [&](std::uint64_t rank) {
+    const graph::Trace t = graph::build_training_trace(llama_w512(), r, find_gpu(r.gpu), {}, rank);
+    std::uint64_t bytes = 0;
+    for (const graph::Event& ev : t.events) {
+      if (ev.alloc && t.moments[ev.moment].op == "fsdp.fully_shard") bytes += t.storages[ev.tensor].bytes;
+    }
+    return bytes;
+  };
+  EXPECT_EQ(sharded_bytes(2), 15'732'736u / 2);
+  // Stage 0: the embedding (1,000 x 512 fp32) and layers 0 and 1, halved.
+  EXPECT_EQ(sharded_bytes(0), (2'048'000u + 2 * 15'732'736u) / 2);
+  const Estimate e = estimate(llama_w512(), r);
+  ASSERT_EQ(e.ranks.size(), 3u);
+  EXPECT_EQ(e.ranks[0].peak_allocated_bytes, 119'101'952u);
+  EXPECT_EQ(e.ranks[1].peak_allocated_bytes, 70'605'824u);
+  EXPECT_EQ(e.ranks[2].peak_allocated_bytes, 73'178'624u);
+}
+
 TEST(Pipeline, FsdpWithoutReshardAfterForwardHoldsTheWholeStage) {
   // torchtitan's default under PP (reshard_after_forward=False): a layer gathered once stays so to
   // perform_reduce_grad, and each stage peaks at what it holds without FSDP2 (measured:

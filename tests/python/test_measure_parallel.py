@@ -419,6 +419,25 @@ def test_pp_with_ddp_world_size_4(tiny_llama):
     assert "--gpus 2 --parallel ddp --pp 2" in out["command"]
 
 
+def test_pp_with_fsdp_world_size_4(tiny_llama):
+    """PP x FSDP2: 2 stages x 2 FSDP2 ranks, each stage's layers and stage module sharded over its dp
+    group. A stage's ranks hold the same memory; the optimizer states are over the shards (about half
+    the stage's), and the unsharded .grads accumulate whole until perform_reduce_grad reduces them."""
+    r = Recipe(batch=1, seq=8, grad_accum=2, precision="fp32", optimizer="sgd", pp=2, gpus=2, parallel="fsdp")
+    out = measure(str(tiny_llama), r)
+    info = out["diagnostics"]["parallel"]
+    assert info["world_size"] == 4 and len(info["ranks"]) == 4
+    ranks = info["ranks"]
+    for a, b in ((0, 1), (2, 3)):
+        assert ranks[a]["peak_allocated_bytes"] == ranks[b]["peak_allocated_bytes"]
+        assert ranks[a]["breakdown_at_peak"] == ranks[b]["breakdown_at_peak"]
+    alone = measure(str(tiny_llama), Recipe(batch=1, seq=8, grad_accum=2, precision="fp32", optimizer="sgd", pp=2))
+    for x in ranks:
+        a = alone["diagnostics"]["parallel"]["ranks"][x["rank"] // 2]["breakdown_at_peak"]
+        assert 0.45 * a["optimizer_states"] < x["breakdown_at_peak"]["optimizer_states"] < 0.55 * a["optimizer_states"]
+    assert "--gpus 2 --parallel fsdp --pp 2" in out["command"]
+
+
 def test_pp_split_gives_earlier_stages_the_remainder():
     from trainmem.measure.pipeline import split_layers
 
