@@ -65,10 +65,10 @@ namespace trainmem::graph {
 //    stays fp32; the last stage's logits are bf16 (lm_head under autocast). torchtitan has no
 //    autocast with pipelining (it refuses mixed precision with PP unless FSDP does it):
 //    torchtitan/distributed/utils.py maybe_enable_amp.
-// Not modelled (refused): pipeline with tensor parallelism or ZeRO, FSDP2 with HSDP, interleaved
-// and zero-bubble schedules (several stages per rank), fp16-mixed (a GradScaler inside loss_fn),
-// LoRA and quantized bases, flash attention, tied embeddings, other families, inference. On CUDA
-// the P2P sends run on NCCL's streams (record_stream): unmeasured.
+// Not modelled (refused): pipeline with tensor parallelism or ZeRO, interleaved and zero-bubble
+// schedules (several stages per rank), fp16-mixed (a GradScaler inside loss_fn), LoRA and
+// quantized bases, flash attention, tied embeddings, other families, inference. On CUDA the P2P
+// sends run on NCCL's streams (record_stream): unmeasured.
 
 // Note [Pipeline with DDP]
 // PP x DP with DDP (--pp P --gpus D --parallel ddp: P x D ranks, rank = stage x D + dp rank, a 2-D
@@ -98,11 +98,13 @@ namespace trainmem::graph {
 // units of Note [FSDP2 units], per stage: fully_shard on each decoder layer the stage holds, then on
 // the stage module (the root: whichever of the embedding, the final norm and lm_head the stage
 // keeps; a middle stage's root manages no parameter and has no param group), over the dp dimension
-// of the (pp, dp) mesh. torchtitan (torchtitan/models/llama3/infra/parallelize.py apply_fsdp, on
-// each pipeline model part) shards the layers and the part the same way, but gives the embedding
-// and [norm, output] units of their own (not measured here) and, under PP, defaults to
-// reshard_after_forward=False (measured). The PipelineStage drives the units (torch 2.13,
-// torch/distributed/pipelining/stage.py; the FSDP2 side in torch/distributed/fsdp/_fully_shard/):
+// of the (pp, dp) mesh (HSDP, fsdp_replicate R: the (replicate, shard) dimensions of a (pp, R,
+// D / R) mesh, as torchtitan's dp_replicate x fsdp; Note [FSDP2 variants]). torchtitan
+// (torchtitan/models/llama3/infra/parallelize.py apply_fsdp, on each pipeline model part) shards
+// the layers and the part the same way, but gives the embedding and [norm, output] units of their
+// own (not measured here) and, under PP, defaults to reshard_after_forward=False (measured). The
+// PipelineStage drives the units (torch 2.13, torch/distributed/pipelining/stage.py; the FSDP2
+// side in torch/distributed/fsdp/_fully_shard/):
 //  * forward_maybe_with_nosync does nothing for an FSDPModule: each forward runs FSDP2's hooks as
 //    on one stage (the root gathers in its pre-forward and stays gathered, each layer gathers in
 //    its pre-forward and reshards in its post-forward; the root's post-forward frees the last
@@ -141,9 +143,11 @@ namespace trainmem::graph {
 //    reduce-scatters them as in Note [FSDP2 units] (the previous unit's reduce-scatter input freed
 //    first). Then _root_post_backward_final_callback with is_last_backward: finalize_backward, and
 //    the last reduce-scatter state is dropped. scale_grads then divides the sharded .grads in place.
-// Measured on pp2 x dp2 and pp3 x dp2 gloo ranks (data/ground_truth/parallel/cpu-pp2fsdp2-*,
-// cpu-pp3fsdp2-*, every rank exact), with the settle wait of Note [gloo's reduce-scatter
-// temporary]. HSDP is refused under a pipeline (a 3-D mesh pp, replicate, shard: unmeasured).
+//  * HSDP: finalize_backward, which frees a reduce-dtype all-reduce state (Note [FSDP2 variants]),
+//    runs in that last callback only, so every unit's is held to the end of perform_reduce_grad.
+// Measured on pp2 x dp2, pp3 x dp2 and pp2 x (2 x 2) HSDP gloo ranks (data/ground_truth/parallel/
+// cpu-pp2fsdp2-*, cpu-pp3fsdp2-*, cpu-pp2hsdp4-*, every rank exact), with the settle wait of Note
+// [gloo's reduce-scatter temporary]. gpus 1 is refused (nothing to shard over; measured nowhere).
 
 StageLayers pipeline_stage_layers(std::uint64_t num_layers, std::uint64_t stages, std::uint64_t stage) {
   const std::uint64_t base = num_layers / stages, extra = num_layers % stages;

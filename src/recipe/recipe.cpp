@@ -188,10 +188,6 @@ void validate_pipeline_parallel(const Recipe& r) {
     throw Error(pp + " with parallel fsdp and gpus 1: FSDP2 under a pipeline shards each stage over its gpus "
                      "data-parallel ranks and is modelled for 2 or more; use gpus 2 or more, or parallel none");
   }
-  if (r.parallel == Parallel::kFsdp && r.fsdp.replicate != 1) {
-    throw Error(pp + " with fsdp_replicate " + std::to_string(r.fsdp.replicate) +
-                ": HSDP under a pipeline (a 3-D mesh pp, replicate, shard) is not modelled yet; use fsdp_replicate 1");
-  }
   if (r.mode == Mode::kInference) throw Error(pp + " is a training knob; inference runs on one GPU");
   if (r.lora.enabled() || r.quant.any()) throw Error(pp + " with LoRA or a quantized base is not modelled");
   if (!torch_optimizer(r.optimizer)) {

@@ -160,8 +160,8 @@ def test_pipeline_keywords(trainmem_bin):
     # PP x FSDP2: each stage sharded over its replicas (Note [Pipeline with FSDP2]); only FSDP2's defaults.
     fsdp = trainmem.estimate("mistral-7b-v0.3", **kw, gpus=2, parallel="fsdp")
     assert [r["rank"] for r in fsdp.ranks] == [0, 2] and fsdp.peak_allocated_bytes < dp.peak_allocated_bytes
-    with pytest.raises(ValueError, match="HSDP under a pipeline"):
-        trainmem.estimate("mistral-7b-v0.3", **kw, gpus=4, parallel="fsdp", fsdp_replicate=2)
+    with pytest.raises(ValueError, match="with parallel fsdp and gpus 1"):
+        trainmem.estimate("mistral-7b-v0.3", **kw, parallel="fsdp")
 
 
 def test_fsdp_variant_keywords(trainmem_bin):

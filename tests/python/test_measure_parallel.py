@@ -366,7 +366,6 @@ def test_zero3_world_size_2(tiny_gpt2):
 @pytest.mark.parametrize("knobs,message", [
     ({"pp": 0}, "pp must be an integer between 1 (no pipeline parallelism) and 64, got 0"),
     ({"pp": 2, "grad_accum": 2, "gpus": 2, "parallel": "zero2"}, "a data-parallel wrapper other than DDP or FSDP2"),
-    ({"pp": 2, "grad_accum": 2, "gpus": 4, "parallel": "fsdp", "fsdp_replicate": 2}, "HSDP under a pipeline"),
     ({"pp": 2, "grad_accum": 2, "gpus": 1, "parallel": "fsdp"}, "parallel='fsdp' and gpus=1 is not measured"),
     ({"pp": 2, "grad_accum": 2, "tp": 2, "precision": "fp32"}, "combined with tensor parallelism"),
     ({"pp": 2, "grad_accum": 1, "precision": "fp32"}, "needs grad_accum (the schedule's n_microbatches) >= pp"),

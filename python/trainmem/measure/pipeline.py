@@ -152,8 +152,16 @@ def make_stage(model: torch.nn.Module, recipe: Recipe, device: str):
     if recipe.gpus > 1:  # PP x DP: a 2-D mesh (pp, dp), as torchtitan's (pp outermost)
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(torch.device(device).type, (stages, recipe.gpus), mesh_dim_names=("pp", "dp"))
-        rank, group, dp_group = mesh["pp"].get_local_rank(), mesh.get_group("pp"), mesh.get_group("dp")
+        if recipe.parallel == "fsdp" and recipe.fsdp_replicate > 1:  # HSDP: (pp, replicate, shard)
+            mesh = init_device_mesh(torch.device(device).type,
+                                    (stages, recipe.fsdp_replicate, recipe.gpus // recipe.fsdp_replicate),
+                                    mesh_dim_names=("pp", "replicate", "shard"))
+            dp_mesh = mesh["replicate", "shard"]
+        else:
+            mesh = init_device_mesh(torch.device(device).type, (stages, recipe.gpus), mesh_dim_names=("pp", "dp"))
+            dp_mesh = mesh["dp"]
+            dp_group = mesh.get_group("dp")
+        rank, group = mesh["pp"].get_local_rank(), mesh.get_group("pp")
     cuts = split_layers(model.config.num_hidden_layers, stages)
     base = model.model
     for i in range(len(base.layers)):
@@ -165,8 +173,8 @@ def make_stage(model: torch.nn.Module, recipe: Recipe, device: str):
         base.norm = None
         model.lm_head = None
     module = _StageModule(model, rank, stages, cuts[rank], stage_autocast(recipe, device))
-    if dp_group is not None and recipe.parallel == "fsdp":
-        module = _fully_shard(module, recipe, mesh["dp"], [base.layers[i] for i in cuts[rank]])
+    if recipe.gpus > 1 and recipe.parallel == "fsdp":
+        module = _fully_shard(module, recipe, dp_mesh, [base.layers[i] for i in cuts[rank]])
     elif dp_group is not None:
         module = _data_parallel(module, recipe, dp_group)
     cfg = model.config
@@ -205,7 +213,7 @@ def _data_parallel(module: torch.nn.Module, recipe: Recipe, dp_group) -> torch.n
     with capture:  # the Reducer's buckets are made here, in C++, through aten
         runner = DistributedDataParallel(module, process_group=dp_group)
     runner._trainmem_made = capture.made
-    _reseed_replica(dp_group)
+    _reseed_replica(recipe)
     return runner
 
 
@@ -213,7 +221,8 @@ def _fully_shard(module: torch.nn.Module, recipe: Recipe, dp_mesh, layers: list)
     """PP x FSDP2: the 1-D recipe's units (parallel.wrap_model) on each stage: fully_shard every
     decoder layer the stage holds, then the stage module (the root: the embedding, the final norm
     and lm_head, whichever it keeps), over the dp dimension of the (pp, dp) mesh, with the recipe's
-    FSDP2 knobs. torchtitan's apply_fsdp (torchtitan/models/llama3/infra/parallelize.py) shards each
+    FSDP2 knobs (HSDP: the (replicate, shard) dimensions of a (pp, replicate, shard) mesh, as
+    torchtitan's dp_replicate x fsdp). torchtitan's apply_fsdp (torchtitan/models/llama3/infra/parallelize.py) shards each
     model part the same way but gives the embedding and [norm, output] units of their own, and
     under PP defaults to reshard_after_forward=False. The PipelineStage drives the units
     (stage.py backward_maybe_with_nosync, perform_reduce_grad). Each replica draws its own batch,
@@ -228,18 +237,19 @@ def _fully_shard(module: torch.nn.Module, recipe: Recipe, dp_mesh, layers: list)
     for layer in layers:
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=recipe.fsdp_reshard_after_forward, mp_policy=mp_policy)
     fully_shard(module, mesh=dp_mesh, mp_policy=mp_policy)  # the root: reshard_after_forward None, False
-    _reseed_replica(dp_mesh.get_group())
+    _reseed_replica(recipe)
     return module
 
 
-def _reseed_replica(dp_group) -> None:
-    """Data-parallel rank d > 0 reseeds with SEED + d, so every stage of a replica draws the same
-    batch (and stage d of replica 0 rank 0's)."""
+def _reseed_replica(recipe: Recipe) -> None:
+    """Data-parallel rank d > 0 (rank = stage x gpus + d, over the dp or (replicate, shard)
+    dimensions) reseeds with SEED + d, so every stage of a replica draws the same batch (and stage d
+    of replica 0 rank 0's)."""
     import torch.distributed as dist
 
     from .run import SEED
 
-    dp_rank = dist.get_rank(dp_group)
+    dp_rank = dist.get_rank() % recipe.gpus
     if dp_rank > 0:
         torch.manual_seed(SEED + dp_rank)
 

@@ -261,9 +261,6 @@ class Recipe:
         if self.parallel == "fsdp" and self.gpus < 2:
             raise RecipeError(f"pp={self.pp} with parallel='fsdp' and gpus=1 is not measured: FSDP2 shards each stage "
                               "over its data-parallel ranks; use gpus 2 or more, or parallel none")
-        if self.parallel == "fsdp" and self.fsdp_replicate != 1:
-            raise RecipeError(f"pp={self.pp} with fsdp_replicate={self.fsdp_replicate} is not measured: HSDP under a "
-                              "pipeline needs a 3-D mesh (pp, replicate, shard); use fsdp_replicate 1")
         if self.is_inference:
             raise RecipeError(f"pp={self.pp} is a training knob: inference runs on one process")
         if self.uses_lora or self.load_in_4bit or self.load_in_8bit:
