@@ -71,7 +71,9 @@ constexpr std::uint64_t kBucketCapBytes = std::uint64_t{25} << 20;
 //    inside the collective (gradients; Note [gloo's reduce-scatter temporary]); NCCL allocates
 //    nothing through the caching allocator. See Note [Collectives on CUDA].
 // Everything a collective allocates is weights (all-gather) or gradients (reduce-scatter), as
-// the measuring side counts it (docs/parallelism.md, "Categories").
+// the measuring side counts it (docs/parallelism.md, "Categories"). A pipeline stage's units run
+// their post-backward without reduction or reshard until perform_reduce_grad: See Note [Pipeline
+// with FSDP2] in pipeline.cpp.
 
 // Note [FSDP2 variants]
 // The knobs of Recipe::fsdp, as torch 2.13's FSDP2 runs them (torch/distributed/fsdp/_fully_shard/):
