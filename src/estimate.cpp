@@ -51,7 +51,8 @@ Estimate run(const Model& model, const Recipe& resolved, const Gpu& gpu, const E
 //    loss, and 1F1B keeps a different number of micro-batches in flight on each (Note [Pipeline
 //    parallelism] in graph/pipeline.cpp): every stage is replayed, the stage being the rank. Under
 //    PP x DP (rank = stage x gpus + dp rank) a stage's DDP replicas allocate the same (Note
-//    [Pipeline with DDP]): each stage's data-parallel rank 0 stands for its replicas.
+//    [Pipeline with DDP]), and so do its FSDP2 ranks, over the same padded shards (Note [Pipeline
+//    with FSDP2]): each stage's data-parallel rank 0 stands for its replicas.
 // The worst rank is the one with the most reserved bytes at its peak (what must fit), then the most
 // allocated bytes, then the lowest rank.
 bool ranks_differ(const Recipe& r) {

@@ -71,7 +71,9 @@ constexpr std::uint64_t kBucketCapBytes = std::uint64_t{25} << 20;
 //    inside the collective (gradients; Note [gloo's reduce-scatter temporary]); NCCL allocates
 //    nothing through the caching allocator. See Note [Collectives on CUDA].
 // Everything a collective allocates is weights (all-gather) or gradients (reduce-scatter), as
-// the measuring side counts it (docs/parallelism.md, "Categories").
+// the measuring side counts it (docs/parallelism.md, "Categories"). A pipeline stage's units run
+// their post-backward without reduction or reshard until perform_reduce_grad: See Note [Pipeline
+// with FSDP2] in pipeline.cpp.
 
 // Note [FSDP2 variants]
 // The knobs of Recipe::fsdp, as torch 2.13's FSDP2 runs them (torch/distributed/fsdp/_fully_shard/):
@@ -128,6 +130,7 @@ DataParallel::DataParallel(Tape& tape, const Recipe& recipe, bool cuda, std::uin
   // TP x DP (a tensor-parallel model under FSDP2): FSDP2 shards each rank's TP-local parameters
   // over the dp group, which is what wrap() does with the local model the step builder passes.
   reshard_after_forward_ = f.reshard_after_forward;
+  pp_no_sync_ = recipe.pp > 1;  // See Note [Pipeline with FSDP2] in pipeline.cpp
   cast_params_ = f.param_dtype != FsdpDtype::kNone;
   // init_dtype_attrs clamps a reduce_dtype equal to param_dtype to None.
   if (f.reduce_dtype != FsdpDtype::kNone && f.reduce_dtype != f.param_dtype) {
@@ -169,10 +172,15 @@ void DataParallel::wrap(std::vector<WrappedParam>& params, const std::vector<std
   t_.at(Phase::kSetup, kNoLayer, "fsdp.fully_shard");
   shard_numel_.assign(params.size(), 0);
   unsharded_.assign(params.size(), kNone);
+  fsdp_accumulated_.assign(params.size(), kNone);
   units_.clear();
   for (const auto& l : layers) units_.push_back(Unit{l});
   units_.push_back(Unit{root});
   for (Unit& u : units_) {
+    // Another pipeline stage's parameter is not in this stage's module: no shard, not in the unit.
+    u.params.erase(std::remove_if(u.params.begin(), u.params.end(),
+                                  [&](std::uint32_t pi) { return params[pi].storage == kNone; }),
+                   u.params.end());
     for (std::uint32_t pi : u.params) {
       WrappedParam& p = params[pi];
       std::uint64_t shard = 0;
@@ -217,7 +225,7 @@ void DataParallel::pre_forward() {
   } else if (kind_ == Parallel::kFsdp) {
     Unit& root = units_.back();
     t_.at(Phase::kForward, kNoLayer, "fsdp.all_gather");  // the root's pre-forward: the forward has begun
-    if (!root.gathered) {
+    if (!root.gathered && !root.params.empty()) {  // a middle pipeline stage's root holds none
       if (root.flat == kNone) all_gather(root);
       copy_out(root);
     }
@@ -246,9 +254,16 @@ void DataParallel::post_forward() {
 
 void DataParallel::backward_begin() {
   post_forward();  // a no-op where the step builder has called it
+  root_pre_backward();
+}
+
+void DataParallel::root_pre_backward() {
   if (kind_ != Parallel::kFsdp || units_.size() < 2) return;
-  // The root's pre-backward prefetches the last layer (see Note [FSDP2 units]).
-  Unit& last = units_[units_.size() - 2];
+  // The root's pre-backward prefetches the last layer (see Note [FSDP2 units]): a pipeline
+  // stage's own last layer.
+  auto it = std::find_if(units_.rbegin() + 1, units_.rend(), [](const Unit& u) { return !u.params.empty(); });
+  if (it == units_.rend()) return;
+  Unit& last = *it;
   if (last.gathered || last.flat != kNone) return;
   t_.at(Phase::kBackward, kNoLayer, "fsdp.all_gather");
   all_gather(last);
@@ -256,16 +271,24 @@ void DataParallel::backward_begin() {
 
 void DataParallel::layer_change(std::int32_t from, std::int32_t to) {
   if (kind_ != Parallel::kFsdp) return;
-  if (from >= 0) reduce(units_[static_cast<std::size_t>(from)]);
+  // Under a pipeline the post-backward neither reduces nor reshards (See Note [Pipeline with FSDP2]).
+  if (from >= 0) {
+    Unit& u = units_[static_cast<std::size_t>(from)];
+    if (pp_no_sync_) {
+      pp_post_backward(u);
+    } else {
+      reduce(u);
+    }
+  }
   if (to >= 0) {
     Unit& u = units_[static_cast<std::size_t>(to)];
     if (!u.gathered) {
       if (u.flat == kNone) all_gather(u);
       copy_out(u);
     }
-    if (to > 0) {
+    if (to > 0) {  // not into another pipeline stage's layer: the stage's first prefetches its root
       Unit& prev = units_[static_cast<std::size_t>(to - 1)];
-      if (!prev.gathered && prev.flat == kNone) all_gather(prev);
+      if (!prev.params.empty() && !prev.gathered && prev.flat == kNone) all_gather(prev);
     }
   }
 }
@@ -291,12 +314,36 @@ void DataParallel::backward_end() {
 
 void DataParallel::final_callback() {
   if (kind_ != Parallel::kFsdp) return;
+  if (pp_no_sync_) {
+    // Under a pipeline is_last_backward is False and reduce_grads off: the post-backwards left to
+    // the callback (the root's, all_states' first) reduce nothing, and nothing is finalized (See
+    // Note [Pipeline with FSDP2]).
+    pp_post_backward(units_.back());
+    for (std::size_t i = 0; i + 1 < units_.size(); ++i) pp_post_backward(units_[i]);
+    return;
+  }
   // _root_post_backward_final_callback, queued by the root's pre-backward: it runs inside the
   // backward call (the seed gradient is still held); the root (and any unit whose post-backward
   // did not run) reduces, then the last reduce-scatter state is dropped.
   reduce(units_.back());
   for (Unit& u : units_) reduce(u);
   for (TensorId id : all_reduce_inputs_) t_.release(id);  // finalize_backward drops _all_reduce_state
+  all_reduce_inputs_.clear();
+  if (pending_reduce_input_ != kNone) {
+    t_.release(pending_reduce_input_);
+    pending_reduce_input_ = kNone;
+  }
+}
+
+void DataParallel::pipeline_reduce_grad() {
+  if (kind_ != Parallel::kFsdp) return;
+  // See Note [Pipeline with FSDP2]: post_backward over all_states, the root's first and then the
+  // layers' in forward order, each resharding and reduce-scattering what its gradients
+  // accumulated; then the final callback (is_last_backward) drops the last reduce-scatter state.
+  t_.at(t_.phase(), kNoLayer, "fsdp.post_backward");
+  reduce(units_.back());
+  for (std::size_t i = 0; i + 1 < units_.size(); ++i) reduce(units_[i]);
+  for (TensorId id : all_reduce_inputs_) t_.release(id);
   all_reduce_inputs_.clear();
   if (pending_reduce_input_ != kNone) {
     t_.release(pending_reduce_input_);
@@ -413,11 +460,40 @@ void DataParallel::reshard(Unit& u) {
 // one of the unit held to the end of foreach_reduce as always. Measured:
 // data/ground_truth/parallel/cpu-tp2dp2sp-* (docs/parallelism.md "TP x DP").
 
+// A unit's post-backward with reduce_grads off, in a pipeline's schedule (See Note [Pipeline with
+// FSDP2]): no reshard, no reduction; with a reduce_dtype the unsharded .grads are accumulated in it.
+void DataParallel::pp_post_backward(Unit& u) {
+  if (!reduce_dtype_ || *reduce_dtype_ == u.dtype) return;
+  // accumulate_unsharded_grad_if_needed: the new .grad added into the accumulated one in place.
+  for (std::uint32_t pi : u.params) {
+    const std::uint32_t slot = params_[pi].slot;
+    if (fsdp_accumulated_[pi] == kNone || t_.param_grad(slot) == kNone) continue;
+    t_.at(t_.phase(), kNoLayer, "fsdp.accumulate_grad");
+    t_.release(t_.param_grad(slot));
+    t_.set_param_grad(slot, kNone);
+  }
+  // to_accumulated_grad_if_needed: a .grad still there becomes a reduce-dtype copy.
+  for (std::uint32_t pi : u.params) {
+    const std::uint32_t slot = params_[pi].slot;
+    if (t_.param_grad(slot) == kNone) continue;
+    t_.at(t_.phase(), kNoLayer, "fsdp.accumulate_grad");
+    fsdp_accumulated_[pi] = t_.alloc_bytes(
+        detail::mul(params_[pi].numel, dtype_bytes(*reduce_dtype_), "gradient bytes"), Category::kGradients);
+    t_.release(t_.param_grad(slot));
+    t_.set_param_grad(slot, kNone);
+  }
+}
+
 // A unit's post-backward (see Note [FSDP2 units]).
 void DataParallel::reduce(Unit& u) {
   std::vector<TensorId> grads;  // in fsdp_params order, the unit's parameter order
   for (std::uint32_t pi : u.params) {
     const std::uint32_t slot = params_[pi].slot;
+    if (fsdp_accumulated_[pi] != kNone) {  // a pipeline's reduce-dtype accumulation (See Note [Pipeline with FSDP2])
+      grads.push_back(fsdp_accumulated_[pi]);
+      fsdp_accumulated_[pi] = kNone;
+      continue;
+    }
     if (t_.param_grad(slot) == kNone) continue;
     TensorId g = t_.param_grad(slot);
     t_.set_param_grad(slot, kNone);
@@ -442,7 +518,9 @@ void DataParallel::reduce(Unit& u) {
   // unsharded_grads.clear() after the copy-in frees them, all but the last: the loop variable of
   // foreach_reduce's first loop (over the Shard(i > 0) parameters) still holds it until the
   // function returns (measured: cpu-fsdp-gpt2l2-fp32-adamw-bf16params-b2s32, whose peak is there).
-  for (std::size_t k = 0; k + 1 < grads.size(); ++k) t_.release(grads[k]);
+  // CPython's list clear drops the items from the last to the first (the traces of
+  // cpu-pp2fsdp2-*: a unit's MLP gradients go before its attention's).
+  for (std::size_t k = grads.size() - 1; k-- > 0;) t_.release(grads[k]);
   TensorId out = t_.alloc_bytes(out_bytes, Category::kGradients);
   if (!cuda_) {  // gloo's temporary, gone inside the collective: See Note [gloo's reduce-scatter temporary]
     t_.release(t_.alloc_bytes(detail::mul(out_bytes, shard_world_, "reduce-scatter bytes"), Category::kGradients));

@@ -46,11 +46,16 @@ class DataParallel {
   void layer_pre_forward(std::uint32_t layer);
   void layer_post_forward(std::uint32_t layer);
   void backward_begin();                 // the loss' gradient exists
+  void root_pre_backward();              // FSDP2's root pre-backward hook (on the root's outputs)
   void layer_change(std::int32_t from, std::int32_t to);  // backward moves between layers
   void param_ready(std::uint32_t slot);  // AccumulateGrad has run for this parameter
   void final_callback();                 // the autograd engine's final callbacks (FSDP2's root)
   void backward_end();                   // after the engine has run every node
   void before_optimizer();               // sharded gradients into the .grad slots
+  // A pipeline stage's perform_reduce_grad, after the schedule's last backward (FSDP2: the
+  // deferred post-backwards and the root's final callback; See Note [Pipeline with FSDP2] in
+  // pipeline.cpp). A no-op for DDP and without a pipeline.
+  void pipeline_reduce_grad();
 
   // The elements of this rank's parameter that the optimizer sees (FSDP2: rank 0's shard).
   std::uint64_t local_numel(std::uint32_t slot, std::uint64_t numel) const;
@@ -129,6 +134,7 @@ class DataParallel {
   void copy_out(Unit& u);
   void reshard(Unit& u);
   void reduce(Unit& u);
+  void pp_post_backward(Unit& u);
 
   Tape& t_;
   Parallel kind_;
@@ -143,6 +149,7 @@ class DataParallel {
   bool backward_seen_ = false, rebuilt_ = false;
   bool forward_no_sync_ = false;     // a pipeline stage: every forward runs under no_sync
   bool forward_param_sync_ = true;   // require_forward_param_sync: broadcast the buffers
+  bool pp_no_sync_ = false;  // FSDP2 in a pipeline stage: no gradient sync, no reshard after backward
   // FSDP2
   std::vector<Unit> units_;  // decoder layers, then the root
   std::uint64_t shard_world_ = 1;       // ranks of a shard group: gpus / fsdp_replicate
@@ -154,6 +161,7 @@ class DataParallel {
   std::vector<TensorId> all_reduce_inputs_;  // HSDP: reduce-dtype outputs held until the end of backward
   std::vector<std::uint64_t> shard_numel_;  // per parameter, padded
   std::vector<TensorId> unsharded_;         // per parameter
+  std::vector<TensorId> fsdp_accumulated_;  // per parameter: unsharded_accumulated_grad (pipeline, reduce_dtype)
   TensorId pending_reduce_input_ = kNone;   // the last reduce-scatter's input, kept until the next
   // ZeRO-1/2 (zero.cpp)
   void zero_wrap();

@@ -65,7 +65,7 @@ namespace trainmem::graph {
 //    stays fp32; the last stage's logits are bf16 (lm_head under autocast). torchtitan has no
 //    autocast with pipelining (it refuses mixed precision with PP unless FSDP does it):
 //    torchtitan/distributed/utils.py maybe_enable_amp.
-// Not modelled (refused): pipeline with tensor parallelism or FSDP2 / ZeRO, interleaved and zero-bubble
+// Not modelled (refused): pipeline with tensor parallelism or ZeRO, interleaved and zero-bubble
 // schedules (several stages per rank), fp16-mixed (a GradScaler inside loss_fn), LoRA and
 // quantized bases, flash attention, tied embeddings, other families, inference. On CUDA the P2P
 // sends run on NCCL's streams (record_stream): unmeasured.
@@ -92,6 +92,62 @@ namespace trainmem::graph {
 // The replicas of a stage run the same ops on the same sizes (each draws its own batch): the
 // stage's data-parallel rank 0 stands for all of them (Note [The worst rank] in estimate.cpp).
 // Measured on pp2 x dp2 and pp3 x dp2 gloo ranks (data/ground_truth/parallel/cpu-pp2dp2-*, cpu-pp3dp2-*).
+
+// Note [Pipeline with FSDP2]
+// PP x DP with FSDP2 (--pp P --gpus D --parallel fsdp; ranks as in Note [Pipeline with DDP]): the
+// units of Note [FSDP2 units], per stage: fully_shard on each decoder layer the stage holds, then on
+// the stage module (the root: whichever of the embedding, the final norm and lm_head the stage
+// keeps; a middle stage's root manages no parameter and has no param group), over the dp dimension
+// of the (pp, dp) mesh (HSDP, fsdp_replicate R: the (replicate, shard) dimensions of a (pp, R,
+// D / R) mesh, as torchtitan's dp_replicate x fsdp; Note [FSDP2 variants]). torchtitan
+// (torchtitan/models/llama3/infra/parallelize.py apply_fsdp, on each pipeline model part) shards
+// the layers and the part the same way, but gives the embedding and [norm, output] units of their
+// own (not measured here) and, under PP, defaults to reshard_after_forward=False (measured). The
+// PipelineStage drives the units (torch 2.13, torch/distributed/pipelining/stage.py; the FSDP2
+// side in torch/distributed/fsdp/_fully_shard/):
+//  * forward_maybe_with_nosync does nothing for an FSDPModule: each forward runs FSDP2's hooks as
+//    on one stage (the root gathers in its pre-forward and stays gathered, each layer gathers in
+//    its pre-forward and reshards in its post-forward; the root's post-forward frees the last
+//    all_gather_state when the stage module returns, before the last stage's loss_fn);
+//  * backward_maybe_with_nosync calls set_is_last_backward(False), set_reshard_after_backward(False)
+//    and set_requires_gradient_sync(False) (_fully_shard.py: reduce_grads off on every param
+//    group) before every backward. So a unit's post_backward (_fsdp_param_group.py) returns
+//    before its reduction and without resharding: the unsharded .grads (whole parameters, in the
+//    compute dtype) accumulate over the micro-batches as on one GPU, and the units stay gathered.
+//    The root's final callback (_fsdp_state.py _root_post_backward_final_callback) runs the
+//    post-backwards no hook ran (the root's on the first stage, whose input ids need no grad),
+//    reducing nothing, and, not in a last backward, finalizes nothing;
+//  * with a MixedPrecisionPolicy whose reduce_dtype differs from param_dtype (torchtitan's bf16 /
+//    fp32), that early-returning post_backward still runs accumulate_unsharded_grad_if_needed (the
+//    new .grad added in place into unsharded_accumulated_grad, then dropped) and
+//    to_accumulated_grad_if_needed (a .grad with no accumulated one becomes an fp32 copy, the bf16
+//    one dropped: _fsdp_param.py), so after the first backward the gradients are held in fp32 and
+//    each later one's bf16 .grads live from their AccumulateGrad to their unit's post-backward.
+//    The stage computes in param_dtype, so what it sends and receives is bf16 (the measured
+//    PipelineStage's metadata says so, as inference from a real forward would);
+//  * a gathered unit's unshard is a no-op: a forward after a backward gathers nothing and then
+//    reshards each layer in its post-forward (reshard_after_forward), so the next backward gathers
+//    those layers again (1F1B's steady phase on the later stages). With reshard_after_forward=False
+//    (Note [FSDP2 variants]) a layer gathered once stays gathered to perform_reduce_grad, so the
+//    stage holds its whole parameters through the schedule, as without FSDP2. The root's
+//    pre-backward is a hook on the stage module's output: on the last stage after the loss_fn's
+//    backward nodes, elsewhere before the stage's first node; it and the layers' pre-backwards
+//    prefetch as in Note [FSDP2 units] (post_forward_order is cleared only by a last backward, so a
+//    stage's first layer may prefetch its root, which is gathered: nothing);
+//  * perform_reduce_grad runs after the last backward and _update_losses, inside
+//    _step_microbatches, whose locals still hold the last output, the send works and `loss`, the
+//    last backward's (the last stage's last micro-batch loss). It turns the three back on and
+//    calls post_backward on every param group of state._state_ctx.all_states: the root's first,
+//    then the layers' in forward order (_lazy_init lists the states in named_modules order). Each
+//    takes the accumulated gradients (unsharded_accumulated_grad, else .grad), reshards and
+//    reduce-scatters them as in Note [FSDP2 units] (the previous unit's reduce-scatter input freed
+//    first). Then _root_post_backward_final_callback with is_last_backward: finalize_backward, and
+//    the last reduce-scatter state is dropped. scale_grads then divides the sharded .grads in place.
+//  * HSDP: finalize_backward, which frees a reduce-dtype all-reduce state (Note [FSDP2 variants]),
+//    runs in that last callback only, so every unit's is held to the end of perform_reduce_grad.
+// Measured on pp2 x dp2, pp3 x dp2 and pp2 x (2 x 2) HSDP gloo ranks (data/ground_truth/parallel/
+// cpu-pp2fsdp2-*, cpu-pp3fsdp2-*, cpu-pp2hsdp4-*, every rank exact), with the settle wait of Note
+// [gloo's reduce-scatter temporary]. gpus 1 is refused (nothing to shard over; measured nowhere).
 
 StageLayers pipeline_stage_layers(std::uint64_t num_layers, std::uint64_t stages, std::uint64_t stage) {
   const std::uint64_t base = num_layers / stages, extra = num_layers % stages;
@@ -140,6 +196,12 @@ void check_pipeline_model(const Architecture& a, const Recipe& r) {
 
 namespace step {
 
+namespace {
+// The module id of the stage module in the tape's module marks (on_module_backward: FSDP2's
+// root hooks under a pipeline; ZeRO-3 is not pipelined).
+constexpr std::uint32_t kStageModule = 0;
+}  // namespace
+
 bool StepBuilder::pp_holds_global(const std::string& name) const {
   if (r_.pp <= 1) return true;
   if (ends_with(name, "embed_tokens.weight")) return rank_ == 0;
@@ -175,7 +237,11 @@ void StepBuilder::pp_forward(std::uint64_t k, PipelineMicro& mb) {
   phase_ = Phase::kForward;
   layer_ = kNoLayer;
   t_.micro = static_cast<std::uint32_t>(k + 1);
-  dp_.pre_forward();  // DDP's forward, under no_sync (See Note [Pipeline with DDP])
+  // DDP's forward, under no_sync (See Note [Pipeline with DDP]); FSDP2's root pre-forward.
+  dp_.pre_forward();
+  // The stage module's nodes: FSDP2's root pre-backward hook sits on its output (See Note
+  // [Pipeline with FSDP2]).
+  t_.module_begin(kStageModule);
   T hs;
   if (first) {
     op("embed_tokens");
@@ -205,7 +271,9 @@ void StepBuilder::pp_forward(std::uint64_t k, PipelineMicro& mb) {
   for (std::uint64_t l = layers.begin; l < layers.end; ++l) {
     const auto layer = static_cast<std::uint32_t>(l);
     // HF's checkpointing wraps each layer the stage calls (See Note [Pipeline parallelism]).
+    dp_.layer_pre_forward(layer);  // FSDP2's unit of the layer (See Note [Pipeline with FSDP2])
     T next = r_.checkpointing == Checkpointing::kFull ? checkpointed_layer(hs, layer) : decoder_layer(hs, layer);
+    dp_.layer_post_forward(layer);
     t_.drop(hs);
     hs = next;
   }
@@ -219,11 +287,13 @@ void StepBuilder::pp_forward(std::uint64_t k, PipelineMicro& mb) {
   } else {
     mb.out = hs;
   }
+  t_.module_end();
   t_.drop(cos_);
   t_.drop(sin_);
   if (mask_.id != kNone) t_.drop(mask_);
   t_.drop(position_ids_);
   exit_autocast();  // bf16-mixed: the stage forward's own autocast context (Note [Pipeline parallelism])
+  dp_.post_forward();  // FSDP2's root post-forward: the module has returned
 }
 
 // backward_one_chunk of micro-batch `k`: its graph put back and run from the loss (last stage) or
@@ -309,12 +379,16 @@ Trace StepBuilder::build_pipeline() {
         if (!gpipe && forwards == M && backwards == M - warmup + 1 && warm_send.id != kNone) t_.drop(warm_send);
       }
     }
-    // _update_losses, perform_reduce_grad (in place), then step() returns.
+    // _update_losses clears _internal_losses; perform_reduce_grad (FSDP2's reductions, then the
+    // scaling in place); then the schedule's locals go when _step_microbatches returns: the last
+    // output, the send works and `loss`, the last backward's (_maybe_get_loss).
     phase_ = Phase::kBackward;
     op("pipeline.reduce_grad");
-    for (PipelineMicro& mb : mbs) {
-      if (mb.loss.id != kNone) t_.drop(mb.loss);
+    for (std::uint64_t k = 0; k + 1 < M; ++k) {
+      if (mbs[k].loss.id != kNone) t_.drop(mbs[k].loss);
     }
+    dp_.pipeline_reduce_grad();  // See Note [Pipeline with FSDP2]
+    if (mbs[M - 1].loss.id != kNone) t_.drop(mbs[M - 1].loss);
     if (output.id != kNone) t_.drop(output);
     if (warm_send.id != kNone) t_.drop(warm_send);
     for (T& s : gpipe_sends) t_.drop(s);

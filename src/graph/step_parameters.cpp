@@ -115,7 +115,14 @@ void StepBuilder::wrap_data_parallel() {
   t_.on_param_ready = [this](std::uint32_t slot) { dp_.param_ready(slot); };
   t_.on_layer_change = [this](std::int32_t from, std::int32_t to) { dp_.layer_change(from, to); };
   t_.on_final_callbacks = [this] { dp_.final_callback(); };
+  // ZeRO-3's module hooks; under a pipeline, FSDP2's root hooks on the stage module (See Note
+  // [Pipeline with FSDP2] in pipeline.cpp).
   if (dp_.zero3()) t_.on_module_backward = [this](std::uint32_t m, bool begin) { dp_.module_backward(m, begin); };
+  if (r_.pp > 1 && r_.parallel == Parallel::kFsdp) {
+    t_.on_module_backward = [this](std::uint32_t, bool begin) {
+      if (begin) dp_.root_pre_backward();
+    };
+  }
 }
 
 std::uint32_t StepBuilder::add_param(const ParameterGroup& g, bool in_layer, bool present) {

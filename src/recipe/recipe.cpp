@@ -177,12 +177,16 @@ void validate_tensor_parallel(const Recipe& r) {
 // embeddings, at least one layer per stage) is checked with the model (graph/pipeline.cpp).
 void validate_pipeline_parallel(const Recipe& r) {
   const std::string pp = "pp: " + std::to_string(r.pp);
-  // PP x DP: --gpus is the data-parallel degree (as under --tp), DDP over each stage's replicas
-  // (See Note [Pipeline with DDP] in graph/pipeline.cpp).
-  if ((r.parallel != Parallel::kNone && r.parallel != Parallel::kDdp) || r.tp != 1) {
+  // PP x DP: --gpus is the data-parallel degree (as under --tp), DDP or FSDP2 over each stage's
+  // replicas (See Notes [Pipeline with DDP] and [Pipeline with FSDP2] in graph/pipeline.cpp).
+  if ((r.parallel != Parallel::kNone && r.parallel != Parallel::kDdp && r.parallel != Parallel::kFsdp) || r.tp != 1) {
     throw Error(pp + " with parallel " + std::string(to_string(r.parallel)) + " / tp " + std::to_string(r.tp) +
                 ": pipeline parallelism combined with tensor parallelism or a data-parallel wrapper other than DDP "
-                "is not modelled yet; use tp 1 and parallel none or ddp");
+                "or FSDP2 is not modelled yet; use tp 1 and parallel none, ddp or fsdp");
+  }
+  if (r.parallel == Parallel::kFsdp && r.gpus < 2) {
+    throw Error(pp + " with parallel fsdp and gpus 1: FSDP2 under a pipeline shards each stage over its gpus "
+                     "data-parallel ranks and is modelled for 2 or more; use gpus 2 or more, or parallel none");
   }
   if (r.mode == Mode::kInference) throw Error(pp + " is a training knob; inference runs on one GPU");
   if (r.lora.enabled() || r.quant.any()) throw Error(pp + " with LoRA or a quantized base is not modelled");

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -157,6 +158,130 @@ TEST(Pipeline, DdpReplicasAddTheReducersBuckets) {
   EXPECT_NE(error_of([&] { estimate(m, r, o4); }).find("not one of the 4 ranks"), std::string::npos);
 }
 
+// PP x DP with FSDP2 (See Note [Pipeline with FSDP2]): the measured cpu-pp2fsdp2-llamaw512l4-fp32-sgd-ga2-b1s64,
+// 2 stages x 2 FSDP2 ranks, rank = stage x 2 + dp rank.
+Recipe pp2_fsdp2() {
+  Recipe r = pp2_small(Precision::kFp32, Checkpointing::kNone, Attention::kSdpa);
+  r.gpus = 2;
+  r.parallel = Parallel::kFsdp;
+  r.validate();
+  return r;
+}
+
+TEST(Pipeline, FsdpStagesAccumulateWholeGradients) {
+  const Model m = llama_w512();
+  const Recipe r = pp2_fsdp2();
+  const Estimate e = estimate(m, r);
+  // One replay per stage, as under DDP: ranks 0 and 2 (measured: 112,246,784 and 120,244,736 B;
+  // their replicas, ranks 1 and 3, the same).
+  ASSERT_EQ(e.ranks.size(), 2u);
+  EXPECT_EQ(e.ranks[0].rank, 0u);
+  EXPECT_EQ(e.ranks[1].rank, 2u);
+  EXPECT_EQ(e.ranks[1].peak_allocated_bytes, 120'244'736u);
+  EstimateOptions o3;
+  o3.rank = 3;
+  EXPECT_EQ(estimate(m, r, o3).peak_allocated_bytes, 120'244'736u);
+  EstimateOptions o1;
+  o1.rank = 1;
+  const Estimate s0 = estimate(m, r, o1);
+  // Stage 0 peaks in step 2's last backward, before perform_reduce_grad: its .grads are whole and
+  // unsharded (33,513,472 B, what the stage holds without FSDP2), while SGD's momentum is over the
+  // shards, half of it (measured: 16,756,736 B).
+  EXPECT_EQ(s0.peak_allocated_bytes, 112'246'784u);
+  EXPECT_EQ(s0.breakdown_at_peak[testing::kGrads], 33'513'472u);
+  EXPECT_EQ(s0.breakdown_at_peak[testing::kGrads], 2 * s0.breakdown_at_peak[testing::kStates]);
+}
+
+TEST(Pipeline, FsdpReducesOnlyAtPerformReduceGrad) {
+  // Under a pipeline no backward reduce-scatters: every unit's reduce-scatter comes after the
+  // schedule's last backward, once per unit with parameters (stage 0: the root with the
+  // embedding, layers 0 and 1) and per step.
+  const Recipe r = pp2_fsdp2();
+  const graph::Trace t = graph::build_training_trace(llama_w512(), r, find_gpu(r.gpu), {}, 0);
+  std::map<std::uint32_t, int> per_step;
+  std::map<std::uint32_t, std::size_t> last_layer_backward, first_reduce_scatter;
+  for (std::size_t i = 0; i < t.events.size(); ++i) {
+    const graph::Event& ev = t.events[i];
+    const graph::MomentTag& tag = t.moments[ev.moment];
+    if (tag.phase == Phase::kBackward && tag.layer >= 0) last_layer_backward[tag.step] = i;
+    if (ev.alloc && tag.op == "fsdp.reduce_scatter") {
+      EXPECT_EQ(tag.micro, r.grad_accum);
+      if (per_step[tag.step]++ == 0) first_reduce_scatter[tag.step] = i;
+    }
+  }
+  // Each unit's reduce-scatter makes its input, its output and, on the CPU, gloo's temporary
+  // (Note [gloo's reduce-scatter temporary]).
+  EXPECT_EQ(per_step, (std::map<std::uint32_t, int>{{1, 9}, {2, 9}}));
+  for (const auto& [step, first] : first_reduce_scatter) EXPECT_GT(first, last_layer_backward[step]) << step;
+}
+
+TEST(Pipeline, FsdpShardsOnlyTheStagesOwnParameters) {
+  // pp 3 x dp 2 (measured: cpu-pp3fsdp2-llamaw512l4-fp32-sgd-ga3-b1s64; 2, 1, 1 layers): fully_shard
+  // gives each stage the shards of its own parameters only, and the middle stage's root (no
+  // embedding, no head) none: its shards are layer 2's half (a layer is 15,732,736 B in fp32).
+  Recipe r = pp2_fsdp2();
+  r.pp = 3;
+  r.grad_accum = 3;
+  r.validate();
+  auto sharded_bytes = [&](std::uint64_t rank) {
+    const graph::Trace t = graph::build_training_trace(llama_w512(), r, find_gpu(r.gpu), {}, rank);
+    std::uint64_t bytes = 0;
+    for (const graph::Event& ev : t.events) {
+      if (ev.alloc && t.moments[ev.moment].op == "fsdp.fully_shard") bytes += t.storages[ev.tensor].bytes;
+    }
+    return bytes;
+  };
+  EXPECT_EQ(sharded_bytes(2), 15'732'736u / 2);
+  // Stage 0: the embedding (1,000 x 512 fp32) and layers 0 and 1, halved.
+  EXPECT_EQ(sharded_bytes(0), (2'048'000u + 2 * 15'732'736u) / 2);
+  const Estimate e = estimate(llama_w512(), r);
+  ASSERT_EQ(e.ranks.size(), 3u);
+  EXPECT_EQ(e.ranks[0].peak_allocated_bytes, 119'101'952u);
+  EXPECT_EQ(e.ranks[1].peak_allocated_bytes, 70'605'824u);
+  EXPECT_EQ(e.ranks[2].peak_allocated_bytes, 73'178'624u);
+}
+
+TEST(Pipeline, FsdpWithoutReshardAfterForwardHoldsTheWholeStage) {
+  // torchtitan's default under PP (reshard_after_forward=False): a layer gathered once stays so to
+  // perform_reduce_grad, and each stage peaks at what it holds without FSDP2 (measured:
+  // cpu-pp2fsdp2-llamaw512l4-fp32-sgd-sgo-ga2-b1s64 and cpu-pp2-llamaw512l4-fp32-sgd-ga2-b1s64,
+  // 112,246,784 and 112,510,464 B).
+  const Model m = llama_w512();
+  Recipe r = pp2_fsdp2();
+  r.fsdp.reshard_after_forward = false;
+  r.validate();
+  const Estimate e = estimate(m, r);
+  const Estimate alone = estimate(m, pp2_small(Precision::kFp32, Checkpointing::kNone, Attention::kSdpa));
+  ASSERT_EQ(e.ranks.size(), 2u);
+  EXPECT_EQ(e.ranks[0].peak_allocated_bytes, 112'246'784u);
+  EXPECT_EQ(e.ranks[1].peak_allocated_bytes, 112'510'464u);
+  EXPECT_EQ(e.ranks[0].peak_allocated_bytes, alone.ranks[0].peak_allocated_bytes);
+  EXPECT_EQ(e.ranks[1].peak_allocated_bytes, alone.ranks[1].peak_allocated_bytes);
+}
+
+TEST(Pipeline, FsdpMixedPrecisionAccumulatesInTheReduceDtype) {
+  // MixedPrecisionPolicy(bf16, reduce_dtype=fp32), torchtitan's: each schedule backward's
+  // post-backward turns the bf16 .grads into fp32 unsharded_accumulated_grads (the first) or adds
+  // them into those (the later ones); perform_reduce_grad reduce-scatters the fp32 ones. Measured:
+  // cpu-pp2fsdp2-llamaw512l4-fp32-sgd-bf16params-ga2-b1s64, stage 0 97,669,120 B, at the last
+  // unit's reduce-scatter.
+  Recipe r = pp2_fsdp2();
+  r.fsdp.param_dtype = FsdpDtype::kBf16;
+  r.fsdp.reduce_dtype = FsdpDtype::kFp32;
+  r.validate();
+  EstimateOptions o0;
+  o0.rank = 0;
+  EXPECT_EQ(estimate(llama_w512(), r, o0).peak_allocated_bytes, 97'669'120u);
+  const graph::Trace t = graph::build_training_trace(llama_w512(), r, find_gpu(r.gpu), {}, 0);
+  std::map<std::uint32_t, int> converted;  // per micro-batch of step 1: fp32 copies made
+  for (const graph::Event& ev : t.events) {
+    const graph::MomentTag& tag = t.moments[ev.moment];
+    if (ev.alloc && tag.step == 1 && tag.op == "fsdp.accumulate_grad") ++converted[tag.micro];
+  }
+  // Stage 0's parameters: the embedding and two layers of nine: one copy each, in the first backward.
+  EXPECT_EQ(converted, (std::map<std::uint32_t, int>{{1, 19}}));
+}
+
 TEST(Pipeline, DdpAllReducesOncePerStepOnTheStagesShare) {
   // The planner's time: under a pipeline DDP all-reduces in the step's last backward only, each
   // stage its own share of the gradients (See Note [Pipeline with DDP]), whatever grad_accum is.
@@ -180,12 +305,35 @@ TEST(Pipeline, RefusesWhatIsNotModelled) {
   EXPECT_NE(error_of([&] { r.validate(); }).find("grad_accum"), std::string::npos);
   r = pp_recipe(2, 4);
   r.gpus = 2;
-  r.parallel = Parallel::kFsdp;
-  EXPECT_NE(error_of([&] { r.validate(); }).find("other than DDP is not modelled"), std::string::npos);
   r.parallel = Parallel::kZero2;
-  EXPECT_NE(error_of([&] { r.validate(); }).find("other than DDP is not modelled"), std::string::npos);
+  EXPECT_EQ(error_of([&] { r.validate(); }),
+            "pp: 2 with parallel zero2 / tp 1: pipeline parallelism combined with tensor parallelism or a "
+            "data-parallel wrapper other than DDP or FSDP2 is not modelled yet; use tp 1 and parallel none, ddp or "
+            "fsdp");
   r.parallel = Parallel::kDdp;
   EXPECT_NO_THROW(r.validate());  // PP x DP with DDP (See Note [Pipeline with DDP])
+  r.parallel = Parallel::kFsdp;
+  EXPECT_NO_THROW(r.validate());  // PP x DP with FSDP2's defaults (See Note [Pipeline with FSDP2])
+  // FSDP2's knobs under a pipeline: reshard_after_forward (torchtitan's PP default: False), the
+  // MixedPrecisionPolicy and HSDP (a (pp, replicate, shard) mesh) are measured.
+  r.fsdp.reshard_after_forward = false;
+  EXPECT_NO_THROW(r.validate());
+  r.fsdp.reshard_after_forward = true;
+  r.precision = Precision::kFp32;
+  r.fsdp.param_dtype = FsdpDtype::kBf16;
+  r.fsdp.reduce_dtype = FsdpDtype::kFp32;
+  EXPECT_NO_THROW(r.validate());
+  r.fsdp.param_dtype = FsdpDtype::kNone;
+  r.fsdp.reduce_dtype = FsdpDtype::kNone;
+  r.gpus = 4;
+  r.fsdp.replicate = 2;
+  EXPECT_NO_THROW(r.validate());
+  r.gpus = 1;
+  r.fsdp.replicate = 1;
+  EXPECT_EQ(error_of([&] { r.validate(); }),
+            "pp: 2 with parallel fsdp and gpus 1: FSDP2 under a pipeline shards each stage over its gpus "
+            "data-parallel ranks and is modelled for 2 or more; use gpus 2 or more, or parallel none");
+  r.gpus = 2;
   r = pp_recipe(2, 4);
   r.precision = Precision::kFp16Mixed;
   EXPECT_NE(error_of([&] { r.validate(); }).find("fp16-mixed"), std::string::npos);

@@ -356,10 +356,10 @@ TEST(TensorXDataParallel, SequenceParallelNormGradientsAreAllReducedInThePostBac
       {true, norm}, {false, norm}, {true, norm}, {false, norm},  // the two all-reduces
       {false, q},   {false, kv},   {false, kv},  {false, q},    {false, mlp}, {false, mlp}, {false, mlp},
       {false, norm}, {false, norm},  // the reshard
-      // The reduce-scatter input; the copy-in frees all but the last gradient (the tracker saw
-      // them freed in another order inside the same copy-in).
+      // The reduce-scatter input; the copy-in frees all but the last gradient, last first
+      // (unsharded_grads.clear(): CPython drops a list's items from the end).
       {true, 7'868'416},
-      {false, q}, {false, kv}, {false, kv}, {false, q}, {false, mlp}, {false, mlp}, {false, mlp}, {false, norm},
+      {false, norm}, {false, mlp}, {false, mlp}, {false, mlp}, {false, q}, {false, kv}, {false, kv}, {false, q},
       {true, 3'934'208}, {true, 7'868'416}, {false, 7'868'416},  // output, gloo's settled temporary
       {false, norm}};  // post_attention_layernorm's all-reduced gradient, held to foreach_reduce's end
   EXPECT_EQ(backward_events_from(t, "fsdp.redistribute_grad", want.size()), want);

@@ -146,6 +146,14 @@ def test_pipeline_entries_exact(comparisons):
     assert any("qwen2" in c["model"] for _, c in pp) and any("qwen3" in c["model"] for _, c in pp)
     # Issue 4: PP x DP, each stage wrapped by DDP over its replicas (Note [Pipeline with DDP]).
     assert any(r.get("parallel") == "ddp" and r.get("gpus", 1) > 1 for r in recipes)
+    # Issue 4: PP x DP with FSDP2, each stage's layers and stage module sharded over its replicas
+    # (Note [Pipeline with FSDP2]): 1F1B and GPipe, three stages, reshard_after_forward=False and
+    # torchtitan's MixedPrecisionPolicy (bf16 parameters, fp32 reduction), and HSDP.
+    fsdp = [r for r in recipes if r.get("parallel") == "fsdp"]
+    assert len(fsdp) >= 6 and any(r["pp"] > 2 for r in fsdp) and any(r["pp_schedule"] == "gpipe" for r in fsdp)
+    assert any(not r["fsdp_reshard_after_forward"] for r in fsdp)
+    assert any(r["fsdp_param_dtype"] == "bf16" and r["fsdp_reduce_dtype"] == "fp32" for r in fsdp)
+    assert any(r["fsdp_replicate"] > 1 for r in fsdp)  # HSDP: a (pp, replicate, shard) mesh
     for name, c in pp:
         assert c["measured_peak_allocated_bytes"] == c["predicted_peak_allocated_bytes"], name
         for cat, v in c["categories"].items():

@@ -155,8 +155,13 @@ def test_pipeline_keywords(trainmem_bin):
     assert dp.to_dict() == cli
     assert [r["rank"] for r in dp.ranks] == [0, 2] and dp.peak_allocated_bytes > est.peak_allocated_bytes
     assert trainmem.estimate("mistral-7b-v0.3", **kw, gpus=2, parallel="ddp", rank=3).rank == 3
-    with pytest.raises(ValueError, match="other than DDP is not modelled"):
-        trainmem.estimate("mistral-7b-v0.3", **kw, gpus=2, parallel="fsdp")
+    with pytest.raises(ValueError, match="other than DDP or FSDP2 is not modelled"):
+        trainmem.estimate("mistral-7b-v0.3", **kw, gpus=2, parallel="zero2")
+    # PP x FSDP2: each stage sharded over its replicas (Note [Pipeline with FSDP2]); only FSDP2's defaults.
+    fsdp = trainmem.estimate("mistral-7b-v0.3", **kw, gpus=2, parallel="fsdp")
+    assert [r["rank"] for r in fsdp.ranks] == [0, 2] and fsdp.peak_allocated_bytes < dp.peak_allocated_bytes
+    with pytest.raises(ValueError, match="with parallel fsdp and gpus 1"):
+        trainmem.estimate("mistral-7b-v0.3", **kw, parallel="fsdp")
 
 
 def test_fsdp_variant_keywords(trainmem_bin):

@@ -235,8 +235,11 @@ def test_pipeline_with_ddp_replays_each_stage_once(run):
     (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--precision", "fp16-mixed"],
      "pp: 2 with precision fp16-mixed is not modelled"),
     (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--precision", "fp32", "--gpus", "2",
-      "--parallel", "fsdp"], "pipeline parallelism combined with tensor parallelism or a data-parallel wrapper other "
-                             "than DDP"),
+      "--parallel", "zero2"], "pipeline parallelism combined with tensor parallelism or a data-parallel wrapper other "
+                              "than DDP or FSDP2 is not modelled yet; use tp 1 and parallel none, ddp or fsdp"),
+    (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--precision", "fp32", "--parallel", "fsdp"],
+     "pp: 2 with parallel fsdp and gpus 1: FSDP2 under a pipeline shards each stage over its gpus data-parallel "
+     "ranks and is modelled for 2 or more; use gpus 2 or more, or parallel none"),
     (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--precision", "fp32", "--tp", "2"],
      "pp: 2 with parallel none / tp 2"),
     (["estimate", "mistral-7b-v0.3", "--pp-schedule", "gpipe"], "pp_schedule: a pipeline knob"),

@@ -365,7 +365,8 @@ def test_zero3_world_size_2(tiny_gpt2):
 
 @pytest.mark.parametrize("knobs,message", [
     ({"pp": 0}, "pp must be an integer between 1 (no pipeline parallelism) and 64, got 0"),
-    ({"pp": 2, "grad_accum": 2, "gpus": 2, "parallel": "fsdp"}, "a data-parallel wrapper other than DDP"),
+    ({"pp": 2, "grad_accum": 2, "gpus": 2, "parallel": "zero2"}, "a data-parallel wrapper other than DDP or FSDP2"),
+    ({"pp": 2, "grad_accum": 2, "gpus": 1, "parallel": "fsdp"}, "parallel='fsdp' and gpus=1 is not measured"),
     ({"pp": 2, "grad_accum": 2, "tp": 2, "precision": "fp32"}, "combined with tensor parallelism"),
     ({"pp": 2, "grad_accum": 1, "precision": "fp32"}, "needs grad_accum (the schedule's n_microbatches) >= pp"),
     ({"pp": 2, "grad_accum": 2, "precision": "fp16-mixed"}, "GradScaler inside the schedule's loss_fn"),
@@ -415,6 +416,25 @@ def test_pp_with_ddp_world_size_4(tiny_llama):
         g = alone["diagnostics"]["parallel"]["ranks"][x["rank"] // 2]["breakdown_at_peak"]["gradients"]
         assert 1.9 * g < x["breakdown_at_peak"]["gradients"] <= 2 * g
     assert "--gpus 2 --parallel ddp --pp 2" in out["command"]
+
+
+def test_pp_with_fsdp_world_size_4(tiny_llama):
+    """PP x FSDP2: 2 stages x 2 FSDP2 ranks, each stage's layers and stage module sharded over its dp
+    group. A stage's ranks hold the same memory; the optimizer states are over the shards (about half
+    the stage's), and the unsharded .grads accumulate whole until perform_reduce_grad reduces them."""
+    r = Recipe(batch=1, seq=8, grad_accum=2, precision="fp32", optimizer="sgd", pp=2, gpus=2, parallel="fsdp")
+    out = measure(str(tiny_llama), r)
+    info = out["diagnostics"]["parallel"]
+    assert info["world_size"] == 4 and len(info["ranks"]) == 4
+    ranks = info["ranks"]
+    for a, b in ((0, 1), (2, 3)):
+        assert ranks[a]["peak_allocated_bytes"] == ranks[b]["peak_allocated_bytes"]
+        assert ranks[a]["breakdown_at_peak"] == ranks[b]["breakdown_at_peak"]
+    alone = measure(str(tiny_llama), Recipe(batch=1, seq=8, grad_accum=2, precision="fp32", optimizer="sgd", pp=2))
+    for x in ranks:
+        a = alone["diagnostics"]["parallel"]["ranks"][x["rank"] // 2]["breakdown_at_peak"]
+        assert 0.45 * a["optimizer_states"] < x["breakdown_at_peak"]["optimizer_states"] < 0.55 * a["optimizer_states"]
+    assert "--gpus 2 --parallel fsdp --pp 2" in out["command"]
 
 
 def test_pp_split_gives_earlier_stages_the_remainder():

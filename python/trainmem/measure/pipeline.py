@@ -1,10 +1,14 @@
 """Pipeline-parallel measurements: torch.distributed.pipelining on gloo CPU ranks.
 
 `recipe.pp` = N > 1 starts N processes (parallel.launch); rank r is pipeline stage r. With
-`gpus` D > 1 and `parallel` ddp (PP x DP) it starts N x D: a 2-D DeviceMesh (pp, dp), pp outermost
-as torchtitan's, so rank r is stage r // D, and each stage module is wrapped by
+`gpus` D > 1 and `parallel` ddp or fsdp (PP x DP) it starts N x D: a 2-D DeviceMesh (pp, dp), pp
+outermost as torchtitan's, so rank r is stage r // D, and each stage module is wrapped by
 DistributedDataParallel over its dp group (`_data_parallel`; torch's PipelineStage runs it under
-no_sync but for the step's last backward: docs/parallelism.md "PP x DP with DDP"). Every rank
+no_sync but for the step's last backward: docs/parallelism.md "PP x DP with DDP"), or, with fsdp,
+sharded by FSDP2 over the dp dimension of the mesh (`_fully_shard`: every decoder layer of the
+stage, then the stage module; the PipelineStage turns gradient sync and the reshard
+after backward off for every backward and runs the reductions once after the last one:
+docs/parallelism.md "PP x DP with FSDP2"). Every rank
 builds the whole model with the same seed (the same weights), keeps its own stage and drops the
 rest before tracking (`make_stage`), and runs the schedule under its own tracker (`run_steps`).
 
@@ -148,8 +152,16 @@ def make_stage(model: torch.nn.Module, recipe: Recipe, device: str):
     if recipe.gpus > 1:  # PP x DP: a 2-D mesh (pp, dp), as torchtitan's (pp outermost)
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(torch.device(device).type, (stages, recipe.gpus), mesh_dim_names=("pp", "dp"))
-        rank, group, dp_group = mesh["pp"].get_local_rank(), mesh.get_group("pp"), mesh.get_group("dp")
+        if recipe.parallel == "fsdp" and recipe.fsdp_replicate > 1:  # HSDP: (pp, replicate, shard)
+            mesh = init_device_mesh(torch.device(device).type,
+                                    (stages, recipe.fsdp_replicate, recipe.gpus // recipe.fsdp_replicate),
+                                    mesh_dim_names=("pp", "replicate", "shard"))
+            dp_mesh = mesh["replicate", "shard"]
+        else:
+            mesh = init_device_mesh(torch.device(device).type, (stages, recipe.gpus), mesh_dim_names=("pp", "dp"))
+            dp_mesh = mesh["dp"]
+            dp_group = mesh.get_group("dp")
+        rank, group = mesh["pp"].get_local_rank(), mesh.get_group("pp")
     cuts = split_layers(model.config.num_hidden_layers, stages)
     base = model.model
     for i in range(len(base.layers)):
@@ -161,10 +173,18 @@ def make_stage(model: torch.nn.Module, recipe: Recipe, device: str):
         base.norm = None
         model.lm_head = None
     module = _StageModule(model, rank, stages, cuts[rank], stage_autocast(recipe, device))
-    if dp_group is not None:
+    if recipe.gpus > 1 and recipe.parallel == "fsdp":
+        module = _fully_shard(module, recipe, dp_mesh, [base.layers[i] for i in cuts[rank]])
+    elif dp_group is not None:
         module = _data_parallel(module, recipe, dp_group)
     cfg = model.config
     dtype = next(model.parameters()).dtype
+    if recipe.parallel == "fsdp" and recipe.fsdp_param_dtype != "none":
+        from .recipe import FSDP_DTYPE_NAMES
+
+        # MixedPrecisionPolicy(param_dtype): the stage computes, sends and receives in param_dtype
+        # over its fp32 shards (what metadata inference from a real forward would find).
+        dtype = getattr(torch, FSDP_DTYPE_NAMES[recipe.fsdp_param_dtype])
     # Under autocast the residual stream (what a stage sends) stays in the parameters' dtype and
     # the logits come out of lm_head in autocast's.
     logits_dtype = getattr(torch, recipe.autocast_dtype_name) if recipe.autocast_dtype_name else dtype
@@ -184,22 +204,54 @@ def make_stage(model: torch.nn.Module, recipe: Recipe, device: str):
 
 def _data_parallel(module: torch.nn.Module, recipe: Recipe, dp_group) -> torch.nn.Module:
     """PP x DP: the stage module wrapped by DDP over its data-parallel group (PyTorch's defaults,
-    as parallel.wrap_model), and this replica's own batch: data-parallel rank d > 0 reseeds with
-    SEED + d, so every stage of a replica draws the same batch (and stage d of replica 0 rank 0's)."""
-    import torch.distributed as dist
+    as parallel.wrap_model), and this replica's own batch (`_reseed_replica`)."""
     from torch.nn.parallel import DistributedDataParallel
 
     from .parallel import _Capture
-    from .run import SEED
 
     capture = _Capture()
     with capture:  # the Reducer's buckets are made here, in C++, through aten
         runner = DistributedDataParallel(module, process_group=dp_group)
     runner._trainmem_made = capture.made
-    dp_rank = dist.get_rank(dp_group)
+    _reseed_replica(recipe)
+    return runner
+
+
+def _fully_shard(module: torch.nn.Module, recipe: Recipe, dp_mesh, layers: list) -> torch.nn.Module:
+    """PP x FSDP2: the 1-D recipe's units (parallel.wrap_model) on each stage: fully_shard every
+    decoder layer the stage holds, then the stage module (the root: the embedding, the final norm
+    and lm_head, whichever it keeps), over the dp dimension of the (pp, dp) mesh, with the recipe's
+    FSDP2 knobs (HSDP: the (replicate, shard) dimensions of a (pp, replicate, shard) mesh, as
+    torchtitan's dp_replicate x fsdp). torchtitan's apply_fsdp (torchtitan/models/llama3/infra/parallelize.py) shards each
+    model part the same way but gives the embedding and [norm, output] units of their own, and
+    under PP defaults to reshard_after_forward=False. The PipelineStage drives the units
+    (stage.py backward_maybe_with_nosync, perform_reduce_grad). Each replica draws its own batch,
+    as under DDP (`_reseed_replica`)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from .recipe import FSDP_DTYPE_NAMES
+
+    dtypes = {key: getattr(torch, FSDP_DTYPE_NAMES[value]) if value != "none" else None
+              for key, value in (("param_dtype", recipe.fsdp_param_dtype), ("reduce_dtype", recipe.fsdp_reduce_dtype))}
+    mp_policy = MixedPrecisionPolicy(**dtypes)
+    for layer in layers:
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=recipe.fsdp_reshard_after_forward, mp_policy=mp_policy)
+    fully_shard(module, mesh=dp_mesh, mp_policy=mp_policy)  # the root: reshard_after_forward None, False
+    _reseed_replica(recipe)
+    return module
+
+
+def _reseed_replica(recipe: Recipe) -> None:
+    """Data-parallel rank d > 0 (rank = stage x gpus + d, over the dp or (replicate, shard)
+    dimensions) reseeds with SEED + d, so every stage of a replica draws the same batch (and stage d
+    of replica 0 rank 0's)."""
+    import torch.distributed as dist
+
+    from .run import SEED
+
+    dp_rank = dist.get_rank() % recipe.gpus
     if dp_rank > 0:
         torch.manual_seed(SEED + dp_rank)
-    return runner
 
 
 def run_steps(model, stage, recipe: Recipe, tracker, *, device: str, steps: int = 2, make_optimizer) -> None:

@@ -254,10 +254,13 @@ class Recipe:
 
     def _check_pp(self) -> None:
         """What the measuring side can run under pipeline parallelism (docs/parallelism.md)."""
-        if self.tp != 1 or self.parallel not in ("none", "ddp"):
+        if self.tp != 1 or self.parallel not in ("none", "ddp", "fsdp"):
             raise RecipeError(f"pp={self.pp} with parallel={self.parallel!r} / tp={self.tp} is not measured: pipeline "
                               "parallelism combined with tensor parallelism or a data-parallel wrapper other than "
-                              "DDP is not modelled yet; use tp 1 and parallel none or ddp")
+                              "DDP or FSDP2 is not modelled yet; use tp 1 and parallel none, ddp or fsdp")
+        if self.parallel == "fsdp" and self.gpus < 2:
+            raise RecipeError(f"pp={self.pp} with parallel='fsdp' and gpus=1 is not measured: FSDP2 shards each stage "
+                              "over its data-parallel ranks; use gpus 2 or more, or parallel none")
         if self.is_inference:
             raise RecipeError(f"pp={self.pp} is a training knob: inference runs on one process")
         if self.uses_lora or self.load_in_4bit or self.load_in_8bit:
