@@ -177,6 +177,31 @@ TEST(SequenceParallel, ColwiseBackwardReduceScattersAndSumsOutOfPlace) {
             (std::vector<std::uint64_t>{full, 128 * 512 * 4, full, full / 2, full / 2}));
 }
 
+// Note [Gathering a batch of one]: with batch 1 an all-gather on the sequence is a view of the
+// stacked buffer. The numbers: b1 s128, the same shard and gathered sizes as sp_recipe(); the
+// orders are cpu-tp2sp-llamaw512l4-fp32-sgd-b1s1024's (trainmem-measure --trace), scaled.
+TEST(SequenceParallel, BatchOneGathersAreViewsOfTheStackedBuffer) {
+  Recipe r = sp_recipe();
+  r.batch = 1;
+  r.seq = 128;
+  r.validate();
+  const graph::Trace t = graph::build_training_trace(llama_w512(), r, find_gpu("cpu"));
+  const std::uint64_t full = 1 * 128 * 512 * 4;
+  // q_proj: the stacked output, saved as the gathered input; the local output. No cat.
+  EXPECT_EQ(allocs(t, Phase::kForward, 1, "self_attn.q_proj"), (std::vector<std::uint64_t>{full, 128 * 256 * 4}));
+  // The reduce-scatter after o_proj still concatenates its chunks.
+  EXPECT_EQ(allocs(t, Phase::kForward, 1, "self_attn.o_proj"), (std::vector<std::uint64_t>{full, full, full / 2}));
+  // down_proj's backward: the output gradient all-gathered (the stacked output is the gradient,
+  // no cat), then the local matmul's two gradients: the input's [128, 1024] and the weight's
+  // [512, 1024] (the measured trace makes the weight's first: Note [Gathering a batch of one]).
+  std::vector<std::uint64_t> down = allocs(t, Phase::kBackward, 1, "mlp.down_proj");
+  ASSERT_EQ(down.size(), 3u);
+  EXPECT_EQ(down[0], full);
+  std::sort(down.begin() + 1, down.end());
+  EXPECT_EQ(down[1], 128u * 1024 * 4);
+  EXPECT_EQ(down[2], 512u * 1024 * 4);
+}
+
 TEST(SequenceParallel, RefusesAnUnevenSequenceAndNoTensorParallelism) {
   Recipe r = sp_recipe();
   r.seq = 63;
