@@ -198,6 +198,9 @@ T StepBuilder::linear_module(const T& x_in, std::uint32_t w, std::uint32_t b, st
     // AccumulateGrad runs first (what DDP's gradient-ready order shows: Note [DDP buckets]).
     if (bt) n.params.push_back(param_grad(b, cd));
     if (wt) n.params.push_back(param_grad(w, cd));
+    // mm makes the weight's gradient first, addmm the input's and the bias's last (See Note
+    // [Gradient order of a node] in tape.h).
+    n.grad_order = b != kNone ? GradOrder::kParamsReversed : GradOrder::kParamsFirst;
     t_.close_node();
   }
   t_.drop(x);
