@@ -19,12 +19,17 @@
 // once free ranges are ignored altogether: the live tensors repeat, but free blocks are taken
 // or left behind layer by layer) or "other" (the live tensors the layer can reach differ).
 //
+// The same classification is also made for each pool alone (the small pool's segments hold
+// requests up to 1 MiB, the large pool's the rest, and no block ever moves between them): a
+// skip that proved one pool's part of the state would still replay the other pool's events.
+//
 // Recipes: 3 precisions x AdamW, Adafactor x checkpointing none/full x eager/SDPA x
 // default/expandable allocator x h100-80gb/cpu (96), batch 1.
 //
 //   trainmem_layer_study [seq] [model ...]   (default: 1024; llama-3.1-8b qwen3-4b gemma-2-2b gpt2)
 // prints one Markdown table row per model and pass:
-//   | model | seq | pass | boundaries | equal | periodic | sizes | free | other |
+//   | model | seq | pass | pools | boundaries | equal | periodic | sizes | free | other |
+// (pools: "both", "large" or "small").
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -117,12 +122,15 @@ std::vector<Boundary> boundaries(const Trace& t) {
 
 // How much of a free range the canonical form keeps.
 enum class FreeDetail { kAll, kNoSizes, kNone };
+// Which pools' segments the canonical form covers.
+enum class Scope { kBoth, kLarge, kSmall };
+constexpr const char* kScopeNames[] = {"both", "large", "small"};
 
 // The canonical form of what the layer starting at `b` can touch, with free ranges in full,
 // without their sizes, or left out (then a segment counts only for its live tensors).
 std::vector<std::uint64_t> canonical(const std::vector<sim::CachingAllocator::RangeView>& ranges,
                                      const std::vector<std::uint32_t>& owner, const std::vector<std::uint64_t>& freed_at,
-                                     const Boundary& b, FreeDetail detail) {
+                                     const Boundary& b, FreeDetail detail, Scope scope) {
   enum : std::uint64_t { kSegment = 1, kWall, kFree, kUnmapped, kRecent, kMirror, kAbsolute };
   std::vector<std::uint64_t> out;
   std::vector<std::uint64_t> seg;
@@ -135,6 +143,7 @@ std::vector<std::uint64_t> canonical(const std::vector<sim::CachingAllocator::Ra
     wall = false;
   };
   for (const auto& r : ranges) {
+    if ((scope == Scope::kLarge && r.small_pool) || (scope == Scope::kSmall && !r.small_pool)) continue;
     if (r.segment_start) {
       flush();
       seg.push_back(kSegment << 56 | static_cast<std::uint64_t>(r.stream & 0xff));
@@ -172,7 +181,13 @@ std::vector<std::uint64_t> canonical(const std::vector<sim::CachingAllocator::Ra
 }
 
 struct Result {
-  std::map<std::string, Counts> by_pass;  // "step 1 forward", ...
+  std::map<std::string, Counts> by_pass[3];  // by scope, then "step 1 forward", ...
+};
+
+// What one scope remembers of the boundaries seen so far.
+struct ScopeState {
+  std::vector<std::uint64_t> prev_full, prev_shape, prev_live;
+  std::vector<std::vector<std::uint64_t>> history;  // full forms of this pass's boundaries, latest last
 };
 
 void study(const Model& m, const Recipe& r, Result& res) {
@@ -189,54 +204,57 @@ void study(const Model& m, const Recipe& r, Result& res) {
   std::vector<std::uint32_t> owner;
   std::vector<sim::CachingAllocator::RangeView> ranges;
   std::size_t bi = 0;
-  std::vector<std::uint64_t> prev_full, prev_shape, prev_live;
-  std::vector<std::vector<std::uint64_t>> history;  // full forms of this pass's boundaries, latest last
+  ScopeState states[3];
   PassKey prev_pass{0, 0, false};
   std::int32_t prev_layer = -2;
   for (std::size_t i = 0; i <= t.events.size(); ++i) {
     while (bi < bds.size() && bds[bi].event == i) {
       const Boundary& b = bds[bi];
       alloc.layout(ranges);
-      std::vector<std::uint64_t> full = canonical(ranges, owner, freed_at, b, FreeDetail::kAll);
-      std::vector<std::uint64_t> shape = canonical(ranges, owner, freed_at, b, FreeDetail::kNoSizes);
-      std::vector<std::uint64_t> live = canonical(ranges, owner, freed_at, b, FreeDetail::kNone);
       const bool consecutive = prev_pass == b.pass && prev_layer == b.layer + (b.pass.backward ? 1 : -1);
-      if (consecutive) {
-        const std::string key = "step " + std::string(b.pass.step == 1 ? "1" : "2+") +
-                                (b.pass.backward ? " backward" : " forward");
-        Counts& c = res.by_pass[key];
-        // LAYER_STUDY_DEBUG=<layer>: print both forms at that layer's boundaries when they differ
-        const char* debug = std::getenv("LAYER_STUDY_DEBUG");
-        if (debug && b.layer == std::atoi(debug) && full != prev_full) {
-          auto dump = [](const char* what, const std::vector<std::uint64_t>& v) {
-            std::printf("%s:", what);
-            for (std::uint64_t x : v) {
-              const std::uint64_t tag = x >> 56;
-              if (tag) std::printf(" %c%llu", "?SWFURMA"[tag], static_cast<unsigned long long>(x & ((1ull << 56) - 1)));
-              else std::printf(" =%llu", static_cast<unsigned long long>(x));
-            }
-            std::printf("\n");
-          };
-          std::printf("%s layer %d\n", key.c_str(), b.layer);
-          dump("prev", prev_full);
-          dump("this", full);
+      for (int sc = 0; sc < 3; ++sc) {
+        const Scope scope = static_cast<Scope>(sc);
+        ScopeState& st = states[sc];
+        std::vector<std::uint64_t> full = canonical(ranges, owner, freed_at, b, FreeDetail::kAll, scope);
+        std::vector<std::uint64_t> shape = canonical(ranges, owner, freed_at, b, FreeDetail::kNoSizes, scope);
+        std::vector<std::uint64_t> live = canonical(ranges, owner, freed_at, b, FreeDetail::kNone, scope);
+        if (consecutive) {
+          const std::string key = "step " + std::string(b.pass.step == 1 ? "1" : "2+") +
+                                  (b.pass.backward ? " backward" : " forward");
+          Counts& c = res.by_pass[sc][key];
+          // LAYER_STUDY_DEBUG=<layer>: print both forms at that layer's boundaries when they differ
+          const char* debug = std::getenv("LAYER_STUDY_DEBUG");
+          if (debug && b.layer == std::atoi(debug) && full != st.prev_full) {
+            auto dump = [](const char* what, const std::vector<std::uint64_t>& v) {
+              std::printf("%s:", what);
+              for (std::uint64_t x : v) {
+                const std::uint64_t tag = x >> 56;
+                if (tag) std::printf(" %c%llu", "?SWFURMA"[tag], static_cast<unsigned long long>(x & ((1ull << 56) - 1)));
+                else std::printf(" =%llu", static_cast<unsigned long long>(x));
+              }
+              std::printf("\n");
+            };
+            std::printf("%s layer %d, pools %s\n", key.c_str(), b.layer, kScopeNames[sc]);
+            dump("prev", st.prev_full);
+            dump("this", full);
+          }
+          bool periodic = false;
+          for (std::size_t p = 2; p <= kMaxPeriod && p <= st.history.size(); ++p) {
+            periodic = periodic || st.history[st.history.size() - p] == full;
+          }
+          if (full == st.prev_full) ++c.equal;
+          else if (periodic) ++c.periodic;
+          else if (shape == st.prev_shape) ++c.sizes;
+          else if (live == st.prev_live) ++c.free;
+          else ++c.other;
         }
-        bool periodic = false;
-        for (std::size_t p = 2; p <= kMaxPeriod && p <= history.size(); ++p) {
-          periodic = periodic || history[history.size() - p] == full;
-        }
-        if (full == prev_full) ++c.equal;
-        else if (periodic) ++c.periodic;
-        else if (shape == prev_shape) ++c.sizes;
-        else if (live == prev_live) ++c.free;
-        else ++c.other;
+        if (!consecutive) st.history.clear();
+        st.history.push_back(full);
+        if (st.history.size() > kMaxPeriod) st.history.erase(st.history.begin());
+        st.prev_full = std::move(full);
+        st.prev_shape = std::move(shape);
+        st.prev_live = std::move(live);
       }
-      if (!consecutive) history.clear();
-      history.push_back(full);
-      if (history.size() > kMaxPeriod) history.erase(history.begin());
-      prev_full = std::move(full);
-      prev_shape = std::move(shape);
-      prev_live = std::move(live);
       prev_pass = b.pass;
       prev_layer = b.layer;
       ++bi;
@@ -283,12 +301,15 @@ int main(int argc, char** argv) {
                 r.seq = name == "gpt2" ? std::min<std::uint64_t>(seq, 1024) : seq;
                 study(m, r, res);
               }
-    for (const auto& [pass, c] : res.by_pass) {
-      const int n = c.equal + c.periodic + c.sizes + c.free + c.other;
-      std::printf("| %s | %llu | %s | %d | %.1f%% | %.1f%% | %.1f%% | %.1f%% | %.1f%% |\n", name.c_str(),
-                  static_cast<unsigned long long>(name == "gpt2" ? std::min<std::uint64_t>(seq, 1024) : seq),
-                  pass.c_str(), n, 100.0 * c.equal / n, 100.0 * c.periodic / n, 100.0 * c.sizes / n,
-                  100.0 * c.free / n, 100.0 * c.other / n);
+    for (const auto& [pass, unused] : res.by_pass[0]) {
+      for (int sc = 0; sc < 3; ++sc) {
+        const Counts& c = res.by_pass[sc][pass];
+        const int n = c.equal + c.periodic + c.sizes + c.free + c.other;
+        std::printf("| %s | %llu | %s | %s | %d | %.1f%% | %.1f%% | %.1f%% | %.1f%% | %.1f%% |\n", name.c_str(),
+                    static_cast<unsigned long long>(name == "gpt2" ? std::min<std::uint64_t>(seq, 1024) : seq),
+                    pass.c_str(), kScopeNames[sc], n, 100.0 * c.equal / n, 100.0 * c.periodic / n,
+                    100.0 * c.sizes / n, 100.0 * c.free / n, 100.0 * c.other / n);
+      }
     }
     std::fflush(stdout);
   }

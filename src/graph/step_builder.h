@@ -276,6 +276,9 @@ class StepBuilder {
   T seq_all_gather(const T& shard, bool partial_grad);
   T seq_reduce_scatter(const T& partial);
   T seq_shard(const T& full);
+  // A sequence all-gather's result is a view of the stacked buffer, no cat (Note [Gathering a
+  // batch of one] in tensor_parallel.h).
+  bool gather_is_view() const { return r_.batch == 1; }
   T lora_4bit(const T& x, T& base, const Adapter& ad, const LoraLabels& labels);
 
   // Elementwise op producing `numel` elements of `d`; `saved` are kept for backward; each input

@@ -198,6 +198,9 @@ T StepBuilder::linear_module(const T& x_in, std::uint32_t w, std::uint32_t b, st
     // AccumulateGrad runs first (what DDP's gradient-ready order shows: Note [DDP buckets]).
     if (bt) n.params.push_back(param_grad(b, cd));
     if (wt) n.params.push_back(param_grad(w, cd));
+    // mm makes the weight's gradient first, addmm the input's and the bias's last (See Note
+    // [Gradient order of a node] in tape.h).
+    n.grad_order = b != kNone ? GradOrder::kParamsReversed : GradOrder::kParamsFirst;
     t_.close_node();
   }
   t_.drop(x);
@@ -285,14 +288,15 @@ T StepBuilder::rowwise_linear(const T& x, std::uint32_t w, std::uint32_t b, std:
 }
 
 // Shard(1) -> Replicate: all_gather_into_tensor stacks the shards on dim 0, torch.cat(chunk(.., tp),
-// dim=1) makes the gathered tensor. Backward redistributes its gradient back to Shard(1): a
-// Partial one (a colwise input's) is reduce-scattered (the chunks concatenated on dim 0 first,
-// a full-size buffer), a Replicate one (lm_head's input) is a clone of this rank's chunk. See Note
-// [Sequence parallelism] in tensor_parallel.h.
+// dim=1) makes the gathered tensor; with batch 1 the gathered tensor is a view of the stacked one
+// (See Note [Gathering a batch of one] in tensor_parallel.h). Backward redistributes its gradient
+// back to Shard(1): a Partial one (a colwise input's) is reduce-scattered (the chunks concatenated
+// on dim 0 first, a full-size buffer), a Replicate one (lm_head's input) is a clone of this rank's
+// chunk. See Note [Sequence parallelism] in tensor_parallel.h.
 T StepBuilder::seq_all_gather(const T& shard, bool partial_grad) {
   const std::uint64_t n = shard.numel * sp_;
   T stacked = fresh(n, shard.dtype);
-  T full = fresh(n, shard.dtype);
+  T full = gather_is_view() ? t_.ref(stacked) : fresh(n, shard.dtype);
   t_.drop(stacked);
   if (shard.requires_grad()) {
     requires_grad(full);
@@ -315,14 +319,16 @@ T StepBuilder::seq_reduce_scatter(const T& partial) {
   return shard;
 }
 
-// Replicate -> Shard(1): a clone of this rank's chunk. Backward all-gathers the gradient.
+// Replicate -> Shard(1): a clone of this rank's chunk. Backward all-gathers the gradient: the
+// stacked output, then the cat of its chunks that is the gradient (with batch 1 the stacked
+// output itself, viewed: Note [Gathering a batch of one]).
 T StepBuilder::seq_shard(const T& full) {
   T shard = fresh(full.numel / sp_, full.dtype);
   if (full.requires_grad()) {
     requires_grad(shard);
     Node nd = node(shard);
     nd.inputs.push_back(grad_of(full));
-    nd.scratch.push_back(full.bytes());  // all_gather_into_tensor's stacked output
+    if (!gather_is_view()) nd.scratch.push_back(full.bytes());  // all_gather_into_tensor's stacked output
     t_.record(std::move(nd));
   }
   return shard;

@@ -286,13 +286,14 @@ void Tape::run_node(Node& n) {
   scratch.erase(scratch.begin(), scratch.begin() + n.scratch_freed_early);
   if (n.kernel) n.kernel(n, scratch);
   grads.assign(n.inputs.size(), kNone);
-  for (std::size_t k = 0; k < n.inputs.size(); ++k) {
+  pgrads.assign(n.params.size(), kNone);
+  auto input_grad = [&](std::size_t k) {
     const GradIn& in = n.inputs[k];
     if (in.discard) {
       scratch.push_back(alloc_bytes(in.bytes, Category::kTemporaries));
-      continue;
+      return;
     }
-    if (in.value == kNone) continue;
+    if (in.value == kNone) return;
     if (in.passthrough) {
       retain(incoming);
       grads[k] = incoming;
@@ -303,20 +304,31 @@ void Tape::run_node(Node& n) {
       grads[k] = alloc_bytes(in.bytes, Category::kTemporaries);
       if (in.subclass) mark_subclass(grads[k]);
     }
-  }
-  pgrads.assign(n.params.size(), kNone);
-  for (std::size_t k = 0; k < n.params.size(); ++k) {
+  };
+  auto param_grad = [&](std::size_t k) {
     const ParamGrad& pg = n.params[k];
     if (pg.reuse != kNone) {
       pgrads[k] = pg.reuse;  // the node holds it until now (see kept)
       retain(pg.reuse);
-      continue;
+      return;
     }
     TensorId sc = pg.scratch_bytes ? alloc_bytes(pg.scratch_bytes, Category::kTemporaries) : kNone;
     bool cast = pg.param_bytes != 0;
     Category c = (!cast && param_grads_[pg.param] == kNone) ? Category::kGradients : Category::kTemporaries;
     pgrads[k] = alloc_bytes(pg.compute_bytes, c);
     if (sc != kNone) release(sc);
+  };
+  // See Note [Gradient order of a node] in tape.h.
+  if (n.grad_order == GradOrder::kParamsFirst) {
+    for (std::size_t k = 0; k < n.params.size(); ++k) param_grad(k);
+    for (std::size_t k = 0; k < n.inputs.size(); ++k) input_grad(k);
+  } else {
+    for (std::size_t k = 0; k < n.inputs.size(); ++k) input_grad(k);
+    if (n.grad_order == GradOrder::kParamsReversed) {
+      for (std::size_t k = n.params.size(); k-- > 0;) param_grad(k);
+    } else {
+      for (std::size_t k = 0; k < n.params.size(); ++k) param_grad(k);
+    }
   }
   for (TensorId id : scratch) release(id);
   release(incoming);

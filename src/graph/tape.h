@@ -235,6 +235,19 @@ struct ParamGrad {
   TensorId reuse = kNone;           // the gradient is this existing storage (made in the forward)
 };
 
+// Note [Gradient order of a node]
+// A backward node makes its gradients in the order its autograd function computes them, which
+// decides where the caching allocator puts them (reserved bytes), not the peak: all of them are
+// made before anything is freed. Measured on CPU traces (trainmem-measure --trace, torch 2.13):
+//  * most nodes: the inputs' gradients, then the parameters' (kInputsFirst);
+//  * nn.Linear without a bias (matmul folded into mm: Llama's, Mistral's, Qwen3's projections,
+//    lm_head, LoRA's adapters): the weight's gradient, then the input's (kParamsFirst);
+//  * a linear with a bias (addmm: Qwen2's q/k/v, GPT-2's Conv1D): the input's gradient, the
+//    weight's, then the bias's reduction of the incoming gradient (kParamsReversed: the params
+//    are listed bias first, the order their AccumulateGrad hooks run in, Note [DDP buckets]).
+// The accumulation into .grad follows the params' order in every case.
+enum class GradOrder : std::uint8_t { kInputsFirst, kParamsFirst, kParamsReversed };
+
 struct Node {
   MomentTag tag;
   ValueId output = kNone;
@@ -246,6 +259,7 @@ struct Node {
   // allocated (bitsandbytes' fp32 absmax, freed as soon as the weight is dequantized).
   std::uint32_t scratch_freed_early = 0;
   SmallVec<ParamGrad, 2> params;
+  GradOrder grad_order = GradOrder::kInputsFirst;
   // Checkpointed segments: re-runs the forward (recording nodes) and returns the recomputed
   // output whose gradient is the checkpoint's incoming gradient.
   std::function<T()> recompute;

@@ -151,6 +151,7 @@ bool Tape::capture(const TapeMark& m, const std::vector<TensorId>& outside_stora
     }
     c.scratch = n.scratch;
     c.scratch_freed_early = n.scratch_freed_early;
+    c.grad_order = n.grad_order;
     for (ParamGrad pg : n.params) {
       pg.param = slot_in(param_slots, pg.param);
       if (pg.param == kNone) ok = false;
@@ -498,7 +499,8 @@ bool Tape::capture_range(const LayerRange& r, std::size_t begin, std::size_t end
                 n.tag.op.size() == c.tag.op.size() && n.output == names.node_value(c.output) &&
                 n.saved.size() == c.saved.size() && n.kept.size() == c.kept.size() &&
                 n.inputs.size() == c.inputs.size() && n.scratch.size() == c.scratch.size() &&
-                n.params.size() == c.params.size() && n.scratch_freed_early == c.scratch_freed_early;
+                n.params.size() == c.params.size() && n.scratch_freed_early == c.scratch_freed_early &&
+                n.grad_order == c.grad_order;
     for (std::size_t k = 0; same && k < n.saved.size(); ++k) same = n.saved[k] == names.node_storage(c.saved[k]);
     for (std::size_t k = 0; same && k < n.kept.size(); ++k) same = n.kept[k] == names.node_storage(c.kept[k]);
     for (std::size_t k = 0; same && k < n.scratch.size(); ++k) same = n.scratch[k] == c.scratch[k];

@@ -85,6 +85,23 @@ namespace trainmem::graph {
 //    seen by the tracker, and is a few hidden-sized vectors).
 // Not modelled (refused): a sequence not divisible by tp (DTensor pads uneven shards).
 
+// Note [Gathering a batch of one]
+// all_gather_single (torch 2.13, torch/distributed/_functional_collectives.py), which a Shard(1)
+// -> Replicate redistribution runs, gets the shards stacked on dim 0 ([tp x b, s/tp, h]) and hands
+// them to torch._utils._maybe_view_chunk_cat: when dim 0 is exactly tp (b = 1) and no dimension
+// lies between it and the gather dimension, chunking on dim 0 and joining on dim 1 keeps the
+// memory order, so the result is a view ([1, s, h]) of the stacked buffer and there is no cat.
+// With batch 1 the stacked buffer is therefore what a colwise projection (or lm_head) saves,
+// an activation living to that projection's backward, and a gradient all-gathered in backward is
+// the stacked output itself. The reduce-scatters still concatenate (_chunk_or_narrow_cat has no
+// such view). Measured: the b1 s1024 fp32 SGD run of the 4-layer Llama on 2 gloo ranks
+// (data/ground_truth/parallel/cpu-tp2sp-llamaw512l4-fp32-sgd-b1s1024) holds the 20 stacked
+// [2, 512, 512] buffers of its colwise inputs at the peak, as activations (the tracker had
+// counted them as temporaries until it unwrapped a DTensor's local AsyncCollectiveTensor).
+// Seen in that trace and the b2 ones, not modelled, no measured peak falls there: a rowwise
+// projection's backward (and lm_head's) frees the stacked gradient before its matmul; the
+// engine frees the stacked buffer after the node.
+
 // Note [Loss parallel]
 // Recipe `loss_parallel` with tp > 1 (python/trainmem/measure/parallel.py _vocab_parallelize_head
 // and training.py run_steps are the measured code; torch 2.13,

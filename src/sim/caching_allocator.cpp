@@ -698,7 +698,7 @@ void CachingAllocator::layout(std::vector<RangeView>& out) const {
   for (BlockId id = 0; id < blocks_.size(); ++id) {
     const Block& b = blocks_[id];
     if (!b.live) continue;
-    out.push_back({id, b.address, b.size, b.allocated, b.mapped, b.stream, b.prev == kNoBlock});
+    out.push_back({id, b.address, b.size, b.allocated, b.mapped, b.stream, b.prev == kNoBlock, b.pool == kSmallPool});
   }
   std::sort(out.begin(), out.end(), [](const RangeView& a, const RangeView& b) { return a.address < b.address; });
 }

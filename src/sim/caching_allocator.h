@@ -145,6 +145,7 @@ class CachingAllocator {  // hidden symbols: See Note [Engine symbols are hidden
     bool mapped;
     int stream;
     bool segment_start;  // the first range of its segment (or expandable arena)
+    bool small_pool;     // the pool of its segment: small (requests up to 1 MiB) or large
   };
   // Every range of every segment, by address, and the next free device address: together they
   // decide everything the allocator will do next (block ids do not).

@@ -99,13 +99,13 @@ TEST(TensorParallel, RowwiseForwardAllReducesOutOfPlace) {
 }
 
 TEST(TensorParallel, ColwiseBackwardAllReducesAndSumsOutOfPlace) {
-  // Measured, layer 3's backward at q_proj: the Partial input gradient [1024, 512] and the local
-  // weight's gradient [256, 512] (the engine makes them in this order, the measurement the other
-  // way round, as on one process), the all-reduced input gradient, and its sum with k's and v's
-  // (a new tensor: the all-reduced gradients are AsyncCollectiveTensors).
+  // Measured, layer 3's backward at q_proj: the local weight's gradient [256, 512], then the
+  // Partial input gradient [1024, 512] (mm's order, as on one process: Note [Gradient order of a
+  // node] in tape.h), the all-reduced input gradient, and its sum with k's and v's (a new tensor:
+  // the all-reduced gradients are AsyncCollectiveTensors).
   const graph::Trace t = graph::build_training_trace(llama_w512(), tp_recipe(2), find_gpu("cpu"));
   const std::uint64_t x = 2 * 512 * 512 * 4;
-  EXPECT_EQ(allocs(t, Phase::kBackward, 3, "self_attn.q_proj"), (std::vector<std::uint64_t>{x, 256 * 512 * 4, x, x}));
+  EXPECT_EQ(allocs(t, Phase::kBackward, 3, "self_attn.q_proj"), (std::vector<std::uint64_t>{256 * 512 * 4, x, x, x}));
   EXPECT_EQ(allocs(t, Phase::kBackward, 3, "mlp.gate_proj"), (std::vector<std::uint64_t>{1024 * 512 * 4, x, x, x}));
 }
 
@@ -175,6 +175,26 @@ TEST(SequenceParallel, ColwiseBackwardReduceScattersAndSumsOutOfPlace) {
             (std::vector<std::uint64_t>{full, 128 * 512 * 4, full, full / 2}));
   EXPECT_EQ(allocs(t, Phase::kBackward, 1, "self_attn.k_proj"),
             (std::vector<std::uint64_t>{full, 128 * 512 * 4, full, full / 2, full / 2}));
+}
+
+// Note [Gathering a batch of one]: with batch 1 an all-gather on the sequence is a view of the
+// stacked buffer. The numbers: b1 s128, the same shard and gathered sizes as sp_recipe(); the
+// orders are cpu-tp2sp-llamaw512l4-fp32-sgd-b1s1024's (trainmem-measure --trace), scaled.
+TEST(SequenceParallel, BatchOneGathersAreViewsOfTheStackedBuffer) {
+  Recipe r = sp_recipe();
+  r.batch = 1;
+  r.seq = 128;
+  r.validate();
+  const graph::Trace t = graph::build_training_trace(llama_w512(), r, find_gpu("cpu"));
+  const std::uint64_t full = 1 * 128 * 512 * 4;
+  // q_proj: the stacked output, saved as the gathered input; the local output. No cat.
+  EXPECT_EQ(allocs(t, Phase::kForward, 1, "self_attn.q_proj"), (std::vector<std::uint64_t>{full, 128 * 256 * 4}));
+  // The reduce-scatter after o_proj still concatenates its chunks.
+  EXPECT_EQ(allocs(t, Phase::kForward, 1, "self_attn.o_proj"), (std::vector<std::uint64_t>{full, full, full / 2}));
+  // down_proj's backward: the output gradient all-gathered (the stacked output is the gradient,
+  // no cat), then the local matmul's weight gradient [512, 1024] and input gradient [128, 1024].
+  EXPECT_EQ(allocs(t, Phase::kBackward, 1, "mlp.down_proj"),
+            (std::vector<std::uint64_t>{full, 512 * 1024 * 4, 128 * 1024 * 4}));
 }
 
 TEST(SequenceParallel, RefusesAnUnevenSequenceAndNoTensorParallelism) {

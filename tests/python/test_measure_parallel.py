@@ -289,6 +289,32 @@ def test_tp_world_size_2(tiny_llama):
 
 
 
+def test_sp_batch_one_saves_the_stacked_gather(tiny_llama, tmp_path, run):
+    """Sequence parallelism with batch 1: an all-gather on the sequence is a view of the stacked
+    all_gather_into_tensor output, no cat (Note [Gathering a batch of one] in
+    src/graph/tensor_parallel.h), so what each colwise projection and lm_head save is that
+    buffer, held by a DTensor whose local tensor is an AsyncCollectiveTensor: the tracker must
+    see through both wrappers and count it as an activation. Engine and measurement agree."""
+    trace = tmp_path / "sp.jsonl"
+    recipe = dict(batch=1, seq=16, precision="fp32", optimizer="sgd", tp=2, sequence_parallel=True)
+    out = measure(str(tiny_llama), Recipe(**recipe), trace=str(trace))
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    gathers = [e for e in events if e["event"] == "alloc" and e["step"] == 1 and e["phase"] == "forward"
+               and e["aten_op"] == "all_gather_into_tensor"]
+    # two layers x (q, k, v, gate, up) and lm_head's input, each [2 ranks, 8 tokens, 64] fp32
+    assert len(gathers) == 2 * 5 + 1
+    assert all(e["shape"] == [2, 8, 64] and e["category"] == "activations" for e in gathers), gathers
+    assert not any(e["event"] == "alloc" and e["step"] == 1 and e["phase"] == "forward" and e["aten_op"] == "cat"
+                   and e.get("shape") == [1, 16, 64] for e in events)
+    measured = tmp_path / "sp.json"
+    measured.write_text(json.dumps(out))
+    r = run("compare", measured, "--json")
+    assert r.returncode == 0, r.stderr
+    c = json.loads(r.stdout)
+    assert c["predicted_peak_allocated_bytes"] == c["measured_peak_allocated_bytes"], c
+    assert all(v["diff_pct_of_peak"] == 0 for v in c["categories"].values()), c["categories"]
+
+
 @pytest.mark.parametrize("knobs, world", [({"gpus": 2}, 2), ({"gpus": 2, "tp": 2}, 4)], ids=["fsdp", "tp-fsdp"])
 def test_fsdp_reduce_scatter_temporary_is_settled(tiny_llama, tmp_path, knobs, world):
     """Every FSDP2 run on gloo, 1-D (2 ranks) and TP x DP (4 ranks, mesh (dp 2, tp 2), parallel.py

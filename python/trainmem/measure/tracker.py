@@ -187,10 +187,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     their gradients and optimizer states are DTensors, wrappers without a storage), the tensor
     inside any other wrapper subclass of one inner tensor (the functional collectives'
     AsyncCollectiveTensor, which tensor parallelism's redistributions return: its own
-    `untyped_storage()` is an invalid placeholder with the wrapped size, no memory), else t."""
+    `untyped_storage()` is an invalid placeholder with the wrapped size, no memory), else t.
+    Unwrapped all the way down: a DTensor's local tensor can itself be an AsyncCollectiveTensor
+    (a sequence all-gather of batch 1 is a view of the collective's output, not a cat of it:
+    Note [Gathering a batch of one] in src/graph/tensor_parallel.h)."""
     inner = getattr(t, "_local_tensor", None)
     if isinstance(inner, torch.Tensor):
-        return inner
+        return _local(inner)
     if is_traceable_wrapper_subclass(t):
         names, _ = t.__tensor_flatten__()
         if len(names) == 1 and isinstance(getattr(t, names[0], None), torch.Tensor):
