@@ -173,6 +173,27 @@ TEST(Fit, TheLossFloorIsNeverAboveTheReplayedPeak) {
   EXPECT_EQ(plan::loss_floor(m, r), 0u);
 }
 
+// fit() and plan::fit_reference() on one request: every field of `fit --json` but the replay and
+// rule-out counts must agree, and the faster search replays no more. Returns fit()'s result.
+FitResult expect_reference_answers(const char* model, const Model& m, const FitRequest& q, std::uint64_t seq,
+                                   const char* gpu, FitResult* reference = nullptr) {
+  const FitResult now = fit(m, q);
+  const FitResult before = plan::fit_reference(m, q);
+  nlohmann::json a = nlohmann::json::parse(report::fit_to_json(model, now));
+  nlohmann::json b = nlohmann::json::parse(report::fit_to_json(model, before));
+  const std::string what = std::string(model) + " on " + gpu + " seq " + std::to_string(seq) + " batch " +
+                           std::to_string(q.global_batch) + " x" + std::to_string(q.gpus);
+  EXPECT_EQ(a["searched"], b["searched"]) << what;
+  EXPECT_LE(now.simulated, before.simulated) << what;
+  for (const char* counter : {"simulated", "pruned"}) {
+    a.erase(counter);
+    b.erase(counter);
+  }
+  EXPECT_EQ(a.dump(1), b.dump(1)) << what;
+  if (reference) *reference = before;
+  return now;
+}
+
 // The search with fewer replays (Note [Fewer replays]) against the one before it: every field of
 // `fit --json` but the replay and rule-out counts, over models x GPUs x global batches x GPU
 // counts, with cases where nothing fits (closest miss and fits_on) and where the loss floor rules
@@ -201,20 +222,9 @@ TEST(Fit, FewerReplaysGiveTheSameAnswers) {
     if (!find_gpu(c.gpu).bf16) q.base.precision = Precision::kFp16Mixed;
     q.global_batch = c.global_batch;
     q.gpus = c.gpus;
-    const FitResult now = fit(m, q);
-    const FitResult before = plan::fit_reference(m, q);
-    nlohmann::json a = nlohmann::json::parse(report::fit_to_json(c.model, now));
-    nlohmann::json b = nlohmann::json::parse(report::fit_to_json(c.model, before));
-    const std::string what = std::string(c.model) + " on " + c.gpu + " seq " + std::to_string(c.seq) + " batch " +
-                             std::to_string(c.global_batch) + " x" + std::to_string(c.gpus);
-    EXPECT_EQ(a["searched"], b["searched"]) << what;
-    EXPECT_LE(now.simulated, before.simulated) << what;
-    EXPECT_GE(now.pruned, before.pruned) << what;
-    for (const char* counter : {"simulated", "pruned"}) {
-      a.erase(counter);
-      b.erase(counter);
-    }
-    EXPECT_EQ(a.dump(1), b.dump(1)) << what;
+    FitResult before;
+    const FitResult now = expect_reference_answers(c.model, m, q, c.seq, c.gpu, &before);
+    EXPECT_GE(now.pruned, before.pruned) << c.model << " on " << c.gpu;
     nothing_fits += now.plans.empty();
     fewer += now.simulated < before.simulated;
   }
@@ -254,19 +264,7 @@ TEST(Fit, ThreadedSearchGivesTheReferenceAnswersOnSeveralGpus) {
     }
     q.global_batch = c.global_batch;
     q.gpus = c.gpus;
-    const FitResult now = fit(m, q);
-    const FitResult before = plan::fit_reference(m, q);
-    nlohmann::json a = nlohmann::json::parse(report::fit_to_json(c.model, now));
-    nlohmann::json b = nlohmann::json::parse(report::fit_to_json(c.model, before));
-    const std::string what = std::string(c.model) + " on " + c.gpu + " seq " + std::to_string(c.seq) + " batch " +
-                             std::to_string(c.global_batch) + " x" + std::to_string(c.gpus);
-    EXPECT_EQ(a["searched"], b["searched"]) << what;
-    EXPECT_LE(now.simulated, before.simulated) << what;
-    for (const char* counter : {"simulated", "pruned"}) {
-      a.erase(counter);
-      b.erase(counter);
-    }
-    EXPECT_EQ(a.dump(1), b.dump(1)) << what;
+    const FitResult now = expect_reference_answers(c.model, m, q, c.seq, c.gpu);
     for (const Plan& p : now.plans) {
       pipeline_plans += p.recipe.pp > 1;
       zero_plans += p.recipe.parallel == Parallel::kZero1 || p.recipe.parallel == Parallel::kZero2;
