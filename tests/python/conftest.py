@@ -4,6 +4,10 @@ import shutil
 import subprocess
 from pathlib import Path
 
+# The measuring side pins torch's CPU kernels before torch is imported (Note [bitsandbytes' CPU
+# kernels] in python/trainmem/measure/models.py); tests import torch before it, so here too.
+os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,10 +6,16 @@ generation, `tracker` for how every storage is recorded and categorised, and `cl
 `trainmem-measure`.
 """
 
-from .recipe import Recipe, RecipeError
-from .run import DeviceError, measure
-from .models import ModelError, ModelSpec, resolve_model
-from .tracker import CATEGORIES, MemoryTracker, block_bytes
+import os
+
+# Before torch is imported: its CPU kernels capped at AVX2, so that bitsandbytes registers the
+# generic kernels the engine models (Note [bitsandbytes' CPU kernels] in models.py).
+os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+
+from .recipe import Recipe, RecipeError  # noqa: E402
+from .run import DeviceError, measure  # noqa: E402
+from .models import ModelError, ModelSpec, resolve_model  # noqa: E402
+from .tracker import CATEGORIES, MemoryTracker, block_bytes  # noqa: E402
 
 __all__ = ["CATEGORIES", "DeviceError", "MemoryTracker", "ModelError", "ModelSpec", "Recipe", "RecipeError",
            "block_bytes", "measure", "resolve_model"]

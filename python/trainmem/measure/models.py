@@ -252,9 +252,34 @@ def build_quantized_model(model, recipe: Recipe, device: str):
         quantized = AutoModelForCausalLM.from_pretrained(
             tmp, quantization_config=bnb_config(recipe), dtype=model_dtype(recipe), device_map=device,
             attn_implementation=HF_ATTENTION[recipe.attention])
+    if device == "cpu":
+        _generic_bitsandbytes_cpu_kernels(quantized, recipe)
     if recipe.is_inference:
         return quantized
     return prepare_model_for_kbit_training(quantized, use_gradient_checkpointing=False)
+
+
+def _generic_bitsandbytes_cpu_kernels(model, recipe: Recipe) -> None:
+    """Note [bitsandbytes' CPU kernels]
+    The CPU runs stand in for CUDA ones, so they must allocate the same on every machine.
+    bitsandbytes 0.50 picks other kernels on a CPU with AVX-512: with AVX512-BF16 an eval-mode
+    Linear4bit repacks its weight for a fused kernel at its first forward
+    (`_convert_weight_packed_for_cpu`, a uint8 reshuffle through int32 and uint8 temporaries) and
+    then runs `gemv_4bit`; when torch's CPU capability is AVX512, `int8_linear_matmul` gets a CPU
+    kernel (`torch._int_mm`, one opaque op) instead of the generic fp32 matmul, whose `float()`
+    copies the tracker sees. The engine models the generic kernels, those of a CPU without
+    AVX-512, where the corpus's quantized entries were measured. So the measurement is pinned to
+    them: no repacking (per module), and torch's capability capped at AVX2 by
+    ATEN_CPU_CAPABILITY=avx2, which trainmem.measure sets before torch is imported (torch reads
+    it once; bitsandbytes registers its kernels when imported). (The dequantize_4bit fallback
+    for blocksizes of 2048 and more is not pinned; no recipe uses one.)"""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    if recipe.load_in_8bit and torch.backends.cpu.get_cpu_capability() == "AVX512":
+        raise RecipeError("load_in_8bit on this CPU: torch was imported with AVX512 kernels, so bitsandbytes "
+                          "uses torch._int_mm; set ATEN_CPU_CAPABILITY=avx2 before torch is imported "
+                          "(trainmem-measure does; see Note [bitsandbytes' CPU kernels])")
 
 
 def quant_state_tensors(model) -> list[tuple[str, torch.Tensor]]:
