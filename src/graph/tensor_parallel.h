@@ -98,9 +98,6 @@ namespace trainmem::graph {
 // (data/ground_truth/parallel/cpu-tp2sp-llamaw512l4-fp32-sgd-b1s1024) holds the 20 stacked
 // [2, 512, 512] buffers of its colwise inputs at the peak, as activations (the tracker had
 // counted them as temporaries until it unwrapped a DTensor's local AsyncCollectiveTensor).
-// Seen in that trace and the b2 ones, not modelled, no measured peak falls there: a rowwise
-// projection's backward (and lm_head's) frees the stacked gradient before its matmul; the
-// engine frees the stacked buffer after the node.
 
 // Note [Loss parallel]
 // Recipe `loss_parallel` with tp > 1 (python/trainmem/measure/parallel.py _vocab_parallelize_head
