@@ -108,3 +108,20 @@ def test_quantized_weights_against_bf16(run):
     saved = weights() - weights("--load-in-4bit", "--bnb-4bit-quant-type", "nf4", "--bnb-4bit-use-double-quant")
     assert 1.43 * linear < saved < 1.49 * linear, saved / linear
 
+
+
+def test_measuring_side_pins_generic_cpu_kernels():
+    """Note [bitsandbytes' CPU kernels]: importing trainmem.measure before torch caps torch's CPU
+    kernels at AVX2, so bitsandbytes registers no torch._int_mm kernel and CPU ground truth is the
+    same on every machine; a 4-bit layer is kept from repacking its weight."""
+    env = {k: v for k, v in __import__("os").environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    root = Path(__file__).resolve().parents[2]
+    code = ("import sys; sys.path.insert(0, 'tools'); from measure_common import load_measure; load_measure(); "
+            "import torch; print(torch.backends.cpu.get_cpu_capability())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] != "AVX512"
+    spec = ModelSpec("tiny-llama", dict(QUANT_LLAMA), "test")
+    model = build_real_model(spec, Recipe(mode="inference", batch=1, seq=8, load_in_4bit=True), "cpu")
+    flags = [m.support_avx512bf16_for_cpu for m in model.modules() if hasattr(m, "support_avx512bf16_for_cpu")]
+    assert flags and not any(flags)
