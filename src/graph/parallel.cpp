@@ -318,8 +318,7 @@ void DataParallel::final_callback() {
     // Under a pipeline is_last_backward is False and reduce_grads off: the post-backwards left to
     // the callback (the root's, all_states' first) reduce nothing, and nothing is finalized (See
     // Note [Pipeline with FSDP2]).
-    pp_post_backward(units_.back());
-    for (std::size_t i = 0; i + 1 < units_.size(); ++i) pp_post_backward(units_[i]);
+    for_all_states([this](Unit& u) { pp_post_backward(u); });
     return;
   }
   // _root_post_backward_final_callback, queued by the root's pre-backward: it runs inside the
@@ -327,7 +326,13 @@ void DataParallel::final_callback() {
   // did not run) reduces, then the last reduce-scatter state is dropped.
   reduce(units_.back());
   for (Unit& u : units_) reduce(u);
-  for (TensorId id : all_reduce_inputs_) t_.release(id);  // finalize_backward drops _all_reduce_state
+  drop_reduce_states();
+}
+
+// finalize_backward: _all_reduce_state goes (HSDP's reduce-dtype outputs), and so does the last
+// reduce-scatter's input.
+void DataParallel::drop_reduce_states() {
+  for (TensorId id : all_reduce_inputs_) t_.release(id);
   all_reduce_inputs_.clear();
   if (pending_reduce_input_ != kNone) {
     t_.release(pending_reduce_input_);
@@ -341,14 +346,8 @@ void DataParallel::pipeline_reduce_grad() {
   // layers' in forward order, each resharding and reduce-scattering what its gradients
   // accumulated; then the final callback (is_last_backward) drops the last reduce-scatter state.
   t_.at(t_.phase(), kNoLayer, "fsdp.post_backward");
-  reduce(units_.back());
-  for (std::size_t i = 0; i + 1 < units_.size(); ++i) reduce(units_[i]);
-  for (TensorId id : all_reduce_inputs_) t_.release(id);
-  all_reduce_inputs_.clear();
-  if (pending_reduce_input_ != kNone) {
-    t_.release(pending_reduce_input_);
-    pending_reduce_input_ = kNone;
-  }
+  for_all_states([this](Unit& u) { reduce(u); });
+  drop_reduce_states();
 }
 
 void DataParallel::before_optimizer() {

@@ -135,6 +135,13 @@ class DataParallel {
   void reshard(Unit& u);
   void reduce(Unit& u);
   void pp_post_backward(Unit& u);
+  void drop_reduce_states();
+  // FSDP2's all_states order: the root's param group first, then the layers' in forward order.
+  template <typename F>
+  void for_all_states(F&& f) {
+    f(units_.back());
+    for (std::size_t i = 0; i + 1 < units_.size(); ++i) f(units_[i]);
+  }
 
   Tape& t_;
   Parallel kind_;
