@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -248,6 +249,7 @@ class DataParallel {
   std::vector<std::uint32_t> z3_inflight_;      // parameter → handle index, kNone when not in flight
   std::vector<Z3Handle> z3_handles_;
   std::vector<Z3Module> z3_modules_;
+  std::map<std::pair<std::uint32_t, std::vector<std::uint32_t>>, std::uint32_t> z3_module_ids_;  // (key, params)
   Z3Trace z3_trace_ = Z3Trace::kInvalid;
   std::vector<std::uint32_t> z3_order_;         // __submodule_order
   std::vector<std::vector<std::int64_t>> z3_fetched_for_;  // __step_id_module_fetched_for, per module

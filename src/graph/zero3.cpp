@@ -159,9 +159,11 @@ std::uint32_t DataParallel::zero3_module(const std::vector<std::uint32_t>& param
                                          bool input_requires_grad) {
   std::vector<std::uint32_t> own = params;
   std::sort(own.begin(), own.end());
-  for (std::uint32_t m = 0; m < z3_modules_.size(); ++m) {
-    if (z3_modules_[m].key == key && z3_modules_[m].params == own) return m;
-  }
+  // A module is the same module when it is entered again (the backward, a recompute, the next
+  // micro-batch or step): looked up by its key and parameters, not by a walk over every module
+  // (a 70B model enters ~1,000 of them several times a step).
+  const auto [it, added] = z3_module_ids_.try_emplace({key, own}, static_cast<std::uint32_t>(z3_modules_.size()));
+  if (!added) return it->second;
   Z3Module mod;
   mod.params = std::move(own);
   mod.key = key;
@@ -169,7 +171,7 @@ std::uint32_t DataParallel::zero3_module(const std::vector<std::uint32_t>& param
   for (std::uint32_t p : mod.params) mod.numel += params_[p].numel;
   z3_modules_.push_back(std::move(mod));
   z3_fetched_for_.emplace_back();
-  return static_cast<std::uint32_t>(z3_modules_.size() - 1);
+  return it->second;
 }
 
 // reset_step, in the model's forward pre-hook (parameter_offload.py _start_of_forward_hook).
