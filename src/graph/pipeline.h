@@ -37,6 +37,23 @@ struct PipelineAction {
 std::vector<PipelineAction> pipeline_order(PipelineSchedule schedule, std::uint64_t stages, std::uint64_t stage,
                                            std::uint64_t micro_batches);
 
+// One compute action of a rank running several stages (Note [Interleaved pipeline schedules] in
+// pipeline.cpp): the forward or full backward of micro-batch `micro` (0-based) on global stage `stage`.
+struct PipelineStageAction {
+  std::uint64_t stage = 0;
+  bool forward = true;
+  std::uint64_t micro = 0;
+  bool operator==(const PipelineStageAction&) const = default;
+};
+
+// The compute actions of pipeline rank `rank` of `ranks` holding `stages_per_rank` stages in one
+// step of a multi-stage schedule, in the order the rank runs them (torch's pipeline_order without
+// its idle slots): ScheduleInterleaved1F1B (_get_1f1b_rank_ops over _get_warmup_ops) or
+// ScheduleLoopedBFS (every forward stage by stage, then every backward in reverse).
+std::vector<PipelineStageAction> pipeline_multi_order(PipelineSchedule schedule, std::uint64_t ranks,
+                                                      std::uint64_t stages_per_rank, std::uint64_t rank,
+                                                      std::uint64_t micro_batches);
+
 // Throws Error for a model the engine does not split (see Note [Pipeline split]).
 void check_pipeline_model(const Architecture& a, const Recipe& r);
 
