@@ -65,8 +65,9 @@ namespace trainmem::graph {
 //    stays fp32; the last stage's logits are bf16 (lm_head under autocast). torchtitan has no
 //    autocast with pipelining (it refuses mixed precision with PP unless FSDP does it):
 //    torchtitan/distributed/utils.py maybe_enable_amp.
-// Not modelled (refused): pipeline with tensor parallelism or ZeRO, interleaved and zero-bubble
-// schedules (several stages per rank), fp16-mixed (a GradScaler inside loss_fn), LoRA and
+// Several stages per rank: Note [Interleaved pipeline schedules] below.
+// Not modelled (refused): pipeline with tensor parallelism or ZeRO, zero-bubble schedules
+// (split input / weight backwards), fp16-mixed (a GradScaler inside loss_fn), LoRA and
 // quantized bases, flash attention, tied embeddings, other families, inference. On CUDA the P2P
 // sends run on NCCL's streams (record_stream): unmeasured.
 

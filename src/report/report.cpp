@@ -428,7 +428,18 @@ std::string to_text(const Estimate& e) {
         std::string(to_string(r.parallel)).c_str(), static_cast<unsigned long long>(r.gpus), tp.c_str(),
         static_cast<unsigned long long>(e.rank), rank_words(e).c_str());
   }
-  if (r.pp > 1 && r.parallel == Parallel::kNone) {
+  if (r.pp > 1 && r.pp_stages_per_rank > 1) {  // Note [Interleaved pipeline schedules] (parallel none)
+    std::string stages;
+    for (std::uint64_t v = 0; v < r.pp_stages_per_rank; ++v) {
+      stages += (v ? (v + 1 == r.pp_stages_per_rank ? " and " : ", ") : "") + std::to_string(e.rank + v * r.pp);
+    }
+    add("pipeline parallel: %s over %llu stages (%llu per GPU on %llu GPUs), %llu micro-batches; the figures below "
+        "are one GPU's, rank %llu (stages %s)%s\n",
+        std::string(to_string(r.pp_schedule)).c_str(), static_cast<unsigned long long>(r.pp * r.pp_stages_per_rank),
+        static_cast<unsigned long long>(r.pp_stages_per_rank), static_cast<unsigned long long>(r.pp),
+        static_cast<unsigned long long>(r.grad_accum), static_cast<unsigned long long>(e.rank), stages.c_str(),
+        rank_words(e).c_str());
+  } else if (r.pp > 1 && r.parallel == Parallel::kNone) {
     add("pipeline parallel: %s over %llu stages (one per GPU), %llu micro-batches; the figures below are one GPU's, "
         "stage %llu%s\n",
         std::string(to_string(r.pp_schedule)).c_str(), static_cast<unsigned long long>(r.pp),

@@ -431,6 +431,27 @@ TEST(Pipeline, LoopedBfsRunsEveryForwardFirst) {
   EXPECT_EQ(e.ranks[1].peak_allocated_bytes, 109'891'584u);
 }
 
+TEST(Pipeline, InterleavingShrinksTheBubble) {
+  // Note [Step time]: (N - 1) / M of the busy time idle with one stage per rank, (N - 1) / (V M)
+  // with V: the compute of 2 ranks x 1 stage over 4 micro-batches is (4 + 1) / 4 of a rank's share,
+  // with 2 stages per rank (4 + 1/2) / 4.
+  const Model m = llama_w512();
+  Recipe one = pp_recipe(2, 4), two = pp2v2(PipelineSchedule::kInterleaved1F1B, 4);
+  two.batch = one.batch;
+  two.seq = one.seq;
+  two.optimizer = one.optimizer;
+  one.gpu = two.gpu = "h100-80gb";  // the CPU has no throughput figures
+  one.allocator = two.allocator = AllocatorMode::kDefault;
+  one.validate();
+  two.validate();
+  const StepTime a = step_time(m, one), b = step_time(m, two);
+  EXPECT_DOUBLE_EQ(b.compute_s / a.compute_s, 4.5 / 5.0);
+  EXPECT_DOUBLE_EQ(b.flops, a.flops);
+  Recipe bfs = two;
+  bfs.pp_schedule = PipelineSchedule::kLoopedBFS;
+  EXPECT_DOUBLE_EQ(step_time(m, bfs).compute_s, b.compute_s);
+}
+
 TEST(Pipeline, RefusesStagesPerRankThatTheScheduleDoesNotRun) {
   Recipe r = pp_recipe(2, 4);
   r.pp_stages_per_rank = 2;

@@ -39,6 +39,12 @@ The loop per rank:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+Several stages per rank (`pp_stages_per_rank` V > 1, `pp_schedule` interleaved-1f1b or looped-bfs:
+ScheduleInterleaved1F1B, ScheduleLoopedBFS): the layers split over pp x V stages by the same rule,
+rank r holding stages r, r + pp, ..., one PipelineStage per local stage over a stage module of its
+own modules (`make_virtual_stages`, `_VirtualStageModule`), the schedule built with the list of
+stages (Note [Interleaved pipeline schedules] in src/graph/pipeline.cpp). Plain ranks only.
+
 Checkpointing: run.py enables HF's (non-reentrant) checkpointing on the whole model before the
 stage is cut, so each decoder layer `_StageModule` calls is checkpointed as on one GPU. Precision
 bf16-mixed: torch leaves the autocast context to the caller; here each stage forward runs in a

@@ -303,9 +303,10 @@ class Recipe:
         if not multi and v != 1:
             raise RecipeError(f"pp_stages_per_rank={v} needs a multi-stage schedule: use interleaved-1f1b or "
                               f"looped-bfs, not {self.pp_schedule}")
-        if multi and self.parallel == "fsdp":
-            raise RecipeError(f"pp_schedule {self.pp_schedule} with parallel='fsdp' is not measured (the schedule's "
-                              "UNSHARD / RESHARD actions are unexplored); use parallel none or ddp")
+        if multi and self.parallel != "none":
+            raise RecipeError(f"pp_schedule {self.pp_schedule} with parallel={self.parallel!r} is not measured (DDP "
+                              "or FSDP2 over several stages per rank, and the schedule's UNSHARD / RESHARD actions, "
+                              "are unexplored); use parallel none")
         if self.pp_schedule == "interleaved-1f1b":
             rounds = max(1, m // self.pp)
             if m % rounds != 0:
