@@ -385,6 +385,9 @@ TEST(Pipeline, InterleavedOrderIsTorchs) {
   EXPECT_EQ(multi_order_of(i, 2, 2, 1, 4), "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3 ");
   EXPECT_EQ(multi_order_of(i, 2, 2, 1, 3), "1F0 1F1 1F2 3F0 3B0 3F1 3B1 3F2 3B2 1B0 1B1 1B2 ");
   EXPECT_EQ(multi_order_of(i, 3, 2, 2, 3), "2F0 2F1 2F2 5F0 5B0 5F1 5B1 5F2 5B2 2B0 2B1 2B2 ");
+  // Fewer micro-batches than ranks: one round of M (measured: cpu-pp3v2-llamaw512l8-fp32-sgd-interleaved-ga2-b1s64).
+  EXPECT_EQ(multi_order_of(i, 3, 2, 0, 2), "0F0 0F1 3F0 3F1 3B0 3B1 0B0 0B1 ");
+  EXPECT_EQ(multi_order_of(i, 3, 2, 2, 2), "2F0 2F1 5F0 5B0 5F1 5B1 2B0 2B1 ");
   EXPECT_EQ(multi_order_of(i, 2, 3, 1, 4),
             "1F0 1F1 3F0 3F1 5F0 5B0 5F1 5B1 1F2 3B0 1F3 3B1 3F2 1B0 3F3 1B1 5F2 5B2 5F3 5B3 3B2 3B3 1B2 1B3 ");
   // ScheduleLoopedBFS: each stage's forwards in turn, then the backwards from the last stage, the
