@@ -1,5 +1,5 @@
-// Pipeline parallelism: the training step of one pipeline stage (pipeline.h), as
-// torch.distributed.pipelining runs it with a hand-built PipelineStage per rank
+// Pipeline parallelism: the training step of one pipeline rank (pipeline.h), as
+// torch.distributed.pipelining runs it with a hand-built PipelineStage per stage (one or several per rank)
 // (python/trainmem/measure/pipeline.py is the measured code).
 #include "graph/pipeline.h"
 

@@ -1,5 +1,6 @@
 // Pipeline parallelism on one rank: which part of the model a stage of a torch.distributed.pipelining
-// run holds, and the order in which its schedule runs the micro-batches' forwards and backwards
+// run holds (one stage per rank, or several: Note [Interleaved pipeline schedules] in pipeline.cpp),
+// and the order in which its schedule runs the micro-batches' forwards and backwards
 // (docs/parallelism.md, "Pipeline parallelism"; python/trainmem/measure/pipeline.py is the
 // measured code). The step of one stage is built by StepBuilder::build_pipeline (pipeline.cpp).
 #pragma once
