@@ -83,6 +83,7 @@ NB_MODULE(_core, m) {
       .def_rw("cp", &RecipeSpelling::cp)
       .def_rw("pp", &RecipeSpelling::pp)
       .def_rw("pp_schedule", &RecipeSpelling::pp_schedule)
+      .def_rw("pp_stages_per_rank", &RecipeSpelling::pp_stages_per_rank)
       .def_rw("fsdp_reshard_after_forward", &RecipeSpelling::fsdp_reshard_after_forward)
       .def_rw("fsdp_replicate", &RecipeSpelling::fsdp_replicate)
       .def_rw("fsdp_param_dtype", &RecipeSpelling::fsdp_param_dtype)

@@ -33,7 +33,8 @@ def main() -> None:
         if r.get("tp", 1) > 1:
             knobs = f"tp×{r['tp']}{'+sp' if r.get('sequence_parallel') else ''}{'+lp' if r.get('loss_parallel') else ''} " + knobs
         if r.get("pp", 1) > 1:
-            knobs = f"pp×{r['pp']} {r['pp_schedule']} " + knobs
+            stages = f" v={r['pp_stages_per_rank']}" if r.get("pp_stages_per_rank", 1) > 1 else ""
+            knobs = f"pp×{r['pp']} {r['pp_schedule']}{stages} " + knobs
         if r.get("fsdp_replicate", 1) > 1:
             knobs += f" hsdp replicate={r['fsdp_replicate']}"
         if r.get("fsdp_reshard_after_forward") is False:

@@ -187,8 +187,13 @@ struct Fsdp {
 enum class Offload : std::uint8_t { kNone, kOptimizer, kParams, kBoth };
 // Pipeline schedules of torch.distributed.pipelining (docs/parallelism.md "Pipeline parallelism"):
 // Schedule1F1B and ScheduleGPipe, one stage per rank (Note [Pipeline parallelism] in
-// src/graph/pipeline.cpp).
-enum class PipelineSchedule : std::uint8_t { k1F1B, kGPipe };
+// src/graph/pipeline.cpp); ScheduleInterleaved1F1B and ScheduleLoopedBFS, pp_stages_per_rank >= 2
+// stages per rank (Note [Interleaved pipeline schedules]).
+enum class PipelineSchedule : std::uint8_t { k1F1B, kGPipe, kInterleaved1F1B, kLoopedBFS };
+// Whether the schedule runs several stages per rank (torch's PipelineScheduleMulti).
+constexpr bool is_multi_stage(PipelineSchedule s) {
+  return s == PipelineSchedule::kInterleaved1F1B || s == PipelineSchedule::kLoopedBFS;
+}
 
 // LoRA adapters (peft's LoraConfig): the base model is frozen, every targeted linear layer of
 // every decoder layer gets A (rank × in) and B (out × rank) beside it.
@@ -260,6 +265,9 @@ struct Recipe {
   // n_microbatches (batch stays the micro-batch size). 1 is none. The estimate is the worst stage's.
   std::uint64_t pp = 1;
   PipelineSchedule pp_schedule = PipelineSchedule::k1F1B;
+  // Stages per rank with a multi-stage schedule (interleaved-1f1b, looped-bfs): pp x V stages, rank r
+  // holding stages r, r + pp, ..., r + (V - 1) pp; 1 with 1f1b and gpipe.
+  std::uint64_t pp_stages_per_rank = 1;
   Fsdp fsdp;  // parallel kFsdp only
   Offload offload = Offload::kNone;
 
@@ -307,7 +315,8 @@ struct RecipeSpelling {
   bool loss_parallel = false;      // with tp > 1: vocab-parallel lm_head and loss_parallel()
   std::uint64_t cp = 1;           // context-parallel degree
   std::uint64_t pp = 1;           // pipeline-parallel degree
-  std::string pp_schedule = "1f1b";  // 1f1b | gpipe
+  std::string pp_schedule = "1f1b";  // 1f1b | gpipe | interleaved-1f1b | looped-bfs
+  std::uint64_t pp_stages_per_rank = 1;
   bool fsdp_reshard_after_forward = true;  // parallel fsdp: FSDP2's knobs (Fsdp above)
   std::uint64_t fsdp_replicate = 1;
   std::string fsdp_param_dtype = "none";   // none | bf16

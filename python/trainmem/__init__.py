@@ -89,14 +89,15 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     "loss_parallel": False,  # with tp > 1: vocab-parallel lm_head and loss_parallel() ("Loss parallel")
     "cp": 1,  # context-parallel degree, ring attention (docs/parallelism.md "Context parallelism"; unmeasured)
     "pp": 1,  # pipeline-parallel degree, one stage per GPU (docs/parallelism.md "Pipeline parallelism")
-    "pp_schedule": "1f1b",  # with pp > 1: 1f1b | gpipe
+    "pp_schedule": "1f1b",  # with pp > 1: 1f1b | gpipe | interleaved-1f1b | looped-bfs
+    "pp_stages_per_rank": 1,  # with interleaved-1f1b / looped-bfs: stages per GPU, 2 or more
     "fsdp_reshard_after_forward": True,  # parallel fsdp: False keeps the layers gathered (SHARD_GRAD_OP)
     "fsdp_replicate": 1,  # parallel fsdp: HSDP replica groups, mesh (fsdp_replicate, gpus / fsdp_replicate)
     "fsdp_param_dtype": "none",  # parallel fsdp, fp32: MixedPrecisionPolicy param_dtype, none | bf16
     "fsdp_reduce_dtype": "none",  # MixedPrecisionPolicy reduce_dtype, none | fp32 | bf16
     "offload": "none",  # none | optimizer (DeepSpeed offload_optimizer, zero1 / zero2)
 }
-_COUNTS = ("batch", "seq", "grad_accum", "new_tokens", "beams", "gpus", "tp", "cp", "pp", "fsdp_replicate")
+_COUNTS = ("batch", "seq", "grad_accum", "new_tokens", "beams", "gpus", "tp", "cp", "pp", "pp_stages_per_rank", "fsdp_replicate")
 
 
 def _source(model: Any) -> bytes:

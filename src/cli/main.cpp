@@ -70,7 +70,8 @@ struct RecipeFlags {
   bool loss_parallel = false;
   std::string quant_type = "";
   std::string new_tokens = "128", beams = "1";
-  std::string gpus = "1", parallel = "none", tp = "1", cp = "1", zero = "", offload = "none", pp = "1", pp_schedule = "1f1b";
+  std::string gpus = "1", parallel = "none", tp = "1", cp = "1", zero = "", offload = "none", pp = "1", pp_schedule = "1f1b",
+              pp_stages_per_rank = "1";
   std::string fsdp_reshard_after_forward = "true", fsdp_replicate = "1", fsdp_param_dtype = "none",
               fsdp_reduce_dtype = "none";
   std::vector<std::pair<std::string, CLI::Option*>> options;  // knob name → its flag
@@ -128,7 +129,12 @@ struct RecipeFlags {
     opt("pp", "--pp", pp,
         "Pipeline-parallel degree (torch.distributed.pipelining, one stage per GPU; --grad-accum is the number of "
         "micro-batches; with --gpus D --parallel ddp: D replicas of each stage, pp x D GPUs); 1: none");
-    opt("pp_schedule", "--pp-schedule", pp_schedule, "With --pp: 1f1b (Schedule1F1B) | gpipe (ScheduleGPipe)");
+    opt("pp_schedule", "--pp-schedule", pp_schedule,
+        "With --pp: 1f1b (Schedule1F1B) | gpipe (ScheduleGPipe) | interleaved-1f1b (ScheduleInterleaved1F1B) | "
+        "looped-bfs (ScheduleLoopedBFS); the last two with --pp-stages-per-rank 2 or more");
+    opt("pp_stages_per_rank", "--pp-stages-per-rank", pp_stages_per_rank,
+        "With --pp and interleaved-1f1b / looped-bfs: V stages per GPU (rank r holds stages r, r + pp, ...; the "
+        "decoder layers split over pp x V stages); 1 with 1f1b and gpipe");
     opt("fsdp_reshard_after_forward", "--fsdp-reshard-after-forward", fsdp_reshard_after_forward,
         "With --parallel fsdp: true | false (the decoder layers stay gathered from forward to backward: SHARD_GRAD_OP)");
     opt("fsdp_replicate", "--fsdp-replicate", fsdp_replicate,
@@ -181,6 +187,7 @@ struct RecipeFlags {
     sp.cp = parse_count(cp, "cp");
     sp.pp = parse_count(pp, "pp");
     sp.pp_schedule = pp_schedule;
+    sp.pp_stages_per_rank = parse_count(pp_stages_per_rank, "pp_stages_per_rank");
     sp.fsdp_reshard_after_forward = parse_bool(fsdp_reshard_after_forward, "fsdp_reshard_after_forward");
     sp.fsdp_replicate = parse_count(fsdp_replicate, "fsdp_replicate");
     sp.fsdp_param_dtype = fsdp_param_dtype;
@@ -258,6 +265,7 @@ std::string compare(const std::string& path, bool as_json) {
   sp.tp = count("tp", sp.tp);  // a tensor-parallel measurement: rank 0 of `tp`
   sp.pp = count("pp", sp.pp);  // a pipeline measurement: the worst stage of `pp` (its rank is named)
   sp.pp_schedule = text("pp_schedule", sp.pp_schedule.c_str());
+  sp.pp_stages_per_rank = count("pp_stages_per_rank", sp.pp_stages_per_rank);
   sp.offload = text("offload", sp.offload.c_str());
   if (jr.contains("lora_targets")) {
     const nlohmann::json& t = jr["lora_targets"];

@@ -1,5 +1,5 @@
-// Pipeline parallelism: the training step of one pipeline stage (pipeline.h), as
-// torch.distributed.pipelining runs it with a hand-built PipelineStage per rank
+// Pipeline parallelism: the training step of one pipeline rank (pipeline.h), as
+// torch.distributed.pipelining runs it with a hand-built PipelineStage per stage (one or several per rank)
 // (python/trainmem/measure/pipeline.py is the measured code).
 #include "graph/pipeline.h"
 
@@ -65,8 +65,9 @@ namespace trainmem::graph {
 //    stays fp32; the last stage's logits are bf16 (lm_head under autocast). torchtitan has no
 //    autocast with pipelining (it refuses mixed precision with PP unless FSDP does it):
 //    torchtitan/distributed/utils.py maybe_enable_amp.
-// Not modelled (refused): pipeline with tensor parallelism or ZeRO, interleaved and zero-bubble
-// schedules (several stages per rank), fp16-mixed (a GradScaler inside loss_fn), LoRA and
+// Several stages per rank: Note [Interleaved pipeline schedules] below.
+// Not modelled (refused): pipeline with tensor parallelism or ZeRO, zero-bubble schedules
+// (split input / weight backwards), fp16-mixed (a GradScaler inside loss_fn), LoRA and
 // quantized bases, flash attention, tied embeddings, other families, inference. On CUDA the P2P
 // sends run on NCCL's streams (record_stream): unmeasured.
 
@@ -179,6 +180,82 @@ std::vector<PipelineAction> pipeline_order(PipelineSchedule schedule, std::uint6
   return out;
 }
 
+// Note [Interleaved pipeline schedules]
+// Several stages per rank (pp_stages_per_rank V >= 2, torch 2.13's PipelineScheduleMulti subclasses
+// in torch/distributed/pipelining/schedules.py; measured by python/trainmem/measure/pipeline.py
+// make_virtual_stages on gloo CPU ranks, data/ground_truth/parallel/cpu-pp2v2-*):
+//  * the layout: the decoder layers split over pp x V stages by Note [Pipeline split]; rank r holds
+//    stages r, r + pp, ..., r + (V - 1) pp (generate_stage_to_rank_mapping's loop style, as
+//    torchtitan's stage_ids_this_rank), one PipelineStage per stage, each over its own modules. So
+//    rank 0 keeps the embedding (stage 0), rank pp - 1 the final norm and lm_head (the last stage),
+//    and every rank the parameters and gradients of all its stages.
+//  * the order: each schedule computes every rank's list of actions (stage, F or B, micro-batch) in
+//    __init__ (pipeline_multi_order mirrors it without the idle slots). ScheduleInterleaved1F1B
+//    (_calculate_single_rank_operations, _get_1f1b_rank_ops): rounds = max(1, M // pp) (M must be
+//    a multiple of it, else ValueError), micro-batches per round R = M // rounds, W = min((V - 1) R
+//    + 2 (pp - 1 - r), V M) warm-up forwards, then M V - W pairs of a forward and a backward, then
+//    W backwards; the forward of op i runs on local stage (i // R) mod V, the backward of op i on
+//    local stage V - 1 - ((i - W) // R) mod V, each stage's micro-batches in order. ScheduleLoopedBFS:
+//    every micro-batch's forward on each local stage in turn, then the backwards stage by stage
+//    from the last, the micro-batches in reverse order.
+//  * the runtime (_PipelineScheduleRuntime._step_microbatches, over the lowered schedule of
+//    _add_send_recv / _add_reduce_grad): forward_one_chunk and backward_one_chunk as with one stage
+//    (fwd_cache, the received leaf and its .grad, the last stage's loss_fn right after its forward:
+//    Note [Pipeline parallelism]), but `output` and `loss` are locals of _perform_action, gone
+//    when the action returns. Each SEND_F / SEND_B follows its compute action and its works are
+//    appended to `send_ops`, waited and dropped only at the end of the step: every forward output
+//    a non-last stage sends and every input gradient a non-first stage sends lives to the end of
+//    step(). Then _update_losses clears the last stage's kept losses. REDUCE_GRAD follows each
+//    stage's M-th backward (perform_reduce_grad: scale_grads, in place).
+//  * first step: the warm-up vote over the rank's stages (_warmup_p2p: _warmup_forward_vote for
+//    each stage in order, each multiplying the accumulated vote received from the stage before,
+//    then _warmup_backward_result in reverse, each receiving the result into a fresh one-element
+//    tensor unless it holds the last stage); then _prepare_forward_infra for each stage in order
+//    (a non-first stage's M activation receive buffers), then _prepare_backward_infra in reverse
+//    (a non-last stage's M gradient receive buffers).
+// Not modelled (refused): DDP or FSDP2 with several stages per rank (the schedule's UNSHARD /
+// RESHARD actions), ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and DualPipeV (split
+// backwards, V-shaped layouts).
+
+std::vector<PipelineStageAction> pipeline_multi_order(PipelineSchedule schedule, std::uint64_t ranks,
+                                                      std::uint64_t stages_per_rank, std::uint64_t rank,
+                                                      std::uint64_t micro_batches) {
+  std::vector<PipelineStageAction> out;
+  const std::uint64_t P = ranks, V = stages_per_rank, M = micro_batches;
+  if (schedule == PipelineSchedule::kLoopedBFS) {
+    for (std::uint64_t v = 0; v < V; ++v) {
+      for (std::uint64_t k = 0; k < M; ++k) out.push_back({rank + v * P, true, k});
+    }
+    for (std::uint64_t v = V; v-- > 0;) {
+      for (std::uint64_t k = M; k-- > 0;) out.push_back({rank + v * P, false, k});
+    }
+    return out;
+  }
+  const std::uint64_t rounds = std::max<std::uint64_t>(1, M / P), per_round = M / rounds;
+  const std::uint64_t warmup = std::min((V - 1) * per_round + 2 * (P - 1 - rank), M * V);
+  const std::uint64_t ops = M * V, fwd_bwd = ops - warmup;
+  std::vector<std::uint64_t> next_fwd(V, 0), next_bwd(V, 0);
+  auto forward = [&](std::uint64_t op) {
+    const std::uint64_t v = (op / per_round) % V;
+    out.push_back({rank + v * P, true, next_fwd[v]++});
+  };
+  auto backward = [&](std::uint64_t op) {
+    const std::uint64_t v = V - 1 - ((op - warmup) / per_round) % V;
+    out.push_back({rank + v * P, false, next_bwd[v]++});
+  };
+  for (std::uint64_t op = 0; op < warmup + fwd_bwd + warmup; ++op) {
+    if (op < warmup) {
+      forward(op);
+    } else if (op < warmup + fwd_bwd) {
+      forward(op);
+      backward(op);
+    } else {
+      backward(op);
+    }
+  }
+  return out;
+}
+
 void check_pipeline_model(const Architecture& a, const Recipe& r) {
   const std::string pp = "pp: " + std::to_string(r.pp);
   if (a.family != Family::kLlama && a.family != Family::kMistral && a.family != Family::kQwen2 &&
@@ -192,6 +269,11 @@ void check_pipeline_model(const Architecture& a, const Recipe& r) {
   }
   if (a.num_layers < r.pp) {
     throw Error(pp + ": the model has " + std::to_string(a.num_layers) + " decoder layers, fewer than the stages");
+  }
+  if (a.num_layers < r.pp * r.pp_stages_per_rank) {
+    throw Error(pp + " x pp_stages_per_rank " + std::to_string(r.pp_stages_per_rank) + ": the model has " +
+                std::to_string(a.num_layers) + " decoder layers, fewer than the " +
+                std::to_string(r.pp * r.pp_stages_per_rank) + " stages");
   }
 }
 
@@ -210,8 +292,15 @@ bool StepBuilder::pp_holds_global(const std::string& name) const {
 }
 
 bool StepBuilder::pp_holds_layer(std::uint64_t layer) const {
-  return r_.pp <= 1 || pipeline_stage_layers(a_.num_layers, r_.pp, rank_).holds(layer);
+  if (r_.pp <= 1) return true;
+  // See Note [Interleaved pipeline schedules]: the rank holds stages rank, rank + pp, ...
+  for (std::uint64_t v = 0; v < r_.pp_stages_per_rank; ++v) {
+    if (pipeline_stage_layers(a_.num_layers, pp_num_stages(), rank_ + v * r_.pp).holds(layer)) return true;
+  }
+  return false;
 }
+
+std::uint64_t StepBuilder::pp_num_stages() const { return r_.pp * r_.pp_stages_per_rank; }
 
 // See Note [Pipeline parallelism]: the P2P warm-up vote of the first step.
 void StepBuilder::pp_warmup_vote(bool first, bool last) {
@@ -233,8 +322,8 @@ void StepBuilder::pp_warmup_vote(bool first, bool last) {
 // forward_one_chunk of micro-batch `k` (0-based): the stage module's forward (pipeline.py
 // _StageModule), and on the last stage the schedule's loss_fn. The graph is taken off the tape.
 void StepBuilder::pp_forward(std::uint64_t k, PipelineMicro& mb) {
-  const bool first = rank_ == 0, last = rank_ == r_.pp - 1;
-  const StageLayers layers = pipeline_stage_layers(a_.num_layers, r_.pp, rank_);
+  const bool first = pp_stage_ == 0, last = pp_stage_ + 1 == pp_num_stages();
+  const StageLayers layers = pipeline_stage_layers(a_.num_layers, pp_num_stages(), pp_stage_);
   phase_ = Phase::kForward;
   layer_ = kNoLayer;
   t_.micro = static_cast<std::uint32_t>(k + 1);
@@ -252,7 +341,7 @@ void StepBuilder::pp_forward(std::uint64_t k, PipelineMicro& mb) {
   } else {
     op("pipeline.recv");
     // The receive buffer made a leaf that requires grad; fwd_cache keeps it as an input value.
-    mb.leaf = T{pp_recv_act_[k], tok_ * a_.hidden_size, pol_.param};
+    mb.leaf = T{pp_recv_act_[pp_slot_ + k], tok_ * a_.hidden_size, pol_.param};
     t_.retain(mb.leaf.id);
     requires_grad(mb.leaf);
     hs = t_.ref(mb.leaf);
@@ -300,7 +389,7 @@ void StepBuilder::pp_forward(std::uint64_t k, PipelineMicro& mb) {
 // backward_one_chunk of micro-batch `k`: its graph put back and run from the loss (last stage) or
 // from the output with the received gradient; the received activation's gradient is kept as its .grad.
 TensorId StepBuilder::pp_backward(std::uint64_t k, PipelineMicro& mb) {
-  const bool last = rank_ == r_.pp - 1;
+  const bool last = pp_stage_ + 1 == pp_num_stages();
   phase_ = Phase::kBackward;
   layer_ = kNoLayer;
   t_.micro = static_cast<std::uint32_t>(k + 1);
@@ -311,7 +400,7 @@ TensorId StepBuilder::pp_backward(std::uint64_t k, PipelineMicro& mb) {
   if (last) {
     t_.backward(mb.loss.value, kNone, mb.leaf.value, &kept);
   } else {
-    t_.backward(mb.out.value, pp_recv_grad_[k], mb.leaf.value, &kept);
+    t_.backward(mb.out.value, pp_recv_grad_[pp_slot_ + k], mb.leaf.value, &kept);
   }
   // fwd_cache's entry goes with the call: the output and the input values.
   t_.drop(mb.out);
@@ -321,6 +410,8 @@ TensorId StepBuilder::pp_backward(std::uint64_t k, PipelineMicro& mb) {
 
 Trace StepBuilder::build_pipeline() {
   check_pipeline_model(a_, r_);
+  if (is_multi_stage(r_.pp_schedule)) return build_pipeline_multi();
+  pp_stage_ = rank_;
   const bool first = rank_ == 0, last = rank_ == r_.pp - 1;
   const std::uint64_t M = r_.grad_accum;
   const std::uint64_t act_bytes = tok_ * a_.hidden_size * dtype_bytes(pol_.param);
@@ -394,6 +485,106 @@ Trace StepBuilder::build_pipeline() {
     if (warm_send.id != kNone) t_.drop(warm_send);
     for (T& s : gpipe_sends) t_.drop(s);
     for (TensorId g : grad_sends) t_.release(g);
+    t_.micro = static_cast<std::uint32_t>(M);
+    t_.seal_categories();
+    const MicroBatchNext next = hook_ ? hook_(t_.trace(), step, t_.micro) : MicroBatchNext::kGoOn;
+    if (next == MicroBatchNext::kStop) return finish_trace();
+    optimizer_step(step == 1);
+  }
+  return finish_trace();
+}
+
+// See Note [Interleaved pipeline schedules]: the P2P warm-up vote of the first step over the
+// rank's stages, and what each of its one-element tensors lives for.
+void StepBuilder::pp_warmup_vote_multi() {
+  op("pipeline.warmup_vote");
+  const std::uint64_t stages = pp_num_stages();
+  TensorId acc = kNone;  // _warmup_p2p's `acc`
+  for (std::uint64_t v = 0; v < r_.pp_stages_per_rank; ++v) {
+    const std::uint64_t s = rank_ + v * r_.pp;
+    const TensorId vote = t_.alloc_bytes(4, Category::kTemporaries);  // torch.tensor([my_vote])
+    TensorId next = vote;                                              // stage 0: acc = my_vote_t
+    if (s != 0) {  // the stage before is on another rank (pp >= 2)
+      const TensorId received = t_.alloc_bytes(4, Category::kTemporaries);  // zeros(1), received into
+      next = t_.alloc_bytes(4, Category::kTemporaries);                     // acc * my_vote_t
+      t_.release(received);
+      t_.release(vote);  // the call's local, at its return
+    }
+    if (acc != kNone) t_.release(acc);  // the caller's `acc` rebound
+    acc = next;
+  }
+  TensorId result = acc;  // _warmup_p2p's `result`, first the same tensor as `acc`
+  for (std::uint64_t v = r_.pp_stages_per_rank; v-- > 0;) {
+    const std::uint64_t s = rank_ + v * r_.pp;
+    if (s + 1 == stages) continue;  // the last stage hands on what it was given
+    const TensorId received = t_.alloc_bytes(4, Category::kTemporaries);  // zeros(1), received into
+    if (result != acc) t_.release(result);  // the caller's `result` rebound
+    result = received;
+  }
+  if (result != acc) t_.release(result);
+  t_.release(acc);
+}
+
+// See Note [Interleaved pipeline schedules]: a rank holding several stages.
+Trace StepBuilder::build_pipeline_multi() {
+  const std::uint64_t P = r_.pp, V = r_.pp_stages_per_rank, M = r_.grad_accum;
+  const std::uint64_t stages = pp_num_stages();
+  const bool first = rank_ == 0, last = rank_ == P - 1;  // holds stage 0 / the last stage
+  const std::uint64_t act_bytes = tok_ * a_.hidden_size * dtype_bytes(pol_.param);
+  const std::vector<PipelineStageAction> order = pipeline_multi_order(r_.pp_schedule, P, V, rank_, M);
+  t_.at(Phase::kSetup, kNoLayer, "batch");
+  if (first) input_ids_ = t_.make(tok_ * M, DType::kI64, Category::kOther);
+  if (last) labels_ = t_.make(tok_ * M, DType::kI64, Category::kOther);
+  for (std::uint32_t step = 1; step <= r_.steps; ++step) {
+    t_.step = step;
+    t_.micro = 1;
+    phase_ = Phase::kForward;
+    layer_ = kNoLayer;
+    if (step == 1) {
+      pp_warmup_vote_multi();
+      op("pipeline.recv_buffers");
+      pp_recv_act_.assign(V * M, kNone);
+      pp_recv_grad_.assign(V * M, kNone);
+      for (std::uint64_t v = 0; v < V; ++v) {  // _prepare_forward_infra, stage by stage
+        if (rank_ + v * P == 0) continue;
+        for (std::uint64_t k = 0; k < M; ++k) pp_recv_act_[v * M + k] = t_.alloc_bytes(act_bytes, Category::kOther);
+      }
+      for (std::uint64_t v = V; v-- > 0;) {  // _prepare_backward_infra, in reverse
+        if (rank_ + v * P + 1 == stages) continue;
+        for (std::uint64_t k = 0; k < M; ++k) pp_recv_grad_[v * M + k] = t_.alloc_bytes(act_bytes, Category::kOther);
+      }
+    }
+    std::vector<PipelineMicro> mbs(V * M);
+    std::vector<T> sent_outputs;     // send_ops: every SEND_F's works, to the end of step()
+    std::vector<TensorId> sent_grads;  // and every SEND_B's
+    std::vector<std::uint64_t> backwards(V, 0);
+    for (const PipelineStageAction& act : order) {
+      const std::uint64_t v = (act.stage - rank_) / P;
+      pp_stage_ = act.stage;
+      pp_slot_ = v * M;
+      PipelineMicro& mb = mbs[v * M + act.micro];
+      if (act.forward) {
+        pp_forward(act.micro, mb);
+        if (act.stage + 1 == stages) {
+          mb.loss = causal_lm_loss(mb.out);  // _maybe_compute_loss; _internal_losses keeps it
+        } else {
+          sent_outputs.push_back(t_.ref(mb.out));  // SEND_F
+        }
+        mb.graph = t_.take_graph();
+      } else {
+        const TensorId sent = pp_backward(act.micro, mb);
+        if (sent != kNone) sent_grads.push_back(sent);  // SEND_B
+        // REDUCE_GRAD after the stage's last backward: scale_grads divides in place.
+        if (++backwards[v] == M) op("pipeline.reduce_grad");
+      }
+    }
+    // The end of _step_microbatches: the send works waited and dropped, then _update_losses.
+    phase_ = Phase::kBackward;
+    for (T& out : sent_outputs) t_.drop(out);
+    for (TensorId g : sent_grads) t_.release(g);
+    for (PipelineMicro& mb : mbs) {
+      if (mb.loss.id != kNone) t_.drop(mb.loss);
+    }
     t_.micro = static_cast<std::uint32_t>(M);
     t_.seal_categories();
     const MicroBatchNext next = hook_ ? hook_(t_.trace(), step, t_.micro) : MicroBatchNext::kGoOn;

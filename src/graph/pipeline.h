@@ -1,5 +1,6 @@
 // Pipeline parallelism on one rank: which part of the model a stage of a torch.distributed.pipelining
-// run holds, and the order in which its schedule runs the micro-batches' forwards and backwards
+// run holds (one stage per rank, or several: Note [Interleaved pipeline schedules] in pipeline.cpp),
+// and the order in which its schedule runs the micro-batches' forwards and backwards
 // (docs/parallelism.md, "Pipeline parallelism"; python/trainmem/measure/pipeline.py is the
 // measured code). The step of one stage is built by StepBuilder::build_pipeline (pipeline.cpp).
 #pragma once
@@ -36,6 +37,23 @@ struct PipelineAction {
 // forwards remain, then the remaining backwards; ScheduleGPipe: every forward, then every backward.
 std::vector<PipelineAction> pipeline_order(PipelineSchedule schedule, std::uint64_t stages, std::uint64_t stage,
                                            std::uint64_t micro_batches);
+
+// One compute action of a rank running several stages (Note [Interleaved pipeline schedules] in
+// pipeline.cpp): the forward or full backward of micro-batch `micro` (0-based) on global stage `stage`.
+struct PipelineStageAction {
+  std::uint64_t stage = 0;
+  bool forward = true;
+  std::uint64_t micro = 0;
+  bool operator==(const PipelineStageAction&) const = default;
+};
+
+// The compute actions of pipeline rank `rank` of `ranks` holding `stages_per_rank` stages in one
+// step of a multi-stage schedule, in the order the rank runs them (torch's pipeline_order without
+// its idle slots): ScheduleInterleaved1F1B (_get_1f1b_rank_ops over _get_warmup_ops) or
+// ScheduleLoopedBFS (every forward stage by stage, then every backward in reverse).
+std::vector<PipelineStageAction> pipeline_multi_order(PipelineSchedule schedule, std::uint64_t ranks,
+                                                      std::uint64_t stages_per_rank, std::uint64_t rank,
+                                                      std::uint64_t micro_batches);
 
 // Throws Error for a model the engine does not split (see Note [Pipeline split]).
 void check_pipeline_model(const Architecture& a, const Recipe& r);

@@ -416,6 +416,10 @@ class StepBuilder {
   void pp_warmup_vote(bool first, bool last);
   void pp_forward(std::uint64_t k, PipelineMicro& mb);
   TensorId pp_backward(std::uint64_t k, PipelineMicro& mb);
+  // Several stages per rank (Note [Interleaved pipeline schedules] in pipeline.cpp).
+  Trace build_pipeline_multi();
+  void pp_warmup_vote_multi();
+  std::uint64_t pp_num_stages() const;
   std::uint32_t lm_head_param(std::uint32_t emb) const;
   ValueId standard_loss(T& normed, std::uint32_t emb);
   T causal_lm_loss(const T& logits, bool vocab_parallel = false);
@@ -519,6 +523,9 @@ class StepBuilder {
   std::uint32_t causal_lm_module_ = kNone, base_model_module_ = kNone;  // ZeRO-3: open until the loss
   // Pipeline stage (rank_ is the stage): the receive buffers, one per micro-batch.
   std::vector<TensorId> pp_recv_act_, pp_recv_grad_;
+  // The stage pp_forward / pp_backward run (rank_ with one stage per rank) and its receive
+  // buffers' offset in pp_recv_act_ / pp_recv_grad_ (local stage x micro-batches).
+  std::uint64_t pp_stage_ = 0, pp_slot_ = 0;
   bool in_lm_head_ = false;  // ZeRO-3: lm_head's nn.Linear (tied: a second module over wte)
   // Layer stamping: whether this recipe may stamp, the templates, the tables of the layer at
   // hand (its parameters by role, its outside storages, values and parameter slots: Tape::stamp)

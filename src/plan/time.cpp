@@ -295,8 +295,15 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
     // pipeline drains, on each stage's share, outside the bubble. On the critical path every
     // slot also moves one activation forward and one gradient back between neighbours, at the
     // interconnect bandwidth, not overlapped.
+    // With V stages per rank (Note [Interleaved pipeline schedules]: ScheduleInterleaved1F1B,
+    // ScheduleLoopedBFS) a slot is one stage's micro-batch, 1 / V of a rank's share: the fill and
+    // the drain take N - 1 such slots, so the bubble is (N - 1) / V of a rank's micro-batch,
+    // (N - 1) / (V M) of the busy time (Narayanan et al. 2021, sec. 2.2.2, for the interleaved
+    // schedule; Lamy-Poirier 2023 for the breadth-first one), and each micro-batch crosses V
+    // boundaries per rank.
     const double n = static_cast<double>(recipe.pp);
-    const double slots = (micro + n - 1) / micro;
+    const double v = static_cast<double>(recipe.pp_stages_per_rank);
+    const double slots = (micro + (n - 1) / v) / micro;
     const double opt_s = opt_bytes / bw;
     t.compute_s = t.compute_s / n * slots;
     t.memory_s = ((t.memory_s - opt_s) / n) * slots + opt_s / n;
@@ -304,7 +311,7 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
     t.flops /= n;
     if (gpu.interconnect_gbps > 0) {
       const double p2p = 2 * tokens * h * act;  // an activation and its gradient, one micro-batch
-      t.comm_s += (micro + n - 1) * p2p / (gpu.interconnect_gbps * 1e9);
+      t.comm_s += (v * micro + n - 1) * p2p / (gpu.interconnect_gbps * 1e9);
     }
   }
   t.seconds = t.compute_s + t.memory_s + t.overhead_s + t.comm_s + t.host_s;

@@ -47,8 +47,10 @@ constexpr Spellings<Offload, 4> kOffload{{{Offload::kNone, "none"},
                                           {Offload::kOptimizer, "optimizer"},
                                           {Offload::kParams, "params"},
                                           {Offload::kBoth, "both"}}};
-constexpr Spellings<PipelineSchedule, 2> kPipelineSchedule{
-    {{PipelineSchedule::k1F1B, "1f1b"}, {PipelineSchedule::kGPipe, "gpipe"}}};
+constexpr Spellings<PipelineSchedule, 4> kPipelineSchedule{{{PipelineSchedule::k1F1B, "1f1b"},
+                                                             {PipelineSchedule::kGPipe, "gpipe"},
+                                                             {PipelineSchedule::kInterleaved1F1B, "interleaved-1f1b"},
+                                                             {PipelineSchedule::kLoopedBFS, "looped-bfs"}}};
 
 template <typename E, std::size_t N>
 std::string_view name_of(const Spellings<E, N>& table, E e) {
@@ -79,6 +81,7 @@ constexpr std::uint64_t kMaxAccum = 1024;
 constexpr std::uint64_t kMaxGpus = 4096;
 constexpr std::uint64_t kMaxCp = 64;  // as many as tensor parallelism's
 constexpr std::uint64_t kMaxPp = 64;  // the measuring side's MAX_PP
+constexpr std::uint64_t kMaxPpStagesPerRank = 64;  // the measuring side's MAX_PP_STAGES_PER_RANK
 constexpr std::uint64_t kMaxTp = 64;  // the measuring side's MAX_TP (python/trainmem/measure/recipe.py)
 
 // A precision with one dtype for weights and compute: no autocast, no master copy.
@@ -213,6 +216,36 @@ void validate_pipeline_parallel(const Recipe& r) {
   }
 }
 
+// Stages per rank against the schedule (python/trainmem/measure/recipe.py _check_pp_stages): the
+// multi-stage schedules need two or more, the others one (See Note [Interleaved pipeline
+// schedules] in graph/pipeline.cpp); the layers per stage are checked with the model.
+void validate_pipeline_stages(const Recipe& r) {
+  const std::uint64_t v = r.pp_stages_per_rank, m = r.grad_accum;
+  const std::string schedule(to_string(r.pp_schedule));
+  const bool multi = is_multi_stage(r.pp_schedule);
+  if (multi && v < 2) {
+    throw Error("pp_schedule " + schedule +
+                " runs several stages per rank: set pp_stages_per_rank to 2 or more, or use 1f1b or gpipe");
+  }
+  if (!multi && v != 1) {
+    throw Error("pp_stages_per_rank: " + std::to_string(v) +
+                " needs a multi-stage schedule: use interleaved-1f1b or looped-bfs, not " + schedule);
+  }
+  if (multi && r.parallel != Parallel::kNone) {
+    throw Error("pp_schedule " + schedule + " with parallel " + std::string(to_string(r.parallel)) +
+                " is not modelled yet (unmeasured: DDP or FSDP2 over several stages per rank); use parallel none");
+  }
+  if (r.pp_schedule == PipelineSchedule::kInterleaved1F1B) {
+    // ScheduleInterleaved1F1B.__init__: number_of_rounds = max(1, n_microbatches // pp).
+    const std::uint64_t rounds = std::max<std::uint64_t>(1, m / r.pp);
+    if (m % rounds != 0) {
+      throw Error("pp_schedule interleaved-1f1b needs grad_accum (n_microbatches) to be a multiple of its rounds "
+                  "max(1, " + std::to_string(m) + " / pp " + std::to_string(r.pp) + ") = " + std::to_string(rounds) +
+                  ", got " + std::to_string(m) + " (ScheduleInterleaved1F1B refuses it)");
+    }
+  }
+}
+
 // What the engine models of data parallelism: what the measuring side runs
 // (python/trainmem/measure/recipe.py _check_parallel, docs/parallelism.md) and nothing more.
 void validate_parallel(const Recipe& r) {
@@ -229,8 +262,13 @@ void validate_parallel(const Recipe& r) {
   check_range("cp", r.cp, kMaxCp);  // the rest is checked with the model (graph/context_parallel.cpp)
   if (r.tp > 1) validate_tensor_parallel(r);
   check_range("pp", r.pp, kMaxPp);
+  check_range("pp_stages_per_rank", r.pp_stages_per_rank, kMaxPpStagesPerRank);
   if (r.pp > 1) validate_pipeline_parallel(r);
+  if (r.pp > 1) validate_pipeline_stages(r);
   if (r.pp == 1 && r.pp_schedule != PipelineSchedule::k1F1B) throw Error("pp_schedule: a pipeline knob, it needs pp > 1");
+  if (r.pp == 1 && r.pp_stages_per_rank != 1) {
+    throw Error("pp_stages_per_rank: a pipeline knob, it needs pp > 1");
+  }
   if (r.parallel != Parallel::kFsdp && !r.fsdp.is_default()) {
     throw Error("fsdp_reshard_after_forward / fsdp_replicate / fsdp_param_dtype / fsdp_reduce_dtype: FSDP2 knobs, "
                 "they need parallel fsdp");
@@ -393,6 +431,7 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   r.cp = in.cp;
   r.pp = in.pp;
   r.pp_schedule = parse_pipeline_schedule(in.pp_schedule);
+  r.pp_stages_per_rank = in.pp_stages_per_rank;
   r.fsdp.reshard_after_forward = in.fsdp_reshard_after_forward;
   r.fsdp.replicate = in.fsdp_replicate;
   r.fsdp.param_dtype = parse_fsdp_dtype(in.fsdp_param_dtype, "fsdp_param_dtype");

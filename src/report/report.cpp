@@ -49,6 +49,7 @@ ordered_json recipe_object(const Recipe& r) {
   if (r.pp > 1) {                 // and the pipeline's degree and schedule only with a pipeline
     j["pp"] = r.pp;
     j["pp_schedule"] = to_string(r.pp_schedule);
+    if (r.pp_stages_per_rank > 1) j["pp_stages_per_rank"] = r.pp_stages_per_rank;  // multi-stage only
   }
   if (r.parallel == Parallel::kFsdp) {  // FSDP2's knobs, with parallel fsdp only (as trainmem-measure)
     j["fsdp_reshard_after_forward"] = r.fsdp.reshard_after_forward;
@@ -118,7 +119,11 @@ std::string recipe_words(const Recipe& r) {
            (r.sequence_parallel ? "+sp" : "") + (r.loss_parallel ? "+lp" : "");
     }
     if (r.pp > 1) {
-      dp = "pp" + std::to_string(r.pp) + (r.pp_schedule == PipelineSchedule::kGPipe ? "+gpipe" : "") +
+      dp = "pp" + std::to_string(r.pp) + (r.pp_stages_per_rank > 1 ? "v" + std::to_string(r.pp_stages_per_rank) : "") +
+           (r.pp_schedule == PipelineSchedule::kGPipe             ? "+gpipe"
+            : r.pp_schedule == PipelineSchedule::kInterleaved1F1B ? "+int"
+            : r.pp_schedule == PipelineSchedule::kLoopedBFS       ? "+bfs"
+                                                                  : "") +
            (r.parallel != Parallel::kNone ? "+" + dp : std::string());  // PP x DP: pp2+ddp
     }
     if (r.cp > 1) dp = "cp" + std::to_string(r.cp);
@@ -423,7 +428,18 @@ std::string to_text(const Estimate& e) {
         std::string(to_string(r.parallel)).c_str(), static_cast<unsigned long long>(r.gpus), tp.c_str(),
         static_cast<unsigned long long>(e.rank), rank_words(e).c_str());
   }
-  if (r.pp > 1 && r.parallel == Parallel::kNone) {
+  if (r.pp > 1 && r.pp_stages_per_rank > 1) {  // Note [Interleaved pipeline schedules] (parallel none)
+    std::string stages;
+    for (std::uint64_t v = 0; v < r.pp_stages_per_rank; ++v) {
+      stages += (v ? (v + 1 == r.pp_stages_per_rank ? " and " : ", ") : "") + std::to_string(e.rank + v * r.pp);
+    }
+    add("pipeline parallel: %s over %llu stages (%llu per GPU on %llu GPUs), %llu micro-batches; the figures below "
+        "are one GPU's, rank %llu (stages %s)%s\n",
+        std::string(to_string(r.pp_schedule)).c_str(), static_cast<unsigned long long>(r.pp * r.pp_stages_per_rank),
+        static_cast<unsigned long long>(r.pp_stages_per_rank), static_cast<unsigned long long>(r.pp),
+        static_cast<unsigned long long>(r.grad_accum), static_cast<unsigned long long>(e.rank), stages.c_str(),
+        rank_words(e).c_str());
+  } else if (r.pp > 1 && r.parallel == Parallel::kNone) {
     add("pipeline parallel: %s over %llu stages (one per GPU), %llu micro-batches; the figures below are one GPU's, "
         "stage %llu%s\n",
         std::string(to_string(r.pp_schedule)).c_str(), static_cast<unsigned long long>(r.pp),

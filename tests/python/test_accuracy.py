@@ -128,8 +128,9 @@ def test_tensor_parallel_entries_exact(comparisons):
 
 
 def test_pipeline_entries_exact(comparisons):
-    """The pipeline-parallel measurements (recipe.pp, every stage of torch.distributed.pipelining's
-    Schedule1F1B / ScheduleGPipe on gloo ranks; the file's figures are the worst stage's) are
+    """The pipeline-parallel measurements (recipe.pp, every rank of torch.distributed.pipelining's
+    Schedule1F1B / ScheduleGPipe, or ScheduleInterleaved1F1B / ScheduleLoopedBFS with several stages
+    per rank, on gloo ranks; the file's figures are the worst rank's) are
     reproduced to the byte on every stage, peak and categories: the stage's own parameters, the
     receive buffers, the in-flight micro-batches and what the schedule's P2P works keep (Note
     [Pipeline parallelism]); the estimate reports the worst stage."""
@@ -157,6 +158,15 @@ def test_pipeline_entries_exact(comparisons):
     assert any(not r["fsdp_reshard_after_forward"] for r in fsdp)
     assert any(r["fsdp_param_dtype"] == "bf16" and r["fsdp_reduce_dtype"] == "fp32" for r in fsdp)
     assert any(r["fsdp_replicate"] > 1 for r in fsdp)  # HSDP: a (pp, replicate, shard) mesh
+    # Issue 4: several stages per rank (Note [Interleaved pipeline schedules]): ScheduleInterleaved1F1B
+    # at 2, 3 and 4 micro-batches, 2 to 4 stages per rank, three ranks over an uneven split of 8
+    # layers, ScheduleLoopedBFS, AdamW, bf16-mixed and bf16-true.
+    multi = [r for r in recipes if r.get("pp_stages_per_rank", 1) > 1]
+    assert {r["grad_accum"] for r in multi if r["pp_schedule"] == "interleaved-1f1b"} >= {2, 3, 4}
+    assert {r["pp_stages_per_rank"] for r in multi} >= {2, 3, 4}
+    assert any(r["pp_schedule"] == "looped-bfs" for r in multi) and any(r["pp"] > 2 for r in multi)
+    assert {"bf16-mixed", "bf16-true"} <= {r["precision"] for r in multi}
+    assert any(r["optimizer"] == "adamw" for r in multi)
     for name, c in pp:
         assert c["measured_peak_allocated_bytes"] == c["predicted_peak_allocated_bytes"], name
         for cat, v in c["categories"].items():

@@ -142,6 +142,10 @@ def test_pipeline_keywords(trainmem_bin):
     assert est.recipe["pp"] == 2 and est.recipe["pp_schedule"] == "1f1b"
     gpipe = trainmem.estimate("mistral-7b-v0.3", **kw, pp_schedule="gpipe")
     assert gpipe.recipe["pp_schedule"] == "gpipe"
+    inter = trainmem.estimate("mistral-7b-v0.3", **kw, pp_schedule="interleaved-1f1b", pp_stages_per_rank=2)
+    assert inter.recipe["pp_stages_per_rank"] == 2 and [r["rank"] for r in inter.ranks] == [0, 1]
+    with pytest.raises(ValueError, match="pp_stages_per_rank: 2 needs a multi-stage schedule"):
+        trainmem.estimate("mistral-7b-v0.3", **kw, pp_stages_per_rank=2)
     with pytest.raises(ValueError, match="pp: must be a positive integer"):
         trainmem.estimate("mistral-7b-v0.3", pp=True)
     with pytest.raises(ValueError, match="ties lm_head to the embedding"):

@@ -156,6 +156,34 @@ def test_pipeline_estimate_is_the_worst_stage_and_keeps_its_recipe(run):
     assert gpipe["ranks"][0]["peak_allocated_bytes"] > stage0["peak_allocated_bytes"]  # all 4 in flight
 
 
+def test_interleaved_pipeline_holds_every_stage_of_the_rank(run):
+    # --pp 2 --pp-stages-per-rank 2 over Mistral-7B (32 layers): 4 stages of 8 layers, rank 0
+    # holding stages 0 and 2 (the embedding), rank 1 stages 1 and 3 (the norm and lm_head): the
+    # weights of the one-stage split (16 layers a rank), more micro-batches in flight on rank 0
+    # (Note [Interleaved pipeline schedules]).
+    base = ["estimate", "mistral-7b-v0.3", "--seq", "1024", "--precision", "bf16-true", "--optimizer", "sgd",
+            "--grad-accum", "4", "--pp", "2", "--json"]
+    one = json.loads(run(*base).stdout)
+    inter = json.loads(run(*base, "--pp-schedule", "interleaved-1f1b", "--pp-stages-per-rank", "2").stdout)
+    assert inter["recipe"]["pp_schedule"] == "interleaved-1f1b" and inter["recipe"]["pp_stages_per_rank"] == 2
+    assert "pp_stages_per_rank" not in one["recipe"]
+    assert [r["rank"] for r in inter["ranks"]] == [0, 1]
+    for rank in ("0", "1"):
+        a = json.loads(run(*base, "--rank", rank).stdout)
+        b = json.loads(run(*base, "--pp-schedule", "interleaved-1f1b", "--pp-stages-per-rank", "2", "--rank",
+                           rank).stdout)
+        assert a["breakdown_at_peak"]["weights"] == b["breakdown_at_peak"]["weights"]
+    # LoopedBFS runs all 8 of rank 0's forwards first: more activations at its peak, which comes in
+    # stage 2's backwards, before stage 0 has made its gradients.
+    bfs = json.loads(run(*base, "--pp-schedule", "looped-bfs", "--pp-stages-per-rank", "2", "--rank", "0").stdout)
+    inter0 = json.loads(run(*base, "--pp-schedule", "interleaved-1f1b", "--pp-stages-per-rank", "2", "--rank",
+                            "0").stdout)
+    assert bfs["breakdown_at_peak"]["activations"] > inter0["breakdown_at_peak"]["activations"]
+    assert bfs["breakdown_at_peak"]["gradients"] < inter0["breakdown_at_peak"]["gradients"]
+    text = run(*base[:-1], "--pp-schedule", "interleaved-1f1b", "--pp-stages-per-rank", "2", "--rank", "1").stdout
+    assert "interleaved-1f1b over 4 stages (2 per GPU on 2 GPUs)" in text and "rank 1 (stages 1 and 3)" in text
+
+
 def test_pipeline_with_ddp_replays_each_stage_once(run):
     # --pp 2 --gpus 2 --parallel ddp: four GPUs, rank = stage x 2 + dp rank (Note [Pipeline with DDP]).
     # Each stage is replayed once (its dp rank 0), and it holds the Reducer's buckets besides its
@@ -244,6 +272,17 @@ def test_pipeline_with_ddp_replays_each_stage_once(run):
      "pp: 2 with parallel none / tp 2"),
     (["estimate", "mistral-7b-v0.3", "--pp-schedule", "gpipe"], "pp_schedule: a pipeline knob"),
     (["estimate", "mistral-7b-v0.3", "--pp", "2", "--pp-schedule", "zb"], "pp_schedule: unknown value 'zb'"),
+    (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--pp-stages-per-rank", "2"],
+     "pp_stages_per_rank: 2 needs a multi-stage schedule: use interleaved-1f1b or looped-bfs, not 1f1b"),
+    (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--pp-schedule", "interleaved-1f1b"],
+     "pp_schedule interleaved-1f1b runs several stages per rank: set pp_stages_per_rank to 2 or more"),
+    (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "5", "--pp-schedule", "interleaved-1f1b",
+      "--pp-stages-per-rank", "2"], "pp_schedule interleaved-1f1b needs grad_accum (n_microbatches) to be a multiple"),
+    (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--pp-schedule", "looped-bfs",
+      "--pp-stages-per-rank", "32"], "pp: 2 x pp_stages_per_rank 32: the model has 32 decoder layers, fewer than the "
+     "64 stages"),
+    (["estimate", "mistral-7b-v0.3", "--pp-stages-per-rank", "2"], "pp_stages_per_rank: a pipeline knob"),
+    (["estimate", "mistral-7b-v0.3", "--pp", "2", "--pp-stages-per-rank", "x"], "pp_stages_per_rank"),
     (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--precision", "fp32", "--rank", "2"],
      "rank: 2 is not one of the 2 ranks (0..1) of --pp 2"),
     (["fit", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--precision", "fp32"], "pp: fit searches"),

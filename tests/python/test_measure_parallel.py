@@ -398,7 +398,19 @@ def test_zero3_world_size_2(tiny_gpt2):
     ({"pp": 2, "grad_accum": 2, "precision": "fp16-mixed"}, "GradScaler inside the schedule's loss_fn"),
     ({"pp": 2, "grad_accum": 2, "precision": "fp32", "lora_rank": 8}, "LoRA or a quantized base"),
     ({"pp_schedule": "gpipe"}, "pp_schedule is a pipeline knob"),
-    ({"pp": 2, "pp_schedule": "interleaved"}, "pp_schedule='interleaved' is not one of 1f1b, gpipe"),
+    ({"pp": 2, "pp_schedule": "interleaved"},
+     "pp_schedule='interleaved' is not one of 1f1b, gpipe, interleaved-1f1b, looped-bfs"),
+    # Several stages per rank (ScheduleInterleaved1F1B, ScheduleLoopedBFS: pipeline.py make_virtual_stages).
+    ({"pp": 2, "grad_accum": 2, "pp_stages_per_rank": 2}, "pp_stages_per_rank=2 needs a multi-stage schedule"),
+    ({"pp": 2, "grad_accum": 2, "pp_schedule": "looped-bfs"}, "runs several stages per rank"),
+    ({"pp": 2, "grad_accum": 5, "pp_schedule": "interleaved-1f1b", "pp_stages_per_rank": 2},
+     "a multiple of its rounds max(1, 5 // pp=2) = 2, got 5"),
+    ({"pp": 2, "grad_accum": 2, "pp_schedule": "interleaved-1f1b", "pp_stages_per_rank": 2, "gpus": 2,
+      "parallel": "fsdp"}, "with parallel='fsdp' is not measured"),
+    ({"pp": 2, "grad_accum": 2, "pp_schedule": "interleaved-1f1b", "pp_stages_per_rank": 2, "gpus": 2,
+      "parallel": "ddp"}, "with parallel='ddp' is not measured"),
+    ({"pp_stages_per_rank": 2}, "pp_stages_per_rank is a pipeline knob"),
+    ({"pp": 2, "pp_stages_per_rank": 0}, "pp_stages_per_rank must be an integer between 1 and 64, got 0"),
 ])
 def test_bad_pp_knobs_are_refused(knobs, message):
     with pytest.raises(RecipeError) as info:
@@ -415,6 +427,18 @@ def test_pp_recipe_json_and_command():
     assert "pp" not in Recipe(precision="fp32").as_dict() and "pp_schedule" not in Recipe(precision="fp32").as_dict()
     cmd = default_command(resolve_model("gpt2"), r, device="cpu", fake=False)
     assert "--pp 2" in cmd and "--pp-schedule gpipe" in cmd
+
+
+def test_pp_stages_per_rank_json_and_command():
+    r = Recipe(batch=1, seq=8, grad_accum=2, precision="fp32", pp=2, pp_schedule="interleaved-1f1b",
+               pp_stages_per_rank=2)
+    assert r.world_size == 2  # one process per rank, whatever its stages
+    d = r.as_dict()
+    assert (d["pp"], d["pp_schedule"], d["pp_stages_per_rank"]) == (2, "interleaved-1f1b", 2)
+    assert Recipe.from_dict(d) == r
+    assert "pp_stages_per_rank" not in Recipe(precision="fp32", pp=2, grad_accum=2).as_dict()
+    cmd = default_command(resolve_model("gpt2"), r, device="cpu", fake=False)
+    assert "--pp-schedule interleaved-1f1b --pp-stages-per-rank 2" in cmd
 
 
 def test_pp_with_ddp_is_pp_times_gpus_ranks():
@@ -468,6 +492,27 @@ def test_pp_split_gives_earlier_stages_the_remainder():
 
     assert split_layers(4, 2) == [range(0, 2), range(2, 4)]
     assert split_layers(5, 3) == [range(0, 2), range(2, 4), range(4, 5)]
+
+
+def test_pp_interleaved_world_size_2(tiny_llama, tmp_path):
+    """Two ranks x two stages (ScheduleInterleaved1F1B): rank 0 holds stages 0 and 2, rank 1 stages 1
+    and 3, one layer each, and every receive buffer of both its stages: rank 0 receives activations
+    for stage 2 and gradients for stages 0 and 2, rank 1 activations for 1 and 3 and gradients for
+    stage 1, two micro-batches each (1 x 8 x 64 fp32 = 2 KiB), beside the ids or the labels."""
+    import json
+
+    config = json.loads(tiny_llama.read_text())
+    config["num_hidden_layers"] = 4  # one layer per stage
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    r = Recipe(batch=1, seq=8, grad_accum=2, precision="fp32", optimizer="sgd", pp=2,
+               pp_schedule="interleaved-1f1b", pp_stages_per_rank=2)
+    out = measure(str(path), r)
+    info = out["diagnostics"]["parallel"]
+    assert info["world_size"] == 2 and len(info["ranks"]) == 2
+    for x in info["ranks"]:
+        assert x["breakdown_at_peak"]["other"] == 3 * 2 * 2048 + 512
+    assert "--pp-schedule interleaved-1f1b --pp-stages-per-rank 2" in out["command"]
 
 
 def test_pp_world_size_2(tiny_llama):

@@ -73,8 +73,13 @@ def _parser() -> _Parser:
                    help="pipeline-parallel degree: N processes on the CPU (gloo), torch.distributed.pipelining with "
                         "the decoder layers split evenly over N stages; --grad-accum is the schedule's "
                         "n_microbatches; the worst stage reported (default %(default)s)")
-    p.add_argument("--pp-schedule", choices=("1f1b", "gpipe"), default=defaults.pp_schedule,
-                   help="with --pp: Schedule1F1B or ScheduleGPipe (default %(default)s)")
+    p.add_argument("--pp-schedule", choices=("1f1b", "gpipe", "interleaved-1f1b", "looped-bfs"),
+                   default=defaults.pp_schedule,
+                   help="with --pp: Schedule1F1B or ScheduleGPipe (one stage per rank), ScheduleInterleaved1F1B or "
+                        "ScheduleLoopedBFS (--pp-stages-per-rank stages per rank) (default %(default)s)")
+    p.add_argument("--pp-stages-per-rank", type=int, default=defaults.pp_stages_per_rank, metavar="V",
+                   help="with --pp and a multi-stage schedule: V stages per rank, rank r holding stages r, r + N, "
+                        "..., the decoder layers split over N x V stages (default %(default)s)")
     p.add_argument("--fsdp-reshard-after-forward", choices=("true", "false"), default="true",
                    help="parallel fsdp: fully_shard(layer, reshard_after_forward=...) for the decoder layers; false "
                         "keeps each layer gathered from its forward to its backward (SHARD_GRAD_OP) (default true)")
@@ -163,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                         mode="inference" if args.inference else "training", new_tokens=args.new_tokens,
                         beams=args.beams, gpus=args.gpus, parallel=args.parallel, tp=args.tp,
                         sequence_parallel=args.sequence_parallel, loss_parallel=args.loss_parallel,
-                        pp=args.pp, pp_schedule=args.pp_schedule,
+                        pp=args.pp, pp_schedule=args.pp_schedule, pp_stages_per_rank=args.pp_stages_per_rank,
                         fsdp_reshard_after_forward=args.fsdp_reshard_after_forward == "true",
                         fsdp_replicate=args.fsdp_replicate, fsdp_param_dtype=args.fsdp_param_dtype,
                         fsdp_reduce_dtype=args.fsdp_reduce_dtype,

@@ -39,6 +39,12 @@ The loop per rank:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+Several stages per rank (`pp_stages_per_rank` V > 1, `pp_schedule` interleaved-1f1b or looped-bfs:
+ScheduleInterleaved1F1B, ScheduleLoopedBFS): the layers split over pp x V stages by the same rule,
+rank r holding stages r, r + pp, ..., one PipelineStage per local stage over a stage module of its
+own modules (`make_virtual_stages`, `_VirtualStageModule`), the schedule built with the list of
+stages (Note [Interleaved pipeline schedules] in src/graph/pipeline.cpp). Plain ranks only.
+
 Checkpointing: run.py enables HF's (non-reentrant) checkpointing on the whole model before the
 stage is cut, so each decoder layer `_StageModule` calls is checkpointed as on one GPU. Precision
 bf16-mixed: torch leaves the autocast context to the caller; here each stage forward runs in a
@@ -128,6 +134,10 @@ def check(model: torch.nn.Module, recipe: Recipe) -> None:
     if model.config.num_hidden_layers < recipe.pp:
         raise RecipeError(f"pp={recipe.pp}: the model has {model.config.num_hidden_layers} decoder layers, fewer "
                           "than the stages")
+    stages = recipe.pp * recipe.pp_stages_per_rank
+    if model.config.num_hidden_layers < stages:
+        raise RecipeError(f"pp={recipe.pp} x pp_stages_per_rank={recipe.pp_stages_per_rank}: the model has "
+                          f"{model.config.num_hidden_layers} decoder layers, fewer than the {stages} stages")
 
 
 def stage_autocast(recipe: Recipe, device: str):
@@ -147,6 +157,8 @@ def make_stage(model: torch.nn.Module, recipe: Recipe, device: str):
     from torch.distributed.pipelining import PipelineStage
 
     check(model, recipe)
+    if recipe.pp_stages_per_rank > 1:
+        return make_virtual_stages(model, recipe, device)
     stages = recipe.pp
     rank, group, dp_group = dist.get_rank(), None, None
     if recipe.gpus > 1:  # PP x DP: a 2-D mesh (pp, dp), as torchtitan's (pp outermost)
@@ -200,6 +212,69 @@ def make_stage(model: torch.nn.Module, recipe: Recipe, device: str):
                           input_args=(ids if rank == 0 else hidden,),
                           output_args=(logits if rank == stages - 1 else hidden,), group=group)
     return stage
+
+
+class _VirtualStageModule(_StageModule):
+    """A stage of a multi-stage schedule: as _StageModule, but the HF model is not its child and it
+    registers only the modules the stage runs, so that its parameters (what the PipelineStage
+    scales in scale_grads, per stage) are its own and not those of the rank's other stages."""
+
+    def __init__(self, hf_model, index: int, stages: int, layers: range, autocast):
+        torch.nn.Module.__init__(self)
+        object.__setattr__(self, "hf", hf_model)  # an attribute, not a submodule
+        self.first = index == 0
+        self.last = index == stages - 1
+        self.layer_ids = list(layers)
+        self.autocast = autocast
+        base = hf_model.model
+        parts = [base.embed_tokens] if self.first else []
+        parts += [base.layers[i] for i in layers]
+        if self.last:
+            parts += [base.norm, hf_model.lm_head]
+        self.parts = torch.nn.ModuleList(parts)
+
+
+def make_virtual_stages(model: torch.nn.Module, recipe: Recipe, device: str) -> list:
+    """The multi-stage schedules (pp_stages_per_rank V > 1), as torchtitan builds them
+    (torchtitan/distributed/pipeline_parallel.py: stage_ids_this_rank with style "loop", one
+    PipelineStage per model part): the decoder layers split over pp x V stages by split_layers, rank
+    r holding stages r, r + pp, ..., r + (V - 1) pp (torch's generate_stage_to_rank_mapping for
+    interleaved and looped schedules); one pruned HF model per rank whose kept layers are those of
+    every local stage, and one PipelineStage per local stage over its own modules
+    (_VirtualStageModule). Plain ranks only (no data-parallel wrapper)."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+
+    pp, per_rank = recipe.pp, recipe.pp_stages_per_rank
+    stages = pp * per_rank
+    rank = dist.get_rank()
+    local = [rank + v * pp for v in range(per_rank)]
+    cuts = split_layers(model.config.num_hidden_layers, stages)
+    kept = {i for s in local for i in cuts[s]}
+    base = model.model
+    for i in range(len(base.layers)):
+        if i not in kept:
+            base.layers[i] = torch.nn.Identity()
+    if 0 not in local:
+        base.embed_tokens = None
+    if stages - 1 not in local:
+        base.norm = None
+        model.lm_head = None
+    autocast = stage_autocast(recipe, device)
+    cfg = model.config
+    dtype = next(model.parameters()).dtype
+    logits_dtype = getattr(torch, recipe.autocast_dtype_name) if recipe.autocast_dtype_name else dtype
+    meta = torch.device("meta")
+    out = []
+    for s in local:
+        module = _VirtualStageModule(model, s, stages, cuts[s], autocast)
+        hidden = torch.empty(recipe.batch, recipe.seq, cfg.hidden_size, dtype=dtype, device=meta, requires_grad=True)
+        ids = torch.empty(recipe.batch, recipe.seq, dtype=torch.int64, device=meta)
+        logits = torch.empty(recipe.batch, recipe.seq, cfg.vocab_size, dtype=logits_dtype, device=meta,
+                             requires_grad=True)
+        out.append(PipelineStage(module, s, stages, torch.device(device), input_args=(ids if s == 0 else hidden,),
+                                 output_args=(logits if s == stages - 1 else hidden,)))
+    return out
 
 
 def _data_parallel(module: torch.nn.Module, recipe: Recipe, dp_group) -> torch.nn.Module:
@@ -256,7 +331,8 @@ def _reseed_replica(recipe: Recipe) -> None:
 
 def run_steps(model, stage, recipe: Recipe, tracker, *, device: str, steps: int = 2, make_optimizer) -> None:
     """The reference loop of one pipeline rank under an active tracker (see the module docstring)."""
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                              ScheduleLoopedBFS)
 
     from .training import grads_to_masters, make_masters, masters_to_params
 
@@ -273,9 +349,14 @@ def run_steps(model, stage, recipe: Recipe, tracker, *, device: str, steps: int 
         tracker.label_graph(loss, LOSS)
         return loss
 
-    cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[recipe.pp_schedule]
+    cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved-1f1b": ScheduleInterleaved1F1B,
+           "looped-bfs": ScheduleLoopedBFS}[recipe.pp_schedule]
+    # A multi-stage schedule takes the rank's stages (make_virtual_stages), a single one its stage.
+    stages = stage if isinstance(stage, list) else [stage]
     schedule = cls(stage, n_microbatches=recipe.grad_accum, loss_fn=loss_fn)
-    params = [p for p in stage.submod.parameters() if p.requires_grad]
+    # The rank's parameters in the HF model's order, which is also the stages' order (one optimizer
+    # over them; torchtitan's OptimizersContainer steps one per stage, in the same order).
+    params = [p for s in stages for p in s.submod.parameters() if p.requires_grad]
     current = {"step": 0}
 
     def forward_one_chunk(fn):
@@ -302,13 +383,14 @@ def run_steps(model, stage, recipe: Recipe, tracker, *, device: str, steps: int 
                 return fn(*args, **kwargs)
         return wrapper
 
-    stage.forward_one_chunk = forward_one_chunk(stage.forward_one_chunk)
-    stage.backward_one_chunk = backward_one_chunk(stage.backward_one_chunk)
-    stage._prepare_forward_infra = forced_other(stage._prepare_forward_infra)
-    stage._prepare_backward_infra = forced_other(stage._prepare_backward_infra)
+    for s in stages:
+        s.forward_one_chunk = forward_one_chunk(s.forward_one_chunk)
+        s.backward_one_chunk = backward_one_chunk(s.backward_one_chunk)
+        s._prepare_forward_infra = forced_other(s._prepare_forward_infra)
+        s._prepare_backward_infra = forced_other(s._prepare_backward_infra)
 
     tracker.set_phase("setup", 0, 0)
-    first, last = stage.is_first, stage.is_last
+    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
     # Every rank draws rank 0's batch (the same seed): stage 0 keeps it as the input ids, the last
     # stage as the labels (the same values, as labels = input_ids.clone() on one GPU), a middle
     # stage needs neither.

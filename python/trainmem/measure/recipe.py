@@ -28,7 +28,11 @@ MAX_TP = 64
 # Pipeline parallelism (docs/parallelism.md "Pipeline parallelism"): `pp` stages, one process
 # each, torch.distributed.pipelining with `pp_schedule`; grad_accum is the schedule's n_microbatches.
 MAX_PP = 64
-PP_SCHEDULES = ("1f1b", "gpipe")
+# The schedules with one stage per rank, and those with `pp_stages_per_rank` V >= 2 stages per rank
+# (rank r holds stages r, r + pp, ..., r + (V - 1) pp: torch's PipelineScheduleMulti).
+PP_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "looped-bfs")
+PP_MULTI_SCHEDULES = ("interleaved-1f1b", "looped-bfs")
+MAX_PP_STAGES_PER_RANK = 64
 MODES = ("training", "inference")
 # Inference loads the weights in one dtype and runs in it: no autocast, no master copy.
 INFERENCE_PRECISIONS = ("fp32", "bf16-true", "fp16-true")
@@ -100,6 +104,8 @@ class Recipe:
     # Pipeline-parallel degree and schedule (pipeline.py): stage r on rank r; 1 is no pipeline.
     pp: int = 1
     pp_schedule: str = "1f1b"
+    # Virtual stages per rank with the multi-stage schedules (pipeline.py): pp x V stages in all.
+    pp_stages_per_rank: int = 1
     # FSDP2 (parallel fsdp, parallel.py): fully_shard(layer, reshard_after_forward=...) for the
     # decoder layers (False is FSDP1's SHARD_GRAD_OP: a layer stays gathered from its forward to
     # its backward); fsdp_replicate > 1 is HSDP, a 2-D mesh (replicate, shard) of fsdp_replicate x
@@ -181,10 +187,17 @@ class Recipe:
             raise RecipeError(f"pp must be an integer between 1 (no pipeline parallelism) and {MAX_PP}, got {pp!r}")
         if self.pp_schedule not in PP_SCHEDULES:
             raise RecipeError(f"pp_schedule={self.pp_schedule!r} is not one of {', '.join(PP_SCHEDULES)}")
+        stages_per_rank = self.pp_stages_per_rank
+        if (not isinstance(stages_per_rank, int) or isinstance(stages_per_rank, bool)
+                or not 1 <= stages_per_rank <= MAX_PP_STAGES_PER_RANK):
+            raise RecipeError(f"pp_stages_per_rank must be an integer between 1 and {MAX_PP_STAGES_PER_RANK}, "
+                              f"got {stages_per_rank!r}")
         if pp > 1:
             self._check_pp()
         elif self.pp_schedule != "1f1b":
             raise RecipeError("pp_schedule is a pipeline knob: it needs pp > 1")
+        elif stages_per_rank != 1:
+            raise RecipeError("pp_stages_per_rank is a pipeline knob: it needs pp > 1")
         if self.parallel == "none" and gpus != 1:
             raise RecipeError(f"gpus={gpus} needs a data-parallel wrapper: parallel ddp, fsdp, zero1, zero2 or zero3")
         self._check_fsdp()
@@ -275,9 +288,30 @@ class Recipe:
             raise RecipeError(f"pp={self.pp} with precision='fp16-mixed' is not measured (a GradScaler inside the "
                               "schedule's loss_fn is unexplored); use fp32, bf16-mixed, bf16-master, bf16-true or "
                               "fp16-true")
+        self._check_pp_stages()
         if self.pp_schedule == "1f1b" and self.grad_accum < self.pp:
             raise RecipeError(f"pp={self.pp} with pp_schedule 1f1b needs grad_accum (the schedule's n_microbatches) "
                               f">= pp, got {self.grad_accum} (Schedule1F1B refuses fewer micro-batches than stages)")
+
+    def _check_pp_stages(self) -> None:
+        """Stages per rank against the schedule (the engine's validate_pipeline_stages)."""
+        v, m = self.pp_stages_per_rank, self.grad_accum
+        multi = self.pp_schedule in PP_MULTI_SCHEDULES
+        if multi and v < 2:
+            raise RecipeError(f"pp_schedule {self.pp_schedule} runs several stages per rank: set pp_stages_per_rank "
+                              "to 2 or more, or use 1f1b or gpipe")
+        if not multi and v != 1:
+            raise RecipeError(f"pp_stages_per_rank={v} needs a multi-stage schedule: use interleaved-1f1b or "
+                              f"looped-bfs, not {self.pp_schedule}")
+        if multi and self.parallel != "none":
+            raise RecipeError(f"pp_schedule {self.pp_schedule} with parallel={self.parallel!r} is not measured (DDP "
+                              "or FSDP2 over several stages per rank, and the schedule's UNSHARD / RESHARD actions, "
+                              "are unexplored); use parallel none")
+        if self.pp_schedule == "interleaved-1f1b":
+            rounds = max(1, m // self.pp)
+            if m % rounds != 0:
+                raise RecipeError(f"pp_schedule interleaved-1f1b needs grad_accum (n_microbatches) to be a multiple "
+                                  f"of its rounds max(1, {m} // pp={self.pp}) = {rounds}, got {m}")
 
     @property
     def world_size(self) -> int:
@@ -457,6 +491,8 @@ class Recipe:
             del out["loss_parallel"]
         if not self.is_pp:  # the pipeline degree and schedule only when there is a pipeline
             del out["pp"], out["pp_schedule"]
+        if self.pp_stages_per_rank == 1:  # the stages per rank only with a multi-stage schedule
+            del out["pp_stages_per_rank"]
         if self.parallel != "fsdp":  # FSDP2's knobs with parallel fsdp only, as the engine writes them
             for key in ("fsdp_reshard_after_forward", "fsdp_replicate", "fsdp_param_dtype", "fsdp_reduce_dtype"):
                 del out[key]

@@ -451,7 +451,8 @@ def default_command(spec: ModelSpec, recipe: Recipe, *, device: str, fake: bool)
                       ("precision", "--precision"), ("optimizer", "--optimizer"),
                       ("checkpointing", "--checkpointing"), ("attention", "--attention"), ("loss", "--loss"),
                       ("allocator", "--allocator"), ("gpus", "--gpus"), ("parallel", "--parallel"),
-                      ("tp", "--tp"), ("pp", "--pp"), ("pp_schedule", "--pp-schedule")):
+                      ("tp", "--tp"), ("pp", "--pp"), ("pp_schedule", "--pp-schedule"),
+                      ("pp_stages_per_rank", "--pp-stages-per-rank")):
         value = getattr(recipe, key)
         if value != getattr(defaults, key):
             args += [flag, str(value)]
