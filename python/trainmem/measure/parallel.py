@@ -430,13 +430,17 @@ def _sequence_parallelize(model: torch.nn.Module, layers, mesh, loss_parallel: b
             raise RecipeError(f"sequence_parallel: {type(layer).__name__} has no {', '.join(missing)}")
         parallelize_module(layer, mesh, plan)
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    parallelize_module(base.norm, mesh, SequenceParallel())
+    # A pipeline stage (pipeline.py make_stage) has pruned the embedding, the final norm and
+    # lm_head it does not hold (None): only those it keeps are parallelized.
+    if base.norm is not None:
+        parallelize_module(base.norm, mesh, SequenceParallel())
     if loss_parallel:
         _vocab_parallelize_head(model, mesh, sequence_parallel=True)
     _replicate_the_rest(model, mesh)
-    parallelize_module(base.embed_tokens, mesh, PrepareModuleOutput(
-        output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False))
-    if not loss_parallel:
+    if base.embed_tokens is not None:
+        parallelize_module(base.embed_tokens, mesh, PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False))
+    if not loss_parallel and model.get_output_embeddings() is not None:
         parallelize_module(model.get_output_embeddings(), mesh, PrepareModuleInput(
             input_layouts=Shard(1), desired_input_layouts=Replicate()))
 

@@ -148,8 +148,13 @@ def make_stage(model: torch.nn.Module, recipe: Recipe, device: str):
 
     check(model, recipe)
     stages = recipe.pp
-    rank, group, dp_group = dist.get_rank(), None, None
-    if recipe.gpus > 1:  # PP x DP: a 2-D mesh (pp, dp), as torchtitan's (pp outermost)
+    rank, group, dp_group, tp_mesh = dist.get_rank(), None, None, None
+    if recipe.tp > 1:  # PP x TP: a 2-D mesh (pp, tp), tp innermost as torchtitan's
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(torch.device(device).type, (stages, recipe.tp), mesh_dim_names=("pp", "tp"))
+        rank, group, tp_mesh = mesh["pp"].get_local_rank(), mesh.get_group("pp"), mesh["tp"]
+    elif recipe.gpus > 1:  # PP x DP: a 2-D mesh (pp, dp), as torchtitan's (pp outermost)
         from torch.distributed.device_mesh import init_device_mesh
 
         if recipe.parallel == "fsdp" and recipe.fsdp_replicate > 1:  # HSDP: (pp, replicate, shard)
@@ -172,6 +177,13 @@ def make_stage(model: torch.nn.Module, recipe: Recipe, device: str):
     if rank != stages - 1:
         base.norm = None
         model.lm_head = None
+    if tp_mesh is not None:
+        # The pruned stage parallelized as the TP path parallelizes the whole model (the Megatron plan
+        # on each decoder layer it keeps, the rest replicated): torchtitan's pipeline_llm applies its
+        # parallelize_fn to each model part the same way (torchtitan/distributed/pipeline_parallel.py).
+        from .parallel import tensor_parallelize
+
+        tensor_parallelize(model, recipe, device, mesh=tp_mesh)
     module = _StageModule(model, rank, stages, cuts[rank], stage_autocast(recipe, device))
     if recipe.gpus > 1 and recipe.parallel == "fsdp":
         module = _fully_shard(module, recipe, dp_mesh, [base.layers[i] for i in cuts[rank]])
@@ -196,10 +208,33 @@ def make_stage(model: torch.nn.Module, recipe: Recipe, device: str):
     ids = torch.empty(recipe.batch, recipe.seq, dtype=torch.int64, device=meta)
     logits = torch.empty(recipe.batch, recipe.seq, cfg.vocab_size, dtype=logits_dtype, device=meta,
                          requires_grad=True)
+    grads = {}
+    if tp_mesh is not None and recipe.sequence_parallel:
+        # PP x TP with sequence parallelism: the residual stream a stage sends and receives is a
+        # Shard(1) DTensor (parallel.py _sequence_parallelize). The metadata says so, with the
+        # gradients' (Shard(1) too), as static DTensor mode needs (torch 2.13 stage.py:
+        # InferenceMode.needs_dynamic): each rank sends and receives its local [b, s / tp, h] shard
+        # (get_fwd_send_ops' to_local_if_dtensor) and the receiver rebuilds the DTensor around its
+        # buffer (_retrieve_recv_activations: DTensor.from_local, the leaf that requires grad).
+        hidden, hidden_grad = (_shard_meta(recipe, cfg.hidden_size, dtype, tp_mesh) for _ in range(2))
+        hidden.requires_grad_(True)
+        grads = {"input_grads": (None,) if rank == 0 else (hidden_grad,),
+                 "output_grads": (None,) if rank == stages - 1 else (hidden_grad,)}
     stage = PipelineStage(module, rank, stages, torch.device(device),
                           input_args=(ids if rank == 0 else hidden,),
-                          output_args=(logits if rank == stages - 1 else hidden,), group=group)
+                          output_args=(logits if rank == stages - 1 else hidden,), group=group, **grads)
     return stage
+
+
+def _shard_meta(recipe: Recipe, hidden_size: int, dtype, tp_mesh):
+    """A meta DTensor of one micro-batch's hidden states, Shard(1) over the tp mesh."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    tp = tp_mesh.size()
+    local = torch.empty(recipe.batch, recipe.seq // tp, hidden_size, dtype=dtype, device="meta")
+    return DTensor.from_local(local, tp_mesh, [Shard(1)], run_check=False,
+                              shape=(recipe.batch, recipe.seq, hidden_size),
+                              stride=(recipe.seq * hidden_size, hidden_size, 1))
 
 
 def _data_parallel(module: torch.nn.Module, recipe: Recipe, dp_group) -> torch.nn.Module:

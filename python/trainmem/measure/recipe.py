@@ -254,10 +254,18 @@ class Recipe:
 
     def _check_pp(self) -> None:
         """What the measuring side can run under pipeline parallelism (docs/parallelism.md)."""
-        if self.tp != 1 or self.parallel not in ("none", "ddp", "fsdp"):
-            raise RecipeError(f"pp={self.pp} with parallel={self.parallel!r} / tp={self.tp} is not measured: pipeline "
-                              "parallelism combined with tensor parallelism or a data-parallel wrapper other than "
-                              "DDP or FSDP2 is not modelled yet; use tp 1 and parallel none, ddp or fsdp")
+        if self.parallel not in ("none", "ddp", "fsdp"):
+            raise RecipeError(f"pp={self.pp} with parallel={self.parallel!r} is not measured: pipeline parallelism "
+                              "combined with a data-parallel wrapper other than DDP or FSDP2 is not modelled yet; "
+                              "use parallel none, ddp or fsdp")
+        if self.tp > 1:  # PP x TP: a (pp, tp) mesh, the Megatron plan on each stage (pipeline.py make_stage)
+            if self.parallel != "none" or self.gpus != 1:
+                raise RecipeError(f"pp={self.pp} with tp={self.tp} and gpus={self.gpus} / parallel={self.parallel!r} "
+                                  "is not measured: pipeline x tensor parallelism is measured on a (pp, tp) mesh "
+                                  "without data parallelism; use gpus 1 and parallel none")
+            if self.loss_parallel:
+                raise RecipeError(f"pp={self.pp} with tp={self.tp} and loss_parallel is not measured (the last "
+                                  "stage's loss_fn would run inside loss_parallel()); drop loss_parallel")
         if self.parallel == "fsdp" and self.gpus < 2:
             raise RecipeError(f"pp={self.pp} with parallel='fsdp' and gpus=1 is not measured: FSDP2 shards each stage "
                               "over its data-parallel ranks; use gpus 2 or more, or parallel none")
