@@ -172,6 +172,22 @@ void validate_tensor_parallel(const Recipe& r) {
   }
 }
 
+// What the engine models of PP x TP (See Note [Pipeline with tensor parallelism] in
+// graph/pipeline.cpp): a (pp, tp) mesh as the measuring side runs it (python/trainmem/measure/
+// pipeline.py make_stage), the plain Megatron plan on each stage; validate_tensor_parallel has
+// checked the rest of tp's knobs already. What was not measured is refused.
+void validate_pipeline_x_tensor_parallel(const Recipe& r) {
+  const std::string what = "pp: " + std::to_string(r.pp) + " with tp " + std::to_string(r.tp);
+  if (r.gpus != 1 || r.parallel != Parallel::kNone) {
+    throw Error(what + " and gpus " + std::to_string(r.gpus) + " / parallel " + std::string(to_string(r.parallel)) +
+                ": pipeline x tensor x data parallelism is not modelled yet (unmeasured); use gpus 1 and parallel none");
+  }
+  if (r.loss_parallel) {
+    throw Error(what + " and loss_parallel is not modelled (the last stage's loss_fn would run inside "
+                       "loss_parallel(); unmeasured); drop loss_parallel");
+  }
+}
+
 // What the engine models of pipeline parallelism: what the measuring side runs
 // (python/trainmem/measure/recipe.py _check_pp); the architecture's part (the Llama family, untied
 // embeddings, at least one layer per stage) is checked with the model (graph/pipeline.cpp).
@@ -179,11 +195,12 @@ void validate_pipeline_parallel(const Recipe& r) {
   const std::string pp = "pp: " + std::to_string(r.pp);
   // PP x DP: --gpus is the data-parallel degree (as under --tp), DDP or FSDP2 over each stage's
   // replicas (See Notes [Pipeline with DDP] and [Pipeline with FSDP2] in graph/pipeline.cpp).
-  if ((r.parallel != Parallel::kNone && r.parallel != Parallel::kDdp && r.parallel != Parallel::kFsdp) || r.tp != 1) {
-    throw Error(pp + " with parallel " + std::string(to_string(r.parallel)) + " / tp " + std::to_string(r.tp) +
-                ": pipeline parallelism combined with tensor parallelism or a data-parallel wrapper other than DDP "
-                "or FSDP2 is not modelled yet; use tp 1 and parallel none, ddp or fsdp");
+  if (r.parallel != Parallel::kNone && r.parallel != Parallel::kDdp && r.parallel != Parallel::kFsdp) {
+    throw Error(pp + " with parallel " + std::string(to_string(r.parallel)) +
+                ": pipeline parallelism combined with a data-parallel wrapper other than DDP or FSDP2 is not "
+                "modelled yet; use parallel none, ddp or fsdp");
   }
+  if (r.tp > 1) validate_pipeline_x_tensor_parallel(r);
   if (r.parallel == Parallel::kFsdp && r.gpus < 2) {
     throw Error(pp + " with parallel fsdp and gpus 1: FSDP2 under a pipeline shards each stage over its gpus "
                      "data-parallel ranks and is modelled for 2 or more; use gpus 2 or more, or parallel none");

@@ -119,7 +119,7 @@ std::string recipe_words(const Recipe& r) {
     }
     if (r.pp > 1) {
       dp = "pp" + std::to_string(r.pp) + (r.pp_schedule == PipelineSchedule::kGPipe ? "+gpipe" : "") +
-           (r.parallel != Parallel::kNone ? "+" + dp : std::string());  // PP x DP: pp2+ddp
+           (r.parallel != Parallel::kNone || r.tp > 1 ? "+" + dp : std::string());  // PP x DP: pp2+ddp; PP x TP: pp2+tp2
     }
     if (r.cp > 1) dp = "cp" + std::to_string(r.cp);
     char col[32];
@@ -423,7 +423,13 @@ std::string to_text(const Estimate& e) {
         std::string(to_string(r.parallel)).c_str(), static_cast<unsigned long long>(r.gpus), tp.c_str(),
         static_cast<unsigned long long>(e.rank), rank_words(e).c_str());
   }
-  if (r.pp > 1 && r.parallel == Parallel::kNone) {
+  if (r.pp > 1 && r.tp > 1) {  // PP x TP: a stage's tp ranks hold the same (Note [Pipeline with tensor parallelism])
+    add("pipeline parallel: %s over %llu stages x tensor parallel %llu (%llu GPUs), %llu micro-batches; the figures "
+        "below are one GPU's, stage %llu%s\n",
+        std::string(to_string(r.pp_schedule)).c_str(), static_cast<unsigned long long>(r.pp),
+        static_cast<unsigned long long>(r.tp), static_cast<unsigned long long>(r.pp * r.tp),
+        static_cast<unsigned long long>(r.grad_accum), static_cast<unsigned long long>(e.rank), rank_words(e).c_str());
+  } else if (r.pp > 1 && r.parallel == Parallel::kNone) {
     add("pipeline parallel: %s over %llu stages (one per GPU), %llu micro-batches; the figures below are one GPU's, "
         "stage %llu%s\n",
         std::string(to_string(r.pp_schedule)).c_str(), static_cast<unsigned long long>(r.pp),
