@@ -307,9 +307,8 @@ TEST(Pipeline, RefusesWhatIsNotModelled) {
   r.gpus = 2;
   r.parallel = Parallel::kZero2;
   EXPECT_EQ(error_of([&] { r.validate(); }),
-            "pp: 2 with parallel zero2 / tp 1: pipeline parallelism combined with tensor parallelism or a "
-            "data-parallel wrapper other than DDP or FSDP2 is not modelled yet; use tp 1 and parallel none, ddp or "
-            "fsdp");
+            "pp: 2 with parallel zero2: pipeline parallelism combined with a data-parallel wrapper other than DDP or "
+            "FSDP2 is not modelled yet; use parallel none, ddp or fsdp");
   r.parallel = Parallel::kDdp;
   EXPECT_NO_THROW(r.validate());  // PP x DP with DDP (See Note [Pipeline with DDP])
   r.parallel = Parallel::kFsdp;
@@ -353,6 +352,77 @@ TEST(Pipeline, RefusesWhatIsNotModelled) {
   EXPECT_NE(error_of([&] { estimate(llama_w512(), pp_recipe(8, 8)); }).find("fewer than the stages"),
             std::string::npos);
   EXPECT_NE(error_of([&] { estimate(testing::gpt2_l2(), pp_recipe(2, 4)); }).find("not modelled"), std::string::npos);
+}
+
+// The measured PP x TP recipes (cpu-pp2tp2-llamaw512l4-fp32-sgd-ga2-b1s64, cpu-pp2tp2sp-*): 2 x 2
+// ranks, fp32 SGD, 2 micro-batches.
+Recipe pp_tp(std::uint64_t batch, std::uint64_t tp, bool sequence_parallel) {
+  Recipe r = pp2_small(Precision::kFp32, Checkpointing::kNone, Attention::kSdpa);
+  r.batch = batch;
+  r.tp = tp;
+  r.sequence_parallel = sequence_parallel;
+  r.validate();
+  return r;
+}
+
+TEST(Pipeline, TensorParallelStagesHoldTheirLayersShards) {
+  // See Note [Pipeline with tensor parallelism]: a stage's colwise and rowwise projections are 1/T,
+  // its norms and lm_head whole.
+  const Model m = llama_w512();
+  const Architecture& a = m.arch;
+  EstimateOptions o1;
+  o1.rank = 1;  // stage 1: layers 2-3, the final norm and lm_head
+  const Estimate plain = estimate(m, pp_tp(1, 1, false), o1);
+  const Estimate tp2 = estimate(m, pp_tp(1, 2, false), o1);
+  const std::uint64_t q_o = 2 * a.hidden_size * a.num_heads * a.head_dim;
+  const std::uint64_t k_v = 2 * a.hidden_size * a.num_kv_heads * a.head_dim;
+  const std::uint64_t mlp = 3 * a.hidden_size * a.intermediate_size;
+  const std::uint64_t stage_linear_bytes = 2 * (q_o + k_v + mlp) * 4;  // two layers, fp32
+  EXPECT_EQ(plain.breakdown_at_peak[kWeights] - tp2.breakdown_at_peak[kWeights], stage_linear_bytes / 2);
+  // Measured (cpu-pp2tp2-llamaw512l4-fp32-sgd-ga2-b1s64, ranks 2 and 3): weights and the peak.
+  EXPECT_EQ(tp2.breakdown_at_peak[kWeights], 17'787'904u);
+  EXPECT_EQ(tp2.peak_allocated_bytes, 60'811'264u);
+  // The tp ranks of a stage are not ranks of the estimate: one per stage, each replayed.
+  const Estimate worst = estimate(m, pp_tp(1, 2, false));
+  ASSERT_EQ(worst.ranks.size(), 2u);
+  EXPECT_EQ(worst.rank, 1u);
+  EXPECT_EQ(worst.peak_allocated_bytes, 60'811'264u);
+}
+
+TEST(Pipeline, SequenceParallelStagesExchangeShards) {
+  // The last stage's `other`: the labels and one activation receive buffer per micro-batch, the
+  // whole [b, s, h] micro-batch without sequence parallelism, this rank's Shard(1) with it (See
+  // Note [Pipeline with tensor parallelism]); measured 264,192 B (cpu-pp2tp2sp-llamaw512l4-fp32-sgd-ga2-b2s64).
+  const Model m = llama_w512();
+  constexpr std::size_t kOther = static_cast<std::size_t>(Category::kOther);
+  EstimateOptions o1;
+  o1.rank = 1;
+  const std::uint64_t labels = 2 * 2 * 64 * 8, micro_batch = 2 * 64 * 512 * 4;
+  EXPECT_EQ(estimate(m, pp_tp(2, 2, false), o1).breakdown_at_peak[kOther], labels + 2 * micro_batch);
+  const Estimate sp = estimate(m, pp_tp(2, 2, true), o1);
+  EXPECT_EQ(sp.breakdown_at_peak[kOther], labels + 2 * micro_batch / 2);
+  EXPECT_EQ(sp.breakdown_at_peak[kOther], 264'192u);
+  EXPECT_EQ(sp.peak_allocated_bytes, 66'176'000u);
+}
+
+TEST(Pipeline, TensorParallelRefusesWhatIsNotModelled) {
+  Recipe r = pp_tp(1, 2, false);
+  r.gpus = 2;
+  r.parallel = Parallel::kFsdp;
+  EXPECT_EQ(error_of([&] { r.validate(); }),
+            "pp: 2 with tp 2 and gpus 2 / parallel fsdp: pipeline x tensor x data parallelism is not modelled yet "
+            "(unmeasured); use gpus 1 and parallel none");
+  r = pp_tp(1, 2, false);
+  r.loss_parallel = true;
+  EXPECT_EQ(error_of([&] { r.validate(); }),
+            "pp: 2 with tp 2 and loss_parallel is not modelled (the last stage's loss_fn would run inside "
+            "loss_parallel(); unmeasured); drop loss_parallel");
+  // Tensor parallelism's own refusals still apply to each stage.
+  r = pp_tp(1, 2, false);
+  r.precision = Precision::kBf16Mixed;
+  EXPECT_NE(error_of([&] { r.validate(); }).find("tp: 2 with precision bf16-mixed"), std::string::npos);
+  EXPECT_NE(error_of([&] { estimate(testing::gpt2_l2(), pp_tp(1, 2, false)); }).find("not modelled"),
+            std::string::npos);
 }
 
 }  // namespace

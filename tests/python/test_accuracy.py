@@ -154,11 +154,20 @@ def test_pipeline_entries_exact(comparisons):
     assert any(not r["fsdp_reshard_after_forward"] for r in fsdp)
     assert any(r["fsdp_param_dtype"] == "bf16" and r["fsdp_reduce_dtype"] == "fp32" for r in fsdp)
     assert any(r["fsdp_replicate"] > 1 for r in fsdp)  # HSDP: a (pp, replicate, shard) mesh
+    # Issue 4: PP x TP, each stage tensor-parallel over a (pp, tp) mesh (Note [Pipeline with tensor
+    # parallelism]): 1F1B and GPipe, three stages, AdamW, bf16-true, checkpointing and sequence
+    # parallelism (Shard(1) DTensors between the stages).
+    pptp = [r for r in recipes if r.get("tp", 1) > 1]
+    assert len(pptp) >= 6 and any(r["pp"] > 2 for r in pptp) and any(r["pp_schedule"] == "gpipe" for r in pptp)
+    assert any(r["optimizer"] == "adamw" for r in pptp) and any(r["precision"] == "bf16-true" for r in pptp)
+    assert any(r["grad_accum"] >= 4 for r in pptp) and any(r["checkpointing"] == "full" for r in pptp)
+    assert any(r.get("sequence_parallel") for r in pptp)
     for name, c in pp:
         assert c["measured_peak_allocated_bytes"] == c["predicted_peak_allocated_bytes"], name
         for cat, v in c["categories"].items():
             assert v["measured"] == v["predicted"], (name, cat, v)
-        assert len(c["ranks"]) == c["recipe"]["pp"] * c["recipe"].get("gpus", 1), name  # PP x DP: every rank
+        # PP x DP and PP x TP: every process
+        assert len(c["ranks"]) == c["recipe"]["pp"] * c["recipe"].get("gpus", 1) * c["recipe"].get("tp", 1), name
         for r in c["ranks"]:
             assert r["measured_peak_allocated_bytes"] == r["predicted_peak_allocated_bytes"], (name, r["rank"])
             assert r["measured_breakdown_at_peak"] == r["predicted_breakdown_at_peak"], (name, r["rank"])

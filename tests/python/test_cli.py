@@ -156,6 +156,23 @@ def test_pipeline_estimate_is_the_worst_stage_and_keeps_its_recipe(run):
     assert gpipe["ranks"][0]["peak_allocated_bytes"] > stage0["peak_allocated_bytes"]  # all 4 in flight
 
 
+def test_pipeline_with_tensor_parallelism_replays_each_stage_once(run):
+    # --pp 2 --tp 2: four GPUs, a (pp, tp) mesh; a stage's tp ranks hold the same (Note [Pipeline
+    # with tensor parallelism]), so the ranks of the estimate are the stages. Each stage holds half
+    # of its layers' projections: 16 layers of Mistral-7B's q/k/v/o (4096 x (4096 + 1024 + 1024 +
+    # 4096)) and gate/up/down (3 x 4096 x 14336), bf16.
+    base = ["estimate", "mistral-7b-v0.3", "--seq", "1024", "--precision", "bf16-true", "--optimizer", "sgd",
+            "--grad-accum", "4", "--pp", "2"]
+    alone = json.loads(run(*base, "--rank", "0", "--json").stdout)
+    tp = json.loads(run(*base, "--tp", "2", "--json").stdout)
+    assert (tp["recipe"]["pp"], tp["recipe"]["tp"]) == (2, 2) and [r["rank"] for r in tp["ranks"]] == [0, 1]
+    stage0 = json.loads(run(*base, "--tp", "2", "--rank", "0", "--json").stdout)
+    layer = 4096 * (4096 + 1024 + 1024 + 4096) + 3 * 4096 * 14336
+    assert alone["breakdown_at_peak"]["weights"] - stage0["breakdown_at_peak"]["weights"] == 16 * layer * 2 // 2
+    text = run(*base, "--tp", "2").stdout
+    assert "1f1b over 2 stages x tensor parallel 2 (4 GPUs), 4 micro-batches" in text
+
+
 def test_pipeline_with_ddp_replays_each_stage_once(run):
     # --pp 2 --gpus 2 --parallel ddp: four GPUs, rank = stage x 2 + dp rank (Note [Pipeline with DDP]).
     # Each stage is replayed once (its dp rank 0), and it holds the Reducer's buckets besides its
@@ -235,13 +252,21 @@ def test_pipeline_with_ddp_replays_each_stage_once(run):
     (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--precision", "fp16-mixed"],
      "pp: 2 with precision fp16-mixed is not modelled"),
     (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--precision", "fp32", "--gpus", "2",
-      "--parallel", "zero2"], "pipeline parallelism combined with tensor parallelism or a data-parallel wrapper other "
-                              "than DDP or FSDP2 is not modelled yet; use tp 1 and parallel none, ddp or fsdp"),
+      "--parallel", "zero2"], "pp: 2 with parallel zero2: pipeline parallelism combined with a data-parallel wrapper "
+                              "other than DDP or FSDP2 is not modelled yet; use parallel none, ddp or fsdp"),
     (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--precision", "fp32", "--parallel", "fsdp"],
      "pp: 2 with parallel fsdp and gpus 1: FSDP2 under a pipeline shards each stage over its gpus data-parallel "
      "ranks and is modelled for 2 or more; use gpus 2 or more, or parallel none"),
-    (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--precision", "fp32", "--tp", "2"],
-     "pp: 2 with parallel none / tp 2"),
+    (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--precision", "fp32", "--tp", "2", "--gpus",
+      "2", "--parallel", "fsdp"],
+     "pp: 2 with tp 2 and gpus 2 / parallel fsdp: pipeline x tensor x data parallelism is not modelled yet "
+     "(unmeasured); use gpus 1 and parallel none"),
+    (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--precision", "fp32", "--tp", "2",
+      "--loss-parallel"],
+     "pp: 2 with tp 2 and loss_parallel is not modelled (the last stage's loss_fn would run inside "
+     "loss_parallel(); unmeasured); drop loss_parallel"),
+    (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--tp", "2"],
+     "tp: 2 with precision bf16-mixed is not modelled"),
     (["estimate", "mistral-7b-v0.3", "--pp-schedule", "gpipe"], "pp_schedule: a pipeline knob"),
     (["estimate", "mistral-7b-v0.3", "--pp", "2", "--pp-schedule", "zb"], "pp_schedule: unknown value 'zb'"),
     (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--precision", "fp32", "--rank", "2"],
