@@ -186,12 +186,21 @@ namespace trainmem::graph {
 //    lm_head's input (PrepareModuleInput), and the final norm's output shard is the stage
 //    module's local until it returns, before the schedule's loss_fn (in the HF model's forward it
 //    lives to the end of the loss).
+// PP x TP x DP (--gpus D --parallel fsdp, P x D x T ranks, a (pp, dp, tp) mesh, torchtitan's order of
+// the three): after the plan, each stage is sharded over the dp dimension as in Note [Pipeline with
+// FSDP2] (fully_shard on each of its decoder layers, then on the stage module; FSDP2's default
+// knobs, as TP x DP allows them), over the DTensor parameters the plan made: the units of TP x DP
+// (docs/parallelism.md "TP x DP"), driven by the PipelineStage as without TP (no reduction and no
+// reshard after backward during the schedule, every unit reduced at perform_reduce_grad), with
+// sequence parallelism's Partial norm gradients redistributed there (Note [Partial gradients under
+// FSDP2] in parallel.cpp). Measured on pp2 x dp2 x tp2 (cpu-pp2tp2fsdp2-*, cpu-pp2tp2spfsdp2-*).
 // A stage's tp ranks draw the same batch and run the same ops on the same sizes, so each stage is
 // replayed once, as its rank (Note [The worst rank] in estimate.cpp: rank = stage x gpus + dp
 // rank, the tp ranks folded in as under TP alone); `trainmem compare` replays process p as p / T.
-// Not modelled (refused in recipe validation): PP x TP x DP (unmeasured), loss_parallel under a
-// pipeline (the schedule's loss_fn would have to run inside loss_parallel()), and whatever TP alone
-// refuses (precisions with autocast or master copies, families other than Llama and Mistral).
+// Not modelled (refused in recipe validation): loss_parallel under a pipeline (the schedule's
+// loss_fn would have to run inside loss_parallel()), and whatever TP alone or TP x DP refuses (DDP
+// or ZeRO over a tensor-parallel model, FSDP2's non-default knobs, precisions with autocast or
+// master copies, families other than Llama and Mistral).
 // bf16 is measured with eager attention: on an AVX-512 machine torch's CPU flash-attention kernel
 // for bf16 asks for VNNI packing, which fails under the AVX2 kernels trainmem.measure pins
 // (python/trainmem/measure/__init__.py).

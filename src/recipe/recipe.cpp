@@ -173,15 +173,14 @@ void validate_tensor_parallel(const Recipe& r) {
 }
 
 // What the engine models of PP x TP (See Note [Pipeline with tensor parallelism] in
-// graph/pipeline.cpp): a (pp, tp) mesh as the measuring side runs it (python/trainmem/measure/
-// pipeline.py make_stage), the plain Megatron plan on each stage; validate_tensor_parallel has
-// checked the rest of tp's knobs already. What was not measured is refused.
+// graph/pipeline.cpp): a (pp, tp) or (pp, dp, tp) mesh as the measuring side runs it
+// (python/trainmem/measure/pipeline.py make_stage), the Megatron plan on each stage, with or
+// without sequence parallelism; validate_tensor_parallel has checked the rest of tp's knobs (and
+// TP x DP's) already. What was not measured is refused.
 void validate_pipeline_x_tensor_parallel(const Recipe& r) {
   const std::string what = "pp: " + std::to_string(r.pp) + " with tp " + std::to_string(r.tp);
-  if (r.gpus != 1 || r.parallel != Parallel::kNone) {
-    throw Error(what + " and gpus " + std::to_string(r.gpus) + " / parallel " + std::string(to_string(r.parallel)) +
-                ": pipeline x tensor x data parallelism is not modelled yet (unmeasured); use gpus 1 and parallel none");
-  }
+  // PP x TP x DP: FSDP2 over the dp dimension of a (pp, dp, tp) mesh, TP x DP's own recipe
+  // (validate_tensor_x_data_parallel has refused the rest).
   if (r.loss_parallel) {
     throw Error(what + " and loss_parallel is not modelled (the last stage's loss_fn would run inside "
                        "loss_parallel(); unmeasured); drop loss_parallel");

@@ -423,12 +423,16 @@ std::string to_text(const Estimate& e) {
         std::string(to_string(r.parallel)).c_str(), static_cast<unsigned long long>(r.gpus), tp.c_str(),
         static_cast<unsigned long long>(e.rank), rank_words(e).c_str());
   }
-  if (r.pp > 1 && r.tp > 1) {  // PP x TP: a stage's tp ranks hold the same (Note [Pipeline with tensor parallelism])
-    add("pipeline parallel: %s over %llu stages x tensor parallel %llu (%llu GPUs), %llu micro-batches; the figures "
-        "below are one GPU's, stage %llu%s\n",
-        std::string(to_string(r.pp_schedule)).c_str(), static_cast<unsigned long long>(r.pp),
-        static_cast<unsigned long long>(r.tp), static_cast<unsigned long long>(r.pp * r.tp),
-        static_cast<unsigned long long>(r.grad_accum), static_cast<unsigned long long>(e.rank), rank_words(e).c_str());
+  if (r.pp > 1 && r.tp > 1) {  // PP x TP (x FSDP2): a stage's tp ranks hold the same (Note [Pipeline with tensor parallelism])
+    const std::string dp = r.parallel != Parallel::kNone ? " x data parallel " + std::string(to_string(r.parallel)) +
+                                                               " over " + std::to_string(r.gpus) + " replicas"
+                                                         : "";
+    add("pipeline parallel: %s over %llu stages%s x tensor parallel %llu (%llu GPUs), %llu micro-batches; the figures "
+        "below are one GPU's, rank %llu (stage %llu)%s\n",
+        std::string(to_string(r.pp_schedule)).c_str(), static_cast<unsigned long long>(r.pp), dp.c_str(),
+        static_cast<unsigned long long>(r.tp), static_cast<unsigned long long>(r.pp * r.gpus * r.tp),
+        static_cast<unsigned long long>(r.grad_accum), static_cast<unsigned long long>(e.rank),
+        static_cast<unsigned long long>(e.rank / r.gpus), rank_words(e).c_str());
   } else if (r.pp > 1 && r.parallel == Parallel::kNone) {
     add("pipeline parallel: %s over %llu stages (one per GPU), %llu micro-batches; the figures below are one GPU's, "
         "stage %llu%s\n",

@@ -409,9 +409,13 @@ TEST(Pipeline, TensorParallelRefusesWhatIsNotModelled) {
   Recipe r = pp_tp(1, 2, false);
   r.gpus = 2;
   r.parallel = Parallel::kFsdp;
-  EXPECT_EQ(error_of([&] { r.validate(); }),
-            "pp: 2 with tp 2 and gpus 2 / parallel fsdp: pipeline x tensor x data parallelism is not modelled yet "
-            "(unmeasured); use gpus 1 and parallel none");
+  EXPECT_NO_THROW(r.validate());  // PP x TP x FSDP2 over a (pp, dp, tp) mesh
+  r.parallel = Parallel::kDdp;  // TP x DP's refusal: DDP over a tensor-parallel model is unmeasured
+  EXPECT_NE(error_of([&] { r.validate(); }).find("modelled under parallel fsdp only"), std::string::npos);
+  r.parallel = Parallel::kFsdp;
+  r.fsdp.replicate = 2;
+  r.gpus = 4;
+  EXPECT_NE(error_of([&] { r.validate(); }).find("not modelled with tensor parallelism"), std::string::npos);
   r = pp_tp(1, 2, false);
   r.loss_parallel = true;
   EXPECT_EQ(error_of([&] { r.validate(); }),

@@ -162,6 +162,9 @@ def test_pipeline_entries_exact(comparisons):
     assert any(r["optimizer"] == "adamw" for r in pptp) and any(r["precision"] == "bf16-true" for r in pptp)
     assert any(r["grad_accum"] >= 4 for r in pptp) and any(r["checkpointing"] == "full" for r in pptp)
     assert any(r.get("sequence_parallel") for r in pptp)
+    # ... and PP x TP x FSDP2 over a (pp, dp, tp) mesh, with and without sequence parallelism.
+    pptpdp = [r for r in pptp if r.get("parallel") == "fsdp"]
+    assert len(pptpdp) >= 3 and any(r.get("sequence_parallel") for r in pptpdp)
     for name, c in pp:
         assert c["measured_peak_allocated_bytes"] == c["predicted_peak_allocated_bytes"], name
         for cat, v in c["categories"].items():

@@ -170,7 +170,7 @@ def test_pipeline_with_tensor_parallelism_replays_each_stage_once(run):
     layer = 4096 * (4096 + 1024 + 1024 + 4096) + 3 * 4096 * 14336
     assert alone["breakdown_at_peak"]["weights"] - stage0["breakdown_at_peak"]["weights"] == 16 * layer * 2 // 2
     text = run(*base, "--tp", "2").stdout
-    assert "1f1b over 2 stages x tensor parallel 2 (4 GPUs), 4 micro-batches" in text
+    assert "1f1b over 2 stages x tensor parallel 2 (4 GPUs), 4 micro-batches" in text and "rank 0 (stage 0)" in text
 
 
 def test_pipeline_with_ddp_replays_each_stage_once(run):
@@ -258,9 +258,9 @@ def test_pipeline_with_ddp_replays_each_stage_once(run):
      "pp: 2 with parallel fsdp and gpus 1: FSDP2 under a pipeline shards each stage over its gpus data-parallel "
      "ranks and is modelled for 2 or more; use gpus 2 or more, or parallel none"),
     (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--precision", "fp32", "--tp", "2", "--gpus",
-      "2", "--parallel", "fsdp"],
-     "pp: 2 with tp 2 and gpus 2 / parallel fsdp: pipeline x tensor x data parallelism is not modelled yet "
-     "(unmeasured); use gpus 1 and parallel none"),
+      "2", "--parallel", "ddp"],
+     "tp: 2 with gpus 2 / parallel ddp: tensor parallelism combined with data parallelism is modelled under parallel "
+     "fsdp only"),
     (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--precision", "fp32", "--tp", "2",
       "--loss-parallel"],
      "pp: 2 with tp 2 and loss_parallel is not modelled (the last stage's loss_fn would run inside "

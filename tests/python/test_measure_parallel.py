@@ -393,8 +393,8 @@ def test_zero3_world_size_2(tiny_gpt2):
     ({"pp": 0}, "pp must be an integer between 1 (no pipeline parallelism) and 64, got 0"),
     ({"pp": 2, "grad_accum": 2, "gpus": 2, "parallel": "zero2"}, "a data-parallel wrapper other than DDP or FSDP2"),
     ({"pp": 2, "grad_accum": 2, "gpus": 1, "parallel": "fsdp"}, "parallel='fsdp' and gpus=1 is not measured"),
-    ({"pp": 2, "grad_accum": 2, "tp": 2, "gpus": 2, "parallel": "fsdp", "precision": "fp32"},
-     "pipeline x tensor parallelism is measured on a (pp, tp) mesh without data parallelism"),
+    ({"pp": 2, "grad_accum": 2, "tp": 2, "gpus": 2, "parallel": "ddp", "precision": "fp32"},
+     "tensor parallelism combined with data parallelism is measured only as FSDP2"),
     ({"pp": 2, "grad_accum": 2, "tp": 2, "loss_parallel": True, "precision": "fp32"},
      "pp=2 with tp=2 and loss_parallel is not measured"),
     ({"pp": 2, "grad_accum": 2, "tp": 2, "precision": "bf16-mixed"}, "tp=2 with precision='bf16-mixed'"),
@@ -465,6 +465,11 @@ def test_pp_with_fsdp_world_size_4(tiny_llama):
         a = alone["diagnostics"]["parallel"]["ranks"][x["rank"] // 2]["breakdown_at_peak"]
         assert 0.45 * a["optimizer_states"] < x["breakdown_at_peak"]["optimizer_states"] < 0.55 * a["optimizer_states"]
     assert "--gpus 2 --parallel fsdp --pp 2" in out["command"]
+
+
+def test_pp_with_tp_and_fsdp_is_a_3d_mesh():
+    r = Recipe(batch=1, seq=8, grad_accum=2, precision="fp32", pp=2, tp=2, gpus=2, parallel="fsdp")
+    assert r.is_pp and r.is_tp and r.world_size == 8
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])

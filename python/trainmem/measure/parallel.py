@@ -251,12 +251,12 @@ def wrap_model(model: torch.nn.Module, recipe: Recipe, device: str) -> torch.nn.
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != recipe.world_size:
         raise RecipeError(f"world size {world} differs from gpus x tp x pp = {recipe.world_size}")
-    if recipe.is_tp and recipe.parallel == "fsdp":
-        return _tp_fsdp(model, recipe, device)
-    if recipe.is_pp:
+    if recipe.is_pp:  # also PP x TP (x FSDP2): the stage's own mesh (pipeline.py make_stage)
         from .pipeline import make_stage
 
         return make_stage(model, recipe, device)  # every stage runs rank 0's batch
+    if recipe.is_tp and recipe.parallel == "fsdp":
+        return _tp_fsdp(model, recipe, device)
     if recipe.is_tp:
         tensor_parallelize(model, recipe, device)
         return model  # every rank of the tensor-parallel group runs rank 0's batch

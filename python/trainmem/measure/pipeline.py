@@ -8,7 +8,12 @@ no_sync but for the step's last backward: docs/parallelism.md "PP x DP with DDP"
 sharded by FSDP2 over the dp dimension of the mesh (`_fully_shard`: every decoder layer of the
 stage, then the stage module; the PipelineStage turns gradient sync and the reshard
 after backward off for every backward and runs the reductions once after the last one:
-docs/parallelism.md "PP x DP with FSDP2"). Every rank
+docs/parallelism.md "PP x DP with FSDP2"). With `tp` T > 1 (PP x TP) it starts N x T on a (pp, tp)
+mesh, tp innermost as torchtitan's (rank r is stage r // T), and parallelizes each pruned stage
+over the tp dimension with the TP path's own plan (parallel.py tensor_parallelize; under
+sequence parallelism the stage's metadata is Shard(1) meta DTensors, `_shard_meta`); with fsdp
+too (PP x TP x FSDP2) N x D x T on a (pp, dp, tp) mesh, the plan then FSDP2 over dp
+(docs/parallelism.md "PP x TP"). Every rank
 builds the whole model with the same seed (the same weights), keeps its own stage and drops the
 rest before tracking (`make_stage`), and runs the schedule under its own tracker (`run_steps`).
 
@@ -152,7 +157,12 @@ def make_stage(model: torch.nn.Module, recipe: Recipe, device: str):
     if recipe.tp > 1:  # PP x TP: a 2-D mesh (pp, tp), tp innermost as torchtitan's
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(torch.device(device).type, (stages, recipe.tp), mesh_dim_names=("pp", "tp"))
+        if recipe.gpus > 1:  # PP x TP x FSDP2: (pp, dp, tp), torchtitan's order of the three
+            mesh = init_device_mesh(torch.device(device).type, (stages, recipe.gpus, recipe.tp),
+                                    mesh_dim_names=("pp", "dp", "tp"))
+            dp_mesh = mesh["dp"]
+        else:
+            mesh = init_device_mesh(torch.device(device).type, (stages, recipe.tp), mesh_dim_names=("pp", "tp"))
         rank, group, tp_mesh = mesh["pp"].get_local_rank(), mesh.get_group("pp"), mesh["tp"]
     elif recipe.gpus > 1:  # PP x DP: a 2-D mesh (pp, dp), as torchtitan's (pp outermost)
         from torch.distributed.device_mesh import init_device_mesh
@@ -284,7 +294,7 @@ def _reseed_replica(recipe: Recipe) -> None:
 
     from .run import SEED
 
-    dp_rank = dist.get_rank() % recipe.gpus
+    dp_rank = dist.get_rank() // recipe.tp % recipe.gpus  # PP x TP x FSDP2: rank = (stage x gpus + d) x tp + t
     if dp_rank > 0:
         torch.manual_seed(SEED + dp_rank)
 

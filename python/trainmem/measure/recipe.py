@@ -259,10 +259,7 @@ class Recipe:
                               "combined with a data-parallel wrapper other than DDP or FSDP2 is not modelled yet; "
                               "use parallel none, ddp or fsdp")
         if self.tp > 1:  # PP x TP: a (pp, tp) mesh, the Megatron plan on each stage (pipeline.py make_stage)
-            if self.parallel != "none" or self.gpus != 1:
-                raise RecipeError(f"pp={self.pp} with tp={self.tp} and gpus={self.gpus} / parallel={self.parallel!r} "
-                                  "is not measured: pipeline x tensor parallelism is measured on a (pp, tp) mesh "
-                                  "without data parallelism; use gpus 1 and parallel none")
+            # With data parallelism only FSDP2 over a (pp, dp, tp) mesh, as _check_tp allows for TP x DP.
             if self.loss_parallel:
                 raise RecipeError(f"pp={self.pp} with tp={self.tp} and loss_parallel is not measured (the last "
                                   "stage's loss_fn would run inside loss_parallel()); drop loss_parallel")
