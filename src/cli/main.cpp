@@ -127,7 +127,8 @@ struct RecipeFlags {
     opt("cp", "--cp", cp, "Context-parallel degree (torch context_parallel, ring attention; unmeasured); 1: none");
     opt("pp", "--pp", pp,
         "Pipeline-parallel degree (torch.distributed.pipelining, one stage per GPU; --grad-accum is the number of "
-        "micro-batches; with --gpus D --parallel ddp: D replicas of each stage, pp x D GPUs); 1: none");
+        "micro-batches; with --gpus D --parallel ddp: D replicas of each stage, pp x D GPUs; with --tp T: each stage "
+        "tensor-parallel over T GPUs); 1: none");
     opt("pp_schedule", "--pp-schedule", pp_schedule, "With --pp: 1f1b (Schedule1F1B) | gpipe (ScheduleGPipe)");
     opt("fsdp_reshard_after_forward", "--fsdp-reshard-after-forward", fsdp_reshard_after_forward,
         "With --parallel fsdp: true | false (the decoder layers stay gathered from forward to backward: SHARD_GRAD_OP)");
