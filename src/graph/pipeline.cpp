@@ -162,7 +162,7 @@ namespace trainmem::graph {
 // part over pp_mesh's group, then applies parallelize_fn (apply_tp over the tp mesh,
 // torchtitan/models/llama3/infra/parallelize.py) to each part. What a rank holds, measured on
 // pp2 x tp2 and pp3 x tp2 gloo ranks (data/ground_truth/parallel/cpu-pp2tp2-*, cpu-pp2tp2sp-*,
-// cpu-pp3tp2-*), every rank exact:
+// cpu-pp2tp2lp-*, cpu-pp2tp2splp-*, cpu-pp3tp2-*), every rank exact:
 //  * its stage's parameters as the tensor-parallel local model (tensor_parallel_model: every
 //    colwise and rowwise projection of its layers 1/T, the embedding, the norms and lm_head whole,
 //    Replicate), and their gradients and optimizer states;
@@ -186,6 +186,15 @@ namespace trainmem::graph {
 //    lm_head's input (PrepareModuleInput), and the final norm's output shard is the stage
 //    module's local until it returns, before the schedule's loss_fn (in the HF model's forward it
 //    lives to the end of the loss).
+//  * with loss parallelism the last stage's lm_head is ColwiseParallel with Shard(-1) logits (Note
+//    [Loss parallel] in tensor_parallel.h): vocab / T rows of its weight, and its output, the
+//    stage's (a DTensor whose local [b, s, vocab / T] shard fwd_cache and the schedule's `output`
+//    hold), no stage receiving its gradient (the measured stage's output metadata is a Shard(-1)
+//    meta DTensor). The measured loop runs each schedule step inside loss_parallel(), as
+//    torchtitan does (torchtitan/train.py runs pp_schedule.step under its train context, which
+//    torchtitan/distributed/utils.py get_train_context makes enter loss_parallel()), so the
+//    schedule's loss_fn and the loss's backward run the vocab-parallel handlers, whose buffers are
+//    those of the TP path; the optimizer step is outside it.
 // PP x TP x DP (--gpus D --parallel fsdp, P x D x T ranks, a (pp, dp, tp) mesh, torchtitan's order of
 // the three): after the plan, each stage is sharded over the dp dimension as in Note [Pipeline with
 // FSDP2] (fully_shard on each of its decoder layers, then on the stage module; FSDP2's default
@@ -197,9 +206,8 @@ namespace trainmem::graph {
 // A stage's tp ranks draw the same batch and run the same ops on the same sizes, so each stage is
 // replayed once, as its rank (Note [The worst rank] in estimate.cpp: rank = stage x gpus + dp
 // rank, the tp ranks folded in as under TP alone); `trainmem compare` replays process p as p / T.
-// Not modelled (refused in recipe validation): loss_parallel under a pipeline (the schedule's
-// loss_fn would have to run inside loss_parallel()), and whatever TP alone or TP x DP refuses (DDP
-// or ZeRO over a tensor-parallel model, FSDP2's non-default knobs, precisions with autocast or
+// Not modelled (refused in recipe validation): whatever TP alone or TP x DP refuses (DDP or ZeRO
+// over a tensor-parallel model, FSDP2's non-default knobs and HSDP, precisions with autocast or
 // master copies, families other than Llama and Mistral).
 // bf16 is measured with eager attention: on an AVX-512 machine torch's CPU flash-attention kernel
 // for bf16 asks for VNNI packing, which fails under the AVX2 kernels trainmem.measure pins
@@ -342,12 +350,16 @@ void StepBuilder::pp_forward(std::uint64_t k, PipelineMicro& mb) {
     T normed = rms_norm(hs, global("norm.weight"), res_tok_, "norm");
     t_.drop(hs);
     op("lm_head");
-    // Sequence parallelism: PrepareModuleInput all-gathers lm_head's input; the norm's output
-    // shard is the stage module's local until it returns (See Note [Pipeline with tensor parallelism]).
-    T gathered = sp_ > 1 ? seq_all_gather(normed, /*partial_grad=*/false) : T{};
-    dtensor_ = false;
-    mb.out = linear(sp_ > 1 ? gathered : normed, global("lm_head.weight"), kNone, a_.vocab_size);
-    if (gathered.id != kNone) t_.drop(gathered);
+    if (r_.loss_parallel) {
+      mb.out = pp_vocab_parallel_head(normed);
+    } else {
+      // Sequence parallelism: PrepareModuleInput all-gathers lm_head's input; the norm's output
+      // shard is the stage module's local until it returns (See Note [Pipeline with tensor parallelism]).
+      T gathered = sp_ > 1 ? seq_all_gather(normed, /*partial_grad=*/false) : T{};
+      dtensor_ = false;
+      mb.out = linear(sp_ > 1 ? gathered : normed, global("lm_head.weight"), kNone, a_.vocab_size);
+      if (gathered.id != kNone) t_.drop(gathered);
+    }
     t_.drop(normed);
   } else {
     mb.out = hs;
@@ -370,6 +382,18 @@ T StepBuilder::pp_shard_embedding(T& hs) {
   t_.drop(hs);
   dtensor_ = true;
   return shard;
+}
+
+// The last stage's lm_head under loss parallelism: ColwiseParallel with Shard(-1) logits, the
+// vocab / tp columns of this rank, its input gathered from Shard(1) under sequence parallelism, as
+// in vocab_parallel_loss (See Notes [Loss parallel] in tensor_parallel.h and [Pipeline with tensor
+// parallelism]); the schedule's loss_fn then runs the vocab-parallel handlers on them.
+T StepBuilder::pp_vocab_parallel_head(const T& normed) {
+  in_lm_head_ = true;
+  dtensor_ = false;
+  T logits = colwise_linear(normed, global("lm_head.weight"), kNone, a_.vocab_size / r_.tp);
+  in_lm_head_ = false;
+  return logits;
 }
 
 // backward_one_chunk of micro-batch `k`: its graph put back and run from the loss (last stage) or
@@ -439,7 +463,7 @@ Trace StepBuilder::build_pipeline() {
           warm_send = t_.ref(mb.out);
         }
         ++forwards;
-        if (last) mb.loss = causal_lm_loss(mb.out);
+        if (last) mb.loss = causal_lm_loss(mb.out, /*vocab_parallel=*/r_.loss_parallel);
         mb.graph = t_.take_graph();
       } else {
         const TensorId sent = pp_backward(act.micro, mb);

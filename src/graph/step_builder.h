@@ -417,6 +417,7 @@ class StepBuilder {
   void pp_forward(std::uint64_t k, PipelineMicro& mb);
   TensorId pp_backward(std::uint64_t k, PipelineMicro& mb);
   T pp_shard_embedding(T& hs);  // PP x TP with sequence parallelism (pipeline.cpp)
+  T pp_vocab_parallel_head(const T& normed);  // PP x TP with loss parallelism (pipeline.cpp)
   std::uint32_t lm_head_param(std::uint32_t emb) const;
   ValueId standard_loss(T& normed, std::uint32_t emb);
   T causal_lm_loss(const T& logits, bool vocab_parallel = false);

@@ -172,21 +172,6 @@ void validate_tensor_parallel(const Recipe& r) {
   }
 }
 
-// What the engine models of PP x TP (See Note [Pipeline with tensor parallelism] in
-// graph/pipeline.cpp): a (pp, tp) or (pp, dp, tp) mesh as the measuring side runs it
-// (python/trainmem/measure/pipeline.py make_stage), the Megatron plan on each stage, with or
-// without sequence parallelism; validate_tensor_parallel has checked the rest of tp's knobs (and
-// TP x DP's) already. What was not measured is refused.
-void validate_pipeline_x_tensor_parallel(const Recipe& r) {
-  const std::string what = "pp: " + std::to_string(r.pp) + " with tp " + std::to_string(r.tp);
-  // PP x TP x DP: FSDP2 over the dp dimension of a (pp, dp, tp) mesh, TP x DP's own recipe
-  // (validate_tensor_x_data_parallel has refused the rest).
-  if (r.loss_parallel) {
-    throw Error(what + " and loss_parallel is not modelled (the last stage's loss_fn would run inside "
-                       "loss_parallel(); unmeasured); drop loss_parallel");
-  }
-}
-
 // What the engine models of pipeline parallelism: what the measuring side runs
 // (python/trainmem/measure/recipe.py _check_pp); the architecture's part (the Llama family, untied
 // embeddings, at least one layer per stage) is checked with the model (graph/pipeline.cpp).
@@ -199,7 +184,9 @@ void validate_pipeline_parallel(const Recipe& r) {
                 ": pipeline parallelism combined with a data-parallel wrapper other than DDP or FSDP2 is not "
                 "modelled yet; use parallel none, ddp or fsdp");
   }
-  if (r.tp > 1) validate_pipeline_x_tensor_parallel(r);
+  // PP x TP (See Note [Pipeline with tensor parallelism] in graph/pipeline.cpp): a (pp, tp) or,
+  // with FSDP2, (pp, dp, tp) mesh, with sequence and loss parallelism; validate_tensor_parallel has
+  // refused what TP alone and TP x DP do not model.
   if (r.parallel == Parallel::kFsdp && r.gpus < 2) {
     throw Error(pp + " with parallel fsdp and gpus 1: FSDP2 under a pipeline shards each stage over its gpus "
                      "data-parallel ranks and is modelled for 2 or more; use gpus 2 or more, or parallel none");

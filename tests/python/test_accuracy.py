@@ -162,6 +162,12 @@ def test_pipeline_entries_exact(comparisons):
     assert any(r["optimizer"] == "adamw" for r in pptp) and any(r["precision"] == "bf16-true" for r in pptp)
     assert any(r["grad_accum"] >= 4 for r in pptp) and any(r["checkpointing"] == "full" for r in pptp)
     assert any(r.get("sequence_parallel") for r in pptp)
+    # ... loss parallelism on the last stage (the schedule step inside loss_parallel()), one of them
+    # peaking inside the loss's backward on that stage.
+    assert any(r.get("loss_parallel") and r.get("sequence_parallel") for r in pptp)
+    assert any(c["recipe"].get("tp", 1) > 1 and c["recipe"].get("loss_parallel") and
+               any(r["rank"] // c["recipe"]["tp"] == c["recipe"]["pp"] - 1 for r in c["ranks"])
+               for _, c in pp)
     # ... and PP x TP x FSDP2 over a (pp, dp, tp) mesh, with and without sequence parallelism.
     pptpdp = [r for r in pptp if r.get("parallel") == "fsdp"]
     assert len(pptpdp) >= 3 and any(r.get("sequence_parallel") for r in pptpdp)

@@ -172,8 +172,11 @@ def test_pipeline_keywords(trainmem_bin):
     assert tp.peak_allocated_bytes < est.peak_allocated_bytes
     tpdp = trainmem.estimate("mistral-7b-v0.3", **kw, tp=2, gpus=2, parallel="fsdp")
     assert [r["rank"] for r in tpdp.ranks] == [0, 2]
-    with pytest.raises(ValueError, match="loss_parallel is not modelled"):
-        trainmem.estimate("mistral-7b-v0.3", **kw, tp=2, loss_parallel=True)
+    # ... and with loss parallelism: the last stage holds vocab / tp rows of lm_head.
+    lp = trainmem.estimate("mistral-7b-v0.3", **kw, tp=2, sequence_parallel=True, loss_parallel=True, rank=1)
+    assert tp.ranks[1]["peak_allocated_bytes"] > lp.peak_allocated_bytes
+    with pytest.raises(ValueError, match="not modelled with tensor parallelism"):
+        trainmem.estimate("mistral-7b-v0.3", **kw, tp=2, gpus=4, parallel="fsdp", fsdp_replicate=2)
 
 
 def test_fsdp_variant_keywords(trainmem_bin):

@@ -261,10 +261,10 @@ def test_pipeline_with_ddp_replays_each_stage_once(run):
       "2", "--parallel", "ddp"],
      "tp: 2 with gpus 2 / parallel ddp: tensor parallelism combined with data parallelism is modelled under parallel "
      "fsdp only"),
-    (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--precision", "fp32", "--tp", "2",
-      "--loss-parallel"],
-     "pp: 2 with tp 2 and loss_parallel is not modelled (the last stage's loss_fn would run inside "
-     "loss_parallel(); unmeasured); drop loss_parallel"),
+    (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--precision", "fp32", "--tp", "2", "--gpus",
+      "4", "--parallel", "fsdp", "--fsdp-replicate", "2"],
+     "tp: 2 with gpus 4 / parallel fsdp: fsdp_reshard_after_forward / fsdp_replicate / fsdp_param_dtype / "
+     "fsdp_reduce_dtype are not modelled with tensor parallelism"),
     (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--tp", "2"],
      "tp: 2 with precision bf16-mixed is not modelled"),
     (["estimate", "mistral-7b-v0.3", "--pp-schedule", "gpipe"], "pp_schedule: a pipeline knob"),

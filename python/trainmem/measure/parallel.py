@@ -356,15 +356,17 @@ def tensor_parallelize(model: torch.nn.Module, recipe: Recipe, device: str, mesh
                               f"projections ({', '.join(extra)}), which the Megatron plan here does not split")
     if mesh is None:
         mesh = init_device_mesh(torch.device(device).type, (tp,))
-    if recipe.loss_parallel:
+    # A pipeline stage other than the last has no lm_head (pipeline.py make_stage prunes it).
+    loss_parallel = recipe.loss_parallel and model.get_output_embeddings() is not None
+    if loss_parallel:
         _check_loss_parallel(model, tp)
     if recipe.sequence_parallel:
-        _sequence_parallelize(model, layers, mesh, recipe.loss_parallel)
+        _sequence_parallelize(model, layers, mesh, loss_parallel)
         return
     plan = {**{n: ColwiseParallel() for n in TP_COLWISE}, **{n: RowwiseParallel() for n in TP_ROWWISE}}
     for layer in layers:
         parallelize_module(layer, mesh, plan)
-    if recipe.loss_parallel:
+    if loss_parallel:
         _vocab_parallelize_head(model, mesh, sequence_parallel=False)
     _replicate_the_rest(model, mesh)
 

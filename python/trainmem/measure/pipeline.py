@@ -219,15 +219,22 @@ def make_stage(model: torch.nn.Module, recipe: Recipe, device: str):
     logits = torch.empty(recipe.batch, recipe.seq, cfg.vocab_size, dtype=logits_dtype, device=meta,
                          requires_grad=True)
     grads = {}
-    if tp_mesh is not None and recipe.sequence_parallel:
+    if tp_mesh is not None and (recipe.sequence_parallel or recipe.loss_parallel):
         # PP x TP with sequence parallelism: the residual stream a stage sends and receives is a
         # Shard(1) DTensor (parallel.py _sequence_parallelize). The metadata says so, with the
         # gradients' (Shard(1) too), as static DTensor mode needs (torch 2.13 stage.py:
         # InferenceMode.needs_dynamic): each rank sends and receives its local [b, s / tp, h] shard
         # (get_fwd_send_ops' to_local_if_dtensor) and the receiver rebuilds the DTensor around its
         # buffer (_retrieve_recv_activations: DTensor.from_local, the leaf that requires grad).
-        hidden, hidden_grad = (_shard_meta(recipe, cfg.hidden_size, dtype, tp_mesh) for _ in range(2))
-        hidden.requires_grad_(True)
+        # With loss parallelism the last stage's output is the Shard(-1) DTensor of the logits
+        # (parallel.py _vocab_parallelize_head), whose gradient no stage receives.
+        if recipe.sequence_parallel:
+            hidden, hidden_grad = (_shard_meta(recipe, cfg.hidden_size, dtype, tp_mesh, 1) for _ in range(2))
+            hidden.requires_grad_(True)
+        else:
+            hidden_grad = torch.empty(recipe.batch, recipe.seq, cfg.hidden_size, dtype=dtype, device=meta)
+        if recipe.loss_parallel:
+            logits = _shard_meta(recipe, cfg.vocab_size, logits_dtype, tp_mesh, 2).requires_grad_(True)
         grads = {"input_grads": (None,) if rank == 0 else (hidden_grad,),
                  "output_grads": (None,) if rank == stages - 1 else (hidden_grad,)}
     stage = PipelineStage(module, rank, stages, torch.device(device),
@@ -236,15 +243,16 @@ def make_stage(model: torch.nn.Module, recipe: Recipe, device: str):
     return stage
 
 
-def _shard_meta(recipe: Recipe, hidden_size: int, dtype, tp_mesh):
-    """A meta DTensor of one micro-batch's hidden states, Shard(1) over the tp mesh."""
+def _shard_meta(recipe: Recipe, width: int, dtype, tp_mesh, dim: int):
+    """A meta DTensor of one micro-batch's [b, s, width], Shard(dim) over the tp mesh."""
     from torch.distributed.tensor import DTensor, Shard
 
     tp = tp_mesh.size()
-    local = torch.empty(recipe.batch, recipe.seq // tp, hidden_size, dtype=dtype, device="meta")
-    return DTensor.from_local(local, tp_mesh, [Shard(1)], run_check=False,
-                              shape=(recipe.batch, recipe.seq, hidden_size),
-                              stride=(recipe.seq * hidden_size, hidden_size, 1))
+    shape = [recipe.batch, recipe.seq, width]
+    local = list(shape)
+    local[dim] //= tp
+    return DTensor.from_local(torch.empty(local, dtype=dtype, device="meta"), tp_mesh, [Shard(dim)],
+                              run_check=False, shape=tuple(shape), stride=(recipe.seq * width, width, 1))
 
 
 def _data_parallel(module: torch.nn.Module, recipe: Recipe, dp_group) -> torch.nn.Module:
@@ -303,7 +311,7 @@ def run_steps(model, stage, recipe: Recipe, tracker, *, device: str, steps: int 
     """The reference loop of one pipeline rank under an active tracker (see the module docstring)."""
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
-    from .training import grads_to_masters, make_masters, masters_to_params
+    from .training import _loss_context, grads_to_masters, make_masters, masters_to_params
 
     hf = model
     vocab = hf.config.vocab_size
@@ -368,12 +376,15 @@ def run_steps(model, stage, recipe: Recipe, tracker, *, device: str, steps: int 
     for step in range(1, steps + 1):
         current["step"] = step
         tracker.set_phase("forward", step, 1)
-        if first:
-            schedule.step(input_ids, return_outputs=False)
-        elif last:
-            schedule.step(target=labels, return_outputs=False)
-        else:
-            schedule.step(return_outputs=False)
+        # loss_parallel (PP x TP): the schedule step inside loss_parallel(), as torchtitan's train
+        # context wraps its pp_schedule.step (the optimizer outside it).
+        with _loss_context(recipe, tracker):
+            if first:
+                schedule.step(input_ids, return_outputs=False)
+            elif last:
+                schedule.step(target=labels, return_outputs=False)
+            else:
+                schedule.step(return_outputs=False)
         tracker.collect_garbage()
         tracker.mark_gradients(params)
         tracker.set_phase("optimizer", step, recipe.grad_accum)

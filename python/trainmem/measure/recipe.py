@@ -258,11 +258,9 @@ class Recipe:
             raise RecipeError(f"pp={self.pp} with parallel={self.parallel!r} is not measured: pipeline parallelism "
                               "combined with a data-parallel wrapper other than DDP or FSDP2 is not modelled yet; "
                               "use parallel none, ddp or fsdp")
-        if self.tp > 1:  # PP x TP: a (pp, tp) mesh, the Megatron plan on each stage (pipeline.py make_stage)
-            # With data parallelism only FSDP2 over a (pp, dp, tp) mesh, as _check_tp allows for TP x DP.
-            if self.loss_parallel:
-                raise RecipeError(f"pp={self.pp} with tp={self.tp} and loss_parallel is not measured (the last "
-                                  "stage's loss_fn would run inside loss_parallel()); drop loss_parallel")
+        # PP x TP: a (pp, tp) mesh, the TP path's plan on each stage (pipeline.py make_stage), with
+        # sequence and loss parallelism; with data parallelism FSDP2 over a (pp, dp, tp) mesh, the
+        # only TP x DP _check_tp allows.
         if self.parallel == "fsdp" and self.gpus < 2:
             raise RecipeError(f"pp={self.pp} with parallel='fsdp' and gpus=1 is not measured: FSDP2 shards each stage "
                               "over its data-parallel ranks; use gpus 2 or more, or parallel none")
