@@ -160,7 +160,9 @@ namespace trainmem::graph {
 // the neighbouring stages. torchtitan does the same in that order: pipeline_llm
 // (torchtitan/distributed/pipeline_parallel.py) cuts the model parts and builds a PipelineStage per
 // part over pp_mesh's group, then applies parallelize_fn (apply_tp over the tp mesh,
-// torchtitan/models/llama3/infra/parallelize.py) to each part. What a rank holds, measured on
+// torchtitan/models/llama3/infra/parallelize.py) to each part; it gives PipelineStage no
+// input_args, so its first step infers the metadata with a real micro-batch (not modelled: the
+// measured stages are static, Note [Pipeline parallelism]). What a rank holds, measured on
 // pp2 x tp2 and pp3 x tp2 gloo ranks (data/ground_truth/parallel/cpu-pp2tp2-*, cpu-pp2tp2sp-*,
 // cpu-pp2tp2lp-*, cpu-pp2tp2splp-*, cpu-pp3tp2-*), every rank exact:
 //  * its stage's parameters as the tensor-parallel local model (tensor_parallel_model: every
@@ -202,7 +204,8 @@ namespace trainmem::graph {
 // (docs/parallelism.md "TP x DP"), driven by the PipelineStage as without TP (no reduction and no
 // reshard after backward during the schedule, every unit reduced at perform_reduce_grad), with
 // sequence parallelism's Partial norm gradients redistributed there (Note [Partial gradients under
-// FSDP2] in parallel.cpp). Measured on pp2 x dp2 x tp2 (cpu-pp2tp2fsdp2-*, cpu-pp2tp2spfsdp2-*).
+// FSDP2] in parallel.cpp). Measured on pp2 x dp2 x tp2 (cpu-pp2tp2fsdp2-*, cpu-pp2tp2spfsdp2-*,
+// cpu-pp2tp2splpfsdp2-*).
 // A stage's tp ranks draw the same batch and run the same ops on the same sizes, so each stage is
 // replayed once, as its rank (Note [The worst rank] in estimate.cpp: rank = stage x gpus + dp
 // rank, the tp ranks folded in as under TP alone); `trainmem compare` replays process p as p / T.
