@@ -91,7 +91,8 @@ namespace trainmem::graph {
 //    divided by D).
 // The replicas of a stage run the same ops on the same sizes (each draws its own batch): the
 // stage's data-parallel rank 0 stands for all of them (Note [The worst rank] in estimate.cpp).
-// Measured on pp2 x dp2 and pp3 x dp2 gloo ranks (data/ground_truth/parallel/cpu-pp2dp2-*, cpu-pp3dp2-*).
+// Measured on pp2 x dp2 and pp3 x dp2 gloo ranks, Llama and Qwen2 (data/ground_truth/parallel/cpu-pp2dp2-*,
+// cpu-pp3dp2-*).
 
 // Note [Pipeline with FSDP2]
 // PP x DP with FSDP2 (--pp P --gpus D --parallel fsdp; ranks as in Note [Pipeline with DDP]): the
@@ -145,7 +146,7 @@ namespace trainmem::graph {
 //    the last reduce-scatter state is dropped. scale_grads then divides the sharded .grads in place.
 //  * HSDP: finalize_backward, which frees a reduce-dtype all-reduce state (Note [FSDP2 variants]),
 //    runs in that last callback only, so every unit's is held to the end of perform_reduce_grad.
-// Measured on pp2 x dp2, pp3 x dp2 and pp2 x (2 x 2) HSDP gloo ranks (data/ground_truth/parallel/
+// Measured on pp2 x dp2 (Llama, Qwen2, Qwen3), pp3 x dp2 and pp2 x (2 x 2) HSDP gloo ranks (data/ground_truth/parallel/
 // cpu-pp2fsdp2-*, cpu-pp3fsdp2-*, cpu-pp2hsdp4-*, every rank exact), with the settle wait of Note
 // [gloo's reduce-scatter temporary]. gpus 1 is refused (nothing to shard over; measured nowhere).
 

@@ -380,14 +380,15 @@ std::uint64_t rank_floor(const Model& m, const Recipe& r) {
   return plan::persistent_floor(local, r);
 }
 
-// `r` as a pipeline of `stages` stages, one per GPU, in `replicas` copies data-parallel under DDP
-// when more than one (PP x DP, Note [Pipeline with DDP] in graph/pipeline.cpp): every replica's
-// stages run its share of the global batch in micro-batches of r.batch, with the schedule Note
-// [Pipeline schedule in the planner] picks. The caller checks that replicas x r.batch divides the
-// global batch.
-Recipe as_pipeline(Recipe r, std::uint64_t stages, std::uint64_t global_batch, std::uint64_t replicas = 1) {
+// `r` as a pipeline of `stages` stages, one per GPU, in `replicas` copies data-parallel under
+// `wrapper` (DDP or FSDP2) when more than one (PP x DP, Notes [Pipeline with DDP] and [Pipeline
+// with FSDP2] in graph/pipeline.cpp): every replica's stages run its share of the global batch in
+// micro-batches of r.batch, with the schedule Note [Pipeline schedule in the planner] picks. The
+// caller checks that replicas x r.batch divides the global batch. FSDP2 keeps its default knobs.
+Recipe as_pipeline(Recipe r, std::uint64_t stages, std::uint64_t global_batch, std::uint64_t replicas = 1,
+                   Parallel wrapper = Parallel::kDdp) {
   r.gpus = replicas;
-  r.parallel = replicas > 1 ? Parallel::kDdp : Parallel::kNone;
+  r.parallel = replicas > 1 ? wrapper : Parallel::kNone;
   r.fsdp = Fsdp{};
   r.offload = Offload::kNone;
   r.tp = 1;
@@ -530,6 +531,19 @@ std::uint64_t plan::persistent_floor(const Model& m, const Recipe& r) {
   std::uint64_t extra = detail::mul(n, pb, "gradient bytes");
   if (r.precision == Precision::kBf16Master) extra = detail::add(extra, detail::mul(n, 4, "master bytes"), "master bytes");
   extra = detail::add(extra, detail::mul(n, states_per_element, "state bytes"), "state bytes");
+  if (r.pp > 1 && r.parallel == Parallel::kFsdp) {
+    // PP x FSDP2 (Note [Pipeline with FSDP2] in graph/pipeline.cpp): the stage's shards, masters
+    // and states are 1/shards of it, but its gradients stay whole (unsharded, in the compute
+    // dtype) from the step's first backward to perform_reduce_grad, which runs after the states
+    // exist. Whole gradients are counted at 2 bytes under a bf16 param_dtype policy (they may
+    // become fp32 accumulations: the smaller of the two).
+    const std::uint64_t whole_grad_bytes = r.fsdp.param_dtype == FsdpDtype::kBf16 ? 2 : pb;
+    std::uint64_t sharded = detail::add(weights, extra, "persistent bytes");
+    sharded -= detail::mul(n, pb, "gradient bytes");  // `extra` counted them once, in `pb`
+    const std::uint64_t stage = detail::add(sharded / shards, detail::mul(n, whole_grad_bytes, "gradient bytes"),
+                                            "persistent bytes");
+    return stage / r.pp;
+  }
   if (r.pp > 1) return detail::add(detail::add(weights, extra, "persistent bytes"), buckets, "persistent bytes") / r.pp;
   return detail::add(detail::add(weights, extra, "persistent bytes") / shards, buckets, "persistent bytes");
 }
@@ -718,14 +732,16 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
   for (std::uint64_t p = 2; p <= q.gpus; ++p) {
     if (q.gpus % p == 0 && p <= model.arch.num_layers) pp_degrees.push_back(p);
   }
-  // `r` as a pipeline of `stages` stages in --gpus / stages replicas, where its micro-batch splits
-  // every replica's share of the global batch within kMaxAccum and the engine models it.
-  auto pipeline_of = [&](const Recipe& r, std::uint64_t stages) -> std::optional<Recipe> {
+  // `r` as a pipeline of `stages` stages in --gpus / stages replicas under `wrapper`, where its
+  // micro-batch splits every replica's share of the global batch within kMaxAccum and the engine
+  // models it.
+  auto pipeline_of = [&](const Recipe& r, std::uint64_t stages,
+                         Parallel wrapper = Parallel::kDdp) -> std::optional<Recipe> {
     const std::uint64_t replicas = q.gpus / stages;
     if (out.global_batch % (replicas * r.batch) != 0 || out.global_batch / replicas / r.batch > kMaxAccum) {
       return std::nullopt;
     }
-    Recipe pr = as_pipeline(r, stages, out.global_batch, replicas);
+    Recipe pr = as_pipeline(r, stages, out.global_batch, replicas, wrapper);
     if (!valid(pr) || !pipeline_modelled(model, pr)) return std::nullopt;
     return pr;
   };
@@ -831,11 +847,16 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
                     // in the planner].
                     // Pipelines over fewer GPUs are replicated under DDP, each replica running its
                     // share of the global batch.
+                    // Pipelines over fewer GPUs are replicated under DDP or FSDP2 (Note [Pipeline
+                    // with FSDP2]: the stages' states sharded, their gradients whole).
                     if (pipelines && dp == parallels.front()) {
                       for (std::uint64_t stages : pp_degrees) {
-                        if (const auto pr = pipeline_of(r, stages)) {
-                          const std::uint64_t pfloor = plan::persistent_floor(model, *pr);
-                          out_space.push_back({*pr, step_time(model, *pr), pfloor, pfloor});
+                        for (Parallel wrapper : {Parallel::kDdp, Parallel::kFsdp}) {
+                          if (wrapper == Parallel::kFsdp && stages == q.gpus) continue;  // no replicas to shard over
+                          if (const auto pr = pipeline_of(r, stages, wrapper)) {
+                            const std::uint64_t pfloor = plan::persistent_floor(model, *pr);
+                            out_space.push_back({*pr, step_time(model, *pr), pfloor, pfloor});
+                          }
                         }
                       }
                     }
@@ -1053,11 +1074,16 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
   // under DDP (PP x DP).
   if (base.tp == 1 && base.pp == 1 && q.gpus > 1) {
     for (std::uint64_t stages : pp_degrees) {
-      const auto r = pipeline_of(base, stages);
-      if (!r) continue;
       const std::uint64_t replicas = q.gpus / stages;
-      const std::string what = "pp " + std::to_string(stages) + " " + std::string(to_string(r->pp_schedule));
-      change(replicas > 1 ? what + " x ddp " + std::to_string(replicas) : what + " (no data parallelism)", *r);
+      for (Parallel wrapper : {Parallel::kDdp, Parallel::kFsdp}) {
+        if (wrapper == Parallel::kFsdp && replicas == 1) continue;
+        const auto r = pipeline_of(base, stages, wrapper);
+        if (!r) continue;
+        const std::string what = "pp " + std::to_string(stages) + " " + std::string(to_string(r->pp_schedule));
+        change(replicas > 1 ? what + " x " + std::string(to_string(wrapper)) + " " + std::to_string(replicas)
+                            : what + " (no data parallelism)",
+               *r);
+      }
     }
   }
   if (base.tp > 1) {

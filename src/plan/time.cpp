@@ -63,8 +63,10 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <vector>
 
 #include "common/checked.h"
+#include "graph/pipeline.h"
 #include "graph/tensor_parallel.h"
 #include "plan/plan.h"
 
@@ -81,6 +83,18 @@ constexpr double kElementwisePasses = 3;    // forward, and twice that in backwa
 constexpr double kHostMemoryGbps = 50;
 
 bool half_compute(Precision p) { return p != Precision::kFp32; }
+
+// The all-gathers of an FSDP2 layer unit per step on a pipeline's first stage, where it
+// reshards after each forward and stays gathered after each backward (Note [Pipeline with FSDP2]):
+// every action that comes first or follows a forward gathers it. M + 1 under both schedules.
+double pipeline_gathers(const Recipe& r) {
+  const std::vector<graph::PipelineAction> order = graph::pipeline_order(r.pp_schedule, r.pp, 0, r.grad_accum);
+  double gathers = 0;
+  for (std::size_t i = 0; i < order.size(); ++i) {
+    if (i == 0 || order[i - 1].forward) ++gathers;
+  }
+  return gathers;
+}
 
 struct MatmulCounts {
   double trainable = 0;  // weight elements that get gradients
@@ -211,6 +225,19 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
         const double reduced = f.reduce_dtype == FsdpDtype::kFp32 ? c.trainable_elements * 4
                                : f.param_dtype == FsdpDtype::kBf16 ? c.trainable_elements * 2
                                                                    : grads;
+        if (recipe.pp > 1) {
+          // Under a pipeline (Note [Pipeline with FSDP2] in graph/pipeline.cpp) each stage moves
+          // its own share, and a unit reshards after forwards only: it gathers where the stage's
+          // schedule runs it after a forward, or first, (M + 1 times with reshard_after_forward,
+          // once without), and it reduces once, in perform_reduce_grad.
+          const double stage_gathers = f.reshard_after_forward ? pipeline_gathers(recipe) : 1;
+          moved = shard_ring * (stage_gathers * gathered + reduced) / static_cast<double>(recipe.pp);
+          if (f.replicate > 1) {
+            const double rep = static_cast<double>(f.replicate);
+            moved += 2 * (rep - 1) / rep * reduced / shard / static_cast<double>(recipe.pp);
+          }
+          break;
+        }
         const double gathers = f.reshard_after_forward ? 2 : 1;
         moved = shard_ring * (gathers * gathered + reduced) * micro;
         if (f.replicate > 1) {

@@ -92,33 +92,50 @@ TEST(Fit, TheFloorIsNeverAboveTheReplayedPeak) {
   }
 }
 
-// A pipeline's floor (the average stage's share, DDP's buckets included under PP x DP) is a lower
-// bound of its worst stage; a floor that counted every stage's buckets on one would not be.
+// A pipeline's floor (the average stage's share, DDP's buckets included under PP x DP; under PP x
+// FSDP2 the shards plus the whole gradients) is a lower bound of its worst stage; a floor that
+// counted every stage's buckets on one, or sharded FSDP2's gradients, would not be.
 TEST(Fit, APipelinesFloorIsNeverAboveItsWorstStage) {
+  std::uint64_t fsdp = 0;
   for (const char* name : {"llama-3.1-8b", "qwen2.5-7b"}) {
     const Model m = model::with_layers(load_model(name), 6);
     for (std::uint64_t pp : {2, 3}) {
-      for (std::uint64_t replicas : {1, 2}) {
-        for (Precision p : {Precision::kFp32, Precision::kBf16Mixed, Precision::kBf16Master, Precision::kBf16True}) {
-          for (Optimizer o : {Optimizer::kAdamW, Optimizer::kSgd}) {
-            Recipe r = base_recipe("h100-80gb", 64);
-            r.pp = pp;
-            r.grad_accum = pp;
-            r.gpus = replicas;
-            r.parallel = replicas > 1 ? Parallel::kDdp : Parallel::kNone;
-            r.precision = p;
-            r.optimizer = o;
-            const std::string what = std::string(name) + " pp" + std::to_string(pp) + " x" + std::to_string(replicas) +
-                                     " " + std::string(to_string(p)) + " " + std::string(to_string(o));
-            const std::uint64_t floor = plan::persistent_floor(m, r);
-            const Estimate e = estimate(m, r);
-            EXPECT_LE(floor, e.peak_allocated_bytes) << what;
-            EXPECT_GT(floor, e.peak_allocated_bytes / 4) << what;  // and not so low it rules nothing out
+      for (std::uint64_t replicas : {1, 2, 4}) {
+        for (Parallel wrapper : {Parallel::kDdp, Parallel::kFsdp}) {
+          for (bool reshard : {true, false}) {
+            if ((replicas == 1 && wrapper == Parallel::kFsdp) || (wrapper == Parallel::kDdp && !reshard)) continue;
+            for (Precision p : {Precision::kFp32, Precision::kBf16Mixed, Precision::kBf16Master, Precision::kBf16True}) {
+              for (Optimizer o : {Optimizer::kAdamW, Optimizer::kSgd}) {
+                Recipe r = base_recipe("h100-80gb", 64);
+                r.pp = pp;
+                r.grad_accum = pp;
+                r.gpus = replicas;
+                r.parallel = replicas > 1 ? wrapper : Parallel::kNone;
+                r.fsdp.reshard_after_forward = reshard;
+                r.precision = p;
+                r.optimizer = o;
+                const std::string what = std::string(name) + " pp" + std::to_string(pp) + " x " +
+                                         std::string(to_string(r.parallel)) + " " + std::to_string(replicas) +
+                                         (reshard ? "" : " no-reshard") + " " + std::string(to_string(p)) + " " +
+                                         std::string(to_string(o));
+                try {
+                  r.validate();
+                } catch (const Error&) {
+                  continue;  // a combination the engine does not model
+                }
+                const std::uint64_t floor = plan::persistent_floor(m, r);
+                const Estimate e = estimate(m, r);
+                EXPECT_LE(floor, e.peak_allocated_bytes) << what;
+                EXPECT_GT(floor, e.peak_allocated_bytes / 4) << what;  // and not so low it rules nothing out
+                fsdp += r.parallel == Parallel::kFsdp;
+              }
+            }
           }
         }
       }
     }
   }
+  EXPECT_GE(fsdp, 40u);  // PP x FSDP2 is among them, in every precision
 }
 
 // The loss floor (Note [The loss floor] in plan/fit.cpp) is a lower bound too: over micro-batches,
@@ -235,8 +252,8 @@ TEST(Fit, FewerReplaysGiveTheSameAnswers) {
 // The search's threads, its windows that end at the last plan, its single changes replayed at
 // once and its pipeline stages and ZeRO ranks replayed apart (Note [Planner threads] in
 // plan/fit.cpp) give every field of the reference search, which runs one estimate() per recipe on
-// one thread: on several GPUs, with pipelines among the plans, the stopped probes and the single
-// changes, and with nothing fitting.
+// one thread: on several GPUs, with pipelines (PP x FSDP2 among them) in the plans, the stopped
+// probes and the single changes, and with nothing fitting.
 TEST(Fit, ThreadedSearchGivesTheReferenceAnswersOnSeveralGpus) {
   struct Case {
     const char* model;
@@ -250,8 +267,10 @@ TEST(Fit, ThreadedSearchGivesTheReferenceAnswersOnSeveralGpus) {
       {"llama-3.1-8b", 8, "a100-40gb", 2048, 16, 8},
       {"llama-3.1-8b", 8, "t4-16gb", 4096, 4, 2},
       {"qwen3-0.6b", 0, "rtx-4090", 512, 16, 4, true},
+      {"llama-3.1-8b", 8, "rtx-4090", 2048, 16, 4},  // PP x FSDP2 among the plans
   };
   std::uint64_t pipeline_plans = 0, pipeline_changes = 0, nothing_fits = 0, zero_plans = 0;
+  std::uint64_t fsdp_pipeline_plans = 0, fsdp_pipeline_changes = 0;  // PP x FSDP2
   for (const Case& c : cases) {
     const Model full = load_model(c.model);
     const Model m = c.layers ? model::with_layers(full, c.layers) : full;
@@ -267,13 +286,19 @@ TEST(Fit, ThreadedSearchGivesTheReferenceAnswersOnSeveralGpus) {
     const FitResult now = expect_reference_answers(c.model, m, q, c.seq, c.gpu);
     for (const Plan& p : now.plans) {
       pipeline_plans += p.recipe.pp > 1;
+      fsdp_pipeline_plans += p.recipe.pp > 1 && p.recipe.parallel == Parallel::kFsdp;
       zero_plans += p.recipe.parallel == Parallel::kZero1 || p.recipe.parallel == Parallel::kZero2;
     }
-    for (const Change& x : now.changes) pipeline_changes += x.plan.recipe.pp > 1;
+    for (const Change& x : now.changes) {
+      pipeline_changes += x.plan.recipe.pp > 1;
+      fsdp_pipeline_changes += x.plan.recipe.pp > 1 && x.plan.recipe.parallel == Parallel::kFsdp;
+    }
     nothing_fits += now.plans.empty();
   }
   EXPECT_GE(pipeline_plans, 4u);
   EXPECT_GE(pipeline_changes, 4u);
+  EXPECT_GE(fsdp_pipeline_plans, 1u);
+  EXPECT_GE(fsdp_pipeline_changes, 3u);
   EXPECT_GE(zero_plans, 1u);
   EXPECT_GE(nothing_fits, 1u);
 }
@@ -518,6 +543,35 @@ TEST(StepTime, CollectivesAtTheInterconnect) {
   EXPECT_DOUBLE_EQ(step_time(m, r).comm_s, ddp.comm_s * 2.5);  // ZeRO-2 reduces every micro-batch
   r.parallel = Parallel::kFsdp;
   EXPECT_DOUBLE_EQ(step_time(m, r).comm_s, ddp.comm_s * 3);  // every micro-batch communicates
+}
+
+// PP x DP (Notes [Pipeline with DDP] and [Pipeline with FSDP2] in graph/pipeline.cpp): each stage
+// moves its share once per step, DDP one all-reduce, FSDP2 one reduce-scatter and its gathers as
+// the stage's schedule needs them: M + 1 with reshard_after_forward (after every forward and at
+// the start), 1 without.
+TEST(StepTime, PipelineReplicasMoveTheirStagesShare) {
+  const Model m = load_model("llama-3.1-8b");
+  Recipe r = base_recipe("h100-80gb", 4096);
+  r.pp = 4;
+  r.gpus = 2;
+  r.grad_accum = 8;
+  r.parallel = Parallel::kDdp;
+  const double link = find_gpu("h100-80gb").interconnect_gbps * 1e9;
+  const double grads = static_cast<double>(m.parameter_count) * 4, stage = grads / 4;
+  r.parallel = Parallel::kNone;
+  r.gpus = 1;
+  const double p2p = step_time(m, r).comm_s;  // the stages' activations and gradients
+  r.parallel = Parallel::kDdp;
+  r.gpus = 2;
+  EXPECT_NEAR(step_time(m, r).comm_s - p2p, 2 * 0.5 * stage / link, 1e-12);
+  r.parallel = Parallel::kFsdp;
+  for (PipelineSchedule s : {PipelineSchedule::k1F1B, PipelineSchedule::kGPipe}) {
+    r.pp_schedule = s;
+    r.fsdp.reshard_after_forward = true;
+    EXPECT_NEAR(step_time(m, r).comm_s - p2p, 0.5 * (9 + 1) * stage / link, 1e-12) << to_string(s);
+    r.fsdp.reshard_after_forward = false;
+    EXPECT_NEAR(step_time(m, r).comm_s - p2p, 0.5 * (1 + 1) * stage / link, 1e-12) << to_string(s);
+  }
 }
 
 TEST(StepTime, TensorParallelCollectivesPerLayer) {

@@ -7,6 +7,7 @@ from pathlib import Path
 # The measuring side pins torch's CPU kernels before torch is imported (Note [bitsandbytes' CPU
 # kernels] in python/trainmem/measure/models.py); tests import torch before it, so here too.
 os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 
 import pytest
 

@@ -146,6 +146,9 @@ def test_pipeline_entries_exact(comparisons):
     assert any("qwen2" in c["model"] for _, c in pp) and any("qwen3" in c["model"] for _, c in pp)
     # Issue 4: PP x DP, each stage wrapped by DDP over its replicas (Note [Pipeline with DDP]).
     assert any(r.get("parallel") == "ddp" and r.get("gpus", 1) > 1 for r in recipes)
+    # ... and PP x DP beyond Llama: Qwen2 (biases) under DDP and FSDP2, Qwen3 (q/k norms) under FSDP2.
+    wrapped = {(c["model"].split("/")[-1].split("-")[0][:5], c["recipe"].get("parallel")) for _, c in pp}
+    assert {("qwen2", "ddp"), ("qwen2", "fsdp"), ("qwen3", "fsdp")} <= wrapped, wrapped
     # Issue 4: PP x DP with FSDP2, each stage's layers and stage module sharded over its replicas
     # (Note [Pipeline with FSDP2]): 1F1B and GPipe, three stages, reshard_after_forward=False and
     # torchtitan's MixedPrecisionPolicy (bf16 parameters, fp32 reduction), and HSDP.

@@ -9,8 +9,10 @@ generation, `tracker` for how every storage is recorded and categorised, and `cl
 import os
 
 # Before torch is imported: its CPU kernels capped at AVX2, so that bitsandbytes registers the
-# generic kernels the engine models (Note [bitsandbytes' CPU kernels] in models.py).
+# generic kernels the engine models, and oneDNN's with them, so that bf16 SDPA takes the same path
+# (Note [bitsandbytes' CPU kernels] in models.py).
 os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 
 from .recipe import Recipe, RecipeError  # noqa: E402
 from .run import DeviceError, measure  # noqa: E402

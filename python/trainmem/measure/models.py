@@ -272,7 +272,13 @@ def _generic_bitsandbytes_cpu_kernels(model, recipe: Recipe) -> None:
     them: no repacking (per module), and torch's capability capped at AVX2 by
     ATEN_CPU_CAPABILITY=avx2, which trainmem.measure sets before torch is imported (torch reads
     it once; bitsandbytes registers its kernels when imported). (The dequantize_4bit fallback
-    for blocksizes of 2048 and more is not pinned; no recipe uses one.)"""
+    for blocksizes of 2048 and more is not pinned; no recipe uses one.)
+    That cap alone breaks bf16 SDPA on a CPU with AMX: torch's CPU flash attention asks oneDNN
+    whether to pack its bf16 blocks, oneDNN says yes, and the packing kernel only exists in the
+    AVX512 build ("pack_vnni2 is only supported when avx512 is supported"). So oneDNN is capped
+    too, ONEDNN_MAX_CPU_ISA=AVX2 (read when oneDNN first runs), and attention takes the unpacked
+    path of a CPU without AVX-512: cpu-pp2-llamaw512l4-bf16true-adamw-ga2-b1s64, measured on
+    such a CPU, re-measured to the byte on an AMX one with both caps."""
     for module in model.modules():
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
