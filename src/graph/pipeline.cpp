@@ -213,9 +213,6 @@ namespace trainmem::graph {
 // Not modelled (refused in recipe validation): whatever TP alone or TP x DP refuses (DDP or ZeRO
 // over a tensor-parallel model, FSDP2's non-default knobs and HSDP, precisions with autocast or
 // master copies, families other than Llama and Mistral).
-// bf16 is measured with eager attention: on an AVX-512 machine torch's CPU flash-attention kernel
-// for bf16 asks for VNNI packing, which fails under the AVX2 kernels trainmem.measure pins
-// (python/trainmem/measure/__init__.py).
 
 StageLayers pipeline_stage_layers(std::uint64_t num_layers, std::uint64_t stages, std::uint64_t stage) {
   const std::uint64_t base = num_layers / stages, extra = num_layers % stages;
