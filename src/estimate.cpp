@@ -52,7 +52,10 @@ Estimate run(const Model& model, const Recipe& resolved, const Gpu& gpu, const E
 //    parallelism] in graph/pipeline.cpp): every stage is replayed, the stage being the rank. Under
 //    PP x DP (rank = stage x gpus + dp rank) a stage's DDP replicas allocate the same (Note
 //    [Pipeline with DDP]), and so do its FSDP2 ranks, over the same padded shards (Note [Pipeline
-//    with FSDP2]): each stage's data-parallel rank 0 stands for its replicas.
+//    with FSDP2]): each stage's data-parallel rank 0 stands for its replicas. Under PP x TP a
+//    stage's tp ranks hold the same shards of the same layers and run the same sizes (Note
+//    [Pipeline with tensor parallelism]): as under TP alone they are not ranks of the estimate,
+//    and each stage is replayed once.
 // The worst rank is the one with the most reserved bytes at its peak (what must fit), then the most
 // allocated bytes, then the lowest rank.
 bool ranks_differ(const Recipe& r) {

@@ -128,7 +128,8 @@ struct RecipeFlags {
     opt("cp", "--cp", cp, "Context-parallel degree (torch context_parallel, ring attention; unmeasured); 1: none");
     opt("pp", "--pp", pp,
         "Pipeline-parallel degree (torch.distributed.pipelining, one stage per GPU; --grad-accum is the number of "
-        "micro-batches; with --gpus D --parallel ddp: D replicas of each stage, pp x D GPUs); 1: none");
+        "micro-batches; with --gpus D --parallel ddp: D replicas of each stage, pp x D GPUs; with --tp T: each stage "
+        "tensor-parallel over T GPUs); 1: none");
     opt("pp_schedule", "--pp-schedule", pp_schedule,
         "With --pp: 1f1b (Schedule1F1B) | gpipe (ScheduleGPipe) | interleaved-1f1b (ScheduleInterleaved1F1B) | "
         "looped-bfs (ScheduleLoopedBFS); the last two with --pp-stages-per-rank 2 or more");

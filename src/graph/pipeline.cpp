@@ -65,8 +65,9 @@ namespace trainmem::graph {
 //    stays fp32; the last stage's logits are bf16 (lm_head under autocast). torchtitan has no
 //    autocast with pipelining (it refuses mixed precision with PP unless FSDP does it):
 //    torchtitan/distributed/utils.py maybe_enable_amp.
-// Several stages per rank: Note [Interleaved pipeline schedules] below.
-// Not modelled (refused): pipeline with tensor parallelism or ZeRO, zero-bubble schedules
+// Several stages per rank: Note [Interleaved pipeline schedules] below; with tensor parallelism:
+// Note [Pipeline with tensor parallelism].
+// Not modelled (refused): pipeline with ZeRO, zero-bubble schedules
 // (split input / weight backwards), fp16-mixed (a GradScaler inside loss_fn), LoRA and
 // quantized bases, flash attention, tied embeddings, other families, inference. On CUDA the P2P
 // sends run on NCCL's streams (record_stream): unmeasured.
@@ -150,6 +151,70 @@ namespace trainmem::graph {
 // Measured on pp2 x dp2 (Llama, Qwen2, Qwen3), pp3 x dp2 and pp2 x (2 x 2) HSDP gloo ranks (data/ground_truth/parallel/
 // cpu-pp2fsdp2-*, cpu-pp3fsdp2-*, cpu-pp2hsdp4-*, every rank exact), with the settle wait of Note
 // [gloo's reduce-scatter temporary]. gpus 1 is refused (nothing to shard over; measured nowhere).
+
+// Note [Pipeline with tensor parallelism]
+// PP x TP (--pp P --tp T: P x T ranks, rank = stage x T + tp rank, a 2-D mesh (pp, tp) with tp
+// innermost, as torchtitan's ParallelDims orders it): each rank prunes the model to its stage, then
+// parallelizes what it keeps over the tp dimension exactly as the TP path parallelizes the whole
+// model (python/trainmem/measure/pipeline.py make_stage -> parallel.py tensor_parallelize: the
+// Megatron plan on each of its decoder layers, the embedding, norms and lm_head it keeps
+// replicated, with sequence_parallel the SequenceParallel / Shard(1) styles), and builds its
+// PipelineStage over the pp dimension's group, so each tp rank exchanges with the same tp rank of
+// the neighbouring stages. torchtitan does the same in that order: pipeline_llm
+// (torchtitan/distributed/pipeline_parallel.py) cuts the model parts and builds a PipelineStage per
+// part over pp_mesh's group, then applies parallelize_fn (apply_tp over the tp mesh,
+// torchtitan/models/llama3/infra/parallelize.py) to each part; it gives PipelineStage no
+// input_args, so its first step infers the metadata with a real micro-batch (not modelled: the
+// measured stages are static, Note [Pipeline parallelism]). What a rank holds, measured on
+// pp2 x tp2 and pp3 x tp2 gloo ranks (data/ground_truth/parallel/cpu-pp2tp2-*, cpu-pp2tp2sp-*,
+// cpu-pp2tp2lp-*, cpu-pp2tp2splp-*, cpu-pp3tp2-*), every rank exact:
+//  * its stage's parameters as the tensor-parallel local model (tensor_parallel_model: every
+//    colwise and rowwise projection of its layers 1/T, the embedding, the norms and lm_head whole,
+//    Replicate), and their gradients and optimizer states;
+//  * inside the stage, its layers as under TP alone (Notes [Tensor parallelism], [Sequence
+//    parallelism]), the first layer's input being the receive leaf instead of the embedding's output;
+//  * without sequence parallelism the residual stream is a plain, replicated tensor
+//    (RowwiseParallel's use_local_output=True), so what a stage sends and receives is the whole
+//    [b, s, h] micro-batch on every tp rank, and so are its receive buffers;
+//  * with sequence parallelism the stream is a Shard(1) DTensor, which torch 2.13's PipelineStage
+//    (torch/distributed/pipelining/stage.py) handles from DTensor metadata (the measured stage
+//    gives input/output args and grads as meta DTensors: static DTensor mode needs all four,
+//    _utils.py InferenceMode.needs_dynamic): get_fwd_send_ops and get_bwd_send_ops send
+//    to_local_if_dtensor of the output and of the input's gradient, the local [b, s / T, h] shard;
+//    the receive buffers are made from the metadata's local shape (_make_tensor_from_meta), and
+//    _retrieve_recv_activations wraps the buffer in DTensor.from_local, made the leaf that
+//    requires grad (so its gradient is a DTensor whose local tensor is what is sent back), as
+//    _retrieve_recv_grads wraps the gradient buffer. Buffers and sends are 1/T of the micro-batch.
+//    torchtitan's plan (sequence parallel whenever TP is on, rowwise outputs use_local_output=True)
+//    hands plain local [b, s / T, h] tensors between its stages: the same bytes. Stage 0 shards
+//    the embedding's output (PrepareModuleOutput) as TP's forward does; the last stage all-gathers
+//    lm_head's input (PrepareModuleInput), and the final norm's output shard is the stage
+//    module's local until it returns, before the schedule's loss_fn (in the HF model's forward it
+//    lives to the end of the loss).
+//  * with loss parallelism the last stage's lm_head is ColwiseParallel with Shard(-1) logits (Note
+//    [Loss parallel] in tensor_parallel.h): vocab / T rows of its weight, and its output, the
+//    stage's (a DTensor whose local [b, s, vocab / T] shard fwd_cache and the schedule's `output`
+//    hold), no stage receiving its gradient (the measured stage's output metadata is a Shard(-1)
+//    meta DTensor). The measured loop runs each schedule step inside loss_parallel(), as
+//    torchtitan does (torchtitan/train.py runs pp_schedule.step under its train context, which
+//    torchtitan/distributed/utils.py get_train_context makes enter loss_parallel()), so the
+//    schedule's loss_fn and the loss's backward run the vocab-parallel handlers, whose buffers are
+//    those of the TP path; the optimizer step is outside it.
+// PP x TP x DP (--gpus D --parallel fsdp, P x D x T ranks, a (pp, dp, tp) mesh, torchtitan's order of
+// the three): after the plan, each stage is sharded over the dp dimension as in Note [Pipeline with
+// FSDP2] (fully_shard on each of its decoder layers, then on the stage module; FSDP2's default
+// knobs, as TP x DP allows them), over the DTensor parameters the plan made: the units of TP x DP
+// (docs/parallelism.md "TP x DP"), driven by the PipelineStage as without TP (no reduction and no
+// reshard after backward during the schedule, every unit reduced at perform_reduce_grad), with
+// sequence parallelism's Partial norm gradients redistributed there (Note [Partial gradients under
+// FSDP2] in parallel.cpp). Measured on pp2 x dp2 x tp2 (cpu-pp2tp2fsdp2-*, cpu-pp2tp2spfsdp2-*,
+// cpu-pp2tp2splpfsdp2-*).
+// A stage's tp ranks draw the same batch and run the same ops on the same sizes, so each stage is
+// replayed once, as its rank (Note [The worst rank] in estimate.cpp: rank = stage x gpus + dp
+// rank, the tp ranks folded in as under TP alone); `trainmem compare` replays process p as p / T.
+// Not modelled (refused in recipe validation): whatever TP alone or TP x DP refuses (DDP or ZeRO
+// over a tensor-parallel model, FSDP2's non-default knobs and HSDP, precisions with autocast or
+// master copies, families other than Llama and Mistral).
 
 StageLayers pipeline_stage_layers(std::uint64_t num_layers, std::uint64_t stages, std::uint64_t stage) {
   const std::uint64_t base = num_layers / stages, extra = num_layers % stages;
@@ -338,13 +403,17 @@ void StepBuilder::pp_forward(std::uint64_t k, PipelineMicro& mb) {
     T ids = input_ids_;  // this micro-batch's rows: a view of the batch
     ids.numel = tok_;
     hs = embedding(global("embed_tokens.weight"), ids, tok_);
+    if (sp_ > 1) hs = pp_shard_embedding(hs);  // See Note [Pipeline with tensor parallelism]
   } else {
     op("pipeline.recv");
     // The receive buffer made a leaf that requires grad; fwd_cache keeps it as an input value.
-    mb.leaf = T{pp_recv_act_[pp_slot_ + k], tok_ * a_.hidden_size, pol_.param};
+    // Under sequence parallelism the buffer is this rank's shard, the leaf a DTensor around it
+    // (See Note [Pipeline with tensor parallelism]).
+    mb.leaf = T{pp_recv_act_[pp_slot_ + k], res_tok_ * a_.hidden_size, pol_.param};
     t_.retain(mb.leaf.id);
     requires_grad(mb.leaf);
     hs = t_.ref(mb.leaf);
+    dtensor_ = sp_ > 1;
   }
   // position_ids = arange(s).unsqueeze(0) (a view), then the stage's own causal mask (eager
   // attention: [b, 1, s, s] in the hidden states' dtype, as the step's; SDPA: none) and cos/sin.
@@ -369,14 +438,24 @@ void StepBuilder::pp_forward(std::uint64_t k, PipelineMicro& mb) {
   }
   layer_ = kNoLayer;
   if (last) {
-    T normed = rms_norm(hs, global("norm.weight"), tok_, "norm");
+    T normed = rms_norm(hs, global("norm.weight"), res_tok_, "norm");
     t_.drop(hs);
     op("lm_head");
-    mb.out = linear(normed, global("lm_head.weight"), kNone, a_.vocab_size);
+    if (r_.loss_parallel) {
+      mb.out = pp_vocab_parallel_head(normed);
+    } else {
+      // Sequence parallelism: PrepareModuleInput all-gathers lm_head's input; the norm's output
+      // shard is the stage module's local until it returns (See Note [Pipeline with tensor parallelism]).
+      T gathered = sp_ > 1 ? seq_all_gather(normed, /*partial_grad=*/false) : T{};
+      dtensor_ = false;
+      mb.out = linear(sp_ > 1 ? gathered : normed, global("lm_head.weight"), kNone, a_.vocab_size);
+      if (gathered.id != kNone) t_.drop(gathered);
+    }
     t_.drop(normed);
   } else {
     mb.out = hs;
   }
+  dtensor_ = false;
   t_.module_end();
   t_.drop(cos_);
   t_.drop(sin_);
@@ -384,6 +463,28 @@ void StepBuilder::pp_forward(std::uint64_t k, PipelineMicro& mb) {
   t_.drop(position_ids_);
   exit_autocast();  // bf16-mixed: the stage forward's own autocast context (Note [Pipeline parallelism])
   dp_.post_forward();  // FSDP2's root post-forward: the module has returned
+}
+
+// Stage 0 under sequence parallelism: PrepareModuleOutput's hook on the embedding makes its
+// output this rank's Shard(1) DTensor, as in the whole model's forward (See Note [Sequence
+// parallelism] in tensor_parallel.h); the full output dies.
+T StepBuilder::pp_shard_embedding(T& hs) {
+  T shard = seq_shard(hs);
+  t_.drop(hs);
+  dtensor_ = true;
+  return shard;
+}
+
+// The last stage's lm_head under loss parallelism: ColwiseParallel with Shard(-1) logits, the
+// vocab / tp columns of this rank, its input gathered from Shard(1) under sequence parallelism, as
+// in vocab_parallel_loss (See Notes [Loss parallel] in tensor_parallel.h and [Pipeline with tensor
+// parallelism]); the schedule's loss_fn then runs the vocab-parallel handlers on them.
+T StepBuilder::pp_vocab_parallel_head(const T& normed) {
+  in_lm_head_ = true;
+  dtensor_ = false;
+  T logits = colwise_linear(normed, global("lm_head.weight"), kNone, a_.vocab_size / r_.tp);
+  in_lm_head_ = false;
+  return logits;
 }
 
 // backward_one_chunk of micro-batch `k`: its graph put back and run from the loss (last stage) or
@@ -414,7 +515,9 @@ Trace StepBuilder::build_pipeline() {
   pp_stage_ = rank_;
   const bool first = rank_ == 0, last = rank_ == r_.pp - 1;
   const std::uint64_t M = r_.grad_accum;
-  const std::uint64_t act_bytes = tok_ * a_.hidden_size * dtype_bytes(pol_.param);
+  // What a stage sends: the hidden states of a micro-batch, under sequence parallelism this
+  // rank's shard of them (See Note [Pipeline with tensor parallelism]).
+  const std::uint64_t act_bytes = res_tok_ * a_.hidden_size * dtype_bytes(pol_.param);
   const bool gpipe = r_.pp_schedule == PipelineSchedule::kGPipe;
   const std::uint64_t warmup = std::min<std::uint64_t>(M, r_.pp - rank_);
   t_.at(Phase::kSetup, kNoLayer, "batch");
@@ -453,7 +556,7 @@ Trace StepBuilder::build_pipeline() {
           warm_send = t_.ref(mb.out);
         }
         ++forwards;
-        if (last) mb.loss = causal_lm_loss(mb.out);
+        if (last) mb.loss = causal_lm_loss(mb.out, /*vocab_parallel=*/r_.loss_parallel);
         mb.graph = t_.take_graph();
       } else {
         const TensorId sent = pp_backward(act.micro, mb);

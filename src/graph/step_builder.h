@@ -420,6 +420,8 @@ class StepBuilder {
   Trace build_pipeline_multi();
   void pp_warmup_vote_multi();
   std::uint64_t pp_num_stages() const;
+  T pp_shard_embedding(T& hs);  // PP x TP with sequence parallelism (pipeline.cpp)
+  T pp_vocab_parallel_head(const T& normed);  // PP x TP with loss parallelism (pipeline.cpp)
   std::uint32_t lm_head_param(std::uint32_t emb) const;
   ValueId standard_loss(T& normed, std::uint32_t emb);
   T causal_lm_loss(const T& logits, bool vocab_parallel = false);

@@ -182,11 +182,14 @@ void validate_pipeline_parallel(const Recipe& r) {
   const std::string pp = "pp: " + std::to_string(r.pp);
   // PP x DP: --gpus is the data-parallel degree (as under --tp), DDP or FSDP2 over each stage's
   // replicas (See Notes [Pipeline with DDP] and [Pipeline with FSDP2] in graph/pipeline.cpp).
-  if ((r.parallel != Parallel::kNone && r.parallel != Parallel::kDdp && r.parallel != Parallel::kFsdp) || r.tp != 1) {
-    throw Error(pp + " with parallel " + std::string(to_string(r.parallel)) + " / tp " + std::to_string(r.tp) +
-                ": pipeline parallelism combined with tensor parallelism or a data-parallel wrapper other than DDP "
-                "or FSDP2 is not modelled yet; use tp 1 and parallel none, ddp or fsdp");
+  if (r.parallel != Parallel::kNone && r.parallel != Parallel::kDdp && r.parallel != Parallel::kFsdp) {
+    throw Error(pp + " with parallel " + std::string(to_string(r.parallel)) +
+                ": pipeline parallelism combined with a data-parallel wrapper other than DDP or FSDP2 is not "
+                "modelled yet; use parallel none, ddp or fsdp");
   }
+  // PP x TP (See Note [Pipeline with tensor parallelism] in graph/pipeline.cpp): a (pp, tp) or,
+  // with FSDP2, (pp, dp, tp) mesh, with sequence and loss parallelism; validate_tensor_parallel has
+  // refused what TP alone and TP x DP do not model.
   if (r.parallel == Parallel::kFsdp && r.gpus < 2) {
     throw Error(pp + " with parallel fsdp and gpus 1: FSDP2 under a pipeline shards each stage over its gpus "
                      "data-parallel ranks and is modelled for 2 or more; use gpus 2 or more, or parallel none");
@@ -234,6 +237,11 @@ void validate_pipeline_stages(const Recipe& r) {
   if (multi && r.parallel != Parallel::kNone) {
     throw Error("pp_schedule " + schedule + " with parallel " + std::string(to_string(r.parallel)) +
                 " is not modelled yet (unmeasured: DDP or FSDP2 over several stages per rank); use parallel none");
+  }
+  if (multi && r.tp > 1) {
+    throw Error("pp_schedule " + schedule + " with tp " + std::to_string(r.tp) +
+                " is not modelled yet (unmeasured: tensor parallelism over several stages per rank); use tp 1, or "
+                "1f1b or gpipe");
   }
   if (r.pp_schedule == PipelineSchedule::kInterleaved1F1B) {
     // ScheduleInterleaved1F1B.__init__: number_of_rounds = max(1, n_microbatches // pp).

@@ -124,7 +124,7 @@ std::string recipe_words(const Recipe& r) {
             : r.pp_schedule == PipelineSchedule::kInterleaved1F1B ? "+int"
             : r.pp_schedule == PipelineSchedule::kLoopedBFS       ? "+bfs"
                                                                   : "") +
-           (r.parallel != Parallel::kNone ? "+" + dp : std::string());  // PP x DP: pp2+ddp
+           (r.parallel != Parallel::kNone || r.tp > 1 ? "+" + dp : std::string());  // PP x DP: pp2+ddp; PP x TP: pp2+tp2
     }
     if (r.cp > 1) dp = "cp" + std::to_string(r.cp);
     char col[32];
@@ -439,6 +439,16 @@ std::string to_text(const Estimate& e) {
         static_cast<unsigned long long>(r.pp_stages_per_rank), static_cast<unsigned long long>(r.pp),
         static_cast<unsigned long long>(r.grad_accum), static_cast<unsigned long long>(e.rank), stages.c_str(),
         rank_words(e).c_str());
+  } else if (r.pp > 1 && r.tp > 1) {  // PP x TP (x FSDP2): a stage's tp ranks hold the same (Note [Pipeline with tensor parallelism])
+    const std::string dp = r.parallel != Parallel::kNone ? " x data parallel " + std::string(to_string(r.parallel)) +
+                                                               " over " + std::to_string(r.gpus) + " replicas"
+                                                         : "";
+    add("pipeline parallel: %s over %llu stages%s x tensor parallel %llu (%llu GPUs), %llu micro-batches; the figures "
+        "below are one GPU's, rank %llu (stage %llu)%s\n",
+        std::string(to_string(r.pp_schedule)).c_str(), static_cast<unsigned long long>(r.pp), dp.c_str(),
+        static_cast<unsigned long long>(r.tp), static_cast<unsigned long long>(r.pp * r.gpus * r.tp),
+        static_cast<unsigned long long>(r.grad_accum), static_cast<unsigned long long>(e.rank),
+        static_cast<unsigned long long>(e.rank / r.gpus), rank_words(e).c_str());
   } else if (r.pp > 1 && r.parallel == Parallel::kNone) {
     add("pipeline parallel: %s over %llu stages (one per GPU), %llu micro-batches; the figures below are one GPU's, "
         "stage %llu%s\n",

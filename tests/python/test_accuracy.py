@@ -167,11 +167,29 @@ def test_pipeline_entries_exact(comparisons):
     assert any(r["pp_schedule"] == "looped-bfs" for r in multi) and any(r["pp"] > 2 for r in multi)
     assert {"bf16-mixed", "bf16-true"} <= {r["precision"] for r in multi}
     assert any(r["optimizer"] == "adamw" for r in multi)
+    # Issue 4: PP x TP, each stage tensor-parallel over a (pp, tp) mesh (Note [Pipeline with tensor
+    # parallelism]): 1F1B and GPipe, three stages, AdamW, bf16-true, checkpointing and sequence
+    # parallelism (Shard(1) DTensors between the stages).
+    pptp = [r for r in recipes if r.get("tp", 1) > 1]
+    assert len(pptp) >= 6 and any(r["pp"] > 2 for r in pptp) and any(r["pp_schedule"] == "gpipe" for r in pptp)
+    assert any(r["optimizer"] == "adamw" for r in pptp) and any(r["precision"] == "bf16-true" for r in pptp)
+    assert any(r["grad_accum"] >= 4 for r in pptp) and any(r["checkpointing"] == "full" for r in pptp)
+    assert any(r.get("sequence_parallel") for r in pptp)
+    # ... loss parallelism on the last stage (the schedule step inside loss_parallel()), one of them
+    # peaking inside the loss's backward on that stage.
+    assert any(r.get("loss_parallel") and r.get("sequence_parallel") for r in pptp)
+    assert any(c["recipe"].get("tp", 1) > 1 and c["recipe"].get("loss_parallel") and
+               any(r["rank"] // c["recipe"]["tp"] == c["recipe"]["pp"] - 1 for r in c["ranks"])
+               for _, c in pp)
+    # ... and PP x TP x FSDP2 over a (pp, dp, tp) mesh, with and without sequence parallelism.
+    pptpdp = [r for r in pptp if r.get("parallel") == "fsdp"]
+    assert len(pptpdp) >= 3 and any(r.get("sequence_parallel") for r in pptpdp)
     for name, c in pp:
         assert c["measured_peak_allocated_bytes"] == c["predicted_peak_allocated_bytes"], name
         for cat, v in c["categories"].items():
             assert v["measured"] == v["predicted"], (name, cat, v)
-        assert len(c["ranks"]) == c["recipe"]["pp"] * c["recipe"].get("gpus", 1), name  # PP x DP: every rank
+        # PP x DP and PP x TP: every process
+        assert len(c["ranks"]) == c["recipe"]["pp"] * c["recipe"].get("gpus", 1) * c["recipe"].get("tp", 1), name
         for r in c["ranks"]:
             assert r["measured_peak_allocated_bytes"] == r["predicted_peak_allocated_bytes"], (name, r["rank"])
             assert r["measured_breakdown_at_peak"] == r["predicted_breakdown_at_peak"], (name, r["rank"])

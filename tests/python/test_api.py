@@ -166,6 +166,21 @@ def test_pipeline_keywords(trainmem_bin):
     assert [r["rank"] for r in fsdp.ranks] == [0, 2] and fsdp.peak_allocated_bytes < dp.peak_allocated_bytes
     with pytest.raises(ValueError, match="with parallel fsdp and gpus 1"):
         trainmem.estimate("mistral-7b-v0.3", **kw, parallel="fsdp")
+    # PP x TP (Note [Pipeline with tensor parallelism]): the ranks are the stages; also under FSDP2.
+    tp = trainmem.estimate("mistral-7b-v0.3", **kw, tp=2, sequence_parallel=True)
+    cli = json.loads(subprocess.run([trainmem_bin, "estimate", "mistral-7b-v0.3", "--seq", "256", "--precision",
+                                     "bf16-true", "--optimizer", "sgd", "--grad-accum", "4", "--pp", "2", "--tp", "2",
+                                     "--sequence-parallel", "--json"], capture_output=True, text=True,
+                                    check=True).stdout)
+    assert tp.to_dict() == cli and tp.recipe["tp"] == 2 and [r["rank"] for r in tp.ranks] == [0, 1]
+    assert tp.peak_allocated_bytes < est.peak_allocated_bytes
+    tpdp = trainmem.estimate("mistral-7b-v0.3", **kw, tp=2, gpus=2, parallel="fsdp")
+    assert [r["rank"] for r in tpdp.ranks] == [0, 2]
+    # ... and with loss parallelism: the last stage holds vocab / tp rows of lm_head.
+    lp = trainmem.estimate("mistral-7b-v0.3", **kw, tp=2, sequence_parallel=True, loss_parallel=True, rank=1)
+    assert tp.ranks[1]["peak_allocated_bytes"] > lp.peak_allocated_bytes
+    with pytest.raises(ValueError, match="not modelled with tensor parallelism"):
+        trainmem.estimate("mistral-7b-v0.3", **kw, tp=2, gpus=4, parallel="fsdp", fsdp_replicate=2)
 
 
 def test_fsdp_variant_keywords(trainmem_bin):

@@ -184,6 +184,23 @@ def test_interleaved_pipeline_holds_every_stage_of_the_rank(run):
     assert "interleaved-1f1b over 4 stages (2 per GPU on 2 GPUs)" in text and "rank 1 (stages 1 and 3)" in text
 
 
+def test_pipeline_with_tensor_parallelism_replays_each_stage_once(run):
+    # --pp 2 --tp 2: four GPUs, a (pp, tp) mesh; a stage's tp ranks hold the same (Note [Pipeline
+    # with tensor parallelism]), so the ranks of the estimate are the stages. Each stage holds half
+    # of its layers' projections: 16 layers of Mistral-7B's q/k/v/o (4096 x (4096 + 1024 + 1024 +
+    # 4096)) and gate/up/down (3 x 4096 x 14336), bf16.
+    base = ["estimate", "mistral-7b-v0.3", "--seq", "1024", "--precision", "bf16-true", "--optimizer", "sgd",
+            "--grad-accum", "4", "--pp", "2"]
+    alone = json.loads(run(*base, "--rank", "0", "--json").stdout)
+    tp = json.loads(run(*base, "--tp", "2", "--json").stdout)
+    assert (tp["recipe"]["pp"], tp["recipe"]["tp"]) == (2, 2) and [r["rank"] for r in tp["ranks"]] == [0, 1]
+    stage0 = json.loads(run(*base, "--tp", "2", "--rank", "0", "--json").stdout)
+    layer = 4096 * (4096 + 1024 + 1024 + 4096) + 3 * 4096 * 14336
+    assert alone["breakdown_at_peak"]["weights"] - stage0["breakdown_at_peak"]["weights"] == 16 * layer * 2 // 2
+    text = run(*base, "--tp", "2").stdout
+    assert "1f1b over 2 stages x tensor parallel 2 (4 GPUs), 4 micro-batches" in text and "rank 0 (stage 0)" in text
+
+
 def test_pipeline_with_ddp_replays_each_stage_once(run):
     # --pp 2 --gpus 2 --parallel ddp: four GPUs, rank = stage x 2 + dp rank (Note [Pipeline with DDP]).
     # Each stage is replayed once (its dp rank 0), and it holds the Reducer's buckets besides its
@@ -263,13 +280,21 @@ def test_pipeline_with_ddp_replays_each_stage_once(run):
     (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--precision", "fp16-mixed"],
      "pp: 2 with precision fp16-mixed is not modelled"),
     (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--precision", "fp32", "--gpus", "2",
-      "--parallel", "zero2"], "pipeline parallelism combined with tensor parallelism or a data-parallel wrapper other "
-                              "than DDP or FSDP2 is not modelled yet; use tp 1 and parallel none, ddp or fsdp"),
+      "--parallel", "zero2"], "pp: 2 with parallel zero2: pipeline parallelism combined with a data-parallel wrapper "
+                              "other than DDP or FSDP2 is not modelled yet; use parallel none, ddp or fsdp"),
     (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--precision", "fp32", "--parallel", "fsdp"],
      "pp: 2 with parallel fsdp and gpus 1: FSDP2 under a pipeline shards each stage over its gpus data-parallel "
      "ranks and is modelled for 2 or more; use gpus 2 or more, or parallel none"),
-    (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--precision", "fp32", "--tp", "2"],
-     "pp: 2 with parallel none / tp 2"),
+    (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--precision", "fp32", "--tp", "2", "--gpus",
+      "2", "--parallel", "ddp"],
+     "tp: 2 with gpus 2 / parallel ddp: tensor parallelism combined with data parallelism is modelled under parallel "
+     "fsdp only"),
+    (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--precision", "fp32", "--tp", "2", "--gpus",
+      "4", "--parallel", "fsdp", "--fsdp-replicate", "2"],
+     "tp: 2 with gpus 4 / parallel fsdp: fsdp_reshard_after_forward / fsdp_replicate / fsdp_param_dtype / "
+     "fsdp_reduce_dtype are not modelled with tensor parallelism"),
+    (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--tp", "2"],
+     "tp: 2 with precision bf16-mixed is not modelled"),
     (["estimate", "mistral-7b-v0.3", "--pp-schedule", "gpipe"], "pp_schedule: a pipeline knob"),
     (["estimate", "mistral-7b-v0.3", "--pp", "2", "--pp-schedule", "zb"], "pp_schedule: unknown value 'zb'"),
     (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--pp-stages-per-rank", "2"],
@@ -282,6 +307,9 @@ def test_pipeline_with_ddp_replays_each_stage_once(run):
       "--pp-stages-per-rank", "32"], "pp: 2 x pp_stages_per_rank 32: the model has 32 decoder layers, fewer than the "
      "64 stages"),
     (["estimate", "mistral-7b-v0.3", "--pp-stages-per-rank", "2"], "pp_stages_per_rank: a pipeline knob"),
+    (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--pp-schedule", "interleaved-1f1b",
+      "--pp-stages-per-rank", "2", "--tp", "2", "--precision", "bf16-true"],
+     "pp_schedule interleaved-1f1b with tp 2 is not modelled yet"),
     (["estimate", "mistral-7b-v0.3", "--pp", "2", "--pp-stages-per-rank", "x"], "pp_stages_per_rank"),
     (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--precision", "fp32", "--rank", "2"],
      "rank: 2 is not one of the 2 ranks (0..1) of --pp 2"),

@@ -393,7 +393,11 @@ def test_zero3_world_size_2(tiny_gpt2):
     ({"pp": 0}, "pp must be an integer between 1 (no pipeline parallelism) and 64, got 0"),
     ({"pp": 2, "grad_accum": 2, "gpus": 2, "parallel": "zero2"}, "a data-parallel wrapper other than DDP or FSDP2"),
     ({"pp": 2, "grad_accum": 2, "gpus": 1, "parallel": "fsdp"}, "parallel='fsdp' and gpus=1 is not measured"),
-    ({"pp": 2, "grad_accum": 2, "tp": 2, "precision": "fp32"}, "combined with tensor parallelism"),
+    ({"pp": 2, "grad_accum": 2, "tp": 2, "gpus": 2, "parallel": "ddp", "precision": "fp32"},
+     "tensor parallelism combined with data parallelism is measured only as FSDP2"),
+    ({"pp": 2, "grad_accum": 2, "tp": 2, "gpus": 4, "parallel": "fsdp", "fsdp_replicate": 2, "precision": "fp32"},
+     "tp=2 with gpus=4 / parallel='fsdp' is not measured"),
+    ({"pp": 2, "grad_accum": 2, "tp": 2, "precision": "bf16-mixed"}, "tp=2 with precision='bf16-mixed'"),
     ({"pp": 2, "grad_accum": 1, "precision": "fp32"}, "needs grad_accum (the schedule's n_microbatches) >= pp"),
     ({"pp": 2, "grad_accum": 2, "precision": "fp16-mixed"}, "GradScaler inside the schedule's loss_fn"),
     ({"pp": 2, "grad_accum": 2, "precision": "fp32", "lora_rank": 8}, "LoRA or a quantized base"),
@@ -409,6 +413,8 @@ def test_zero3_world_size_2(tiny_gpt2):
       "parallel": "fsdp"}, "with parallel='fsdp' is not measured"),
     ({"pp": 2, "grad_accum": 2, "pp_schedule": "interleaved-1f1b", "pp_stages_per_rank": 2, "gpus": 2,
       "parallel": "ddp"}, "with parallel='ddp' is not measured"),
+    ({"pp": 2, "grad_accum": 2, "pp_schedule": "looped-bfs", "pp_stages_per_rank": 2, "tp": 2,
+      "precision": "fp32"}, "with tp=2 is not measured"),
     ({"pp_stages_per_rank": 2}, "pp_stages_per_rank is a pipeline knob"),
     ({"pp": 2, "pp_stages_per_rank": 0}, "pp_stages_per_rank must be an integer between 1 and 64, got 0"),
 ])
@@ -485,6 +491,34 @@ def test_pp_with_fsdp_world_size_4(tiny_llama):
         a = alone["diagnostics"]["parallel"]["ranks"][x["rank"] // 2]["breakdown_at_peak"]
         assert 0.45 * a["optimizer_states"] < x["breakdown_at_peak"]["optimizer_states"] < 0.55 * a["optimizer_states"]
     assert "--gpus 2 --parallel fsdp --pp 2" in out["command"]
+
+
+def test_pp_with_tp_and_fsdp_is_a_3d_mesh():
+    r = Recipe(batch=1, seq=8, grad_accum=2, precision="fp32", pp=2, tp=2, gpus=2, parallel="fsdp")
+    assert r.is_pp and r.is_tp and r.world_size == 8
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_pp_with_tp_world_size_4(tiny_llama, sequence_parallel):
+    """PP x TP: 2 stages x 2 tensor-parallel ranks (rank = stage x 2 + tp rank, a (pp, tp) mesh).
+    A stage's tp ranks run the same batch on the same shards; each stage's projections are halved;
+    what a stage receives is the whole micro-batch, or under sequence parallelism this rank's
+    Shard(1) of it (Note [Pipeline with tensor parallelism] in src/graph/pipeline.cpp)."""
+    base = dict(batch=1, seq=8, grad_accum=2, precision="fp32", optimizer="sgd", pp=2)
+    r = Recipe(**base, tp=2, sequence_parallel=sequence_parallel)
+    out = measure(str(tiny_llama), r)
+    info = out["diagnostics"]["parallel"]
+    assert info["world_size"] == 4 and len(info["ranks"]) == 4
+    alone = measure(str(tiny_llama), Recipe(**base))["diagnostics"]["parallel"]["ranks"]
+    ranks = info["ranks"]
+    layer = 64 * 64 + 64 * 32 * 2 + 64 * 64 + 3 * 64 * 128  # q, k, v, o, gate, up, down of one layer
+    for x in ranks:
+        stage = alone[x["rank"] // 2]["breakdown_at_peak"]
+        # One layer per stage, its projections halved; the embedding, norms and lm_head whole.
+        assert stage["weights"] - x["breakdown_at_peak"]["weights"] == 4 * layer // 2
+        # Two receive buffers (1 x 8 x 64 fp32 = 2 KiB, a shard of half that) and the ids or labels' 512 B block.
+        assert x["breakdown_at_peak"]["other"] == 2 * 2048 // (2 if sequence_parallel else 1) + 512
+    assert "--tp 2 --pp 2" in out["command"]
 
 
 def test_pp_split_gives_earlier_stages_the_remainder():

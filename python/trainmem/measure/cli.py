@@ -72,7 +72,8 @@ def _parser() -> _Parser:
     p.add_argument("--pp", type=int, default=defaults.pp, metavar="N",
                    help="pipeline-parallel degree: N processes on the CPU (gloo), torch.distributed.pipelining with "
                         "the decoder layers split evenly over N stages; --grad-accum is the schedule's "
-                        "n_microbatches; the worst stage reported (default %(default)s)")
+                        "n_microbatches; with --tp T: N x T processes on a (pp, tp) mesh, each stage tensor-parallel; "
+                        "the worst stage reported (default %(default)s)")
     p.add_argument("--pp-schedule", choices=("1f1b", "gpipe", "interleaved-1f1b", "looped-bfs"),
                    default=defaults.pp_schedule,
                    help="with --pp: Schedule1F1B or ScheduleGPipe (one stage per rank), ScheduleInterleaved1F1B or "

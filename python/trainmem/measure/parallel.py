@@ -251,12 +251,12 @@ def wrap_model(model: torch.nn.Module, recipe: Recipe, device: str) -> torch.nn.
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != recipe.world_size:
         raise RecipeError(f"world size {world} differs from gpus x tp x pp = {recipe.world_size}")
-    if recipe.is_tp and recipe.parallel == "fsdp":
-        return _tp_fsdp(model, recipe, device)
-    if recipe.is_pp:
+    if recipe.is_pp:  # also PP x TP (x FSDP2): the stage's own mesh (pipeline.py make_stage)
         from .pipeline import make_stage
 
         return make_stage(model, recipe, device)  # every stage runs rank 0's batch
+    if recipe.is_tp and recipe.parallel == "fsdp":
+        return _tp_fsdp(model, recipe, device)
     if recipe.is_tp:
         tensor_parallelize(model, recipe, device)
         return model  # every rank of the tensor-parallel group runs rank 0's batch
@@ -356,15 +356,17 @@ def tensor_parallelize(model: torch.nn.Module, recipe: Recipe, device: str, mesh
                               f"projections ({', '.join(extra)}), which the Megatron plan here does not split")
     if mesh is None:
         mesh = init_device_mesh(torch.device(device).type, (tp,))
-    if recipe.loss_parallel:
+    # A pipeline stage other than the last has no lm_head (pipeline.py make_stage prunes it).
+    loss_parallel = recipe.loss_parallel and model.get_output_embeddings() is not None
+    if loss_parallel:
         _check_loss_parallel(model, tp)
     if recipe.sequence_parallel:
-        _sequence_parallelize(model, layers, mesh, recipe.loss_parallel)
+        _sequence_parallelize(model, layers, mesh, loss_parallel)
         return
     plan = {**{n: ColwiseParallel() for n in TP_COLWISE}, **{n: RowwiseParallel() for n in TP_ROWWISE}}
     for layer in layers:
         parallelize_module(layer, mesh, plan)
-    if recipe.loss_parallel:
+    if loss_parallel:
         _vocab_parallelize_head(model, mesh, sequence_parallel=False)
     _replicate_the_rest(model, mesh)
 
@@ -430,13 +432,17 @@ def _sequence_parallelize(model: torch.nn.Module, layers, mesh, loss_parallel: b
             raise RecipeError(f"sequence_parallel: {type(layer).__name__} has no {', '.join(missing)}")
         parallelize_module(layer, mesh, plan)
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    parallelize_module(base.norm, mesh, SequenceParallel())
+    # A pipeline stage (pipeline.py make_stage) has pruned the embedding, the final norm and
+    # lm_head it does not hold (None): only those it keeps are parallelized.
+    if base.norm is not None:
+        parallelize_module(base.norm, mesh, SequenceParallel())
     if loss_parallel:
         _vocab_parallelize_head(model, mesh, sequence_parallel=True)
     _replicate_the_rest(model, mesh)
-    parallelize_module(base.embed_tokens, mesh, PrepareModuleOutput(
-        output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False))
-    if not loss_parallel:
+    if base.embed_tokens is not None:
+        parallelize_module(base.embed_tokens, mesh, PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False))
+    if not loss_parallel and model.get_output_embeddings() is not None:
         parallelize_module(model.get_output_embeddings(), mesh, PrepareModuleInput(
             input_layouts=Shard(1), desired_input_layouts=Replicate()))
 

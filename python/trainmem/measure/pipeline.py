@@ -8,7 +8,12 @@ no_sync but for the step's last backward: docs/parallelism.md "PP x DP with DDP"
 sharded by FSDP2 over the dp dimension of the mesh (`_fully_shard`: every decoder layer of the
 stage, then the stage module; the PipelineStage turns gradient sync and the reshard
 after backward off for every backward and runs the reductions once after the last one:
-docs/parallelism.md "PP x DP with FSDP2"). Every rank
+docs/parallelism.md "PP x DP with FSDP2"). With `tp` T > 1 (PP x TP) it starts N x T on a (pp, tp)
+mesh, tp innermost as torchtitan's (rank r is stage r // T), and parallelizes each pruned stage
+over the tp dimension with the TP path's own plan (parallel.py tensor_parallelize; under
+sequence parallelism the stage's metadata is Shard(1) meta DTensors, `_shard_meta`); with fsdp
+too (PP x TP x FSDP2) N x D x T on a (pp, dp, tp) mesh, the plan then FSDP2 over dp
+(docs/parallelism.md "PP x TP"). Every rank
 builds the whole model with the same seed (the same weights), keeps its own stage and drops the
 rest before tracking (`make_stage`), and runs the schedule under its own tracker (`run_steps`).
 
@@ -160,8 +165,18 @@ def make_stage(model: torch.nn.Module, recipe: Recipe, device: str):
     if recipe.pp_stages_per_rank > 1:
         return make_virtual_stages(model, recipe, device)
     stages = recipe.pp
-    rank, group, dp_group = dist.get_rank(), None, None
-    if recipe.gpus > 1:  # PP x DP: a 2-D mesh (pp, dp), as torchtitan's (pp outermost)
+    rank, group, dp_group, tp_mesh = dist.get_rank(), None, None, None
+    if recipe.tp > 1:  # PP x TP: a 2-D mesh (pp, tp), tp innermost as torchtitan's
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if recipe.gpus > 1:  # PP x TP x FSDP2: (pp, dp, tp), torchtitan's order of the three
+            mesh = init_device_mesh(torch.device(device).type, (stages, recipe.gpus, recipe.tp),
+                                    mesh_dim_names=("pp", "dp", "tp"))
+            dp_mesh = mesh["dp"]
+        else:
+            mesh = init_device_mesh(torch.device(device).type, (stages, recipe.tp), mesh_dim_names=("pp", "tp"))
+        rank, group, tp_mesh = mesh["pp"].get_local_rank(), mesh.get_group("pp"), mesh["tp"]
+    elif recipe.gpus > 1:  # PP x DP: a 2-D mesh (pp, dp), as torchtitan's (pp outermost)
         from torch.distributed.device_mesh import init_device_mesh
 
         if recipe.parallel == "fsdp" and recipe.fsdp_replicate > 1:  # HSDP: (pp, replicate, shard)
@@ -184,6 +199,13 @@ def make_stage(model: torch.nn.Module, recipe: Recipe, device: str):
     if rank != stages - 1:
         base.norm = None
         model.lm_head = None
+    if tp_mesh is not None:
+        # The pruned stage parallelized as the TP path parallelizes the whole model (the Megatron plan
+        # on each decoder layer it keeps, the rest replicated): torchtitan's pipeline_llm applies its
+        # parallelize_fn to each model part the same way (torchtitan/distributed/pipeline_parallel.py).
+        from .parallel import tensor_parallelize
+
+        tensor_parallelize(model, recipe, device, mesh=tp_mesh)
     module = _StageModule(model, rank, stages, cuts[rank], stage_autocast(recipe, device))
     if recipe.gpus > 1 and recipe.parallel == "fsdp":
         module = _fully_shard(module, recipe, dp_mesh, [base.layers[i] for i in cuts[rank]])
@@ -208,9 +230,28 @@ def make_stage(model: torch.nn.Module, recipe: Recipe, device: str):
     ids = torch.empty(recipe.batch, recipe.seq, dtype=torch.int64, device=meta)
     logits = torch.empty(recipe.batch, recipe.seq, cfg.vocab_size, dtype=logits_dtype, device=meta,
                          requires_grad=True)
+    grads = {}
+    if tp_mesh is not None and (recipe.sequence_parallel or recipe.loss_parallel):
+        # PP x TP with sequence parallelism: the residual stream a stage sends and receives is a
+        # Shard(1) DTensor (parallel.py _sequence_parallelize). The metadata says so, with the
+        # gradients' (Shard(1) too), as static DTensor mode needs (torch 2.13 stage.py:
+        # InferenceMode.needs_dynamic): each rank sends and receives its local [b, s / tp, h] shard
+        # (get_fwd_send_ops' to_local_if_dtensor) and the receiver rebuilds the DTensor around its
+        # buffer (_retrieve_recv_activations: DTensor.from_local, the leaf that requires grad).
+        # With loss parallelism the last stage's output is the Shard(-1) DTensor of the logits
+        # (parallel.py _vocab_parallelize_head), whose gradient no stage receives.
+        if recipe.sequence_parallel:
+            hidden, hidden_grad = (_shard_meta(recipe, cfg.hidden_size, dtype, tp_mesh, 1) for _ in range(2))
+            hidden.requires_grad_(True)
+        else:
+            hidden_grad = torch.empty(recipe.batch, recipe.seq, cfg.hidden_size, dtype=dtype, device=meta)
+        if recipe.loss_parallel:
+            logits = _shard_meta(recipe, cfg.vocab_size, logits_dtype, tp_mesh, 2).requires_grad_(True)
+        grads = {"input_grads": (None,) if rank == 0 else (hidden_grad,),
+                 "output_grads": (None,) if rank == stages - 1 else (hidden_grad,)}
     stage = PipelineStage(module, rank, stages, torch.device(device),
                           input_args=(ids if rank == 0 else hidden,),
-                          output_args=(logits if rank == stages - 1 else hidden,), group=group)
+                          output_args=(logits if rank == stages - 1 else hidden,), group=group, **grads)
     return stage
 
 
@@ -277,6 +318,18 @@ def make_virtual_stages(model: torch.nn.Module, recipe: Recipe, device: str) -> 
     return out
 
 
+def _shard_meta(recipe: Recipe, width: int, dtype, tp_mesh, dim: int):
+    """A meta DTensor of one micro-batch's [b, s, width], Shard(dim) over the tp mesh."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    tp = tp_mesh.size()
+    shape = [recipe.batch, recipe.seq, width]
+    local = list(shape)
+    local[dim] //= tp
+    return DTensor.from_local(torch.empty(local, dtype=dtype, device="meta"), tp_mesh, [Shard(dim)],
+                              run_check=False, shape=tuple(shape), stride=(recipe.seq * width, width, 1))
+
+
 def _data_parallel(module: torch.nn.Module, recipe: Recipe, dp_group) -> torch.nn.Module:
     """PP x DP: the stage module wrapped by DDP over its data-parallel group (PyTorch's defaults,
     as parallel.wrap_model), and this replica's own batch (`_reseed_replica`)."""
@@ -324,7 +377,7 @@ def _reseed_replica(recipe: Recipe) -> None:
 
     from .run import SEED
 
-    dp_rank = dist.get_rank() % recipe.gpus
+    dp_rank = dist.get_rank() // recipe.tp % recipe.gpus  # PP x TP x FSDP2: rank = (stage x gpus + d) x tp + t
     if dp_rank > 0:
         torch.manual_seed(SEED + dp_rank)
 
@@ -334,7 +387,7 @@ def run_steps(model, stage, recipe: Recipe, tracker, *, device: str, steps: int 
     from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                               ScheduleLoopedBFS)
 
-    from .training import grads_to_masters, make_masters, masters_to_params
+    from .training import _loss_context, grads_to_masters, make_masters, masters_to_params
 
     hf = model
     vocab = hf.config.vocab_size
@@ -405,12 +458,15 @@ def run_steps(model, stage, recipe: Recipe, tracker, *, device: str, steps: int 
     for step in range(1, steps + 1):
         current["step"] = step
         tracker.set_phase("forward", step, 1)
-        if first:
-            schedule.step(input_ids, return_outputs=False)
-        elif last:
-            schedule.step(target=labels, return_outputs=False)
-        else:
-            schedule.step(return_outputs=False)
+        # loss_parallel (PP x TP): the schedule step inside loss_parallel(), as torchtitan's train
+        # context wraps its pp_schedule.step (the optimizer outside it).
+        with _loss_context(recipe, tracker):
+            if first:
+                schedule.step(input_ids, return_outputs=False)
+            elif last:
+                schedule.step(target=labels, return_outputs=False)
+            else:
+                schedule.step(return_outputs=False)
         tracker.collect_garbage()
         tracker.mark_gradients(params)
         tracker.set_phase("optimizer", step, recipe.grad_accum)

@@ -267,10 +267,13 @@ class Recipe:
 
     def _check_pp(self) -> None:
         """What the measuring side can run under pipeline parallelism (docs/parallelism.md)."""
-        if self.tp != 1 or self.parallel not in ("none", "ddp", "fsdp"):
-            raise RecipeError(f"pp={self.pp} with parallel={self.parallel!r} / tp={self.tp} is not measured: pipeline "
-                              "parallelism combined with tensor parallelism or a data-parallel wrapper other than "
-                              "DDP or FSDP2 is not modelled yet; use tp 1 and parallel none, ddp or fsdp")
+        if self.parallel not in ("none", "ddp", "fsdp"):
+            raise RecipeError(f"pp={self.pp} with parallel={self.parallel!r} is not measured: pipeline parallelism "
+                              "combined with a data-parallel wrapper other than DDP or FSDP2 is not modelled yet; "
+                              "use parallel none, ddp or fsdp")
+        # PP x TP: a (pp, tp) mesh, the TP path's plan on each stage (pipeline.py make_stage), with
+        # sequence and loss parallelism; with data parallelism FSDP2 over a (pp, dp, tp) mesh, the
+        # only TP x DP _check_tp allows.
         if self.parallel == "fsdp" and self.gpus < 2:
             raise RecipeError(f"pp={self.pp} with parallel='fsdp' and gpus=1 is not measured: FSDP2 shards each stage "
                               "over its data-parallel ranks; use gpus 2 or more, or parallel none")
@@ -307,6 +310,9 @@ class Recipe:
             raise RecipeError(f"pp_schedule {self.pp_schedule} with parallel={self.parallel!r} is not measured (DDP "
                               "or FSDP2 over several stages per rank, and the schedule's UNSHARD / RESHARD actions, "
                               "are unexplored); use parallel none")
+        if multi and self.tp > 1:
+            raise RecipeError(f"pp_schedule {self.pp_schedule} with tp={self.tp} is not measured (tensor parallelism "
+                              "over several stages per rank); use tp 1, or 1f1b or gpipe")
         if self.pp_schedule == "interleaved-1f1b":
             rounds = max(1, m // self.pp)
             if m % rounds != 0:
