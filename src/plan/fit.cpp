@@ -380,9 +380,10 @@ std::uint64_t rank_floor(const Model& m, const Recipe& r) {
   return plan::persistent_floor(local, r);
 }
 
-// `r` as a pipeline of `stages` stages, one per GPU, in `replicas` copies data-parallel under
-// `wrapper` (DDP or FSDP2) when more than one (PP x DP, Notes [Pipeline with DDP] and [Pipeline
-// with FSDP2] in graph/pipeline.cpp): every replica's stages run its share of the global batch in
+// `r` as a pipeline of `stages` stages, one per GPU (or per tensor-parallel group of r.tp: PP x TP,
+// Note [Pipeline with tensor parallelism] in graph/pipeline.cpp), in `replicas` copies
+// data-parallel under `wrapper` (DDP or FSDP2) when more than one (PP x DP, Notes [Pipeline with
+// DDP] and [Pipeline with FSDP2]): every replica's stages run its share of the global batch in
 // micro-batches of r.batch, with the schedule Note [Pipeline schedule in the planner] picks. The
 // caller checks that replicas x r.batch divides the global batch. FSDP2 keeps its default knobs.
 Recipe as_pipeline(Recipe r, std::uint64_t stages, std::uint64_t global_batch, std::uint64_t replicas = 1,
@@ -391,7 +392,6 @@ Recipe as_pipeline(Recipe r, std::uint64_t stages, std::uint64_t global_batch, s
   r.parallel = replicas > 1 ? wrapper : Parallel::kNone;
   r.fsdp = Fsdp{};
   r.offload = Offload::kNone;
-  r.tp = 1;
   r.pp = stages;
   r.grad_accum = global_batch / replicas / r.batch;
   r.pp_schedule = r.grad_accum >= r.pp ? PipelineSchedule::k1F1B : PipelineSchedule::kGPipe;
@@ -727,17 +727,19 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
     if (q.gpus % t == 0 && tp_modelled(model, t)) tp_degrees.push_back(t);
   }
   // Pipeline degrees: every divisor P > 1 of the GPUs the model has layers for, P = --gpus one
-  // pipeline over all of them, P below it --gpus / P replicas of it under DDP (PP x DP).
+  // pipeline over all of them, P below it --gpus / P replicas of it under DDP or FSDP2 (PP x DP),
+  // or of a pipeline of tensor-parallel groups (PP x TP: P x T dividing them).
   std::vector<std::uint64_t> pp_degrees;
   for (std::uint64_t p = 2; p <= q.gpus; ++p) {
     if (q.gpus % p == 0 && p <= model.arch.num_layers) pp_degrees.push_back(p);
   }
-  // `r` as a pipeline of `stages` stages in --gpus / stages replicas under `wrapper`, where its
-  // micro-batch splits every replica's share of the global batch within kMaxAccum and the engine
-  // models it.
+  // `r` as a pipeline of `stages` stages (each over r.tp GPUs) in --gpus / (stages x r.tp)
+  // replicas under `wrapper`, where its micro-batch splits every replica's share of the global
+  // batch within kMaxAccum and the engine models it.
   auto pipeline_of = [&](const Recipe& r, std::uint64_t stages,
                          Parallel wrapper = Parallel::kDdp) -> std::optional<Recipe> {
-    const std::uint64_t replicas = q.gpus / stages;
+    if (q.gpus % (stages * r.tp) != 0) return std::nullopt;
+    const std::uint64_t replicas = q.gpus / stages / r.tp;
     if (out.global_batch % (replicas * r.batch) != 0 || out.global_batch / replicas / r.batch > kMaxAccum) {
       return std::nullopt;
     }
@@ -793,6 +795,7 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
       // data-parallel ones: those go last, and make pipeline recipes only.
       const std::size_t dp_batches = tp_batches.size();
       const bool pipelines = tp == 1 && q.gpus > 1 && !fixed(q, "parallel");
+      const bool tp_pipelines = tp > 1 && q.gpus >= 2 * tp && !fixed(q, "parallel");
       if (pipelines) {
         for (std::uint64_t b : batches_for(out.global_batch)) {
           if (std::find(tp_batches.begin(), tp_batches.end(), b) == tp_batches.end()) tp_batches.push_back(b);
@@ -849,12 +852,17 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
                     // share of the global batch.
                     // Pipelines over fewer GPUs are replicated under DDP or FSDP2 (Note [Pipeline
                     // with FSDP2]: the stages' states sharded, their gradients whole).
-                    if (pipelines && dp == parallels.front()) {
+                    // A tensor-parallel group is a pipeline stage too (PP x TP, Note [Pipeline with
+                    // tensor parallelism]), with FSDP2 replicas only (DDP over a tensor-parallel
+                    // model is not modelled), on the group's local model.
+                    if ((pipelines && dp == parallels.front()) || (tp_pipelines && dp == tp_parallels.front())) {
                       for (std::uint64_t stages : pp_degrees) {
+                        const std::uint64_t replicas = q.gpus / stages / tp;
                         for (Parallel wrapper : {Parallel::kDdp, Parallel::kFsdp}) {
-                          if (wrapper == Parallel::kFsdp && stages == q.gpus) continue;  // no replicas to shard over
+                          if (wrapper == Parallel::kFsdp && replicas <= 1) continue;  // no replicas to shard over
+                          if (wrapper == Parallel::kDdp && tp > 1 && replicas > 1) continue;
                           if (const auto pr = pipeline_of(r, stages, wrapper)) {
-                            const std::uint64_t pfloor = plan::persistent_floor(model, *pr);
+                            const std::uint64_t pfloor = rank_floor(model, *pr);
                             out_space.push_back({*pr, step_time(model, *pr), pfloor, pfloor});
                           }
                         }
@@ -1083,6 +1091,22 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
         change(replicas > 1 ? what + " x " + std::string(to_string(wrapper)) + " " + std::to_string(replicas)
                             : what + " (no data parallelism)",
                *r);
+      }
+    }
+    // PP x TP: stages of tensor-parallel groups, FSDP2 over the replicas of the pipeline if any
+    // (a mixed precision moves to its -true twin, as under tensor parallelism alone).
+    for (std::uint64_t t : tp_degrees) {
+      for (std::uint64_t stages : pp_degrees) {
+        if (q.gpus % (stages * t) != 0) continue;
+        const std::uint64_t replicas = q.gpus / stages / t;
+        bool moved = false;
+        const Recipe tr = as_tensor_parallel(base, t, q.gpus / t, out.global_batch, &moved);
+        const auto r = pipeline_of(tr, stages, Parallel::kFsdp);
+        if (!r) continue;
+        std::string what = "pp " + std::to_string(stages) + " " + std::string(to_string(r->pp_schedule)) + " x tp " +
+                           std::to_string(t) + (replicas > 1 ? " x fsdp " + std::to_string(replicas) : "");
+        if (moved) what += ", precision " + std::string(to_string(r->precision));
+        change(what, *r);
       }
     }
   }

@@ -255,6 +255,7 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
     }
     t.comm_s = moved / (gpu.interconnect_gbps * 1e9);
   }
+  double tp_comm_s = 0;  // on the critical path of every micro-batch: scaled with the compute under a pipeline
   if (recipe.tp > 1 && gpu.interconnect_gbps > 0) {
     const double n = static_cast<double>(recipe.tp);
     const double ring = (n - 1) / n;
@@ -272,7 +273,7 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
       // and loss_parallel's three all-reduces of one fp32 value per token (max, sum-exp, target).
       per_micro_extra += (recipe.sequence_parallel ? 1 : 2) * ring * activation + 3 * 2 * ring * tokens * 4;
     }
-    t.comm_s += (per_layer * L + per_micro_extra) * micro / (gpu.interconnect_gbps * 1e9);
+    tp_comm_s = (per_layer * L + per_micro_extra) * micro / (gpu.interconnect_gbps * 1e9);
   }
   if (offload || offload_params) {
     const double np = c.trainable_elements / static_cast<double>(recipe.gpus);
@@ -309,11 +310,16 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
     t.memory_s = ((t.memory_s - opt_s) / n) * slots + opt_s / n;
     t.overhead_s = t.overhead_s / n * slots;
     t.flops /= n;
+    // PP x TP (Note [Pipeline with tensor parallelism] in graph/pipeline.cpp): a stage's
+    // collectives are those of its 1/N of the layers, in every slot like its compute; under
+    // sequence parallelism the stages exchange this rank's Shard(1), 1/T of the activation.
+    tp_comm_s = tp_comm_s / n * slots;
     if (gpu.interconnect_gbps > 0) {
-      const double p2p = 2 * tokens * h * act;  // an activation and its gradient, one micro-batch
+      const double p2p = 2 * tokens * residual_h * act;  // an activation and its gradient, one micro-batch
       t.comm_s += (v * micro + n - 1) * p2p / (gpu.interconnect_gbps * 1e9);
     }
   }
+  t.comm_s += tp_comm_s;
   t.seconds = t.compute_s + t.memory_s + t.overhead_s + t.comm_s + t.host_s;
   return t;
 }

@@ -10,6 +10,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "graph/tensor_parallel.h"
 #include "model/model.h"
 #include "plan/plan.h"
 #include "report/report.h"
@@ -136,6 +137,35 @@ TEST(Fit, APipelinesFloorIsNeverAboveItsWorstStage) {
     }
   }
   EXPECT_GE(fsdp, 40u);  // PP x FSDP2 is among them, in every precision
+  // PP x TP (x FSDP2): the floor of the local model, as rank_floor takes it, is below the worst stage.
+  const Model m = model::with_layers(load_model("llama-3.1-8b"), 6);
+  std::uint64_t tp = 0;
+  for (std::uint64_t pp : {2, 3}) {
+    for (std::uint64_t replicas : {1, 2}) {
+      for (Precision p : {Precision::kFp32, Precision::kBf16True}) {
+        for (bool sp : {false, true}) {
+          Recipe r = base_recipe("h100-80gb", 64);
+          r.pp = pp;
+          r.grad_accum = pp;
+          r.tp = 2;
+          r.sequence_parallel = sp;
+          r.gpus = replicas;
+          r.parallel = replicas > 1 ? Parallel::kFsdp : Parallel::kNone;
+          r.precision = p;
+          r.validate();
+          Model local = graph::tensor_parallel_model(m, 2);
+          local.parameter_count = 0;
+          for (const ParameterGroup& g : local.parameters) local.parameter_count += g.numel * g.count;
+          const std::uint64_t floor = plan::persistent_floor(local, r);
+          const Estimate e = estimate(m, r);
+          EXPECT_LE(floor, e.peak_allocated_bytes) << pp << " x tp 2 x " << replicas << " " << to_string(p);
+          EXPECT_GT(floor, e.peak_allocated_bytes / 4) << pp << " x tp 2 x " << replicas << " " << to_string(p);
+          ++tp;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(tp, 16u);
 }
 
 // The loss floor (Note [The loss floor] in plan/fit.cpp) is a lower bound too: over micro-batches,
@@ -261,16 +291,18 @@ TEST(Fit, ThreadedSearchGivesTheReferenceAnswersOnSeveralGpus) {
     const char* gpu;
     std::uint64_t seq, global_batch, gpus;
     bool bf16_master = false;  // held: ZeRO-1/2 plans, whose ranks are replayed apart
+    std::uint64_t top = 10;
   };
   const Case cases[] = {
       {"llama-3.1-8b", 4, "rtx-4090", 2048, 16, 4},
       {"llama-3.1-8b", 8, "a100-40gb", 2048, 16, 8},
       {"llama-3.1-8b", 8, "t4-16gb", 4096, 4, 2},
       {"qwen3-0.6b", 0, "rtx-4090", 512, 16, 4, true},
-      {"llama-3.1-8b", 8, "rtx-4090", 2048, 16, 4},  // PP x FSDP2 among the plans
+      {"llama-3.1-8b", 8, "rtx-4090", 2048, 16, 4, false, 20},  // PP x FSDP2 and PP x TP among the plans
   };
   std::uint64_t pipeline_plans = 0, pipeline_changes = 0, nothing_fits = 0, zero_plans = 0;
   std::uint64_t fsdp_pipeline_plans = 0, fsdp_pipeline_changes = 0;  // PP x FSDP2
+  std::uint64_t tp_pipeline_plans = 0, tp_pipeline_changes = 0;      // PP x TP
   for (const Case& c : cases) {
     const Model full = load_model(c.model);
     const Model m = c.layers ? model::with_layers(full, c.layers) : full;
@@ -283,15 +315,18 @@ TEST(Fit, ThreadedSearchGivesTheReferenceAnswersOnSeveralGpus) {
     }
     q.global_batch = c.global_batch;
     q.gpus = c.gpus;
+    q.top = c.top;
     const FitResult now = expect_reference_answers(c.model, m, q, c.seq, c.gpu);
     for (const Plan& p : now.plans) {
       pipeline_plans += p.recipe.pp > 1;
       fsdp_pipeline_plans += p.recipe.pp > 1 && p.recipe.parallel == Parallel::kFsdp;
+      tp_pipeline_plans += p.recipe.pp > 1 && p.recipe.tp > 1;
       zero_plans += p.recipe.parallel == Parallel::kZero1 || p.recipe.parallel == Parallel::kZero2;
     }
     for (const Change& x : now.changes) {
       pipeline_changes += x.plan.recipe.pp > 1;
       fsdp_pipeline_changes += x.plan.recipe.pp > 1 && x.plan.recipe.parallel == Parallel::kFsdp;
+      tp_pipeline_changes += x.plan.recipe.pp > 1 && x.plan.recipe.tp > 1;
     }
     nothing_fits += now.plans.empty();
   }
@@ -299,6 +334,8 @@ TEST(Fit, ThreadedSearchGivesTheReferenceAnswersOnSeveralGpus) {
   EXPECT_GE(pipeline_changes, 4u);
   EXPECT_GE(fsdp_pipeline_plans, 1u);
   EXPECT_GE(fsdp_pipeline_changes, 3u);
+  EXPECT_GE(tp_pipeline_plans, 1u);
+  EXPECT_GE(tp_pipeline_changes, 2u);
   EXPECT_GE(zero_plans, 1u);
   EXPECT_GE(nothing_fits, 1u);
 }
@@ -574,6 +611,26 @@ TEST(StepTime, PipelineReplicasMoveTheirStagesShare) {
   }
 }
 
+// PP x TP: a stage's tensor-parallel collectives are its 1/N of the layers' in every one of the
+// M + N - 1 slots, as its compute is; under sequence parallelism the stages send 1/T activations.
+TEST(StepTime, PipelineStagesOfTensorParallelGroups) {
+  const Model m = load_model("llama-3.1-8b");
+  Recipe r = base_recipe("h100-80gb", 4096);
+  r.precision = Precision::kBf16True;
+  r.tp = 4;
+  r.grad_accum = 8;
+  const double tp_alone = step_time(m, r).comm_s;
+  r.pp = 2;
+  const StepTime both = step_time(m, r);
+  const double link = find_gpu("h100-80gb").interconnect_gbps * 1e9, act = 4096.0 * 4096 * 2;
+  const double p2p = (8 + 2 - 1) * 2 * act / link;
+  EXPECT_NEAR(both.comm_s, tp_alone / 2 * (8 + 1) / 8 + p2p, 1e-12);
+  r.sequence_parallel = true;
+  Recipe alone = r;
+  alone.pp = 1;
+  EXPECT_NEAR(step_time(m, r).comm_s, step_time(m, alone).comm_s / 2 * (8 + 1) / 8 + p2p / 4, 1e-12);
+}
+
 TEST(StepTime, TensorParallelCollectivesPerLayer) {
   const Model m = load_model("llama-3.1-8b");
   Recipe r = base_recipe("h100-80gb", 4096);
@@ -613,8 +670,18 @@ TEST(Fit, SeveralGpusSearchTensorParallelism) {
   q.top = 1000;
   const FitResult f = fit(m, q);
   std::set<std::pair<std::uint64_t, bool>> seen;
+  std::uint64_t pp_tp = 0;
   for (const Plan& p : f.plans) {
     if (p.recipe.tp == 1) continue;
+    if (p.recipe.pp > 1) {
+      // PP x TP (Note [Pipeline with tensor parallelism]): two stages of tensor-parallel groups of
+      // 2, one pipeline running the whole global batch; its figures are the worst stage's.
+      EXPECT_EQ(p.recipe.pp * p.recipe.tp, 4u);
+      EXPECT_EQ(p.recipe.gpus, 1u);
+      EXPECT_EQ(p.recipe.batch * p.recipe.grad_accum, 8u);
+      if (pp_tp++ == 0) EXPECT_EQ(estimate(m, p.recipe).peak_reserved_bytes, p.peak_reserved_bytes);
+      continue;
+    }
     if (p.recipe.tp == 2) {
       // TP x DP: two tensor-parallel groups of 2 under FSDP2, each running half the global batch.
       EXPECT_EQ(p.recipe.gpus, 2u);
@@ -634,6 +701,7 @@ TEST(Fit, SeveralGpusSearchTensorParallelism) {
   }
   EXPECT_TRUE(seen.count({4, false}));
   EXPECT_TRUE(seen.count({4, true}));
+  EXPECT_GE(pp_tp, 1u);
   EXPECT_TRUE(seen.count({2, false}));
   // The base recipe is bf16-mixed: the change moves it to bf16-true (TP is modelled without autocast).
   EXPECT_TRUE(std::any_of(f.changes.begin(), f.changes.end(), [](const Change& c) {
@@ -644,7 +712,8 @@ TEST(Fit, SeveralGpusSearchTensorParallelism) {
   bool lp_seen = false;
   for (const Plan& p : f.plans) {
     if (!p.recipe.loss_parallel) continue;
-    EXPECT_TRUE(p.recipe.tp == 4u || (p.recipe.tp == 2u && p.recipe.gpus == 2u));  // one group, or TP x DP
+    // one group, TP x DP, or the last stage of PP x TP (Note [Pipeline with tensor parallelism])
+    EXPECT_TRUE(p.recipe.tp == 4u || (p.recipe.tp == 2u && (p.recipe.gpus == 2u || p.recipe.pp == 2u)));
     if (!lp_seen) EXPECT_EQ(estimate(m, p.recipe).peak_reserved_bytes, p.peak_reserved_bytes);
     lp_seen = true;
   }

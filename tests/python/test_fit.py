@@ -122,18 +122,21 @@ def test_several_gpus_search_pipeline_stages(run):
     layouts = set()
     for p in pp:
         rc = p["recipe"]
-        replicas = rc.get("gpus", 1)
-        layouts.add((rc["pp"], replicas))
-        assert (rc["pp"], replicas) in {(4, 1), (2, 2)}, rc
+        replicas, tp = rc.get("gpus", 1), rc.get("tp", 1)
+        layouts.add((rc["pp"], replicas, tp))
+        # pp 4; pp 2 x 2 replicas; pp 2 of tensor-parallel pairs (PP x TP)
+        assert (rc["pp"], replicas, tp) in {(4, 1, 1), (2, 2, 1), (2, 1, 2)}, rc
         assert rc.get("parallel", "none") in (("ddp", "fsdp") if replicas > 1 else ("none",)), rc
         assert rc["batch"] * rc["grad_accum"] * replicas == 32, rc
+        extra = ["--tp", tp] + (["--sequence-parallel"] if rc.get("sequence_parallel") else []) + \
+            (["--loss-parallel"] if rc.get("loss_parallel") else [])
         e = json.loads(run("estimate", "mistral-7b-v0.3", "--gpu", "a100-40gb", "--batch", rc["batch"], "--grad-accum",
                            rc["grad_accum"], "--seq", rc["seq"], "--precision", rc["precision"], "--optimizer",
                            rc["optimizer"], "--allocator", rc["allocator"], "--pp", rc["pp"], "--pp-schedule",
-                           rc["pp_schedule"], "--gpus", replicas, "--parallel", rc.get("parallel", "none"), "--json",
-                           timeout=300).stdout)
+                           rc["pp_schedule"], "--gpus", replicas, "--parallel", rc.get("parallel", "none"), *extra,
+                           "--json", timeout=300).stdout)
         assert e["peak_reserved_bytes"] == p["peak_reserved_bytes"] and len(e["ranks"]) == rc["pp"]
-    assert (4, 1) in layouts, layouts
+    assert (4, 1, 1) in layouts, layouts
     # pp 2 x ddp 2 and pp 2 x fsdp 2 are searched too: single changes of the DDP baseline, exactly
     # their estimates. FSDP2 shards the stage's states: it holds less than DDP with its buckets.
     held_by = {}
@@ -188,14 +191,15 @@ def test_a_global_batch_the_gpus_cannot_split_plans_pipelines_and_tensor_paralle
     assert (b["pp"], b["batch"], b["grad_accum"], b["pp_schedule"]) == (4, 1, 6, "1f1b") and "gpus" not in b
     assert j["plans"]
     kinds = set()
-    # pp 4, tp 4, tp 2 x fsdp 2 or pp 2 x ddp 2 (3 sequences per group or replica): never tp 1 over 4 GPUs
+    # pp 4, tp 4, tp 2 x fsdp 2, pp 2 x ddp/fsdp 2 (3 sequences per group or replica) or pp 2 x tp 2:
+    # never tp 1 over 4 GPUs
     for p in j["plans"]:
         rc = p["recipe"]
         kind = (rc.get("pp", 1), rc.get("tp", 1), rc.get("gpus", 1))
-        assert kind in {(4, 1, 1), (1, 4, 1), (1, 2, 2), (2, 1, 2)}, rc
+        assert kind in {(4, 1, 1), (1, 4, 1), (1, 2, 2), (2, 1, 2), (2, 2, 1)}, rc
         assert rc["batch"] * rc["grad_accum"] * kind[2] == 6, rc
         kinds.add(kind)
-    assert kinds == {(4, 1, 1), (1, 4, 1), (1, 2, 2), (2, 1, 2)}, kinds
+    assert kinds == {(4, 1, 1), (1, 4, 1), (1, 2, 2), (2, 1, 2), (2, 2, 1)}, kinds
     gp = next(p for p in j["plans"] if p["recipe"].get("pp_schedule") == "gpipe")  # 3 micro-batches of 2
     rc = gp["recipe"]
     assert (rc["batch"], rc["grad_accum"]) == (2, 3)
