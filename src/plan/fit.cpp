@@ -295,7 +295,7 @@ class Planner {
     k += "/" + r.gpu + "/lora" + std::to_string(r.lora.rank) + "/" + std::to_string(r.lora.dropout);
     k += "/" + std::string(to_string(r.parallel)) + std::to_string(r.gpus);
     k += "/tp" + std::to_string(r.tp) + (r.sequence_parallel ? "sp" : "") + (r.loss_parallel ? "lp" : "");
-    k += "/pp" + std::to_string(r.pp) + std::string(to_string(r.pp_schedule));
+    k += "/pp" + std::to_string(r.pp) + std::string(to_string(r.pp_schedule)) + "v" + std::to_string(r.pp_stages_per_rank);
     k += "/fsdp" + std::string(r.fsdp.reshard_after_forward ? "1" : "0") + std::to_string(r.fsdp.replicate) + "/" +
          std::string(to_string(r.fsdp.param_dtype)) + "/" + std::string(to_string(r.fsdp.reduce_dtype)) + "/" +
          std::string(to_string(r.offload));
@@ -337,6 +337,13 @@ std::vector<T> values(const FitRequest& q, std::string_view knob, T base, std::v
 //    graph/pipeline.cpp), so a GPipe plan would only repeat it, slower to fit.
 //  * M < N: ScheduleGPipe, the only one torch runs there (Schedule1F1B refuses fewer micro-batches
 //    than stages, recipe.cpp). That is where a small global batch over many GPUs lands.
+// A 1F1B pipeline on plain ranks is also searched as ScheduleInterleaved1F1B with two stages per
+// GPU (Note [Interleaved pipeline schedules] in graph/pipeline.cpp), where its rounds rule and the
+// layers allow: a bubble of (N - 1) / 2M instead of (N - 1) / M, for more memory (more warm-up
+// forwards, every send kept to the end of the step). More stages per GPU shrink the bubble further
+// and cost more still; ScheduleLoopedBFS has the same bubble in the model and holds more (every
+// forward first). Neither is searched; the floor is the pipeline's (the rank's share of the
+// persistent bytes, its stages together).
 
 // Whether `check` goes through: the engine's refusals (trainmem::Error) as a yes / no.
 template <typename F>
@@ -747,6 +754,16 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
     if (!valid(pr) || !pipeline_modelled(model, pr)) return std::nullopt;
     return pr;
   };
+  // A 1F1B pipeline as ScheduleInterleaved1F1B over two stages per GPU, where the engine models it
+  // (plain ranks, the rounds rule, two layers per GPU at least).
+  auto interleaved_of = [&](const Recipe& pr) -> std::optional<Recipe> {
+    if (pr.pp_schedule != PipelineSchedule::k1F1B || pr.parallel != Parallel::kNone || pr.tp != 1) return std::nullopt;
+    Recipe ir = pr;
+    ir.pp_schedule = PipelineSchedule::kInterleaved1F1B;
+    ir.pp_stages_per_rank = 2;
+    if (!valid(ir) || !pipeline_modelled(model, ir)) return std::nullopt;
+    return ir;
+  };
   std::vector<std::uint64_t> tps = {1};
   if (fixed(q, "tp")) tps = {q.base.tp};
   else tps.insert(tps.end(), tp_degrees.begin(), tp_degrees.end());
@@ -826,6 +843,7 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
                     r.gpus = groups;  // a TP base at tp 1: its data-parallel counterpart
                     r.pp = 1;         // a moved baseline's pipeline (the pipeline rows are below)
                     r.pp_schedule = Recipe{}.pp_schedule;
+                    r.pp_stages_per_rank = 1;
                     r.batch = b;
                     r.grad_accum = per_rank / b;
                     r.precision = p;
@@ -864,6 +882,10 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
                           if (const auto pr = pipeline_of(r, stages, wrapper)) {
                             const std::uint64_t pfloor = rank_floor(model, *pr);
                             out_space.push_back({*pr, step_time(model, *pr), pfloor, pfloor});
+                            // Two stages per GPU (Note [Pipeline schedule in the planner]).
+                            if (const auto ir = interleaved_of(*pr)) {
+                              out_space.push_back({*ir, step_time(model, *ir), pfloor, pfloor});
+                            }
                           }
                         }
                       }
@@ -1091,6 +1113,9 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
         change(replicas > 1 ? what + " x " + std::string(to_string(wrapper)) + " " + std::to_string(replicas)
                             : what + " (no data parallelism)",
                *r);
+        if (const auto ir = interleaved_of(*r)) {
+          change("pp " + std::to_string(stages) + " interleaved-1f1b, 2 stages per GPU (no data parallelism)", *ir);
+        }
       }
     }
     // PP x TP: stages of tensor-parallel groups, FSDP2 over the replicas of the pipeline if any

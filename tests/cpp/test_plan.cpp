@@ -298,11 +298,12 @@ TEST(Fit, ThreadedSearchGivesTheReferenceAnswersOnSeveralGpus) {
       {"llama-3.1-8b", 8, "a100-40gb", 2048, 16, 8},
       {"llama-3.1-8b", 8, "t4-16gb", 4096, 4, 2},
       {"qwen3-0.6b", 0, "rtx-4090", 512, 16, 4, true},
-      {"llama-3.1-8b", 8, "rtx-4090", 2048, 16, 4, false, 20},  // PP x FSDP2 and PP x TP among the plans
+      {"llama-3.1-8b", 8, "rtx-4090", 2048, 16, 4, false, 40},  // PP x FSDP2, PP x TP, interleaved among the plans
   };
   std::uint64_t pipeline_plans = 0, pipeline_changes = 0, nothing_fits = 0, zero_plans = 0;
   std::uint64_t fsdp_pipeline_plans = 0, fsdp_pipeline_changes = 0;  // PP x FSDP2
   std::uint64_t tp_pipeline_plans = 0, tp_pipeline_changes = 0;      // PP x TP
+  std::uint64_t interleaved_plans = 0, interleaved_changes = 0;      // two stages per GPU
   for (const Case& c : cases) {
     const Model full = load_model(c.model);
     const Model m = c.layers ? model::with_layers(full, c.layers) : full;
@@ -321,12 +322,14 @@ TEST(Fit, ThreadedSearchGivesTheReferenceAnswersOnSeveralGpus) {
       pipeline_plans += p.recipe.pp > 1;
       fsdp_pipeline_plans += p.recipe.pp > 1 && p.recipe.parallel == Parallel::kFsdp;
       tp_pipeline_plans += p.recipe.pp > 1 && p.recipe.tp > 1;
+      interleaved_plans += p.recipe.pp_stages_per_rank == 2;
       zero_plans += p.recipe.parallel == Parallel::kZero1 || p.recipe.parallel == Parallel::kZero2;
     }
     for (const Change& x : now.changes) {
       pipeline_changes += x.plan.recipe.pp > 1;
       fsdp_pipeline_changes += x.plan.recipe.pp > 1 && x.plan.recipe.parallel == Parallel::kFsdp;
       tp_pipeline_changes += x.plan.recipe.pp > 1 && x.plan.recipe.tp > 1;
+      interleaved_changes += x.plan.recipe.pp_stages_per_rank == 2;
     }
     nothing_fits += now.plans.empty();
   }
@@ -336,6 +339,8 @@ TEST(Fit, ThreadedSearchGivesTheReferenceAnswersOnSeveralGpus) {
   EXPECT_GE(fsdp_pipeline_changes, 3u);
   EXPECT_GE(tp_pipeline_plans, 1u);
   EXPECT_GE(tp_pipeline_changes, 2u);
+  EXPECT_GE(interleaved_plans, 1u);
+  EXPECT_GE(interleaved_changes, 1u);
   EXPECT_GE(zero_plans, 1u);
   EXPECT_GE(nothing_fits, 1u);
 }

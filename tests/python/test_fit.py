@@ -129,7 +129,8 @@ def test_several_gpus_search_pipeline_stages(run):
         assert rc.get("parallel", "none") in (("ddp", "fsdp") if replicas > 1 else ("none",)), rc
         assert rc["batch"] * rc["grad_accum"] * replicas == 32, rc
         extra = ["--tp", tp] + (["--sequence-parallel"] if rc.get("sequence_parallel") else []) + \
-            (["--loss-parallel"] if rc.get("loss_parallel") else [])
+            (["--loss-parallel"] if rc.get("loss_parallel") else []) + \
+            ["--pp-stages-per-rank", rc.get("pp_stages_per_rank", 1)]
         e = json.loads(run("estimate", "mistral-7b-v0.3", "--gpu", "a100-40gb", "--batch", rc["batch"], "--grad-accum",
                            rc["grad_accum"], "--seq", rc["seq"], "--precision", rc["precision"], "--optimizer",
                            rc["optimizer"], "--allocator", rc["allocator"], "--pp", rc["pp"], "--pp-schedule",
@@ -167,7 +168,9 @@ def test_pipeline_micro_batches_past_the_data_parallel_ones_run_gpipe(run):
     assert {(r["batch"], r["grad_accum"], r["pp_schedule"]) for r in pp} >= {(1, 4, "1f1b"), (2, 2, "gpipe")}, pp
     for r in (p["recipe"] for p in j["plans"] if p["recipe"].get("pp", 1) > 1):  # pp 2 x ddp 2: 2 sequences each
         assert r["batch"] * r["grad_accum"] * r.get("gpus", 1) == 4
-        assert r["pp_schedule"] == ("1f1b" if r["grad_accum"] >= r["pp"] else "gpipe")
+        # 1F1B, or its interleaved form over two stages per GPU, with as many micro-batches as stages
+        assert r["pp_schedule"] in (("1f1b", "interleaved-1f1b") if r["grad_accum"] >= r["pp"] else ("gpipe",))
+        assert r.get("pp_stages_per_rank", 1) == (2 if r["pp_schedule"] == "interleaved-1f1b" else 1)
     dp = [p["recipe"] for p in j["plans"] if p["recipe"].get("pp", 1) == 1 and p["recipe"].get("tp", 1) == 1]
     assert dp and all(r["batch"] == 1 and r["grad_accum"] == 1 for r in dp), dp
     gpipe = next(p for p in j["plans"] if p["recipe"].get("pp_schedule") == "gpipe" and p["recipe"]["pp"] == 4)
