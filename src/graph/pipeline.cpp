@@ -509,6 +509,30 @@ TensorId StepBuilder::pp_backward(std::uint64_t k, PipelineMicro& mb) {
   return kept;  // the gradient to send back (kNone on the first stage)
 }
 
+// Note [Peeks inside a schedule]
+// A pipeline stage builds a whole step of M micro-batches before its micro-batch hook runs (the
+// schedule's actions interleave micro-batches, so there is no boundary where one micro-batch's
+// work is done and the next one's not begun). A probe of the planner that passes its stop limit
+// early in the step (Note [Stopping early] in sim/simulator.cpp) used to pay for the whole step
+// first: at 64 micro-batches most of the cost of a 70B PP x TP probe. So after every compute
+// action the builder lets the replay read the events so far (the hook with micro
+// kMidSchedule), which it does only under a stop limit, and stops when it says so.
+// What the replay reads early is a storage's category, at its allocation: later changes would
+// have been refused by seal_categories' assert, and some happen (with checkpointing, a
+// micro-batch's RoPE cos and sin, made once by the stage's forward and only kept by the
+// layers' checkpoints, become activations when the first recompute of its backward saves them).
+// Such a change marks the trace's categories stale instead (Tape::peeked); the peaks are
+// unaffected (they do not depend on categories), and a replay that stays under its limit and so
+// reports its breakdown is run again without peeks (estimate.cpp's run). A stopped one reports
+// no breakdown anyone reads. Measured on a 70B search over 8 GPUs, the stopped pipeline probes
+// now build about a third of the events they built before (bench/README.md, "Peeks inside a
+// schedule").
+bool StepBuilder::pp_peek(std::uint32_t step) {
+  if (!hook_) return false;
+  t_.peeked();
+  return hook_(t_.trace(), step, kMidSchedule) == MicroBatchNext::kStop;
+}
+
 Trace StepBuilder::build_pipeline() {
   check_pipeline_model(a_, r_);
   if (is_multi_stage(r_.pp_schedule)) return build_pipeline_multi();
@@ -573,6 +597,7 @@ Trace StepBuilder::build_pipeline() {
         // 1F1B: after the steady phase's last backward, send_work is rebound to that backward's sends.
         if (!gpipe && forwards == M && backwards == M - warmup + 1 && warm_send.id != kNone) t_.drop(warm_send);
       }
+      if (pp_peek(step)) return finish_trace();
     }
     // _update_losses clears _internal_losses; perform_reduce_grad (FSDP2's reductions, then the
     // scaling in place); then the schedule's locals go when _step_microbatches returns: the last
@@ -680,6 +705,7 @@ Trace StepBuilder::build_pipeline_multi() {
         // REDUCE_GRAD after the stage's last backward: scale_grads divides in place.
         if (++backwards[v] == M) op("pipeline.reduce_grad");
       }
+      if (pp_peek(step)) return finish_trace();
     }
     // The end of _step_microbatches: the send works waited and dropped, then _update_losses.
     phase_ = Phase::kBackward;

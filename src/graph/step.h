@@ -14,6 +14,9 @@ namespace trainmem::graph {
 // needs no more events (it was asked to stop once reserved bytes passed a limit).
 enum class MicroBatchNext : std::uint8_t { kGoOn, kSkipRest, kStop };
 using MicroBatchHook = std::function<MicroBatchNext(const Trace&, std::uint32_t step, std::uint32_t micro)>;
+// `micro` of a call between a pipeline schedule's actions (Note [Peeks inside a schedule] in
+// graph/pipeline.cpp): only kGoOn or kStop comes back.
+constexpr std::uint32_t kMidSchedule = UINT32_MAX;
 
 // `rank`: the data-parallel rank whose memory is built (ZeRO's partitions differ by rank; the
 // estimate is rank 0's).

@@ -416,6 +416,8 @@ class StepBuilder {
   void pp_warmup_vote(bool first, bool last);
   void pp_forward(std::uint64_t k, PipelineMicro& mb);
   TensorId pp_backward(std::uint64_t k, PipelineMicro& mb);
+  // Between two of the schedule's actions: true when the replay stopped (Note [Peeks inside a schedule]).
+  bool pp_peek(std::uint32_t step);
   // Several stages per rank (Note [Interleaved pipeline schedules] in pipeline.cpp).
   Trace build_pipeline_multi();
   void pp_warmup_vote_multi();

@@ -19,6 +19,7 @@ void recycle(Trace&& trace) {
   trace.events.clear();
   trace.moments.clear();
   trace.trainable_parameters = 0;
+  trace.stale_categories = false;
   t_spare_traces.push_back(std::move(trace));
 }
 
@@ -48,6 +49,7 @@ void Tape::recategorize(TensorId id, Category c) {
   Storage& s = trace_.storages[id];
   if (s.category == c) return;
   TRAINMEM_ASSERT(id >= sealed_storages_, "a storage's category changed after the replay read it");
+  if (id < peeked_storages_) trace_.stale_categories = true;
   s.category = c;
 }
 

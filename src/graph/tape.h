@@ -187,6 +187,9 @@ struct Trace {
   std::vector<MomentTag> moments;
   std::uint64_t trainable_parameters = 0;  // elements the optimizer updates
   HostMemory host;                         // CPU offload's host memory (Note [ZeRO-Offload])
+  // A storage's category changed after a peek inside a schedule let the replay read it (Note
+  // [Peeks inside a schedule] in graph/pipeline.cpp).
+  bool stale_categories = false;
 };
 
 // Hands a finished trace's buffers to the next Tape made on this thread: an estimate's tens of
@@ -436,6 +439,10 @@ class Tape {
   // Called at each micro-batch boundary, where sim::Replay reads the events so far: from then on
   // the storages allocated before keep their categories (a change asserts).
   void seal_categories() { sealed_storages_ = static_cast<TensorId>(trace_.storages.size()); }
+  // Called before the replay may read the events so far in the middle of a micro-batch's work
+  // (Note [Peeks inside a schedule] in pipeline.cpp): a later change of these storages'
+  // categories does not assert but marks the trace's categories stale.
+  void peeked() { peeked_storages_ = static_cast<TensorId>(trace_.storages.size()); }
 
   // ---- autograd ----
   ValueId new_value(std::uint64_t grad_bytes);
@@ -571,6 +578,7 @@ class Tape {
 
   Trace trace_;
   TensorId sealed_storages_ = 0;  // storages below this id keep their categories
+  TensorId peeked_storages_ = 0;  // storages below this id may have been read by a peek
   MomentTag tag_;
   std::uint32_t moment_ = 0;
   std::vector<Node> nodes_;

@@ -67,6 +67,8 @@ struct Replay::State {
     out.reset();
     stride = 0;
     stop_above = 0;
+    peeks = true;
+    peeked = false;
     stopped = false;
     prev.layout.clear();
     prev = Mark{};
@@ -96,6 +98,8 @@ struct Replay::State {
   std::uint64_t stride = 0;
   std::uint64_t stop_above = 0;  // options.stop_above_reserved_bytes
   bool stopped = false;
+  bool peeks = true;    // mid-schedule peeks are taken (Note [Peeks inside a schedule])
+  bool peeked = false;  // one was
 
   // Micro-batch boundaries of the current step.
   struct Mark {
@@ -296,6 +300,12 @@ graph::MicroBatchNext Replay::micro_batch_done(const graph::Trace& trace, std::u
   using graph::MicroBatchNext;
   State& s = *s_;
   if (s.options.timeline || s.out) return MicroBatchNext::kGoOn;  // every event is wanted
+  if (micro == graph::kMidSchedule) {  // See Note [Peeks inside a schedule] in graph/pipeline.cpp
+    if (!s.stop_above || !s.peeks) return MicroBatchNext::kGoOn;
+    s.peeked = true;
+    s.consume(trace, 0);
+    return s.stopped ? MicroBatchNext::kStop : MicroBatchNext::kGoOn;
+  }
   s.consume(trace, 0);
   if (s.stopped) return MicroBatchNext::kStop;
   if (micro >= s.recipe.grad_accum) return MicroBatchNext::kGoOn;  // the optimizer step is next anyway
@@ -312,6 +322,9 @@ graph::MicroBatchNext Replay::micro_batch_done(const graph::Trace& trace, std::u
   const bool repeated = s.prev.step == step && s.prev.layout == s.cur.layout && s.same_events(trace);
   return repeated ? MicroBatchNext::kSkipRest : MicroBatchNext::kGoOn;
 }
+
+void Replay::no_peeks() { s_->peeks = false; }
+bool Replay::peeked() const { return s_->peeked; }
 
 Estimate Replay::finish(const graph::Trace& trace) {
   State& s = *s_;

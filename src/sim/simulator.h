@@ -21,7 +21,13 @@ class Replay {
   // just replayed repeated the one before it exactly, in its events and in the allocator state
   // it left (Note [Repeated micro-batches] in simulator.cpp): every later micro-batch of the
   // step would repeat it too. kStop when reserved bytes passed the options' stop limit.
+  // Between a pipeline schedule's actions (micro graph::kMidSchedule) it only consumes the events
+  // so far, and only under a stop limit: kStop once they passed it (Note [Peeks inside a
+  // schedule] in graph/pipeline.cpp).
   graph::MicroBatchNext micro_batch_done(const graph::Trace& trace, std::uint32_t step, std::uint32_t micro);
+  // Mid-schedule calls are answered kGoOn unread; peeked(): one was read.
+  void no_peeks();
+  bool peeked() const;
 
   Estimate finish(const graph::Trace& trace);
 

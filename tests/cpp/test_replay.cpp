@@ -7,7 +7,9 @@
 #include <string>
 #include <vector>
 
+#include "graph/step.h"
 #include "model/model.h"
+#include "test_util.h"
 #include "trainmem/trainmem.h"
 
 namespace trainmem {
@@ -123,6 +125,120 @@ TEST(Replay, StoppingAboveALimitIsExactlyPeakReservedAboveIt) {
     }
   }
   EXPECT_GT(stopped, cases / 3);
+}
+
+}  // namespace
+}  // namespace trainmem
+
+namespace trainmem {
+namespace {
+
+// Pipeline recipes of the narrow 4-layer Llama, as the planner probes them (Note [Peeks inside a
+// schedule] in src/graph/pipeline.cpp): 1F1B, GPipe and interleaved stages, FSDP2 replicas,
+// checkpointed and tensor-parallel stages.
+std::vector<Recipe> peek_recipes() {
+  std::vector<Recipe> out;
+  auto add = [&](auto&& change) {
+    Recipe r;
+    r.batch = 2;
+    r.seq = 128;
+    r.grad_accum = 4;
+    r.precision = Precision::kFp32;
+    r.optimizer = Optimizer::kAdamW;
+    r.gpu = "h100-80gb";
+    r.pp = 2;
+    change(r);
+    r.validate();
+    out.push_back(r);
+  };
+  add([](Recipe&) {});
+  add([](Recipe& r) { r.pp_schedule = PipelineSchedule::kGPipe; });
+  add([](Recipe& r) { r.checkpointing = Checkpointing::kFull; });
+  add([](Recipe& r) {
+    r.checkpointing = Checkpointing::kFull;
+    r.allocator = AllocatorMode::kExpandable;
+  });
+  add([](Recipe& r) {  // activations, not states, make the peak
+    r.checkpointing = Checkpointing::kFull;
+    r.pp_schedule = PipelineSchedule::kGPipe;
+    r.batch = 4;
+    r.seq = 2048;
+  });
+  add([](Recipe& r) {
+    r.pp_schedule = PipelineSchedule::kInterleaved1F1B;
+    r.pp_stages_per_rank = 2;
+  });
+  add([](Recipe& r) {
+    r.gpus = 2;
+    r.parallel = Parallel::kFsdp;
+    r.precision = Precision::kBf16Mixed;
+  });
+  add([](Recipe& r) {
+    r.tp = 2;
+    r.precision = Precision::kBf16True;
+    r.checkpointing = Checkpointing::kFull;
+  });
+  return out;
+}
+
+// A probe of a pipeline stage stops between the schedule's actions, and answers exactly what the
+// whole step's replay answers: stopped exactly when its peak reserved bytes pass the limit, and
+// otherwise every peak and the breakdown at the peak, also where a checkpointed recompute changed
+// a category after a peek read it (the replay is then run again without peeks).
+TEST(Replay, PipelineProbesAnswerAsTheWholeStep) {
+  const Model m = testing::llama_w512();
+  std::size_t stopped = 0, complete = 0;
+  for (const Recipe& r : peek_recipes()) {
+    for (std::uint64_t stage = 0; stage < r.pp; ++stage) {
+      EstimateOptions whole;
+      whole.rank = static_cast<std::int64_t>(stage * r.gpus);
+      const Estimate full = estimate(m, r, whole);
+      for (double share : {0.3, 0.6, 0.9, 0.99, 1.0, 1.01}) {
+        EstimateOptions o = whole;
+        o.stop_above_reserved_bytes = static_cast<std::uint64_t>(static_cast<double>(full.peak_reserved_bytes) * share);
+        const Estimate probe = estimate(m, r, o);
+        const std::string what = std::string(to_string(r.pp_schedule)) + " stage " + std::to_string(stage) +
+                                 " share " + std::to_string(share);
+        EXPECT_EQ(probe.complete, full.peak_reserved_bytes <= o.stop_above_reserved_bytes) << what;
+        if (probe.complete) {
+          expect_same(probe, full, what);
+          ++complete;
+        } else {
+          EXPECT_GT(probe.peak_reserved_bytes, o.stop_above_reserved_bytes) << what;
+          EXPECT_LT(probe.events, full.events) << what;
+          ++stopped;
+        }
+      }
+    }
+  }
+  EXPECT_GT(stopped, 0u);
+  EXPECT_GT(complete, 0u);
+}
+
+// The builder itself: a kStop between two actions ends the step there, and a checkpointed
+// stage's recompute does change a category the replay may have read (the case the rerun is for).
+TEST(Replay, PipelinePeeksStopTheBuilderAndMarkLateCategories) {
+  const Model m = testing::llama_w512();
+  for (const Recipe& r : peek_recipes()) {
+    std::size_t peeks = 0;
+    const graph::Trace all = graph::build_training_trace(
+        m, r, find_gpu(r.gpu),
+        [&](const graph::Trace&, std::uint32_t, std::uint32_t micro) {
+          peeks += micro == graph::kMidSchedule;
+          return graph::MicroBatchNext::kGoOn;
+        });
+    // Every compute action of both steps: M forwards and M backwards per local stage.
+    EXPECT_EQ(peeks, r.steps * 2 * r.grad_accum * r.pp_stages_per_rank) << to_string(r.pp_schedule);
+    EXPECT_EQ(all.stale_categories, r.checkpointing == Checkpointing::kFull) << to_string(r.pp_schedule);
+    std::size_t calls = 0;
+    const graph::Trace cut = graph::build_training_trace(
+        m, r, find_gpu(r.gpu), [&](const graph::Trace&, std::uint32_t, std::uint32_t micro) {
+          ++calls;
+          return micro == graph::kMidSchedule ? graph::MicroBatchNext::kStop : graph::MicroBatchNext::kGoOn;
+        });
+    EXPECT_EQ(calls, 1u);
+    EXPECT_LT(cut.events.size(), all.events.size() / 4);
+  }
 }
 
 }  // namespace
