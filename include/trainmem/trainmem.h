@@ -409,6 +409,9 @@ struct Estimate {
   // False when EstimateOptions::stop_above_reserved_bytes stopped the replay: the peaks are then
   // what had been reached (more than that limit), not the step's peaks.
   bool complete = true;
+  // A stopped replay stopped before any event of an optimizer step (the planner's Note
+  // [Optimizer twins] in src/plan/fit.cpp).
+  bool stopped_before_optimizer = false;
   // The data-parallel rank the fields above describe: the worst rank (Note [The worst rank] in
   // src/estimate.cpp) unless EstimateOptions::rank chose one. `ranks` lists every rank replayed
   // (empty on one GPU); ranks not listed hold what rank 0 holds.

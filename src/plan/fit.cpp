@@ -176,10 +176,11 @@ class Planner {
     for (const auto& t : todo) remember(*t);
   }
 
-  // Distinct recipes replayed or probed (a probe later replayed to the end counts once).
+  // Distinct recipes replayed or probed (a probe later replayed to the end counts once; one
+  // answered by its optimizer twin, Note [Optimizer twins], not at all).
   std::uint64_t recipes_replayed() const {
-    return static_cast<std::uint64_t>(
-        std::count_if(memo_.begin(), memo_.end(), [](const auto& kv) { return !kv.second.error; }));
+    return static_cast<std::uint64_t>(std::count_if(
+        memo_.begin(), memo_.end(), [](const auto& kv) { return !kv.second.error && !kv.second.twin; }));
   }
 
  private:
@@ -187,6 +188,12 @@ class Planner {
     Plan plan;
     std::uint64_t limit = 0;  // the stop limit it ran under (0: none)
     std::exception_ptr error;  // the engine refused the recipe
+    bool twin = false;         // answered by an optimizer twin's probe, not replayed
+  };
+  // A probe that stopped before its optimizer step (Note [Optimizer twins]).
+  struct TwinStop {
+    std::uint64_t limit = 0;
+    Plan plan;
   };
 
   // One recipe on the planner's threads: its ranks' estimates, filled in by the jobs.
@@ -200,10 +207,31 @@ class Planner {
 
   // A complete replay answers everything; a stopped one says "peak > its limit", which answers a
   // probe with a limit no higher.
-  bool known(const Recipe& r, std::uint64_t limit) const {
+  // An optimizer twin's stop answers a probe too, and is remembered for `r` then.
+  bool known(const Recipe& r, std::uint64_t limit) {
     auto it = memo_.find(key(r));
-    if (it == memo_.end()) return false;
-    return it->second.error || it->second.plan.complete || (limit != 0 && limit <= it->second.limit);
+    if (it != memo_.end() &&
+        (it->second.error || it->second.plan.complete || (limit != 0 && limit <= it->second.limit))) {
+      return true;
+    }
+    return from_twin(r, limit);
+  }
+
+  // See Note [Optimizer twins]: a twin of `r` stopped before its optimizer step under `limit` or
+  // a higher limit, so `r` stops at the same event.
+  bool from_twin(const Recipe& r, std::uint64_t limit) {
+    if (limit == 0 || reference_ || !plan::optimizer_waits_for_its_step(r)) return false;
+    const auto tw = twins_.find(twin_key(r));
+    if (tw == twins_.end() || limit > tw->second.limit) return false;
+    Known k;
+    k.limit = tw->second.limit;
+    k.plan = tw->second.plan;
+    k.plan.recipe.optimizer = r.optimizer;
+    k.plan.time = step_time(m_, r);
+    const auto it = memo_.find(key(r));
+    k.twin = it == memo_.end() || it->second.twin;  // a replay of its own stays counted
+    memo_[key(r)] = std::move(k);
+    return true;
   }
 
   Plan run(const Recipe& r, std::uint64_t limit) {
@@ -259,6 +287,7 @@ class Planner {
     Known k;
     k.limit = t.limit;
     const Estimate* best = nullptr;
+    bool before_optimizer = false;  // the rank that stopped stopped before its optimizer step
     for (std::size_t i = 0; i < t.ranks.size(); ++i) {
       if (t.error[i]) {
         k.error = t.error[i];
@@ -266,9 +295,16 @@ class Planner {
       }
       const Estimate& e = *t.est[i];
       if (!best || detail::worse_rank(e, *best)) best = &e;
-      if (!e.complete) break;
+      if (!e.complete) {
+        before_optimizer = e.stopped_before_optimizer;
+        break;
+      }
     }
     if (!k.error) k.plan = plan_of(t.r, *best);
+    if (!k.error && !k.plan.complete && before_optimizer && plan::optimizer_waits_for_its_step(t.r)) {
+      TwinStop& tw = twins_[twin_key(t.r)];  // See Note [Optimizer twins]
+      if (t.limit > tw.limit) tw = TwinStop{t.limit, k.plan};
+    }
     memo_[key(t.r)] = std::move(k);
   }
 
@@ -283,6 +319,11 @@ class Planner {
     p.complete = e.complete;
     p.host_bytes = e.host.total_bytes();  // made at the wrap: known to a stopped probe too
     return p;
+  }
+
+  static std::string twin_key(Recipe r) {
+    r.optimizer = Optimizer::kAdamW;
+    return key(r);
   }
 
   static std::string key(const Recipe& r) {
@@ -310,6 +351,7 @@ class Planner {
   const bool reference_;
   std::optional<Workers> workers_;
   std::map<std::string, Known> memo_;
+  std::map<std::string, TwinStop> twins_;  // by twin_key
 };
 
 // Whether a replayed plan fits `usable` bytes of the GPU (a stopped probe never does) and `host`
@@ -487,6 +529,22 @@ bool plan::plainly_refused(const Recipe& r) {
   }
   if (r.pp > 1 && r.precision == Precision::kFp16Mixed) return true;
   return false;
+}
+
+// Note [Optimizer twins]
+// Recipes that differ only in their optimizer make the same events up to their first optimizer
+// step: torch's optimizers (AdamW foreach and fused, SGD, Adafactor) and bitsandbytes' 8-bit
+// AdamW on a CUDA device create their states lazily, at the first step(), and nothing before it
+// asks which optimizer will run (Replay.StepsBeforeTheOptimizerDoNotDependOnIt compares the
+// events of every wrapper the planner searches). Not so for 8-bit AdamW on the CPU, whose
+// quantization maps exist from the optimizer's construction, nor for DeepSpeed ZeRO and its
+// offload (not compared; left out). So when a probe stops before any optimizer event (the
+// replay passed its limit in step 1's forward or backward: Estimate::stopped_before_optimizer),
+// every twin of it would stop at the same event under that limit or a lower one: the planner
+// answers them "too big" unreplayed. Most probes that stop do so there, on activations.
+bool plan::optimizer_waits_for_its_step(const Recipe& r) {
+  if (is_zero(r.parallel) || r.offload != Offload::kNone) return false;
+  return r.optimizer != Optimizer::kAdamW8bit || find_gpu(r.gpu).name != "cpu";  // step.cpp's cuda_
 }
 
 std::uint64_t plan::persistent_floor(const Model& m, const Recipe& r) {

@@ -29,6 +29,10 @@ std::uint64_t loss_floor(const Model& m, const Recipe& r);
 // skips] in plan/fit.cpp): true only for recipes validate() refuses.
 bool plainly_refused(const Recipe& r);
 
+// Whether the events of `r`'s step before its first optimizer step are the same whichever
+// optimizer it names (Note [Optimizer twins] in plan/fit.cpp).
+bool optimizer_waits_for_its_step(const Recipe& r);
+
 // Internal: the search before the loss floor and the closest miss's stop limit, with one
 // estimate() per recipe on the caller's thread (Note [Planner threads] in plan/fit.cpp); kept for
 // the differential tests and the benchmark: same answers, more replays.

@@ -69,6 +69,7 @@ struct Replay::State {
     stop_above = 0;
     peeks = true;
     peeked = false;
+    optimizer_seen = false;
     stopped = false;
     prev.layout.clear();
     prev = Mark{};
@@ -98,6 +99,7 @@ struct Replay::State {
   std::uint64_t stride = 0;
   std::uint64_t stop_above = 0;  // options.stop_above_reserved_bytes
   bool stopped = false;
+  bool optimizer_seen = false;  // an event of an optimizer step was replayed
   bool peeks = true;    // mid-schedule peeks are taken (Note [Peeks inside a schedule])
   bool peeked = false;  // one was
 
@@ -165,6 +167,7 @@ void Replay::State::consume_events(const graph::Trace& trace, std::size_t total_
     }
     if (e.moment != last_moment) {
       last_moment = e.moment;
+      if (trace.moments[e.moment].phase == Phase::kOptimizer) optimizer_seen = true;
       const std::uint32_t step = trace.moments[e.moment].step;
       if (step != cur_step) {
         cur_step = step;
@@ -334,6 +337,7 @@ Estimate Replay::finish(const graph::Trace& trace) {
   if (!s.stopped) s.consume(trace, trace.events.size());
   Estimate est = std::move(s.est);
   est.complete = !s.stopped;
+  est.stopped_before_optimizer = s.stopped && !s.optimizer_seen;
   est.peak_allocated_bytes = s.alloc.peak_allocated_bytes();
   est.peak_reserved_bytes = s.alloc.peak_reserved_bytes();
   est.breakdown_at_peak = s.at_peak;
