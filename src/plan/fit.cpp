@@ -44,6 +44,7 @@
 
 #include "common/checked.h"
 #include "estimate.h"
+#include "graph/context_parallel.h"
 #include "graph/parallel.h"
 #include "graph/pipeline.h"
 #include "graph/quant.h"
@@ -407,6 +408,11 @@ bool valid(const Recipe& r) {
   return !plan::plainly_refused(r) && accepted([&] { r.validate(); });
 }
 
+// Whether the engine models `r`'s context parallelism for this model (graph/context_parallel.h).
+bool cp_modelled(const Model& m, const Recipe& r) {
+  return accepted([&] { graph::check_context_parallel(m, r); });
+}
+
 // Whether the engine models `tp`-way tensor parallelism of this model (the family and the
 // divisibility of heads, key/value heads and the MLP's width: Note [Tensor parallelism]).
 bool tp_modelled(const Model& m, std::uint64_t tp) {
@@ -657,7 +663,8 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
   q.base.validate();
   if (q.base.mode != Mode::kTraining) throw Error("mode: fit plans training recipes; estimate a generation with `estimate --inference`");
   if (q.base.cp != 1) {
-    throw Error("cp: fit does not search context parallelism; estimate a context-parallel recipe with `estimate --cp N`");
+    throw Error("cp: fit searches context parallelism itself over --gpus (one ring over all of them, where it is "
+                "modelled); give the recipe without --cp");
   }
   if (q.base.tp > 1 && q.gpus % q.base.tp != 0) {
     throw Error("tp: " + std::to_string(q.base.tp) + " does not divide gpus " + std::to_string(q.gpus) +
@@ -822,6 +829,29 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
     if (!valid(ir) || !pipeline_modelled(model, ir)) return std::nullopt;
     return ir;
   };
+  // Note [Context parallelism in the planner]
+  // One ring over every GPU (cp = --gpus: torch's context_parallel with no data-parallel mesh,
+  // Note [Context parallelism] in graph/context_parallel.h): each GPU holds the whole model and
+  // runs seq / cp tokens of every sequence, and the ring is one data-parallel rank that runs the
+  // whole global batch, like a pipeline over every GPU. What it is for: sequences whose
+  // activations outgrow a GPU when the model states do not. Searched where the engine models it
+  // (Llama-family SDPA, fp32 or a -true precision, the standard loss, seq divisible by 2 cp),
+  // beside the data-parallel wrappers, with the floor of one GPU's model states. It is mirrored
+  // from the source, not measured (docs/parallelism.md), and the plans say so.
+  auto context_parallel_of = [&](const Recipe& r) -> std::optional<Recipe> {
+    if (q.gpus < 2 || q.gpus > 64 || out.global_batch % r.batch != 0 || out.global_batch / r.batch > kMaxAccum) {
+      return std::nullopt;
+    }
+    Recipe cr = r;
+    cr.cp = q.gpus;
+    cr.gpus = 1;
+    cr.parallel = Parallel::kNone;
+    cr.fsdp = Fsdp{};
+    cr.offload = Offload::kNone;
+    cr.grad_accum = out.global_batch / r.batch;
+    if (!valid(cr) || !cp_modelled(model, cr)) return std::nullopt;
+    return cr;
+  };
   std::vector<std::uint64_t> tps = {1};
   if (fixed(q, "tp")) tps = {q.base.tp};
   else tps.insert(tps.end(), tp_degrees.begin(), tp_degrees.end());
@@ -931,6 +961,13 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
                     // A tensor-parallel group is a pipeline stage too (PP x TP, Note [Pipeline with
                     // tensor parallelism]), with FSDP2 replicas only (DDP over a tensor-parallel
                     // model is not modelled), on the group's local model.
+                    // One context-parallel ring over every GPU (Note [Context parallelism in the planner]).
+                    if (pipelines && dp == parallels.front()) {
+                      if (const auto cr = context_parallel_of(r)) {
+                        const std::uint64_t cfloor = rank_floor(model, *cr);
+                        out_space.push_back({*cr, step_time(model, *cr), cfloor, cfloor});
+                      }
+                    }
                     if ((pipelines && dp == parallels.front()) || (tp_pipelines && dp == tp_parallels.front())) {
                       for (std::uint64_t stages : pp_degrees) {
                         const std::uint64_t replicas = q.gpus / stages / tp;
@@ -1191,6 +1228,20 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
         if (moved) what += ", precision " + std::string(to_string(r->precision));
         change(what, *r);
       }
+    }
+  }
+  // Context parallelism: one ring over every GPU instead of data parallelism.
+  // The ring runs fp32 or one half dtype: an autocast or master-weight recipe moves to its -true twin.
+  if (base.tp == 1 && base.pp == 1 && q.gpus > 1) {
+    Recipe cb = base;
+    const bool fp16 = base.precision == Precision::kFp16Mixed;
+    const bool moved = base.precision != Precision::kFp32 && base.precision != Precision::kBf16True &&
+                       base.precision != Precision::kFp16True;
+    if (moved) cb.precision = fp16 ? Precision::kFp16True : Precision::kBf16True;
+    if (const auto r = context_parallel_of(cb)) {
+      change("cp " + std::to_string(q.gpus) + " (one ring over every GPU, no data parallelism; unmeasured)" +
+                 (moved ? ", precision " + std::string(to_string(cb.precision)) : std::string()),
+             *r);
     }
   }
   if (base.tp > 1) {

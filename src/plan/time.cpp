@@ -56,6 +56,16 @@
 //    input-gradient all-reduce (reduce-scatter with sequence parallelism) and three per-token
 //    fp32 all-reduces once per micro-batch. Full checkpointing
 //    repeats the forward's collectives in the recompute. Not overlapped with compute;
+//  * context parallelism (cp > 1, Note [Context parallelism] in graph/context_parallel.h): a rank
+//    runs seq / cp tokens of every sequence, so every per-token term above (matmul FLOPs, the
+//    elementwise and loss traffic) is 1/cp of it, and so is attention under the head-tail load
+//    balancing (each rank's queries meet on average the same share of the causal keys); the
+//    optimizer works on the whole model. Its collectives, per decoder layer and micro-batch, at
+//    the interconnect bandwidth, not overlapped: the forward all-gathers the concatenated key and
+//    value chunks ((cp - 1) local chunks received), the backward gathers them again and passes the
+//    fp32 key and value gradients around the ring once per rotation ((cp - 1) rotations), and a
+//    recompute gathers again; every .grad is all-reduced after each micro-batch's backward (the
+//    reference step has no no_sync). Ring rotations add kCpKernelsPerRotation launches per layer;
 //  * launches: kLaunchSeconds per kernel; kKernelsPerLayer per decoder layer and micro-batch
 //    (forward and backward), more for eager attention and recomputation, and the optimizer's:
 //    a few per tensor for per-parameter loops (8-bit AdamW, Adafactor), a few per group for
@@ -78,6 +88,7 @@ constexpr double kMemoryEfficiency = 0.70;  // achieved share of memory bandwidt
 constexpr double kLaunchSeconds = 4e-6;     // per kernel launch, including framework overhead
 constexpr double kKernelsPerLayer = 75;     // ~25 forward + ~50 backward kernels per decoder layer
 constexpr double kElementwisePasses = 3;    // forward, and twice that in backward: 1 + 2
+constexpr double kCpKernelsPerRotation = 10;  // a ring step's SDPA chunk, merge and copies, forward and backward
 // Host memory bandwidth one rank's CPUAdam achieves, GB/s: a planning assumption (a server
 // socket's DDR5 gives a few hundred GB/s shared by the GPUs it hosts), not measured.
 constexpr double kHostMemoryGbps = 50;
@@ -146,7 +157,9 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
   StepTime t;
   if (gpu.half_tflops <= 0 || gpu.memory_gbps <= 0) return t;  // the cpu pseudo-device: no model
   const MatmulCounts c = count(model, recipe);
-  const double tokens = static_cast<double>(recipe.batch) * static_cast<double>(recipe.seq);
+  // A context-parallel rank's tokens: seq / cp of each sequence (attention below still spans seq).
+  const double cp = static_cast<double>(recipe.cp);
+  const double tokens = static_cast<double>(recipe.batch) * static_cast<double>(recipe.seq) / cp;
   const double micro = static_cast<double>(recipe.grad_accum);
   const double L = static_cast<double>(a.num_layers);
 
@@ -198,6 +211,7 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
   if (recipe.lora.enabled()) kernels += 8 * static_cast<double>(recipe.lora.targets.size()) * L;
   kernels *= micro;
   const bool per_tensor = recipe.optimizer == Optimizer::kAdamW8bit || recipe.optimizer == Optimizer::kAdafactor;
+  if (recipe.cp > 1) kernels += kCpKernelsPerRotation * (cp - 1) * L * micro;
   kernels += per_tensor ? 12 * c.tensors : 40;
   t.overhead_s = kernels * kLaunchSeconds;
 
@@ -274,6 +288,13 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
       per_micro_extra += (recipe.sequence_parallel ? 1 : 2) * ring * activation + 3 * 2 * ring * tokens * 4;
     }
     tp_comm_s = (per_layer * L + per_micro_extra) * micro / (gpu.interconnect_gbps * 1e9);
+  }
+  if (recipe.cp > 1 && gpu.interconnect_gbps > 0) {
+    const double kv = tokens * static_cast<double>(a.num_kv_heads) * static_cast<double>(a.head_dim) * 2;
+    const double gathers = recipe.checkpointing == Checkpointing::kFull ? 3 : 2;  // forward, backward, recompute
+    const double per_layer = (cp - 1) * kv * (gathers * act + 4);                 // + the fp32 gradients' rotations
+    const double grads = c.trainable_elements * (master ? 2 : pb);
+    t.comm_s += (per_layer * L + 2 * (cp - 1) / cp * grads) * micro / (gpu.interconnect_gbps * 1e9);
   }
   if (offload || offload_params) {
     const double np = c.trainable_elements / static_cast<double>(recipe.gpus);

@@ -243,6 +243,10 @@ std::string fit_to_text(const std::string& model, const FitResult& f) {
       add("host: host memory of one rank under CPU offload, within the %s allowed per GPU (--host-memory)\n",
           detail::format_bytes(f.host_capacity_bytes).c_str());
     }
+    if (std::any_of(f.plans.begin(), f.plans.end(), [](const Plan& p) { return p.recipe.cp > 1; })) {
+      add("cp: context parallelism (ring attention) is mirrored from torch's source, not measured "
+          "(docs/parallelism.md)\n");
+    }
   } else {
     add("nothing fits.\n");
     if (f.has_closest_miss) {

@@ -547,6 +547,7 @@ TEST(Fit, SeveralGpusSearchDdpAndFsdpWithTheBatchSplit) {
   ASSERT_FALSE(f.plans.empty());
   std::set<Parallel> seen;
   for (const Plan& p : f.plans) {
+    if (p.recipe.cp > 1) continue;  // one context-parallel ring (LongSequencesSearchOneContextParallelRing)
     EXPECT_EQ(p.recipe.gpus, 4u);
     EXPECT_EQ(p.recipe.batch * p.recipe.grad_accum, 8u);  // 32 sequences over 4 GPUs
     EXPECT_GT(p.time.comm_s, 0);
@@ -780,6 +781,61 @@ TEST(StepTime, MovesAsTheModelSays) {
   r.lora.rank = 16;
   EXPECT_LT(step_time(m, r).flops, base.flops * 0.75);  // frozen weights get no weight gradient
   EXPECT_EQ(step_time(m, base_recipe("cpu", 128)).seconds, 0);
+}
+
+}  // namespace
+}  // namespace trainmem
+
+namespace trainmem {
+namespace {
+
+// Context parallelism (Note [Context parallelism in the planner]): at a sequence length whose
+// activations outgrow a GPU, one ring over every GPU is searched beside the data-parallel
+// wrappers; its plans are estimates of exactly their recipe, the ring runs the whole global
+// batch, and each GPU computes its 1/cp of the tokens.
+TEST(Fit, LongSequencesSearchOneContextParallelRing) {
+  const Model m = load_model("llama-3.1-8b");
+  FitRequest q;
+  q.base = base_recipe("h100-80gb", 32768);
+  q.gpus = 8;
+  q.global_batch = 8;
+  q.top = 10;
+  const FitResult f = fit(m, q);
+  std::size_t rings = 0;
+  for (const Plan& p : f.plans) {
+    if (p.recipe.cp == 1) continue;
+    EXPECT_EQ(p.recipe.cp, 8u);
+    EXPECT_EQ(p.recipe.gpus, 1u);
+    EXPECT_EQ(p.recipe.parallel, Parallel::kNone);
+    EXPECT_EQ(p.recipe.batch * p.recipe.grad_accum, 8u);
+    EXPECT_NE(p.recipe.precision, Precision::kBf16Mixed);  // the ring runs one dtype
+    EXPECT_GT(p.time.comm_s, 0);
+    if (rings++ == 0) {
+      const Estimate e = estimate(m, p.recipe);
+      EXPECT_EQ(e.peak_reserved_bytes, p.peak_reserved_bytes);
+      EXPECT_EQ(e.peak_allocated_bytes, p.peak_allocated_bytes);
+      // The same step on one GPU computes cp times the FLOPs of a ring rank.
+      Recipe one = p.recipe;
+      one.cp = 1;
+      EXPECT_NEAR(step_time(m, one).flops / p.time.flops, 8.0, 1e-9);
+    }
+  }
+  EXPECT_GE(rings, 1u);
+  // The user's bf16-mixed DDP recipe: the single change moves to bf16-true for the ring.
+  EXPECT_TRUE(std::any_of(f.changes.begin(), f.changes.end(), [](const Change& c) {
+    return c.plan.recipe.cp == 8 && c.what.find("precision bf16-true") != std::string::npos;
+  }));
+  // A recipe given with cp is refused: the planner searches it itself.
+  FitRequest given = q;
+  given.base.cp = 2;
+  given.base.precision = Precision::kBf16True;
+  EXPECT_NE(testing::error_of([&] { (void)fit(m, given); }).find("fit searches context parallelism itself"),
+            std::string::npos);
+  // GPT-2 is not modelled under context parallelism: no ring.
+  FitRequest gpt = q;
+  gpt.base = base_recipe("h100-80gb", 1024);
+  gpt.top = 50;
+  for (const Plan& p : fit(load_model("gpt2"), gpt).plans) EXPECT_EQ(p.recipe.cp, 1u);
 }
 
 }  // namespace
