@@ -705,9 +705,10 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
   out.host_capacity_bytes = host;
   // Note [A global batch that does not split over the GPUs]
   // Data parallelism gives every GPU global_batch / gpus sequences, so it needs the global batch
-  // to divide. A pipeline over every GPU and a tensor-parallel group of every GPU are one
-  // data-parallel rank that runs the whole global batch, so they take any global batch. When it
-  // does not divide, the search keeps those two and leaves data parallelism out; a data-parallel
+  // to divide. A pipeline over every GPU, a tensor-parallel group of every GPU and a
+  // context-parallel ring over every GPU are one data-parallel rank that runs the whole global
+  // batch, so they take any global batch. When it does not divide, the search keeps those and
+  // leaves data parallelism out; a data-parallel
   // recipe of the user's becomes its pipeline counterpart as the baseline (pp = gpus, the user's
   // micro-batch, the schedule as the search would pick it), or its tensor-parallel one where the
   // engine does not model the pipeline, and the text output says so.

@@ -171,7 +171,8 @@ def test_pipeline_micro_batches_past_the_data_parallel_ones_run_gpipe(run):
         # 1F1B, or its interleaved form over two stages per GPU, with as many micro-batches as stages
         assert r["pp_schedule"] in (("1f1b", "interleaved-1f1b") if r["grad_accum"] >= r["pp"] else ("gpipe",))
         assert r.get("pp_stages_per_rank", 1) == (2 if r["pp_schedule"] == "interleaved-1f1b" else 1)
-    dp = [p["recipe"] for p in j["plans"] if p["recipe"].get("pp", 1) == 1 and p["recipe"].get("tp", 1) == 1]
+    dp = [p["recipe"] for p in j["plans"]
+          if p["recipe"].get("pp", 1) == 1 and p["recipe"].get("tp", 1) == 1 and p["recipe"].get("cp", 1) == 1]
     assert dp and all(r["batch"] == 1 and r["grad_accum"] == 1 for r in dp), dp
     gpipe = next(p for p in j["plans"] if p["recipe"].get("pp_schedule") == "gpipe" and p["recipe"]["pp"] == 4)
     rc = gpipe["recipe"]
@@ -194,15 +195,16 @@ def test_a_global_batch_the_gpus_cannot_split_plans_pipelines_and_tensor_paralle
     assert (b["pp"], b["batch"], b["grad_accum"], b["pp_schedule"]) == (4, 1, 6, "1f1b") and "gpus" not in b
     assert j["plans"]
     kinds = set()
-    # pp 4, tp 4, tp 2 x fsdp 2, pp 2 x ddp/fsdp 2 (3 sequences per group or replica) or pp 2 x tp 2:
-    # never tp 1 over 4 GPUs
+    # pp 4, tp 4, tp 2 x fsdp 2, pp 2 x ddp/fsdp 2 (3 sequences per group or replica), pp 2 x tp 2 or
+    # one context-parallel ring of 4 (it runs the whole batch too): never data parallelism over 4 GPUs
+    expected = {(4, 1, 1, 1), (1, 4, 1, 1), (1, 2, 2, 1), (2, 1, 2, 1), (2, 2, 1, 1), (1, 1, 1, 4)}
     for p in j["plans"]:
         rc = p["recipe"]
-        kind = (rc.get("pp", 1), rc.get("tp", 1), rc.get("gpus", 1))
-        assert kind in {(4, 1, 1), (1, 4, 1), (1, 2, 2), (2, 1, 2), (2, 2, 1)}, rc
+        kind = (rc.get("pp", 1), rc.get("tp", 1), rc.get("gpus", 1), rc.get("cp", 1))
+        assert kind in expected, rc
         assert rc["batch"] * rc["grad_accum"] * kind[2] == 6, rc
         kinds.add(kind)
-    assert kinds == {(4, 1, 1), (1, 4, 1), (1, 2, 2), (2, 1, 2), (2, 2, 1)}, kinds
+    assert kinds == expected, kinds
     gp = next(p for p in j["plans"] if p["recipe"].get("pp_schedule") == "gpipe")  # 3 micro-batches of 2
     rc = gp["recipe"]
     assert (rc["batch"], rc["grad_accum"]) == (2, 3)
