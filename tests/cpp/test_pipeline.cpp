@@ -489,11 +489,24 @@ TEST(Pipeline, RefusesStagesPerRankThatTheScheduleDoesNotRun) {
   r.pp_schedule = PipelineSchedule::kLoopedBFS;
   r.grad_accum = 5;
   EXPECT_NO_THROW(r.validate());
+  // Each local stage its own DDP or FSDP2 root (Notes [Interleaved pipeline schedules with DDP] /
+  // [... with FSDP2]); HSDP and an FSDP2 MixedPrecisionPolicy over several stages are unmeasured.
   r.gpus = 2;
   r.parallel = Parallel::kDdp;
+  EXPECT_NO_THROW(r.validate());
+  r.parallel = Parallel::kFsdp;
+  EXPECT_NO_THROW(r.validate());
+  r.gpus = 4;
+  r.fsdp.replicate = 2;
   EXPECT_EQ(error_of([&] { r.validate(); }),
-            "pp_schedule looped-bfs with parallel ddp is not modelled yet (unmeasured: DDP or FSDP2 over several "
-            "stages per rank); use parallel none");
+            "pp_schedule looped-bfs with fsdp_replicate 2 is not modelled (unmeasured: HSDP over several stages per "
+            "rank); use fsdp_replicate 1, or 1f1b or gpipe");
+  r.gpus = 2;
+  r.fsdp.replicate = 1;
+  r.fsdp.param_dtype = FsdpDtype::kBf16;
+  EXPECT_EQ(error_of([&] { r.validate(); }),
+            "pp_schedule looped-bfs with an FSDP2 MixedPrecisionPolicy (fsdp_param_dtype / fsdp_reduce_dtype) is "
+            "not modelled (unmeasured over several stages per rank); use the defaults, or 1f1b or gpipe");
   r = pp_recipe(2, 4);
   r.pp_stages_per_rank = 0;
   EXPECT_EQ(error_of([&] { r.validate(); }), "pp_stages_per_rank: must be between 1 and 64, got 0");
