@@ -3,6 +3,7 @@
 // (python/trainmem/measure/pipeline.py is the measured code).
 #include "graph/pipeline.h"
 
+#include <algorithm>
 #include <string>
 
 #include "graph/step_builder.h"
@@ -322,9 +323,11 @@ std::vector<PipelineAction> pipeline_order(PipelineSchedule schedule, std::uint6
 //    _add_unshard_reshard over each rank's compute actions: before action i it takes the next
 //    max_active_stages = 3 distinct stages from i on (next_stage_indices), issues a RESHARD for
 //    every active stage not among them and then an UNSHARD for each of them not active, in that
-//    order (StepBuilder::pp_next_stages). With V <= 3 every local stage is fetched before the
-//    step's first action and stays active to the end, where a RESHARD follows the last action for
-//    each; with V >= 4 stages are evicted and fetched again in the step;
+//    order (pipeline_add_unshard_reshard), and after the last action a RESHARD of every stage still
+//    active. With V <= 3 every local stage is fetched before the step's first action and evicted
+//    only once no action of it is left, after its REDUCE_GRAD (_add_reduce_grad runs on the
+//    lowered list); with V >= 4 a stage is also evicted between its forwards and its backwards, and
+//    fetched again before them;
 //  * UNSHARD: unshard(async_op=True) on every FSDPModule of the stage module in modules() order
 //    (the root, then its layers): each group that is not unsharded issues its all-gather and the
 //    buffer waits in its _all_gather_result. So at the step's start a rank holds the all-gather
@@ -335,9 +338,11 @@ std::vector<PipelineAction> pipeline_order(PipelineSchedule schedule, std::uint6
 //    (DataParallel::pp_wait_unshard). A stage's first forward thus gathers nothing itself; its
 //    layers reshard in their post-forwards as usual (reshard_after_forward) and gather again in
 //    the later forwards and backwards as with one stage; the root stays gathered;
-//  * RESHARD: reshard() on every FSDPModule of the stage (the root too) frees what is unsharded;
-//    at the end of the step everything was already resharded by perform_reduce_grad, so it frees
-//    nothing (DataParallel::pp_reshard);
+//  * RESHARD: reshard() on every FSDPModule of the stage (the root too) frees what is unsharded
+//    (DataParallel::pp_reshard): after a stage's last action everything was already resharded by
+//    its perform_reduce_grad, so it frees nothing; between its forwards and its backwards (V >= 4)
+//    it frees the root and, with reshard_after_forward=False, the layers, which the next UNSHARD
+//    gathers again;
 //  * REDUCE_GRAD follows each stage's M-th backward (_add_reduce_grad), not the end of the step:
 //    perform_reduce_grad runs the stage's post-backwards (its root first, then its layers: its own
 //    all_states), reduce-scatters what its gradients accumulated and runs its root's final
@@ -387,6 +392,37 @@ std::vector<PipelineStageAction> pipeline_multi_order(PipelineSchedule schedule,
       backward(op);
     }
   }
+  return out;
+}
+
+std::vector<PipelineLoweredAction> pipeline_add_unshard_reshard(const std::vector<PipelineStageAction>& order) {
+  constexpr std::size_t kMaxActiveStages = 3;  // _add_unshard_reshard's max_active_stages default
+  using Kind = PipelineLoweredAction::Kind;
+  std::vector<PipelineLoweredAction> out;
+  std::vector<std::uint64_t> active;  // kept sorted: a set of small ints iterates in ascending order
+  for (std::size_t i = 0; i < order.size(); ++i) {
+    std::vector<std::uint64_t> next;  // next_stage_indices
+    for (std::size_t j = i; j < order.size() && next.size() < kMaxActiveStages; ++j) {
+      if (std::find(next.begin(), next.end(), order[j].stage) == next.end()) next.push_back(order[j].stage);
+    }
+    std::vector<std::uint64_t> evict, fetch;
+    for (std::uint64_t s : active) {
+      if (std::find(next.begin(), next.end(), s) == next.end()) evict.push_back(s);
+    }
+    for (std::uint64_t s : next) {
+      if (std::find(active.begin(), active.end(), s) == active.end()) fetch.push_back(s);
+    }
+    for (std::uint64_t s : evict) {
+      out.push_back({Kind::kReshard, s, 0});
+      active.erase(std::find(active.begin(), active.end(), s));
+    }
+    for (std::uint64_t s : fetch) {
+      out.push_back({Kind::kUnshard, s, 0});
+      active.insert(std::upper_bound(active.begin(), active.end(), s), s);
+    }
+    out.push_back({Kind::kCompute, order[i].stage, i});
+  }
+  for (std::uint64_t s : active) out.push_back({Kind::kReshard, s, 0});
   return out;
 }
 
@@ -697,19 +733,6 @@ void StepBuilder::pp_warmup_vote_multi() {
   t_.release(acc);
 }
 
-// _add_unshard_reshard's next_stage_indices: the local stages (0 .. V - 1) of the next
-// kMaxActiveStages distinct stages the rank computes on from action i on.
-std::vector<std::uint64_t> StepBuilder::pp_next_stages(const std::vector<PipelineStageAction>& order,
-                                                       std::size_t i) const {
-  constexpr std::size_t kMaxActiveStages = 3;  // _add_unshard_reshard's max_active_stages default
-  std::vector<std::uint64_t> out;
-  for (std::size_t j = i; j < order.size() && out.size() < kMaxActiveStages; ++j) {
-    const std::uint64_t v = (order[j].stage - rank_) / r_.pp;
-    if (std::find(out.begin(), out.end(), v) == out.end()) out.push_back(v);
-  }
-  return out;
-}
-
 // See Note [Interleaved pipeline schedules]: a rank holding several stages.
 Trace StepBuilder::build_pipeline_multi() {
   const std::uint64_t P = r_.pp, V = r_.pp_stages_per_rank, M = r_.grad_accum;
@@ -717,7 +740,12 @@ Trace StepBuilder::build_pipeline_multi() {
   const bool first = rank_ == 0, last = rank_ == P - 1;  // holds stage 0 / the last stage
   const std::uint64_t act_bytes = tok_ * a_.hidden_size * dtype_bytes(pol_.param);
   const std::vector<PipelineStageAction> order = pipeline_multi_order(r_.pp_schedule, P, V, rank_, M);
-  const bool fsdp = r_.parallel == Parallel::kFsdp;
+  std::vector<PipelineLoweredAction> lowered;
+  if (r_.parallel == Parallel::kFsdp) {
+    lowered = pipeline_add_unshard_reshard(order);
+  } else {
+    for (std::size_t i = 0; i < order.size(); ++i) lowered.push_back({PipelineLoweredAction::Kind::kCompute, order[i].stage, i});
+  }
   t_.at(Phase::kSetup, kNoLayer, "batch");
   if (first) input_ids_ = t_.make(tok_ * M, DType::kI64, Category::kOther);
   if (last) labels_ = t_.make(tok_ * M, DType::kI64, Category::kOther);
@@ -744,26 +772,22 @@ Trace StepBuilder::build_pipeline_multi() {
     std::vector<T> sent_outputs;     // send_ops: every SEND_F's works, to the end of step()
     std::vector<TensorId> sent_grads;  // and every SEND_B's
     std::vector<std::uint64_t> backwards(V, 0);
-    std::vector<bool> active(V, false);  // FSDP2: _add_unshard_reshard's active stages
-    for (std::size_t i = 0; i < order.size(); ++i) {
-      const PipelineStageAction& act = order[i];
-      const std::uint64_t v = (act.stage - rank_) / P;
+    for (const PipelineLoweredAction& low : lowered) {
+      const std::uint64_t v = (low.stage - rank_) / P;
+      // FSDP2: the lowering's UNSHARD / RESHARD (See Note [Interleaved pipeline schedules with FSDP2]);
+      // the last RESHARDs free nothing, every unit resharded by its stage's perform_reduce_grad.
+      if (low.kind == PipelineLoweredAction::Kind::kUnshard) {
+        pp_dps_[v].pp_unshard();
+        continue;
+      }
+      if (low.kind == PipelineLoweredAction::Kind::kReshard) {
+        pp_dps_[v].pp_reshard();
+        continue;
+      }
+      const PipelineStageAction& act = order[low.compute];
       pp_stage_ = act.stage;
       pp_slot_ = v * M;
       PipelineMicro& mb = mbs[v * M + act.micro];
-      if (fsdp) {  // the lowering's RESHARD / UNSHARD before the action (See Note [Interleaved pipeline schedules with FSDP2])
-        const std::vector<std::uint64_t> next = pp_next_stages(order, i);
-        for (std::uint64_t w = 0; w < V; ++w) {  // evict: active_stages, a set of small ints, in ascending order
-          if (!active[w] || std::find(next.begin(), next.end(), w) != next.end()) continue;
-          pp_dps_[w].pp_reshard();
-          active[w] = false;
-        }
-        for (std::uint64_t w : next) {  // fetch, in the order the stages come next
-          if (active[w]) continue;
-          pp_dps_[w].pp_unshard();
-          active[w] = true;
-        }
-      }
       if (!pp_dps_.empty()) dp_ = &pp_dps_[v];
       dp_->pp_wait_unshard();  // _assert_unsharded
       if (act.forward) {
@@ -785,13 +809,6 @@ Trace StepBuilder::build_pipeline_multi() {
           op("pipeline.reduce_grad");
           dp_->pipeline_reduce_grad();
         }
-      }
-    }
-    // The lowering's last RESHARDs, after the last compute action: every unit is already
-    // resharded by its stage's perform_reduce_grad.
-    if (fsdp) {
-      for (std::uint64_t w = 0; w < V; ++w) {
-        if (active[w]) pp_dps_[w].pp_reshard();
       }
     }
     dp_ = &dp_rank_;

@@ -425,7 +425,6 @@ class StepBuilder {
   // Several stages per rank (Note [Interleaved pipeline schedules] in pipeline.cpp).
   Trace build_pipeline_multi();
   void pp_warmup_vote_multi();
-  std::vector<std::uint64_t> pp_next_stages(const std::vector<PipelineStageAction>& order, std::size_t i) const;
   std::uint64_t pp_num_stages() const;
   T pp_shard_embedding(T& hs);  // PP x TP with sequence parallelism (pipeline.cpp)
   T pp_vocab_parallel_head(const T& normed);  // PP x TP with loss parallelism (pipeline.cpp)
