@@ -744,7 +744,9 @@ Trace StepBuilder::build_pipeline_multi() {
   if (r_.parallel == Parallel::kFsdp) {
     lowered = pipeline_add_unshard_reshard(order);
   } else {
-    for (std::size_t i = 0; i < order.size(); ++i) lowered.push_back({PipelineLoweredAction::Kind::kCompute, order[i].stage, i});
+    for (std::size_t i = 0; i < order.size(); ++i) {
+      lowered.push_back({PipelineLoweredAction::Kind::kCompute, order[i].stage, i});
+    }
   }
   t_.at(Phase::kSetup, kNoLayer, "batch");
   if (first) input_ids_ = t_.make(tok_ * M, DType::kI64, Category::kOther);
@@ -775,7 +777,7 @@ Trace StepBuilder::build_pipeline_multi() {
     for (const PipelineLoweredAction& low : lowered) {
       const std::uint64_t v = (low.stage - rank_) / P;
       // FSDP2: the lowering's UNSHARD / RESHARD (See Note [Interleaved pipeline schedules with FSDP2]);
-      // the last RESHARDs free nothing, every unit resharded by its stage's perform_reduce_grad.
+      // a RESHARD after the stage's REDUCE_GRAD frees nothing, one before its backwards what is gathered.
       if (low.kind == PipelineLoweredAction::Kind::kUnshard) {
         pp_dps_[v].pp_unshard();
         continue;
