@@ -77,7 +77,11 @@ void StepBuilder::bnb_quantization_maps() {
 void StepBuilder::optimizer_step(bool first) {
   phase_ = Phase::kOptimizer;
   layer_ = kNoLayer;
-  dp_.before_optimizer();
+  if (pp_dps_.empty()) {
+    dp_->before_optimizer();
+  } else {  // several pipeline stages per rank: each stage's wrapper, in stage order
+    for (DataParallel& d : pp_dps_) d.before_optimizer();
+  }
   TensorId found_inf = kNone;
   if (r_.precision == Precision::kFp16Mixed) {
     // GradScaler.step → unscale_: found_inf and the inverse scale, gradients unscaled in place.
@@ -93,7 +97,7 @@ void StepBuilder::optimizer_step(bool first) {
   if (r_.precision == Precision::kFp16Mixed && r_.optimizer == Optimizer::kAdamWFused) {
     found_inf_sum = t_.alloc_bytes(4, Category::kTemporaries);
   }
-  if (pol_.master && !dp_.zero()) {
+  if (pol_.master && !dp_->zero()) {
     // fp32 gradients for the master copy, parameter by parameter; the half .grad goes.
     op("optimizer.master_grads");
     const std::vector<std::uint32_t> order = registration_order(m_.parameters, a_.num_layers, a_.family);
@@ -115,21 +119,21 @@ void StepBuilder::optimizer_step(bool first) {
   }
   // ZeRO hands the torch optimizer this rank's fp32 master partition, one sub-group at a time
   // (ZeRO-1/2: one; ZeRO-3: sub_group_size elements each, Note [DeepSpeed ZeRO-3]).
-  if (dp_.zero()) {
-    const std::vector<std::uint64_t>& groups = dp_.zero_sub_groups();
+  if (dp_->zero()) {
+    const std::vector<std::uint64_t>& groups = dp_->zero_sub_groups();
     for (std::size_t g = 0; g < groups.size(); ++g) {
       Param partition;
       partition.numel = groups[g];
       partition.dtype = DType::kF32;
-      dp_.zero_before_sub_group(g);
+      dp_->zero_before_sub_group(g);
       step_parameters({&partition}, first);
-      dp_.zero_after_sub_group(g);
+      dp_->zero_after_sub_group(g);
     }
   } else {
     step_parameters(opt, first);
   }
   if (found_inf_sum != kNone) t_.release(found_inf_sum);
-  dp_.zero_after_optimizer();
+  dp_->zero_after_optimizer();
   if (pol_.master) {
     op("optimizer.copy_to_half");  // in place: p.copy_(master)
   }
@@ -148,10 +152,12 @@ void StepBuilder::optimizer_step(bool first) {
 void StepBuilder::step_parameters(const std::vector<const Param*>& opt, bool first) {
   // zeros_like the parameter the optimizer holds: fp32 masters, or FSDP2's sharded parameter (fp32
   // under a param_dtype policy, See Note [FSDP2 variants]).
-  auto sb_of = [&](const Param& p) { return dtype_bytes(pol_.master ? DType::kF32 : dp_.local_dtype(p.slot, p.dtype)); };
+  auto sb_of = [&](const Param& p) {
+    return dtype_bytes(pol_.master ? DType::kF32 : dp_of_slot(p.slot).local_dtype(p.slot, p.dtype));
+  };
   // The elements this rank's optimizer holds of a parameter (FSDP2: its shard).
-  auto numel_of = [&](const Param& p) { return dp_.local_numel(p.slot, p.numel); };
-  if (dp_.offload()) {
+  auto numel_of = [&](const Param& p) { return dp_of_slot(p.slot).local_numel(p.slot, p.numel); };
+  if (dp_->offload()) {
     op("optimizer.cpu_adam");  // DeepSpeedCPUAdam on the host: nothing on the GPU (Note [ZeRO-Offload])
   } else switch (r_.optimizer) {
     case Optimizer::kAdamW:

@@ -350,6 +350,37 @@ void DataParallel::pipeline_reduce_grad() {
   drop_reduce_states();
 }
 
+// The UNSHARD action: unshard(async_op=True) on every FSDPModule of the stage module, in
+// modules() order (the stage module, the root, then its decoder layers): each unit not gathered
+// issues its all-gather, and its buffer waits in the group's _all_gather_result.
+void DataParallel::pp_unshard() {
+  if (kind_ != Parallel::kFsdp) return;
+  t_.at(t_.phase(), kNoLayer, "pipeline.unshard");
+  auto issue = [this](std::size_t i) {
+    Unit& u = units_[i];
+    if (u.params.empty() || u.gathered || u.flat != kNone) return;
+    all_gather(u);
+    pp_unshard_ops_.push_back(i);
+  };
+  issue(units_.size() - 1);
+  for (std::size_t i = 0; i + 1 < units_.size(); ++i) issue(i);
+}
+
+// _assert_unsharded before the stage's F or B: each handle's wait_for_unshard, outside a forward
+// (the group is IDLE), so the all-gather buffer is freed right after its copy-out.
+void DataParallel::pp_wait_unshard() {
+  for (std::size_t i : pp_unshard_ops_) copy_out(units_[i], /*waited_by_schedule=*/true);
+  pp_unshard_ops_.clear();
+}
+
+// The RESHARD action: reshard() on every FSDPModule of the stage (the root too).
+void DataParallel::pp_reshard() {
+  if (kind_ != Parallel::kFsdp) return;
+  t_.at(t_.phase(), kNoLayer, "pipeline.reshard");
+  reshard(units_.back());
+  for (std::size_t i = 0; i + 1 < units_.size(); ++i) reshard(units_[i]);
+}
+
 void DataParallel::before_optimizer() {
   if (zero3()) return zero3_before_optimizer();
   if (zero()) return zero_before_optimizer();
@@ -424,10 +455,10 @@ void DataParallel::all_gather(Unit& u) {
   if (cast != kNone) t_.release(cast);
 }
 
-void DataParallel::copy_out(Unit& u) {
+void DataParallel::copy_out(Unit& u, bool waited_by_schedule) {
   t_.at(t_.phase(), kNoLayer, "fsdp.all_gather_copy_out");
   for (std::uint32_t pi : u.params) t_.resize(unsharded_[pi], true);
-  if (t_.phase() == Phase::kForward) {
+  if (t_.phase() == Phase::kForward && !waited_by_schedule) {
     // In forward the buffer is kept in all_gather_state until the next unit's copy-out or the
     // root's post-forward (See Note [FSDP2 units]).
     if (forward_all_gather_ != kNone) t_.release(forward_all_gather_);

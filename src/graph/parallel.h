@@ -57,6 +57,15 @@ class DataParallel {
   // deferred post-backwards and the root's final callback; See Note [Pipeline with FSDP2] in
   // pipeline.cpp). A no-op for DDP and without a pipeline.
   void pipeline_reduce_grad();
+  // Several pipeline stages per rank, one wrapper per local stage (See Note [Interleaved pipeline
+  // schedules with FSDP2] in pipeline.cpp): the schedule's UNSHARD action (every unit of the stage
+  // issues its all-gather, the root first), the wait before the stage's next F or B
+  // (_assert_unsharded: the copy-outs, the buffers freed at once), and its RESHARD action.
+  void pp_unshard();
+  void pp_wait_unshard();
+  void pp_reshard();
+  // Whether this wrapper holds the parameter of `slot` (a stage's wrapper holds only the stage's).
+  bool holds(std::uint32_t slot) const { return slot < param_of_slot_.size() && param_of_slot_[slot] != kNone; }
 
   // The elements of this rank's parameter that the optimizer sees (FSDP2: rank 0's shard).
   std::uint64_t local_numel(std::uint32_t slot, std::uint64_t numel) const;
@@ -132,7 +141,7 @@ class DataParallel {
 
   void rebuild_buckets();
   void all_gather(Unit& u);
-  void copy_out(Unit& u);
+  void copy_out(Unit& u, bool waited_by_schedule = false);
   void reshard(Unit& u);
   void reduce(Unit& u);
   void pp_post_backward(Unit& u);
@@ -171,6 +180,7 @@ class DataParallel {
   std::vector<TensorId> unsharded_;         // per parameter
   std::vector<TensorId> fsdp_accumulated_;  // per parameter: unsharded_accumulated_grad (pipeline, reduce_dtype)
   TensorId pending_reduce_input_ = kNone;   // the last reduce-scatter's input, kept until the next
+  std::vector<std::size_t> pp_unshard_ops_;  // units whose UNSHARD all-gather waits (the schedule's unshard_ops)
   // ZeRO-1/2 (zero.cpp)
   void zero_wrap();
   void zero_param_ready(std::uint32_t slot);

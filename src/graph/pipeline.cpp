@@ -3,6 +3,7 @@
 // (python/trainmem/measure/pipeline.py is the measured code).
 #include "graph/pipeline.h"
 
+#include <algorithm>
 #include <string>
 
 #include "graph/step_builder.h"
@@ -278,9 +279,82 @@ std::vector<PipelineAction> pipeline_order(PipelineSchedule schedule, std::uint6
 //    tensor unless it holds the last stage); then _prepare_forward_infra for each stage in order
 //    (a non-first stage's M activation receive buffers), then _prepare_backward_infra in reverse
 //    (a non-last stage's M gradient receive buffers).
-// Not modelled (refused): DDP or FSDP2 with several stages per rank (the schedule's UNSHARD /
-// RESHARD actions), ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and DualPipeV (split
+// With DDP or FSDP2 replicas of every stage: Notes [Interleaved pipeline schedules with DDP] and
+// [Interleaved pipeline schedules with FSDP2] below.
+// Not modelled (refused): HSDP, an FSDP2 MixedPrecisionPolicy or tensor parallelism with several
+// stages per rank, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and DualPipeV (split
 // backwards, V-shaped layouts).
+
+// Note [Interleaved pipeline schedules with DDP]
+// PP x DP with several stages per rank (--pp P --pp-stages-per-rank V --gpus D --parallel ddp: the
+// (pp, dp) mesh of Note [Pipeline with DDP]): every local stage module is wrapped by a
+// DistributedDataParallel of its own over the stage's dp group, as torchtitan parallelizes each
+// model part and torch's pipelining tests wrap each stage module (python/trainmem/measure/pipeline.py
+// make_virtual_stages); the engine gives each local stage a DataParallel of its own (pp_dps_,
+// StepBuilder::wrap_pipeline_stages), made in stage order. What torch 2.13 does with them
+// (torch/distributed/pipelining/stage.py, schedules.py _PipelineScheduleRuntime._step_microbatches):
+//  * construction: each Reducer makes its one bucket over its stage's parameters only (Note [DDP
+//    buckets]), stage after stage. The stage modules register no buffers (_VirtualStageModule holds
+//    its parts only, not the rotary embedding), so no forward broadcasts anything;
+//  * forward_maybe_with_nosync: every forward under no_sync, as with one stage;
+//  * backward_maybe_with_nosync(last_backward): the runtime counts each stage's backwards
+//    (backward_counter) and passes last_backward to the stage's M-th, which calls its own Reducer's
+//    prepare_for_backward and all-reduces that stage's buckets in place (Note [Pipeline with DDP]);
+//    the other backwards run under no_sync. So a stage synchronizes at its own last backward, in the
+//    middle of the step for every stage but the one whose backwards end the schedule;
+//  * that backward records the stage's gradient order, and the stage's first forward of the next
+//    step rebuilds its buckets (_pre_forward → _rebuild_buckets), each stage at its own forward;
+//  * REDUCE_GRAD right after the stage's last backward (_add_reduce_grad): perform_reduce_grad only
+//    scales the stage's gradients by 1 / M in place.
+// Measured on pp2 x dp2 (interleaved-1f1b and looped-bfs, V = 2 and 3) and pp3 x dp2 gloo ranks
+// (data/ground_truth/parallel/cpu-pp2v2dp2-*, cpu-pp2v3dp2-*, cpu-pp3v2dp2-*), every rank exact.
+
+// Note [Interleaved pipeline schedules with FSDP2]
+// PP x DP with FSDP2 and several stages per rank (--parallel fsdp, the (pp, dp) mesh of Note
+// [Pipeline with FSDP2]): each local stage is sharded on its own, fully_shard on each of its decoder
+// layers and then on the stage module, so every local stage is an FSDP2 root with its own
+// communication context (_fsdp_state.py _lazy_init: the root's FSDPCommContext goes to the groups of
+// its own tree only), its own all_gather_state, reduce_scatter_state and post-forward order; the
+// engine gives each a DataParallel of its own (pp_dps_), whose units are the stage's layers and its
+// root. The PipelineStage drives each as in Note [Pipeline with FSDP2] (every backward with
+// reduce_grads off, no reshard after backward, is_last_backward False). What the multi-stage
+// runtime adds (torch 2.13, torch/distributed/pipelining/schedules.py):
+//  * the lowering (_PipelineScheduleRuntime._prepare_schedule_with_comms) runs
+//    _add_unshard_reshard over each rank's compute actions: before action i it takes the next
+//    max_active_stages = 3 distinct stages from i on (next_stage_indices), issues a RESHARD for
+//    every active stage not among them and then an UNSHARD for each of them not active, in that
+//    order (pipeline_add_unshard_reshard), and after the last action a RESHARD of every stage still
+//    active. With V <= 3 every local stage is fetched before the step's first action and evicted
+//    only once no action of it is left, after its REDUCE_GRAD (_add_reduce_grad runs on the
+//    lowered list); with V >= 4 a stage is also evicted between its forwards and its backwards, and
+//    fetched again before them;
+//  * UNSHARD: unshard(async_op=True) on every FSDPModule of the stage module in modules() order
+//    (the root, then its layers): each group that is not unsharded issues its all-gather and the
+//    buffer waits in its _all_gather_result. So at the step's start a rank holds the all-gather
+//    buffers of all its active stages at once (DataParallel::pp_unshard);
+//  * _assert_unsharded before each F or B of a stage waits its handles: wait_for_unshard of each
+//    group, outside any forward (the group is IDLE), so each copy-out allocates the unsharded
+//    parameters and frees the buffer at once, none kept in all_gather_state
+//    (DataParallel::pp_wait_unshard). A stage's first forward thus gathers nothing itself; its
+//    layers reshard in their post-forwards as usual (reshard_after_forward) and gather again in
+//    the later forwards and backwards as with one stage; the root stays gathered;
+//  * RESHARD: reshard() on every FSDPModule of the stage (the root too) frees what is unsharded
+//    (DataParallel::pp_reshard): after a stage's last action everything was already resharded by
+//    its perform_reduce_grad, so it frees nothing; between its forwards and its backwards (V >= 4)
+//    it frees the root and, with reshard_after_forward=False, the layers, which the next UNSHARD
+//    gathers again;
+//  * REDUCE_GRAD follows each stage's M-th backward (_add_reduce_grad), not the end of the step:
+//    perform_reduce_grad runs the stage's post-backwards (its root first, then its layers: its own
+//    all_states), reduce-scatters what its gradients accumulated and runs its root's final
+//    callback, then scale_grads, while the rank's other stages may still have micro-batches to run;
+// Measured on pp2 x dp2 (interleaved-1f1b and looped-bfs, V = 2, 3 and 4, reshard_after_forward on
+// and off, checkpointing) and pp3 x dp2 gloo ranks (data/ground_truth/parallel/cpu-pp2v2fsdp2-*,
+// cpu-pp2v3fsdp2-*, cpu-pp2v4fsdp2-*, cpu-pp3v2fsdp2-*), every rank exact (the V = 4 run with
+// reshard_after_forward off is 14 to 16 MB high without the evictions' RESHARD), with the settle wait of Note [gloo's
+// reduce-scatter temporary].
+// Not modelled (refused in recipe validation): HSDP (fsdp_replicate > 1) and a MixedPrecisionPolicy
+// (fsdp_param_dtype / fsdp_reduce_dtype) with several stages per rank (unmeasured), FSDP2 with
+// tensor parallelism over several stages per rank.
 
 std::vector<PipelineStageAction> pipeline_multi_order(PipelineSchedule schedule, std::uint64_t ranks,
                                                       std::uint64_t stages_per_rank, std::uint64_t rank,
@@ -318,6 +392,37 @@ std::vector<PipelineStageAction> pipeline_multi_order(PipelineSchedule schedule,
       backward(op);
     }
   }
+  return out;
+}
+
+std::vector<PipelineLoweredAction> pipeline_add_unshard_reshard(const std::vector<PipelineStageAction>& order) {
+  constexpr std::size_t kMaxActiveStages = 3;  // _add_unshard_reshard's max_active_stages default
+  using Kind = PipelineLoweredAction::Kind;
+  std::vector<PipelineLoweredAction> out;
+  std::vector<std::uint64_t> active;  // kept sorted: a set of small ints iterates in ascending order
+  for (std::size_t i = 0; i < order.size(); ++i) {
+    std::vector<std::uint64_t> next;  // next_stage_indices
+    for (std::size_t j = i; j < order.size() && next.size() < kMaxActiveStages; ++j) {
+      if (std::find(next.begin(), next.end(), order[j].stage) == next.end()) next.push_back(order[j].stage);
+    }
+    std::vector<std::uint64_t> evict, fetch;
+    for (std::uint64_t s : active) {
+      if (std::find(next.begin(), next.end(), s) == next.end()) evict.push_back(s);
+    }
+    for (std::uint64_t s : next) {
+      if (std::find(active.begin(), active.end(), s) == active.end()) fetch.push_back(s);
+    }
+    for (std::uint64_t s : evict) {
+      out.push_back({Kind::kReshard, s, 0});
+      active.erase(std::find(active.begin(), active.end(), s));
+    }
+    for (std::uint64_t s : fetch) {
+      out.push_back({Kind::kUnshard, s, 0});
+      active.insert(std::upper_bound(active.begin(), active.end(), s), s);
+    }
+    out.push_back({Kind::kCompute, order[i].stage, i});
+  }
+  for (std::uint64_t s : active) out.push_back({Kind::kReshard, s, 0});
   return out;
 }
 
@@ -393,7 +498,7 @@ void StepBuilder::pp_forward(std::uint64_t k, PipelineMicro& mb) {
   layer_ = kNoLayer;
   t_.micro = static_cast<std::uint32_t>(k + 1);
   // DDP's forward, under no_sync (See Note [Pipeline with DDP]); FSDP2's root pre-forward.
-  dp_.pre_forward();
+  dp_->pre_forward();
   // The stage module's nodes: FSDP2's root pre-backward hook sits on its output (See Note
   // [Pipeline with FSDP2]).
   t_.module_begin(kStageModule);
@@ -430,9 +535,9 @@ void StepBuilder::pp_forward(std::uint64_t k, PipelineMicro& mb) {
   for (std::uint64_t l = layers.begin; l < layers.end; ++l) {
     const auto layer = static_cast<std::uint32_t>(l);
     // HF's checkpointing wraps each layer the stage calls (See Note [Pipeline parallelism]).
-    dp_.layer_pre_forward(layer);  // FSDP2's unit of the layer (See Note [Pipeline with FSDP2])
+    dp_->layer_pre_forward(layer);  // FSDP2's unit of the layer (See Note [Pipeline with FSDP2])
     T next = r_.checkpointing == Checkpointing::kFull ? checkpointed_layer(hs, layer) : decoder_layer(hs, layer);
-    dp_.layer_post_forward(layer);
+    dp_->layer_post_forward(layer);
     t_.drop(hs);
     hs = next;
   }
@@ -462,7 +567,7 @@ void StepBuilder::pp_forward(std::uint64_t k, PipelineMicro& mb) {
   if (mask_.id != kNone) t_.drop(mask_);
   t_.drop(position_ids_);
   exit_autocast();  // bf16-mixed: the stage forward's own autocast context (Note [Pipeline parallelism])
-  dp_.post_forward();  // FSDP2's root post-forward: the module has returned
+  dp_->post_forward();  // FSDP2's root post-forward: the module has returned
 }
 
 // Stage 0 under sequence parallelism: PrepareModuleOutput's hook on the embedding makes its
@@ -592,7 +697,7 @@ Trace StepBuilder::build_pipeline() {
         if (sent != kNone) grad_sends.push_back(sent);
         // DDP: the last backward synchronized; the buckets are rebuilt in the next forward
         // (See Note [Pipeline with DDP]).
-        if (act.micro + 1 == M) dp_.backward_end();
+        if (act.micro + 1 == M) dp_->backward_end();
         ++backwards;
         // 1F1B: after the steady phase's last backward, send_work is rebound to that backward's sends.
         if (!gpipe && forwards == M && backwards == M - warmup + 1 && warm_send.id != kNone) t_.drop(warm_send);
@@ -607,7 +712,7 @@ Trace StepBuilder::build_pipeline() {
     for (std::uint64_t k = 0; k + 1 < M; ++k) {
       if (mbs[k].loss.id != kNone) t_.drop(mbs[k].loss);
     }
-    dp_.pipeline_reduce_grad();  // See Note [Pipeline with FSDP2]
+    dp_->pipeline_reduce_grad();  // See Note [Pipeline with FSDP2]
     if (mbs[M - 1].loss.id != kNone) t_.drop(mbs[M - 1].loss);
     if (output.id != kNone) t_.drop(output);
     if (warm_send.id != kNone) t_.drop(warm_send);
@@ -660,6 +765,14 @@ Trace StepBuilder::build_pipeline_multi() {
   const bool first = rank_ == 0, last = rank_ == P - 1;  // holds stage 0 / the last stage
   const std::uint64_t act_bytes = tok_ * a_.hidden_size * dtype_bytes(pol_.param);
   const std::vector<PipelineStageAction> order = pipeline_multi_order(r_.pp_schedule, P, V, rank_, M);
+  std::vector<PipelineLoweredAction> lowered;
+  if (r_.parallel == Parallel::kFsdp) {
+    lowered = pipeline_add_unshard_reshard(order);
+  } else {
+    for (std::size_t i = 0; i < order.size(); ++i) {
+      lowered.push_back({PipelineLoweredAction::Kind::kCompute, order[i].stage, i});
+    }
+  }
   t_.at(Phase::kSetup, kNoLayer, "batch");
   if (first) input_ids_ = t_.make(tok_ * M, DType::kI64, Category::kOther);
   if (last) labels_ = t_.make(tok_ * M, DType::kI64, Category::kOther);
@@ -686,11 +799,24 @@ Trace StepBuilder::build_pipeline_multi() {
     std::vector<T> sent_outputs;     // send_ops: every SEND_F's works, to the end of step()
     std::vector<TensorId> sent_grads;  // and every SEND_B's
     std::vector<std::uint64_t> backwards(V, 0);
-    for (const PipelineStageAction& act : order) {
-      const std::uint64_t v = (act.stage - rank_) / P;
+    for (const PipelineLoweredAction& low : lowered) {
+      const std::uint64_t v = (low.stage - rank_) / P;
+      // FSDP2: the lowering's UNSHARD / RESHARD (See Note [Interleaved pipeline schedules with FSDP2]);
+      // a RESHARD after the stage's REDUCE_GRAD frees nothing, one before its backwards what is gathered.
+      if (low.kind == PipelineLoweredAction::Kind::kUnshard) {
+        pp_dps_[v].pp_unshard();
+        continue;
+      }
+      if (low.kind == PipelineLoweredAction::Kind::kReshard) {
+        pp_dps_[v].pp_reshard();
+        continue;
+      }
+      const PipelineStageAction& act = order[low.compute];
       pp_stage_ = act.stage;
       pp_slot_ = v * M;
       PipelineMicro& mb = mbs[v * M + act.micro];
+      if (!pp_dps_.empty()) dp_ = &pp_dps_[v];
+      dp_->pp_wait_unshard();  // _assert_unsharded
       if (act.forward) {
         pp_forward(act.micro, mb);
         if (act.stage + 1 == stages) {
@@ -702,11 +828,18 @@ Trace StepBuilder::build_pipeline_multi() {
       } else {
         const TensorId sent = pp_backward(act.micro, mb);
         if (sent != kNone) sent_grads.push_back(sent);  // SEND_B
-        // REDUCE_GRAD after the stage's last backward: scale_grads divides in place.
-        if (++backwards[v] == M) op("pipeline.reduce_grad");
+        if (++backwards[v] == M) {
+          // The stage's last backward (DDP: synchronized; its buckets are rebuilt in its next
+          // forward), then REDUCE_GRAD: perform_reduce_grad (FSDP2's deferred post-backwards and
+          // final callback), scale_grads in place.
+          dp_->backward_end();
+          op("pipeline.reduce_grad");
+          dp_->pipeline_reduce_grad();
+        }
       }
       if (pp_peek(step)) return finish_trace();
     }
+    dp_ = &dp_rank_;
     // The end of _step_microbatches: the send works waited and dropped, then _update_losses.
     phase_ = Phase::kBackward;
     for (T& out : sent_outputs) t_.drop(out);

@@ -55,6 +55,22 @@ std::vector<PipelineStageAction> pipeline_multi_order(PipelineSchedule schedule,
                                                       std::uint64_t stages_per_rank, std::uint64_t rank,
                                                       std::uint64_t micro_batches);
 
+// One action of a rank's FSDP2-aware schedule (See Note [Interleaved pipeline schedules with
+// FSDP2] in pipeline.cpp): the compute action order[compute], or an UNSHARD / RESHARD of `stage`.
+struct PipelineLoweredAction {
+  enum class Kind : std::uint8_t { kCompute, kUnshard, kReshard };
+  Kind kind = Kind::kCompute;
+  std::uint64_t stage = 0;  // the global stage
+  std::size_t compute = 0;  // kCompute: the index into the compute actions
+  bool operator==(const PipelineLoweredAction&) const = default;
+};
+
+// torch 2.13's _add_unshard_reshard over a rank's compute actions (max_active_stages 3): before
+// each action the RESHARD of every active stage not among the next three distinct stages (in
+// ascending order, as the active set iterates), then the UNSHARD of each of those not active (in
+// the order they come); a RESHARD of every stage still active after the last action.
+std::vector<PipelineLoweredAction> pipeline_add_unshard_reshard(const std::vector<PipelineStageAction>& order);
+
 // Throws Error for a model the engine does not split (see Note [Pipeline split]).
 void check_pipeline_model(const Architecture& a, const Recipe& r);
 

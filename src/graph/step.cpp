@@ -106,10 +106,10 @@ Trace StepBuilder::build() {
       t_.seal_categories();  // the replay reads the events so far now
       const MicroBatchNext next = hook_ ? hook_(t_.trace(), step, micro) : MicroBatchNext::kGoOn;
       if (next == MicroBatchNext::kStop) return finish_trace();  // the replay has its answer
-      if (next == MicroBatchNext::kSkipRest && dp_.boundary_micro_batch_differs() && micro + 1 < r_.grad_accum) {
+      if (next == MicroBatchNext::kSkipRest && dp_->boundary_micro_batch_differs() && micro + 1 < r_.grad_accum) {
         // The boundary micro-batch does more than the repeated ones (Note [ZeRO-Offload]): on to it.
         micro = static_cast<std::uint32_t>(r_.grad_accum) - 1;
-        dp_.skip_to_last_micro();
+        dp_->skip_to_last_micro();
         continue;
       }
       if (next == MicroBatchNext::kSkipRest) {
@@ -126,7 +126,7 @@ Trace StepBuilder::build() {
 
 Trace StepBuilder::finish_trace() {
   Trace trace = t_.take();
-  trace.host = dp_.host_memory();
+  trace.host = dp_->host_memory();
   trace.trainable_parameters = m_.parameter_count;
   if (r_.lora.enabled()) {
     trace.trainable_parameters = 0;
@@ -155,8 +155,8 @@ T StepBuilder::embedding(std::uint32_t w, const T& ids, std::uint64_t n) {
 ValueId StepBuilder::forward_and_loss() {
   phase_ = Phase::kForward;
   layer_ = kNoLayer;
-  if (dp_.zero3()) op("model");  // the model's forward pre-hooks run before its first op
-  dp_.pre_forward();
+  if (dp_->zero3()) op("model");  // the model's forward pre-hooks run before its first op
+  dp_->pre_forward();
   causal_lm_module_ = container_enter(Container::kCausalLM, false);
   base_model_module_ = container_enter(Container::kBaseModel, false);
   const bool gpt2 = a_.family == Family::kGpt2;
@@ -227,9 +227,9 @@ ValueId StepBuilder::forward_and_loss() {
     rotary_embedding(hs.dtype);
   }
   for (std::uint32_t l = 0; l < a_.num_layers; ++l) {
-    dp_.layer_pre_forward(l);
+    dp_->layer_pre_forward(l);
     T next = r_.checkpointing == Checkpointing::kFull ? checkpointed_layer(hs, l) : layer_forward(hs, l);
-    dp_.layer_post_forward(l);
+    dp_->layer_post_forward(l);
     t_.drop(hs);
     hs = next;
   }
@@ -493,7 +493,7 @@ ValueId StepBuilder::fused_loss(T& hidden, std::uint32_t emb) {
 ValueId StepBuilder::scale_loss(T& loss) {
   module_exit(causal_lm_module_);  // the model's forward returns with the loss
   causal_lm_module_ = kNone;
-  dp_.post_forward();  // the model's forward has returned (FSDP2's root post-forward)
+  dp_->post_forward();  // the model's forward has returned (FSDP2's root post-forward)
   // (loss / grad_accum).backward(); fp16-mixed goes through GradScaler.scale(), which makes
   // its scale and growth tracker on first use and multiplies the loss by the scale.
   T scaled = elementwise({&loss}, 1, DType::kF32, {});
@@ -524,11 +524,11 @@ ValueId StepBuilder::scale_loss(T& loss) {
 
 void StepBuilder::backward(ValueId loss) {
   phase_ = Phase::kBackward;
-  dp_.backward_begin();
+  dp_->backward_begin();
   t_.at(Phase::kBackward, kNoLayer, "loss");
   ensure_workspace(true);
   t_.backward(loss);
-  dp_.backward_end();
+  dp_->backward_end();
   t_.drop(pending_loss_);
   for (T& l : zero_losses_) t_.drop(l);
   zero_losses_.clear();

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <array>
+#include <deque>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -16,6 +17,7 @@
 
 #include "common/checked.h"
 #include "graph/parallel.h"
+#include "graph/pipeline.h"
 #include "graph/quant.h"
 #include "graph/step.h"
 #include "model/model.h"
@@ -121,6 +123,10 @@ class StepBuilder {
   // ---------------------------------------------------------------- parameters (step_parameters.cpp)
   void create_parameters();
   void wrap_data_parallel();
+  void wrap_pipeline_stages(std::vector<WrappedParam>& wp, const std::vector<std::vector<std::uint32_t>>& layers,
+                            const std::vector<std::uint32_t>& root, const std::vector<std::string>& root_names);
+  // The wrapper holding a parameter: its pipeline stage's, with several stages per rank.
+  DataParallel& dp_of_slot(std::uint32_t slot);
   std::uint32_t add_param(const ParameterGroup& g, bool in_layer = false, bool present = true);
   void create_adapters();
   std::uint32_t add_adapter_param(std::uint64_t numel, std::uint64_t rows);
@@ -188,25 +194,25 @@ class StepBuilder {
   enum class Container : std::uint32_t { kCausalLM = 2, kBaseModel, kEmbedDropout, kRotary, kLayer, kAttention,
                                          kAttnDropout, kMlp, kAct, kMlpDropout };
   std::uint32_t module_enter(std::uint32_t w, std::uint32_t b = kNone, bool input_requires_grad = true) {
-    if (!dp_.zero3()) return kNone;
+    if (!dp_->zero3()) return kNone;
     std::vector<std::uint32_t> own{w};
     if (b != kNone) own.push_back(b);
-    return enter(dp_.zero3_module(own, in_lm_head_ ? 1 : 0, input_requires_grad));
+    return enter(dp_->zero3_module(own, in_lm_head_ ? 1 : 0, input_requires_grad));
   }
   std::uint32_t container_enter(Container kind, bool input_requires_grad = true) {
-    if (!dp_.zero3()) return kNone;
+    if (!dp_->zero3()) return kNone;
     const std::uint32_t key = static_cast<std::uint32_t>(kind) + 16 * static_cast<std::uint32_t>(layer_ + 1);
-    return enter(dp_.zero3_module({}, key, input_requires_grad));
+    return enter(dp_->zero3_module({}, key, input_requires_grad));
   }
   std::uint32_t enter(std::uint32_t m) {
-    dp_.module_pre_forward(m);
+    dp_->module_pre_forward(m);
     t_.module_begin(m);
     return m;
   }
   void module_exit(std::uint32_t m) {
     if (m == kNone) return;
     t_.module_end();
-    dp_.module_post_forward(m);
+    dp_->module_post_forward(m);
   }
 
   // x.to(dtype): a new tensor when the dtype changes (ToCopyBackward saves nothing).
@@ -238,7 +244,7 @@ class StepBuilder {
       w.id = p.cast;
       w.dtype = pol_.compute;
     } else {
-      w.id = dp_.zero3() ? dp_.zero3_data(pi) : p.storage;  // ZeRO-3: what the module's fetch gathered
+      w.id = dp_->zero3() ? dp_->zero3_data(pi) : p.storage;  // ZeRO-3: what the module's fetch gathered
       w.dtype = p.dtype;
     }
     t_.retain(w.id);
@@ -499,7 +505,12 @@ class StepBuilder {
   Tape t_;
   // A pipeline stage (rank_ is the stage) is built as its data-parallel rank 0: DDP's replicas of a
   // stage hold the same memory (See Note [Pipeline with DDP] in pipeline.cpp).
-  DataParallel dp_{t_, r_, r_.gpu != "cpu", r_.pp > 1 ? 0 : rank_};  // DDP / FSDP2 (graph/parallel.h); nothing without
+  DataParallel dp_rank_{t_, r_, r_.gpu != "cpu", r_.pp > 1 ? 0 : rank_};  // DDP / FSDP2 (graph/parallel.h); nothing without
+  // The wrapper the hooks reach: the rank's, or with several pipeline stages per rank the wrapper of
+  // the stage whose action runs (pp_dps_, one per local stage: See Notes [Interleaved pipeline
+  // schedules with DDP] and [Interleaved pipeline schedules with FSDP2] in pipeline.cpp).
+  DataParallel* dp_ = &dp_rank_;
+  std::deque<DataParallel> pp_dps_;
   std::vector<Param> params_;
   std::vector<std::pair<std::string, std::uint32_t>> globals_;
   std::vector<LayerParams> layers_;

@@ -474,7 +474,7 @@ T StepBuilder::rms_norm_module(const T& x, std::uint32_t w, std::uint64_t rows) 
   requires_grad(out);
   Node& nd = open_node(out);
   if (trainable(w)) nd.saved = {hc.id};
-  if (dp_.zero3() && hc.requires_grad()) nd.saved.push_back(dp_.zero3_data(w));  // See Note [DeepSpeed ZeRO-3]
+  if (dp_->zero3() && hc.requires_grad()) nd.saved.push_back(dp_->zero3_data(w));  // See Note [DeepSpeed ZeRO-3]
   if (hc.requires_grad()) nd.inputs.push_back(GradIn{hc.value, hc.bytes(), false});
   if (trainable(w)) nd.params.push_back(param_grad(w, od, n * dtype_bytes(od)));
   t_.close_node();
@@ -501,9 +501,9 @@ T StepBuilder::layer_norm(const T& x, std::uint32_t w, std::uint32_t b, std::uin
     // native_layer_norm also saves the weight and the bias: the parameters, whose storage
     // lives as long as the parameter does, except under ZeRO-3, where the saved ones keep
     // the gathered storage after the release (See Note [DeepSpeed ZeRO-3]).
-    if (dp_.zero3()) {
-      nd.saved.push_back(dp_.zero3_data(w));
-      if (b != kNone) nd.saved.push_back(dp_.zero3_data(b));
+    if (dp_->zero3()) {
+      nd.saved.push_back(dp_->zero3_data(w));
+      if (b != kNone) nd.saved.push_back(dp_->zero3_data(b));
     }
     if (xin.requires_grad()) nd.inputs.push_back(grad_of(xin));
     if (trainable(w)) nd.params.push_back(param_grad(w, xin.dtype));

@@ -71,6 +71,7 @@ void StepBuilder::wrap_data_parallel() {
   for (const Param& p : params_) wp.push_back({p.slot, p.storage, p.numel, p.rows, p.dtype});
   std::vector<std::vector<std::uint32_t>> layers(a_.num_layers);
   std::vector<std::uint32_t> root;
+  std::vector<std::string> root_names;
   std::uint32_t idx = 0;
   bool in_layers_done = false;
   const auto& groups = m_.parameters;
@@ -83,6 +84,7 @@ void StepBuilder::wrap_data_parallel() {
   for (std::size_t gi = 0; gi < groups.size(); ++gi) {
     if (!is_layer(groups[gi])) {
       wp[idx].partial_grad = partial(groups[gi].name);
+      root_names.push_back(groups[gi].name);
       root.push_back(idx++);
       continue;
     }
@@ -110,19 +112,64 @@ void StepBuilder::wrap_data_parallel() {
   std::vector<std::pair<DType, std::uint64_t>> buffers;
   if (a_.family != Family::kGpt2) buffers.assign(2, {DType::kF32, a_.head_dim / 2 * 4});
   if (a_.embedding_scale) buffers.emplace_back(pol_.param, dtype_bytes(pol_.param));
-  dp_.wrap(wp, layers, root, buffers);
+  if (r_.pp_stages_per_rank > 1) {
+    wrap_pipeline_stages(wp, layers, root, root_names);
+  } else {
+    dp_->wrap(wp, layers, root, buffers);
+  }
   for (std::size_t i = 0; i < params_.size(); ++i) params_[i].storage = wp[i].storage;
-  t_.on_param_ready = [this](std::uint32_t slot) { dp_.param_ready(slot); };
-  t_.on_layer_change = [this](std::int32_t from, std::int32_t to) { dp_.layer_change(from, to); };
-  t_.on_final_callbacks = [this] { dp_.final_callback(); };
+  t_.on_param_ready = [this](std::uint32_t slot) { dp_->param_ready(slot); };
+  t_.on_layer_change = [this](std::int32_t from, std::int32_t to) { dp_->layer_change(from, to); };
+  t_.on_final_callbacks = [this] { dp_->final_callback(); };
   // ZeRO-3's module hooks; under a pipeline, FSDP2's root hooks on the stage module (See Note
   // [Pipeline with FSDP2] in pipeline.cpp).
-  if (dp_.zero3()) t_.on_module_backward = [this](std::uint32_t m, bool begin) { dp_.module_backward(m, begin); };
+  if (dp_->zero3()) t_.on_module_backward = [this](std::uint32_t m, bool begin) { dp_->module_backward(m, begin); };
   if (r_.pp > 1 && r_.parallel == Parallel::kFsdp) {
     t_.on_module_backward = [this](std::uint32_t, bool begin) {
-      if (begin) dp_.root_pre_backward();
+      if (begin) dp_->root_pre_backward();
     };
   }
+}
+
+// Several pipeline stages per rank: each local stage module has a wrapper of its own, made in
+// stage order over the stage's parameters only (its decoder layers, and the embedding, the final
+// norm and lm_head where it holds them); no buffers, which the stage modules do not register
+// (python/trainmem/measure/pipeline.py _VirtualStageModule). See Notes [Interleaved pipeline
+// schedules with DDP] and [Interleaved pipeline schedules with FSDP2] in pipeline.cpp.
+void StepBuilder::wrap_pipeline_stages(std::vector<WrappedParam>& wp, const std::vector<std::vector<std::uint32_t>>& layers,
+                                       const std::vector<std::uint32_t>& root,
+                                       const std::vector<std::string>& root_names) {
+  const std::uint64_t stages = pp_num_stages();
+  for (std::uint64_t v = 0; v < r_.pp_stages_per_rank; ++v) {
+    const std::uint64_t s = rank_ + v * r_.pp;
+    const StageLayers held = pipeline_stage_layers(a_.num_layers, stages, s);
+    std::vector<WrappedParam> sub;
+    std::vector<std::uint32_t> global;  // sub's index -> wp's
+    auto take = [&](std::uint32_t i) {
+      global.push_back(i);
+      sub.push_back(wp[i]);
+      return static_cast<std::uint32_t>(sub.size() - 1);
+    };
+    std::vector<std::vector<std::uint32_t>> sub_layers(layers.size());
+    for (std::uint64_t l = held.begin; l < held.end; ++l) {
+      for (std::uint32_t i : layers[l]) sub_layers[l].push_back(take(i));
+    }
+    std::vector<std::uint32_t> sub_root;
+    for (std::size_t k = 0; k < root.size(); ++k) {
+      const bool embedding = ends_with(root_names[k], "embed_tokens.weight");
+      if (embedding ? s == 0 : s + 1 == stages) sub_root.push_back(take(root[k]));
+    }
+    pp_dps_.emplace_back(t_, r_, r_.gpu != "cpu", 0);
+    pp_dps_.back().wrap(sub, sub_layers, sub_root, {});
+    for (std::size_t j = 0; j < sub.size(); ++j) wp[global[j]].storage = sub[j].storage;
+  }
+}
+
+DataParallel& StepBuilder::dp_of_slot(std::uint32_t slot) {
+  for (DataParallel& d : pp_dps_) {
+    if (d.holds(slot)) return d;
+  }
+  return dp_rank_;
 }
 
 std::uint32_t StepBuilder::add_param(const ParameterGroup& g, bool in_layer, bool present) {

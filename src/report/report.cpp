@@ -432,15 +432,23 @@ std::string to_text(const Estimate& e) {
         std::string(to_string(r.parallel)).c_str(), static_cast<unsigned long long>(r.gpus), tp.c_str(),
         static_cast<unsigned long long>(e.rank), rank_words(e).c_str());
   }
-  if (r.pp > 1 && r.pp_stages_per_rank > 1) {  // Note [Interleaved pipeline schedules] (parallel none)
+  if (r.pp > 1 && r.pp_stages_per_rank > 1) {  // Note [Interleaved pipeline schedules]
+    // Under PP x DP the rank is pipeline rank x gpus + dp rank, each local stage with its own
+    // replicas' wrapper (Notes [Interleaved pipeline schedules with DDP] / [... with FSDP2]).
+    const std::uint64_t pipeline_rank = e.rank / r.gpus;
     std::string stages;
     for (std::uint64_t v = 0; v < r.pp_stages_per_rank; ++v) {
-      stages += (v ? (v + 1 == r.pp_stages_per_rank ? " and " : ", ") : "") + std::to_string(e.rank + v * r.pp);
+      stages += (v ? (v + 1 == r.pp_stages_per_rank ? " and " : ", ") : "") + std::to_string(pipeline_rank + v * r.pp);
     }
-    add("pipeline parallel: %s over %llu stages (%llu per GPU on %llu GPUs), %llu micro-batches; the figures below "
-        "are one GPU's, rank %llu (stages %s)%s\n",
+    std::string dp;
+    if (r.parallel != Parallel::kNone) {
+      dp.append(" x data parallel ").append(to_string(r.parallel)).append(" over ").append(std::to_string(r.gpus));
+      dp.append(" replicas (").append(std::to_string(r.pp * r.gpus)).append(" GPUs)");
+    }
+    add("pipeline parallel: %s over %llu stages (%llu per GPU on %llu GPUs)%s, %llu micro-batches; the figures "
+        "below are one GPU's, rank %llu (stages %s)%s\n",
         std::string(to_string(r.pp_schedule)).c_str(), static_cast<unsigned long long>(r.pp * r.pp_stages_per_rank),
-        static_cast<unsigned long long>(r.pp_stages_per_rank), static_cast<unsigned long long>(r.pp),
+        static_cast<unsigned long long>(r.pp_stages_per_rank), static_cast<unsigned long long>(r.pp), dp.c_str(),
         static_cast<unsigned long long>(r.grad_accum), static_cast<unsigned long long>(e.rank), stages.c_str(),
         rank_words(e).c_str());
   } else if (r.pp > 1 && r.tp > 1) {  // PP x TP (x FSDP2): a stage's tp ranks hold the same (Note [Pipeline with tensor parallelism])

@@ -465,6 +465,37 @@ TEST(Pipeline, InterleavingShrinksTheBubble) {
   EXPECT_DOUBLE_EQ(step_time(m, bfs).compute_s, b.compute_s);
 }
 
+std::string lowered_of(PipelineSchedule s, std::uint64_t ranks, std::uint64_t per_rank, std::uint64_t rank,
+                       std::uint64_t m) {
+  const std::vector<graph::PipelineStageAction> order = graph::pipeline_multi_order(s, ranks, per_rank, rank, m);
+  std::string out;
+  for (const graph::PipelineLoweredAction& a : graph::pipeline_add_unshard_reshard(order)) {
+    if (a.kind == graph::PipelineLoweredAction::Kind::kCompute) {
+      const graph::PipelineStageAction& c = order[a.compute];
+      out += std::to_string(c.stage) + (c.forward ? "F" : "B") + std::to_string(c.micro) + " ";
+    } else {
+      out += std::to_string(a.stage) + (a.kind == graph::PipelineLoweredAction::Kind::kUnshard ? "UNSHARD " : "RESHARD ");
+    }
+  }
+  return out;
+}
+
+TEST(Pipeline, FsdpLoweringIsTorchs) {
+  // torch 2.13's _add_unshard_reshard (schedules.py) over these compute actions, printed from torch:
+  // a stage is fetched with the next three distinct stages and evicted once it is not among them
+  // (See Note [Interleaved pipeline schedules with FSDP2]).
+  const PipelineSchedule i = PipelineSchedule::kInterleaved1F1B, bfs = PipelineSchedule::kLoopedBFS;
+  EXPECT_EQ(lowered_of(i, 2, 2, 0, 4),
+            "0UNSHARD 2UNSHARD 0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 2RESHARD 0B2 0B3 0RESHARD ");
+  EXPECT_EQ(lowered_of(i, 2, 4, 0, 2),
+            "0UNSHARD 2UNSHARD 4UNSHARD 0F0 0F1 0RESHARD 6UNSHARD 2F0 2F1 4F0 4F1 6F0 6F1 6B0 6B1 6RESHARD 0UNSHARD "
+            "4B0 4B1 4RESHARD 2B0 2B1 2RESHARD 0B0 0B1 0RESHARD ");
+  EXPECT_EQ(lowered_of(bfs, 2, 4, 1, 2),
+            "1UNSHARD 3UNSHARD 5UNSHARD 1F0 1F1 1RESHARD 7UNSHARD 3F0 3F1 5F0 5F1 7F0 7F1 7B1 7B0 7RESHARD 1UNSHARD "
+            "5B1 5B0 5RESHARD 3B1 3B0 3RESHARD 1B1 1B0 1RESHARD ");
+  EXPECT_EQ(lowered_of(i, 3, 2, 1, 3), "1UNSHARD 4UNSHARD 1F0 1F1 1F2 4F0 4F1 4F2 4B0 4B1 4B2 4RESHARD 1B0 1B1 1B2 1RESHARD ");
+}
+
 TEST(Pipeline, RefusesStagesPerRankThatTheScheduleDoesNotRun) {
   Recipe r = pp_recipe(2, 4);
   r.pp_stages_per_rank = 2;
@@ -489,11 +520,24 @@ TEST(Pipeline, RefusesStagesPerRankThatTheScheduleDoesNotRun) {
   r.pp_schedule = PipelineSchedule::kLoopedBFS;
   r.grad_accum = 5;
   EXPECT_NO_THROW(r.validate());
+  // Each local stage its own DDP or FSDP2 root (Notes [Interleaved pipeline schedules with DDP] /
+  // [... with FSDP2]); HSDP and an FSDP2 MixedPrecisionPolicy over several stages are unmeasured.
   r.gpus = 2;
   r.parallel = Parallel::kDdp;
+  EXPECT_NO_THROW(r.validate());
+  r.parallel = Parallel::kFsdp;
+  EXPECT_NO_THROW(r.validate());
+  r.gpus = 4;
+  r.fsdp.replicate = 2;
   EXPECT_EQ(error_of([&] { r.validate(); }),
-            "pp_schedule looped-bfs with parallel ddp is not modelled yet (unmeasured: DDP or FSDP2 over several "
-            "stages per rank); use parallel none");
+            "pp_schedule looped-bfs with fsdp_replicate 2 is not modelled (unmeasured: HSDP over several stages per "
+            "rank); use fsdp_replicate 1, or 1f1b or gpipe");
+  r.gpus = 2;
+  r.fsdp.replicate = 1;
+  r.fsdp.param_dtype = FsdpDtype::kBf16;
+  EXPECT_EQ(error_of([&] { r.validate(); }),
+            "pp_schedule looped-bfs with an FSDP2 MixedPrecisionPolicy (fsdp_param_dtype / fsdp_reduce_dtype) is "
+            "not modelled (unmeasured over several stages per rank); use the defaults, or 1f1b or gpipe");
   r = pp_recipe(2, 4);
   r.pp_stages_per_rank = 0;
   EXPECT_EQ(error_of([&] { r.validate(); }), "pp_stages_per_rank: must be between 1 and 64, got 0");

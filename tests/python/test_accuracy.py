@@ -167,6 +167,18 @@ def test_pipeline_entries_exact(comparisons):
     assert any(r["pp_schedule"] == "looped-bfs" for r in multi) and any(r["pp"] > 2 for r in multi)
     assert {"bf16-mixed", "bf16-true"} <= {r["precision"] for r in multi}
     assert any(r["optimizer"] == "adamw" for r in multi)
+    # ... with DDP and FSDP2 replicas of every local stage (Notes [Interleaved pipeline schedules with
+    # DDP] / [... with FSDP2]): both schedules, 2 to 4 stages per rank (FSDP2's UNSHARD / RESHARD
+    # evicting stages at 4), three ranks, reshard_after_forward off, checkpointing, bf16.
+    for wrapper in ("ddp", "fsdp"):
+        dp = [r for r in multi if r.get("parallel") == wrapper]
+        assert {r["pp_schedule"] for r in dp} == {"interleaved-1f1b", "looped-bfs"}, wrapper
+        assert any(r["pp"] > 2 for r in dp) and any(r["pp_stages_per_rank"] > 2 for r in dp), wrapper
+        assert any(r["checkpointing"] == "full" for r in dp) and any(r["optimizer"] == "adamw" for r in dp), wrapper
+        assert any(r["precision"] != "fp32" for r in dp), wrapper
+    fsdp_multi = [r for r in multi if r.get("parallel") == "fsdp"]
+    assert any(not r["fsdp_reshard_after_forward"] for r in fsdp_multi)
+    assert any(r["pp_stages_per_rank"] > 3 for r in fsdp_multi)
     # Issue 4: PP x TP, each stage tensor-parallel over a (pp, tp) mesh (Note [Pipeline with tensor
     # parallelism]): 1F1B and GPipe, three stages, AdamW, bf16-true, checkpointing and sequence
     # parallelism (Shard(1) DTensors between the stages).

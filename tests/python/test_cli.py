@@ -182,6 +182,19 @@ def test_interleaved_pipeline_holds_every_stage_of_the_rank(run):
     assert bfs["breakdown_at_peak"]["gradients"] < inter0["breakdown_at_peak"]["gradients"]
     text = run(*base[:-1], "--pp-schedule", "interleaved-1f1b", "--pp-stages-per-rank", "2", "--rank", "1").stdout
     assert "interleaved-1f1b over 4 stages (2 per GPU on 2 GPUs)" in text and "rank 1 (stages 1 and 3)" in text
+    # With two FSDP2 replicas of every stage the ranks are pipeline rank x 2 + dp rank: rank 3 is
+    # pipeline rank 1's second replica, holding stages 1 and 3 (Note [Interleaved pipeline schedules
+    # with FSDP2]). Its weights at the peak are not below the unsharded rank's: the schedule's
+    # UNSHARD gathers both stages' units before the first action, so beside the half shards every
+    # parameter is whole (and some all-gather buffers wait).
+    dp = ("--pp-schedule", "interleaved-1f1b", "--pp-stages-per-rank", "2", "--gpus", "2", "--parallel", "fsdp",
+          "--rank", "3")
+    text = run(*base[:-1], *dp).stdout
+    assert ("interleaved-1f1b over 4 stages (2 per GPU on 2 GPUs) x data parallel fsdp over 2 replicas (4 GPUs)"
+            in text and "rank 3 (stages 1 and 3)" in text), text
+    sharded = json.loads(run(*base, *dp).stdout)
+    plain = b["breakdown_at_peak"]["weights"]
+    assert 1.5 * plain <= sharded["breakdown_at_peak"]["weights"] < 2 * plain
 
 
 def test_pipeline_with_tensor_parallelism_replays_each_stage_once(run):
@@ -310,6 +323,15 @@ def test_pipeline_with_ddp_replays_each_stage_once(run):
     (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--pp-schedule", "interleaved-1f1b",
       "--pp-stages-per-rank", "2", "--tp", "2", "--precision", "bf16-true"],
      "pp_schedule interleaved-1f1b with tp 2 is not modelled yet"),
+    # Several stages per rank with DDP and FSDP2 replicas are modelled; HSDP and an FSDP2
+    # MixedPrecisionPolicy over them are not (unmeasured).
+    (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--pp-schedule", "looped-bfs",
+      "--pp-stages-per-rank", "2", "--precision", "fp32", "--gpus", "4", "--parallel", "fsdp", "--fsdp-replicate", "2"],
+     "pp_schedule looped-bfs with fsdp_replicate 2 is not modelled (unmeasured: HSDP over several stages per rank)"),
+    (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--pp-schedule", "interleaved-1f1b",
+      "--pp-stages-per-rank", "2", "--precision", "fp32", "--gpus", "2", "--parallel", "fsdp", "--fsdp-param-dtype",
+      "bf16"], "pp_schedule interleaved-1f1b with an FSDP2 MixedPrecisionPolicy (fsdp_param_dtype / "
+     "fsdp_reduce_dtype) is not modelled"),
     (["estimate", "mistral-7b-v0.3", "--pp", "2", "--pp-stages-per-rank", "x"], "pp_stages_per_rank"),
     (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--precision", "fp32", "--rank", "2"],
      "rank: 2 is not one of the 2 ranks (0..1) of --pp 2"),

@@ -409,10 +409,13 @@ def test_zero3_world_size_2(tiny_gpt2):
     ({"pp": 2, "grad_accum": 2, "pp_schedule": "looped-bfs"}, "runs several stages per rank"),
     ({"pp": 2, "grad_accum": 5, "pp_schedule": "interleaved-1f1b", "pp_stages_per_rank": 2},
      "a multiple of its rounds max(1, 5 // pp=2) = 2, got 5"),
-    ({"pp": 2, "grad_accum": 2, "pp_schedule": "interleaved-1f1b", "pp_stages_per_rank": 2, "gpus": 2,
-      "parallel": "fsdp"}, "with parallel='fsdp' is not measured"),
-    ({"pp": 2, "grad_accum": 2, "pp_schedule": "interleaved-1f1b", "pp_stages_per_rank": 2, "gpus": 2,
-      "parallel": "ddp"}, "with parallel='ddp' is not measured"),
+    # ... with DDP and FSDP2 replicas of each stage (measured), but not HSDP or an FSDP2 MixedPrecisionPolicy.
+    ({"pp": 2, "grad_accum": 2, "pp_schedule": "interleaved-1f1b", "pp_stages_per_rank": 2, "gpus": 4,
+      "parallel": "fsdp", "fsdp_replicate": 2, "precision": "fp32"},
+     "with fsdp_replicate=2 is not measured (HSDP over several stages per rank)"),
+    ({"pp": 2, "grad_accum": 2, "pp_schedule": "looped-bfs", "pp_stages_per_rank": 2, "gpus": 2,
+      "parallel": "fsdp", "fsdp_param_dtype": "bf16", "precision": "fp32"},
+     "with an FSDP2 MixedPrecisionPolicy (fsdp_param_dtype / fsdp_reduce_dtype) is not measured"),
     ({"pp": 2, "grad_accum": 2, "pp_schedule": "looped-bfs", "pp_stages_per_rank": 2, "tp": 2,
       "precision": "fp32"}, "with tp=2 is not measured"),
     ({"pp_stages_per_rank": 2}, "pp_stages_per_rank is a pipeline knob"),
@@ -547,6 +550,37 @@ def test_pp_interleaved_world_size_2(tiny_llama, tmp_path):
     for x in info["ranks"]:
         assert x["breakdown_at_peak"]["other"] == 3 * 2 * 2048 + 512
     assert "--pp-schedule interleaved-1f1b --pp-stages-per-rank 2" in out["command"]
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_pp_stages_per_rank_with_data_parallel_replicas(tiny_llama, tmp_path, parallel):
+    """Two ranks x two stages x two replicas (ScheduleInterleaved1F1B over a (pp, dp) mesh): each local
+    stage module is wrapped on its own (pipeline.py make_virtual_stages). A stage's replicas hold the
+    same memory; under DDP every rank holds its two Reducers' buckets beside the .grads (about one more
+    copy of its gradients), under FSDP2 the optimizer states are over the shards (about half)."""
+    import json
+
+    config = json.loads(tiny_llama.read_text())
+    config["num_hidden_layers"] = 4  # one layer per stage
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    base = dict(batch=1, seq=8, grad_accum=2, precision="fp32", optimizer="sgd", pp=2,
+                pp_schedule="interleaved-1f1b", pp_stages_per_rank=2)
+    out = measure(str(path), Recipe(**base, gpus=2, parallel=parallel))
+    info = out["diagnostics"]["parallel"]
+    assert info["world_size"] == 4 and len(info["ranks"]) == 4
+    ranks = info["ranks"]
+    for a, b in ((0, 1), (2, 3)):
+        assert ranks[a]["peak_allocated_bytes"] == ranks[b]["peak_allocated_bytes"]
+        assert ranks[a]["breakdown_at_peak"] == ranks[b]["breakdown_at_peak"]
+    alone = measure(str(path), Recipe(**base))["diagnostics"]["parallel"]["ranks"]
+    for x in ranks:
+        a = alone[x["rank"] // 2]["breakdown_at_peak"]
+        if parallel == "ddp":
+            assert 1.9 * a["gradients"] < x["breakdown_at_peak"]["gradients"] <= 2 * a["gradients"]
+        else:
+            assert 0.45 * a["optimizer_states"] < x["breakdown_at_peak"]["optimizer_states"] < 0.55 * a["optimizer_states"]
+    assert f"--gpus 2 --parallel {parallel} --pp 2" in out["command"]
 
 
 def test_pp_world_size_2(tiny_llama):

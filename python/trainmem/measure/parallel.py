@@ -464,7 +464,9 @@ def attach(tracker, runner: torch.nn.Module, recipe: Recipe) -> None:
     """Register what the wrapper made before tracking, and patch what tracking must see;
     undone by tracker.close()."""
     if recipe.parallel == "ddp":
-        _attach_ddp(tracker, runner.submod if recipe.is_pp else runner)  # PP x DP: the stage's DDP
+        # PP x DP: the stage's DDP; several stages per rank: each stage's own, in stage order.
+        for stage in (runner if isinstance(runner, list) else [runner]):
+            _attach_ddp(tracker, stage.submod if recipe.is_pp else stage)
     elif recipe.parallel == "fsdp":
         _attach_fsdp(tracker)
     elif recipe.is_zero:

@@ -48,7 +48,11 @@ Several stages per rank (`pp_stages_per_rank` V > 1, `pp_schedule` interleaved-1
 ScheduleInterleaved1F1B, ScheduleLoopedBFS): the layers split over pp x V stages by the same rule,
 rank r holding stages r, r + pp, ..., one PipelineStage per local stage over a stage module of its
 own modules (`make_virtual_stages`, `_VirtualStageModule`), the schedule built with the list of
-stages (Note [Interleaved pipeline schedules] in src/graph/pipeline.cpp). Plain ranks only.
+stages (Note [Interleaved pipeline schedules] in src/graph/pipeline.cpp). With `gpus` D > 1 and
+`parallel` ddp or fsdp each local stage module is wrapped on its own (its own DDP, or FSDP2 on its
+layers and on itself as a root); the schedule's lowering then adds UNSHARD / RESHARD actions around
+FSDP2 stages and a REDUCE_GRAD after each stage's last backward (docs/parallelism.md "Several
+stages per rank"). No HSDP and no tensor parallelism with several stages per rank.
 
 Checkpointing: run.py enables HF's (non-reentrant) checkpointing on the whole model before the
 stage is cut, so each decoder layer `_StageModule` calls is checkpointed as on one GPU. Precision
@@ -282,13 +286,24 @@ def make_virtual_stages(model: torch.nn.Module, recipe: Recipe, device: str) -> 
     r holding stages r, r + pp, ..., r + (V - 1) pp (torch's generate_stage_to_rank_mapping for
     interleaved and looped schedules); one pruned HF model per rank whose kept layers are those of
     every local stage, and one PipelineStage per local stage over its own modules
-    (_VirtualStageModule). Plain ranks only (no data-parallel wrapper)."""
+    (_VirtualStageModule). With `gpus` D > 1 (PP x DP, ranks as in make_stage: a (pp, dp) mesh,
+    stage rank r // D) each stage module gets a data-parallel wrapper of its own, as torchtitan
+    parallelizes each model part and torch's pipelining tests wrap each stage module: DDP over the
+    dp group (`_data_parallel`), or FSDP2 on each of its decoder layers and then on the stage module
+    (`_fully_shard`), so every local stage is its own FSDP2 root with its own communication state
+    (Notes [Interleaved pipeline schedules with DDP] / [... with FSDP2] in src/graph/pipeline.cpp)."""
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage
 
     pp, per_rank = recipe.pp, recipe.pp_stages_per_rank
     stages = pp * per_rank
-    rank = dist.get_rank()
+    rank, group, dp_mesh, dp_group = dist.get_rank(), None, None, None
+    if recipe.gpus > 1:  # PP x DP: a 2-D mesh (pp, dp), as torchtitan's (pp outermost)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(torch.device(device).type, (pp, recipe.gpus), mesh_dim_names=("pp", "dp"))
+        dp_mesh, dp_group = mesh["dp"], mesh.get_group("dp")
+        rank, group = mesh["pp"].get_local_rank(), mesh.get_group("pp")
     local = [rank + v * pp for v in range(per_rank)]
     cuts = split_layers(model.config.num_hidden_layers, stages)
     kept = {i for s in local for i in cuts[s]}
@@ -306,15 +321,24 @@ def make_virtual_stages(model: torch.nn.Module, recipe: Recipe, device: str) -> 
     dtype = next(model.parameters()).dtype
     logits_dtype = getattr(torch, recipe.autocast_dtype_name) if recipe.autocast_dtype_name else dtype
     meta = torch.device("meta")
-    out = []
+    modules = []
     for s in local:
         module = _VirtualStageModule(model, s, stages, cuts[s], autocast)
+        if recipe.gpus > 1 and recipe.parallel == "fsdp":
+            module = _fully_shard(module, recipe, dp_mesh, [base.layers[i] for i in cuts[s]], reseed=False)
+        elif recipe.gpus > 1 and recipe.parallel == "ddp":
+            module = _data_parallel(module, recipe, dp_group, reseed=False)
+        modules.append(module)
+    if recipe.gpus > 1:
+        _reseed_replica(recipe)
+    out = []
+    for s, module in zip(local, modules):
         hidden = torch.empty(recipe.batch, recipe.seq, cfg.hidden_size, dtype=dtype, device=meta, requires_grad=True)
         ids = torch.empty(recipe.batch, recipe.seq, dtype=torch.int64, device=meta)
         logits = torch.empty(recipe.batch, recipe.seq, cfg.vocab_size, dtype=logits_dtype, device=meta,
                              requires_grad=True)
         out.append(PipelineStage(module, s, stages, torch.device(device), input_args=(ids if s == 0 else hidden,),
-                                 output_args=(logits if s == stages - 1 else hidden,)))
+                                 output_args=(logits if s == stages - 1 else hidden,), group=group))
     return out
 
 
@@ -330,7 +354,7 @@ def _shard_meta(recipe: Recipe, width: int, dtype, tp_mesh, dim: int):
                               run_check=False, shape=tuple(shape), stride=(recipe.seq * width, width, 1))
 
 
-def _data_parallel(module: torch.nn.Module, recipe: Recipe, dp_group) -> torch.nn.Module:
+def _data_parallel(module: torch.nn.Module, recipe: Recipe, dp_group, reseed: bool = True) -> torch.nn.Module:
     """PP x DP: the stage module wrapped by DDP over its data-parallel group (PyTorch's defaults,
     as parallel.wrap_model), and this replica's own batch (`_reseed_replica`)."""
     from torch.nn.parallel import DistributedDataParallel
@@ -341,11 +365,12 @@ def _data_parallel(module: torch.nn.Module, recipe: Recipe, dp_group) -> torch.n
     with capture:  # the Reducer's buckets are made here, in C++, through aten
         runner = DistributedDataParallel(module, process_group=dp_group)
     runner._trainmem_made = capture.made
-    _reseed_replica(recipe)
+    if reseed:
+        _reseed_replica(recipe)
     return runner
 
 
-def _fully_shard(module: torch.nn.Module, recipe: Recipe, dp_mesh, layers: list) -> torch.nn.Module:
+def _fully_shard(module: torch.nn.Module, recipe: Recipe, dp_mesh, layers: list, reseed: bool = True) -> torch.nn.Module:
     """PP x FSDP2: the 1-D recipe's units (parallel.wrap_model) on each stage: fully_shard every
     decoder layer the stage holds, then the stage module (the root: the embedding, the final norm
     and lm_head, whichever it keeps), over the dp dimension of the (pp, dp) mesh, with the recipe's
@@ -365,7 +390,8 @@ def _fully_shard(module: torch.nn.Module, recipe: Recipe, dp_mesh, layers: list)
     for layer in layers:
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=recipe.fsdp_reshard_after_forward, mp_policy=mp_policy)
     fully_shard(module, mesh=dp_mesh, mp_policy=mp_policy)  # the root: reshard_after_forward None, False
-    _reseed_replica(recipe)
+    if reseed:
+        _reseed_replica(recipe)
     return module
 
 

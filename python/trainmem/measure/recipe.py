@@ -306,10 +306,17 @@ class Recipe:
         if not multi and v != 1:
             raise RecipeError(f"pp_stages_per_rank={v} needs a multi-stage schedule: use interleaved-1f1b or "
                               f"looped-bfs, not {self.pp_schedule}")
-        if multi and self.parallel != "none":
-            raise RecipeError(f"pp_schedule {self.pp_schedule} with parallel={self.parallel!r} is not measured (DDP "
-                              "or FSDP2 over several stages per rank, and the schedule's UNSHARD / RESHARD actions, "
-                              "are unexplored); use parallel none")
+        if multi and self.parallel not in ("none", "ddp", "fsdp"):
+            raise RecipeError(f"pp_schedule {self.pp_schedule} with parallel={self.parallel!r} is not measured "
+                              "(several stages per rank are measured plain, with DDP and with FSDP2); use none, ddp "
+                              "or fsdp")
+        if multi and self.parallel == "fsdp" and self.fsdp_replicate > 1:
+            raise RecipeError(f"pp_schedule {self.pp_schedule} with fsdp_replicate={self.fsdp_replicate} is not "
+                              "measured (HSDP over several stages per rank); use fsdp_replicate 1, or 1f1b or gpipe")
+        if multi and self.parallel == "fsdp" and (self.fsdp_param_dtype != "none" or self.fsdp_reduce_dtype != "none"):
+            raise RecipeError(f"pp_schedule {self.pp_schedule} with an FSDP2 MixedPrecisionPolicy "
+                              "(fsdp_param_dtype / fsdp_reduce_dtype) is not measured over several stages per rank; "
+                              "use the defaults, or 1f1b or gpipe")
         if multi and self.tp > 1:
             raise RecipeError(f"pp_schedule {self.pp_schedule} with tp={self.tp} is not measured (tensor parallelism "
                               "over several stages per rank); use tp 1, or 1f1b or gpipe")
