@@ -837,7 +837,10 @@ Trace StepBuilder::build_pipeline_multi() {
           dp_->pipeline_reduce_grad();
         }
       }
-      if (pp_peek(step)) return finish_trace();
+      if (pp_peek(step)) {
+        dp_ = &dp_rank_;
+        return finish_trace();
+      }
     }
     dp_ = &dp_rank_;
     // The end of _step_microbatches: the send works waited and dropped, then _update_losses.

@@ -175,6 +175,19 @@ std::vector<Recipe> peek_recipes() {
     r.parallel = Parallel::kFsdp;
     r.precision = Precision::kBf16Mixed;
   });
+  add([](Recipe& r) {  // several stages per rank, each its own FSDP2 root
+    r.pp_schedule = PipelineSchedule::kInterleaved1F1B;
+    r.pp_stages_per_rank = 2;
+    r.gpus = 2;
+    r.parallel = Parallel::kFsdp;
+  });
+  add([](Recipe& r) {
+    r.pp_schedule = PipelineSchedule::kLoopedBFS;
+    r.pp_stages_per_rank = 2;
+    r.gpus = 2;
+    r.parallel = Parallel::kDdp;
+    r.checkpointing = Checkpointing::kFull;
+  });
   add([](Recipe& r) {
     r.tp = 2;
     r.precision = Precision::kBf16True;
