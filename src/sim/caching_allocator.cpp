@@ -196,17 +196,145 @@ bool CachingAllocator::is_live_allocation(BlockId id) const noexcept {
 }
 
 // ---- FreeIndex ----
-// Entries are kept by descending address, so the best fit of a bucket (its lowest address) is
-// the last entry and taking it moves nothing. A bucket that empties is dropped at once: it is a
-// 16-byte record and its list keeps its capacity for the next new size, while idle buckets had
-// to be walked past by every search (first_at_least and next still skip any).
+// Note [Free buckets that stay]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Best fit is the lowest address of the smallest cached size at least the request's, on its
+// stream. Entries of a size are kept by descending address, so that block is the last entry of
+// its list and taking it moves nothing.
+//
+// The lists were kept in a sorted vector of buckets and a bucket was dropped as soon as it
+// emptied: every insert, take and erase began with a binary search over the pool's buckets
+// (~45 instructions), and a 70B replay made and dropped ~8,100 buckets (a size whose one free
+// block is taken, then freed again). Now a bucket, once made, stays until clear() whether it
+// holds blocks or not, and is found by its (stream, size) in a hash table (open addressing,
+// linear probing, at most a quarter full): a free or an erase names a size that has a bucket,
+// and so does nearly every request once the first layers have run. The buckets are also kept in
+// (stream, size) order, with a bit per bucket that says whether it holds blocks; best fit is then
+// the request's own bucket when it holds blocks (no cached size lies between the request and
+// itself), otherwise the next set bit after the request's place in that order, found in whole
+// 64-bit words. Only a size never seen before needs the ordered search, to place its bucket.
+// The answer is the one a search over the buckets that hold blocks gives: those are exactly the
+// set bits, in the same order.
+//
+// Empty buckets cost nothing but room and the bits skipped; a replay sees a few hundred sizes
+// (205 for the 70B step, both pools). A trace with many more (generation's growing caches) would
+// make placing each new size a long shift, so when the buckets in use pass 256 and fewer than a
+// quarter of them hold blocks, the empty ones are given up at once (rebuild).
 
-std::size_t CachingAllocator::FreeIndex::bucket_at_least(int stream, std::uint64_t size) const noexcept {
-  const auto it = std::lower_bound(buckets_.begin(), buckets_.end(), std::pair{stream, size},
-                                   [](const Bucket& b, const std::pair<int, std::uint64_t>& k) {
+CachingAllocator::FreeIndex::FreeIndex() : slots_(64, Slot{0, 0, kNoBucket}), slot_shift_(64 - 6) {}
+
+std::size_t CachingAllocator::FreeIndex::home(int stream, std::uint64_t size) const noexcept {
+  const std::uint64_t k =
+      (size >> 9) ^ (static_cast<std::uint64_t>(static_cast<std::uint32_t>(stream)) << 40);
+  return static_cast<std::size_t>((k * 0x9E3779B97F4A7C15ull) >> slot_shift_);
+}
+
+std::uint32_t CachingAllocator::FreeIndex::find(int stream, std::uint64_t size) const noexcept {
+  const std::size_t mask = slots_.size() - 1;
+  for (std::size_t i = home(stream, size);; i = (i + 1) & mask) {
+    const Slot& k = slots_[i];
+    if (k.bucket == kNoBucket) return kNoBucket;
+    if (k.size == size && k.stream == stream) return k.bucket;
+  }
+}
+
+std::size_t CachingAllocator::FreeIndex::rank_at_least(int stream, std::uint64_t size) const noexcept {
+  const auto it = std::lower_bound(order_.begin(), order_.end(), std::pair{stream, size},
+                                   [this](std::uint32_t bucket, const std::pair<int, std::uint64_t>& k) {
+                                     const Bucket& b = buckets_[bucket];
                                      return b.stream != k.first ? b.stream < k.first : b.size < k.second;
                                    });
-  return static_cast<std::size_t>(it - buckets_.begin());
+  return static_cast<std::size_t>(it - order_.begin());
+}
+
+std::size_t CachingAllocator::FreeIndex::next_filled(std::size_t rank) const noexcept {
+  std::size_t w = rank / 64;
+  if (w >= filled_.size()) return order_.size();
+  std::uint64_t bits = filled_[w] & (~0ull << (rank % 64));
+  while (bits == 0) {
+    if (++w == filled_.size()) return order_.size();
+    bits = filled_[w];
+  }
+  return w * 64 + static_cast<std::size_t>(std::countr_zero(bits));
+}
+
+void CachingAllocator::FreeIndex::set_filled(std::uint32_t rank, bool filled) noexcept {
+  const std::uint64_t bit = 1ull << (rank % 64);
+  if (filled) {
+    filled_[rank / 64] |= bit;
+    ++filled_count_;
+  } else {
+    filled_[rank / 64] &= ~bit;
+    --filled_count_;
+  }
+}
+
+// Remakes order_'s ranks, the bits and the hash table from the buckets in order_ (all of them,
+// or those holding blocks; the others go back to the unused end of buckets_).
+void CachingAllocator::FreeIndex::rebuild(bool only_filled) {
+  if (only_filled) {
+    // The buckets holding blocks move to [0, n) in their order, the others after them.
+    std::vector<Bucket> kept, spare;
+    kept.reserve(filled_count_);
+    for (const std::uint32_t bucket : order_) {
+      (buckets_[bucket].entries.empty() ? spare : kept).push_back(std::move(buckets_[bucket]));
+    }
+    for (std::size_t i = used_; i < buckets_.size(); ++i) spare.push_back(std::move(buckets_[i]));
+    buckets_.clear();
+    for (Bucket& b : kept) buckets_.push_back(std::move(b));
+    for (Bucket& b : spare) buckets_.push_back(std::move(b));
+    used_ = static_cast<std::uint32_t>(kept.size());
+    order_.resize(used_);
+    for (std::uint32_t i = 0; i < used_; ++i) order_[i] = i;
+  }
+  filled_.assign((order_.size() + 63) / 64, 0);
+  filled_count_ = 0;
+  std::size_t slots = 64;
+  std::uint32_t shift = 64 - 6;
+  while (order_.size() * 4 > slots) {
+    slots *= 2;
+    --shift;
+  }
+  slots_.assign(slots, Slot{0, 0, kNoBucket});
+  slot_shift_ = shift;
+  const std::size_t mask = slots - 1;
+  for (std::uint32_t r = 0; r < order_.size(); ++r) {
+    Bucket& b = buckets_[order_[r]];
+    b.rank = r;
+    if (!b.entries.empty()) set_filled(r, true);
+    std::size_t i = home(b.stream, b.size);
+    while (slots_[i].bucket != kNoBucket) i = (i + 1) & mask;
+    slots_[i] = Slot{b.size, b.stream, order_[r]};
+  }
+}
+
+std::uint32_t CachingAllocator::FreeIndex::add_bucket(int stream, std::uint64_t size) {
+  if (used_ >= 256 && filled_count_ * 4 < used_) rebuild(true);
+  const std::uint32_t bucket = used_++;
+  if (bucket == buckets_.size()) buckets_.emplace_back();
+  Bucket& b = buckets_[bucket];
+  b.size = size;
+  b.stream = stream;
+  const std::size_t rank = rank_at_least(stream, size);
+  order_.insert(order_.begin() + static_cast<std::ptrdiff_t>(rank), bucket);
+  if ((order_.size() + 63) / 64 > filled_.size()) filled_.push_back(0);
+  // Shift the bits at and above rank up by one.
+  const std::size_t w0 = rank / 64;
+  for (std::size_t w = filled_.size() - 1; w > w0; --w) {
+    filled_[w] = filled_[w] << 1 | filled_[w - 1] >> 63;
+  }
+  const std::uint64_t low = (1ull << (rank % 64)) - 1;
+  filled_[w0] = (filled_[w0] & low) | ((filled_[w0] & ~low) << 1);
+  for (std::size_t r = rank; r < order_.size(); ++r) buckets_[order_[r]].rank = static_cast<std::uint32_t>(r);
+  if (order_.size() * 4 > slots_.size()) {
+    rebuild(false);
+  } else {
+    const std::size_t mask = slots_.size() - 1;
+    std::size_t i = home(stream, size);
+    while (slots_[i].bucket != kNoBucket) i = (i + 1) & mask;
+    slots_[i] = Slot{size, stream, bucket};
+  }
+  return bucket;
 }
 
 namespace {
@@ -221,54 +349,51 @@ auto address_position(V& v, std::uint64_t address) {
 }  // namespace
 
 bool CachingAllocator::FreeIndex::insert(int stream, std::uint64_t size, std::uint64_t address, BlockId id) {
-  std::size_t bi = bucket_at_least(stream, size);
-  if (bi == buckets_.size() || buckets_[bi].stream != stream || buckets_[bi].size != size) {
-    std::uint32_t list;
-    if (!free_lists_.empty()) {
-      list = free_lists_.back();
-      free_lists_.pop_back();
-    } else {
-      list = static_cast<std::uint32_t>(lists_.size());
-      lists_.emplace_back();
-    }
-    buckets_.insert(buckets_.begin() + static_cast<std::ptrdiff_t>(bi), Bucket{size, stream, list});
+  std::uint32_t bucket = find(stream, size);
+  if (bucket == kNoBucket) bucket = add_bucket(stream, size);
+  Bucket& b = buckets_[bucket];
+  std::vector<Entry>& v = b.entries;
+  if (v.empty()) {
+    set_filled(b.rank, true);
+    v.push_back(Entry{address, id});
+    return true;
   }
-  std::vector<Entry>& v = entries(bi);
   const auto pos = address_position(v, address);
   if (pos != v.end() && pos->address == address) return false;
   v.insert(pos, Entry{address, id});
   return true;
 }
 
-void CachingAllocator::FreeIndex::drop_if_empty(std::size_t bi) noexcept {
-  if (!entries(bi).empty()) return;
-  free_lists_.push_back(buckets_[bi].list);
-  buckets_.erase(buckets_.begin() + static_cast<std::ptrdiff_t>(bi));
-}
-
 void CachingAllocator::FreeIndex::erase(int stream, std::uint64_t size, std::uint64_t address) noexcept {
-  const std::size_t bi = bucket_at_least(stream, size);
-  std::vector<Entry>& v = entries(bi);
-  v.erase(address_position(v, address));
-  drop_if_empty(bi);
+  Bucket& b = buckets_[find(stream, size)];
+  b.entries.erase(address_position(b.entries, address));
+  if (b.entries.empty()) set_filled(b.rank, false);
 }
 
 void CachingAllocator::FreeIndex::erase(Cursor c) noexcept {
-  std::vector<Entry>& v = entries(c.bucket);
-  v.erase(v.begin() + static_cast<std::ptrdiff_t>(c.pos));
-  drop_if_empty(c.bucket);
+  Bucket& b = buckets_[c.bucket];
+  b.entries.erase(b.entries.begin() + static_cast<std::ptrdiff_t>(c.pos));
+  if (b.entries.empty()) set_filled(b.rank, false);
 }
 
 bool CachingAllocator::FreeIndex::first_at_least(int stream, std::uint64_t size, Cursor& c) const noexcept {
-  for (std::size_t bi = bucket_at_least(stream, size); bi < buckets_.size(); ++bi) {
-    if (buckets_[bi].stream != stream) return false;
-    const std::vector<Entry>& v = entries(bi);
-    if (!v.empty()) {
-      c = Cursor{bi, v.size() - 1};
+  const std::uint32_t own = find(stream, size);
+  std::size_t rank;
+  if (own != kNoBucket) {
+    const Bucket& b = buckets_[own];
+    if (!b.entries.empty()) {
+      c = Cursor{own, b.entries.size() - 1};
       return true;
     }
+    rank = next_filled(b.rank + 1);
+  } else {
+    rank = next_filled(rank_at_least(stream, size));
   }
-  return false;
+  if (rank == order_.size()) return false;
+  const Bucket& b = buckets_[order_[rank]];
+  if (b.stream != stream) return false;
+  c = Cursor{order_[rank], b.entries.size() - 1};
+  return true;
 }
 
 bool CachingAllocator::FreeIndex::next(Cursor& c) const noexcept {
@@ -276,22 +401,19 @@ bool CachingAllocator::FreeIndex::next(Cursor& c) const noexcept {
     --c.pos;
     return true;
   }
-  for (std::size_t bi = c.bucket + 1; bi < buckets_.size(); ++bi) {
-    const std::vector<Entry>& v = entries(bi);
-    if (!v.empty()) {
-      c = Cursor{bi, v.size() - 1};
-      return true;
-    }
-  }
-  return false;
+  const std::size_t rank = next_filled(buckets_[c.bucket].rank + 1);
+  if (rank == order_.size()) return false;
+  c = Cursor{order_[rank], buckets_[order_[rank]].entries.size() - 1};
+  return true;
 }
 
 void CachingAllocator::FreeIndex::clear() noexcept {
-  for (const Bucket& b : buckets_) {
-    lists_[b.list].clear();
-    free_lists_.push_back(b.list);
-  }
-  buckets_.clear();
+  for (std::uint32_t i = 0; i < used_; ++i) buckets_[i].entries.clear();
+  used_ = 0;
+  filled_count_ = 0;
+  order_.clear();
+  filled_.clear();
+  for (Slot& k : slots_) k.bucket = kNoBucket;
 }
 
 void CachingAllocator::insert_free(BlockId id) {

@@ -241,16 +241,19 @@ class CachingAllocator {  // hidden symbols: See Note [Engine symbols are hidden
     }
   };
   // Cached free blocks of one pool in best-fit order: (stream, size, address). A replay holds
-  // hundreds of free blocks but only about ten distinct sizes (the layers repeat), so blocks are
-  // kept in one vector per (stream, size), by descending address (the best fit is the last
-  // entry), and the buckets in a short sorted vector: a lookup is two binary searches and no
-  // tree walk.
+  // hundreds of free blocks but only a few hundred distinct sizes over its whole run and about
+  // ten at a time (the layers repeat), so blocks are kept in one list per (stream, size), by
+  // descending address (the best fit is the last entry). A size keeps its bucket while its list
+  // is empty: a hash table finds the bucket of a (stream, size), the buckets sit in (stream, size)
+  // order with a bit for each that holds blocks, and best fit is the next set bit from the
+  // request's place (Note [Free buckets that stay] in caching_allocator.cpp).
   class FreeIndex {
    public:
     struct Cursor {
-      std::size_t bucket = 0;
-      std::size_t pos = 0;
+      std::uint32_t bucket = 0;  // a bucket (stable until clear())
+      std::size_t pos = 0;       // in its entry list
     };
+    FreeIndex();
     bool insert(int stream, std::uint64_t size, std::uint64_t address, BlockId id);
     void erase(int stream, std::uint64_t size, std::uint64_t address) noexcept;
     void erase(Cursor c) noexcept;
@@ -258,38 +261,50 @@ class CachingAllocator {  // hidden symbols: See Note [Engine symbols are hidden
     bool first_at_least(int stream, std::uint64_t size, Cursor& c) const noexcept;
     // The next block in (stream, size, address) order.
     bool next(Cursor& c) const noexcept;
-    BlockId id(Cursor c) const noexcept { return entries(c.bucket)[c.pos].id; }
+    BlockId id(Cursor c) const noexcept { return buckets_[c.bucket].entries[c.pos].id; }
     std::uint64_t size(Cursor c) const noexcept { return buckets_[c.bucket].size; }
     int stream(Cursor c) const noexcept { return buckets_[c.bucket].stream; }
     // Every block in (stream, size, address) order.
     template <typename F>
     void for_each(F&& f) const {
-      for (std::size_t bi = 0; bi < buckets_.size(); ++bi) {
-        const std::vector<Entry>& v = entries(bi);
+      for (const std::uint32_t bucket : order_) {
+        const std::vector<Entry>& v = buckets_[bucket].entries;
         for (auto e = v.rbegin(); e != v.rend(); ++e) f(e->id);
       }
     }
     void clear() noexcept;
 
    private:
+    static constexpr std::uint32_t kNoBucket = UINT32_MAX;
     struct Entry {
       std::uint64_t address;
       BlockId id;
     };
-    // A bucket is a plain key and the index of its entry list in lists_, so making or dropping
-    // one (the small pool's split remainders come and go in many sizes) moves 16-byte records.
     struct Bucket {
+      std::uint64_t size = 0;
+      int stream = 0;
+      std::uint32_t rank = 0;      // its place in order_
+      std::vector<Entry> entries;  // by descending address
+    };
+    struct Slot {  // the hash table's: a (stream, size) and its bucket, kNoBucket when empty
       std::uint64_t size;
       int stream;
-      std::uint32_t list;
+      std::uint32_t bucket;
     };
-    std::vector<Entry>& entries(std::size_t bucket) noexcept { return lists_[buckets_[bucket].list]; }
-    const std::vector<Entry>& entries(std::size_t bucket) const noexcept { return lists_[buckets_[bucket].list]; }
-    std::size_t bucket_at_least(int stream, std::uint64_t size) const noexcept;
-    void drop_if_empty(std::size_t bucket) noexcept;
-    std::vector<Bucket> buckets_;             // by (stream, size)
-    std::vector<std::vector<Entry>> lists_;   // entry lists by Bucket::list, by descending address
-    std::vector<std::uint32_t> free_lists_;   // lists_ indices no bucket uses (empty, capacity kept)
+    std::uint32_t find(int stream, std::uint64_t size) const noexcept;  // kNoBucket if none
+    std::size_t rank_at_least(int stream, std::uint64_t size) const noexcept;
+    std::size_t next_filled(std::size_t rank) const noexcept;  // order_.size() if none
+    std::size_t home(int stream, std::uint64_t size) const noexcept;
+    std::uint32_t add_bucket(int stream, std::uint64_t size);
+    void set_filled(std::uint32_t rank, bool filled) noexcept;
+    void rebuild(bool only_filled);
+    std::vector<Bucket> buckets_;            // [0, used_) in use, the rest kept for their lists
+    std::uint32_t used_ = 0;
+    std::uint32_t filled_count_ = 0;         // buckets holding blocks
+    std::vector<std::uint32_t> order_;       // every bucket in use, by (stream, size)
+    std::vector<std::uint64_t> filled_;      // bit r: order_[r] holds blocks
+    std::vector<Slot> slots_;                // open addressing, linear probing, at most 1/4 full
+    std::uint32_t slot_shift_ = 0;           // 64 - log2(slots_.size())
   };
   using UnmappedSet = std::set<AddressKey, AddressOrder, NodeAllocator<AddressKey>>;
 
