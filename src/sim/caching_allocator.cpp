@@ -223,21 +223,6 @@ bool CachingAllocator::is_live_allocation(BlockId id) const noexcept {
 
 CachingAllocator::FreeIndex::FreeIndex() : slots_(64, Slot{0, 0, kNoBucket}), slot_shift_(64 - 6) {}
 
-std::size_t CachingAllocator::FreeIndex::home(int stream, std::uint64_t size) const noexcept {
-  const std::uint64_t k =
-      (size >> 9) ^ (static_cast<std::uint64_t>(static_cast<std::uint32_t>(stream)) << 40);
-  return static_cast<std::size_t>((k * 0x9E3779B97F4A7C15ull) >> slot_shift_);
-}
-
-std::uint32_t CachingAllocator::FreeIndex::find(int stream, std::uint64_t size) const noexcept {
-  const std::size_t mask = slots_.size() - 1;
-  for (std::size_t i = home(stream, size);; i = (i + 1) & mask) {
-    const Slot& k = slots_[i];
-    if (k.bucket == kNoBucket) return kNoBucket;
-    if (k.size == size && k.stream == stream) return k.bucket;
-  }
-}
-
 std::size_t CachingAllocator::FreeIndex::rank_at_least(int stream, std::uint64_t size) const noexcept {
   const auto it = std::lower_bound(order_.begin(), order_.end(), std::pair{stream, size},
                                    [this](std::uint32_t bucket, const std::pair<int, std::uint64_t>& k) {
@@ -256,17 +241,6 @@ std::size_t CachingAllocator::FreeIndex::next_filled(std::size_t rank) const noe
     bits = filled_[w];
   }
   return w * 64 + static_cast<std::size_t>(std::countr_zero(bits));
-}
-
-void CachingAllocator::FreeIndex::set_filled(std::uint32_t rank, bool filled) noexcept {
-  const std::uint64_t bit = 1ull << (rank % 64);
-  if (filled) {
-    filled_[rank / 64] |= bit;
-    ++filled_count_;
-  } else {
-    filled_[rank / 64] &= ~bit;
-    --filled_count_;
-  }
 }
 
 // Remakes order_'s ranks, the bits and the hash table from the buckets in order_ (all of them,
@@ -441,12 +415,19 @@ void CachingAllocator::erase_unmapped(BlockId id) noexcept {
 // ---- allocate ----
 
 CachingAllocator::BlockId CachingAllocator::allocate(std::uint64_t requested_bytes, int stream) {
-  const std::uint64_t size = round_size(requested_bytes, config_);
+  // round_size's common case inline: no power-of-two divisions, no minimum, no overflow.
+  const std::uint64_t size = config_.roundup_power2_divisions <= 1 && requested_bytes >= kMinBlockBytes &&
+                                     requested_bytes <= kMaxBytes - (kMinBlockBytes - 1)
+                                 ? (requested_bytes + (kMinBlockBytes - 1)) & ~(kMinBlockBytes - 1)
+                                 : round_size(requested_bytes, config_);
   const Pool pool = size <= kSmallRequestMaxBytes ? kSmallPool : kLargePool;
 
   // Nothing below changes the allocator before the last point that can throw
   // overflow_error (new_segment / grow_expandable claim address space first).
-  BlockId id = take_free_block(pool, stream, size);
+  // A block of exactly the rounded size is the best fit and passes the max_split_size vetoes
+  // (no slack); with expandable segments the walk in take_free_block may still prefer another.
+  BlockId id = config_.expandable_segments ? kNoBlock : free_[pool].take_exact(stream, size);
+  if (id == kNoBlock) id = take_free_block(pool, stream, size);
   if (id == kNoBlock) {
     id = config_.expandable_segments ? grow_expandable(pool, stream, size)
                                      : new_segment(pool, stream, allocation_size(size));
@@ -672,9 +653,12 @@ void CachingAllocator::release(BlockId block) {
   Block& b = blocks_[block];
   b.allocated = false;
   allocated_bytes_ -= b.size;
-  // free_block: absorb free neighbours of the same segment, then cache.
-  try_merge(block, blocks_[block].prev);
-  try_merge(block, blocks_[block].next);
+  // free_block: absorb free neighbours of the same segment, then cache. (Most blocks have no free
+  // neighbour: that is told here, without the call.)
+  const BlockId prev = b.prev;
+  if (prev != kNoBlock && !blocks_[prev].allocated) try_merge(block, prev);
+  const BlockId next = blocks_[block].next;
+  if (next != kNoBlock && !blocks_[next].allocated) try_merge(block, next);
   insert_free(block);
 }
 

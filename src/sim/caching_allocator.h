@@ -259,6 +259,18 @@ class CachingAllocator {  // hidden symbols: See Note [Engine symbols are hidden
     void erase(Cursor c) noexcept;
     // The first block of `stream` with a size of at least `size` (lowest address among equals).
     bool first_at_least(int stream, std::uint64_t size, Cursor& c) const noexcept;
+    // Takes the lowest-address block of exactly (stream, size) when there is one (best fit, as
+    // no cached size lies between); kNoBlock, and nothing changed, otherwise.
+    BlockId take_exact(int stream, std::uint64_t size) noexcept {
+      const std::uint32_t bucket = find(stream, size);
+      if (bucket == kNoBucket) return kNoBlock;
+      Bucket& b = buckets_[bucket];
+      if (b.entries.empty()) return kNoBlock;
+      const BlockId id = b.entries.back().id;
+      b.entries.pop_back();
+      if (b.entries.empty()) set_filled(b.rank, false);
+      return id;
+    }
     // The next block in (stream, size, address) order.
     bool next(Cursor& c) const noexcept;
     BlockId id(Cursor c) const noexcept { return buckets_[c.bucket].entries[c.pos].id; }
@@ -291,12 +303,32 @@ class CachingAllocator {  // hidden symbols: See Note [Engine symbols are hidden
       int stream;
       std::uint32_t bucket;
     };
-    std::uint32_t find(int stream, std::uint64_t size) const noexcept;  // kNoBucket if none
+    std::size_t home(int stream, std::uint64_t size) const noexcept {
+      const std::uint64_t k =
+          (size >> 9) ^ (static_cast<std::uint64_t>(static_cast<std::uint32_t>(stream)) << 40);
+      return static_cast<std::size_t>((k * 0x9E3779B97F4A7C15ull) >> slot_shift_);
+    }
+    std::uint32_t find(int stream, std::uint64_t size) const noexcept {  // kNoBucket if none
+      const std::size_t mask = slots_.size() - 1;
+      for (std::size_t i = home(stream, size);; i = (i + 1) & mask) {
+        const Slot& k = slots_[i];
+        if (k.bucket == kNoBucket) return kNoBucket;
+        if (k.size == size && k.stream == stream) return k.bucket;
+      }
+    }
+    void set_filled(std::uint32_t rank, bool filled) noexcept {
+      const std::uint64_t bit = 1ull << (rank % 64);
+      if (filled) {
+        filled_[rank / 64] |= bit;
+        ++filled_count_;
+      } else {
+        filled_[rank / 64] &= ~bit;
+        --filled_count_;
+      }
+    }
     std::size_t rank_at_least(int stream, std::uint64_t size) const noexcept;
     std::size_t next_filled(std::size_t rank) const noexcept;  // order_.size() if none
-    std::size_t home(int stream, std::uint64_t size) const noexcept;
     std::uint32_t add_bucket(int stream, std::uint64_t size);
-    void set_filled(std::uint32_t rank, bool filled) noexcept;
     void rebuild(bool only_filled);
     std::vector<Bucket> buckets_;            // [0, used_) in use, the rest kept for their lists
     std::uint32_t used_ = 0;
