@@ -225,8 +225,7 @@ CachingAllocator::FreeIndex::FreeIndex() : slots_(64, Slot{0, 0, kNoBucket}), sl
 
 std::size_t CachingAllocator::FreeIndex::rank_at_least(int stream, std::uint64_t size) const noexcept {
   const auto it = std::lower_bound(order_.begin(), order_.end(), std::pair{stream, size},
-                                   [this](std::uint32_t bucket, const std::pair<int, std::uint64_t>& k) {
-                                     const Bucket& b = buckets_[bucket];
+                                   [](const Slot& b, const std::pair<int, std::uint64_t>& k) {
                                      return b.stream != k.first ? b.stream < k.first : b.size < k.second;
                                    });
   return static_cast<std::size_t>(it - order_.begin());
@@ -250,8 +249,8 @@ void CachingAllocator::FreeIndex::rebuild(bool only_filled) {
     // The buckets holding blocks move to [0, n) in their order, the others after them.
     std::vector<Bucket> kept, spare;
     kept.reserve(filled_count_);
-    for (const std::uint32_t bucket : order_) {
-      (buckets_[bucket].entries.empty() ? spare : kept).push_back(std::move(buckets_[bucket]));
+    for (const Slot& k : order_) {
+      (buckets_[k.bucket].entries.empty() ? spare : kept).push_back(std::move(buckets_[k.bucket]));
     }
     for (std::size_t i = used_; i < buckets_.size(); ++i) spare.push_back(std::move(buckets_[i]));
     buckets_.clear();
@@ -259,7 +258,7 @@ void CachingAllocator::FreeIndex::rebuild(bool only_filled) {
     for (Bucket& b : spare) buckets_.push_back(std::move(b));
     used_ = static_cast<std::uint32_t>(kept.size());
     order_.resize(used_);
-    for (std::uint32_t i = 0; i < used_; ++i) order_[i] = i;
+    for (std::uint32_t i = 0; i < used_; ++i) order_[i] = Slot{buckets_[i].size, buckets_[i].stream, i};
   }
   filled_.assign((order_.size() + 63) / 64, 0);
   filled_count_ = 0;
@@ -273,12 +272,12 @@ void CachingAllocator::FreeIndex::rebuild(bool only_filled) {
   slot_shift_ = shift;
   const std::size_t mask = slots - 1;
   for (std::uint32_t r = 0; r < order_.size(); ++r) {
-    Bucket& b = buckets_[order_[r]];
+    Bucket& b = buckets_[order_[r].bucket];
     b.rank = r;
     if (!b.entries.empty()) set_filled(r, true);
     std::size_t i = home(b.stream, b.size);
     while (slots_[i].bucket != kNoBucket) i = (i + 1) & mask;
-    slots_[i] = Slot{b.size, b.stream, order_[r]};
+    slots_[i] = order_[r];
   }
 }
 
@@ -290,7 +289,7 @@ std::uint32_t CachingAllocator::FreeIndex::add_bucket(int stream, std::uint64_t 
   b.size = size;
   b.stream = stream;
   const std::size_t rank = rank_at_least(stream, size);
-  order_.insert(order_.begin() + static_cast<std::ptrdiff_t>(rank), bucket);
+  order_.insert(order_.begin() + static_cast<std::ptrdiff_t>(rank), Slot{size, stream, bucket});
   if ((order_.size() + 63) / 64 > filled_.size()) filled_.push_back(0);
   // Shift the bits at and above rank up by one.
   const std::size_t w0 = rank / 64;
@@ -299,7 +298,7 @@ std::uint32_t CachingAllocator::FreeIndex::add_bucket(int stream, std::uint64_t 
   }
   const std::uint64_t low = (1ull << (rank % 64)) - 1;
   filled_[w0] = (filled_[w0] & low) | ((filled_[w0] & ~low) << 1);
-  for (std::size_t r = rank; r < order_.size(); ++r) buckets_[order_[r]].rank = static_cast<std::uint32_t>(r);
+  for (std::size_t r = rank; r < order_.size(); ++r) buckets_[order_[r].bucket].rank = static_cast<std::uint32_t>(r);
   if (order_.size() * 4 > slots_.size()) {
     rebuild(false);
   } else {
@@ -364,9 +363,9 @@ bool CachingAllocator::FreeIndex::first_at_least(int stream, std::uint64_t size,
     rank = next_filled(rank_at_least(stream, size));
   }
   if (rank == order_.size()) return false;
-  const Bucket& b = buckets_[order_[rank]];
-  if (b.stream != stream) return false;
-  c = Cursor{order_[rank], b.entries.size() - 1};
+  const Slot& k = order_[rank];
+  if (k.stream != stream) return false;
+  c = Cursor{k.bucket, buckets_[k.bucket].entries.size() - 1};
   return true;
 }
 
@@ -377,7 +376,7 @@ bool CachingAllocator::FreeIndex::next(Cursor& c) const noexcept {
   }
   const std::size_t rank = next_filled(buckets_[c.bucket].rank + 1);
   if (rank == order_.size()) return false;
-  c = Cursor{order_[rank], buckets_[order_[rank]].entries.size() - 1};
+  c = Cursor{order_[rank].bucket, buckets_[order_[rank].bucket].entries.size() - 1};
   return true;
 }
 

@@ -279,8 +279,8 @@ class CachingAllocator {  // hidden symbols: See Note [Engine symbols are hidden
     // Every block in (stream, size, address) order.
     template <typename F>
     void for_each(F&& f) const {
-      for (const std::uint32_t bucket : order_) {
-        const std::vector<Entry>& v = buckets_[bucket].entries;
+      for (const Slot& k : order_) {
+        const std::vector<Entry>& v = buckets_[k.bucket].entries;
         for (auto e = v.rbegin(); e != v.rend(); ++e) f(e->id);
       }
     }
@@ -298,7 +298,7 @@ class CachingAllocator {  // hidden symbols: See Note [Engine symbols are hidden
       std::uint32_t rank = 0;      // its place in order_
       std::vector<Entry> entries;  // by descending address
     };
-    struct Slot {  // the hash table's: a (stream, size) and its bucket, kNoBucket when empty
+    struct Slot {  // a (stream, size) and its bucket: order_'s entries, and the hash table's (kNoBucket: empty)
       std::uint64_t size;
       int stream;
       std::uint32_t bucket;
@@ -333,7 +333,7 @@ class CachingAllocator {  // hidden symbols: See Note [Engine symbols are hidden
     std::vector<Bucket> buckets_;            // [0, used_) in use, the rest kept for their lists
     std::uint32_t used_ = 0;
     std::uint32_t filled_count_ = 0;         // buckets holding blocks
-    std::vector<std::uint32_t> order_;       // every bucket in use, by (stream, size)
+    std::vector<Slot> order_;                // every bucket in use, by (stream, size)
     std::vector<std::uint64_t> filled_;      // bit r: order_[r] holds blocks
     std::vector<Slot> slots_;                // open addressing, linear probing, at most 1/4 full
     std::uint32_t slot_shift_ = 0;           // 64 - log2(slots_.size())
