@@ -216,10 +216,15 @@ bool CachingAllocator::is_live_allocation(BlockId id) const noexcept {
 // The answer is the one a search over the buckets that hold blocks gives: those are exactly the
 // set bits, in the same order.
 //
+// Making a bucket moves the places in that order of the buckets above it; instead of rewriting
+// them, it starts a new epoch, and a bucket's place from an older epoch is searched again the
+// next time it is needed (rank_of): once no new size comes, each place is searched at most once.
+//
 // Empty buckets cost nothing but room and the bits skipped; a replay sees a few hundred sizes
-// (205 for the 70B step, both pools). A trace with many more (generation's growing caches) would
-// make placing each new size a long shift, so when the buckets in use pass 256 and fewer than a
-// quarter of them hold blocks, the empty ones are given up at once (rebuild).
+// (205 for the 70B step, both pools). With expandable segments almost every split leaves a
+// remainder of a new size, so when the buckets in order pass kEmptyBucketsKept and fewer than a
+// quarter of them hold blocks, the empty ones are given up at once (rebuild) and their lists
+// kept for the next new sizes.
 
 CachingAllocator::FreeIndex::FreeIndex() : slots_(64, Slot{0, 0, kNoBucket}), slot_shift_(64 - 6) {}
 
@@ -242,29 +247,26 @@ std::size_t CachingAllocator::FreeIndex::next_filled(std::size_t rank) const noe
   return w * 64 + static_cast<std::size_t>(std::countr_zero(bits));
 }
 
-// Remakes order_'s ranks, the bits and the hash table from the buckets in order_ (all of them,
-// or those holding blocks; the others go back to the unused end of buckets_).
+// Remakes the ranks, the bits and the hash table from order_: from all of it, or (only_filled)
+// from the buckets holding blocks, the others going back to spare_.
 void CachingAllocator::FreeIndex::rebuild(bool only_filled) {
   if (only_filled) {
-    // The buckets holding blocks move to [0, n) in their order, the others after them.
-    std::vector<Bucket> kept, spare;
-    kept.reserve(filled_count_);
+    std::size_t kept = 0;
     for (const Slot& k : order_) {
-      (buckets_[k.bucket].entries.empty() ? spare : kept).push_back(std::move(buckets_[k.bucket]));
+      if (buckets_[k.bucket].entries.empty()) {
+        spare_.push_back(k.bucket);
+      } else {
+        order_[kept++] = k;
+      }
     }
-    for (std::size_t i = used_; i < buckets_.size(); ++i) spare.push_back(std::move(buckets_[i]));
-    buckets_.clear();
-    for (Bucket& b : kept) buckets_.push_back(std::move(b));
-    for (Bucket& b : spare) buckets_.push_back(std::move(b));
-    used_ = static_cast<std::uint32_t>(kept.size());
-    order_.resize(used_);
-    for (std::uint32_t i = 0; i < used_; ++i) order_[i] = Slot{buckets_[i].size, buckets_[i].stream, i};
+    order_.resize(kept);
   }
+  ++epoch_;
   filled_.assign((order_.size() + 63) / 64, 0);
   filled_count_ = 0;
   std::size_t slots = 64;
   std::uint32_t shift = 64 - 6;
-  while (order_.size() * 4 > slots) {
+  while (order_.size() * 4 > slots || slots < slots_.size()) {
     slots *= 2;
     --shift;
   }
@@ -274,6 +276,7 @@ void CachingAllocator::FreeIndex::rebuild(bool only_filled) {
   for (std::uint32_t r = 0; r < order_.size(); ++r) {
     Bucket& b = buckets_[order_[r].bucket];
     b.rank = r;
+    b.rank_epoch = epoch_;
     if (!b.entries.empty()) set_filled(r, true);
     std::size_t i = home(b.stream, b.size);
     while (slots_[i].bucket != kNoBucket) i = (i + 1) & mask;
@@ -282,9 +285,15 @@ void CachingAllocator::FreeIndex::rebuild(bool only_filled) {
 }
 
 std::uint32_t CachingAllocator::FreeIndex::add_bucket(int stream, std::uint64_t size) {
-  if (used_ >= 256 && filled_count_ * 4 < used_) rebuild(true);
-  const std::uint32_t bucket = used_++;
-  if (bucket == buckets_.size()) buckets_.emplace_back();
+  if (order_.size() >= kEmptyBucketsKept && filled_count_ * 4 < order_.size()) rebuild(true);
+  std::uint32_t bucket;
+  if (!spare_.empty()) {
+    bucket = spare_.back();
+    spare_.pop_back();
+  } else {
+    bucket = static_cast<std::uint32_t>(buckets_.size());
+    buckets_.emplace_back();
+  }
   Bucket& b = buckets_[bucket];
   b.size = size;
   b.stream = stream;
@@ -298,7 +307,9 @@ std::uint32_t CachingAllocator::FreeIndex::add_bucket(int stream, std::uint64_t 
   }
   const std::uint64_t low = (1ull << (rank % 64)) - 1;
   filled_[w0] = (filled_[w0] & low) | ((filled_[w0] & ~low) << 1);
-  for (std::size_t r = rank; r < order_.size(); ++r) buckets_[order_[r].bucket].rank = static_cast<std::uint32_t>(r);
+  ++epoch_;
+  b.rank = static_cast<std::uint32_t>(rank);
+  b.rank_epoch = epoch_;
   if (order_.size() * 4 > slots_.size()) {
     rebuild(false);
   } else {
@@ -327,7 +338,7 @@ bool CachingAllocator::FreeIndex::insert(int stream, std::uint64_t size, std::ui
   Bucket& b = buckets_[bucket];
   std::vector<Entry>& v = b.entries;
   if (v.empty()) {
-    set_filled(b.rank, true);
+    set_filled(rank_of(bucket), true);
     v.push_back(Entry{address, id});
     return true;
   }
@@ -338,15 +349,16 @@ bool CachingAllocator::FreeIndex::insert(int stream, std::uint64_t size, std::ui
 }
 
 void CachingAllocator::FreeIndex::erase(int stream, std::uint64_t size, std::uint64_t address) noexcept {
-  Bucket& b = buckets_[find(stream, size)];
+  const std::uint32_t bucket = find(stream, size);
+  Bucket& b = buckets_[bucket];
   b.entries.erase(address_position(b.entries, address));
-  if (b.entries.empty()) set_filled(b.rank, false);
+  if (b.entries.empty()) set_filled(rank_of(bucket), false);
 }
 
 void CachingAllocator::FreeIndex::erase(Cursor c) noexcept {
   Bucket& b = buckets_[c.bucket];
   b.entries.erase(b.entries.begin() + static_cast<std::ptrdiff_t>(c.pos));
-  if (b.entries.empty()) set_filled(b.rank, false);
+  if (b.entries.empty()) set_filled(rank_of(c.bucket), false);
 }
 
 bool CachingAllocator::FreeIndex::first_at_least(int stream, std::uint64_t size, Cursor& c) const noexcept {
@@ -358,7 +370,7 @@ bool CachingAllocator::FreeIndex::first_at_least(int stream, std::uint64_t size,
       c = Cursor{own, b.entries.size() - 1};
       return true;
     }
-    rank = next_filled(b.rank + 1);
+    rank = next_filled(rank_of(own) + 1);
   } else {
     rank = next_filled(rank_at_least(stream, size));
   }
@@ -374,15 +386,17 @@ bool CachingAllocator::FreeIndex::next(Cursor& c) const noexcept {
     --c.pos;
     return true;
   }
-  const std::size_t rank = next_filled(buckets_[c.bucket].rank + 1);
+  const std::size_t rank = next_filled(rank_of(c.bucket) + 1);
   if (rank == order_.size()) return false;
   c = Cursor{order_[rank].bucket, buckets_[order_[rank].bucket].entries.size() - 1};
   return true;
 }
 
 void CachingAllocator::FreeIndex::clear() noexcept {
-  for (std::uint32_t i = 0; i < used_; ++i) buckets_[i].entries.clear();
-  used_ = 0;
+  for (const Slot& k : order_) {
+    buckets_[k.bucket].entries.clear();
+    spare_.push_back(k.bucket);
+  }
   filled_count_ = 0;
   order_.clear();
   filled_.clear();

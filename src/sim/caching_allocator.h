@@ -268,7 +268,7 @@ class CachingAllocator {  // hidden symbols: See Note [Engine symbols are hidden
       if (b.entries.empty()) return kNoBlock;
       const BlockId id = b.entries.back().id;
       b.entries.pop_back();
-      if (b.entries.empty()) set_filled(b.rank, false);
+      if (b.entries.empty()) set_filled(rank_of(bucket), false);
       return id;
     }
     // The next block in (stream, size, address) order.
@@ -288,6 +288,8 @@ class CachingAllocator {  // hidden symbols: See Note [Engine symbols are hidden
 
    private:
     static constexpr std::uint32_t kNoBucket = UINT32_MAX;
+    // Buckets in order_ before empty ones are given up (Note [Free buckets that stay]).
+    static constexpr std::size_t kEmptyBucketsKept = 256;
     struct Entry {
       std::uint64_t address;
       BlockId id;
@@ -295,7 +297,9 @@ class CachingAllocator {  // hidden symbols: See Note [Engine symbols are hidden
     struct Bucket {
       std::uint64_t size = 0;
       int stream = 0;
-      std::uint32_t rank = 0;      // its place in order_
+      // Its place in order_, valid while rank_epoch is the index's epoch_ (see rank_of).
+      mutable std::uint32_t rank = 0;
+      mutable std::uint64_t rank_epoch = 0;
       std::vector<Entry> entries;  // by descending address
     };
     struct Slot {  // a (stream, size) and its bucket: order_'s entries, and the hash table's (kNoBucket: empty)
@@ -327,11 +331,22 @@ class CachingAllocator {  // hidden symbols: See Note [Engine symbols are hidden
       }
     }
     std::size_t rank_at_least(int stream, std::uint64_t size) const noexcept;
+    // A bucket's place in order_. Making a bucket moves the places above it; rather than rewrite
+    // them all, it starts a new epoch, and a place from an older one is searched again when asked.
+    std::uint32_t rank_of(std::uint32_t bucket) const noexcept {
+      const Bucket& b = buckets_[bucket];
+      if (b.rank_epoch != epoch_) {
+        b.rank = static_cast<std::uint32_t>(rank_at_least(b.stream, b.size));
+        b.rank_epoch = epoch_;
+      }
+      return b.rank;
+    }
     std::size_t next_filled(std::size_t rank) const noexcept;  // order_.size() if none
     std::uint32_t add_bucket(int stream, std::uint64_t size);
     void rebuild(bool only_filled);
-    std::vector<Bucket> buckets_;            // [0, used_) in use, the rest kept for their lists
-    std::uint32_t used_ = 0;
+    std::vector<Bucket> buckets_;            // those in order_, and spare ones kept for their lists
+    std::vector<std::uint32_t> spare_;       // buckets_ indices not in order_ (no blocks, no key)
+    std::uint64_t epoch_ = 1;                // changes whenever places in order_ move
     std::uint32_t filled_count_ = 0;         // buckets holding blocks
     std::vector<Slot> order_;                // every bucket in use, by (stream, size)
     std::vector<std::uint64_t> filled_;      // bit r: order_[r] holds blocks
