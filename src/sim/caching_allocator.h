@@ -84,10 +84,11 @@ struct AllocatorConfig {
   unsigned roundup_power2_divisions = 0;
 };
 
-// Replays one device's caching allocator. Single-threaded; best fit is a binary
-// search over the distinct sizes of cached blocks (FreeIndex), and a warmed-up
-// replay allocates almost nothing. Not copyable or movable (the unmapped-range
-// sets draw their nodes from a pool owned by the object); reset() reuses it.
+// Replays one device's caching allocator. Single-threaded; best fit is a hash
+// lookup of the request's size, or the next size in order that holds cached blocks
+// (FreeIndex), and a warmed-up replay allocates almost nothing. Not copyable or
+// movable (the unmapped-range sets draw their nodes from a pool owned by the
+// object); reset() reuses it.
 class CachingAllocator {  // hidden symbols: See Note [Engine symbols are hidden] in CMakeLists.txt
  public:
   using BlockId = std::uint32_t;
@@ -302,7 +303,8 @@ class CachingAllocator {  // hidden symbols: See Note [Engine symbols are hidden
       mutable std::uint64_t rank_epoch = 0;
       std::vector<Entry> entries;  // by descending address
     };
-    struct Slot {  // a (stream, size) and its bucket: order_'s entries, and the hash table's (kNoBucket: empty)
+    // A (stream, size) and its bucket: order_'s entries, and the hash table's (kNoBucket: empty).
+    struct Slot {
       std::uint64_t size;
       int stream;
       std::uint32_t bucket;
