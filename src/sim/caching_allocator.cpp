@@ -361,8 +361,9 @@ void CachingAllocator::FreeIndex::erase(Cursor c) noexcept {
   if (b.entries.empty()) set_filled(rank_of(c.bucket), false);
 }
 
-bool CachingAllocator::FreeIndex::first_at_least(int stream, std::uint64_t size, Cursor& c) const noexcept {
-  const std::uint32_t own = find(stream, size);
+bool CachingAllocator::FreeIndex::first_at_least(int stream, std::uint64_t size, Cursor& c,
+                                                 Hint hint) const noexcept {
+  const std::uint32_t own = hint == kNoHint ? find(stream, size) : hint;
   std::size_t rank;
   if (own != kNoBucket) {
     const Bucket& b = buckets_[own];
@@ -439,8 +440,9 @@ CachingAllocator::BlockId CachingAllocator::allocate(std::uint64_t requested_byt
   // overflow_error (new_segment / grow_expandable claim address space first).
   // A block of exactly the rounded size is the best fit and passes the max_split_size vetoes
   // (no slack); with expandable segments the walk in take_free_block may still prefer another.
-  BlockId id = config_.expandable_segments ? kNoBlock : free_[pool].take_exact(stream, size);
-  if (id == kNoBlock) id = take_free_block(pool, stream, size);
+  FreeIndex::Hint hint = FreeIndex::kNoHint;
+  BlockId id = config_.expandable_segments ? kNoBlock : free_[pool].take_exact(stream, size, hint);
+  if (id == kNoBlock) id = take_free_block(pool, stream, size, hint);
   if (id == kNoBlock) {
     id = config_.expandable_segments ? grow_expandable(pool, stream, size)
                                      : new_segment(pool, stream, allocation_size(size));
@@ -458,11 +460,11 @@ CachingAllocator::BlockId CachingAllocator::allocate(std::uint64_t requested_byt
 
 // get_free_block: best fit on the stream, then the max_split_size vetoes on that
 // one candidate (a veto is a miss; no other block is tried).
-CachingAllocator::BlockId CachingAllocator::take_free_block(Pool pool, int stream,
-                                                            std::uint64_t size) {
+CachingAllocator::BlockId CachingAllocator::take_free_block(Pool pool, int stream, std::uint64_t size,
+                                                            FreeIndex::Hint hint) {
   FreeIndex& set = free_[pool];
   FreeIndex::Cursor it;
-  if (!set.first_at_least(stream, size, it)) return kNoBlock;
+  if (!set.first_at_least(stream, size, it, hint)) return kNoBlock;
 
   if (config_.expandable_segments) {
     // A block that borders unmapped space "fits" as far as it could grow; walk

@@ -258,12 +258,17 @@ class CachingAllocator {  // hidden symbols: See Note [Engine symbols are hidden
     bool insert(int stream, std::uint64_t size, std::uint64_t address, BlockId id);
     void erase(int stream, std::uint64_t size, std::uint64_t address) noexcept;
     void erase(Cursor c) noexcept;
-    // The first block of `stream` with a size of at least `size` (lowest address among equals).
-    bool first_at_least(int stream, std::uint64_t size, Cursor& c) const noexcept;
+    // What take_exact found for a (stream, size), so that first_at_least need not look again.
+    using Hint = std::uint32_t;
+    static constexpr Hint kNoHint = UINT32_MAX - 1;
+    // The first block of `stream` with a size of at least `size` (lowest address among equals);
+    // `hint` is take_exact's for the same (stream, size) with nothing changed since, if known.
+    bool first_at_least(int stream, std::uint64_t size, Cursor& c, Hint hint = kNoHint) const noexcept;
     // Takes the lowest-address block of exactly (stream, size) when there is one (best fit, as
     // no cached size lies between); kNoBlock, and nothing changed, otherwise.
-    BlockId take_exact(int stream, std::uint64_t size) noexcept {
+    BlockId take_exact(int stream, std::uint64_t size, Hint& hint) noexcept {
       const std::uint32_t bucket = find(stream, size);
+      hint = bucket;
       if (bucket == kNoBucket) return kNoBlock;
       Bucket& b = buckets_[bucket];
       if (b.entries.empty()) return kNoBlock;
@@ -386,7 +391,8 @@ class CachingAllocator {  // hidden symbols: See Note [Engine symbols are hidden
   void insert_unmapped(BlockId id);
   void erase_unmapped(BlockId id) noexcept;
 
-  BlockId take_free_block(Pool pool, int stream, std::uint64_t size);
+  BlockId take_free_block(Pool pool, int stream, std::uint64_t size,
+                          FreeIndex::Hint hint = FreeIndex::kNoHint);
   void split_tail(BlockId id, std::uint64_t keep_bytes);
   void try_merge(BlockId dst, BlockId src) noexcept;
   std::uint64_t claim_address_range(std::uint64_t align, std::uint64_t bytes,
