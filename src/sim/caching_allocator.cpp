@@ -196,17 +196,129 @@ bool CachingAllocator::is_live_allocation(BlockId id) const noexcept {
 }
 
 // ---- FreeIndex ----
-// Entries are kept by descending address, so the best fit of a bucket (its lowest address) is
-// the last entry and taking it moves nothing. A bucket that empties is dropped at once: it is a
-// 16-byte record and its list keeps its capacity for the next new size, while idle buckets had
-// to be walked past by every search (first_at_least and next still skip any).
+// Note [Free buckets that stay]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Best fit is the lowest address of the smallest cached size at least the request's, on its
+// stream. Entries of a size are kept by descending address, so that block is the last entry of
+// its list and taking it moves nothing.
+//
+// The lists were kept in a sorted vector of buckets and a bucket was dropped as soon as it
+// emptied: every insert, take and erase began with a binary search over the pool's buckets
+// (~45 instructions), and a 70B replay made and dropped ~8,100 buckets (a size whose one free
+// block is taken, then freed again). Now a bucket, once made, stays until clear() whether it
+// holds blocks or not, and is found by its (stream, size) in a hash table (open addressing,
+// linear probing, at most a quarter full): a free or an erase names a size that has a bucket,
+// and so does nearly every request once the first layers have run. The buckets are also kept in
+// (stream, size) order, with a bit per bucket that says whether it holds blocks; best fit is then
+// the request's own bucket when it holds blocks (no cached size lies between the request and
+// itself), otherwise the next set bit after the request's place in that order, found in whole
+// 64-bit words. Only a size never seen before needs the ordered search, to place its bucket.
+// The answer is the one a search over the buckets that hold blocks gives: those are exactly the
+// set bits, in the same order.
+//
+// Making a bucket moves the places in that order of the buckets above it; instead of rewriting
+// them, it starts a new epoch, and a bucket's place from an older epoch is searched again the
+// next time it is needed (rank_of): once no new size comes, each place is searched at most once.
+//
+// Empty buckets cost nothing but room and the bits skipped; a replay sees a few hundred sizes
+// (205 for the 70B step, both pools). With expandable segments almost every split leaves a
+// remainder of a new size, so when the buckets in order pass kEmptyBucketsKept and fewer than a
+// quarter of them hold blocks, the empty ones are given up at once (rebuild) and their lists
+// kept for the next new sizes.
 
-std::size_t CachingAllocator::FreeIndex::bucket_at_least(int stream, std::uint64_t size) const noexcept {
-  const auto it = std::lower_bound(buckets_.begin(), buckets_.end(), std::pair{stream, size},
-                                   [](const Bucket& b, const std::pair<int, std::uint64_t>& k) {
+CachingAllocator::FreeIndex::FreeIndex() : slots_(64, Slot{0, 0, kNoBucket}), slot_shift_(64 - 6) {}
+
+std::size_t CachingAllocator::FreeIndex::rank_at_least(int stream, std::uint64_t size) const noexcept {
+  const auto it = std::lower_bound(order_.begin(), order_.end(), std::pair{stream, size},
+                                   [](const Slot& b, const std::pair<int, std::uint64_t>& k) {
                                      return b.stream != k.first ? b.stream < k.first : b.size < k.second;
                                    });
-  return static_cast<std::size_t>(it - buckets_.begin());
+  return static_cast<std::size_t>(it - order_.begin());
+}
+
+std::size_t CachingAllocator::FreeIndex::next_filled(std::size_t rank) const noexcept {
+  std::size_t w = rank / 64;
+  if (w >= filled_.size()) return order_.size();
+  std::uint64_t bits = filled_[w] & (~0ull << (rank % 64));
+  while (bits == 0) {
+    if (++w == filled_.size()) return order_.size();
+    bits = filled_[w];
+  }
+  return w * 64 + static_cast<std::size_t>(std::countr_zero(bits));
+}
+
+// Remakes the ranks, the bits and the hash table from order_: from all of it, or (only_filled)
+// from the buckets holding blocks, the others going back to spare_.
+void CachingAllocator::FreeIndex::rebuild(bool only_filled) {
+  if (only_filled) {
+    std::size_t kept = 0;
+    for (const Slot& k : order_) {
+      if (buckets_[k.bucket].entries.empty()) {
+        spare_.push_back(k.bucket);
+      } else {
+        order_[kept++] = k;
+      }
+    }
+    order_.resize(kept);
+  }
+  ++epoch_;
+  filled_.assign((order_.size() + 63) / 64, 0);
+  filled_count_ = 0;
+  std::size_t slots = 64;
+  std::uint32_t shift = 64 - 6;
+  while (order_.size() * 4 > slots || slots < slots_.size()) {
+    slots *= 2;
+    --shift;
+  }
+  slots_.assign(slots, Slot{0, 0, kNoBucket});
+  slot_shift_ = shift;
+  const std::size_t mask = slots - 1;
+  for (std::uint32_t r = 0; r < order_.size(); ++r) {
+    Bucket& b = buckets_[order_[r].bucket];
+    b.rank = r;
+    b.rank_epoch = epoch_;
+    if (!b.entries.empty()) set_filled(r, true);
+    std::size_t i = home(b.stream, b.size);
+    while (slots_[i].bucket != kNoBucket) i = (i + 1) & mask;
+    slots_[i] = order_[r];
+  }
+}
+
+std::uint32_t CachingAllocator::FreeIndex::add_bucket(int stream, std::uint64_t size) {
+  if (order_.size() >= kEmptyBucketsKept && filled_count_ * 4 < order_.size()) rebuild(true);
+  std::uint32_t bucket;
+  if (!spare_.empty()) {
+    bucket = spare_.back();
+    spare_.pop_back();
+  } else {
+    bucket = static_cast<std::uint32_t>(buckets_.size());
+    buckets_.emplace_back();
+  }
+  Bucket& b = buckets_[bucket];
+  b.size = size;
+  b.stream = stream;
+  const std::size_t rank = rank_at_least(stream, size);
+  order_.insert(order_.begin() + static_cast<std::ptrdiff_t>(rank), Slot{size, stream, bucket});
+  if ((order_.size() + 63) / 64 > filled_.size()) filled_.push_back(0);
+  // Shift the bits at and above rank up by one.
+  const std::size_t w0 = rank / 64;
+  for (std::size_t w = filled_.size() - 1; w > w0; --w) {
+    filled_[w] = filled_[w] << 1 | filled_[w - 1] >> 63;
+  }
+  const std::uint64_t low = (1ull << (rank % 64)) - 1;
+  filled_[w0] = (filled_[w0] & low) | ((filled_[w0] & ~low) << 1);
+  ++epoch_;
+  b.rank = static_cast<std::uint32_t>(rank);
+  b.rank_epoch = epoch_;
+  if (order_.size() * 4 > slots_.size()) {
+    rebuild(false);
+  } else {
+    const std::size_t mask = slots_.size() - 1;
+    std::size_t i = home(stream, size);
+    while (slots_[i].bucket != kNoBucket) i = (i + 1) & mask;
+    slots_[i] = Slot{size, stream, bucket};
+  }
+  return bucket;
 }
 
 namespace {
@@ -221,54 +333,53 @@ auto address_position(V& v, std::uint64_t address) {
 }  // namespace
 
 bool CachingAllocator::FreeIndex::insert(int stream, std::uint64_t size, std::uint64_t address, BlockId id) {
-  std::size_t bi = bucket_at_least(stream, size);
-  if (bi == buckets_.size() || buckets_[bi].stream != stream || buckets_[bi].size != size) {
-    std::uint32_t list;
-    if (!free_lists_.empty()) {
-      list = free_lists_.back();
-      free_lists_.pop_back();
-    } else {
-      list = static_cast<std::uint32_t>(lists_.size());
-      lists_.emplace_back();
-    }
-    buckets_.insert(buckets_.begin() + static_cast<std::ptrdiff_t>(bi), Bucket{size, stream, list});
+  std::uint32_t bucket = find(stream, size);
+  if (bucket == kNoBucket) bucket = add_bucket(stream, size);
+  Bucket& b = buckets_[bucket];
+  std::vector<Entry>& v = b.entries;
+  if (v.empty()) {
+    set_filled(rank_of(bucket), true);
+    v.push_back(Entry{address, id});
+    return true;
   }
-  std::vector<Entry>& v = entries(bi);
   const auto pos = address_position(v, address);
   if (pos != v.end() && pos->address == address) return false;
   v.insert(pos, Entry{address, id});
   return true;
 }
 
-void CachingAllocator::FreeIndex::drop_if_empty(std::size_t bi) noexcept {
-  if (!entries(bi).empty()) return;
-  free_lists_.push_back(buckets_[bi].list);
-  buckets_.erase(buckets_.begin() + static_cast<std::ptrdiff_t>(bi));
-}
-
 void CachingAllocator::FreeIndex::erase(int stream, std::uint64_t size, std::uint64_t address) noexcept {
-  const std::size_t bi = bucket_at_least(stream, size);
-  std::vector<Entry>& v = entries(bi);
-  v.erase(address_position(v, address));
-  drop_if_empty(bi);
+  const std::uint32_t bucket = find(stream, size);
+  Bucket& b = buckets_[bucket];
+  b.entries.erase(address_position(b.entries, address));
+  if (b.entries.empty()) set_filled(rank_of(bucket), false);
 }
 
 void CachingAllocator::FreeIndex::erase(Cursor c) noexcept {
-  std::vector<Entry>& v = entries(c.bucket);
-  v.erase(v.begin() + static_cast<std::ptrdiff_t>(c.pos));
-  drop_if_empty(c.bucket);
+  Bucket& b = buckets_[c.bucket];
+  b.entries.erase(b.entries.begin() + static_cast<std::ptrdiff_t>(c.pos));
+  if (b.entries.empty()) set_filled(rank_of(c.bucket), false);
 }
 
-bool CachingAllocator::FreeIndex::first_at_least(int stream, std::uint64_t size, Cursor& c) const noexcept {
-  for (std::size_t bi = bucket_at_least(stream, size); bi < buckets_.size(); ++bi) {
-    if (buckets_[bi].stream != stream) return false;
-    const std::vector<Entry>& v = entries(bi);
-    if (!v.empty()) {
-      c = Cursor{bi, v.size() - 1};
+bool CachingAllocator::FreeIndex::first_at_least(int stream, std::uint64_t size, Cursor& c,
+                                                 Hint hint) const noexcept {
+  const std::uint32_t own = hint == kNoHint ? find(stream, size) : hint;
+  std::size_t rank;
+  if (own != kNoBucket) {
+    const Bucket& b = buckets_[own];
+    if (!b.entries.empty()) {
+      c = Cursor{own, b.entries.size() - 1};
       return true;
     }
+    rank = next_filled(rank_of(own) + 1);
+  } else {
+    rank = next_filled(rank_at_least(stream, size));
   }
-  return false;
+  if (rank == order_.size()) return false;
+  const Slot& k = order_[rank];
+  if (k.stream != stream) return false;
+  c = Cursor{k.bucket, buckets_[k.bucket].entries.size() - 1};
+  return true;
 }
 
 bool CachingAllocator::FreeIndex::next(Cursor& c) const noexcept {
@@ -276,22 +387,21 @@ bool CachingAllocator::FreeIndex::next(Cursor& c) const noexcept {
     --c.pos;
     return true;
   }
-  for (std::size_t bi = c.bucket + 1; bi < buckets_.size(); ++bi) {
-    const std::vector<Entry>& v = entries(bi);
-    if (!v.empty()) {
-      c = Cursor{bi, v.size() - 1};
-      return true;
-    }
-  }
-  return false;
+  const std::size_t rank = next_filled(rank_of(c.bucket) + 1);
+  if (rank == order_.size()) return false;
+  c = Cursor{order_[rank].bucket, buckets_[order_[rank].bucket].entries.size() - 1};
+  return true;
 }
 
 void CachingAllocator::FreeIndex::clear() noexcept {
-  for (const Bucket& b : buckets_) {
-    lists_[b.list].clear();
-    free_lists_.push_back(b.list);
+  for (const Slot& k : order_) {
+    buckets_[k.bucket].entries.clear();
+    spare_.push_back(k.bucket);
   }
-  buckets_.clear();
+  filled_count_ = 0;
+  order_.clear();
+  filled_.clear();
+  for (Slot& k : slots_) k.bucket = kNoBucket;
 }
 
 void CachingAllocator::insert_free(BlockId id) {
@@ -319,12 +429,20 @@ void CachingAllocator::erase_unmapped(BlockId id) noexcept {
 // ---- allocate ----
 
 CachingAllocator::BlockId CachingAllocator::allocate(std::uint64_t requested_bytes, int stream) {
-  const std::uint64_t size = round_size(requested_bytes, config_);
+  // round_size's common case inline: no power-of-two divisions, no minimum, no overflow.
+  const std::uint64_t size = config_.roundup_power2_divisions <= 1 && requested_bytes >= kMinBlockBytes &&
+                                     requested_bytes <= kMaxBytes - (kMinBlockBytes - 1)
+                                 ? (requested_bytes + (kMinBlockBytes - 1)) & ~(kMinBlockBytes - 1)
+                                 : round_size(requested_bytes, config_);
   const Pool pool = size <= kSmallRequestMaxBytes ? kSmallPool : kLargePool;
 
   // Nothing below changes the allocator before the last point that can throw
   // overflow_error (new_segment / grow_expandable claim address space first).
-  BlockId id = take_free_block(pool, stream, size);
+  // A block of exactly the rounded size is the best fit and passes the max_split_size vetoes
+  // (no slack); with expandable segments the walk in take_free_block may still prefer another.
+  FreeIndex::Hint hint = FreeIndex::kNoHint;
+  BlockId id = config_.expandable_segments ? kNoBlock : free_[pool].take_exact(stream, size, hint);
+  if (id == kNoBlock) id = take_free_block(pool, stream, size, hint);
   if (id == kNoBlock) {
     id = config_.expandable_segments ? grow_expandable(pool, stream, size)
                                      : new_segment(pool, stream, allocation_size(size));
@@ -342,11 +460,11 @@ CachingAllocator::BlockId CachingAllocator::allocate(std::uint64_t requested_byt
 
 // get_free_block: best fit on the stream, then the max_split_size vetoes on that
 // one candidate (a veto is a miss; no other block is tried).
-CachingAllocator::BlockId CachingAllocator::take_free_block(Pool pool, int stream,
-                                                            std::uint64_t size) {
+CachingAllocator::BlockId CachingAllocator::take_free_block(Pool pool, int stream, std::uint64_t size,
+                                                            FreeIndex::Hint hint) {
   FreeIndex& set = free_[pool];
   FreeIndex::Cursor it;
-  if (!set.first_at_least(stream, size, it)) return kNoBlock;
+  if (!set.first_at_least(stream, size, it, hint)) return kNoBlock;
 
   if (config_.expandable_segments) {
     // A block that borders unmapped space "fits" as far as it could grow; walk
@@ -550,9 +668,12 @@ void CachingAllocator::release(BlockId block) {
   Block& b = blocks_[block];
   b.allocated = false;
   allocated_bytes_ -= b.size;
-  // free_block: absorb free neighbours of the same segment, then cache.
-  try_merge(block, blocks_[block].prev);
-  try_merge(block, blocks_[block].next);
+  // free_block: absorb free neighbours of the same segment, then cache. (Most blocks have no free
+  // neighbour: that is told here, without the call.)
+  const BlockId prev = b.prev;
+  if (prev != kNoBlock && !blocks_[prev].allocated) try_merge(block, prev);
+  const BlockId next = blocks_[block].next;
+  if (next != kNoBlock && !blocks_[next].allocated) try_merge(block, next);
   insert_free(block);
 }
 

@@ -84,10 +84,11 @@ struct AllocatorConfig {
   unsigned roundup_power2_divisions = 0;
 };
 
-// Replays one device's caching allocator. Single-threaded; best fit is a binary
-// search over the distinct sizes of cached blocks (FreeIndex), and a warmed-up
-// replay allocates almost nothing. Not copyable or movable (the unmapped-range
-// sets draw their nodes from a pool owned by the object); reset() reuses it.
+// Replays one device's caching allocator. Single-threaded; best fit is a hash
+// lookup of the request's size, or the next size in order that holds cached blocks
+// (FreeIndex), and a warmed-up replay allocates almost nothing. Not copyable or
+// movable (the unmapped-range sets draw their nodes from a pool owned by the
+// object); reset() reuses it.
 class CachingAllocator {  // hidden symbols: See Note [Engine symbols are hidden] in CMakeLists.txt
  public:
   using BlockId = std::uint32_t;
@@ -241,55 +242,123 @@ class CachingAllocator {  // hidden symbols: See Note [Engine symbols are hidden
     }
   };
   // Cached free blocks of one pool in best-fit order: (stream, size, address). A replay holds
-  // hundreds of free blocks but only about ten distinct sizes (the layers repeat), so blocks are
-  // kept in one vector per (stream, size), by descending address (the best fit is the last
-  // entry), and the buckets in a short sorted vector: a lookup is two binary searches and no
-  // tree walk.
+  // hundreds of free blocks but only a few hundred distinct sizes over its whole run and about
+  // ten at a time (the layers repeat), so blocks are kept in one list per (stream, size), by
+  // descending address (the best fit is the last entry). A size keeps its bucket while its list
+  // is empty: a hash table finds the bucket of a (stream, size), the buckets sit in (stream, size)
+  // order with a bit for each that holds blocks, and best fit is the next set bit from the
+  // request's place (Note [Free buckets that stay] in caching_allocator.cpp).
   class FreeIndex {
    public:
     struct Cursor {
-      std::size_t bucket = 0;
-      std::size_t pos = 0;
+      std::uint32_t bucket = 0;  // a bucket (stable until clear())
+      std::size_t pos = 0;       // in its entry list
     };
+    FreeIndex();
     bool insert(int stream, std::uint64_t size, std::uint64_t address, BlockId id);
     void erase(int stream, std::uint64_t size, std::uint64_t address) noexcept;
     void erase(Cursor c) noexcept;
-    // The first block of `stream` with a size of at least `size` (lowest address among equals).
-    bool first_at_least(int stream, std::uint64_t size, Cursor& c) const noexcept;
+    // What take_exact found for a (stream, size), so that first_at_least need not look again.
+    using Hint = std::uint32_t;
+    static constexpr Hint kNoHint = UINT32_MAX - 1;
+    // The first block of `stream` with a size of at least `size` (lowest address among equals);
+    // `hint` is take_exact's for the same (stream, size) with nothing changed since, if known.
+    bool first_at_least(int stream, std::uint64_t size, Cursor& c, Hint hint = kNoHint) const noexcept;
+    // Takes the lowest-address block of exactly (stream, size) when there is one (best fit, as
+    // no cached size lies between); kNoBlock, and nothing changed, otherwise.
+    BlockId take_exact(int stream, std::uint64_t size, Hint& hint) noexcept {
+      const std::uint32_t bucket = find(stream, size);
+      hint = bucket;
+      if (bucket == kNoBucket) return kNoBlock;
+      Bucket& b = buckets_[bucket];
+      if (b.entries.empty()) return kNoBlock;
+      const BlockId id = b.entries.back().id;
+      b.entries.pop_back();
+      if (b.entries.empty()) set_filled(rank_of(bucket), false);
+      return id;
+    }
     // The next block in (stream, size, address) order.
     bool next(Cursor& c) const noexcept;
-    BlockId id(Cursor c) const noexcept { return entries(c.bucket)[c.pos].id; }
+    BlockId id(Cursor c) const noexcept { return buckets_[c.bucket].entries[c.pos].id; }
     std::uint64_t size(Cursor c) const noexcept { return buckets_[c.bucket].size; }
     int stream(Cursor c) const noexcept { return buckets_[c.bucket].stream; }
     // Every block in (stream, size, address) order.
     template <typename F>
     void for_each(F&& f) const {
-      for (std::size_t bi = 0; bi < buckets_.size(); ++bi) {
-        const std::vector<Entry>& v = entries(bi);
+      for (const Slot& k : order_) {
+        const std::vector<Entry>& v = buckets_[k.bucket].entries;
         for (auto e = v.rbegin(); e != v.rend(); ++e) f(e->id);
       }
     }
     void clear() noexcept;
 
    private:
+    static constexpr std::uint32_t kNoBucket = UINT32_MAX;
+    // Buckets in order_ before empty ones are given up (Note [Free buckets that stay]).
+    static constexpr std::size_t kEmptyBucketsKept = 256;
     struct Entry {
       std::uint64_t address;
       BlockId id;
     };
-    // A bucket is a plain key and the index of its entry list in lists_, so making or dropping
-    // one (the small pool's split remainders come and go in many sizes) moves 16-byte records.
     struct Bucket {
+      std::uint64_t size = 0;
+      int stream = 0;
+      // Its place in order_, valid while rank_epoch is the index's epoch_ (see rank_of).
+      mutable std::uint32_t rank = 0;
+      mutable std::uint64_t rank_epoch = 0;
+      std::vector<Entry> entries;  // by descending address
+    };
+    // A (stream, size) and its bucket: order_'s entries, and the hash table's (kNoBucket: empty).
+    struct Slot {
       std::uint64_t size;
       int stream;
-      std::uint32_t list;
+      std::uint32_t bucket;
     };
-    std::vector<Entry>& entries(std::size_t bucket) noexcept { return lists_[buckets_[bucket].list]; }
-    const std::vector<Entry>& entries(std::size_t bucket) const noexcept { return lists_[buckets_[bucket].list]; }
-    std::size_t bucket_at_least(int stream, std::uint64_t size) const noexcept;
-    void drop_if_empty(std::size_t bucket) noexcept;
-    std::vector<Bucket> buckets_;             // by (stream, size)
-    std::vector<std::vector<Entry>> lists_;   // entry lists by Bucket::list, by descending address
-    std::vector<std::uint32_t> free_lists_;   // lists_ indices no bucket uses (empty, capacity kept)
+    std::size_t home(int stream, std::uint64_t size) const noexcept {
+      const std::uint64_t k =
+          (size >> 9) ^ (static_cast<std::uint64_t>(static_cast<std::uint32_t>(stream)) << 40);
+      return static_cast<std::size_t>((k * 0x9E3779B97F4A7C15ull) >> slot_shift_);
+    }
+    std::uint32_t find(int stream, std::uint64_t size) const noexcept {  // kNoBucket if none
+      const std::size_t mask = slots_.size() - 1;
+      for (std::size_t i = home(stream, size);; i = (i + 1) & mask) {
+        const Slot& k = slots_[i];
+        if (k.bucket == kNoBucket) return kNoBucket;
+        if (k.size == size && k.stream == stream) return k.bucket;
+      }
+    }
+    void set_filled(std::uint32_t rank, bool filled) noexcept {
+      const std::uint64_t bit = 1ull << (rank % 64);
+      if (filled) {
+        filled_[rank / 64] |= bit;
+        ++filled_count_;
+      } else {
+        filled_[rank / 64] &= ~bit;
+        --filled_count_;
+      }
+    }
+    std::size_t rank_at_least(int stream, std::uint64_t size) const noexcept;
+    // A bucket's place in order_. Making a bucket moves the places above it; rather than rewrite
+    // them all, it starts a new epoch, and a place from an older one is searched again when asked.
+    std::uint32_t rank_of(std::uint32_t bucket) const noexcept {
+      const Bucket& b = buckets_[bucket];
+      if (b.rank_epoch != epoch_) {
+        b.rank = static_cast<std::uint32_t>(rank_at_least(b.stream, b.size));
+        b.rank_epoch = epoch_;
+      }
+      return b.rank;
+    }
+    std::size_t next_filled(std::size_t rank) const noexcept;  // order_.size() if none
+    std::uint32_t add_bucket(int stream, std::uint64_t size);
+    void rebuild(bool only_filled);
+    std::vector<Bucket> buckets_;            // those in order_, and spare ones kept for their lists
+    std::vector<std::uint32_t> spare_;       // buckets_ indices not in order_ (no blocks, no key)
+    std::uint64_t epoch_ = 1;                // changes whenever places in order_ move
+    std::uint32_t filled_count_ = 0;         // buckets holding blocks
+    std::vector<Slot> order_;                // every bucket in use, by (stream, size)
+    std::vector<std::uint64_t> filled_;      // bit r: order_[r] holds blocks
+    std::vector<Slot> slots_;                // open addressing, linear probing, at most 1/4 full
+    std::uint32_t slot_shift_ = 0;           // 64 - log2(slots_.size())
   };
   using UnmappedSet = std::set<AddressKey, AddressOrder, NodeAllocator<AddressKey>>;
 
@@ -322,7 +391,8 @@ class CachingAllocator {  // hidden symbols: See Note [Engine symbols are hidden
   void insert_unmapped(BlockId id);
   void erase_unmapped(BlockId id) noexcept;
 
-  BlockId take_free_block(Pool pool, int stream, std::uint64_t size);
+  BlockId take_free_block(Pool pool, int stream, std::uint64_t size,
+                          FreeIndex::Hint hint = FreeIndex::kNoHint);
   void split_tail(BlockId id, std::uint64_t keep_bytes);
   void try_merge(BlockId dst, BlockId src) noexcept;
   std::uint64_t claim_address_range(std::uint64_t align, std::uint64_t bytes,

@@ -78,7 +78,7 @@ struct Replay::State {
     track_owners = r.grad_accum > 1;
     last_moment = UINT32_MAX;
     cur_step = UINT32_MAX;
-    fresh_step = false;
+    peak_allocated_all = peak_reserved_all = 0;
   }
 
   CachingAllocator alloc;
@@ -114,15 +114,16 @@ struct Replay::State {
   std::size_t micro_events_begin = 0, micro_storages_begin = 0;
   std::vector<CachingAllocator::RangeView> ranges;
 
-  // The moment and step of the last event replayed, and whether the state after the event being
-  // replayed must be taken for its step's peaks (Note [Step peaks between steps]).
+  // The moment and step of the last event replayed (Note [Step peaks between steps]), and the
+  // replay's peaks before the allocator's were last reset.
   std::uint32_t last_moment = UINT32_MAX;
   std::uint32_t cur_step = UINT32_MAX;
-  bool fresh_step = false;
+  std::uint64_t peak_allocated_all = 0, peak_reserved_all = 0;
 
   void consume(const graph::Trace& trace, std::size_t end_hint);
   template <bool kWatch>  // a trace file or a timeline is written
   void consume_events(const graph::Trace& trace, std::size_t end_hint);
+  void close_step();
   std::vector<std::uint64_t> fingerprint();
   bool same_events(const graph::Trace& t) const;
 };
@@ -142,9 +143,23 @@ void Replay::State::consume(const graph::Trace& trace, std::size_t total_hint) {
 // Note [Step peaks between steps]
 // A step's peaks are the highest allocated and reserved bytes seen after any of its events. Only
 // an allocation can raise either: a release lowers allocated bytes and leaves reserved bytes as
-// they are (segments go back only through empty_cache, which is no event). So after the step's
-// first event, whose state is taken whatever it is, only allocations need a look, and the step
-// of an event is only looked up when its moment differs from the previous event's.
+// they are (segments go back only through empty_cache, which is no event). So they are the
+// allocator's own high-water marks (which every allocation keeps anyway) taken from the state
+// after the step's first event: the replay resets the allocator's peaks after that event
+// (reset_peak_stats: the peaks drop to the current state) and reads them when the step ends or
+// the replay does (close_step), folding them into its own peaks for the whole replay. The step
+// of an event is only looked up when its moment differs from the previous event's. (Until
+// 2026-12-03 the loop took a step's peaks itself, after the first event and every allocation.)
+void Replay::State::close_step() {
+  peak_allocated_all = std::max(peak_allocated_all, alloc.peak_allocated_bytes());
+  peak_reserved_all = std::max(peak_reserved_all, alloc.peak_reserved_bytes());
+  if (cur_step == 0 || cur_step == UINT32_MAX) return;
+  StepPeak& sp = est.steps[cur_step - 1];
+  sp.step = cur_step;
+  sp.peak_allocated_bytes = std::max(sp.peak_allocated_bytes, alloc.peak_allocated_bytes());
+  sp.peak_reserved_bytes = std::max(sp.peak_reserved_bytes, alloc.peak_reserved_bytes());
+}
+
 template <bool kWatch>
 void Replay::State::consume_events(const graph::Trace& trace, std::size_t total_hint) {
   const graph::Event* const events = trace.events.data();
@@ -165,13 +180,15 @@ void Replay::State::consume_events(const graph::Trace& trace, std::size_t total_
                      m.step, m.micro, mo.op.c_str());
       }
     }
+    bool first_of_step = false;
     if (e.moment != last_moment) {
       last_moment = e.moment;
       if (trace.moments[e.moment].phase == Phase::kOptimizer) optimizer_seen = true;
       const std::uint32_t step = trace.moments[e.moment].step;
       if (step != cur_step) {
+        close_step();
         cur_step = step;
-        fresh_step = true;
+        first_of_step = true;
         if (step > 0 && est.steps.size() < step) est.steps.resize(step);
       }
     }
@@ -195,7 +212,6 @@ void Replay::State::consume_events(const graph::Trace& trace, std::size_t total_
         at_peak = live;
         peak_moment = e.moment;
       }
-      fresh_step = true;  // See Note [Step peaks between steps]
     } else {
       auto id = block[e.tensor];
       TRAINMEM_ASSERT(id != UINT32_MAX, "free of a storage never allocated");
@@ -204,15 +220,7 @@ void Replay::State::consume_events(const graph::Trace& trace, std::size_t total_
       alloc.release(id);
       live[cat_of[e.tensor]] -= before - alloc.allocated_bytes();
     }
-    if (fresh_step) {
-      fresh_step = false;
-      if (cur_step > 0) {
-        StepPeak& sp = est.steps[cur_step - 1];
-        sp.step = cur_step;
-        sp.peak_allocated_bytes = std::max(sp.peak_allocated_bytes, alloc.allocated_bytes());
-        sp.peak_reserved_bytes = std::max(sp.peak_reserved_bytes, alloc.reserved_bytes());
-      }
-    }
+    if (first_of_step) alloc.reset_peak_stats();  // See Note [Step peaks between steps]
     if constexpr (kWatch) {
       if (stride && (i % stride == 0 || i + 1 == total_hint)) {
         est.timeline.push_back(
@@ -335,11 +343,12 @@ Estimate Replay::finish(const graph::Trace& trace) {
                  ? std::max<std::uint64_t>(1, trace.events.size() / std::max<std::uint64_t>(1, s.options.timeline_points))
                  : 0;
   if (!s.stopped) s.consume(trace, trace.events.size());
+  s.close_step();
   Estimate est = std::move(s.est);
   est.complete = !s.stopped;
   est.stopped_before_optimizer = s.stopped && !s.optimizer_seen;
-  est.peak_allocated_bytes = s.alloc.peak_allocated_bytes();
-  est.peak_reserved_bytes = s.alloc.peak_reserved_bytes();
+  est.peak_allocated_bytes = s.peak_allocated_all;
+  est.peak_reserved_bytes = s.peak_reserved_all;
   est.breakdown_at_peak = s.at_peak;
   est.peak = to_moment(trace.moments[s.peak_moment]);
   est.events = s.next;
