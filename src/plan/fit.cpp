@@ -380,9 +380,9 @@ std::vector<T> values(const FitRequest& q, std::string_view knob, T base, std::v
 //    graph/pipeline.cpp), so a GPipe plan would only repeat it, slower to fit.
 //  * M < N: ScheduleGPipe, the only one torch runs there (Schedule1F1B refuses fewer micro-batches
 //    than stages, recipe.cpp). That is where a small global batch over many GPUs lands.
-// A 1F1B pipeline on plain ranks is also searched as ScheduleInterleaved1F1B with two stages per
-// GPU (Note [Interleaved pipeline schedules] in graph/pipeline.cpp), where its rounds rule and the
-// layers allow: a bubble of (N - 1) / 2M instead of (N - 1) / M, for more memory (more warm-up
+// A 1F1B pipeline, on plain ranks or in DDP or FSDP2 replicas, is also searched as
+// ScheduleInterleaved1F1B with two stages per GPU (Note [Interleaved pipeline schedules] and the
+// Notes on it with DDP and FSDP2 in graph/pipeline.cpp), where its rounds rule and the layers allow: a bubble of (N - 1) / 2M instead of (N - 1) / M, for more memory (more warm-up
 // forwards, every send kept to the end of the step). More stages per GPU shrink the bubble further
 // and cost more still; ScheduleLoopedBFS has the same bubble in the model and holds more (every
 // forward first). Neither is searched; the floor is the pipeline's (the rank's share of the
@@ -821,9 +821,10 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
     return pr;
   };
   // A 1F1B pipeline as ScheduleInterleaved1F1B over two stages per GPU, where the engine models it
-  // (plain ranks, the rounds rule, two layers per GPU at least).
+  // (plain ranks or DDP / FSDP2 replicas with FSDP2's default knobs, no tensor parallelism, the
+  // rounds rule, two layers per GPU at least).
   auto interleaved_of = [&](const Recipe& pr) -> std::optional<Recipe> {
-    if (pr.pp_schedule != PipelineSchedule::k1F1B || pr.parallel != Parallel::kNone || pr.tp != 1) return std::nullopt;
+    if (pr.pp_schedule != PipelineSchedule::k1F1B || pr.tp != 1) return std::nullopt;
     Recipe ir = pr;
     ir.pp_schedule = PipelineSchedule::kInterleaved1F1B;
     ir.pp_stages_per_rank = 2;
@@ -1210,7 +1211,10 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
                             : what + " (no data parallelism)",
                *r);
         if (const auto ir = interleaved_of(*r)) {
-          change("pp " + std::to_string(stages) + " interleaved-1f1b, 2 stages per GPU (no data parallelism)", *ir);
+          const std::string two = "pp " + std::to_string(stages) + " interleaved-1f1b, 2 stages per GPU";
+          change(replicas > 1 ? two + " x " + std::string(to_string(wrapper)) + " " + std::to_string(replicas)
+                              : two + " (no data parallelism)",
+                 *ir);
         }
       }
     }

@@ -95,16 +95,31 @@ constexpr double kHostMemoryGbps = 50;
 
 bool half_compute(Precision p) { return p != Precision::kFp32; }
 
-// The all-gathers of an FSDP2 layer unit per step on a pipeline's first stage, where it
-// reshards after each forward and stays gathered after each backward (Note [Pipeline with FSDP2]):
-// every action that comes first or follows a forward gathers it. M + 1 under both schedules.
+// The all-gathers of an FSDP2 layer unit per step on a pipeline's first rank, where it reshards
+// after each forward and stays gathered after each backward (Note [Pipeline with FSDP2]): every
+// action of its stage that comes first or follows a forward of that stage gathers it. M + 1 under
+// both one-stage schedules. With several stages per rank each stage's layers do the same over
+// that stage's actions (Note [Interleaved pipeline schedules with FSDP2]; the evictions of V >= 4
+// are not counted): the average over the rank's stages, each 1 / V of its parameters.
 double pipeline_gathers(const Recipe& r) {
-  const std::vector<graph::PipelineAction> order = graph::pipeline_order(r.pp_schedule, r.pp, 0, r.grad_accum);
-  double gathers = 0;
-  for (std::size_t i = 0; i < order.size(); ++i) {
-    if (i == 0 || order[i - 1].forward) ++gathers;
+  const std::uint64_t V = r.pp_stages_per_rank;
+  std::vector<std::vector<bool>> by_stage(V);
+  if (V == 1) {
+    for (const graph::PipelineAction& a : graph::pipeline_order(r.pp_schedule, r.pp, 0, r.grad_accum)) {
+      by_stage[0].push_back(a.forward);
+    }
+  } else {
+    for (const graph::PipelineStageAction& a : graph::pipeline_multi_order(r.pp_schedule, r.pp, V, 0, r.grad_accum)) {
+      by_stage[a.stage / r.pp].push_back(a.forward);
+    }
   }
-  return gathers;
+  double gathers = 0;
+  for (const std::vector<bool>& actions : by_stage) {
+    for (std::size_t i = 0; i < actions.size(); ++i) {
+      if (i == 0 || actions[i - 1]) ++gathers;
+    }
+  }
+  return gathers / static_cast<double>(V);
 }
 
 struct MatmulCounts {

@@ -840,3 +840,37 @@ TEST(Fit, LongSequencesSearchOneContextParallelRing) {
 
 }  // namespace
 }  // namespace trainmem
+
+namespace trainmem {
+namespace {
+
+// Two stages per GPU are searched with data-parallel replicas of the pipeline too (Note [Pipeline
+// schedule in the planner]): on 4 H100s the fastest 8B plan is two interleaved stages per GPU
+// over two pipeline ranks, DDP over two replicas, an estimate of exactly that recipe; and the
+// single changes offer it under both wrappers.
+TEST(Fit, InterleavedPipelinesAreSearchedWithReplicas) {
+  const Model m = load_model("llama-3.1-8b");
+  FitRequest q;
+  q.base = base_recipe("h100-80gb", 4096);
+  q.gpus = 4;
+  q.global_batch = 64;
+  q.top = 1;
+  const FitResult f = fit(m, q);
+  ASSERT_EQ(f.plans.size(), 1u);
+  const Recipe& r = f.plans[0].recipe;
+  EXPECT_EQ(r.pp_schedule, PipelineSchedule::kInterleaved1F1B);
+  EXPECT_EQ(r.pp_stages_per_rank, 2u);
+  EXPECT_EQ(r.pp * r.gpus, 4u);
+  EXPECT_NE(r.parallel, Parallel::kNone);
+  EXPECT_EQ(r.batch * r.grad_accum * r.gpus, 64u);
+  const Estimate e = estimate(m, r);
+  EXPECT_EQ(e.peak_reserved_bytes, f.plans[0].peak_reserved_bytes);
+  for (const char* what : {"pp 2 interleaved-1f1b, 2 stages per GPU x ddp 2", "pp 2 interleaved-1f1b, 2 stages per GPU x fsdp 2"}) {
+    EXPECT_TRUE(std::any_of(f.changes.begin(), f.changes.end(), [&](const Change& c) {
+      return c.what == what && c.plan.recipe.pp_stages_per_rank == 2 && c.plan.recipe.gpus == 2;
+    })) << what;
+  }
+}
+
+}  // namespace
+}  // namespace trainmem
