@@ -838,12 +838,6 @@ TEST(Fit, LongSequencesSearchOneContextParallelRing) {
   for (const Plan& p : fit(load_model("gpt2"), gpt).plans) EXPECT_EQ(p.recipe.cp, 1u);
 }
 
-}  // namespace
-}  // namespace trainmem
-
-namespace trainmem {
-namespace {
-
 // Two stages per GPU are searched with data-parallel replicas of the pipeline too (Note [Pipeline
 // schedule in the planner]): on 4 H100s the fastest 8B plan is two interleaved stages per GPU
 // over two pipeline ranks, DDP over two replicas, an estimate of exactly that recipe; and the
