@@ -210,28 +210,29 @@ class Planner {
   // probe with a limit no higher.
   // An optimizer twin's stop answers a probe too, and is remembered for `r` then.
   bool known(const Recipe& r, std::uint64_t limit) {
-    auto it = memo_.find(key(r));
+    const std::string k = key(r);
+    const auto it = memo_.find(k);
     if (it != memo_.end() &&
         (it->second.error || it->second.plan.complete || (limit != 0 && limit <= it->second.limit))) {
       return true;
     }
-    return from_twin(r, limit);
+    return from_twin(r, limit, k, it);
   }
 
   // See Note [Optimizer twins]: a twin of `r` stopped before its optimizer step under `limit` or
-  // a higher limit, so `r` stops at the same event.
-  bool from_twin(const Recipe& r, std::uint64_t limit) {
+  // a higher limit, so `r` stops at the same event. `k` is key(r), `it` its memo entry or end.
+  bool from_twin(const Recipe& r, std::uint64_t limit, const std::string& k,
+                 std::map<std::string, Known>::iterator it) {
     if (limit == 0 || reference_ || !plan::optimizer_waits_for_its_step(r)) return false;
     const auto tw = twins_.find(twin_key(r));
     if (tw == twins_.end() || limit > tw->second.limit) return false;
-    Known k;
-    k.limit = tw->second.limit;
-    k.plan = tw->second.plan;
-    k.plan.recipe.optimizer = r.optimizer;
-    k.plan.time = step_time(m_, r);
-    const auto it = memo_.find(key(r));
-    k.twin = it == memo_.end() || it->second.twin;  // a replay of its own stays counted
-    memo_[key(r)] = std::move(k);
+    Known answer;
+    answer.limit = tw->second.limit;
+    answer.plan = tw->second.plan;
+    answer.plan.recipe.optimizer = r.optimizer;
+    answer.plan.time = step_time(m_, r);
+    answer.twin = it == memo_.end() || it->second.twin;  // a replay of its own stays counted
+    memo_[k] = std::move(answer);
     return true;
   }
 
