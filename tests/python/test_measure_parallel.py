@@ -531,20 +531,24 @@ def test_pp_split_gives_earlier_stages_the_remainder():
     assert split_layers(5, 3) == [range(0, 2), range(2, 4), range(4, 5)]
 
 
-def test_pp_interleaved_world_size_2(tiny_llama, tmp_path):
+@pytest.fixture
+def tiny_llama_4_layers(tiny_llama, tmp_path):
+    """The tiny Llama with four layers: one per stage of two ranks holding two stages each."""
+    config = json.loads(tiny_llama.read_text())
+    config["num_hidden_layers"] = 4
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def test_pp_interleaved_world_size_2(tiny_llama_4_layers):
     """Two ranks x two stages (ScheduleInterleaved1F1B): rank 0 holds stages 0 and 2, rank 1 stages 1
     and 3, one layer each, and every receive buffer of both its stages: rank 0 receives activations
     for stage 2 and gradients for stages 0 and 2, rank 1 activations for 1 and 3 and gradients for
     stage 1, two micro-batches each (1 x 8 x 64 fp32 = 2 KiB), beside the ids or the labels."""
-    import json
-
-    config = json.loads(tiny_llama.read_text())
-    config["num_hidden_layers"] = 4  # one layer per stage
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(config))
     r = Recipe(batch=1, seq=8, grad_accum=2, precision="fp32", optimizer="sgd", pp=2,
                pp_schedule="interleaved-1f1b", pp_stages_per_rank=2)
-    out = measure(str(path), r)
+    out = measure(str(tiny_llama_4_layers), r)
     info = out["diagnostics"]["parallel"]
     assert info["world_size"] == 2 and len(info["ranks"]) == 2
     for x in info["ranks"]:
@@ -553,27 +557,21 @@ def test_pp_interleaved_world_size_2(tiny_llama, tmp_path):
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_pp_stages_per_rank_with_data_parallel_replicas(tiny_llama, tmp_path, parallel):
+def test_pp_stages_per_rank_with_data_parallel_replicas(tiny_llama_4_layers, parallel):
     """Two ranks x two stages x two replicas (ScheduleInterleaved1F1B over a (pp, dp) mesh): each local
     stage module is wrapped on its own (pipeline.py make_virtual_stages). A stage's replicas hold the
     same memory; under DDP every rank holds its two Reducers' buckets beside the .grads (about one more
     copy of its gradients), under FSDP2 the optimizer states are over the shards (about half)."""
-    import json
-
-    config = json.loads(tiny_llama.read_text())
-    config["num_hidden_layers"] = 4  # one layer per stage
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(config))
     base = dict(batch=1, seq=8, grad_accum=2, precision="fp32", optimizer="sgd", pp=2,
                 pp_schedule="interleaved-1f1b", pp_stages_per_rank=2)
-    out = measure(str(path), Recipe(**base, gpus=2, parallel=parallel))
+    out = measure(str(tiny_llama_4_layers), Recipe(**base, gpus=2, parallel=parallel))
     info = out["diagnostics"]["parallel"]
     assert info["world_size"] == 4 and len(info["ranks"]) == 4
     ranks = info["ranks"]
     for a, b in ((0, 1), (2, 3)):
         assert ranks[a]["peak_allocated_bytes"] == ranks[b]["peak_allocated_bytes"]
         assert ranks[a]["breakdown_at_peak"] == ranks[b]["breakdown_at_peak"]
-    alone = measure(str(path), Recipe(**base))["diagnostics"]["parallel"]["ranks"]
+    alone = measure(str(tiny_llama_4_layers), Recipe(**base))["diagnostics"]["parallel"]["ranks"]
     for x in ranks:
         a = alone[x["rank"] // 2]["breakdown_at_peak"]
         if parallel == "ddp":
