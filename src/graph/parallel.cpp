@@ -356,14 +356,12 @@ void DataParallel::pipeline_reduce_grad() {
 void DataParallel::pp_unshard() {
   if (kind_ != Parallel::kFsdp) return;
   t_.at(t_.phase(), kNoLayer, "pipeline.unshard");
-  auto issue = [this](std::size_t i) {
-    Unit& u = units_[i];
+  // modules() order here is all_states' order: the root first, then the layers.
+  for_all_states([this](Unit& u) {
     if (u.params.empty() || u.gathered || u.flat != kNone) return;
     all_gather(u);
-    pp_unshard_ops_.push_back(i);
-  };
-  issue(units_.size() - 1);
-  for (std::size_t i = 0; i + 1 < units_.size(); ++i) issue(i);
+    pp_unshard_ops_.push_back(static_cast<std::size_t>(&u - units_.data()));
+  });
 }
 
 // _assert_unsharded before the stage's F or B: each handle's wait_for_unshard, outside a forward
@@ -377,8 +375,7 @@ void DataParallel::pp_wait_unshard() {
 void DataParallel::pp_reshard() {
   if (kind_ != Parallel::kFsdp) return;
   t_.at(t_.phase(), kNoLayer, "pipeline.reshard");
-  reshard(units_.back());
-  for (std::size_t i = 0; i + 1 < units_.size(); ++i) reshard(units_[i]);
+  for_all_states([this](Unit& u) { reshard(u); });
 }
 
 void DataParallel::before_optimizer() {
