@@ -43,11 +43,12 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
     `gpus` is the number of processes the run is launched with (torchrun / accelerate launch);
     TrainingArguments cannot know it. With more than one, the Trainer wraps the model in
     DistributedDataParallel, or FSDP / DeepSpeed when `fsdp` / `deepspeed` say so: `fsdp` maps to
-    parallel fsdp when it is FSDP2 (`fsdp_config={"fsdp_version": 2}`) with full sharding and no
-    offload; `deepspeed` (a dict or a JSON path) is read by recipe_from_deepspeed_config, with
+    parallel fsdp when it is FSDP2 (`fsdp_config={"fsdp_version": 2}`) with full sharding or
+    shard_grad_op, and its "offload" (or `fsdp_config["cpu_offload"]`) to offload "both" (FSDP2's
+    CPUOffloadPolicy); `deepspeed` (a dict or a JSON path) is read by recipe_from_deepspeed_config, with
     its "auto" values filled from these arguments as the Trainer fills them.
 
-    Not modelled, so refused: FSDP1, FSDP2 without full sharding or with offload, reentrant
+    Not modelled, so refused: FSDP1, FSDP2's hybrid sharding options, reentrant
     checkpointing, optimizers other than those of _OPTIMIZERS and SGD with momentum, and what
     recipe_from_deepspeed_config refuses. The Trainer puts weight-decayed and other parameters in
     two optimizer groups; trainmem models one group, which for foreach AdamW keeps one set of sqrt
@@ -129,8 +130,14 @@ def _fsdp_knobs(args: Any) -> dict[str, Any]:
     if version != 2:
         raise ValueError(f"fsdp_config fsdp_version={version}: FSDP1 (flat parameters) is not modelled; "
                          "FSDP2 (fsdp_version 2) is")
-    if "offload" in words:
-        raise ValueError("fsdp offload: CPU offload is not modelled yet")
+    # "offload" sets fsdp_config["cpu_offload"] (transformers' _apply_legacy_fsdp_to_config); Accelerate
+    # turns it into FSDP2's CPUOffloadPolicy() (pin_memory True): recipe offload "both".
+    cpu_offload = config.get("cpu_offload", "offload" in words)
+    if isinstance(cpu_offload, str) and cpu_offload.lower() in ("true", "false"):
+        cpu_offload = cpu_offload.lower() == "true"
+    if not isinstance(cpu_offload, bool):
+        raise ValueError(f"fsdp_config cpu_offload={cpu_offload!r}: FSDP2 takes true or false")
+    words = [w for w in words if w != "offload"]
     if any(w in ("hybrid_shard", "hybrid_shard_zero2") for w in words):
         raise ValueError(f"fsdp={option!r}: hybrid sharding is FSDP1-only in the Trainer (transformers refuses it "
                          "with fsdp_version 2); FSDP2's HSDP is a 2-D mesh: estimate it with parallel='fsdp', "
@@ -148,6 +155,8 @@ def _fsdp_knobs(args: Any) -> dict[str, Any]:
     knobs: dict[str, Any] = {"parallel": "fsdp"}
     if not reshard:
         knobs["fsdp_reshard_after_forward"] = False
+    if cpu_offload:
+        knobs["offload"] = "both"  # Note [FSDP2 CPU offload] in src/graph/parallel.cpp
     return knobs
 
 

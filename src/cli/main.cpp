@@ -146,7 +146,7 @@ struct RecipeFlags {
         "With --fsdp-param-dtype: MixedPrecisionPolicy reduce_dtype, none (param_dtype) | fp32 | bf16");
     opt("offload", "--offload", offload,
         "none | optimizer (DeepSpeed offload_optimizer {device: cpu}: zero1 / zero2 / zero3) | params "
-        "(offload_param {device: cpu}: zero3) | both (zero3)");
+        "(offload_param {device: cpu}: zero3) | both (zero3; fsdp: FSDP2's CPUOffloadPolicy)");
   }
 
   // Knobs the user typed on the command line.

@@ -157,7 +157,9 @@ void StepBuilder::step_parameters(const std::vector<const Param*>& opt, bool fir
   };
   // The elements this rank's optimizer holds of a parameter (FSDP2: its shard).
   auto numel_of = [&](const Param& p) { return dp_of_slot(p.slot).local_numel(p.slot, p.numel); };
-  if (dp_->offload()) {
+  if (dp_->fsdp_offload()) {
+    op("optimizer.cpu_step");  // the torch optimizer on the host: nothing on the GPU (Note [FSDP2 CPU offload])
+  } else if (dp_->offload()) {
     op("optimizer.cpu_adam");  // DeepSpeedCPUAdam on the host: nothing on the GPU (Note [ZeRO-Offload])
   } else switch (r_.optimizer) {
     case Optimizer::kAdamW:

@@ -100,6 +100,36 @@ constexpr std::uint64_t kBucketCapBytes = std::uint64_t{25} << 20;
 //    the sharded .grads. output_dtype stays None and cast_forward_inputs True (the defaults): the
 //    layers' floating inputs are bf16 already, so it casts nothing.
 
+// Note [FSDP2 CPU offload]
+// fully_shard(..., offload_policy=CPUOffloadPolicy()) on every unit, pin_memory=True by default
+// (torch 2.13, torch/distributed/fsdp/_fully_shard/_fsdp_param.py, _fsdp_collectives.py). What
+// changes against Note [FSDP2 units]; MIRRORED FROM THE SOURCE, NOT MEASURED (a CPU run cannot
+// tell host copies from device ones: docs/parallelism.md):
+//  * fully_shard: each padded shard is moved to the CPU and pinned (_init_sharded_param:
+//    .cpu().pin_memory(), one pinned tensor per parameter); the GPU holds no sharded parameter;
+//  * all-gather: FSDPParam.all_gather_inputs copies each shard to the GPU
+//    (.to(device, non_blocking=True), one tensor per parameter in fsdp_params order: the foreach
+//    copy of _get_param_all_gather_inputs is off under offload) and, with a param_dtype policy,
+//    casts it (_to_dtype_if_needed: the cast is made while the fp32 copy is alive, which goes when
+//    all_gather_inputs returns). foreach_all_gather then allocates the flat output as without
+//    offload and copies the inputs into this rank's slice of it in place; the inputs live until
+//    foreach_all_gather returns (its flattened all_gather_inputs list holds them);
+//  * reduce-scatter: as without offload up to the sharded gradient (the reduce-scatter output, or
+//    its cast to the parameters' dtype); foreach_reduce then copies each parameter's view of it to
+//    the CPU (.to("cpu", non_blocking=True) into pinned memory while no .grad exists; under
+//    gradient accumulation later micro-batches copy to pageable memory and add into the .grad) and
+//    keeps no reference to the GPU output, which is freed when foreach_reduce returns;
+//  * the optimizer holds the CPU DTensors: its states are created on the host (pageable,
+//    zeros_like the shard) and its step runs there (torch's AdamW and SGD take the single-tensor
+//    path on the CPU); nothing of it is on the GPU.
+// Host memory of the rank (Estimate::host): each parameter's pinned shard and its pinned sharded
+// .grad (CachingHostAllocator rounds each pinned tensor up to a power of two; the .grads' blocks
+// go back to its cache at zero_grad and are taken again by the next step's copies) and the
+// optimizer states. Transients are not counted (the pageable .cpu() copy before pinning, the
+// pageable gradient copies under accumulation, the CPU optimizer's per-parameter temporaries).
+// On CUDA the copies run on the all-gather copy-in and reduce-scatter streams (the replay has
+// one: Note [Collectives on CUDA]).
+
 // Note [Collectives on CUDA]
 // The ground truth for data parallelism is CPU (gloo) only; what the engine assumes on CUDA is
 // read from torch 2.13's sources and not measured. DDP's buckets and FSDP2's buffers are the
@@ -124,6 +154,8 @@ DataParallel::DataParallel(Tape& tape, const Recipe& recipe, bool cuda, std::uin
   offload_params_ = recipe.offload == Offload::kParams || recipe.offload == Offload::kBoth;
   forward_no_sync_ = recipe.pp > 1;  // See Note [Pipeline with DDP] in pipeline.cpp
   if (kind_ != Parallel::kFsdp) return;
+  fsdp_offload_ = recipe.offload == Offload::kBoth;  // See Note [FSDP2 CPU offload]
+  optimizer_ = recipe.optimizer;
   // See Note [FSDP2 variants].
   const Fsdp& f = recipe.fsdp;
   shard_world_ = world_ / f.replicate;
@@ -174,6 +206,7 @@ void DataParallel::wrap(std::vector<WrappedParam>& params, const std::vector<std
   unsharded_.assign(params.size(), kNone);
   fsdp_accumulated_.assign(params.size(), kNone);
   units_.clear();
+  host_ = HostMemory{};
   for (const auto& l : layers) units_.push_back(Unit{l});
   units_.push_back(Unit{root});
   for (Unit& u : units_) {
@@ -194,7 +227,11 @@ void DataParallel::wrap(std::vector<WrappedParam>& params, const std::vector<std
       u.shard_numel += shard;
       u.dtype = p.dtype;  // the model's dtype: with a param_dtype policy the compute's, over fp32 shards
       orig_dtype_ = cast_params_ ? DType::kF32 : p.dtype;
-      t_.alloc_bytes(detail::mul(shard, dtype_bytes(orig_dtype_), "shard bytes"), Category::kWeights);  // the run
+      if (fsdp_offload_) {
+        fsdp_offload_host(shard);  // the shard, its .grad and its optimizer states on the host
+      } else {
+        t_.alloc_bytes(detail::mul(shard, dtype_bytes(orig_dtype_), "shard bytes"), Category::kWeights);  // the run
+      }
       unsharded_[pi] = t_.reserve(detail::mul({shard, shard_world_, dtype_bytes(p.dtype)}, "unsharded parameter bytes"),
                                   Category::kWeights);
       p.storage = unsharded_[pi];  // the full parameter's storage never had memory (step_parameters.cpp add_param)
@@ -441,9 +478,44 @@ void DataParallel::rebuild_buckets() {
   rebuilt_ = true;
 }
 
+// What one parameter's shard holds on the host under CPUOffloadPolicy (See Note [FSDP2 CPU
+// offload]): the pinned shard, the pinned sharded .grad (this rank's chunk: rank 0's is the padded
+// size) and the host optimizer's states, zeros_like the shard (AdamW's step is a 0-dim fp32).
+void DataParallel::fsdp_offload_host(std::uint64_t shard) {
+  const std::uint64_t bytes = detail::mul(shard, dtype_bytes(orig_dtype_), "shard bytes");
+  host_pinned(bytes, &HostMemory::weights_bytes);
+  host_pinned(bytes, &HostMemory::gradients_bytes);
+  switch (optimizer_) {
+    case Optimizer::kAdamW:
+    case Optimizer::kAdamWFused:
+      host_pageable(detail::add(detail::mul(bytes, 2, "state bytes"), 4, "state bytes"), &HostMemory::optimizer_states_bytes);
+      break;
+    case Optimizer::kSgd: host_pageable(bytes, &HostMemory::optimizer_states_bytes); break;
+    default: TRAINMEM_ASSERT(false, "FSDP2 takes a torch optimizer (recipe validation)");
+  }
+}
+
 void DataParallel::all_gather(Unit& u) {
   t_.at(t_.phase(), kNoLayer, "fsdp.all_gather");
   const std::uint64_t item = dtype_bytes(u.dtype);
+  if (fsdp_offload_) {
+    // Each shard copied to the GPU (and cast), then the flat output; the copies go when
+    // foreach_all_gather returns (See Note [FSDP2 CPU offload]).
+    std::vector<TensorId> inputs;
+    inputs.reserve(u.params.size());
+    for (std::uint32_t pi : u.params) {
+      TensorId in = t_.alloc_bytes(detail::mul(shard_numel_[pi], dtype_bytes(orig_dtype_), "shard bytes"), Category::kWeights);
+      if (cast_params_) {
+        const TensorId cast = t_.alloc_bytes(detail::mul(shard_numel_[pi], item, "shard bytes"), Category::kWeights);
+        t_.release(in);
+        in = cast;
+      }
+      inputs.push_back(in);
+    }
+    u.flat = t_.alloc_bytes(detail::mul({u.shard_numel, shard_world_, item}, "all-gather bytes"), Category::kWeights);
+    for (TensorId in : inputs) t_.release(in);
+    return;
+  }
   // A param_dtype policy: the shards are cast into one flat buffer first, freed when
   // foreach_all_gather returns (See Note [FSDP2 variants]).
   const TensorId cast =
@@ -561,6 +633,14 @@ void DataParallel::reduce(Unit& u) {
       t_.release(out);
     }
     out = cast;
+  }
+  if (fsdp_offload_) {
+    // The .grads are host copies of the output's views; nothing keeps the output (See Note
+    // [FSDP2 CPU offload]).
+    t_.release(grads.back());  // foreach_reduce returns
+    t_.release(out);
+    pending_reduce_input_ = in;
+    return;
   }
   if (u.sharded_grad == kNone) {
     u.sharded_grad = out;

@@ -122,6 +122,7 @@ class DataParallel {
   // replay must not skip it). pinned_block_bytes: what CachingHostAllocator hands out for a
   // pinned tensor.
   bool offload() const { return offload_; }
+  bool fsdp_offload() const { return fsdp_offload_; }  // FSDP2's CPUOffloadPolicy: the optimizer steps on the host
   const HostMemory& host_memory() const { return host_; }
   bool boundary_micro_batch_differs() const {
     return offload_ && (kind_ == Parallel::kZero2 || kind_ == Parallel::kZero3);
@@ -282,6 +283,10 @@ class DataParallel {
   void zero3_offload_partition_grads();
   void zero3_offload_grad_norm();
   bool offload_params_ = false;  // offload_param: the 16-bit partitions live on the host
+  // FSDP2's CPUOffloadPolicy (Note [FSDP2 CPU offload] in parallel.cpp)
+  void fsdp_offload_host(std::uint64_t shard);
+  bool fsdp_offload_ = false;
+  Optimizer optimizer_ = Optimizer::kAdamW;
   // ZeRO-Offload (zero_offload.cpp)
   void offload_wrap();
   void offload_grad(std::uint32_t pi);

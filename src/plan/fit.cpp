@@ -517,11 +517,16 @@ std::uint64_t state_bytes_per_element(const Recipe& r) {
 // that nothing validate() takes is refused here.
 bool plan::plainly_refused(const Recipe& r) {
   const bool zero = is_zero(r.parallel);
-  // validate_offload: offload is DeepSpeed's; parameters only under ZeRO-3; DeepSpeedCPUAdam.
-  if (r.offload != Offload::kNone && !zero) return true;
-  if ((r.offload == Offload::kParams || r.offload == Offload::kBoth) && r.parallel != Parallel::kZero3) return true;
-  if ((r.offload == Offload::kOptimizer || r.offload == Offload::kBoth) && r.optimizer != Optimizer::kAdamW) {
-    return true;
+  // validate_offload: FSDP2's CPUOffloadPolicy is all of it, without TP, PP or CP; otherwise offload
+  // is DeepSpeed's, parameters only under ZeRO-3, the optimizer DeepSpeedCPUAdam.
+  if (r.offload != Offload::kNone && r.parallel == Parallel::kFsdp) {
+    if (r.offload != Offload::kBoth || r.tp > 1 || r.pp > 1 || r.cp > 1) return true;
+  } else if (r.offload != Offload::kNone) {
+    if (!zero) return true;
+    if ((r.offload == Offload::kParams || r.offload == Offload::kBoth) && r.parallel != Parallel::kZero3) return true;
+    if ((r.offload == Offload::kOptimizer || r.offload == Offload::kBoth) && r.optimizer != Optimizer::kAdamW) {
+      return true;
+    }
   }
   // validate_parallel, validate_tensor_parallel, validate_pipeline_parallel: ZeRO, tensor and
   // pipeline parallelism take a torch optimizer and the standard loss; ZeRO fp32 or bf16-master,
@@ -595,6 +600,9 @@ std::uint64_t plan::persistent_floor(const Model& m, const Recipe& r) {
   // graph/parallel.cpp). FSDP2: every rank holds at least 1/gpus of the parameters, gradients and
   // states (padded shards are never smaller); HSDP shards over its shard group only. A param_dtype
   // policy keeps fp32 shards, gradients and states (the precision is fp32).
+  // FSDP2's CPUOffloadPolicy keeps nothing on the GPU between its all-gathers (Note [FSDP2 CPU
+  // offload] in graph/parallel.cpp).
+  if (r.parallel == Parallel::kFsdp && r.offload == Offload::kBoth) return 0;
   const std::uint64_t buckets = r.parallel == Parallel::kDdp ? detail::mul(n, pb, "bucket bytes") : 0;
   // A pipeline's worst stage holds at least the average stage's share (Note [Pipeline split]),
   // its DDP buckets included: they hold the stage's own gradients (Note [Pipeline with DDP]).
@@ -874,7 +882,8 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
                           {Parallel::kFsdp, Parallel::kDdp, Parallel::kZero1, Parallel::kZero2, Parallel::kZero3})
                  : std::vector<Parallel>{base.parallel};
   // DeepSpeed's offload_optimizer where a ZeRO recipe takes it (AdamW: DeepSpeedCPUAdam), and
-  // ZeRO-3's offload_param alone or with it; the recipe validation skips the rest.
+  // ZeRO-3's offload_param alone or with it; FSDP2's CPUOffloadPolicy (both); the recipe
+  // validation skips the rest.
   const auto offloads =
       values(q, "offload", base.offload, {Offload::kNone, Offload::kOptimizer, Offload::kParams, Offload::kBoth});
 
@@ -1267,9 +1276,9 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
     r.fsdp.reshard_after_forward = !base.fsdp.reshard_after_forward;
     change(std::string("fsdp_reshard_after_forward ") + (r.fsdp.reshard_after_forward ? "true" : "false"), r);
   }
-  // CPU offload (Note [ZeRO-Offload], Note [ZeRO-3 offload]): each other setting a ZeRO recipe
-  // takes (change() skips the invalid ones).
-  if (is_zero(base.parallel)) {
+  // CPU offload (Note [ZeRO-Offload], Note [ZeRO-3 offload], Note [FSDP2 CPU offload]): each other
+  // setting a ZeRO or FSDP2 recipe takes (change() skips the invalid ones).
+  if (is_zero(base.parallel) || base.parallel == Parallel::kFsdp) {
     for (Offload off : {Offload::kNone, Offload::kOptimizer, Offload::kParams, Offload::kBoth}) {
       if (off == base.offload) continue;
       Recipe r = base;

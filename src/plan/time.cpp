@@ -41,7 +41,12 @@
 //    partitions to the pinned host buffer and back (2 b Np per micro-batch), the fp32 gradient at
 //    the boundary (4 Np) and the updated partition back (b Np, host to host under offload_param);
 //    offload_param reads the host partitions at every all-gather (two per micro-batch: 2 m b Np)
-//    and, with the optimizer on the GPU, writes the updated partition to the host (b Np);
+//    and, with the optimizer on the GPU, writes the updated partition to the host (b Np). FSDP2's
+//    CPUOffloadPolicy (Note [FSDP2 CPU offload] in graph/parallel.cpp) copies the unit's shards
+//    (this rank's Np = N / shard group elements, in the shards' dtype s: fp32 under a param_dtype
+//    policy) to the GPU at every all-gather (two per micro-batch, one without
+//    reshard_after_forward) and every micro-batch's sharded gradient back (s Np), and steps the
+//    torch optimizer on the host with the GPU's optimizer traffic per element at kHostMemoryGbps;
 //  * tensor parallelism (tp > 1, Note [Tensor parallelism] and Note [Sequence parallelism] in
 //    graph/tensor_parallel.h): FLOPs, optimizer traffic and the MLP's elementwise traffic are those
 //    of the rank's local model (num_heads / tp, intermediate_size / tp; embedding and lm_head
@@ -311,7 +316,14 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
     const double grads = c.trainable_elements * (master ? 2 : pb);
     t.comm_s += (per_layer * L + 2 * (cp - 1) / cp * grads) * micro / (gpu.interconnect_gbps * 1e9);
   }
-  if (offload || offload_params) {
+  if (recipe.parallel == Parallel::kFsdp && recipe.offload == Offload::kBoth) {
+    const Fsdp& f = recipe.fsdp;
+    const double np = c.trainable_elements / (static_cast<double>(recipe.gpus) / static_cast<double>(f.replicate));
+    const double s = f.param_dtype == FsdpDtype::kNone ? pb : 4;  // the shards' dtype
+    const double gathers = f.reshard_after_forward ? 2 : 1;
+    if (gpu.host_gbps > 0) t.host_s += np * s * (gathers + 1) * micro / (gpu.host_gbps * 1e9);
+    t.host_s += np * per_param / (kHostMemoryGbps * 1e9);
+  } else if (offload || offload_params) {
     const double np = c.trainable_elements / static_cast<double>(recipe.gpus);
     const double b = pb;  // the flat group's (ZeRO-3: the partitions') dtype (bf16-master: bf16)
     double pcie = 0;

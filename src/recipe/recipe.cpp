@@ -365,12 +365,26 @@ void validate_offload(const Recipe& r) {
   if (r.offload == Offload::kNone) return;
   const std::string what(to_string(r.offload));
   if (r.parallel == Parallel::kFsdp) {
-    throw Error("offload: FSDP2's CPUOffloadPolicy is not modelled yet; offload " + what +
-                " is DeepSpeed's (optimizer: zero1, zero2 or zero3; params or both: zero3)");
+    // FSDP2's CPUOffloadPolicy (Note [FSDP2 CPU offload] in graph/parallel.cpp): one policy for the
+    // sharded parameters, their gradients and the optimizer step together.
+    if (r.offload != Offload::kBoth) {
+      throw Error("offload: " + what + " under parallel fsdp: FSDP2's CPUOffloadPolicy moves the sharded "
+                  "parameters, their gradients and the optimizer states to the host together; use offload both");
+    }
+    if (find_gpu(r.gpu).name == "cpu") {
+      throw Error("offload: both under parallel fsdp needs a CUDA GPU (CPUOffloadPolicy pins host memory and "
+                  "copies each unit's shards to the device); with gpu cpu the host is the device");
+    }
+    if (r.pp > 1 || r.tp > 1 || r.cp > 1) {
+      throw Error("offload: both under parallel fsdp with tensor, pipeline or context parallelism is not "
+                  "modelled; FSDP2's CPUOffloadPolicy is modelled for plain FSDP2 and HSDP");
+    }
+    return;
   }
   if (!is_zero(r.parallel)) {
     throw Error("offload: " + what + " is DeepSpeed's offload_optimizer / offload_param {device: cpu}; it needs "
-                "parallel zero1, zero2 or zero3 (with --gpus 1 too), got parallel " + std::string(to_string(r.parallel)));
+                "parallel zero1, zero2 or zero3 (with --gpus 1 too), or for both parallel fsdp (FSDP2's "
+                "CPUOffloadPolicy), got parallel " + std::string(to_string(r.parallel)));
   }
   if (r.offload != Offload::kOptimizer && r.parallel != Parallel::kZero3) {
     throw Error("offload: " + what + " offloads the parameters (offload_param), which only ZeRO-3 does; use "

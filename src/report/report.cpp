@@ -476,9 +476,12 @@ std::string to_text(const Estimate& e) {
         rank_words(e).c_str());
   }
   if (r.offload != Offload::kNone) {
-    add("cpu offload: %s (DeepSpeed offload_optimizer / offload_param, pinned); host memory of this rank %s: %s pinned (%s "
+    // FSDP2's CPUOffloadPolicy or DeepSpeed's offload (Note [FSDP2 CPU offload], Note [ZeRO-Offload]).
+    const char* what = r.parallel == Parallel::kFsdp ? "FSDP2 CPUOffloadPolicy: sharded parameters, gradients and the optimizer step"
+                                                     : "DeepSpeed offload_optimizer / offload_param";
+    add("cpu offload: %s (%s, pinned); host memory of this rank %s: %s pinned (%s "
         "requested), %s pageable; mirrored from the source, unmeasured\n",
-        std::string(to_string(r.offload)).c_str(), detail::format_bytes(e.host.total_bytes()).c_str(),
+        std::string(to_string(r.offload)).c_str(), what, detail::format_bytes(e.host.total_bytes()).c_str(),
         detail::format_bytes(e.host.pinned_bytes).c_str(), detail::format_bytes(e.host.pinned_requested_bytes).c_str(),
         detail::format_bytes(e.host.pageable_bytes).c_str());
   }

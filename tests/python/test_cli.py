@@ -426,7 +426,26 @@ def test_zero_offload_reports_the_host_memory(run):
     assert text.returncode == 0 and "host memory of this rank" in text.stdout and "unmeasured" in text.stdout
     bad = run("estimate", "gpt2", "--gpus", "2", "--parallel", "fsdp", "--precision", "fp32", "--offload", "optimizer")
     assert bad.returncode == 2 and bad.stdout == ""
-    assert "CPUOffloadPolicy is not modelled yet" in bad.stderr
+    assert "CPUOffloadPolicy moves the sharded parameters, their gradients and the optimizer states" in bad.stderr
+
+
+def test_fsdp_offload_moves_shards_gradients_and_states_to_the_host(run):
+    # --parallel fsdp --offload both: FSDP2's CPUOffloadPolicy (Note [FSDP2 CPU offload]); the GPU
+    # keeps only what is gathered and in flight, the host a rank's shards, .grads and AdamW states.
+    args = ["estimate", "gpt2", "--gpus", "2", "--parallel", "fsdp", "--precision", "fp32", "--seq", "256"]
+    off = json.loads(run(*args, "--offload", "both", "--json").stdout)
+    on = json.loads(run(*args, "--json").stdout)
+    assert off["recipe"]["offload"] == "both" and off["host_bytes"]["measured"] is False
+    assert off["breakdown_at_peak"]["optimizer_states"] == 0 < on["breakdown_at_peak"]["optimizer_states"]
+    assert off["peak_allocated_bytes"] < on["peak_allocated_bytes"]
+    host = off["host_bytes"]
+    # fp32 AdamW: 4 (shard) + 4 (.grad) + 8 (moments) bytes per shard element, plus the 0-dim step
+    # of each of GPT-2's 148 tensors
+    assert host["optimizer_states"] == 2 * host["weights"] + 4 * 148 and host["gradients"] == host["weights"]
+    text = run(*args, "--offload", "both")
+    assert text.returncode == 0 and "FSDP2 CPUOffloadPolicy" in text.stdout and "unmeasured" in text.stdout
+    bad = run(*args, "--offload", "both", "--gpu", "cpu")
+    assert bad.returncode == 2 and bad.stdout == "" and "needs a CUDA GPU" in bad.stderr
 
 
 def test_zero3_offload_moves_the_model_states_to_the_host(run):

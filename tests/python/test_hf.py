@@ -72,13 +72,29 @@ def test_shard_grad_op_is_reshard_after_forward_false(fsdp, config):
     ("full_shard", {}, "FSDP1 (flat parameters) is not modelled"),
     ("hybrid_shard", {"fsdp_version": 2}, "hybrid sharding is FSDP1-only"),
     ("full_shard shard_grad_op", {"fsdp_version": 2}, "'full_shard' or 'shard_grad_op'"),
-    ("full_shard offload", {"fsdp_version": 2}, "offload is not modelled"),
+    ("full_shard", {"fsdp_version": 2, "cpu_offload": "maybe"}, "cpu_offload='maybe'"),
 ])
 def test_unmodelled_fsdp_is_refused(fsdp, config, message):
     with pytest.raises(ValueError, match=__import__("re").escape(message)):
         trainmem.hf.recipe_from_training_arguments({"fsdp": fsdp, "fsdp_config": config}, gpus=2)
     with pytest.raises(ValueError, match="pass gpus="):
         trainmem.hf.recipe_from_training_arguments({"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2}})
+
+
+@pytest.mark.parametrize("fsdp,config", [
+    ("full_shard offload auto_wrap", {"fsdp_version": 2}),
+    ("full_shard", {"fsdp_version": 2, "cpu_offload": True}),
+])
+def test_fsdp_offload_is_cpu_offload_policy(fsdp, config):
+    # transformers turns "offload" into fsdp_config cpu_offload, Accelerate into CPUOffloadPolicy()
+    knobs = trainmem.hf.recipe_from_training_arguments({"fsdp": fsdp, "fsdp_config": config}, gpus=4, seq=256)
+    assert knobs["parallel"] == "fsdp" and knobs["offload"] == "both"
+    est = trainmem.estimate("qwen3-0.6b", **knobs)
+    plain = trainmem.estimate("qwen3-0.6b", **{k: v for k, v in knobs.items() if k != "offload"})
+    assert est.recipe["offload"] == "both"
+    # the shards, their gradients and the optimizer states leave the GPU for the host
+    assert est.peak_allocated_bytes < plain.peak_allocated_bytes
+    assert est.host_bytes["optimizer_states"] > 0 and est.host_bytes["weights"] > 0
 
 
 ZERO2 = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "train_batch_size": 64,
