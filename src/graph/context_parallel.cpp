@@ -11,11 +11,19 @@ namespace trainmem::graph {
 void check_context_parallel(const Model& model, const Recipe& r) {
   if (r.cp <= 1) return;
   const std::string cp = "cp: " + std::to_string(r.cp);
-  if (r.parallel != Parallel::kNone || r.gpus != 1) {
+  // With data parallelism: FSDP2 over the flattened dp_shard x cp mesh (See Note [Context
+  // parallelism under FSDP2] in context_parallel.h); `gpus` is the data-parallel degree.
+  if ((r.parallel != Parallel::kNone && r.parallel != Parallel::kFsdp) ||
+      (r.parallel == Parallel::kNone && r.gpus != 1)) {
     throw Error(cp + " with gpus " + std::to_string(r.gpus) + " / parallel " + std::string(to_string(r.parallel)) +
-                ": context parallelism combined with data parallelism (FSDP2 over a dp_shard x cp mesh) is not "
-                "modelled yet; use gpus 1 and parallel none");
+                ": context parallelism with data parallelism is modelled under FSDP2 (parallel fsdp, sharded over "
+                "the gpus x cp ranks); use parallel fsdp, or gpus 1 and parallel none");
   }
+  if (r.parallel == Parallel::kFsdp && r.fsdp.replicate > 1) {
+    throw Error(cp + " with fsdp_replicate " + std::to_string(r.fsdp.replicate) +
+                ": HSDP with context parallelism is not modelled; use fsdp_replicate 1");
+  }
+  if (r.pp > 1) throw Error(cp + " with pp " + std::to_string(r.pp) + ": context and pipeline parallelism together are not modelled");
   if (r.tp > 1) throw Error(cp + " with tp " + std::to_string(r.tp) + ": context and tensor parallelism together are not modelled");
   if (r.mode == Mode::kInference) throw Error(cp + " is a training knob; inference runs on one GPU");
   if (model.arch.family == Family::kGpt2 || model.arch.family == Family::kGemma2) {
@@ -32,6 +40,7 @@ void check_context_parallel(const Model& model, const Recipe& r) {
     throw Error(cp + " with LoRA or a 4-bit base is not modelled (untested)");
   }
   if (r.loss == Loss::kFused) throw Error(cp + " with loss fused is not modelled; use standard");
+  // (Under FSDP2 a bf16 param_dtype policy over fp32 is a bf16 compute without autocast, as bf16-true.)
   if (r.precision != Precision::kFp32 && r.precision != Precision::kBf16True && r.precision != Precision::kFp16True) {
     throw Error(cp + " with precision " + std::string(to_string(r.precision)) +
                 " is not modelled (autocast and master weights under the ring are unmirrored); use fp32, bf16-true "

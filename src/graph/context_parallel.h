@@ -74,10 +74,24 @@ namespace trainmem::graph {
 // holds three), taken as the worst rank; the other ranks are not compared. On CUDA the
 // collectives run on NCCL's stream and the allocator keeps their inputs until the Work
 // completes (record_stream); as for TP (Note [Tensor parallelism]) that is not modelled.
-// Not modelled (refused): cp with data parallelism (FSDP2's dp_shard x cp mesh), with tensor
-// parallelism, eager attention (the ring replaces SDPA only), GPT-2 (its Conv1D q/k/v and
+// Not modelled (refused): cp with data parallelism other than FSDP2 (below), with HSDP, tensor or
+// pipeline parallelism, eager attention (the ring replaces SDPA only), GPT-2 (its Conv1D q/k/v and
 // learned positions), inference, LoRA / 4-bit bases, the fused loss, autocast and master-weight
 // precisions, seq not divisible by 2 * cp (no load balancing: ranks skip chunks).
+
+// Note [Context parallelism under FSDP2]
+// torchtitan's composition (parallelize_llama: apply_fsdp over world_mesh["dp_shard_cp"], the
+// context over world_mesh["cp"]), MIRRORED, NOT MEASURED: `gpus` data-parallel groups of `cp`
+// ranks, gpus x cp GPUs. Each group runs its own micro-batches (the global batch splits over the
+// gpus groups), every rank of a group seq / cp tokens of them as above; fully_shard shards every
+// unit over the flattened mesh of all gpus x cp ranks (Note [FSDP2 units] with a shard group of
+// gpus x cp), so its all-gathers and reduce-scatters run over all of them, and the reduce-scatter
+// also sums the context ranks' gradients: no all-reduce of the .grads is left. A rank's ring
+// allocations are pure CP's; its shards and FSDP2 buffers those of a plain FSDP2 rank of a world of
+// gpus x cp. The engine's rank is the ring's last (the worst, above) with rank 0's padded shard
+// sizes, which every rank whose chunks are whole has (all but the last few of a small dim 0).
+// fsdp_param_dtype bf16 over fp32 (torchtitan's default mixed precision) is a bf16 compute without
+// autocast, as bf16-true, so the ring runs in bf16.
 
 // Throws Error for what the Note says is not modelled.
 void check_context_parallel(const Model& model, const Recipe& r);

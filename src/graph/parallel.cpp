@@ -158,7 +158,10 @@ DataParallel::DataParallel(Tape& tape, const Recipe& recipe, bool cuda, std::uin
   optimizer_ = recipe.optimizer;
   // See Note [FSDP2 variants].
   const Fsdp& f = recipe.fsdp;
-  shard_world_ = world_ / f.replicate;
+  // Under context parallelism FSDP2 shards over every rank of the dp_shard x cp mesh (Note
+  // [Context parallelism under FSDP2] in context_parallel.h).
+  shard_world_ = world_ / f.replicate * recipe.cp;
+  hsdp_ = f.replicate > 1;
   // TP x DP (a tensor-parallel model under FSDP2): FSDP2 shards each rank's TP-local parameters
   // over the dp group, which is what wrap() does with the local model the step builder passes.
   reshard_after_forward_ = f.reshard_after_forward;
@@ -627,7 +630,7 @@ void DataParallel::reduce(Unit& u) {
   if (reduce_dtype != orig_dtype_) {
     const TensorId cast =
         t_.alloc_bytes(detail::mul(u.shard_numel, dtype_bytes(orig_dtype_), "sharded gradient bytes"), Category::kGradients);
-    if (shard_world_ < world_) {
+    if (hsdp_) {
       all_reduce_inputs_.push_back(out);  // HSDP: the all-reduced buffer is held until the end of backward
     } else {
       t_.release(out);

@@ -170,7 +170,8 @@ class DataParallel {
   bool pp_no_sync_ = false;  // FSDP2 in a pipeline stage: no gradient sync, no reshard after backward
   // FSDP2
   std::vector<Unit> units_;  // decoder layers, then the root
-  std::uint64_t shard_world_ = 1;       // ranks of a shard group: gpus / fsdp_replicate
+  std::uint64_t shard_world_ = 1;       // ranks of a shard group: gpus / fsdp_replicate (x cp)
+  bool hsdp_ = false;                   // fsdp_replicate > 1: the reduced shards are all-reduced across replicas
   bool reshard_after_forward_ = true;   // the decoder layers'
   bool cast_params_ = false;            // a param_dtype policy: all-gather inputs cast from the fp32 shards
   DType orig_dtype_ = DType::kF32;      // the sharded parameters' (and the sharded gradients')

@@ -606,7 +606,8 @@ std::uint64_t plan::persistent_floor(const Model& m, const Recipe& r) {
   const std::uint64_t buckets = r.parallel == Parallel::kDdp ? detail::mul(n, pb, "bucket bytes") : 0;
   // A pipeline's worst stage holds at least the average stage's share (Note [Pipeline split]),
   // its DDP buckets included: they hold the stage's own gradients (Note [Pipeline with DDP]).
-  const std::uint64_t shards = r.parallel == Parallel::kFsdp ? r.gpus / r.fsdp.replicate : r.pp;
+  // Under context parallelism FSDP2 shards over gpus x cp ranks (Note [Context parallelism under FSDP2]).
+  const std::uint64_t shards = r.parallel == Parallel::kFsdp ? r.gpus / r.fsdp.replicate * r.cp : r.pp;
   // Every parameter's .grad (in the parameter's dtype) exists when the optimizer step starts.
   std::uint64_t extra = detail::mul(n, pb, "gradient bytes");
   if (r.precision == Precision::kBf16Master) extra = detail::add(extra, detail::mul(n, 4, "master bytes"), "master bytes");
@@ -716,7 +717,8 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
   // Data parallelism gives every GPU global_batch / gpus sequences, so it needs the global batch
   // to divide. A pipeline over every GPU, a tensor-parallel group of every GPU and a
   // context-parallel ring over every GPU are one data-parallel rank that runs the whole global
-  // batch, so they take any global batch. When it does not divide, the search keeps those and
+  // batch, so they take any global batch (smaller groups, replicas and context-parallel rings
+  // under FSDP2 where their count divides it). When it does not divide, the search keeps those and
   // leaves data parallelism out; a data-parallel
   // recipe of the user's becomes its pipeline counterpart as the baseline (pp = gpus, the user's
   // micro-batch, the schedule as the search would pick it), or its tensor-parallel one where the
@@ -849,6 +851,31 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
   // (Llama-family SDPA, fp32 or a -true precision, the standard loss, seq divisible by 2 cp),
   // beside the data-parallel wrappers, with the floor of one GPU's model states. It is mirrored
   // from the source, not measured (docs/parallelism.md), and the plans say so.
+  // Smaller rings compose with FSDP2 (Note [Context parallelism under FSDP2] in
+  // graph/context_parallel.h): for every power-of-two cp that divides the GPUs, gpus / cp
+  // data-parallel groups of cp-GPU rings, sharded over all the GPUs, each group running its share
+  // of the global batch (which must split over the groups); FSDP2's knobs as the recipe has them
+  // (HSDP excepted), else the defaults.
+  auto cp_fsdp_of = [&](const Recipe& r, std::uint64_t cp) -> std::optional<Recipe> {
+    const std::uint64_t groups = q.gpus / cp;
+    if (groups < 2 || q.gpus % cp != 0 || out.global_batch % groups != 0) return std::nullopt;
+    const std::uint64_t per_group = out.global_batch / groups;
+    if (per_group % r.batch != 0 || per_group / r.batch > kMaxAccum) return std::nullopt;
+    Recipe cr = r;
+    cr.cp = cp;
+    cr.gpus = groups;
+    if (cr.parallel != Parallel::kFsdp) cr.fsdp = Fsdp{};
+    cr.parallel = Parallel::kFsdp;
+    cr.fsdp.replicate = 1;
+    cr.offload = Offload::kNone;
+    cr.grad_accum = per_group / r.batch;
+    if (!valid(cr) || !cp_modelled(model, cr)) return std::nullopt;
+    return cr;
+  };
+  std::vector<std::uint64_t> cp_degrees;  // the rings under FSDP2: 2, 4, ... below --gpus
+  for (std::uint64_t c = 2; c < q.gpus && c <= 64; c *= 2) {
+    if (q.gpus % c == 0) cp_degrees.push_back(c);
+  }
   auto context_parallel_of = [&](const Recipe& r) -> std::optional<Recipe> {
     if (q.gpus < 2 || q.gpus > 64 || out.global_batch % r.batch != 0 || out.global_batch / r.batch > kMaxAccum) {
       return std::nullopt;
@@ -978,6 +1005,12 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
                       if (const auto cr = context_parallel_of(r)) {
                         const std::uint64_t cfloor = rank_floor(model, *cr);
                         out_space.push_back({*cr, step_time(model, *cr), cfloor, cfloor});
+                      }
+                      for (std::uint64_t cp : cp_degrees) {
+                        if (const auto cr = cp_fsdp_of(r, cp)) {
+                          const std::uint64_t cfloor = rank_floor(model, *cr);
+                          out_space.push_back({*cr, step_time(model, *cr), cfloor, cfloor});
+                        }
                       }
                     }
                     if ((pipelines && dp == parallels.front()) || (tp_pipelines && dp == tp_parallels.front())) {
@@ -1245,7 +1278,8 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
       }
     }
   }
-  // Context parallelism: one ring over every GPU instead of data parallelism.
+  // Context parallelism: one ring over every GPU instead of data parallelism, or smaller rings
+  // under FSDP2.
   // The ring runs fp32 or one half dtype: an autocast or master-weight recipe moves to its -true twin.
   if (base.tp == 1 && base.pp == 1 && q.gpus > 1) {
     Recipe cb = base;
@@ -1257,6 +1291,14 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
       change("cp " + std::to_string(q.gpus) + " (one ring over every GPU, no data parallelism; unmeasured)" +
                  (moved ? ", precision " + std::string(to_string(cb.precision)) : std::string()),
              *r);
+    }
+    for (std::uint64_t cp : cp_degrees) {  // smaller rings under FSDP2
+      if (const auto r = cp_fsdp_of(cb, cp)) {
+        change("cp " + std::to_string(cp) + " x fsdp " + std::to_string(r->gpus) + " (rings of " + std::to_string(cp) +
+                   " GPUs, sharded over all; unmeasured)" +
+                   (moved ? ", precision " + std::string(to_string(cb.precision)) : std::string()),
+               *r);
+      }
     }
   }
   if (base.tp > 1) {

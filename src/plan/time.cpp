@@ -236,7 +236,9 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
   t.overhead_s = kernels * kLaunchSeconds;
 
   // Collectives.
-  if (recipe.gpus > 1 && recipe.parallel != Parallel::kNone && gpu.interconnect_gbps > 0) {
+  // (FSDP2 under context parallelism shards over the cp ranks even with one data-parallel group.)
+  if ((recipe.gpus > 1 || (recipe.parallel == Parallel::kFsdp && recipe.cp > 1)) && recipe.parallel != Parallel::kNone &&
+      gpu.interconnect_gbps > 0) {
     const double n = static_cast<double>(recipe.gpus);
     const double ring = (n - 1) / n;
     const double grads = c.trainable_elements * (master ? 2 : pb);  // the .grads in the parameter dtype
@@ -252,8 +254,10 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
         // All-gathers of the (param_dtype) parameters, two per micro-batch or one with
         // reshard_after_forward false, and the reduce-scatter of the (reduce_dtype) gradients, over
         // the shard group; HSDP adds the all-reduce of the reduced shard across the replicas.
+        // Under context parallelism the shard group is every rank of the dp_shard x cp mesh (Note
+        // [Context parallelism under FSDP2] in graph/context_parallel.h).
         const Fsdp& f = recipe.fsdp;
-        const double shard = n / static_cast<double>(f.replicate);
+        const double shard = n / static_cast<double>(f.replicate) * cp;
         const double shard_ring = (shard - 1) / shard;
         const double gathered = f.param_dtype == FsdpDtype::kBf16 ? c.trainable_elements * 2 : params;
         const double reduced = f.reduce_dtype == FsdpDtype::kFp32 ? c.trainable_elements * 4
@@ -313,7 +317,8 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
     const double kv = tokens * static_cast<double>(a.num_kv_heads) * static_cast<double>(a.head_dim) * 2;
     const double gathers = recipe.checkpointing == Checkpointing::kFull ? 3 : 2;  // forward, backward, recompute
     const double per_layer = (cp - 1) * kv * (gathers * act + 4);                 // + the fp32 gradients' rotations
-    const double grads = c.trainable_elements * (master ? 2 : pb);
+    // Pure CP all-reduces every .grad; under FSDP2 its reduce-scatter (above) sums them instead.
+    const double grads = recipe.parallel == Parallel::kNone ? c.trainable_elements * (master ? 2 : pb) : 0;
     t.comm_s += (per_layer * L + 2 * (cp - 1) / cp * grads) * micro / (gpu.interconnect_gbps * 1e9);
   }
   if (recipe.parallel == Parallel::kFsdp && recipe.offload == Offload::kBoth) {

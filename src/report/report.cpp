@@ -126,7 +126,7 @@ std::string recipe_words(const Recipe& r) {
                                                                   : "") +
            (r.parallel != Parallel::kNone || r.tp > 1 ? "+" + dp : std::string());  // PP x DP: pp2+ddp; PP x TP: pp2+tp2
     }
-    if (r.cp > 1) dp = "cp" + std::to_string(r.cp);
+    if (r.cp > 1) dp = "cp" + std::to_string(r.cp) + (r.parallel == Parallel::kFsdp ? "+fsdp" : "");  // CP x FSDP2
     char col[32];
     std::snprintf(col, sizeof col, " %-13s", dp.c_str());
     words += col;
@@ -425,9 +425,13 @@ std::string to_text(const Estimate& e) {
   }
   if (r.parallel != Parallel::kNone && r.pp == 1) {  // PP x DP: the pipeline line below says it
     // TP x DP: `gpus` is the data-parallel degree, each rank a tensor-parallel group of `tp` GPUs.
-    const std::string tp = r.tp > 1 ? " x tensor parallel " + std::to_string(r.tp) + " (" +
+    // CP x FSDP2: each data-parallel rank a context-parallel ring of `cp` GPUs (Note [Context
+    // parallelism under FSDP2]).
+    const std::string tp = r.tp > 1   ? " x tensor parallel " + std::to_string(r.tp) + " (" +
                                           std::to_string(r.gpus * r.tp) + " GPUs)"
-                                    : "";
+                           : r.cp > 1 ? " x context parallel " + std::to_string(r.cp) + " (" +
+                                          std::to_string(r.gpus * r.cp) + " GPUs, sharded over all; unmeasured)"
+                                      : "";
     add("data parallel: %s over %llu GPUs%s; the figures below are one GPU's, rank %llu%s\n",
         std::string(to_string(r.parallel)).c_str(), static_cast<unsigned long long>(r.gpus), tp.c_str(),
         static_cast<unsigned long long>(e.rank), rank_words(e).c_str());

@@ -136,8 +136,10 @@ TEST(ContextParallel, RefusesWhatIsNotModelled) {
   EXPECT_NE(refused(r).find("scaled_dot_product_attention only"), std::string::npos);
   r = cp_recipe(2);
   r.gpus = 2;
-  r.parallel = Parallel::kFsdp;
-  EXPECT_NE(refused(r).find("combined with data parallelism"), std::string::npos);
+  r.parallel = Parallel::kDdp;
+  EXPECT_NE(refused(r).find("modelled under FSDP2"), std::string::npos);
+  r.parallel = Parallel::kNone;
+  EXPECT_NE(error_of([&] { r.validate(); }).find("need a data-parallel wrapper"), std::string::npos);
   r = cp_recipe(2);
   r.tp = 2;
   EXPECT_NE(refused(r).find("context and tensor parallelism"), std::string::npos);
@@ -156,6 +158,84 @@ TEST(ContextParallel, RefusesWhatIsNotModelled) {
   r = cp_recipe(2);
   r.cp = 65;
   EXPECT_NE(error_of([&] { r.validate(); }).find("cp: must be between 1 and 64"), std::string::npos);
+}
+
+// CP x FSDP2 (Note [Context parallelism under FSDP2]): `gpus` data-parallel groups of `cp`-rank
+// rings, fully_shard over all gpus x cp ranks.
+Recipe cp_fsdp_recipe(std::uint64_t cp, std::uint64_t gpus, std::uint64_t seq = 512) {
+  Recipe r = cp_recipe(1, seq);
+  r.cp = cp;
+  r.gpus = gpus;
+  r.parallel = Parallel::kFsdp;
+  r.validate();
+  return r;
+}
+
+TEST(ContextParallelFsdp, ShardsOverEveryRankOfTheMesh) {
+  // The shards, all-gathers and reduce-scatters are those of a plain FSDP2 rank of gpus x cp.
+  const graph::Trace t = trace_of(cp_fsdp_recipe(2, 2));
+  Recipe flat = cp_recipe(1);
+  flat.gpus = 4;
+  flat.parallel = Parallel::kFsdp;
+  flat.validate();
+  const graph::Trace f = trace_of(flat);
+  EXPECT_EQ(testing::allocs_at(t, "fsdp.fully_shard"), testing::allocs_at(f, "fsdp.fully_shard"));
+  EXPECT_EQ(testing::allocs_at(t, "fsdp.all_gather"), testing::allocs_at(f, "fsdp.all_gather"));
+  EXPECT_EQ(testing::allocs_at(t, "fsdp.reduce_scatter"), testing::allocs_at(f, "fsdp.reduce_scatter"));
+  // One data-parallel group alone (gpus 1) still shards over its cp ranks.
+  EXPECT_EQ(testing::allocs_at(trace_of(cp_fsdp_recipe(2, 1)), "fsdp.fully_shard"),
+            testing::allocs_at(trace_of(cp_fsdp_recipe(1, 2)), "fsdp.fully_shard"));
+}
+
+TEST(ContextParallelFsdp, TheRingIsPureCpsAndTheModelStatesAreSharded) {
+  const Model m = llama_w512();
+  const graph::Trace t = trace_of(cp_fsdp_recipe(2, 2)), pure = trace_of(cp_recipe(2));
+  EXPECT_EQ(allocs(t, Phase::kForward, 0, "self_attn.sdpa"), allocs(pure, Phase::kForward, 0, "self_attn.sdpa"));
+  EXPECT_EQ(allocs(t, Phase::kBackward, 3, "self_attn.sdpa"), allocs(pure, Phase::kBackward, 3, "self_attn.sdpa"));
+  EXPECT_EQ(allocs(t, Phase::kForward, -1, "context_parallel"), allocs(pure, Phase::kForward, -1, "context_parallel"));
+  const Estimate a = estimate(m, cp_fsdp_recipe(2, 2)), b = estimate(m, cp_recipe(2));
+  EXPECT_LT(a.breakdown_at_peak[kWeights], b.breakdown_at_peak[kWeights]);
+  EXPECT_LT(a.peak_allocated_bytes, b.peak_allocated_bytes);
+}
+
+TEST(ContextParallelFsdp, RefusesWhatIsNotModelled) {
+  const Model m = llama_w512();
+  auto refused = [&](Recipe r) { return error_of([&] { graph::build_training_trace(m, r, find_gpu(r.gpu)); }); };
+  Recipe r = cp_fsdp_recipe(2, 2);
+  r.gpus = 4;
+  r.fsdp.replicate = 2;
+  EXPECT_NE(refused(r).find("HSDP with context parallelism"), std::string::npos);
+  r = cp_fsdp_recipe(2, 2);
+  r.offload = Offload::kBoth;
+  EXPECT_NE(error_of([&] { r.validate(); }).find("tensor, pipeline or context parallelism"), std::string::npos);
+}
+
+TEST(ContextParallelFsdp, PlannerSearchesRingsSmallerThanTheGpus) {
+  // Llama-3.1-8B at seq 32,768 on 8 H100s: one sequence's activations outgrow a GPU under plain
+  // FSDP2 without checkpointing, and a ring over all 8 GPUs holds the whole model on each; rings of
+  // 4 under FSDP2 shard the model over all 8 and split the tokens 4 ways.
+  const Model m = load_model("llama-3.1-8b");
+  FitRequest q;
+  q.base.seq = 32'768;
+  q.base.precision = Precision::kBf16True;
+  q.base.checkpointing = Checkpointing::kNone;
+  q.gpus = 8;
+  q.global_batch = 8;
+  q.fixed = {"precision", "checkpointing"};
+  q.top = 50;
+  const FitResult f = fit(m, q);
+  bool ring_of_4 = false;
+  for (const Plan& p : f.plans) {
+    if (p.recipe.cp != 4) continue;
+    ring_of_4 = true;
+    EXPECT_EQ(p.recipe.parallel, Parallel::kFsdp);
+    EXPECT_EQ(p.recipe.gpus * p.recipe.batch * p.recipe.grad_accum, 8u);  // two groups share the global batch
+    EXPECT_LE(p.peak_reserved_bytes, f.capacity_bytes);
+  }
+  EXPECT_TRUE(ring_of_4);
+  bool shown = false;
+  for (const Change& c : f.changes) shown = shown || c.what.starts_with("cp 4 x fsdp 2");
+  EXPECT_TRUE(shown);
 }
 
 }  // namespace
