@@ -29,6 +29,7 @@ using testing::kGpt2L2Params;
 using testing::kGrads;
 using testing::kStates;
 using testing::kWeights;
+using testing::most_live;
 
 // GPT-2 cut to two layers over two ranks: the root's shards (wte padded to 25,129 rows of 768, wpe
 // 512 rows, ln_f's weight and bias) and a layer's (every dim 0 even: half of each parameter).
@@ -49,17 +50,6 @@ Recipe plain(Recipe r) {
   r.offload = Offload::kNone;
   r.validate();
   return r;
-}
-
-// The most bytes of each category live at any moment of the trace.
-std::array<std::uint64_t, 6> most_live(const graph::Trace& t) {
-  std::array<std::uint64_t, 6> live{}, most{};
-  for (const graph::Event& e : t.events) {
-    const std::size_t c = static_cast<std::size_t>(t.storages[e.tensor].category);
-    live[c] = e.alloc ? live[c] + t.storages[e.tensor].bytes : live[c] - t.storages[e.tensor].bytes;
-    most[c] = std::max(most[c], live[c]);
-  }
-  return most;
 }
 
 graph::Trace trace_of(const Recipe& r) { return graph::build_training_trace(gpt2_l2(), r, find_gpu(r.gpu)); }

@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -73,6 +74,17 @@ inline std::array<std::uint64_t, 6> live_after_events(const graph::Trace& t, std
     live[c] = e.alloc ? live[c] + t.storages[e.tensor].bytes : live[c] - t.storages[e.tensor].bytes;
   }
   return live;
+}
+
+// The most bytes of each category live at any moment of the trace (each category's own peak).
+inline std::array<std::uint64_t, 6> most_live(const graph::Trace& t) {
+  std::array<std::uint64_t, 6> live{}, most{};
+  for (const graph::Event& e : t.events) {
+    const std::size_t c = static_cast<std::size_t>(t.storages[e.tensor].category);
+    live[c] = e.alloc ? live[c] + t.storages[e.tensor].bytes : live[c] - t.storages[e.tensor].bytes;
+    most[c] = std::max(most[c], live[c]);
+  }
+  return most;
 }
 
 // Bytes of the storages first allocated under the op `op`, in order.

@@ -52,15 +52,7 @@ std::array<std::uint64_t, 6> live_after(const graph::Trace& t, std::uint32_t ste
   return testing::live_after_events(t, last);
 }
 
-std::uint64_t most_live(const graph::Trace& t, std::size_t category) {
-  std::uint64_t live = 0, most = 0;
-  for (const graph::Event& e : t.events) {
-    if (static_cast<std::size_t>(t.storages[e.tensor].category) != category) continue;
-    live = e.alloc ? live + t.storages[e.tensor].bytes : live - t.storages[e.tensor].bytes;
-    most = std::max(most, live);
-  }
-  return most;
-}
+std::uint64_t most_live(const graph::Trace& t, std::size_t category) { return testing::most_live(t)[category]; }
 
 // GPT-2's parameter numels, one entry per tensor (the wrap's order does not matter here).
 std::vector<std::uint64_t> partitions(const Model& m, std::uint64_t world) {

@@ -29,6 +29,7 @@ using testing::kGpt2L2Params;
 using testing::kGrads;
 using testing::kStates;
 using testing::kWeights;
+using testing::most_live;
 
 constexpr std::uint64_t kGpt2Wte = 50'257 * 768;  // the largest parameter, first in the flat group
 
@@ -38,17 +39,6 @@ Recipe offload_recipe(Parallel parallel, std::uint64_t gpus, std::uint64_t grad_
   r.offload = Offload::kOptimizer;
   r.validate();
   return r;
-}
-
-// The most bytes of each category live at any moment of the trace.
-std::array<std::uint64_t, 6> most_live(const graph::Trace& t) {
-  std::array<std::uint64_t, 6> live{}, most{};
-  for (const graph::Event& e : t.events) {
-    const std::size_t c = static_cast<std::size_t>(t.storages[e.tensor].category);
-    live[c] = e.alloc ? live[c] + t.storages[e.tensor].bytes : live[c] - t.storages[e.tensor].bytes;
-    most[c] = std::max(most[c], live[c]);
-  }
-  return most;
 }
 
 TEST(ZeroOffload, PinnedBlocksArePowersOfTwo) {
