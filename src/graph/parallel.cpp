@@ -641,7 +641,13 @@ void DataParallel::reduce(Unit& u) {
     // The .grads are host copies of the output's views; nothing keeps the output (See Note
     // [FSDP2 CPU offload]).
     t_.release(grads.back());  // foreach_reduce returns
-    t_.release(out);
+    // HSDP keeps the reduce-dtype output in _all_reduce_state until finalize_backward (already
+    // pushed above when a cast replaced it).
+    if (hsdp_ && reduce_dtype == orig_dtype_) {
+      all_reduce_inputs_.push_back(out);
+    } else {
+      t_.release(out);
+    }
     pending_reduce_input_ = in;
     return;
   }
