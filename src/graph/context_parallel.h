@@ -92,6 +92,13 @@ namespace trainmem::graph {
 // sizes, which every rank whose chunks are whole has (all but the last few of a small dim 0).
 // fsdp_param_dtype bf16 over fp32 (torchtitan's default mixed precision) is a bf16 compute without
 // autocast, as bf16-true, so the ring runs in bf16.
+// The units are the engine's FSDP2 units (Note [FSDP2 units]: one per decoder layer and one root
+// unit with the embedding, the final norm and the head, the layout accelerate's transformer-layer
+// wrap gives), not torchtitan's: apply_fsdp wraps the embedding alone and [norm, output] as one
+// more unit, so there the embedding's gathered copy goes after the forward and the head's is
+// gathered at its own time, while the engine's root holds both gathered from the first
+// all-gather to the end of backward. The engine's peaks can therefore be above torchtitan's by
+// up to one of the two matrices in the unsharded dtype (1 GiB for Llama-3.1-8B in bf16).
 
 // Throws Error for what the Note says is not modelled.
 void check_context_parallel(const Model& model, const Recipe& r);

@@ -120,8 +120,10 @@ constexpr std::uint64_t kBucketCapBytes = std::uint64_t{25} << 20;
 //    gradient accumulation later micro-batches copy to pageable memory and add into the .grad) and
 //    keeps no reference to the GPU output, which is freed when foreach_reduce returns;
 //  * the optimizer holds the CPU DTensors: its states are created on the host (pageable,
-//    zeros_like the shard) and its step runs there (torch's AdamW and SGD take the single-tensor
-//    path on the CPU); nothing of it is on the GPU.
+//    zeros_like the shard) and its step runs there (AdamW and SGD take the single-tensor path
+//    on CPU tensors, foreach being a CUDA default; adamw-fused runs the fused CPU kernel, which
+//    torch's fused optimizers support on the CPU; either keeps a 4-byte fp32 step per tensor);
+//    nothing of it is on the GPU.
 // Host memory of the rank (Estimate::host): each parameter's pinned shard and its pinned sharded
 // .grad (CachingHostAllocator rounds each pinned tensor up to a power of two; the .grads' blocks
 // go back to its cache at zero_grad and are taken again by the next step's copies) and the
@@ -139,8 +141,14 @@ constexpr std::uint64_t kBucketCapBytes = std::uint64_t{25} << 20;
 // FSDPCommContext) and frees their buffers with record_stream semantics: a block freed on one
 // stream is reused by another only after the collective's event, which can keep blocks reserved
 // longer than the CPU order shows. The replay has one stream and frees at the CPU order, so on
-// CUDA its reserved bytes can be below the real ones by about one unit's buffers. DDP's
-// all-reduces run in place on the buckets.
+// CUDA its reserved bytes can be below the real ones by about one unit's buffers. The caching
+// allocator keys free blocks by stream, so each of those streams also has its own pool on CUDA:
+// the all-gather copy-in stream allocates the flat all-gather input and, under CPU offload (Note
+// [FSDP2 CPU offload]), every shard's host-to-device copy and its cast; the reduce-scatter stream
+// allocates the reduce-scatter output (with offload the sharded gradient's only GPU copy, freed
+// once the device-to-host copy is queued). The replay's one pool lets the compute stream reuse
+// those blocks, which the real allocator does not, so this is one more way its reserved bytes
+// can fall short on CUDA. DDP's all-reduces run in place on the buckets.
 
 std::uint64_t ceil_div(std::uint64_t a, std::uint64_t b) { return a / b + (a % b != 0); }
 

@@ -106,6 +106,39 @@ TEST(FsdpOffload, AParamDtypePolicyCastsEachCopy) {
   EXPECT_EQ(g[8], kRootShard * 2 * 2);  // world x the bf16 shards
 }
 
+TEST(FsdpOffload, HsdpKeepsEachReduceScatterOutputUntilTheEndOfBackward) {
+  // Under HSDP the reduce-scatter output is also the replicas' all-reduce input, which
+  // FSDPParamGroup._all_reduce_state holds until finalize_backward, offload or not; without
+  // replicas the output goes when foreach_reduce returns. 4 GPUs as 2 replicas of 2 shards have
+  // the 2-rank shards above: a layer unit's output is its fp32 shard (kLayersShard / 2 elements),
+  // the root's kRootShard.
+  Recipe hsdp = dp_recipe(Parallel::kFsdp, 4, Precision::kFp32);
+  hsdp.gpu = "h100-80gb";
+  hsdp.offload = Offload::kBoth;
+  hsdp.fsdp.replicate = 2;
+  hsdp.validate();
+  const std::uint64_t layer_out = kLayersShard / 2 * 4, root_out = kRootShard * 4;
+  const auto most_outputs = [&](const graph::Trace& t) {
+    std::uint64_t live = 0, most = 0;
+    std::vector<bool> output(t.storages.size(), false);
+    for (const graph::Event& e : t.events) {
+      const std::uint64_t bytes = t.storages[e.tensor].bytes;
+      if (e.alloc && t.moments[e.moment].op == "fsdp.reduce_scatter" && (bytes == layer_out || bytes == root_out)) {
+        output[e.tensor] = true;
+      }
+      if (!output[e.tensor]) continue;
+      live = e.alloc ? live + bytes : live - bytes;
+      most = std::max(most, live);
+    }
+    return most;
+  };
+  EXPECT_EQ(most_outputs(trace_of(hsdp)), 2 * layer_out + root_out);
+  EXPECT_EQ(most_outputs(trace_of(offload_recipe())), root_out);
+  // The kept outputs are GPU gradient bytes the 2-shard FSDP2 rank does not hold at its
+  // end-of-backward.
+  EXPECT_GT(estimate(gpt2_l2(), hsdp).peak_allocated_bytes, estimate(gpt2_l2(), offload_recipe()).peak_allocated_bytes);
+}
+
 TEST(FsdpOffload, HostHoldsShardsGradientsAndStates) {
   // Per rank: each parameter's pinned fp32 shard and pinned sharded .grad, AdamW's pageable
   // exp_avg and exp_avg_sq (and its 0-dim fp32 step) zeros_like the shard: 16 bytes per shard
