@@ -855,10 +855,11 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
   // graph/context_parallel.h): for every power-of-two cp that divides the GPUs, gpus / cp
   // data-parallel groups of cp-GPU rings, sharded over all the GPUs, each group running its share
   // of the global batch (which must split over the groups); FSDP2's knobs as the recipe has them
-  // (HSDP excepted), else the defaults.
+  // (HSDP excepted), else the defaults. cp = --gpus is one ring sharded over its own ranks
+  // (torchtitan's layout for context parallelism alone), beside the unsharded ring above.
   auto cp_fsdp_of = [&](const Recipe& r, std::uint64_t cp) -> std::optional<Recipe> {
     const std::uint64_t groups = q.gpus / cp;
-    if (groups < 2 || q.gpus % cp != 0 || out.global_batch % groups != 0) return std::nullopt;
+    if (groups < 1 || q.gpus % cp != 0 || out.global_batch % groups != 0) return std::nullopt;
     const std::uint64_t per_group = out.global_batch / groups;
     if (per_group % r.batch != 0 || per_group / r.batch > kMaxAccum) return std::nullopt;
     Recipe cr = r;
@@ -872,8 +873,8 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
     if (!valid(cr) || !cp_modelled(model, cr)) return std::nullopt;
     return cr;
   };
-  std::vector<std::uint64_t> cp_degrees;  // the rings under FSDP2: 2, 4, ... below --gpus
-  for (std::uint64_t c = 2; c < q.gpus && c <= 64; c *= 2) {
+  std::vector<std::uint64_t> cp_degrees;  // the rings under FSDP2: 2, 4, ... up to --gpus
+  for (std::uint64_t c = 2; c <= q.gpus && c <= 64; c *= 2) {
     if (q.gpus % c == 0) cp_degrees.push_back(c);
   }
   auto context_parallel_of = [&](const Recipe& r) -> std::optional<Recipe> {
@@ -1294,8 +1295,9 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
     }
     for (std::uint64_t cp : cp_degrees) {  // smaller rings under FSDP2
       if (const auto r = cp_fsdp_of(cb, cp)) {
-        change("cp " + std::to_string(cp) + " x fsdp " + std::to_string(r->gpus) + " (rings of " + std::to_string(cp) +
-                   " GPUs, sharded over all; unmeasured)" +
+        const std::string rings = r->gpus == 1 ? "one ring of " + std::to_string(cp) + " GPUs, sharded over it"
+                                               : "rings of " + std::to_string(cp) + " GPUs, sharded over all";
+        change("cp " + std::to_string(cp) + " x fsdp " + std::to_string(r->gpus) + " (" + rings + "; unmeasured)" +
                    (moved ? ", precision " + std::string(to_string(cb.precision)) : std::string()),
                *r);
       }

@@ -806,7 +806,9 @@ TEST(Fit, LongSequencesSearchOneContextParallelRing) {
   for (const Plan& p : f.plans) {
     if (p.recipe.cp == 1) continue;
     EXPECT_EQ(p.recipe.cp * p.recipe.gpus, 8u);
-    EXPECT_EQ(p.recipe.parallel, p.recipe.cp == 8 ? Parallel::kNone : Parallel::kFsdp);
+    // cp 8 is the one ring, unsharded or sharded over its own ranks; smaller rings are FSDP2's.
+    if (p.recipe.cp < 8) EXPECT_EQ(p.recipe.parallel, Parallel::kFsdp);
+    if (p.recipe.parallel == Parallel::kNone) EXPECT_EQ(p.recipe.cp, 8u);
     EXPECT_EQ(p.recipe.gpus * p.recipe.batch * p.recipe.grad_accum, 8u);
     EXPECT_NE(p.recipe.precision, Precision::kBf16Mixed);  // the ring runs one dtype
     EXPECT_GT(p.time.comm_s, 0);
@@ -821,6 +823,22 @@ TEST(Fit, LongSequencesSearchOneContextParallelRing) {
     }
   }
   EXPECT_GE(rings, 1u);
+  // The one ring sharded over its own ranks (gpus 1 x cp 8 under FSDP2) holds an eighth of the
+  // model states the unsharded ring does: it is searched and offered as a single change.
+  EXPECT_TRUE(std::any_of(f.plans.begin(), f.plans.end(), [](const Plan& p) {
+    return p.recipe.cp == 8 && p.recipe.gpus == 1 && p.recipe.parallel == Parallel::kFsdp;
+  }));
+  const auto change_of = [&](std::uint64_t cp, Parallel parallel) {
+    return std::find_if(f.changes.begin(), f.changes.end(), [&](const Change& c) {
+      return c.plan.recipe.cp == cp && c.plan.recipe.parallel == parallel;
+    });
+  };
+  const auto sharded = change_of(8, Parallel::kFsdp);
+  const auto whole = change_of(8, Parallel::kNone);
+  ASSERT_NE(sharded, f.changes.end());
+  ASSERT_NE(whole, f.changes.end());
+  EXPECT_NE(sharded->what.find("one ring of 8 GPUs, sharded over it"), std::string::npos);
+  EXPECT_LT(sharded->plan.peak_reserved_bytes, whole->plan.peak_reserved_bytes);
   // The user's bf16-mixed DDP recipe: the single change moves to bf16-true for the ring.
   EXPECT_TRUE(std::any_of(f.changes.begin(), f.changes.end(), [](const Change& c) {
     return c.plan.recipe.cp == 8 && c.what.find("precision bf16-true") != std::string::npos;
