@@ -11,7 +11,8 @@
 //    Backward = 2× forward for trainable weights (input and weight gradients), 1× for frozen
 //    ones (input gradients only). Full checkpointing adds one more forward of the decoder layers.
 //  * memory traffic at the GPU's bandwidth: the optimizer update (bytes read and written per
-//    trainable parameter, by optimizer and dtype), the elementwise work of the decoder layers
+//    trainable parameter, by optimizer and dtype, over the partition the rank steps: ZeRO's and
+//    FSDP2's shards), the elementwise work of the decoder layers
 //    (norms, activation, rotary, residuals: kElementwisePasses passes over the hidden and
 //    intermediate widths per token) and the loss (the logits written, upcast, normalized and
 //    differentiated; the fused loss never writes the fp32 copies).
@@ -20,7 +21,7 @@
 //    that per all-reduce), not overlapped with compute: DDP all-reduces every gradient in every
 //    micro-batch's backward (the reference step has no no_sync); FSDP2 all-gathers the
 //    parameters in the forward and again in the backward and reduce-scatters the gradients, per
-//    micro-batch (the root is gathered once, counted twice: a small overestimate). DeepSpeed
+//    micro-batch (the decoder layers' units twice, the root once: it is not resharded after forward). DeepSpeed
 //    ZeRO-1/2 move DDP's volume plus one all-gather: the gradients are all-reduced in the model
 //    dtype (average_tensor → allreduce_and_scatter all-reduces the bucket, then each rank keeps
 //    its slices), ZeRO-2 in every micro-batch's backward, ZeRO-1 once per optimizer step (its
@@ -134,6 +135,7 @@ struct MatmulCounts {
   double layer = 0;      // elements inside the decoder layers (recomputed under checkpointing)
   double tensors = 0;    // parameter tensors the optimizer walks
   double trainable_elements = 0;
+  double root_elements = 0;  // trainable elements outside the decoder layers (FSDP2's root unit)
 };
 
 MatmulCounts count(const Model& m, const Recipe& r) {
@@ -145,6 +147,7 @@ MatmulCounts count(const Model& m, const Recipe& r) {
     if (!lora) {
       c.tensors += static_cast<double>(g.count);
       c.trainable_elements += n;
+      if (!in_layer) c.root_elements += n;
     }
     if (!g.matmul_weight) continue;
     (lora ? c.frozen : c.trainable) += n;
@@ -222,7 +225,16 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
   if (master) per_param += (2 + 4) + (4 + 2);  // grads to fp32, masters back to half
   const bool offload = recipe.offload == Offload::kOptimizer || recipe.offload == Offload::kBoth;
   const bool offload_params = recipe.offload == Offload::kParams || recipe.offload == Offload::kBoth;
-  const double opt_bytes = offload ? 0 : per_param * c.trainable_elements;
+  // Each rank steps the optimizer on its own partition: ZeRO's 1/gpus, FSDP2's shard over its
+  // shard group (Note [FSDP2 variants]; every rank of the dp_shard x cp mesh under context
+  // parallelism), the whole (local) model otherwise.
+  double opt_share = 1;
+  if (recipe.parallel == Parallel::kZero1 || recipe.parallel == Parallel::kZero2 || recipe.parallel == Parallel::kZero3) {
+    opt_share = static_cast<double>(recipe.gpus);
+  } else if (recipe.parallel == Parallel::kFsdp) {
+    opt_share = static_cast<double>(recipe.gpus) / static_cast<double>(recipe.fsdp.replicate) * cp;
+  }
+  const double opt_bytes = offload ? 0 : per_param * c.trainable_elements / opt_share;
   const double bw = gpu.memory_gbps * 1e9 * kMemoryEfficiency;
   t.memory_s = ((layer_bytes + loss_bytes) * micro + opt_bytes) / bw;
 
@@ -276,7 +288,9 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
           }
           break;
         }
-        const double gathers = f.reshard_after_forward ? 2 : 1;
+        // The layers gather twice with reshard_after_forward, the root once (it is never
+        // resharded after forward: Note [FSDP2 units]).
+        const double gathers = f.reshard_after_forward ? 2 - c.root_elements / c.trainable_elements : 1;
         moved = shard_ring * (gathers * gathered + reduced) * micro;
         if (f.replicate > 1) {
           const double rep = static_cast<double>(f.replicate);
@@ -325,7 +339,7 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
     const Fsdp& f = recipe.fsdp;
     const double np = c.trainable_elements / (static_cast<double>(recipe.gpus) / static_cast<double>(f.replicate));
     const double s = f.param_dtype == FsdpDtype::kNone ? pb : 4;  // the shards' dtype
-    const double gathers = f.reshard_after_forward ? 2 : 1;
+    const double gathers = f.reshard_after_forward ? 2 - c.root_elements / c.trainable_elements : 1;
     if (gpu.host_gbps > 0) t.host_s += np * s * (gathers + 1) * micro / (gpu.host_gbps * 1e9);
     t.host_s += np * per_param / (kHostMemoryGbps * 1e9);
   } else if (offload || offload_params) {
