@@ -281,8 +281,12 @@ std::vector<PipelineAction> pipeline_order(PipelineSchedule schedule, std::uint6
 //    (a non-last stage's M gradient receive buffers).
 // With DDP or FSDP2 replicas of every stage: Notes [Interleaved pipeline schedules with DDP] and
 // [Interleaved pipeline schedules with FSDP2] below.
-// Not modelled (refused): HSDP, an FSDP2 MixedPrecisionPolicy or tensor parallelism with several
-// stages per rank, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and DualPipeV (split
+// Over tensor-parallel stages (PP x TP, and PP x TP x FSDP2) every local stage is parallelized as
+// Note [Pipeline with tensor parallelism] says, its receive buffers 1/T of the micro-batch under
+// sequence parallelism (measured: cpu-pp2v2tp2-*, cpu-pp2v2tp2sp-*, cpu-pp2v2tp2fsdp2-*, every rank
+// exact; before the measurement the engine gave the sequence-parallel run whole-width receive
+// buffers, 786,432 B high).
+// Not modelled (refused): ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and DualPipeV (split
 // backwards, V-shaped layouts).
 
 // Note [Interleaved pipeline schedules with DDP]
@@ -352,9 +356,10 @@ std::vector<PipelineAction> pipeline_order(PipelineSchedule schedule, std::uint6
 // cpu-pp2v3fsdp2-*, cpu-pp2v4fsdp2-*, cpu-pp3v2fsdp2-*), every rank exact (the V = 4 run with
 // reshard_after_forward off is 14 to 16 MB high without the evictions' RESHARD), with the settle wait of Note [gloo's
 // reduce-scatter temporary].
-// Not modelled (refused in recipe validation): HSDP (fsdp_replicate > 1) and a MixedPrecisionPolicy
-// (fsdp_param_dtype / fsdp_reduce_dtype) with several stages per rank (unmeasured), FSDP2 with
-// tensor parallelism over several stages per rank.
+// HSDP and a MixedPrecisionPolicy apply to every local stage's units as with one stage (Note
+// [Pipeline with FSDP2]); measured on pp2 x (2 x 2) HSDP and pp2 x dp2 gloo ranks with bf16
+// parameters (fp32 or bf16 reduction), interleaved-1f1b and looped-bfs
+// (cpu-pp2v2hsdp4-*, cpu-pp2v2fsdp2-*-bf16params-*), every rank exact at the first replay.
 
 std::vector<PipelineStageAction> pipeline_multi_order(PipelineSchedule schedule, std::uint64_t ranks,
                                                       std::uint64_t stages_per_rank, std::uint64_t rank,
@@ -763,7 +768,7 @@ Trace StepBuilder::build_pipeline_multi() {
   const std::uint64_t P = r_.pp, V = r_.pp_stages_per_rank, M = r_.grad_accum;
   const std::uint64_t stages = pp_num_stages();
   const bool first = rank_ == 0, last = rank_ == P - 1;  // holds stage 0 / the last stage
-  const std::uint64_t act_bytes = tok_ * a_.hidden_size * dtype_bytes(pol_.param);
+  const std::uint64_t act_bytes = res_tok_ * a_.hidden_size * dtype_bytes(pol_.param);
   const std::vector<PipelineStageAction> order = pipeline_multi_order(r_.pp_schedule, P, V, rank_, M);
   std::vector<PipelineLoweredAction> lowered;
   if (r_.parallel == Parallel::kFsdp) {

@@ -832,10 +832,10 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
     return pr;
   };
   // A 1F1B pipeline as ScheduleInterleaved1F1B over two stages per GPU, where the engine models it
-  // (plain ranks or DDP / FSDP2 replicas with FSDP2's default knobs, no tensor parallelism, the
-  // rounds rule, two layers per GPU at least).
+  // (plain ranks, DDP or FSDP2 replicas, tensor-parallel stages; the rounds rule, two layers per
+  // GPU at least).
   auto interleaved_of = [&](const Recipe& pr) -> std::optional<Recipe> {
-    if (pr.pp_schedule != PipelineSchedule::k1F1B || pr.tp != 1) return std::nullopt;
+    if (pr.pp_schedule != PipelineSchedule::k1F1B) return std::nullopt;
     Recipe ir = pr;
     ir.pp_schedule = PipelineSchedule::kInterleaved1F1B;
     ir.pp_stages_per_rank = 2;

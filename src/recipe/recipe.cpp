@@ -234,28 +234,12 @@ void validate_pipeline_stages(const Recipe& r) {
     throw Error("pp_stages_per_rank: " + std::to_string(v) +
                 " needs a multi-stage schedule: use interleaved-1f1b or looped-bfs, not " + schedule);
   }
-  // Several stages per rank are measured plain, with DDP and with FSDP2's default policy over a
-  // 1-D dp mesh (See Notes [Interleaved pipeline schedules with DDP] / [... with FSDP2] in
-  // graph/pipeline.cpp).
+  // Several stages per rank are measured plain, with DDP and with FSDP2 (HSDP and a
+  // MixedPrecisionPolicy included), and over tensor-parallel stages (See Notes [Interleaved
+  // pipeline schedules with DDP] / [... with FSDP2] in graph/pipeline.cpp).
   if (multi && r.parallel != Parallel::kNone && r.parallel != Parallel::kDdp && r.parallel != Parallel::kFsdp) {
     throw Error("pp_schedule " + schedule + " with parallel " + std::string(to_string(r.parallel)) +
                 " is not modelled (several stages per rank are measured plain, with ddp and with fsdp)");
-  }
-  if (multi && r.parallel == Parallel::kFsdp && r.fsdp.replicate > 1) {
-    throw Error("pp_schedule " + schedule + " with fsdp_replicate " + std::to_string(r.fsdp.replicate) +
-                " is not modelled (unmeasured: HSDP over several stages per rank); use fsdp_replicate 1, or 1f1b "
-                "or gpipe");
-  }
-  if (multi && r.parallel == Parallel::kFsdp &&
-      (r.fsdp.param_dtype != FsdpDtype::kNone || r.fsdp.reduce_dtype != FsdpDtype::kNone)) {
-    throw Error("pp_schedule " + schedule +
-                " with an FSDP2 MixedPrecisionPolicy (fsdp_param_dtype / fsdp_reduce_dtype) is not modelled "
-                "(unmeasured over several stages per rank); use the defaults, or 1f1b or gpipe");
-  }
-  if (multi && r.tp > 1) {
-    throw Error("pp_schedule " + schedule + " with tp " + std::to_string(r.tp) +
-                " is not modelled yet (unmeasured: tensor parallelism over several stages per rank); use tp 1, or "
-                "1f1b or gpipe");
   }
   if (r.pp_schedule == PipelineSchedule::kInterleaved1F1B) {
     // ScheduleInterleaved1F1B.__init__: number_of_rounds = max(1, n_microbatches // pp).

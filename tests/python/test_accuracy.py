@@ -179,6 +179,13 @@ def test_pipeline_entries_exact(comparisons):
     fsdp_multi = [r for r in multi if r.get("parallel") == "fsdp"]
     assert any(not r["fsdp_reshard_after_forward"] for r in fsdp_multi)
     assert any(r["pp_stages_per_rank"] > 3 for r in fsdp_multi)
+    # ... HSDP and an FSDP2 MixedPrecisionPolicy over every local stage, and tensor-parallel stages
+    # (with sequence parallelism, and under FSDP2 over a (pp, dp, tp) mesh).
+    assert any(r["fsdp_replicate"] > 1 for r in fsdp_multi)
+    assert any(r["fsdp_param_dtype"] == "bf16" and r["fsdp_reduce_dtype"] == "fp32" for r in fsdp_multi)
+    assert any(r["fsdp_replicate"] > 1 and r["fsdp_param_dtype"] == "bf16" for r in fsdp_multi)
+    tp_multi = [r for r in multi if r.get("tp", 1) > 1]
+    assert any(r.get("sequence_parallel") for r in tp_multi) and any(r.get("parallel") == "fsdp" for r in tp_multi)
     # Issue 4: PP x TP, each stage tensor-parallel over a (pp, tp) mesh (Note [Pipeline with tensor
     # parallelism]): 1F1B and GPipe, three stages, AdamW, bf16-true, checkpointing and sequence
     # parallelism (Shard(1) DTensors between the stages).

@@ -322,18 +322,6 @@ def test_pipeline_with_ddp_replays_each_stage_once(run):
       "--pp-stages-per-rank", "32"], "pp: 2 x pp_stages_per_rank 32: the model has 32 decoder layers, fewer than the "
      "64 stages"),
     (["estimate", "mistral-7b-v0.3", "--pp-stages-per-rank", "2"], "pp_stages_per_rank: a pipeline knob"),
-    (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--pp-schedule", "interleaved-1f1b",
-      "--pp-stages-per-rank", "2", "--tp", "2", "--precision", "bf16-true"],
-     "pp_schedule interleaved-1f1b with tp 2 is not modelled yet"),
-    # Several stages per rank with DDP and FSDP2 replicas are modelled; HSDP and an FSDP2
-    # MixedPrecisionPolicy over them are not (unmeasured).
-    (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--pp-schedule", "looped-bfs",
-      "--pp-stages-per-rank", "2", "--precision", "fp32", "--gpus", "4", "--parallel", "fsdp", "--fsdp-replicate", "2"],
-     "pp_schedule looped-bfs with fsdp_replicate 2 is not modelled (unmeasured: HSDP over several stages per rank)"),
-    (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--pp-schedule", "interleaved-1f1b",
-      "--pp-stages-per-rank", "2", "--precision", "fp32", "--gpus", "2", "--parallel", "fsdp", "--fsdp-param-dtype",
-      "bf16"], "pp_schedule interleaved-1f1b with an FSDP2 MixedPrecisionPolicy (fsdp_param_dtype / "
-     "fsdp_reduce_dtype) is not modelled"),
     (["estimate", "mistral-7b-v0.3", "--pp", "2", "--pp-stages-per-rank", "x"], "pp_stages_per_rank"),
     (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--precision", "fp32", "--rank", "2"],
      "rank: 2 is not one of the 2 ranks (0..1) of --pp 2"),

@@ -409,15 +409,6 @@ def test_zero3_world_size_2(tiny_gpt2):
     ({"pp": 2, "grad_accum": 2, "pp_schedule": "looped-bfs"}, "runs several stages per rank"),
     ({"pp": 2, "grad_accum": 5, "pp_schedule": "interleaved-1f1b", "pp_stages_per_rank": 2},
      "a multiple of its rounds max(1, 5 // pp=2) = 2, got 5"),
-    # ... with DDP and FSDP2 replicas of each stage (measured), but not HSDP or an FSDP2 MixedPrecisionPolicy.
-    ({"pp": 2, "grad_accum": 2, "pp_schedule": "interleaved-1f1b", "pp_stages_per_rank": 2, "gpus": 4,
-      "parallel": "fsdp", "fsdp_replicate": 2, "precision": "fp32"},
-     "with fsdp_replicate=2 is not measured (HSDP over several stages per rank)"),
-    ({"pp": 2, "grad_accum": 2, "pp_schedule": "looped-bfs", "pp_stages_per_rank": 2, "gpus": 2,
-      "parallel": "fsdp", "fsdp_param_dtype": "bf16", "precision": "fp32"},
-     "with an FSDP2 MixedPrecisionPolicy (fsdp_param_dtype / fsdp_reduce_dtype) is not measured"),
-    ({"pp": 2, "grad_accum": 2, "pp_schedule": "looped-bfs", "pp_stages_per_rank": 2, "tp": 2,
-      "precision": "fp32"}, "with tp=2 is not measured"),
     ({"pp_stages_per_rank": 2}, "pp_stages_per_rank is a pipeline knob"),
     ({"pp": 2, "pp_stages_per_rank": 0}, "pp_stages_per_rank must be an integer between 1 and 64, got 0"),
 ])

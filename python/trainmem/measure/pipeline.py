@@ -160,39 +160,43 @@ def stage_autocast(recipe: Recipe, device: str):
     return functools.partial(torch.autocast, torch.device(device).type, dtype=dtype)
 
 
+def _pipeline_mesh(recipe: Recipe, device: str):
+    """This rank's place in the pipeline's device mesh, torchtitan's order (pp outermost, tp
+    innermost): (pipeline rank, pp group, dp mesh, dp group, tp mesh), None where the recipe has no
+    such dimension. PP x TP: (pp, tp), rank r is pipeline rank r // T; PP x TP x FSDP2: (pp, dp,
+    tp); PP x DP: (pp, dp), or (pp, replicate, shard) for HSDP; a plain pipeline: the world."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    kind, pp = torch.device(device).type, recipe.pp
+    if recipe.tp > 1:
+        if recipe.gpus > 1:
+            mesh = init_device_mesh(kind, (pp, recipe.gpus, recipe.tp), mesh_dim_names=("pp", "dp", "tp"))
+            dp_mesh = mesh["dp"]
+        else:
+            mesh, dp_mesh = init_device_mesh(kind, (pp, recipe.tp), mesh_dim_names=("pp", "tp")), None
+        return mesh["pp"].get_local_rank(), mesh.get_group("pp"), dp_mesh, None, mesh["tp"]
+    if recipe.gpus > 1:
+        if recipe.parallel == "fsdp" and recipe.fsdp_replicate > 1:
+            mesh = init_device_mesh(kind, (pp, recipe.fsdp_replicate, recipe.gpus // recipe.fsdp_replicate),
+                                    mesh_dim_names=("pp", "replicate", "shard"))
+            dp_mesh, dp_group = mesh["replicate", "shard"], None
+        else:
+            mesh = init_device_mesh(kind, (pp, recipe.gpus), mesh_dim_names=("pp", "dp"))
+            dp_mesh, dp_group = mesh["dp"], mesh.get_group("dp")
+        return mesh["pp"].get_local_rank(), mesh.get_group("pp"), dp_mesh, dp_group, None
+    return dist.get_rank(), None, None, None, None
+
+
 def make_stage(model: torch.nn.Module, recipe: Recipe, device: str):
     """Prune the model to this rank's stage (in place, before tracking) and build its PipelineStage."""
-    import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage
 
     check(model, recipe)
     if recipe.pp_stages_per_rank > 1:
         return make_virtual_stages(model, recipe, device)
     stages = recipe.pp
-    rank, group, dp_group, tp_mesh = dist.get_rank(), None, None, None
-    if recipe.tp > 1:  # PP x TP: a 2-D mesh (pp, tp), tp innermost as torchtitan's
-        from torch.distributed.device_mesh import init_device_mesh
-
-        if recipe.gpus > 1:  # PP x TP x FSDP2: (pp, dp, tp), torchtitan's order of the three
-            mesh = init_device_mesh(torch.device(device).type, (stages, recipe.gpus, recipe.tp),
-                                    mesh_dim_names=("pp", "dp", "tp"))
-            dp_mesh = mesh["dp"]
-        else:
-            mesh = init_device_mesh(torch.device(device).type, (stages, recipe.tp), mesh_dim_names=("pp", "tp"))
-        rank, group, tp_mesh = mesh["pp"].get_local_rank(), mesh.get_group("pp"), mesh["tp"]
-    elif recipe.gpus > 1:  # PP x DP: a 2-D mesh (pp, dp), as torchtitan's (pp outermost)
-        from torch.distributed.device_mesh import init_device_mesh
-
-        if recipe.parallel == "fsdp" and recipe.fsdp_replicate > 1:  # HSDP: (pp, replicate, shard)
-            mesh = init_device_mesh(torch.device(device).type,
-                                    (stages, recipe.fsdp_replicate, recipe.gpus // recipe.fsdp_replicate),
-                                    mesh_dim_names=("pp", "replicate", "shard"))
-            dp_mesh = mesh["replicate", "shard"]
-        else:
-            mesh = init_device_mesh(torch.device(device).type, (stages, recipe.gpus), mesh_dim_names=("pp", "dp"))
-            dp_mesh = mesh["dp"]
-            dp_group = mesh.get_group("dp")
-        rank, group = mesh["pp"].get_local_rank(), mesh.get_group("pp")
+    rank, group, dp_mesh, dp_group, tp_mesh = _pipeline_mesh(recipe, device)
     cuts = split_layers(model.config.num_hidden_layers, stages)
     base = model.model
     for i in range(len(base.layers)):
@@ -215,6 +219,14 @@ def make_stage(model: torch.nn.Module, recipe: Recipe, device: str):
         module = _fully_shard(module, recipe, dp_mesh, [base.layers[i] for i in cuts[rank]])
     elif dp_group is not None:
         module = _data_parallel(module, recipe, dp_group)
+    args = _stage_args(model, recipe, tp_mesh, rank, stages)
+    stage = PipelineStage(module, rank, stages, torch.device(device), group=group, **args)
+    return stage
+
+
+def _stage_args(model: torch.nn.Module, recipe: Recipe, tp_mesh, index: int, stages: int) -> dict:
+    """PipelineStage's metadata for stage `index` of `stages`: input_args, output_args and, where
+    static DTensor mode needs them, input_grads / output_grads."""
     cfg = model.config
     dtype = next(model.parameters()).dtype
     if recipe.parallel == "fsdp" and recipe.fsdp_param_dtype != "none":
@@ -234,7 +246,8 @@ def make_stage(model: torch.nn.Module, recipe: Recipe, device: str):
     ids = torch.empty(recipe.batch, recipe.seq, dtype=torch.int64, device=meta)
     logits = torch.empty(recipe.batch, recipe.seq, cfg.vocab_size, dtype=logits_dtype, device=meta,
                          requires_grad=True)
-    grads = {}
+    first, last = index == 0, index == stages - 1
+    args = {}
     if tp_mesh is not None and (recipe.sequence_parallel or recipe.loss_parallel):
         # PP x TP with sequence parallelism: the residual stream a stage sends and receives is a
         # Shard(1) DTensor (parallel.py _sequence_parallelize). The metadata says so, with the
@@ -251,12 +264,11 @@ def make_stage(model: torch.nn.Module, recipe: Recipe, device: str):
             hidden_grad = torch.empty(recipe.batch, recipe.seq, cfg.hidden_size, dtype=dtype, device=meta)
         if recipe.loss_parallel:
             logits = _shard_meta(recipe, cfg.vocab_size, logits_dtype, tp_mesh, 2).requires_grad_(True)
-        grads = {"input_grads": (None,) if rank == 0 else (hidden_grad,),
-                 "output_grads": (None,) if rank == stages - 1 else (hidden_grad,)}
-    stage = PipelineStage(module, rank, stages, torch.device(device),
-                          input_args=(ids if rank == 0 else hidden,),
-                          output_args=(logits if rank == stages - 1 else hidden,), group=group, **grads)
-    return stage
+        args = {"input_grads": (None,) if first else (hidden_grad,),
+                "output_grads": (None,) if last else (hidden_grad,)}
+    args["input_args"] = (ids if first else hidden,)
+    args["output_args"] = (logits if last else hidden,)
+    return args
 
 
 class _VirtualStageModule(_StageModule):
@@ -290,20 +302,15 @@ def make_virtual_stages(model: torch.nn.Module, recipe: Recipe, device: str) -> 
     stage rank r // D) each stage module gets a data-parallel wrapper of its own, as torchtitan
     parallelizes each model part and torch's pipelining tests wrap each stage module: DDP over the
     dp group (`_data_parallel`), or FSDP2 on each of its decoder layers and then on the stage module
-    (`_fully_shard`), so every local stage is its own FSDP2 root with its own communication state
-    (Notes [Interleaved pipeline schedules with DDP] / [... with FSDP2] in src/graph/pipeline.cpp)."""
-    import torch.distributed as dist
+    (`_fully_shard`, HSDP and a MixedPrecisionPolicy as the recipe has them), so every local stage
+    is its own FSDP2 root with its own communication state (Notes [Interleaved pipeline schedules
+    with DDP] / [... with FSDP2] in src/graph/pipeline.cpp). With `tp` T > 1 the pruned model is
+    parallelized over the tp dimension before the stages are cut from it, as in make_stage."""
     from torch.distributed.pipelining import PipelineStage
 
     pp, per_rank = recipe.pp, recipe.pp_stages_per_rank
     stages = pp * per_rank
-    rank, group, dp_mesh, dp_group = dist.get_rank(), None, None, None
-    if recipe.gpus > 1:  # PP x DP: a 2-D mesh (pp, dp), as torchtitan's (pp outermost)
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(torch.device(device).type, (pp, recipe.gpus), mesh_dim_names=("pp", "dp"))
-        dp_mesh, dp_group = mesh["dp"], mesh.get_group("dp")
-        rank, group = mesh["pp"].get_local_rank(), mesh.get_group("pp")
+    rank, group, dp_mesh, dp_group, tp_mesh = _pipeline_mesh(recipe, device)
     local = [rank + v * pp for v in range(per_rank)]
     cuts = split_layers(model.config.num_hidden_layers, stages)
     kept = {i for s in local for i in cuts[s]}
@@ -316,11 +323,11 @@ def make_virtual_stages(model: torch.nn.Module, recipe: Recipe, device: str) -> 
     if stages - 1 not in local:
         base.norm = None
         model.lm_head = None
+    if tp_mesh is not None:  # PP x TP: the pruned model parallelized as in make_stage, every local stage's layers
+        from .parallel import tensor_parallelize
+
+        tensor_parallelize(model, recipe, device, mesh=tp_mesh)
     autocast = stage_autocast(recipe, device)
-    cfg = model.config
-    dtype = next(model.parameters()).dtype
-    logits_dtype = getattr(torch, recipe.autocast_dtype_name) if recipe.autocast_dtype_name else dtype
-    meta = torch.device("meta")
     modules = []
     for s in local:
         module = _VirtualStageModule(model, s, stages, cuts[s], autocast)
@@ -333,12 +340,8 @@ def make_virtual_stages(model: torch.nn.Module, recipe: Recipe, device: str) -> 
         _reseed_replica(recipe)
     out = []
     for s, module in zip(local, modules):
-        hidden = torch.empty(recipe.batch, recipe.seq, cfg.hidden_size, dtype=dtype, device=meta, requires_grad=True)
-        ids = torch.empty(recipe.batch, recipe.seq, dtype=torch.int64, device=meta)
-        logits = torch.empty(recipe.batch, recipe.seq, cfg.vocab_size, dtype=logits_dtype, device=meta,
-                             requires_grad=True)
-        out.append(PipelineStage(module, s, stages, torch.device(device), input_args=(ids if s == 0 else hidden,),
-                                 output_args=(logits if s == stages - 1 else hidden,), group=group))
+        out.append(PipelineStage(module, s, stages, torch.device(device), group=group,
+                                 **_stage_args(model, recipe, tp_mesh, s, stages)))
     return out
 
 

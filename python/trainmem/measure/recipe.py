@@ -310,16 +310,6 @@ class Recipe:
             raise RecipeError(f"pp_schedule {self.pp_schedule} with parallel={self.parallel!r} is not measured "
                               "(several stages per rank are measured plain, with DDP and with FSDP2); use none, ddp "
                               "or fsdp")
-        if multi and self.parallel == "fsdp" and self.fsdp_replicate > 1:
-            raise RecipeError(f"pp_schedule {self.pp_schedule} with fsdp_replicate={self.fsdp_replicate} is not "
-                              "measured (HSDP over several stages per rank); use fsdp_replicate 1, or 1f1b or gpipe")
-        if multi and self.parallel == "fsdp" and (self.fsdp_param_dtype != "none" or self.fsdp_reduce_dtype != "none"):
-            raise RecipeError(f"pp_schedule {self.pp_schedule} with an FSDP2 MixedPrecisionPolicy "
-                              "(fsdp_param_dtype / fsdp_reduce_dtype) is not measured over several stages per rank; "
-                              "use the defaults, or 1f1b or gpipe")
-        if multi and self.tp > 1:
-            raise RecipeError(f"pp_schedule {self.pp_schedule} with tp={self.tp} is not measured (tensor parallelism "
-                              "over several stages per rank); use tp 1, or 1f1b or gpipe")
         if self.pp_schedule == "interleaved-1f1b":
             rounds = max(1, m // self.pp)
             if m % rounds != 0:
