@@ -290,19 +290,18 @@ ValueId StepBuilder::standard_loss(T& normed, std::uint32_t emb) {
   const std::uint64_t V = a_.vocab_size;
   op("lm_head");
   in_lm_head_ = true;
-  // Sequence parallelism: PrepareModuleInput all-gathers lm_head's input; the norm's output (a
-  // shard nothing saves) is held by the model's forward until it returns, after the loss.
+  // The norm's output is held by the CausalLM's forward (outputs.last_hidden_state and the
+  // hidden_states local) until it returns, after the loss it computes from the labels: where
+  // lm_head does not save it (autocast saves its bf16 cast; a frozen head saves nothing), it is a
+  // temporary alive through the loss (measured: an untied 1,000-word Llama under bf16-mixed peaks
+  // in the loss with it). Under sequence parallelism PrepareModuleInput all-gathers lm_head's
+  // input, and the norm's output is this rank's shard.
   T gathered = sp_ > 1 ? seq_all_gather(normed, /*partial_grad=*/false) : T{};
   dtensor_ = false;
   T logits = linear(sp_ > 1 ? gathered : normed, lm_head_param(emb), kNone, V);
   in_lm_head_ = false;
-  T shard;
-  if (sp_ > 1) {
-    t_.drop(gathered);
-    shard = normed;
-  } else {
-    t_.drop(normed);
-  }
+  if (sp_ > 1) t_.drop(gathered);
+  T shard = normed;
   if (a_.final_logit_softcap > 0) {  // Gemma-2: logits / cap, tanh, * cap
     T d1 = elementwise({&logits}, logits.numel, logits.dtype, {});
     t_.drop(logits);
@@ -350,7 +349,9 @@ T StepBuilder::causal_lm_loss(const T& logits, bool vocab_parallel) {
     nd.inputs.push_back(vocab_parallel ? pass_to(up) : grad_of(up));
     t_.record(std::move(nd));
   }
-  t_.drop(up);
+  // cross_entropy's own locals: loss_parallel's handler is done with the fp32 copy here; the
+  // standard path's logits.float() is ForCausalLMLoss's local until it returns, after nll_loss.
+  if (vocab_parallel) t_.drop(up);
   T total_weight;
   T loss;
   if (vocab_parallel) {
@@ -358,6 +359,7 @@ T StepBuilder::causal_lm_loss(const T& logits, bool vocab_parallel) {
   } else {
     loss = fresh(1, DType::kF32);
     total_weight = fresh(1, DType::kF32);
+    t_.drop(up);
   }
   requires_grad(loss);
   {

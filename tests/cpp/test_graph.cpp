@@ -642,9 +642,10 @@ TEST(GraphLossHead, TenBsvInsideTheLoss) {
   EXPECT_EQ(before.raw[kTemps], 2 * x.bsV());
   // Most inside: logits 2 + upcast 4 + log-probs 4, with the shifted labels (8·bs; for one
   // sequence the padded labels themselves, 8·(s + 1): pad(labels)[..., 1:] of a [1, s + 1] tensor
-  // is contiguous, so .contiguous() copies nothing).
+  // is contiguous, so .contiguous() copies nothing), and nll_loss's loss and total_weight (4 B
+  // each), made while ForCausalLMLoss still holds the upcast.
   const std::uint64_t labels = x.b == 1 ? 8 * (x.bs() + 1) : 8 * x.bs();
-  EXPECT_EQ(most - (before.raw[kActs] + before.raw[kTemps]), 8 * x.bsV() + labels);
+  EXPECT_EQ(most - (before.raw[kActs] + before.raw[kTemps]), 8 * x.bsV() + labels + 2 * 4);
 }
 
 // ---- buffers -------------------------------------------------------------------------------
