@@ -205,7 +205,7 @@ void DataParallel::wrap(std::vector<WrappedParam>& params, const std::vector<std
     t_.at(Phase::kSetup, kNoLayer, "ddp.reducer");
     std::uint64_t bytes = 0;
     for (const WrappedParam& p : params) {
-      if (p.storage == kNone) continue;  // another pipeline stage's parameter
+      if (p.storage == kNone || !p.trainable) continue;  // another pipeline stage's, or frozen (LoRA)
       bytes = detail::add(bytes, p.numel * dtype_bytes(p.dtype), "bucket bytes");
     }
     buckets_.push_back(t_.alloc_bytes(bytes, Category::kGradients));
@@ -477,7 +477,7 @@ void DataParallel::rebuild_buckets() {
   }
   std::uint64_t limit = kFirstBucketBytes, bytes = 0;
   for (std::uint32_t pi : order) {
-    if (params_[pi].storage == kNone) continue;  // another pipeline stage's parameter
+    if (params_[pi].storage == kNone || !params_[pi].trainable) continue;  // another stage's, or frozen
     bytes += params_[pi].numel * dtype_bytes(params_[pi].dtype);
     if (bytes >= limit) {
       buckets_.push_back(t_.alloc_bytes(bytes, Category::kGradients));

@@ -28,6 +28,8 @@ struct WrappedParam {
   // A Partial DTensor .grad on the tensor-parallel mesh (a SequenceParallel norm's weight under
   // TP x DP): FSDP2 all-reduces it before the reduce-scatter (See Note [Partial gradients under FSDP2]).
   bool partial_grad = false;
+  // requires_grad: false for a LoRA base's frozen weights, which DDP leaves out of its buckets.
+  bool trainable = true;
 };
 
 class DataParallel {

@@ -68,7 +68,11 @@ void StepBuilder::create_parameters() {
 void StepBuilder::wrap_data_parallel() {
   if (r_.parallel == Parallel::kNone) return;
   std::vector<WrappedParam> wp;
-  for (const Param& p : params_) wp.push_back({p.slot, p.storage, p.numel, p.rows, p.dtype});
+  for (const Param& p : params_) {
+    WrappedParam w{p.slot, p.storage, p.numel, p.rows, p.dtype};
+    w.trainable = p.trainable;
+    wp.push_back(w);
+  }
   std::vector<std::vector<std::uint32_t>> layers(a_.num_layers);
   std::vector<std::uint32_t> root;
   std::vector<std::string> root_names;
@@ -106,7 +110,11 @@ void StepBuilder::wrap_data_parallel() {
     }
     in_layers_done = true;
   }
-  TRAINMEM_ASSERT(idx == params_.size(), "FSDP units miss parameters");
+  // LoRA's adapters follow the model's parameters (create_adapters); only DDP takes them, in its
+  // buckets, as the only trainable ones (recipe validation refuses LoRA under the other wrappers).
+  std::size_t adapter_params = 0;
+  for (const auto& layer : adapters_) adapter_params += 2 * layer.size();
+  TRAINMEM_ASSERT(idx + adapter_params == params_.size(), "FSDP units miss parameters");
   // The module's buffers (create_parameters): rotary inv_freq and original_inv_freq, Gemma-2's
   // embedding scale.
   std::vector<std::pair<DType, std::uint64_t>> buffers;

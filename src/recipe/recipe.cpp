@@ -288,7 +288,12 @@ void validate_parallel(const Recipe& r) {
   }
   const std::string p(to_string(r.parallel));
   if (r.mode == Mode::kInference) throw Error("parallel: " + p + " is a training knob; inference runs on one GPU");
-  if (r.lora.enabled()) throw Error("parallel: " + p + " with LoRA is not modelled yet");
+  // DDP over a peft model buckets the adapters' gradients only (Note [DDP buckets]); the sharding
+  // wrappers over frozen bases are not modelled.
+  if (r.lora.enabled() && r.parallel != Parallel::kDdp) {
+    throw Error("parallel: " + p + " with LoRA is not modelled yet (ddp is)");
+  }
+  if (r.quant.load_in_4bit) throw Error("parallel: " + p + " over a 4-bit base (QLoRA) is not modelled yet (unmeasured)");
   if (r.parallel == Parallel::kFsdp) {
     if (r.precision == Precision::kFp16Mixed || r.precision == Precision::kBf16Master) {
       throw Error("precision: " + std::string(to_string(r.precision)) +

@@ -291,3 +291,23 @@ def test_fsdp_entries_exact(comparisons):
         assert c["measured_peak_allocated_bytes"] == c["predicted_peak_allocated_bytes"], name
         for cat, v in c["categories"].items():
             assert v["measured"] == v["predicted"], (name, cat, v)
+
+
+def test_ddp_lora_entries_exact(comparisons):
+    """DDP over a peft model (recipe.parallel ddp with lora_rank): the Reducer buckets the adapters'
+    gradients only, in their own ready order (Note [DDP buckets]), and every rank is reproduced to
+    the byte, peak and categories: GPT-2 and Llama, SGD and AdamW, checkpointing, bf16-mixed with
+    dropout and accumulation (whose peak is inside the loss, where the final norm's output is still
+    held by the CausalLM's forward)."""
+    runs = [(name, c) for name, c in comparisons
+            if c["recipe"].get("parallel") == "ddp" and c["recipe"].get("lora_rank", 0) > 0]
+    assert len(runs) >= 3, [name for name, _ in runs]
+    recipes = [c["recipe"] for _, c in runs]
+    assert any(r["checkpointing"] == "full" for r in recipes) and any(r["grad_accum"] > 1 for r in recipes)
+    assert any(c["measured_peak"].get("phase") == "loss" for _, c in runs)
+    for name, c in runs:
+        assert c["measured_peak_allocated_bytes"] == c["predicted_peak_allocated_bytes"], name
+        for cat, v in c["categories"].items():
+            assert v["measured"] == v["predicted"], (name, cat, v)
+        for r in c["ranks"]:
+            assert r["measured_peak_allocated_bytes"] == r["predicted_peak_allocated_bytes"], (name, r["rank"])

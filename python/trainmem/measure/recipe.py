@@ -205,8 +205,11 @@ class Recipe:
             return
         if self.is_inference:
             raise RecipeError(f"parallel={self.parallel!r} is a training knob: inference runs on one process")
-        if self.uses_lora:
-            raise RecipeError(f"parallel={self.parallel!r} with LoRA is not measured yet")
+        if self.uses_lora and self.parallel != "ddp":
+            raise RecipeError(f"parallel={self.parallel!r} with LoRA is not measured yet (DDP over a peft model is)")
+        if self.load_in_4bit:
+            raise RecipeError(f"parallel={self.parallel!r} over a 4-bit base is not measured yet (each rank would "
+                              "quantize the model in its own process)")
         if self.parallel == "fsdp":
             if self.precision in ("fp16-mixed", "bf16-master"):
                 raise RecipeError(f"parallel=fsdp with precision={self.precision!r} is not measured: FSDP2's form of "
