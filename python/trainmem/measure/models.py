@@ -247,6 +247,9 @@ def build_quantized_model(model, recipe: Recipe, device: str):
 
     hf_logging.disable_progress_bar()  # the save and load bars would fill the CLI's stderr
     with tempfile.TemporaryDirectory(prefix="trainmem-qlora-") as tmp:
+        # Each rank of a data-parallel run quantizes its own copy from its own directory;
+        # save_pretrained writes on rank 0 only once torch.distributed is up (should_save_on_this_rank).
+        model.should_save_on_this_rank = lambda is_main_process: True
         model.save_pretrained(tmp)
         del model
         quantized = AutoModelForCausalLM.from_pretrained(
