@@ -422,6 +422,31 @@ TEST(Fit, QloraFloorAndSingleChange) {
   EXPECT_TRUE(offered);
 }
 
+// LoRA on several GPUs: only DDP takes a peft model (its buckets hold the adapters' gradients),
+// so every plan is DDP with the batch split, each the estimate of its recipe, and its floor
+// (the frozen base, the adapters' grads and states, the buckets) never above the replay.
+TEST(Fit, LoraOnSeveralGpusIsPlannedUnderDdp) {
+  const Model m = model::with_layers(load_model("llama-3.2-1b"), 2);
+  FitRequest q;
+  q.base = base_recipe("rtx-4090", 512);
+  q.base.lora.rank = 16;
+  q.base.lora.targets = {"default"};
+  q.gpus = 4;
+  q.global_batch = 16;
+  q.top = 6;
+  const FitResult f = fit(m, q);
+  ASSERT_FALSE(f.plans.empty());
+  for (const Plan& p : f.plans) {
+    EXPECT_EQ(p.recipe.parallel, Parallel::kDdp);
+    EXPECT_EQ(p.recipe.gpus, 4u);
+    EXPECT_EQ(p.recipe.batch * p.recipe.grad_accum * 4, 16u);
+    EXPECT_EQ(p.recipe.lora.rank, 16u);
+    const Estimate e = estimate(m, p.recipe);
+    EXPECT_EQ(e.peak_reserved_bytes, p.peak_reserved_bytes);
+    EXPECT_LE(plan::persistent_floor(m, p.recipe), e.peak_allocated_bytes);
+  }
+}
+
 TEST(Fit, TheFloorIsNeverAboveTheReplayedPeakUnderDataParallelism) {
   for (const char* name : {"gpt2", "qwen3-0.6b"}) {
     const Model m = model::with_layers(load_model(name), 2);
