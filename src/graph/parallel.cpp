@@ -197,8 +197,26 @@ void DataParallel::wrap(std::vector<WrappedParam>& params, const std::vector<std
     return;
   }
   if (zero()) {
+    // The ZeRO optimizer's flat group holds what the client optimizer was handed: the trainable
+    // parameters (LoRA: the adapters, whose own storages go once they are views of it; See Note
+    // [DeepSpeed ZeRO-1/2]). The frozen base keeps its storages.
+    std::vector<std::uint32_t> kept;
+    for (std::uint32_t i = 0; i < params.size(); ++i) {
+      if (params[i].trainable) kept.push_back(i);
+    }
+    if (kept.size() < params.size()) {
+      params_.clear();
+      param_of_slot_.assign(param_of_slot_.size(), kNone);
+      for (std::uint32_t i : kept) {
+        param_of_slot_[params[i].slot] = static_cast<std::uint32_t>(params_.size());
+        params_.push_back(params[i]);
+      }
+    }
     zero_wrap();
-    for (std::size_t i = 0; i < params.size(); ++i) params[i].storage = params_[i].storage;
+    for (std::size_t k = 0; k < kept.size(); ++k) {
+      if (kept.size() < params.size()) t_.release(params[kept[k]].storage);  // the adapter's own storage
+      params[kept[k]].storage = params_[k].storage;
+    }
     return;
   }
   if (kind_ == Parallel::kDdp) {  // See Note [DDP buckets]

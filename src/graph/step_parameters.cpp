@@ -212,8 +212,9 @@ std::uint32_t StepBuilder::add_param(const ParameterGroup& g, bool in_layer, boo
     const std::uint64_t bytes = detail::mul(g.numel, dtype_bytes(pol_.param), "parameter bytes");
     // FSDP2 holds shards only: the full parameter never has memory (See Note [FSDP2 units]);
     // ZeRO makes the parameters views of one flat buffer (See Note [DeepSpeed ZeRO-1/2]).
-    p.storage = r_.parallel == Parallel::kFsdp || is_zero(r_.parallel) ? t_.reserve(bytes, Category::kWeights)
-                                                                        : t_.alloc_bytes(bytes, Category::kWeights);
+    // Under LoRA the frozen base is not flattened: its parameters keep their storages.
+    const bool view = r_.parallel == Parallel::kFsdp || (is_zero(r_.parallel) && !r_.lora.enabled());
+    p.storage = view ? t_.reserve(bytes, Category::kWeights) : t_.alloc_bytes(bytes, Category::kWeights);
   }
   p.slot = t_.new_param(p.storage);
   p.matmul = g.matmul_weight;
@@ -278,7 +279,9 @@ void StepBuilder::create_adapters() {
       adapters_[l].push_back(ad);
     }
   }
-  if (pol_.param != DType::kF32) {
+  // DeepSpeed's bf16 mode casts every parameter to bf16 again (_cast_module_mixed_precision in
+  // deepspeed.initialize), so under ZeRO the adapters end in the model's half dtype.
+  if (pol_.param != DType::kF32 && !is_zero(r_.parallel)) {
     t_.at(Phase::kSetup, kNoLayer, "lora.cast_adapter_dtype");
     for (auto& layer : adapters_) {
       for (const Adapter& ad : layer) {

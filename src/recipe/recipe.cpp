@@ -290,8 +290,12 @@ void validate_parallel(const Recipe& r) {
   if (r.mode == Mode::kInference) throw Error("parallel: " + p + " is a training knob; inference runs on one GPU");
   // DDP over a peft model buckets the adapters' gradients only (Note [DDP buckets]); the sharding
   // wrappers over frozen bases are not modelled.
-  if (r.lora.enabled() && r.parallel != Parallel::kDdp) {
-    throw Error("parallel: " + p + " with LoRA is not modelled yet (ddp is)");
+  if (r.lora.enabled() && r.parallel != Parallel::kDdp && r.parallel != Parallel::kZero1 &&
+      r.parallel != Parallel::kZero2) {
+    throw Error("parallel: " + p + " with LoRA is not modelled yet (ddp, zero1 and zero2 are)");
+  }
+  if (r.lora.enabled() && r.offload != Offload::kNone) {
+    throw Error("offload: " + std::string(to_string(r.offload)) + " with LoRA is not modelled yet");
   }
   if (r.quant.load_in_4bit) throw Error("parallel: " + p + " over a 4-bit base (QLoRA) is not modelled yet (unmeasured)");
   if (r.parallel == Parallel::kFsdp) {
@@ -493,9 +497,12 @@ void Recipe::validate() const {
     if (!(lora.dropout >= 0 && lora.dropout < 1)) {
       throw Error("lora_dropout: must be in [0, 1), got " + std::to_string(lora.dropout));
     }
-    if (precision == Precision::kBf16Master) {
+    // Under ZeRO bf16-master is DeepSpeed's bf16 mode, which casts the adapters to bf16 again and
+    // keeps their fp32 master partition.
+    if (precision == Precision::kBf16Master && parallel != Parallel::kZero1 && parallel != Parallel::kZero2) {
       throw Error("precision: bf16-master keeps fp32 masters of half trainable weights, but peft makes "
-                  "LoRA adapters fp32 already; use bf16-true (half base, fp32 adapters) or bf16-mixed");
+                  "LoRA adapters fp32 already; use bf16-true (half base, fp32 adapters) or bf16-mixed (under "
+                  "zero1 / zero2 it is DeepSpeed's bf16 mode)");
     }
   } else if (lora.dropout != 0) {
     throw Error("lora_dropout: set without lora_rank (no adapters)");

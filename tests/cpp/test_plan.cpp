@@ -422,10 +422,10 @@ TEST(Fit, QloraFloorAndSingleChange) {
   EXPECT_TRUE(offered);
 }
 
-// LoRA on several GPUs: only DDP takes a peft model (its buckets hold the adapters' gradients),
-// so every plan is DDP with the batch split, each the estimate of its recipe, and its floor
-// (the frozen base, the adapters' grads and states, the buckets) never above the replay.
-TEST(Fit, LoraOnSeveralGpusIsPlannedUnderDdp) {
+// LoRA on several GPUs: DDP (its buckets hold the adapters' gradients) and ZeRO-1/2 (the flat
+// group holds the adapters) take a peft model, FSDP2 and ZeRO-3 do not; every plan has the batch
+// split, is the estimate of its recipe, and its floor never exceeds the replay.
+TEST(Fit, LoraOnSeveralGpusIsPlannedUnderDdpOrZero) {
   const Model m = model::with_layers(load_model("llama-3.2-1b"), 2);
   FitRequest q;
   q.base = base_recipe("rtx-4090", 512);
@@ -437,13 +437,25 @@ TEST(Fit, LoraOnSeveralGpusIsPlannedUnderDdp) {
   const FitResult f = fit(m, q);
   ASSERT_FALSE(f.plans.empty());
   for (const Plan& p : f.plans) {
-    EXPECT_EQ(p.recipe.parallel, Parallel::kDdp);
+    EXPECT_TRUE(p.recipe.parallel == Parallel::kDdp || p.recipe.parallel == Parallel::kZero1 ||
+                p.recipe.parallel == Parallel::kZero2);
     EXPECT_EQ(p.recipe.gpus, 4u);
     EXPECT_EQ(p.recipe.batch * p.recipe.grad_accum * 4, 16u);
     EXPECT_EQ(p.recipe.lora.rank, 16u);
     const Estimate e = estimate(m, p.recipe);
     EXPECT_EQ(e.peak_reserved_bytes, p.peak_reserved_bytes);
     EXPECT_LE(plan::persistent_floor(m, p.recipe), e.peak_allocated_bytes);
+  }
+  // The floor under ZeRO counts the adapters' partition, not the whole model's.
+  for (Parallel z : {Parallel::kZero1, Parallel::kZero2}) {
+    for (Precision pr : {Precision::kFp32, Precision::kBf16Master}) {
+      Recipe r = q.base;
+      r.gpus = 4;
+      r.parallel = z;
+      r.precision = pr;
+      r.validate();
+      EXPECT_LE(plan::persistent_floor(m, r), estimate(m, r).peak_allocated_bytes) << to_string(z) << to_string(pr);
+    }
   }
 }
 

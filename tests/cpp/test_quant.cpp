@@ -108,7 +108,8 @@ TEST(QloraRecipe, Errors) {
   s.precision = "bf16-master";
   EXPECT_EQ(error_of([&] { parse_recipe(s); }),
             "precision: bf16-master keeps fp32 masters of half trainable weights, but peft makes LoRA adapters fp32 "
-            "already; use bf16-true (half base, fp32 adapters) or bf16-mixed");
+            "already; use bf16-true (half base, fp32 adapters) or bf16-mixed (under zero1 / zero2 it is DeepSpeed's "
+            "bf16 mode)");
   s = RecipeSpelling{};
   s.bnb_4bit_use_double_quant = true;
   EXPECT_EQ(error_of([&] { parse_recipe(s); }),

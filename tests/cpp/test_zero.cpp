@@ -201,6 +201,15 @@ TEST(ZeroRanks, EveryRankOfTheMeasurements) {
     sp.allocator = "expandable";
     sp.gpus = rj["gpus"];
     sp.parallel = rj["parallel"];
+    sp.checkpointing = rj.value("checkpointing", "none");
+    sp.attention = rj.value("attention", "sdpa");
+    sp.lora_rank = rj.value("lora_rank", std::uint64_t{0});
+    sp.lora_dropout = rj.value("lora_dropout", 0.0);
+    if (rj.contains("lora_targets")) {  // the resolved module paths, as trainmem compare takes them
+      std::string targets;
+      for (const auto& t : rj["lora_targets"]) targets += (targets.empty() ? "" : ",") + t.get<std::string>();
+      sp.lora_targets = targets;
+    }
     const Recipe r = parse_recipe(sp);
     std::string model = j["provenance"]["model_argument"];
     model = std::string(TRAINMEM_DATA_DIR) + "/" + model.substr(std::string("data/").size());

@@ -311,3 +311,17 @@ def test_ddp_lora_entries_exact(comparisons):
             assert v["measured"] == v["predicted"], (name, cat, v)
         for r in c["ranks"]:
             assert r["measured_peak_allocated_bytes"] == r["predicted_peak_allocated_bytes"], (name, r["rank"])
+
+
+def test_zero_lora_entries_exact(comparisons):
+    """DeepSpeed ZeRO-1/2 over a peft model: the flat 16-bit group and the fp32 master partition
+    hold the adapters only (the client optimizer's parameters), the frozen base keeps its own
+    storages, and in bf16 mode DeepSpeed casts the adapters back to bf16. Both ranks exact."""
+    runs = [(name, c) for name, c in comparisons
+            if c["recipe"].get("parallel", "").startswith("zero") and c["recipe"].get("lora_rank", 0) > 0]
+    assert {c["recipe"]["parallel"] for _, c in runs} >= {"zero1", "zero2"}, [name for name, _ in runs]
+    assert {c["recipe"]["precision"] for _, c in runs} >= {"fp32", "bf16-master"}
+    for name, c in runs:
+        for r in c["ranks"]:
+            assert r["measured_peak_allocated_bytes"] == r["predicted_peak_allocated_bytes"], (name, r["rank"])
+            assert r["measured_breakdown_at_peak"] == r["predicted_breakdown_at_peak"], (name, r["rank"])
