@@ -79,16 +79,11 @@ ValueId StepBuilder::vocab_parallel_loss(T& normed, std::uint32_t emb) {
   op("lm_head");
   in_lm_head_ = true;
   dtensor_ = false;
-  // Sequence parallelism: the norm's output (a shard nothing saves) is held by the model's
+  // The norm's output (under sequence parallelism a shard nothing saves) is held by the model's
   // forward until it returns, after the loss (as in standard_loss).
   T logits = colwise_linear(normed, lm_head_param(emb), kNone, local_vocab);
   in_lm_head_ = false;
-  T shard;
-  if (sp_ > 1) {
-    shard = normed;
-  } else {
-    t_.drop(normed);
-  }
+  T shard = normed;
   T loss = causal_lm_loss(logits, /*vocab_parallel=*/true);
   if (shard.id != kNone) t_.drop(shard);
   t_.drop(logits);  // the model output, dropped with the output object before backward

@@ -253,8 +253,11 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
       gpu.interconnect_gbps > 0) {
     const double n = static_cast<double>(recipe.gpus);
     const double ring = (n - 1) / n;
-    const double grads = c.trainable_elements * (master ? 2 : pb);  // the .grads in the parameter dtype
-    const double params = c.trainable_elements * pb;
+    // The .grads in the parameter dtype; LoRA's adapters are fp32 (peft) except in DeepSpeed's
+    // bf16 mode, which casts them to bf16 (Note [DeepSpeed ZeRO-1/2]).
+    const double adapter = is_zero(recipe.parallel) && master ? 2 : 4;
+    const double grads = c.trainable_elements * (recipe.lora.enabled() ? adapter : master ? 2 : pb);
+    const double params = c.trainable_elements * (recipe.lora.enabled() ? adapter : pb);
     double moved = 0;  // bytes through each GPU's link per optimizer step
     switch (recipe.parallel) {
       // Under a pipeline each stage all-reduces its own share of the gradients once, in the step's

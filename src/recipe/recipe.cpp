@@ -434,8 +434,8 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   } else if (r.mode == Mode::kInference || quantized) {
     r.precision = Precision::kBf16True;
   } else {
-    // (ZeRO with adapters is refused for itself below; its default stays the plain one.)
-    r.precision = is_zero(parse_parallel(in.parallel)) && in.lora_rank == 0 ? Precision::kBf16Master : Precision::kBf16Mixed;
+    // (With adapters too: under zero1 / zero2 bf16-master is DeepSpeed's bf16 mode over the adapters.)
+    r.precision = is_zero(parse_parallel(in.parallel)) ? Precision::kBf16Master : Precision::kBf16Mixed;
   }
   r.new_tokens = in.new_tokens;
   r.beams = in.beams;

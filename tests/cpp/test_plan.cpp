@@ -635,6 +635,26 @@ TEST(StepTime, CollectivesAtTheInterconnect) {
 // moves its share once per step, DDP one all-reduce, FSDP2 one reduce-scatter and its gathers as
 // the stage's schedule needs them: M + 1 with reshard_after_forward (after every forward and at
 // the start), 1 without.
+// LoRA on several GPUs: DDP all-reduces the adapters' fp32 gradients whatever the base's dtype;
+// DeepSpeed's bf16 mode casts the adapters to bf16.
+TEST(StepTime, LoraCollectivesMoveTheAdapters) {
+  const Model m = load_model("llama-3.1-8b");
+  Recipe r = base_recipe("h100-80gb", 2048);
+  r.precision = Precision::kBf16True;
+  r.lora.rank = 16;
+  r.lora.targets = {"default"};
+  r.gpus = 4;
+  r.parallel = Parallel::kDdp;
+  const double link = find_gpu("h100-80gb").interconnect_gbps * 1e9;
+  // q_proj (4096 -> 4096) and v_proj (4096 -> 1024) in each of the 32 layers, rank 16.
+  const double adapters = 32.0 * 16 * ((4096 + 4096) + (4096 + 1024));
+  EXPECT_DOUBLE_EQ(step_time(m, r).comm_s, 2 * 0.75 * adapters * 4 / link);
+  r.parallel = Parallel::kZero2;
+  r.precision = Precision::kBf16Master;
+  // ZeRO-2: the all-reduce in the model dtype and one all-gather of the 16-bit partitions.
+  EXPECT_DOUBLE_EQ(step_time(m, r).comm_s, (2 * 0.75 * adapters * 2 + 0.75 * adapters * 2) / link);
+}
+
 TEST(StepTime, PipelineReplicasMoveTheirStagesShare) {
   const Model m = load_model("llama-3.1-8b");
   Recipe r = base_recipe("h100-80gb", 4096);

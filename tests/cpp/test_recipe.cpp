@@ -305,6 +305,11 @@ TEST(RecipeValidate, ParallelRefusesWhatIsNotModelled) {
   EXPECT_EQ(error_of([&] { lora.validate(); }), "parallel: fsdp with LoRA is not modelled yet (ddp, zero1 and zero2 are)");
   lora.parallel = Parallel::kDdp;  // DDP over a peft model (measured: cpu-ddp-*-lora*)
   EXPECT_NO_THROW(lora.validate());
+  RecipeSpelling zl;  // ZeRO's default precision is DeepSpeed's bf16 mode, adapters or not
+  zl.gpus = 2;
+  zl.parallel = "zero2";
+  zl.lora_rank = 8;
+  EXPECT_EQ(parse_recipe(zl).precision, Precision::kBf16Master);
   lora.quant.load_in_4bit = true;  // ... but not over a 4-bit base (unmeasured)
   EXPECT_NE(error_of([&] { lora.validate(); }).find("over a 4-bit base (QLoRA) is not modelled yet"), std::string::npos);
   Recipe master = r;
