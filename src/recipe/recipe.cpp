@@ -499,7 +499,8 @@ void Recipe::validate() const {
     }
     // Under ZeRO bf16-master is DeepSpeed's bf16 mode, which casts the adapters to bf16 again and
     // keeps their fp32 master partition.
-    if (precision == Precision::kBf16Master && parallel != Parallel::kZero1 && parallel != Parallel::kZero2) {
+    // (ZeRO-3 with adapters is refused by validate_parallel, with its own reason.)
+    if (precision == Precision::kBf16Master && !is_zero(parallel)) {
       throw Error("precision: bf16-master keeps fp32 masters of half trainable weights, but peft makes "
                   "LoRA adapters fp32 already; use bf16-true (half base, fp32 adapters) or bf16-mixed (under "
                   "zero1 / zero2 it is DeepSpeed's bf16 mode)");
