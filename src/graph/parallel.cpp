@@ -204,7 +204,8 @@ void DataParallel::wrap(std::vector<WrappedParam>& params, const std::vector<std
     for (std::uint32_t i = 0; i < params.size(); ++i) {
       if (params[i].trainable) kept.push_back(i);
     }
-    if (kept.size() < params.size()) {
+    const bool frozen = kept.size() < params.size();
+    if (frozen) {
       params_.clear();
       param_of_slot_.assign(param_of_slot_.size(), kNone);
       for (std::uint32_t i : kept) {
@@ -214,7 +215,7 @@ void DataParallel::wrap(std::vector<WrappedParam>& params, const std::vector<std
     }
     zero_wrap();
     for (std::size_t k = 0; k < kept.size(); ++k) {
-      if (kept.size() < params.size()) t_.release(params[kept[k]].storage);  // the adapter's own storage
+      if (frozen) t_.release(params[kept[k]].storage);  // the adapter's own storage
       params[kept[k]].storage = params_[k].storage;
     }
     return;

@@ -301,7 +301,6 @@ ValueId StepBuilder::standard_loss(T& normed, std::uint32_t emb) {
   T logits = linear(sp_ > 1 ? gathered : normed, lm_head_param(emb), kNone, V);
   in_lm_head_ = false;
   if (sp_ > 1) t_.drop(gathered);
-  T shard = normed;
   if (a_.final_logit_softcap > 0) {  // Gemma-2: logits / cap, tanh, * cap
     T d1 = elementwise({&logits}, logits.numel, logits.dtype, {});
     t_.drop(logits);
@@ -311,7 +310,7 @@ ValueId StepBuilder::standard_loss(T& normed, std::uint32_t emb) {
     t_.drop(th);
   }
   T loss = causal_lm_loss(logits);
-  if (shard.id != kNone) t_.drop(shard);
+  t_.drop(normed);
   // The model output (logits) is dropped with the output object, before backward.
   t_.drop(logits);
   return scale_loss(loss);

@@ -83,9 +83,8 @@ ValueId StepBuilder::vocab_parallel_loss(T& normed, std::uint32_t emb) {
   // forward until it returns, after the loss (as in standard_loss).
   T logits = colwise_linear(normed, lm_head_param(emb), kNone, local_vocab);
   in_lm_head_ = false;
-  T shard = normed;
   T loss = causal_lm_loss(logits, /*vocab_parallel=*/true);
-  if (shard.id != kNone) t_.drop(shard);
+  t_.drop(normed);
   t_.drop(logits);  // the model output, dropped with the output object before backward
   return scale_loss(loss);
 }

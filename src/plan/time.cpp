@@ -229,12 +229,16 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
   // shard group (Note [FSDP2 variants]; every rank of the dp_shard x cp mesh under context
   // parallelism), the whole (local) model otherwise.
   double opt_share = 1;
-  if (recipe.parallel == Parallel::kZero1 || recipe.parallel == Parallel::kZero2 || recipe.parallel == Parallel::kZero3) {
+  if (is_zero(recipe.parallel)) {
     opt_share = static_cast<double>(recipe.gpus);
   } else if (recipe.parallel == Parallel::kFsdp) {
     opt_share = static_cast<double>(recipe.gpus) / static_cast<double>(recipe.fsdp.replicate) * cp;
   }
   const double opt_bytes = offload ? 0 : per_param * c.trainable_elements / opt_share;
+  // FSDP2's all-gathers per micro-batch, in parameter volumes: the layers twice with
+  // reshard_after_forward, the root once (it is never resharded after forward: Note [FSDP2 units]).
+  const double fsdp_gathers =
+      recipe.fsdp.reshard_after_forward ? 2 - c.root_elements / c.trainable_elements : 1;
   const double bw = gpu.memory_gbps * 1e9 * kMemoryEfficiency;
   t.memory_s = ((layer_bytes + loss_bytes) * micro + opt_bytes) / bw;
 
@@ -291,10 +295,7 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
           }
           break;
         }
-        // The layers gather twice with reshard_after_forward, the root once (it is never
-        // resharded after forward: Note [FSDP2 units]).
-        const double gathers = f.reshard_after_forward ? 2 - c.root_elements / c.trainable_elements : 1;
-        moved = shard_ring * (gathers * gathered + reduced) * micro;
+        moved = shard_ring * (fsdp_gathers * gathered + reduced) * micro;
         if (f.replicate > 1) {
           const double rep = static_cast<double>(f.replicate);
           moved += 2 * (rep - 1) / rep * reduced / shard * micro;
@@ -342,8 +343,7 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
     const Fsdp& f = recipe.fsdp;
     const double np = c.trainable_elements / (static_cast<double>(recipe.gpus) / static_cast<double>(f.replicate));
     const double s = f.param_dtype == FsdpDtype::kNone ? pb : 4;  // the shards' dtype
-    const double gathers = f.reshard_after_forward ? 2 - c.root_elements / c.trainable_elements : 1;
-    if (gpu.host_gbps > 0) t.host_s += np * s * (gathers + 1) * micro / (gpu.host_gbps * 1e9);
+    if (gpu.host_gbps > 0) t.host_s += np * s * (fsdp_gathers + 1) * micro / (gpu.host_gbps * 1e9);
     t.host_s += np * per_param / (kHostMemoryGbps * 1e9);
   } else if (offload || offload_params) {
     const double np = c.trainable_elements / static_cast<double>(recipe.gpus);
