@@ -132,6 +132,32 @@ constexpr std::uint64_t kBucketCapBytes = std::uint64_t{25} << 20;
 // On CUDA the copies run on the all-gather copy-in and reduce-scatter streams (the replay has
 // one: Note [Collectives on CUDA]).
 
+// Note [LoRA under FSDP2]
+// fully_shard over a peft model (torch 2.13's _fully_shard, peft 0.21), as Accelerate and
+// torchtune run LoRA on several GPUs; measured on gloo ranks (data/ground_truth/parallel/
+// cpu-fsdp-*-lora*, cpu-hsdp-*-lora*), every rank exact. What changes against Note [FSDP2 units]:
+//  * the units hold the frozen base and the adapters alike: a lora.Linear registers base_layer,
+//    then lora_A and lora_B, so each projection's adapters follow its weight and bias in
+//    fsdp_params (module.parameters()); every parameter is sharded, adapters included, and only
+//    the shards ever reach the device;
+//  * the all-gather gathers every parameter. Under bf16-true the base is bf16 and peft's adapters
+//    fp32 (cast_adapter_dtype), and an all-gather input of several dtypes is gathered as bytes
+//    (_get_all_gather_input_metadatas: uint8), so the flat buffer is world x the unit's shard
+//    bytes. A param_dtype policy casts base and adapters alike;
+//  * post_backward reduce-scatters the parameters that have a gradient, the adapters: the input
+//    is world x their padded shards and the output their shards, in the adapters' dtype
+//    (_init_mp_dtypes takes the original and reduce dtypes of the trainable parameters only). The
+//    root's parameters (embedding, final norm, lm_head) are all frozen: it reduces nothing, but
+//    its post-backward still recycles the previous reduce-scatter input
+//    (reduce_scatter_max_input_buffers 1) before it finds nothing to reduce;
+//  * a unit's post-backward hook is registered on forward inputs that require grad
+//    (_register_post_backward_hook). Layer 0's input is the frozen embedding's output, which
+//    requires grad only under checkpointing (enable_input_require_grads, Note [LoRA]); without it
+//    layer 0 has no hook and _root_post_backward_final_callback runs its post-backward, after the
+//    root's (all_states order);
+//  * the optimizer holds the adapters' shards (local_numel), fp32.
+// ZeRO-3 over a peft model and CPU offload with LoRA stay refused (unmeasured).
+
 // Note [Collectives on CUDA]
 // The ground truth for data parallelism is CPU (gloo) only; what the engine assumes on CUDA is
 // read from torch 2.13's sources and not measured. DDP's buckets and FSDP2's buffers are the
@@ -237,8 +263,8 @@ void DataParallel::wrap(std::vector<WrappedParam>& params, const std::vector<std
   fsdp_accumulated_.assign(params.size(), kNone);
   units_.clear();
   host_ = HostMemory{};
-  for (const auto& l : layers) units_.push_back(Unit{l});
-  units_.push_back(Unit{root});
+  for (const auto& l : layers) units_.emplace_back().params = l;
+  units_.emplace_back().params = root;
   for (Unit& u : units_) {
     // Another pipeline stage's parameter is not in this stage's module: no shard, not in the unit.
     u.params.erase(std::remove_if(u.params.begin(), u.params.end(),
@@ -254,13 +280,15 @@ void DataParallel::wrap(std::vector<WrappedParam>& params, const std::vector<std
         shard = ceil_div(p.numel, shard_world_);
       }
       shard_numel_[pi] = shard;
-      u.shard_numel += shard;
-      u.dtype = p.dtype;  // the model's dtype: with a param_dtype policy the compute's, over fp32 shards
-      orig_dtype_ = cast_params_ ? DType::kF32 : p.dtype;
+      u.gather_bytes = detail::add(u.gather_bytes, detail::mul(shard, dtype_bytes(p.dtype), "shard bytes"), "shard bytes");
+      if (p.trainable) {  // the dtypes FSDP2 reduces in (uniform over the trainable: _init_mp_dtypes)
+        u.dtype = p.dtype;  // the model's dtype: with a param_dtype policy the compute's, over fp32 shards
+        orig_dtype_ = orig_dtype(p);
+      }
       if (fsdp_offload_) {
         fsdp_offload_host(shard);  // the shard, its .grad and its optimizer states on the host
       } else {
-        t_.alloc_bytes(detail::mul(shard, dtype_bytes(orig_dtype_), "shard bytes"), Category::kWeights);  // the run
+        t_.alloc_bytes(detail::mul(shard, dtype_bytes(orig_dtype(p)), "shard bytes"), Category::kWeights);  // the run
       }
       unsharded_[pi] = t_.reserve(detail::mul({shard, shard_world_, dtype_bytes(p.dtype)}, "unsharded parameter bytes"),
                                   Category::kWeights);
@@ -339,7 +367,9 @@ void DataParallel::root_pre_backward() {
 void DataParallel::layer_change(std::int32_t from, std::int32_t to) {
   if (kind_ != Parallel::kFsdp) return;
   // Under a pipeline the post-backward neither reduces nor reshards (See Note [Pipeline with FSDP2]).
-  if (from >= 0) {
+  // A unit whose forward inputs require no grad has no post-backward hook (_register_post_backward_hook):
+  // the root's final callback runs it (See Note [LoRA under FSDP2]).
+  if (from >= 0 && (from > 0 || first_layer_hooked_)) {
     Unit& u = units_[static_cast<std::size_t>(from)];
     if (pp_no_sync_) {
       pp_post_backward(u);
@@ -391,14 +421,16 @@ void DataParallel::final_callback() {
   // _root_post_backward_final_callback, queued by the root's pre-backward: it runs inside the
   // backward call (the seed gradient is still held); the root (and any unit whose post-backward
   // did not run) reduces, then the last reduce-scatter state is dropped.
-  reduce(units_.back());
-  for (Unit& u : units_) reduce(u);
+  for_all_states([this](Unit& u) {
+    if (!u.posted) reduce(u);
+  });
   drop_reduce_states();
 }
 
 // finalize_backward: _all_reduce_state goes (HSDP's reduce-dtype outputs), and so does the last
 // reduce-scatter's input.
 void DataParallel::drop_reduce_states() {
+  for (Unit& u : units_) u.posted = false;  // the groups are IDLE again
   for (TensorId id : all_reduce_inputs_) t_.release(id);
   all_reduce_inputs_.clear();
   if (pending_reduce_input_ != kNone) {
@@ -451,7 +483,7 @@ void DataParallel::before_optimizer() {
   if (kind_ != Parallel::kFsdp) return;
   for (Unit& u : units_) {
     if (u.sharded_grad == kNone) continue;
-    for (std::uint32_t pi : u.params) {
+    for (std::uint32_t pi : u.reduced) {
       t_.retain(u.sharded_grad);
       t_.set_param_grad(params_[pi].slot, u.sharded_grad);
     }
@@ -467,7 +499,7 @@ std::uint64_t DataParallel::local_numel(std::uint32_t slot, std::uint64_t numel)
 
 DType DataParallel::local_dtype(std::uint32_t slot, DType dtype) const {
   if (kind_ != Parallel::kFsdp || slot >= param_of_slot_.size() || param_of_slot_[slot] == kNone) return dtype;
-  return orig_dtype_;
+  return orig_dtype(params_[param_of_slot_[slot]]);
 }
 
 // Note [gloo's reduce-scatter temporary]
@@ -512,7 +544,7 @@ void DataParallel::rebuild_buckets() {
 // offload]): the pinned shard, the pinned sharded .grad (this rank's chunk: rank 0's is the padded
 // size) and the host optimizer's states, zeros_like the shard (AdamW's step is a 0-dim fp32).
 void DataParallel::fsdp_offload_host(std::uint64_t shard) {
-  const std::uint64_t bytes = detail::mul(shard, dtype_bytes(orig_dtype_), "shard bytes");
+  const std::uint64_t bytes = detail::mul(shard, dtype_bytes(orig_dtype_), "shard bytes");  // no LoRA (validation)
   host_pinned(bytes, &HostMemory::weights_bytes);
   host_pinned(bytes, &HostMemory::gradients_bytes);
   switch (optimizer_) {
@@ -527,30 +559,32 @@ void DataParallel::fsdp_offload_host(std::uint64_t shard) {
 
 void DataParallel::all_gather(Unit& u) {
   t_.at(t_.phase(), kNoLayer, "fsdp.all_gather");
-  const std::uint64_t item = dtype_bytes(u.dtype);
+  // The flat buffer holds every shard in its unsharded dtype; dtypes that differ (a LoRA model's
+  // half base and fp32 adapters) are gathered as bytes (_get_all_gather_input_metadatas).
+  const std::uint64_t flat_bytes = detail::mul(u.gather_bytes, shard_world_, "all-gather bytes");
   if (fsdp_offload_) {
     // Each shard copied to the GPU (and cast), then the flat output; the copies go when
     // foreach_all_gather returns (See Note [FSDP2 CPU offload]).
     std::vector<TensorId> inputs;
     inputs.reserve(u.params.size());
     for (std::uint32_t pi : u.params) {
-      TensorId in = t_.alloc_bytes(detail::mul(shard_numel_[pi], dtype_bytes(orig_dtype_), "shard bytes"), Category::kWeights);
+      const WrappedParam& p = params_[pi];
+      TensorId in = t_.alloc_bytes(detail::mul(shard_numel_[pi], dtype_bytes(orig_dtype(p)), "shard bytes"), Category::kWeights);
       if (cast_params_) {
-        const TensorId cast = t_.alloc_bytes(detail::mul(shard_numel_[pi], item, "shard bytes"), Category::kWeights);
+        const TensorId cast = t_.alloc_bytes(detail::mul(shard_numel_[pi], dtype_bytes(p.dtype), "shard bytes"), Category::kWeights);
         t_.release(in);
         in = cast;
       }
       inputs.push_back(in);
     }
-    u.flat = t_.alloc_bytes(detail::mul({u.shard_numel, shard_world_, item}, "all-gather bytes"), Category::kWeights);
+    u.flat = t_.alloc_bytes(flat_bytes, Category::kWeights);
     for (TensorId in : inputs) t_.release(in);
     return;
   }
   // A param_dtype policy: the shards are cast into one flat buffer first, freed when
   // foreach_all_gather returns (See Note [FSDP2 variants]).
-  const TensorId cast =
-      cast_params_ ? t_.alloc_bytes(detail::mul(u.shard_numel, item, "all-gather bytes"), Category::kWeights) : kNone;
-  u.flat = t_.alloc_bytes(detail::mul({u.shard_numel, shard_world_, item}, "all-gather bytes"), Category::kWeights);
+  const TensorId cast = cast_params_ ? t_.alloc_bytes(u.gather_bytes, Category::kWeights) : kNone;
+  u.flat = t_.alloc_bytes(flat_bytes, Category::kWeights);
   if (cast != kNone) t_.release(cast);
 }
 
@@ -615,10 +649,13 @@ void DataParallel::pp_post_backward(Unit& u) {
 
 // A unit's post-backward (see Note [FSDP2 units]).
 void DataParallel::reduce(Unit& u) {
+  if (u.params.empty()) return;  // a middle pipeline stage's root: no parameter group
+  u.posted = true;
   std::vector<TensorId> grads;  // in fsdp_params order, the unit's parameter order
   for (std::uint32_t pi : u.params) {
     const std::uint32_t slot = params_[pi].slot;
     if (fsdp_accumulated_[pi] != kNone) {  // a pipeline's reduce-dtype accumulation (See Note [Pipeline with FSDP2])
+      if (std::find(u.reduced.begin(), u.reduced.end(), pi) == u.reduced.end()) u.reduced.push_back(pi);
       grads.push_back(fsdp_accumulated_[pi]);
       fsdp_accumulated_[pi] = kNone;
       continue;
@@ -626,6 +663,7 @@ void DataParallel::reduce(Unit& u) {
     if (t_.param_grad(slot) == kNone) continue;
     TensorId g = t_.param_grad(slot);
     t_.set_param_grad(slot, kNone);
+    if (std::find(u.reduced.begin(), u.reduced.end(), pi) == u.reduced.end()) u.reduced.push_back(pi);
     if (params_[pi].partial_grad) {  // See Note [Partial gradients under FSDP2]
       t_.at(t_.phase(), kNoLayer, "fsdp.redistribute_grad");
       const TensorId replicated = t_.alloc_bytes(
@@ -636,13 +674,20 @@ void DataParallel::reduce(Unit& u) {
     grads.push_back(g);
   }
   reshard(u);
+  // Every post-backward recycles the previous reduce-scatter input (reduce_scatter_max_input_buffers
+  // 1), gradients or not: under LoRA the root has none (See Note [LoRA under FSDP2]).
+  if (pending_reduce_input_ != kNone) {
+    t_.release(pending_reduce_input_);
+    pending_reduce_input_ = kNone;
+  }
   if (grads.empty()) return;
   t_.at(t_.phase(), kNoLayer, "fsdp.reduce_scatter");
-  if (pending_reduce_input_ != kNone) t_.release(pending_reduce_input_);
   // The gradients are in the unsharded parameters' dtype; reduced in reduce_dtype when the policy
   // has one, then cast to the sharded parameters' dtype (See Note [FSDP2 variants]).
+  std::uint64_t shard_numel = 0;  // the parameters with a gradient (under LoRA the adapters)
+  for (std::uint32_t pi : u.reduced) shard_numel += shard_numel_[pi];
   const DType reduce_dtype = reduce_dtype_.value_or(u.dtype);
-  const std::uint64_t out_bytes = detail::mul(u.shard_numel, dtype_bytes(reduce_dtype), "reduce-scatter bytes");
+  const std::uint64_t out_bytes = detail::mul(shard_numel, dtype_bytes(reduce_dtype), "reduce-scatter bytes");
   TensorId in = t_.alloc_bytes(detail::mul(out_bytes, shard_world_, "reduce-scatter bytes"), Category::kGradients);
   // unsharded_grads.clear() after the copy-in frees them, all but the last: the loop variable of
   // foreach_reduce's first loop (over the Shard(i > 0) parameters) still holds it until the
@@ -656,7 +701,7 @@ void DataParallel::reduce(Unit& u) {
   }
   if (reduce_dtype != orig_dtype_) {
     const TensorId cast =
-        t_.alloc_bytes(detail::mul(u.shard_numel, dtype_bytes(orig_dtype_), "sharded gradient bytes"), Category::kGradients);
+        t_.alloc_bytes(detail::mul(shard_numel, dtype_bytes(orig_dtype_), "sharded gradient bytes"), Category::kGradients);
     if (hsdp_) {
       all_reduce_inputs_.push_back(out);  // HSDP: the all-reduced buffer is held until the end of backward
     } else {

@@ -67,6 +67,9 @@ class DataParallel {
   void pp_wait_unshard();
   void pp_reshard();
   // Whether this wrapper holds the parameter of `slot` (a stage's wrapper holds only the stage's).
+  // FSDP2: whether the first decoder layer's forward input requires grad (false under LoRA without
+  // checkpointing: the frozen embedding's output), so that its post-backward hook exists.
+  void set_first_layer_hooked(bool hooked) { first_layer_hooked_ = hooked; }
   bool holds(std::uint32_t slot) const { return slot < param_of_slot_.size() && param_of_slot_[slot] != kNone; }
 
   // The elements of this rank's parameter that the optimizer sees (FSDP2: rank 0's shard).
@@ -135,8 +138,10 @@ class DataParallel {
  private:
   struct Unit {
     std::vector<std::uint32_t> params;
-    std::uint64_t shard_numel = 0;  // Σ padded shard elements
-    DType dtype = DType::kF32;      // the unsharded parameters' (param_dtype, or the parameters')
+    std::uint64_t gather_bytes = 0;  // Σ padded shard bytes in the unsharded dtypes: one rank's all-gather input
+    DType dtype = DType::kF32;       // the unsharded trainable parameters' (param_dtype, or their own)
+    std::vector<std::uint32_t> reduced;  // the parameters whose gradients it reduce-scatters, in order
+    bool posted = false;                 // its post-backward ran in this backward
     TensorId flat = kNone;          // all-gather buffer in flight
     bool gathered = false;
     TensorId sharded_grad = kNone;  // reduce-scatter output (the sharded .grads are views)
@@ -174,9 +179,12 @@ class DataParallel {
   std::vector<Unit> units_;  // decoder layers, then the root
   std::uint64_t shard_world_ = 1;       // ranks of a shard group: gpus / fsdp_replicate (x cp)
   bool hsdp_ = false;                   // fsdp_replicate > 1: the reduced shards are all-reduced across replicas
+  bool first_layer_hooked_ = true;      // See set_first_layer_hooked
   bool reshard_after_forward_ = true;   // the decoder layers'
   bool cast_params_ = false;            // a param_dtype policy: all-gather inputs cast from the fp32 shards
-  DType orig_dtype_ = DType::kF32;      // the sharded parameters' (and the sharded gradients')
+  DType orig_dtype_ = DType::kF32;      // the sharded trainable parameters' (and the sharded gradients')
+  // A parameter's sharded dtype: fp32 under a param_dtype policy, else its own.
+  DType orig_dtype(const WrappedParam& p) const { return cast_params_ ? DType::kF32 : p.dtype; }
   std::optional<DType> reduce_dtype_;   // the policy's reduce_dtype; none: the gradients' dtype
   TensorId forward_all_gather_ = kNone;  // comm_ctx.all_gather_state: the last forward all-gather's buffer
   std::vector<TensorId> all_reduce_inputs_;  // HSDP: reduce-dtype outputs held until the end of backward

@@ -101,17 +101,29 @@ void StepBuilder::wrap_data_parallel() {
     // gradient foreach_reduce holds to its end (See Note [FSDP2 units]); measured on
     // cpu-tp2dp2sp-*, and for Phi-3 on cpu-fsdp-phi3w512l2-*.
     const std::vector<std::uint32_t> order = layer_registration_order(groups, gi, per_layer, a_.family);
-    for (auto& layer : layers) {
-      for (std::size_t k : order) {
+    // A lora.Linear registers base_layer, then lora_A and lora_B (See Note [LoRA under FSDP2]):
+    // each projection's adapters follow its weight and bias in the unit.
+    std::vector<std::string_view> module_of(per_layer);
+    for (std::size_t k = 0; k < per_layer; ++k) {
+      const std::string_view name = groups[gi + k].name;
+      const std::size_t begin = name.find(".N.") + 3;
+      module_of[k] = name.substr(begin, name.rfind('.') - begin);
+    }
+    for (std::size_t l = 0; l < layers.size(); ++l) {
+      for (std::size_t j = 0; j < order.size(); ++j) {
+        const std::size_t k = order[j];
         wp[idx + k].partial_grad = partial(groups[gi + k].name);
-        layer.push_back(static_cast<std::uint32_t>(idx + k));
+        layers[l].push_back(static_cast<std::uint32_t>(idx + k));
+        if (adapters_.empty() || (j + 1 < order.size() && module_of[order[j + 1]] == module_of[k])) continue;
+        for (const Adapter& ad : adapters_[l]) {
+          if (ad.path == module_of[k]) layers[l].insert(layers[l].end(), {ad.a, ad.b});
+        }
       }
       idx += static_cast<std::uint32_t>(per_layer);
     }
     in_layers_done = true;
   }
-  // LoRA's adapters follow the model's parameters (create_adapters); only DDP takes them, in its
-  // buckets, as the only trainable ones (recipe validation refuses LoRA under the other wrappers).
+  // LoRA's adapters follow the model's parameters in the table (create_adapters).
   std::size_t adapter_params = 0;
   for (const auto& layer : adapters_) adapter_params += 2 * layer.size();
   TRAINMEM_ASSERT(idx + adapter_params == params_.size(), "FSDP units miss parameters");
@@ -125,6 +137,9 @@ void StepBuilder::wrap_data_parallel() {
   } else {
     dp_->wrap(wp, layers, root, buffers);
   }
+  // Under LoRA the frozen embedding's output requires grad only where checkpointing made
+  // transformers call enable_input_require_grads (See Note [LoRA]).
+  dp_->set_first_layer_hooked(!r_.lora.enabled() || r_.checkpointing == Checkpointing::kFull);
   for (std::size_t i = 0; i < params_.size(); ++i) params_[i].storage = wp[i].storage;
   t_.on_param_ready = [this](std::uint32_t slot) { dp_->param_ready(slot); };
   t_.on_layer_change = [this](std::int32_t from, std::int32_t to) { dp_->layer_change(from, to); };
@@ -280,29 +295,39 @@ void StepBuilder::create_adapters() {
     }
   }
   // DeepSpeed's bf16 mode casts every parameter to bf16 again (_cast_module_mixed_precision in
-  // deepspeed.initialize), so under ZeRO the adapters end in the model's half dtype.
-  if (pol_.param != DType::kF32 && !is_zero(r_.parallel)) {
+  // deepspeed.initialize), so under ZeRO the adapters end in the model's half dtype. Under an
+  // FSDP2 param_dtype policy the model is fp32 (pol_ is the policy's compute), so peft's adapters
+  // are fp32 already and FSDP2 casts them with the rest (See Note [LoRA under FSDP2]).
+  const bool fsdp_cast = r_.parallel == Parallel::kFsdp && r_.fsdp.param_dtype != FsdpDtype::kNone;
+  if (pol_.param != DType::kF32 && !is_zero(r_.parallel) && !fsdp_cast) {
     t_.at(Phase::kSetup, kNoLayer, "lora.cast_adapter_dtype");
     for (auto& layer : adapters_) {
       for (const Adapter& ad : layer) {
         for (std::uint32_t pi : {ad.a, ad.b}) {
           Param& p = params_[pi];
+          p.dtype = DType::kF32;
+          if (r_.parallel == Parallel::kFsdp) continue;  // no memory until fully_shard makes its shard
           TensorId f32 = t_.alloc_bytes(p.numel * 4, Category::kWeights);
           t_.release(p.storage);
           p.storage = f32;
-          p.dtype = DType::kF32;
         }
       }
     }
   }
 }
 
+// A parameter's storage as the model is built: under FSDP2 without memory, since only its shards
+// ever reach the device (See Note [FSDP2 units]).
+TensorId StepBuilder::new_param_storage(std::uint64_t bytes) {
+  return r_.parallel == Parallel::kFsdp ? t_.reserve(bytes, Category::kWeights)
+                                        : t_.alloc_bytes(bytes, Category::kWeights);
+}
+
 std::uint32_t StepBuilder::add_adapter_param(std::uint64_t numel, std::uint64_t rows) {
   Param p;
   p.numel = numel;
   p.dtype = pol_.param;
-  p.storage = t_.alloc_bytes(detail::mul(numel, dtype_bytes(p.dtype), "adapter bytes"),
-                             Category::kWeights);
+  p.storage = new_param_storage(detail::mul(numel, dtype_bytes(p.dtype), "adapter bytes"));
   p.slot = t_.new_param(p.storage);
   p.matmul = true;
   p.rows = rows;

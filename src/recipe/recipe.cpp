@@ -288,11 +288,11 @@ void validate_parallel(const Recipe& r) {
   }
   const std::string p(to_string(r.parallel));
   if (r.mode == Mode::kInference) throw Error("parallel: " + p + " is a training knob; inference runs on one GPU");
-  // DDP over a peft model buckets the adapters' gradients only (Note [DDP buckets]); the sharding
-  // wrappers over frozen bases are not modelled.
-  if (r.lora.enabled() && r.parallel != Parallel::kDdp && r.parallel != Parallel::kZero1 &&
-      r.parallel != Parallel::kZero2) {
-    throw Error("parallel: " + p + " with LoRA is not modelled yet (ddp, zero1 and zero2 are)");
+  // DDP over a peft model buckets the adapters' gradients only (Note [DDP buckets]), ZeRO-1/2's
+  // flat group holds them only, FSDP2 shards the frozen base too and reduce-scatters the adapters'
+  // gradients only (Note [LoRA under FSDP2]); ZeRO-3's partitioned frozen base is not modelled.
+  if (r.lora.enabled() && r.parallel == Parallel::kZero3) {
+    throw Error("parallel: " + p + " with LoRA is not modelled yet (ddp, fsdp, zero1 and zero2 are)");
   }
   if (r.lora.enabled() && r.offload != Offload::kNone) {
     throw Error("offload: " + std::string(to_string(r.offload)) + " with LoRA is not modelled yet");

@@ -228,5 +228,103 @@ TEST(FsdpVariants, KnobsAreCheckedWithParallelFsdpOnly) {
   EXPECT_THROW(r.validate(), Error);
 }
 
+// Note [LoRA under FSDP2]. GPT-2's default target is attn.c_attn: lora_A 8 x 768 and lora_B
+// 2,304 x 8 per layer, both split evenly over two ranks.
+constexpr std::uint64_t kC_attnAdapterElements = 8 * 768 + 2'304 * 8;
+
+Recipe lora_recipe(const Model& m, Precision precision, const char* gpu) {
+  Recipe r = dp_recipe(Parallel::kFsdp, 2, precision);
+  r.gpu = gpu;
+  r.lora.rank = 8;
+  r.lora.targets = resolve_lora_targets(m.arch, {"default"});
+  r.validate();
+  return r;
+}
+
+TEST(FsdpLora, UnitsGatherTheFrozenBaseAndReduceTheAdaptersOnly) {
+  const Model m = gpt2_l2();
+  const graph::Trace full =
+      graph::build_training_trace(m, dp_recipe(Parallel::kFsdp, 2, Precision::kFp32), find_gpu("h100-80gb"));
+  const graph::Trace lora = graph::build_training_trace(m, lora_recipe(m, Precision::kFp32, "h100-80gb"), find_gpu("h100-80gb"));
+  // Each layer's flat buffer carries its adapters besides the frozen base; the root's is unchanged.
+  std::vector<std::uint64_t> want = allocs_at(full, "fsdp.all_gather");
+  for (std::uint64_t& b : want) {
+    if (b != kRootShardElements * 2 * 4) b += kC_attnAdapterElements * 4;
+  }
+  EXPECT_EQ(allocs_at(lora, "fsdp.all_gather"), want);
+  // Each layer reduce-scatters its adapters' gradients (input, then output: NCCL, no temporary);
+  // the root, whose parameters are all frozen, reduces nothing.
+  const std::uint64_t in = kC_attnAdapterElements * 4, out = in / 2;
+  const std::vector<std::uint64_t> step = {in, out, in, out};
+  std::vector<std::uint64_t> reduce = step;
+  reduce.insert(reduce.end(), step.begin(), step.end());
+  EXPECT_EQ(allocs_at(lora, "fsdp.reduce_scatter"), reduce);
+  // peft's lora.Linear registers base_layer, lora_A, lora_B: layer 0's copy-outs are ln_1's two,
+  // c_attn's weight and bias, then its adapters.
+  std::vector<std::uint64_t> outs = allocs_at(lora, "fsdp.all_gather_copy_out");
+  ASSERT_GT(outs.size(), 10u);
+  EXPECT_EQ(std::vector<std::uint64_t>(outs.begin() + 4, outs.begin() + 10),
+            (std::vector<std::uint64_t>{768 * 4, 768 * 4, 768 * 2'304 * 4, 2'304 * 4, 8 * 768 * 4, 2'304 * 8 * 4}));
+}
+
+TEST(FsdpLora, OptimizerStatesAreTheAdaptersShards) {
+  // AdamW's two moments of each adapter's shard (half of it on two ranks: every dim 0 is even)
+  // and a 4-byte step per adapter tensor (two layers, A and B each).
+  const Model m = gpt2_l2();
+  Recipe one = lora_recipe(m, Precision::kFp32, "cpu");
+  one.parallel = Parallel::kNone;
+  one.gpus = 1;
+  const auto states = [&](const Recipe& r) {
+    return testing::most_live(graph::build_training_trace(m, r, find_gpu("cpu")))[kStates];
+  };
+  constexpr std::uint64_t kSteps = 2 * 2 * 4;
+  EXPECT_EQ(states(one), 2 * kC_attnAdapterElements * 4 * 2 + kSteps);
+  EXPECT_EQ(states(lora_recipe(m, Precision::kFp32, "cpu")), 2 * (kC_attnAdapterElements / 2) * 4 * 2 + kSteps);
+}
+
+TEST(FsdpLora, HalfBaseAndFp32AdaptersAreGatheredAsBytes) {
+  // bf16-true: the base is bf16 and peft's adapters fp32, so a layer's all-gather input mixes
+  // dtypes and FSDP2 gathers it as uint8 (_get_all_gather_input_metadatas).
+  const Model m = gpt2_l2();
+  const graph::Trace half = graph::build_training_trace(m, dp_recipe(Parallel::kFsdp, 2, Precision::kBf16True), find_gpu("cpu"));
+  const graph::Trace lora = graph::build_training_trace(m, lora_recipe(m, Precision::kBf16True, "cpu"), find_gpu("cpu"));
+  std::vector<std::uint64_t> want = allocs_at(half, "fsdp.all_gather");
+  for (std::uint64_t& b : want) {
+    if (b != kRootShardElements * 2 * 2) b += kC_attnAdapterElements * 4;
+  }
+  EXPECT_EQ(allocs_at(lora, "fsdp.all_gather"), want);
+  // The adapters' gradients are fp32: the reduce-scatter input is world x their fp32 shards.
+  EXPECT_EQ(allocs_at(lora, "fsdp.reduce_scatter").front(), kC_attnAdapterElements * 4);
+}
+
+// Without checkpointing the frozen embedding's output does not require grad, so layer 0 has no
+// post-backward hook: the root's final callback reshards the root first (its post-backward) and
+// then reduces layer 0, as measured (cpu-fsdp-*-lora*). With checkpointing (enable_input_require_grads)
+// layer 0 reduces as the backward leaves it, before the root.
+TEST(FsdpLora, LayerZeroReducesInTheFinalCallbackWithoutCheckpointing) {
+  const Model m = gpt2_l2();
+  const auto last_events = [&](Checkpointing ckpt) {
+    Recipe r = lora_recipe(m, Precision::kFp32, "h100-80gb");
+    r.checkpointing = ckpt;
+    r.steps = 1;
+    const graph::Trace t = graph::build_training_trace(m, r, find_gpu("h100-80gb"));
+    // The order of the backward's last reduce-scatter input and the root's resharding (the free of
+    // wte's unsharded storage, the largest weight).
+    std::size_t reduce = 0, reshard = 0;
+    for (std::size_t i = 0; i < t.events.size(); ++i) {
+      const graph::Event& e = t.events[i];
+      const graph::Storage& s = t.storages[e.tensor];
+      if (t.moments[e.moment].phase != Phase::kBackward) continue;
+      if (e.alloc && t.moments[e.moment].op == "fsdp.reduce_scatter" && s.bytes == kC_attnAdapterElements * 4) reduce = i;
+      if (!e.alloc && s.category == Category::kWeights && s.bytes == 50'258 * 768 * 4) reshard = i;
+    }
+    return std::pair{reduce, reshard};
+  };
+  const auto [reduce, reshard] = last_events(Checkpointing::kNone);
+  EXPECT_GT(reduce, reshard);
+  const auto [ckpt_reduce, ckpt_reshard] = last_events(Checkpointing::kFull);
+  EXPECT_LT(ckpt_reduce, ckpt_reshard);
+}
+
 }  // namespace
 }  // namespace trainmem

@@ -205,9 +205,9 @@ class Recipe:
             return
         if self.is_inference:
             raise RecipeError(f"parallel={self.parallel!r} is a training knob: inference runs on one process")
-        if self.uses_lora and self.parallel not in ("ddp", "zero1", "zero2"):
-            raise RecipeError(f"parallel={self.parallel!r} with LoRA is not measured yet (DDP and ZeRO-1/2 over a peft "
-                              "model are)")
+        if self.uses_lora and self.parallel not in ("ddp", "fsdp", "zero1", "zero2"):
+            raise RecipeError(f"parallel={self.parallel!r} with LoRA is not measured yet (DDP, FSDP2 and ZeRO-1/2 over "
+                              "a peft model are)")
         if self.load_in_4bit:
             # A run is possible (models.build_quantized_model quantizes in every rank), but slow: the
             # single-process QLoRA entry of the 2-layer Llama-3.2-1B took 40 minutes on the corpus
