@@ -562,7 +562,9 @@ bool plan::optimizer_waits_for_its_step(const Recipe& r) {
 std::uint64_t plan::persistent_floor(const Model& m, const Recipe& r) {
   const std::uint64_t pb = parameter_bytes(r.precision);
   const std::uint64_t weights = weight_bytes(m, r);
-  if (r.lora.enabled()) return weights;  // adapters and their states only add
+  // Adapters and their states only add. FSDP2 shards the frozen base too: each rank holds at
+  // least 1/shards of it (Note [LoRA under FSDP2] in graph/parallel.cpp).
+  if (r.lora.enabled()) return r.parallel == Parallel::kFsdp ? weights / (r.gpus / r.fsdp.replicate * r.cp) : weights;
   const std::uint64_t n = m.parameter_count;
   const std::uint64_t states_per_element = state_bytes_per_element(r);
   if (r.parallel == Parallel::kZero3) {

@@ -21,7 +21,8 @@
 //    that per all-reduce), not overlapped with compute: DDP all-reduces every gradient in every
 //    micro-batch's backward (the reference step has no no_sync); FSDP2 all-gathers the
 //    parameters in the forward and again in the backward and reduce-scatters the gradients, per
-//    micro-batch (the decoder layers' units twice, the root once: it is not resharded after forward). DeepSpeed
+//    micro-batch (the decoder layers' units twice, the root once: it is not resharded after forward;
+//    under LoRA every gather carries the frozen base and the reduce-scatter the adapters). DeepSpeed
 //    ZeRO-1/2 move DDP's volume plus one all-gather: the gradients are all-reduced in the model
 //    dtype (average_tensor → allreduce_and_scatter all-reduces the bucket, then each rank keeps
 //    its slices), ZeRO-2 in every micro-batch's backward, ZeRO-1 once per optimizer step (its
@@ -136,6 +137,8 @@ struct MatmulCounts {
   double tensors = 0;    // parameter tensors the optimizer walks
   double trainable_elements = 0;
   double root_elements = 0;  // trainable elements outside the decoder layers (FSDP2's root unit)
+  double base_elements = 0;  // the model's own parameters, trained or frozen (FSDP2 gathers them all)
+  double base_root = 0;      // those outside the decoder layers
 };
 
 MatmulCounts count(const Model& m, const Recipe& r) {
@@ -144,6 +147,8 @@ MatmulCounts count(const Model& m, const Recipe& r) {
   for (const ParameterGroup& g : m.parameters) {
     const double n = static_cast<double>(g.numel) * static_cast<double>(g.count);
     const bool in_layer = g.name.find(".N.") != std::string::npos;
+    c.base_elements += n;
+    if (!in_layer) c.base_root += n;
     if (!lora) {
       c.tensors += static_cast<double>(g.count);
       c.trainable_elements += n;
@@ -235,10 +240,6 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
     opt_share = static_cast<double>(recipe.gpus) / static_cast<double>(recipe.fsdp.replicate) * cp;
   }
   const double opt_bytes = offload ? 0 : per_param * c.trainable_elements / opt_share;
-  // FSDP2's all-gathers per micro-batch, in parameter volumes: the layers twice with
-  // reshard_after_forward, the root once (it is never resharded after forward: Note [FSDP2 units]).
-  const double fsdp_gathers =
-      recipe.fsdp.reshard_after_forward ? 2 - c.root_elements / c.trainable_elements : 1;
   const double bw = gpu.memory_gbps * 1e9 * kMemoryEfficiency;
   t.memory_s = ((layer_bytes + loss_bytes) * micro + opt_bytes) / bw;
 
@@ -278,7 +279,12 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
         const Fsdp& f = recipe.fsdp;
         const double shard = n / static_cast<double>(f.replicate) * cp;
         const double shard_ring = (shard - 1) / shard;
-        const double gathered = f.param_dtype == FsdpDtype::kBf16 ? c.trainable_elements * 2 : params;
+        // The gathers carry the whole model: under LoRA the frozen base (in the precision's dtype)
+        // and the fp32 adapters, which reduce alone (Note [LoRA under FSDP2] in graph/parallel.cpp).
+        const double item = f.param_dtype == FsdpDtype::kBf16 ? 2 : pb;
+        const double root_gathered = c.base_root * item;
+        const double layers_gathered = (c.base_elements - c.base_root) * item + c.adapters * (f.param_dtype == FsdpDtype::kBf16 ? 2 : 4);
+        const double gathered = root_gathered + layers_gathered;
         const double reduced = f.reduce_dtype == FsdpDtype::kFp32 ? c.trainable_elements * 4
                                : f.param_dtype == FsdpDtype::kBf16 ? c.trainable_elements * 2
                                                                    : grads;
@@ -295,7 +301,7 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
           }
           break;
         }
-        moved = shard_ring * (fsdp_gathers * gathered + reduced) * micro;
+        moved = shard_ring * ((f.reshard_after_forward ? 2 : 1) * layers_gathered + root_gathered + reduced) * micro;
         if (f.replicate > 1) {
           const double rep = static_cast<double>(f.replicate);
           moved += 2 * (rep - 1) / rep * reduced / shard * micro;
@@ -343,6 +349,9 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
     const Fsdp& f = recipe.fsdp;
     const double np = c.trainable_elements / (static_cast<double>(recipe.gpus) / static_cast<double>(f.replicate));
     const double s = f.param_dtype == FsdpDtype::kNone ? pb : 4;  // the shards' dtype
+    // FSDP2's all-gathers per micro-batch, in parameter volumes: the layers twice with
+    // reshard_after_forward, the root once (it is never resharded after forward: Note [FSDP2 units]).
+    const double fsdp_gathers = f.reshard_after_forward ? 2 - c.root_elements / c.trainable_elements : 1;
     if (gpu.host_gbps > 0) t.host_s += np * s * (fsdp_gathers + 1) * micro / (gpu.host_gbps * 1e9);
     t.host_s += np * per_param / (kHostMemoryGbps * 1e9);
   } else if (offload || offload_params) {

@@ -425,7 +425,7 @@ TEST(Fit, QloraFloorAndSingleChange) {
 // LoRA on several GPUs: DDP (its buckets hold the adapters' gradients) and ZeRO-1/2 (the flat
 // group holds the adapters) take a peft model, FSDP2 and ZeRO-3 do not; every plan has the batch
 // split, is the estimate of its recipe, and its floor never exceeds the replay.
-TEST(Fit, LoraOnSeveralGpusIsPlannedUnderDdpOrZero) {
+TEST(Fit, LoraOnSeveralGpusIsPlannedUnderDdpFsdpOrZero) {
   const Model m = model::with_layers(load_model("llama-3.2-1b"), 2);
   FitRequest q;
   q.base = base_recipe("rtx-4090", 512);
@@ -437,8 +437,8 @@ TEST(Fit, LoraOnSeveralGpusIsPlannedUnderDdpOrZero) {
   const FitResult f = fit(m, q);
   ASSERT_FALSE(f.plans.empty());
   for (const Plan& p : f.plans) {
-    EXPECT_TRUE(p.recipe.parallel == Parallel::kDdp || p.recipe.parallel == Parallel::kZero1 ||
-                p.recipe.parallel == Parallel::kZero2);
+    EXPECT_TRUE(p.recipe.parallel == Parallel::kDdp || p.recipe.parallel == Parallel::kFsdp ||
+                p.recipe.parallel == Parallel::kZero1 || p.recipe.parallel == Parallel::kZero2);
     EXPECT_EQ(p.recipe.gpus, 4u);
     EXPECT_EQ(p.recipe.batch * p.recipe.grad_accum * 4, 16u);
     EXPECT_EQ(p.recipe.lora.rank, 16u);
@@ -446,7 +446,8 @@ TEST(Fit, LoraOnSeveralGpusIsPlannedUnderDdpOrZero) {
     EXPECT_EQ(e.peak_reserved_bytes, p.peak_reserved_bytes);
     EXPECT_LE(plan::persistent_floor(m, p.recipe), e.peak_allocated_bytes);
   }
-  // The floor under ZeRO counts the adapters' partition, not the whole model's.
+  // The floor under ZeRO counts the adapters' partition, not the whole model's; under FSDP2 the
+  // frozen base's shards (HSDP: over its shard group).
   for (Parallel z : {Parallel::kZero1, Parallel::kZero2}) {
     for (Precision pr : {Precision::kFp32, Precision::kBf16Master}) {
       Recipe r = q.base;
@@ -456,6 +457,43 @@ TEST(Fit, LoraOnSeveralGpusIsPlannedUnderDdpOrZero) {
       r.validate();
       EXPECT_LE(plan::persistent_floor(m, r), estimate(m, r).peak_allocated_bytes) << to_string(z) << to_string(pr);
     }
+  }
+  for (std::uint64_t replicate : {1u, 2u}) {
+    for (Precision pr : {Precision::kFp32, Precision::kBf16Mixed, Precision::kBf16True}) {
+      Recipe r = q.base;
+      r.gpus = 4;
+      r.parallel = Parallel::kFsdp;
+      r.fsdp.replicate = replicate;
+      r.precision = pr;
+      r.validate();
+      const std::uint64_t floor = plan::persistent_floor(m, r);
+      EXPECT_LE(floor, estimate(m, r).peak_allocated_bytes) << replicate << to_string(pr);
+      Recipe ddp = r;
+      ddp.parallel = Parallel::kDdp;
+      ddp.fsdp = Fsdp{};
+      EXPECT_LT(floor, plan::persistent_floor(m, ddp)) << replicate << to_string(pr);
+    }
+  }
+}
+
+// A base no GPU holds whole with its activations: before FSDP2 took adapters nothing fit, now the
+// frozen 70B base is sharded over the eight GPUs (Note [LoRA under FSDP2] in graph/parallel.cpp).
+TEST(Fit, LoraOfABaseTooLargeForOneGpuIsShardedUnderFsdp) {
+  const Model m = load_model("llama-3.1-70b");
+  FitRequest q;
+  q.base = base_recipe("h100-80gb", 4096);
+  q.base.lora.rank = 16;
+  q.base.lora.targets = {"default"};
+  q.gpus = 8;
+  q.global_batch = 16;
+  q.top = 4;
+  const FitResult f = fit(m, q);
+  ASSERT_FALSE(f.plans.empty());
+  for (const Plan& p : f.plans) {
+    EXPECT_EQ(p.recipe.parallel, Parallel::kFsdp);
+    EXPECT_EQ(p.recipe.lora.rank, 16u);
+    EXPECT_LE(p.peak_reserved_bytes, f.capacity_bytes);
+    EXPECT_LE(plan::persistent_floor(m, p.recipe), p.peak_allocated_bytes);
   }
 }
 
@@ -653,6 +691,13 @@ TEST(StepTime, LoraCollectivesMoveTheAdapters) {
   r.precision = Precision::kBf16Master;
   // ZeRO-2: the all-reduce in the model dtype and one all-gather of the 16-bit partitions.
   EXPECT_DOUBLE_EQ(step_time(m, r).comm_s, (2 * 0.75 * adapters * 2 + 0.75 * adapters * 2) / link);
+  // FSDP2: the layers' units gathered twice and the root once, each carrying the bf16 base and the
+  // fp32 adapters; the reduce-scatter of the fp32 adapters alone.
+  r.parallel = Parallel::kFsdp;
+  r.precision = Precision::kBf16True;
+  const double base = static_cast<double>(m.parameter_count), root = 2.0 * 128'256 * 4096 + 4096;
+  const double gathered = 2 * ((base - root) * 2 + adapters * 4) + root * 2;
+  EXPECT_NEAR(step_time(m, r).comm_s, 0.75 * (gathered + adapters * 4) / link, 1e-12);
 }
 
 TEST(StepTime, PipelineReplicasMoveTheirStagesShare) {
