@@ -155,8 +155,10 @@ constexpr std::uint64_t kBucketCapBytes = std::uint64_t{25} << 20;
 //    requires grad only under checkpointing (enable_input_require_grads, Note [LoRA]); without it
 //    layer 0 has no hook and _root_post_backward_final_callback runs its post-backward, after the
 //    root's (all_states order);
-//  * the optimizer holds the adapters' shards (local_numel), fp32.
-// ZeRO-3 over a peft model and CPU offload with LoRA stay refused (unmeasured).
+//  * the optimizer holds the adapters' shards (local_numel), fp32;
+//  * under CPUOffloadPolicy (Note [FSDP2 CPU offload], mirrored, not measured) every shard is
+//    pinned on the host, the frozen ones too, and only the adapters have host .grads and states.
+// ZeRO-3 over a peft model and DeepSpeed's offload with LoRA stay refused (unmeasured).
 
 // Note [Collectives on CUDA]
 // The ground truth for data parallelism is CPU (gloo) only; what the engine assumes on CUDA is
@@ -286,7 +288,7 @@ void DataParallel::wrap(std::vector<WrappedParam>& params, const std::vector<std
         orig_dtype_ = orig_dtype(p);
       }
       if (fsdp_offload_) {
-        fsdp_offload_host(shard);  // the shard, its .grad and its optimizer states on the host
+        fsdp_offload_host(shard, p);  // the shard, its .grad and its optimizer states on the host
       } else {
         t_.alloc_bytes(detail::mul(shard, dtype_bytes(orig_dtype(p)), "shard bytes"), Category::kWeights);  // the run
       }
@@ -541,11 +543,13 @@ void DataParallel::rebuild_buckets() {
 }
 
 // What one parameter's shard holds on the host under CPUOffloadPolicy (See Note [FSDP2 CPU
-// offload]): the pinned shard, the pinned sharded .grad (this rank's chunk: rank 0's is the padded
-// size) and the host optimizer's states, zeros_like the shard (AdamW's step is a 0-dim fp32).
-void DataParallel::fsdp_offload_host(std::uint64_t shard) {
-  const std::uint64_t bytes = detail::mul(shard, dtype_bytes(orig_dtype_), "shard bytes");  // no LoRA (validation)
+// offload]): the pinned shard, and for a trainable parameter the pinned sharded .grad (this rank's
+// chunk: rank 0's is the padded size) and the host optimizer's states, zeros_like the shard
+// (AdamW's step is a 0-dim fp32). A LoRA base's frozen shards get neither (Note [LoRA under FSDP2]).
+void DataParallel::fsdp_offload_host(std::uint64_t shard, const WrappedParam& p) {
+  const std::uint64_t bytes = detail::mul(shard, dtype_bytes(orig_dtype(p)), "shard bytes");
   host_pinned(bytes, &HostMemory::weights_bytes);
+  if (!p.trainable) return;
   host_pinned(bytes, &HostMemory::gradients_bytes);
   switch (optimizer_) {
     case Optimizer::kAdamW:

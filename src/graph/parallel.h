@@ -295,7 +295,7 @@ class DataParallel {
   void zero3_offload_grad_norm();
   bool offload_params_ = false;  // offload_param: the 16-bit partitions live on the host
   // FSDP2's CPUOffloadPolicy (Note [FSDP2 CPU offload] in parallel.cpp)
-  void fsdp_offload_host(std::uint64_t shard);
+  void fsdp_offload_host(std::uint64_t shard, const WrappedParam& p);
   bool fsdp_offload_ = false;
   Optimizer optimizer_ = Optimizer::kAdamW;
   // ZeRO-Offload (zero_offload.cpp)

@@ -562,6 +562,9 @@ bool plan::optimizer_waits_for_its_step(const Recipe& r) {
 std::uint64_t plan::persistent_floor(const Model& m, const Recipe& r) {
   const std::uint64_t pb = parameter_bytes(r.precision);
   const std::uint64_t weights = weight_bytes(m, r);
+  // FSDP2's CPUOffloadPolicy keeps nothing on the GPU between its all-gathers (Note [FSDP2 CPU
+  // offload] in graph/parallel.cpp).
+  if (r.parallel == Parallel::kFsdp && r.offload == Offload::kBoth) return 0;
   // Adapters and their states only add. FSDP2 shards the frozen base too: each rank holds at
   // least 1/shards of it (Note [LoRA under FSDP2] in graph/parallel.cpp).
   if (r.lora.enabled()) return r.parallel == Parallel::kFsdp ? weights / (r.gpus / r.fsdp.replicate * r.cp) : weights;
@@ -602,9 +605,6 @@ std::uint64_t plan::persistent_floor(const Model& m, const Recipe& r) {
   // graph/parallel.cpp). FSDP2: every rank holds at least 1/gpus of the parameters, gradients and
   // states (padded shards are never smaller); HSDP shards over its shard group only. A param_dtype
   // policy keeps fp32 shards, gradients and states (the precision is fp32).
-  // FSDP2's CPUOffloadPolicy keeps nothing on the GPU between its all-gathers (Note [FSDP2 CPU
-  // offload] in graph/parallel.cpp).
-  if (r.parallel == Parallel::kFsdp && r.offload == Offload::kBoth) return 0;
   const std::uint64_t buckets = r.parallel == Parallel::kDdp ? detail::mul(n, pb, "bucket bytes") : 0;
   // A pipeline's worst stage holds at least the average stage's share (Note [Pipeline split]),
   // its DDP buckets included: they hold the stage's own gradients (Note [Pipeline with DDP]).

@@ -347,13 +347,19 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
   }
   if (recipe.parallel == Parallel::kFsdp && recipe.offload == Offload::kBoth) {
     const Fsdp& f = recipe.fsdp;
-    const double np = c.trainable_elements / (static_cast<double>(recipe.gpus) / static_cast<double>(f.replicate));
-    const double s = f.param_dtype == FsdpDtype::kNone ? pb : 4;  // the shards' dtype
-    // FSDP2's all-gathers per micro-batch, in parameter volumes: the layers twice with
-    // reshard_after_forward, the root once (it is never resharded after forward: Note [FSDP2 units]).
-    const double fsdp_gathers = f.reshard_after_forward ? 2 - c.root_elements / c.trainable_elements : 1;
-    if (gpu.host_gbps > 0) t.host_s += np * s * (fsdp_gathers + 1) * micro / (gpu.host_gbps * 1e9);
-    t.host_s += np * per_param / (kHostMemoryGbps * 1e9);
+    const double shards = static_cast<double>(recipe.gpus) / static_cast<double>(f.replicate);
+    const double s = f.param_dtype == FsdpDtype::kNone ? pb : 4;  // the shards' dtype (LoRA's adapters: fp32)
+    // Every all-gather copies its unit's shards to the GPU (the layers twice with
+    // reshard_after_forward, the root once: it is never resharded after forward, Note [FSDP2
+    // units]), under LoRA the frozen base's with the adapters'; every micro-batch copies the
+    // trainable shards' gradients back, and the optimizer steps them on the host.
+    const double root = c.base_root * s / shards;
+    const double layers = ((c.base_elements - c.base_root) * s + c.adapters * 4) / shards;
+    const double grads = recipe.lora.enabled() ? c.adapters * 4 / shards : c.trainable_elements * s / shards;
+    if (gpu.host_gbps > 0) {
+      t.host_s += ((f.reshard_after_forward ? 2 : 1) * layers + root + grads) * micro / (gpu.host_gbps * 1e9);
+    }
+    t.host_s += c.trainable_elements / shards * per_param / (kHostMemoryGbps * 1e9);
   } else if (offload || offload_params) {
     const double np = c.trainable_elements / static_cast<double>(recipe.gpus);
     const double b = pb;  // the flat group's (ZeRO-3: the partitions') dtype (bf16-master: bf16)

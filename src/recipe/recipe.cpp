@@ -294,8 +294,11 @@ void validate_parallel(const Recipe& r) {
   if (r.lora.enabled() && r.parallel == Parallel::kZero3) {
     throw Error("parallel: " + p + " with LoRA is not modelled yet (ddp, fsdp, zero1 and zero2 are)");
   }
-  if (r.lora.enabled() && r.offload != Offload::kNone) {
-    throw Error("offload: " + std::string(to_string(r.offload)) + " with LoRA is not modelled yet");
+  // FSDP2's CPUOffloadPolicy pins the frozen shards with the adapters' (Note [LoRA under FSDP2]);
+  // DeepSpeed's offload over a peft model is not modelled.
+  if (r.lora.enabled() && r.offload != Offload::kNone && r.parallel != Parallel::kFsdp) {
+    throw Error("offload: " + std::string(to_string(r.offload)) + " with LoRA is not modelled yet (FSDP2's offload "
+                "both is)");
   }
   if (r.quant.load_in_4bit) throw Error("parallel: " + p + " over a 4-bit base (QLoRA) is not modelled yet (unmeasured)");
   if (r.parallel == Parallel::kFsdp) {

@@ -163,6 +163,26 @@ TEST(FsdpOffload, HostHoldsShardsGradientsAndStates) {
   EXPECT_EQ(estimate(gpt2_l2(), plain(offload_recipe())).host.total_bytes(), 0u);
 }
 
+// Under LoRA (Note [LoRA under FSDP2]) every shard is pinned, the frozen base's too, but only the
+// adapters get a host .grad and optimizer states; bf16-true's base shards are bf16, the adapters'
+// fp32. GPT-2's default target, attn.c_attn: lora_A 8 x 768 and lora_B 2,304 x 8 per layer, halved.
+TEST(FsdpOffload, LoraPinsTheFrozenShardsAndStepsTheAdaptersOnly) {
+  Recipe r = offload_recipe(Precision::kBf16True);
+  r.lora.rank = 8;
+  r.lora.targets = resolve_lora_targets(gpt2_l2().arch, {"default"});
+  r.validate();
+  const HostMemory h = estimate(gpt2_l2(), r).host;
+  const std::uint64_t adapters = 2 * (8 * 768 + 2'304 * 8) / 2 * 4;  // two layers' fp32 adapter shards
+  EXPECT_EQ(h.weights_bytes, (kRootShard + kLayersShard) * 2 + adapters);
+  EXPECT_EQ(h.gradients_bytes, adapters);
+  EXPECT_EQ(h.optimizer_states_bytes, 2 * adapters + 4 * 4);  // AdamW's moments, a step per adapter tensor
+  const graph::Trace t = trace_of(r);
+  EXPECT_TRUE(allocs_at(t, "fsdp.fully_shard").empty());
+  EXPECT_EQ(most_live(t)[kStates], 0u);
+  // Each layer's reduce-scatter carries the adapters' fp32 gradients only; the root reduces nothing.
+  EXPECT_EQ(allocs_at(t, "fsdp.reduce_scatter").front(), (8 * 768 + 2'304 * 8) * 4u);
+}
+
 TEST(FsdpOffload, PlannerSearchesItAndTimesTheHostSide) {
   // Llama-3.1-8B in bf16 over two 24 GiB GPUs: sharded weights, gradients and AdamW's states
   // (~30 GiB per rank) do not fit; with CPUOffloadPolicy they move to the host.

@@ -364,7 +364,7 @@ TEST(RecipeValidate, ZeroRefusesWhatIsNotModelled) {
     EXPECT_NO_THROW(lora.validate());  // the flat group holds the adapters (measured: cpu-zero2-*-lora*)
     lora.offload = Offload::kOptimizer;
     lora.optimizer = Optimizer::kAdamW;
-    EXPECT_EQ(error_of([&] { lora.validate(); }), "offload: optimizer with LoRA is not modelled yet");
+    EXPECT_EQ(error_of([&] { lora.validate(); }), "offload: optimizer with LoRA is not modelled yet (FSDP2's offload both is)");
     Recipe accum = r;
     accum.grad_accum = 2;
     EXPECT_NO_THROW(accum.validate());
