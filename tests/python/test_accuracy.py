@@ -313,6 +313,31 @@ def test_ddp_lora_entries_exact(comparisons):
             assert r["measured_peak_allocated_bytes"] == r["predicted_peak_allocated_bytes"], (name, r["rank"])
 
 
+def test_fsdp_lora_entries_exact(comparisons):
+    """FSDP2 over a peft model: every unit gathers its frozen base and its adapters (a half base and
+    fp32 adapters as bytes), reduce-scatters the adapters' gradients only, the root reduces
+    nothing, and without checkpointing layer 0 (whose input, the frozen embedding's output,
+    requires no grad) reduces in the root's final callback (Note [LoRA under FSDP2]). Every rank
+    exact: GPT-2, the narrow Llama and Qwen3, mixed dtypes, a bf16 param_dtype policy,
+    reshard_after_forward false with dropout and accumulation, and HSDP over four ranks."""
+    runs = [(name, c) for name, c in comparisons
+            if c["recipe"].get("parallel") == "fsdp" and c["recipe"].get("lora_rank", 0) > 0]
+    assert len(runs) >= 6, [name for name, _ in runs]
+    recipes = [c["recipe"] for _, c in runs]
+    assert any(r["precision"] == "bf16-true" for r in recipes)
+    assert any(r.get("fsdp_param_dtype") == "bf16" for r in recipes)
+    assert any(r.get("fsdp_replicate", 1) > 1 for r in recipes)
+    assert any(not r.get("fsdp_reshard_after_forward", True) and r["grad_accum"] > 1 for r in recipes)
+    assert any(r["checkpointing"] == "none" for r in recipes) and any(r["checkpointing"] == "full" for r in recipes)
+    assert any(c["measured_peak"].get("phase") == "backward" for _, c in runs)
+    for name, c in runs:
+        assert c["measured_peak_allocated_bytes"] == c["predicted_peak_allocated_bytes"], name
+        for cat, v in c["categories"].items():
+            assert v["measured"] == v["predicted"], (name, cat, v)
+        for r in c["ranks"]:
+            assert r["measured_peak_allocated_bytes"] == r["predicted_peak_allocated_bytes"], (name, r["rank"])
+
+
 def test_zero_lora_entries_exact(comparisons):
     """DeepSpeed ZeRO-1/2 over a peft model: the flat 16-bit group and the fp32 master partition
     hold the adapters only (the client optimizer's parameters), the frozen base keeps its own
