@@ -88,6 +88,7 @@ NB_MODULE(_core, m) {
       .def_rw("fsdp_replicate", &RecipeSpelling::fsdp_replicate)
       .def_rw("fsdp_param_dtype", &RecipeSpelling::fsdp_param_dtype)
       .def_rw("fsdp_reduce_dtype", &RecipeSpelling::fsdp_reduce_dtype)
+      .def_rw("ddp_find_unused_parameters", &RecipeSpelling::ddp_find_unused_parameters)
       .def_rw("offload", &RecipeSpelling::offload);
 
   nb::class_<trainmem::Estimate>(m, "Estimate")

@@ -269,6 +269,11 @@ struct Recipe {
   // holding stages r, r + pp, ..., r + (V - 1) pp; 1 with 1f1b and gpipe.
   std::uint64_t pp_stages_per_rank = 1;
   Fsdp fsdp;  // parallel kFsdp only
+  // DistributedDataParallel(find_unused_parameters=True), parallel kDdp only: what Hugging Face's
+  // Trainer passes for a peft model or a model without checkpointing. Buckets by size at
+  // construction and never rebuilt; the module's outputs cloned by _DDPSink (Note [DDP
+  // find_unused_parameters] in graph/parallel.cpp).
+  bool ddp_find_unused_parameters = false;
   Offload offload = Offload::kNone;
 
   void validate() const;  // throws Error naming the field
@@ -321,6 +326,7 @@ struct RecipeSpelling {
   std::uint64_t fsdp_replicate = 1;
   std::string fsdp_param_dtype = "none";   // none | bf16
   std::string fsdp_reduce_dtype = "none";  // none | fp32 | bf16
+  bool ddp_find_unused_parameters = false;  // parallel ddp: find_unused_parameters=True (HF Trainer's default)
   std::string offload = "none";   // none | optimizer (zero1 / zero2 / zero3) | params | both (zero3)
 };
 // Parses and validates every knob; throws Error naming the first bad field.

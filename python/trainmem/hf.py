@@ -33,7 +33,8 @@ def _get(args: Any, name: str, default: Any = None) -> Any:
 
 
 def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_dtype: str = "float32",
-                                   gpu: str | None = None, gpus: int | None = None) -> dict[str, Any]:
+                                   gpu: str | None = None, gpus: int | None = None,
+                                   peft: bool = False) -> dict[str, Any]:
     """Keyword arguments for trainmem.estimate / trainmem.fit from a `TrainingArguments` (or its
     `to_dict()`). `seq` is the tokens per sequence the data collator produces (TrainingArguments
     has none; TRL's `max_length` is used when present). `model_dtype` is the dtype the model was
@@ -46,7 +47,11 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
     parallel fsdp when it is FSDP2 (`fsdp_config={"fsdp_version": 2}`) with full sharding or
     shard_grad_op, and its "offload" (or `fsdp_config["cpu_offload"]`) to offload "both" (FSDP2's
     CPUOffloadPolicy); `deepspeed` (a dict or a JSON path) is read by recipe_from_deepspeed_config, with
-    its "auto" values filled from these arguments as the Trainer fills them.
+    its "auto" values filled from these arguments as the Trainer fills them. Under DDP the Trainer
+    passes `find_unused_parameters` as `ddp_find_unused_parameters` says, and when that is unset
+    True for a model that is not a PreTrainedModel (`peft=True`: a peft model, whose adapters the
+    caller gives as lora_rank etc.) and for one that is not checkpointed: the recipe's
+    `ddp_find_unused_parameters` (docs/parallelism.md "find_unused_parameters").
 
     Not modelled, so refused: FSDP1, FSDP2's hybrid sharding options, reentrant
     checkpointing, optimizers other than those of _OPTIMIZERS and SGD with momentum, and what
@@ -65,7 +70,7 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
             raise ValueError(f"gpus: expected a positive integer, got {gpus!r}")
         knobs["gpus"] = gpus
         if gpus > 1 and "parallel" not in knobs:
-            knobs["parallel"] = "ddp"  # the Trainer's DistributedDataParallel, PyTorch's defaults
+            knobs["parallel"] = "ddp"  # the Trainer's DistributedDataParallel (find_unused_parameters below)
     elif "parallel" in knobs:
         raise ValueError("fsdp: pass gpus= (the number of processes the run is launched with)")
     knobs["batch"] = int(_get(args, "per_device_train_batch_size", 8))
@@ -91,13 +96,22 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
 
     knobs["optimizer"] = _trainer_optimizer(args)
 
-    if _get(args, "gradient_checkpointing", False):
+    checkpointed = bool(_get(args, "gradient_checkpointing", False))
+    if checkpointed:
         kwargs = _get(args, "gradient_checkpointing_kwargs") or {}
         if kwargs.get("use_reentrant", False):
             raise ValueError("gradient_checkpointing_kwargs use_reentrant=True is not modelled (non-reentrant is)")
         knobs["checkpointing"] = "full"
     else:
         knobs["checkpointing"] = "none"
+    if knobs.get("parallel") == "ddp":
+        # Trainer._build_accelerator_args: the argument when set, else True for a model that is not a
+        # PreTrainedModel (a peft model) and for one that is not checkpointed.
+        find_unused = _get(args, "ddp_find_unused_parameters")
+        if find_unused is None:
+            find_unused = True if peft else not checkpointed
+        if find_unused:
+            knobs["ddp_find_unused_parameters"] = True
     if _get(args, "use_liger_kernel", False):
         knobs["loss"] = "fused"  # Liger's fused linear cross-entropy
     if gpu is not None:

@@ -68,6 +68,7 @@ struct RecipeFlags {
   bool load_in_4bit = false, double_quant = false, qlora = false, load_in_8bit = false;
   bool sequence_parallel = false;
   bool loss_parallel = false;
+  bool ddp_find_unused_parameters = false;
   std::string quant_type = "";
   std::string new_tokens = "128", beams = "1";
   std::string gpus = "1", parallel = "none", tp = "1", cp = "1", zero = "", offload = "none", pp = "1", pp_schedule = "1f1b",
@@ -121,6 +122,10 @@ struct RecipeFlags {
                          app->add_flag("--sequence-parallel", sequence_parallel,
                                        "With --tp: sequence parallelism (SequenceParallel on the norms, the residual "
                                        "stream sharded on the sequence)"));
+    options.emplace_back("ddp_find_unused_parameters",
+                         app->add_flag("--ddp-find-unused-parameters", ddp_find_unused_parameters,
+                                       "With --parallel ddp: DistributedDataParallel(find_unused_parameters=True), "
+                                       "what Hugging Face's Trainer passes for a peft model or without checkpointing"));
     options.emplace_back("loss_parallel",
                          app->add_flag("--loss-parallel", loss_parallel,
                                        "With --tp: vocab-parallel lm_head (ColwiseParallel, Shard(-1) logits) and "
@@ -190,6 +195,7 @@ struct RecipeFlags {
     sp.pp_schedule = pp_schedule;
     sp.pp_stages_per_rank = parse_count(pp_stages_per_rank, "pp_stages_per_rank");
     sp.fsdp_reshard_after_forward = parse_bool(fsdp_reshard_after_forward, "fsdp_reshard_after_forward");
+    sp.ddp_find_unused_parameters = ddp_find_unused_parameters;
     sp.fsdp_replicate = parse_count(fsdp_replicate, "fsdp_replicate");
     sp.fsdp_param_dtype = fsdp_param_dtype;
     sp.fsdp_reduce_dtype = fsdp_reduce_dtype;
@@ -289,6 +295,7 @@ std::string compare(const std::string& path, bool as_json) {
   };
   sp.load_in_4bit = flag("load_in_4bit", false);
   sp.fsdp_reshard_after_forward = flag("fsdp_reshard_after_forward", true);
+  sp.ddp_find_unused_parameters = flag("ddp_find_unused_parameters", false);
   sp.fsdp_replicate = count("fsdp_replicate", sp.fsdp_replicate);
   sp.fsdp_param_dtype = text("fsdp_param_dtype", sp.fsdp_param_dtype.c_str());
   sp.fsdp_reduce_dtype = text("fsdp_reduce_dtype", sp.fsdp_reduce_dtype.c_str());

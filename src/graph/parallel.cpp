@@ -32,6 +32,29 @@ constexpr std::int32_t kNoLayer = -1;
 constexpr std::uint64_t kFirstBucketBytes = std::uint64_t{1} << 20;
 constexpr std::uint64_t kBucketCapBytes = std::uint64_t{25} << 20;
 
+// Note [DDP find_unused_parameters]
+// DistributedDataParallel(find_unused_parameters=True), what Hugging Face's Trainer passes for a
+// peft model, and for a plain model unless it is checkpointed (transformers 5.25,
+// Trainer._build_accelerator_args). What changes against Note [DDP buckets] (torch 2.13,
+// nn/parallel/distributed.py, c10d reducer; measured on gloo ranks: data/ground_truth/parallel/
+// cpu-ddp-*-findunused*):
+//  * construction: BucketCapacityConfig.compute_bucket_size_limits gives [1 MiB, 25 MiB] instead
+//    of one unlimited bucket, so compute_bucket_assignment_by_size closes a bucket after the
+//    parameter that takes it to its limit, walking the trainable parameters in module.parameters()
+//    order; the list is reversed before the Reducer allocates the buckets, so the last parameters'
+//    bucket is allocated first;
+//  * the buckets are never rebuilt (the Reducer rebuilds only for a static graph or without
+//    find_unused_parameters), so the second forward frees and allocates nothing;
+//  * every forward routes the module's output tensors through _DDPSink, which clones each of them
+//    (_ddp_sink_clone): for the CausalLM's output the loss and the logits, cloned in that order
+//    once the model has returned; the originals go (the output object is rebuilt from the
+//    clones), and so does the logits' clone, which the step drops with the output. The loss'
+//    clone is the loss backward starts from; _DDPSink's backward hands the gradient on;
+//  * the Reducer keeps a map of locally used parameters, an int32 each: on the host (not pinned)
+//    and on the parameters' device (initialize_local_used_map), so one tensor on a GPU and both
+//    on the CPU; prepare_for_backward walks the autograd graph to mark unused parameters and
+//    allocates nothing.
+
 // Note [FSDP2 units]
 // fully_shard(layer) on every decoder layer, then fully_shard(model) for the root (torch 2.13,
 // torch/distributed/fsdp/_fully_shard/; measured: docs/parallelism.md, "FSDP2: what it
@@ -189,6 +212,7 @@ DataParallel::DataParallel(Tape& tape, const Recipe& recipe, bool cuda, std::uin
   offload_ = recipe.offload == Offload::kOptimizer || recipe.offload == Offload::kBoth;
   offload_params_ = recipe.offload == Offload::kParams || recipe.offload == Offload::kBoth;
   forward_no_sync_ = recipe.pp > 1;  // See Note [Pipeline with DDP] in pipeline.cpp
+  find_unused_ = recipe.ddp_find_unused_parameters;  // See Note [DDP find_unused_parameters]
   if (kind_ != Parallel::kFsdp) return;
   fsdp_offload_ = recipe.offload == Offload::kBoth;  // See Note [FSDP2 CPU offload]
   optimizer_ = recipe.optimizer;
@@ -211,7 +235,8 @@ DataParallel::DataParallel(Tape& tape, const Recipe& recipe, bool cuda, std::uin
 
 void DataParallel::wrap(std::vector<WrappedParam>& params, const std::vector<std::vector<std::uint32_t>>& layers,
                         const std::vector<std::uint32_t>& root,
-                        const std::vector<std::pair<DType, std::uint64_t>>& buffers) {
+                        const std::vector<std::pair<DType, std::uint64_t>>& buffers,
+                        const std::vector<std::uint32_t>& registration) {
   if (kind_ == Parallel::kNone) return;
   params_ = params;
   buffers_ = buffers;
@@ -250,6 +275,20 @@ void DataParallel::wrap(std::vector<WrappedParam>& params, const std::vector<std
   }
   if (kind_ == Parallel::kDdp) {  // See Note [DDP buckets]
     t_.at(Phase::kSetup, kNoLayer, "ddp.reducer");
+    if (find_unused_) {  // See Note [DDP find_unused_parameters]
+      std::vector<std::uint32_t> order = registration;
+      if (order.empty()) {
+        for (std::uint32_t i = 0; i < params.size(); ++i) order.push_back(i);
+      }
+      std::vector<std::uint64_t> sizes = bucket_sizes(order);
+      for (std::size_t b = sizes.size(); b-- > 0;) buckets_.push_back(t_.alloc_bytes(sizes[b], Category::kGradients));
+      // initialize_local_used_map: an int32 per trainable parameter on the host (never pinned),
+      // and its copy on the parameters' device; on the CPU both are.
+      std::uint64_t used = 0;
+      for (const WrappedParam& p : params) used += p.storage != kNone && p.trainable;
+      for (int copies = cuda_ ? 1 : 2; copies-- > 0;) t_.alloc_bytes(used * 4, Category::kOther);
+      return;
+    }
     std::uint64_t bytes = 0;
     for (const WrappedParam& p : params) {
       if (p.storage == kNone || !p.trainable) continue;  // another pipeline stage's, or frozen (LoRA)
@@ -303,7 +342,7 @@ void DataParallel::wrap(std::vector<WrappedParam>& params, const std::vector<std
 void DataParallel::pre_forward() {
   if (zero3()) return zero3_reset_step();
   if (kind_ == Parallel::kDdp) {
-    if (backward_seen_ && !rebuilt_) rebuild_buckets();
+    if (backward_seen_ && !rebuilt_ && !find_unused_) rebuild_buckets();
     if (buffers_.empty() || !forward_param_sync_) return;
     // require_forward_param_sync: a forward under no_sync clears it (_post_forward), so a
     // pipeline's stage broadcasts its buffers in the run's first forward only.
@@ -528,18 +567,26 @@ void DataParallel::rebuild_buckets() {
   for (std::uint32_t pi = static_cast<std::uint32_t>(params_.size()); pi-- > 0;) {
     if (std::find(order.begin(), order.end(), pi) == order.end()) order.push_back(pi);  // never ready
   }
+  for (std::uint64_t bytes : bucket_sizes(order)) buckets_.push_back(t_.alloc_bytes(bytes, Category::kGradients));
+  rebuilt_ = true;
+}
+
+// compute_bucket_assignment_by_size over the parameters in `order` (the trainable ones of this
+// stage): a bucket closes after the parameter that takes it to 1 MiB (the first) or 25 MiB.
+std::vector<std::uint64_t> DataParallel::bucket_sizes(const std::vector<std::uint32_t>& order) const {
+  std::vector<std::uint64_t> out;
   std::uint64_t limit = kFirstBucketBytes, bytes = 0;
   for (std::uint32_t pi : order) {
     if (params_[pi].storage == kNone || !params_[pi].trainable) continue;  // another stage's, or frozen
-    bytes += params_[pi].numel * dtype_bytes(params_[pi].dtype);
+    bytes = detail::add(bytes, params_[pi].numel * dtype_bytes(params_[pi].dtype), "bucket bytes");
     if (bytes >= limit) {
-      buckets_.push_back(t_.alloc_bytes(bytes, Category::kGradients));
+      out.push_back(bytes);
       bytes = 0;
       limit = kBucketCapBytes;
     }
   }
-  if (bytes > 0) buckets_.push_back(t_.alloc_bytes(bytes, Category::kGradients));
-  rebuilt_ = true;
+  if (bytes > 0) out.push_back(bytes);
+  return out;
 }
 
 // What one parameter's shard holds on the host under CPUOffloadPolicy (See Note [FSDP2 CPU

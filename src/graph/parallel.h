@@ -41,8 +41,11 @@ class DataParallel {
   // `params`) of decoder layer l's parameters, `root` the others (embeddings, final norm,
   // lm_head); `buffers` the bytes of the module's buffers by dtype. FSDP2 points every
   // parameter's `storage` at its unsharded parameter (freed until it is gathered).
+  // `registration`: every index in module.parameters() order (DDP's bucket assignment at
+  // construction with find_unused_parameters; empty: the table's order).
   void wrap(std::vector<WrappedParam>& params, const std::vector<std::vector<std::uint32_t>>& layers,
-            const std::vector<std::uint32_t>& root, const std::vector<std::pair<DType, std::uint64_t>>& buffers);
+            const std::vector<std::uint32_t>& root, const std::vector<std::pair<DType, std::uint64_t>>& buffers,
+            const std::vector<std::uint32_t>& registration = {});
 
   void pre_forward();                    // the wrapped module is called
   void post_forward();                   // the wrapped module returns (after the model's loss)
@@ -148,6 +151,7 @@ class DataParallel {
   };
 
   void rebuild_buckets();
+  std::vector<std::uint64_t> bucket_sizes(const std::vector<std::uint32_t>& order) const;
   void all_gather(Unit& u);
   void copy_out(Unit& u, bool waited_by_schedule = false);
   void reshard(Unit& u);
@@ -174,6 +178,7 @@ class DataParallel {
   bool backward_seen_ = false, rebuilt_ = false;
   bool forward_no_sync_ = false;     // a pipeline stage: every forward runs under no_sync
   bool forward_param_sync_ = true;   // require_forward_param_sync: broadcast the buffers
+  bool find_unused_ = false;         // find_unused_parameters: size-limited buckets, never rebuilt
   bool pp_no_sync_ = false;  // FSDP2 in a pipeline stage: no gradient sync, no reshard after backward
   // FSDP2
   std::vector<Unit> units_;  // decoder layers, then the root

@@ -311,9 +311,26 @@ ValueId StepBuilder::standard_loss(T& normed, std::uint32_t emb) {
   }
   T loss = causal_lm_loss(logits);
   t_.drop(normed);
+  if (r_.ddp_find_unused_parameters) ddp_sink(loss, logits);
   // The model output (logits) is dropped with the output object, before backward.
   t_.drop(logits);
   return scale_loss(loss);
+}
+
+// DDP's _DDPSink over the CausalLM's output (See Note [DDP find_unused_parameters] in
+// parallel.cpp): the loss and the logits cloned, the originals given up for the clones. The loss'
+// clone passes its gradient on.
+void StepBuilder::ddp_sink(T& loss, T& logits) {
+  T loss_clone = fresh(loss.numel, loss.dtype);
+  requires_grad(loss_clone);
+  Node& n = open_node(loss_clone);
+  n.inputs.push_back(pass_to(loss));
+  t_.close_node();
+  T logits_clone = fresh(logits.numel, logits.dtype);
+  t_.drop(loss);
+  loss = loss_clone;
+  t_.drop(logits);
+  logits = logits_clone;
 }
 
 // ForCausalLMLoss on the logits (phase loss): the loss, which requires grad. `vocab_parallel`:

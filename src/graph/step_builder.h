@@ -130,6 +130,7 @@ class StepBuilder {
   std::uint32_t add_param(const ParameterGroup& g, bool in_layer = false, bool present = true);
   void create_adapters();
   std::uint32_t add_adapter_param(std::uint64_t numel, std::uint64_t rows);
+  void ddp_sink(T& loss, T& logits);
   TensorId new_param_storage(std::uint64_t bytes);
   std::pair<std::uint64_t, std::uint64_t> projection_shape(std::string_view path) const;
 

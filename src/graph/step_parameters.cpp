@@ -76,6 +76,7 @@ void StepBuilder::wrap_data_parallel() {
   std::vector<std::vector<std::uint32_t>> layers(a_.num_layers);
   std::vector<std::uint32_t> root;
   std::vector<std::string> root_names;
+  std::vector<std::uint32_t> registration;  // module.parameters() order: the root's around the layers
   std::uint32_t idx = 0;
   bool in_layers_done = false;
   const auto& groups = m_.parameters;
@@ -89,6 +90,7 @@ void StepBuilder::wrap_data_parallel() {
     if (!is_layer(groups[gi])) {
       wp[idx].partial_grad = partial(groups[gi].name);
       root_names.push_back(groups[gi].name);
+      registration.push_back(idx);
       root.push_back(idx++);
       continue;
     }
@@ -119,6 +121,7 @@ void StepBuilder::wrap_data_parallel() {
           if (ad.path == module_of[k]) layers[l].insert(layers[l].end(), {ad.a, ad.b});
         }
       }
+      registration.insert(registration.end(), layers[l].begin(), layers[l].end());
       idx += static_cast<std::uint32_t>(per_layer);
     }
     in_layers_done = true;
@@ -135,7 +138,7 @@ void StepBuilder::wrap_data_parallel() {
   if (r_.pp_stages_per_rank > 1) {
     wrap_pipeline_stages(wp, layers, root, root_names);
   } else {
-    dp_->wrap(wp, layers, root, buffers);
+    dp_->wrap(wp, layers, root, buffers, registration);
   }
   // Under LoRA the frozen embedding's output requires grad only where checkpointing made
   // transformers call enable_input_require_grads (See Note [LoRA]).

@@ -275,6 +275,14 @@ void validate_parallel(const Recipe& r) {
   if (r.pp == 1 && r.pp_stages_per_rank != 1) {
     throw Error("pp_stages_per_rank: a pipeline knob, it needs pp > 1");
   }
+  if (r.ddp_find_unused_parameters && (r.parallel != Parallel::kDdp || r.pp > 1)) {
+    throw Error("ddp_find_unused_parameters: a DistributedDataParallel knob, it needs parallel ddp (without a "
+                "pipeline)");
+  }
+  if (r.ddp_find_unused_parameters && r.loss == Loss::kFused) {
+    throw Error("ddp_find_unused_parameters with loss fused is not modelled (unmeasured: _DDPSink clones what the "
+                "module returns, which the fused loss changes); use standard");
+  }
   if (r.parallel != Parallel::kFsdp && !r.fsdp.is_default()) {
     throw Error("fsdp_reshard_after_forward / fsdp_replicate / fsdp_param_dtype / fsdp_reduce_dtype: FSDP2 knobs, "
                 "they need parallel fsdp");
@@ -465,6 +473,7 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   r.pp_schedule = parse_pipeline_schedule(in.pp_schedule);
   r.pp_stages_per_rank = in.pp_stages_per_rank;
   r.fsdp.reshard_after_forward = in.fsdp_reshard_after_forward;
+  r.ddp_find_unused_parameters = in.ddp_find_unused_parameters;
   r.fsdp.replicate = in.fsdp_replicate;
   r.fsdp.param_dtype = parse_fsdp_dtype(in.fsdp_param_dtype, "fsdp_param_dtype");
   r.fsdp.reduce_dtype = parse_fsdp_dtype(in.fsdp_reduce_dtype, "fsdp_reduce_dtype");

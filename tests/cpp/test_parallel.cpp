@@ -6,7 +6,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <iterator>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -53,6 +55,50 @@ TEST(Ddp, AddsTheBucketsToTheGradientsWhateverTheWorldSize) {
       EXPECT_EQ(ddp.breakdown_at_peak[c], one.breakdown_at_peak[c] + extra) << gpus << " category " << c;
     }
   }
+}
+
+// Note [DDP find_unused_parameters], against cpu-ddp-gpt2l2-fp32-adamw-findunused-b2s32's trace:
+// buckets closed at 1 MiB (wte alone) and then 25 MiB in parameter order, allocated last bucket
+// first, then the Reducer's two int32 maps of the 28 parameters (host and device are both the
+// CPU); no rebuild at the second forward.
+TEST(DdpFindUnused, BucketsBySizeInParameterOrderAndNeverRebuilt) {
+  Recipe r = dp_recipe(Parallel::kDdp, 2, Precision::kFp32);
+  r.ddp_find_unused_parameters = true;
+  r.validate();
+  const graph::Trace t = graph::build_training_trace(gpt2_l2(), r, find_gpu("cpu"));
+  EXPECT_EQ(allocs_at(t, "ddp.reducer"),
+            (std::vector<std::uint64_t>{2'304 * 4, 7'087'872 * 4, 7'873'536 * 4, 38'597'376 * 4, 28 * 4, 28 * 4}));
+  EXPECT_TRUE(allocs_at(t, "ddp.rebuild_buckets").empty());
+  // On a GPU the host map is not the device's: one int32 map there.
+  r.gpu = "h100-80gb";
+  const std::vector<std::uint64_t> cuda = allocs_at(graph::build_training_trace(gpt2_l2(), r, find_gpu("h100-80gb")), "ddp.reducer");
+  EXPECT_EQ(cuda.size(), 5u);
+  EXPECT_EQ(cuda.back(), 28u * 4);
+}
+
+// _DDPSink clones the CausalLM's loss and logits after every forward (two steps here): a 4-byte
+// loss and a batch x seq x vocab fp32 copy more in the loss phase, and nothing else changes there.
+TEST(DdpFindUnused, TheSinkClonesTheLossAndTheLogits) {
+  Recipe r = dp_recipe(Parallel::kDdp, 2, Precision::kFp32);
+  std::vector<std::uint64_t> plain = allocs_at(graph::build_training_trace(gpt2_l2(), r, find_gpu("cpu")), "loss");
+  r.ddp_find_unused_parameters = true;
+  std::vector<std::uint64_t> sink = allocs_at(graph::build_training_trace(gpt2_l2(), r, find_gpu("cpu")), "loss");
+  std::vector<std::uint64_t> extra;
+  std::sort(plain.begin(), plain.end());
+  std::sort(sink.begin(), sink.end());
+  std::set_difference(sink.begin(), sink.end(), plain.begin(), plain.end(), std::back_inserter(extra));
+  const std::uint64_t logits = 2 * 32 * 50'257 * 4;
+  EXPECT_EQ(extra, (std::vector<std::uint64_t>{4, 4, logits, logits}));
+}
+
+TEST(DdpFindUnused, IsADdpKnob) {
+  Recipe r = dp_recipe(Parallel::kFsdp, 2, Precision::kFp32);
+  r.ddp_find_unused_parameters = true;
+  EXPECT_NE(testing::error_of([&] { r.validate(); }).find("needs parallel ddp"), std::string::npos);
+  r.parallel = Parallel::kDdp;
+  EXPECT_NO_THROW(r.validate());
+  r.loss = Loss::kFused;
+  EXPECT_NE(testing::error_of([&] { r.validate(); }).find("with loss fused is not modelled"), std::string::npos);
 }
 
 // GPT-2's root unit: wte (50,257 rows, padded to 2 x 25,129), wpe (1,024 rows), ln_f weight and

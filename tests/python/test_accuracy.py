@@ -338,6 +338,24 @@ def test_fsdp_lora_entries_exact(comparisons):
             assert r["measured_peak_allocated_bytes"] == r["predicted_peak_allocated_bytes"], (name, r["rank"])
 
 
+def test_ddp_find_unused_entries_exact(comparisons):
+    """DistributedDataParallel(find_unused_parameters=True), Hugging Face's Trainer's choice for a
+    peft model or a model without checkpointing (Note [DDP find_unused_parameters]): buckets by
+    size at construction and never rebuilt, the Reducer's int32 maps, and _DDPSink's clones of the
+    loss and the logits, which move three of the four peaks into the loss phase. Every rank exact."""
+    runs = [(name, c) for name, c in comparisons if c["recipe"].get("ddp_find_unused_parameters")]
+    assert len(runs) >= 4, [name for name, _ in runs]
+    assert any(c["recipe"].get("lora_rank", 0) == 0 for _, c in runs)
+    assert any(c["recipe"]["grad_accum"] > 1 for _, c in runs)
+    assert any(c["measured_peak"].get("phase") == "loss" for _, c in runs)
+    for name, c in runs:
+        assert c["measured_peak_allocated_bytes"] == c["predicted_peak_allocated_bytes"], name
+        for cat, v in c["categories"].items():
+            assert v["measured"] == v["predicted"], (name, cat, v)
+        for r in c["ranks"]:
+            assert r["measured_peak_allocated_bytes"] == r["predicted_peak_allocated_bytes"], (name, r["rank"])
+
+
 def test_zero_lora_entries_exact(comparisons):
     """DeepSpeed ZeRO-1/2 over a peft model: the flat 16-bit group and the fp32 master partition
     hold the adapters only (the client optimizer's parameters), the frozen base keeps its own

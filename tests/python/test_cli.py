@@ -542,6 +542,10 @@ def test_fit_offers_flipping_reshard_after_forward(run):
     (["--gpus", "0", "--parallel", "ddp"], "gpus: must be between 1 and 4096, got 0"),
     (["--parallel", "ddp", "--inference"], "parallel: ddp is a training knob; inference runs on one GPU"),
     (["--parallel", "fsdp", "--loss", "fused"], "loss: fused under parallel fsdp is not modelled"),
+    (["--gpus", "2", "--parallel", "fsdp", "--ddp-find-unused-parameters"],
+     "ddp_find_unused_parameters: a DistributedDataParallel knob, it needs parallel ddp"),
+    (["--gpus", "2", "--parallel", "ddp", "--ddp-find-unused-parameters", "--loss", "fused"],
+     "ddp_find_unused_parameters with loss fused is not modelled"),
 ])
 def test_data_parallel_bad_input(run, args, message):
     r = run("estimate", "gpt2", *args)

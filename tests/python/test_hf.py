@@ -43,6 +43,21 @@ def test_unmodelled_settings_are_refused(kw, message):
         trainmem.hf.recipe_from_training_arguments(args(**kw))
 
 
+def test_ddp_find_unused_parameters_as_the_trainer_sets_it():
+    # Trainer._build_accelerator_args: the argument when set; else True for a peft model, and for a
+    # PreTrainedModel that is not checkpointed.
+    plain, ckpt = args(), args(gradient_checkpointing=True)
+    assert trainmem.hf.recipe_from_training_arguments(plain, gpus=2)["ddp_find_unused_parameters"] is True
+    assert "ddp_find_unused_parameters" not in trainmem.hf.recipe_from_training_arguments(ckpt, gpus=2)
+    assert trainmem.hf.recipe_from_training_arguments(ckpt, gpus=2, peft=True)["ddp_find_unused_parameters"] is True
+    off = args(ddp_find_unused_parameters=False)
+    assert "ddp_find_unused_parameters" not in trainmem.hf.recipe_from_training_arguments(off, gpus=2, peft=True)
+    assert "ddp_find_unused_parameters" not in trainmem.hf.recipe_from_training_arguments(plain, gpus=1)
+    knobs = trainmem.hf.recipe_from_training_arguments(ckpt, gpus=2, peft=True, seq=128)
+    est = trainmem.estimate("qwen3-0.6b", lora_rank=8, **knobs)
+    assert est.recipe["ddp_find_unused_parameters"] is True
+
+
 def test_fsdp_and_ddp_from_trainer_settings():
     d = args(per_device_train_batch_size=2).to_dict()
     assert trainmem.hf.recipe_from_training_arguments(d, gpus=4)["parallel"] == "ddp"

@@ -42,6 +42,8 @@ from trainmem.measure.models import resolve_model  # noqa: E402
     ({"gpus": 2, "parallel": "fsdp", "loss": "fused"}, "loss=fused is not measured"),
     ({"gpus": 2, "parallel": "ddp", "fsdp_reshard_after_forward": False}, "they need parallel fsdp"),
     ({"fsdp_replicate": 2}, "they need parallel fsdp"),
+    ({"gpus": 2, "parallel": "fsdp", "ddp_find_unused_parameters": True}, "it needs parallel ddp"),
+    ({"gpus": 2, "parallel": "ddp", "ddp_find_unused_parameters": 1}, "must be true or false"),
     ({"gpus": 2, "parallel": "fsdp", "fsdp_reshard_after_forward": 0}, "must be true or false"),
     ({"gpus": 4, "parallel": "fsdp", "fsdp_replicate": 4}, "needs a shard group of 2 or more ranks"),
     ({"gpus": 4, "parallel": "fsdp", "fsdp_replicate": 3}, "needs a shard group of 2 or more ranks"),

@@ -81,6 +81,9 @@ def _parser() -> _Parser:
     p.add_argument("--pp-stages-per-rank", type=int, default=defaults.pp_stages_per_rank, metavar="V",
                    help="with --pp and a multi-stage schedule: V stages per rank, rank r holding stages r, r + N, "
                         "..., the decoder layers split over N x V stages (default %(default)s)")
+    p.add_argument("--ddp-find-unused-parameters", action="store_true",
+                   help="parallel ddp: DistributedDataParallel(find_unused_parameters=True), what Hugging Face's "
+                        "Trainer passes for a peft model")
     p.add_argument("--fsdp-reshard-after-forward", choices=("true", "false"), default="true",
                    help="parallel fsdp: fully_shard(layer, reshard_after_forward=...) for the decoder layers; false "
                         "keeps each layer gathered from its forward to its backward (SHARD_GRAD_OP) (default true)")
@@ -173,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                         fsdp_reshard_after_forward=args.fsdp_reshard_after_forward == "true",
                         fsdp_replicate=args.fsdp_replicate, fsdp_param_dtype=args.fsdp_param_dtype,
                         fsdp_reduce_dtype=args.fsdp_reduce_dtype,
+                        ddp_find_unused_parameters=args.ddp_find_unused_parameters,
                         load_in_4bit=args.load_in_4bit or args.qlora, bnb_4bit_quant_type=quant_type,
                         bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant or args.qlora,
                         load_in_8bit=args.load_in_8bit)

@@ -265,7 +265,7 @@ def wrap_model(model: torch.nn.Module, recipe: Recipe, device: str) -> torch.nn.
 
         capture = _Capture()
         with capture:  # the Reducer's buckets are made here, in C++, through aten
-            runner = DistributedDataParallel(model)
+            runner = DistributedDataParallel(model, find_unused_parameters=recipe.ddp_find_unused_parameters)
         runner._trainmem_made = capture.made
     elif recipe.parallel == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh

@@ -114,6 +114,10 @@ class Recipe:
     fsdp_replicate: int = 1
     fsdp_param_dtype: str = "none"
     fsdp_reduce_dtype: str = "none"
+    # DDP's find_unused_parameters (parallel ddp, parallel.py): True is what Hugging Face's Trainer
+    # passes for a peft model; DDP then buckets by size at construction and routes the module's
+    # outputs through _DDPSink (docs/parallelism.md "find_unused_parameters").
+    ddp_find_unused_parameters: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -201,6 +205,11 @@ class Recipe:
         if self.parallel == "none" and gpus != 1:
             raise RecipeError(f"gpus={gpus} needs a data-parallel wrapper: parallel ddp, fsdp, zero1, zero2 or zero3")
         self._check_fsdp()
+        if not isinstance(self.ddp_find_unused_parameters, bool):
+            raise RecipeError(f"ddp_find_unused_parameters must be true or false, got {self.ddp_find_unused_parameters!r}")
+        if self.ddp_find_unused_parameters and (self.parallel != "ddp" or self.is_pp):
+            raise RecipeError("ddp_find_unused_parameters is a DistributedDataParallel knob: it needs parallel ddp "
+                              "(without a pipeline)")
         if self.parallel == "none":
             return
         if self.is_inference:
@@ -505,6 +514,8 @@ class Recipe:
         if self.parallel != "fsdp":  # FSDP2's knobs with parallel fsdp only, as the engine writes them
             for key in ("fsdp_reshard_after_forward", "fsdp_replicate", "fsdp_param_dtype", "fsdp_reduce_dtype"):
                 del out[key]
+        if not self.ddp_find_unused_parameters:  # and DDP's only when it is on
+            del out["ddp_find_unused_parameters"]
         return out
 
     @classmethod

@@ -462,6 +462,8 @@ def default_command(spec: ModelSpec, recipe: Recipe, *, device: str, fake: bool)
         args.append("--loss-parallel")
     if not recipe.fsdp_reshard_after_forward:
         args += ["--fsdp-reshard-after-forward", "false"]
+    if recipe.ddp_find_unused_parameters:
+        args.append("--ddp-find-unused-parameters")
     for key, flag in (("fsdp_replicate", "--fsdp-replicate"), ("fsdp_param_dtype", "--fsdp-param-dtype"),
                       ("fsdp_reduce_dtype", "--fsdp-reduce-dtype")):
         if getattr(recipe, key) != getattr(defaults, key):
