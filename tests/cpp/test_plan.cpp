@@ -476,21 +476,37 @@ TEST(Fit, LoraOnSeveralGpusIsPlannedUnderDdpFsdpOrZero) {
   }
 }
 
+// Llama-3.1-70B with LoRA 16 on the default targets, planned over `gpus` GPUs.
+FitResult fit_70b_lora(const char* gpu, std::uint64_t seq, std::uint64_t gpus, std::uint64_t global_batch) {
+  FitRequest q;
+  q.base = base_recipe(gpu, seq);
+  q.base.lora.rank = 16;
+  q.base.lora.targets = {"default"};
+  q.gpus = gpus;
+  q.global_batch = global_batch;
+  q.top = 3;
+  return fit(load_model("llama-3.1-70b"), q);
+}
+
 // A base no GPU holds whole with its activations: before FSDP2 took adapters nothing fit, now the
 // frozen 70B base is sharded over the eight GPUs (Note [LoRA under FSDP2] in graph/parallel.cpp).
+TEST(Fit, LoraOfABaseTooLargeForOneGpuIsShardedUnderFsdp) {
+  const FitResult f = fit_70b_lora("h100-80gb", 4096, 8, 16);
+  ASSERT_FALSE(f.plans.empty());
+  const Model m = load_model("llama-3.1-70b");
+  for (const Plan& p : f.plans) {
+    EXPECT_EQ(p.recipe.parallel, Parallel::kFsdp);
+    EXPECT_EQ(p.recipe.lora.rank, 16u);
+    EXPECT_LE(p.peak_reserved_bytes, f.capacity_bytes);
+    EXPECT_LE(plan::persistent_floor(m, p.recipe), p.peak_allocated_bytes);
+  }
+}
+
 // The example: Llama-3.1-70B on two 24 GiB GPUs. Sharded over two, the bf16 base alone is
 // ~66 GiB a rank; with FSDP2's CPUOffloadPolicy the shards live on the host and a rank holds a
 // unit or two at a time, so LoRA fits.
 TEST(Fit, LoraOfA70BOnTwoConsumerGpusIsShardedAndOffloaded) {
-  const Model m = load_model("llama-3.1-70b");
-  FitRequest q;
-  q.base = base_recipe("rtx-4090", 2048);
-  q.base.lora.rank = 16;
-  q.base.lora.targets = {"default"};
-  q.gpus = 2;
-  q.global_batch = 8;
-  q.top = 2;
-  const FitResult f = fit(m, q);
+  const FitResult f = fit_70b_lora("rtx-4090", 2048, 2, 8);
   ASSERT_FALSE(f.plans.empty());
   for (const Plan& p : f.plans) {
     EXPECT_EQ(p.recipe.parallel, Parallel::kFsdp);
@@ -498,25 +514,6 @@ TEST(Fit, LoraOfA70BOnTwoConsumerGpusIsShardedAndOffloaded) {
     EXPECT_LE(p.peak_reserved_bytes, f.capacity_bytes);
     EXPECT_GT(p.host_bytes, 70'000'000'000u / 2);  // the bf16 base's shards, pinned
     EXPECT_GT(p.time.host_s, 0);
-  }
-}
-
-TEST(Fit, LoraOfABaseTooLargeForOneGpuIsShardedUnderFsdp) {
-  const Model m = load_model("llama-3.1-70b");
-  FitRequest q;
-  q.base = base_recipe("h100-80gb", 4096);
-  q.base.lora.rank = 16;
-  q.base.lora.targets = {"default"};
-  q.gpus = 8;
-  q.global_batch = 16;
-  q.top = 4;
-  const FitResult f = fit(m, q);
-  ASSERT_FALSE(f.plans.empty());
-  for (const Plan& p : f.plans) {
-    EXPECT_EQ(p.recipe.parallel, Parallel::kFsdp);
-    EXPECT_EQ(p.recipe.lora.rank, 16u);
-    EXPECT_LE(p.peak_reserved_bytes, f.capacity_bytes);
-    EXPECT_LE(plan::persistent_floor(m, p.recipe), p.peak_allocated_bytes);
   }
 }
 

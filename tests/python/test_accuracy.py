@@ -293,6 +293,16 @@ def test_fsdp_entries_exact(comparisons):
             assert v["measured"] == v["predicted"], (name, cat, v)
 
 
+def _assert_every_rank_exact(runs):
+    """Each comparison's peak and categories, and every measured rank's peak, to the byte."""
+    for name, c in runs:
+        assert c["measured_peak_allocated_bytes"] == c["predicted_peak_allocated_bytes"], name
+        for cat, v in c["categories"].items():
+            assert v["measured"] == v["predicted"], (name, cat, v)
+        for r in c["ranks"]:
+            assert r["measured_peak_allocated_bytes"] == r["predicted_peak_allocated_bytes"], (name, r["rank"])
+
+
 def test_ddp_lora_entries_exact(comparisons):
     """DDP over a peft model (recipe.parallel ddp with lora_rank): the Reducer buckets the adapters'
     gradients only, in their own ready order (Note [DDP buckets]), and every rank is reproduced to
@@ -305,12 +315,7 @@ def test_ddp_lora_entries_exact(comparisons):
     recipes = [c["recipe"] for _, c in runs]
     assert any(r["checkpointing"] == "full" for r in recipes) and any(r["grad_accum"] > 1 for r in recipes)
     assert any(c["measured_peak"].get("phase") == "loss" for _, c in runs)
-    for name, c in runs:
-        assert c["measured_peak_allocated_bytes"] == c["predicted_peak_allocated_bytes"], name
-        for cat, v in c["categories"].items():
-            assert v["measured"] == v["predicted"], (name, cat, v)
-        for r in c["ranks"]:
-            assert r["measured_peak_allocated_bytes"] == r["predicted_peak_allocated_bytes"], (name, r["rank"])
+    _assert_every_rank_exact(runs)
 
 
 def test_fsdp_lora_entries_exact(comparisons):
@@ -330,12 +335,7 @@ def test_fsdp_lora_entries_exact(comparisons):
     assert any(not r.get("fsdp_reshard_after_forward", True) and r["grad_accum"] > 1 for r in recipes)
     assert any(r["checkpointing"] == "none" for r in recipes) and any(r["checkpointing"] == "full" for r in recipes)
     assert any(c["measured_peak"].get("phase") == "backward" for _, c in runs)
-    for name, c in runs:
-        assert c["measured_peak_allocated_bytes"] == c["predicted_peak_allocated_bytes"], name
-        for cat, v in c["categories"].items():
-            assert v["measured"] == v["predicted"], (name, cat, v)
-        for r in c["ranks"]:
-            assert r["measured_peak_allocated_bytes"] == r["predicted_peak_allocated_bytes"], (name, r["rank"])
+    _assert_every_rank_exact(runs)
 
 
 def test_ddp_find_unused_entries_exact(comparisons):
@@ -348,12 +348,7 @@ def test_ddp_find_unused_entries_exact(comparisons):
     assert any(c["recipe"].get("lora_rank", 0) == 0 for _, c in runs)
     assert any(c["recipe"]["grad_accum"] > 1 for _, c in runs)
     assert any(c["measured_peak"].get("phase") == "loss" for _, c in runs)
-    for name, c in runs:
-        assert c["measured_peak_allocated_bytes"] == c["predicted_peak_allocated_bytes"], name
-        for cat, v in c["categories"].items():
-            assert v["measured"] == v["predicted"], (name, cat, v)
-        for r in c["ranks"]:
-            assert r["measured_peak_allocated_bytes"] == r["predicted_peak_allocated_bytes"], (name, r["rank"])
+    _assert_every_rank_exact(runs)
 
 
 def test_zero_lora_entries_exact(comparisons):
