@@ -96,9 +96,11 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
 
     knobs["optimizer"] = _trainer_optimizer(args)
 
-    checkpointed = bool(_get(args, "gradient_checkpointing", False))
+    # transformers 5 names them activation_checkpointing*, the gradient_checkpointing* spellings
+    # being deprecated aliases that a TrainingArguments mirrors but a hand-made dict may not.
+    checkpointed = bool(_get(args, "activation_checkpointing") or _get(args, "gradient_checkpointing", False))
     if checkpointed:
-        kwargs = _get(args, "gradient_checkpointing_kwargs") or {}
+        kwargs = _get(args, "activation_checkpointing_kwargs") or _get(args, "gradient_checkpointing_kwargs") or {}
         if kwargs.get("use_reentrant", False):
             raise ValueError("gradient_checkpointing_kwargs use_reentrant=True is not modelled (non-reentrant is)")
         knobs["checkpointing"] = "full"

@@ -53,6 +53,9 @@ def test_ddp_find_unused_parameters_as_the_trainer_sets_it():
     off = args(ddp_find_unused_parameters=False)
     assert "ddp_find_unused_parameters" not in trainmem.hf.recipe_from_training_arguments(off, gpus=2, peft=True)
     assert "ddp_find_unused_parameters" not in trainmem.hf.recipe_from_training_arguments(plain, gpus=1)
+    # transformers 5's own name for it, in a dict without the deprecated alias
+    assert "ddp_find_unused_parameters" not in trainmem.hf.recipe_from_training_arguments(
+        {"activation_checkpointing": True}, gpus=2)
     knobs = trainmem.hf.recipe_from_training_arguments(ckpt, gpus=2, peft=True, seq=128)
     est = trainmem.estimate("qwen3-0.6b", lora_rank=8, **knobs)
     assert est.recipe["ddp_find_unused_parameters"] is True
