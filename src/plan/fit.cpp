@@ -437,6 +437,13 @@ std::uint64_t rank_floor(const Model& m, const Recipe& r) {
 }
 
 // `r` as a pipeline of `stages` stages, one per GPU (or per tensor-parallel group of r.tp: PP x TP,
+// The knobs of one wrapper dropped where the candidate runs another: FSDP2's outside fsdp, DDP's
+// find_unused_parameters outside a plain DDP (recipe validation refuses them there).
+void keep_own_wrapper_knobs(Recipe& r) {
+  if (r.parallel != Parallel::kFsdp) r.fsdp = Fsdp{};
+  if (r.parallel != Parallel::kDdp || r.pp > 1) r.ddp_find_unused_parameters = false;
+}
+
 // Note [Pipeline with tensor parallelism] in graph/pipeline.cpp), in `replicas` copies
 // data-parallel under `wrapper` (DDP or FSDP2) when more than one (PP x DP, Notes [Pipeline with
 // DDP] and [Pipeline with FSDP2]): every replica's stages run its share of the global batch in
@@ -449,6 +456,7 @@ Recipe as_pipeline(Recipe r, std::uint64_t stages, std::uint64_t global_batch, s
   r.fsdp = Fsdp{};
   r.offload = Offload::kNone;
   r.pp = stages;
+  keep_own_wrapper_knobs(r);
   r.grad_accum = global_batch / replicas / r.batch;
   r.pp_schedule = r.grad_accum >= r.pp ? PipelineSchedule::k1F1B : PipelineSchedule::kGPipe;
   return r;
@@ -465,6 +473,7 @@ Recipe as_tensor_parallel(Recipe r, std::uint64_t tp, std::uint64_t groups, std:
   r.fsdp = Fsdp{};
   r.offload = Offload::kNone;
   r.pp = 1;
+  keep_own_wrapper_knobs(r);
   r.pp_schedule = Recipe{}.pp_schedule;
   r.grad_accum = global_batch / groups / r.batch;
   const bool mixed = r.precision == Precision::kBf16Mixed || r.precision == Precision::kFp16Mixed;
@@ -869,6 +878,7 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
     cr.gpus = groups;
     if (cr.parallel != Parallel::kFsdp) cr.fsdp = Fsdp{};
     cr.parallel = Parallel::kFsdp;
+    keep_own_wrapper_knobs(cr);
     cr.fsdp.replicate = 1;
     cr.offload = Offload::kNone;
     cr.grad_accum = per_group / r.batch;
@@ -887,7 +897,7 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
     cr.cp = q.gpus;
     cr.gpus = 1;
     cr.parallel = Parallel::kNone;
-    cr.fsdp = Fsdp{};
+    keep_own_wrapper_knobs(cr);
     cr.offload = Offload::kNone;
     cr.grad_accum = out.global_batch / r.batch;
     if (!valid(cr) || !cp_modelled(model, cr)) return std::nullopt;
@@ -982,7 +992,7 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
                     r.loss = l;
                     r.parallel = dp;
                     if (tp == 1 && r.gpus > 1 && dp == Parallel::kNone) r.parallel = Parallel::kDdp;
-                    if (r.parallel != Parallel::kFsdp) r.fsdp = Fsdp{};  // FSDP2's knobs belong to fsdp alone
+                    keep_own_wrapper_knobs(r);  // FSDP2's knobs belong to fsdp alone, find_unused to ddp
                     r.allocator = allocators.front();
                     for (Offload off : offloads) {
                       r.offload = off;
@@ -1216,7 +1226,7 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
       if (dp == base.parallel) continue;
       Recipe r = base;
       r.parallel = dp;
-      if (dp != Parallel::kFsdp) r.fsdp = Fsdp{};
+      keep_own_wrapper_knobs(r);
       std::string what = "parallel " + std::string(to_string(dp));
       // DeepSpeed's bf16 mode is bf16 weights over fp32 master partitions: a bf16 recipe moves to
       // it (recipe validation refuses the other bf16 policies under ZeRO).

@@ -476,6 +476,36 @@ TEST(Fit, LoraOnSeveralGpusIsPlannedUnderDdpFsdpOrZero) {
   }
 }
 
+// DDP's find_unused_parameters belongs to DDP: candidates and single changes under another wrapper
+// drop it instead of being refused, and DDP candidates keep it.
+TEST(Fit, FindUnusedParametersStaysWithDdp) {
+  const Model m = model::with_layers(load_model("llama-3.2-1b"), 2);
+  FitRequest q;
+  q.base = base_recipe("rtx-4090", 512);
+  q.base.gpus = 4;
+  q.base.parallel = Parallel::kDdp;
+  q.base.ddp_find_unused_parameters = true;
+  q.base.validate();
+  q.gpus = 4;
+  q.global_batch = 16;
+  q.top = 40;
+  const FitResult f = fit(m, q);
+  ASSERT_FALSE(f.plans.empty());
+  bool other_wrapper = false;
+  for (const Plan& p : f.plans) {
+    EXPECT_EQ(p.recipe.ddp_find_unused_parameters, p.recipe.parallel == Parallel::kDdp && p.recipe.pp == 1);
+    other_wrapper = other_wrapper || p.recipe.parallel != Parallel::kDdp;
+  }
+  EXPECT_TRUE(other_wrapper);
+  bool fsdp_change = false;
+  for (const Change& c : f.changes) {
+    if (c.what != "parallel fsdp") continue;
+    fsdp_change = true;
+    EXPECT_FALSE(c.plan.recipe.ddp_find_unused_parameters);
+  }
+  EXPECT_TRUE(fsdp_change);
+}
+
 // Llama-3.1-70B with LoRA 16 on the default targets, planned over `gpus` GPUs.
 FitResult fit_70b_lora(const char* gpu, std::uint64_t seq, std::uint64_t gpus, std::uint64_t global_batch) {
   FitRequest q;
