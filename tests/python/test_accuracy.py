@@ -323,11 +323,11 @@ def test_fsdp_lora_entries_exact(comparisons):
     fp32 adapters as bytes), reduce-scatters the adapters' gradients only, the root reduces
     nothing, and without checkpointing layer 0 (whose input, the frozen embedding's output,
     requires no grad) reduces in the root's final callback (Note [LoRA under FSDP2]). Every rank
-    exact: GPT-2, the narrow Llama and Qwen3, mixed dtypes, a bf16 param_dtype policy,
+    exact: GPT-2, the narrow Llama, Qwen3 and Phi-3, mixed dtypes, a bf16 param_dtype policy,
     reshard_after_forward false with dropout and accumulation, and HSDP over four ranks."""
     runs = [(name, c) for name, c in comparisons
             if c["recipe"].get("parallel") == "fsdp" and c["recipe"].get("lora_rank", 0) > 0]
-    assert len(runs) >= 6, [name for name, _ in runs]
+    assert len(runs) >= 7, [name for name, _ in runs]
     recipes = [c["recipe"] for _, c in runs]
     assert any(r["precision"] == "bf16-true" for r in recipes)
     assert any(r.get("fsdp_param_dtype") == "bf16" for r in recipes)
