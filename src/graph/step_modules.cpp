@@ -461,9 +461,11 @@ T StepBuilder::rms_norm_module(const T& x, std::uint32_t w, std::uint64_t rows) 
     return out;
   }
   T hc = to(hn, x.dtype);
-  t_.drop(hn);
   DType od = promote(params_[w].dtype, x.dtype);
   out = fresh(n, od);
+  // `return self.weight * hidden_states.to(input_dtype)`: the fp32 normalised hidden_states is a
+  // local until the norm returns, after the product exists (measured: a bf16 Llama's final norm).
+  t_.drop(hn);
   if (!hc.requires_grad() && !trainable(w)) {
     t_.drop(hc);
     t_.drop(var);
