@@ -110,6 +110,11 @@ class DataParallel {
   void module_pre_forward(std::uint32_t module);
   void module_post_forward(std::uint32_t module);
   void module_backward(std::uint32_t module, bool begin);
+  // ZeROOrderedDict's getter: `module`'s forward reads another module's parameter (peft's
+  // lora.Linear reads lora_A.weight.dtype). It becomes an external parameter of `module`, fetched
+  // and released with it from then on, and is gathered now if it is partitioned (See Note [LoRA
+  // under ZeRO-3] in zero3.cpp).
+  void zero3_external_param(std::uint32_t module, std::uint32_t param);
   // The storage a gathered parameter's .data is now (the parameter index of wrap()).
   TensorId zero3_data(std::uint32_t param) const { return z3_data_[param]; }
   // Exposed for tests and the planner: DeepSpeed's per-parameter partition (ceil(numel / world)
@@ -284,7 +289,9 @@ class DataParallel {
   std::size_t z3_queue_ = 0;                    // __param_queue: the next entry of z3_param_order_
   std::vector<std::int64_t> z3_most_recent_;    // __most_recent_step_id_param_fetched_for
   std::int64_t z3_step_id_ = 0;
-  std::uint64_t z3_available_ = 0;              // __n_available_params
+  // __n_available_params: what the coordinator gathered less what it released; a parameter gathered
+  // outside it (an external parameter's getter) is released by it too, so this can go below 0.
+  std::int64_t z3_available_ = 0;
   std::vector<std::uint32_t> z3_backward_active_;  // __active_backward_submodules
   std::vector<std::uint64_t> sub_group_numel_;
   TensorId z3_bucket_ = kNone;

@@ -158,6 +158,7 @@ ValueId StepBuilder::forward_and_loss() {
   if (dp_->zero3()) op("model");  // the model's forward pre-hooks run before its first op
   dp_->pre_forward();
   causal_lm_module_ = container_enter(Container::kCausalLM, false);
+  if (r_.lora.enabled()) peft_tuner_module_ = container_enter(Container::kPeftTuner, false);
   base_model_module_ = container_enter(Container::kBaseModel, false);
   const bool gpt2 = a_.family == Family::kGpt2;
   op(gpt2 ? "wte" : "embed_tokens");
@@ -175,16 +176,28 @@ ValueId StepBuilder::forward_and_loss() {
     hs = shard;
     dtensor_ = true;
   }
-  module_exit(emb_module);
-  // The model's forward keeps `inputs_embeds` (GPT-2 also `position_embeds`) to its return.
-  T inputs_embeds = t_.ref(hs);
-  T position_embeds;
   if (!trainable(emb) && r_.checkpointing == Checkpointing::kFull) {
     // enable_input_require_grads' hook on the module's output (Note [LoRA]): a leaf that
     // requires grad, held by its AccumulateGrad node until the graph is freed.
     requires_grad(hs);
     input_leaf_ = t_.ref(hs);
+    if (dp_->zero3()) {
+      // ZeRO-3's forward hooks come after it: the output now requires grad, so the module gets
+      // a pre-backward Function, whose backward fetches the embedding again at the end of the
+      // backward (See Note [LoRA under ZeRO-3] in zero3.cpp).
+      T out = t_.ref(hs);
+      requires_grad(out);
+      Node& n = open_node(out);
+      n.inputs.push_back(pass_to(hs));
+      t_.close_node();
+      t_.drop(hs);
+      hs = out;
+    }
   }
+  module_exit(emb_module);
+  // The model's forward keeps `inputs_embeds` (GPT-2 also `position_embeds`) to its return.
+  T inputs_embeds = t_.ref(hs);
+  T position_embeds;
   if (gpt2) {
     op("wpe");
     std::uint32_t wpe = global("wpe.weight");
@@ -509,6 +522,8 @@ ValueId StepBuilder::fused_loss(T& hidden, std::uint32_t emb) {
 }
 
 ValueId StepBuilder::scale_loss(T& loss) {
+  module_exit(peft_tuner_module_);
+  peft_tuner_module_ = kNone;
   module_exit(causal_lm_module_);  // the model's forward returns with the loss
   causal_lm_module_ = kNone;
   dp_->post_forward();  // the model's forward has returned (FSDP2's root post-forward)

@@ -70,6 +70,7 @@ struct Param {
   bool matmul = false;
   std::uint64_t rows = 0;  // 2-D tensors: first dimension as stored; 0 for 1-D
   bool quantized = false;  // bitsandbytes 4-bit (Note [QLoRA]): storage is the packed weight
+  bool adapter = false;    // peft's lora_A / lora_B (an nn.Linear's weight)
 };
 
 // Indices into the parameter table for one decoder layer (kNone where the family has none).
@@ -143,6 +144,11 @@ class StepBuilder {
   }
 
   bool trainable(std::uint32_t pi) const { return pi != kNone && params_[pi].trainable; }
+  // An nn.Linear's weight, whose forward is F.linear: every projection but GPT-2's Conv1D ones
+  // (torch.addmm), peft's adapters and lm_head.
+  bool functional_linear(std::uint32_t w) const {
+    return a_.family != Family::kGpt2 || params_[w].adapter || in_lm_head_;
+  }
   static bool ends_with(const std::string& s, std::string_view suffix);
   // The LayerParams field a layer parameter's name binds to ("model.layers.N.self_attn.q_proj.weight"
   // names every layer's q_proj: the same field for each layer).
@@ -193,17 +199,21 @@ class StepBuilder {
   // with parameters (its own: `w`, `b`), or a container (no parameters of its own, but its
   // fetch prefetches), told apart by kind and layer. The nodes recorded until module_exit are
   // the module's backward (Tape::module_begin).
+  // Under LoRA kCausalLM is the PeftModel, kPeftTuner its LoraModel (whose forward calls the
+  // CausalLM's .forward, bypassing that module's hooks), kLora a lora.Linear and kLoraDropout its
+  // lora_dropout (nn.Identity or nn.Dropout), one per adapted projection (`sub`).
   enum class Container : std::uint32_t { kCausalLM = 2, kBaseModel, kEmbedDropout, kRotary, kLayer, kAttention,
-                                         kAttnDropout, kMlp, kAct, kMlpDropout };
+                                         kAttnDropout, kMlp, kAct, kMlpDropout, kPeftTuner, kLora, kLoraDropout };
   std::uint32_t module_enter(std::uint32_t w, std::uint32_t b = kNone, bool input_requires_grad = true) {
     if (!dp_->zero3()) return kNone;
     std::vector<std::uint32_t> own{w};
     if (b != kNone) own.push_back(b);
     return enter(dp_->zero3_module(own, in_lm_head_ ? 1 : 0, input_requires_grad));
   }
-  std::uint32_t container_enter(Container kind, bool input_requires_grad = true) {
+  std::uint32_t container_enter(Container kind, bool input_requires_grad = true, std::uint32_t sub = 0) {
     if (!dp_->zero3()) return kNone;
-    const std::uint32_t key = static_cast<std::uint32_t>(kind) + 16 * static_cast<std::uint32_t>(layer_ + 1);
+    const std::uint32_t key =
+        static_cast<std::uint32_t>(kind) + 16 * static_cast<std::uint32_t>(layer_ + 1) + (sub << 20);
     return enter(dp_->zero3_module({}, key, input_requires_grad));
   }
   std::uint32_t enter(std::uint32_t m) {
@@ -538,6 +548,7 @@ class StepBuilder {
   std::int32_t layer_ = kNoLayer;
   std::string_view op_ = "";
   std::uint32_t causal_lm_module_ = kNone, base_model_module_ = kNone;  // ZeRO-3: open until the loss
+  std::uint32_t peft_tuner_module_ = kNone;
   // Pipeline stage (rank_ is the stage): the receive buffers, one per micro-batch.
   std::vector<TensorId> pp_recv_act_, pp_recv_grad_;
   // The stage pp_forward / pp_backward run (rank_ with one stage per rank) and its receive

@@ -162,7 +162,7 @@ T StepBuilder::linear_8bit(const T& x, std::uint32_t w, std::uint32_t b, std::ui
 
 // nn.Linear (or GPT-2's Conv1D addmm): y = x W^T + b over `rows` rows.
 T StepBuilder::linear(const T& x_in, std::uint32_t w, std::uint32_t b, std::uint64_t out_features) {
-  const std::uint32_t m = module_enter(w, b);
+  const std::uint32_t m = module_enter(w, b, x_in.requires_grad());
   T y = linear_module(x_in, w, b, out_features);
   module_exit(m);
   return y;
@@ -184,16 +184,20 @@ T StepBuilder::linear_module(const T& x_in, std::uint32_t w, std::uint32_t b, st
   ensure_workspace(false);
   const bool wt = trainable(w), bt = trainable(b);
   if (x.requires_grad() || wt || bt) {
-    // mm/addmm save the input for the weight's gradient and the weight for the input's.
+    // mm/addmm save the input for the weight's gradient and the weight for the input's; ZeRO-3's
+    // F.linear, LinearFunctionForZeroStage3, saves the input, the weight and the bias whatever
+    // needs a gradient (See Note [LoRA under ZeRO-3] in zero3.cpp).
+    const bool save_all = dp_->zero3() && functional_linear(w);
     requires_grad(y);
     Node& n = open_node(y);
-    if (wt) n.saved.push_back(x.id);
-    if (x.requires_grad()) {
+    if (wt || save_all) n.saved.push_back(x.id);
+    if (x.requires_grad() || save_all) {
       // The saved weight keeps the storage it had when ZeRO-3 releases the parameter (See
       // Note [DeepSpeed ZeRO-3]).
       n.saved.push_back(wc.id);
-      n.inputs.push_back(grad_of(x));
     }
+    if (save_all && b != kNone) n.saved.push_back(bc.id);
+    if (x.requires_grad()) n.inputs.push_back(grad_of(x));
     // addmm(bias, x, W): the bias is the first input, so its gradient is made and its
     // AccumulateGrad runs first (what DDP's gradient-ready order shows: Note [DDP buckets]).
     if (bt) n.params.push_back(param_grad(b, cd));
@@ -216,14 +220,20 @@ T StepBuilder::proj(const T& x, std::string_view path, std::uint32_t w, std::uin
   const TpStyle style = r_.tp > 1 ? tp_style(path) : TpStyle::kNone;
   if (style == TpStyle::kColwise) return colwise_linear(x, w, b, out_features);
   if (style == TpStyle::kRowwise) return rowwise_linear(x, w, b, out_features);
-  T result = linear(x, w, b, out_features);
   const Adapter* ad = adapter(path);
+  // ZeRO-3 hooks the lora.Linear around the projection and its lora_dropout as modules too.
+  const std::uint32_t sub = ad == nullptr ? 0 : static_cast<std::uint32_t>(ad - adapters_[layer_].data()) + 1;
+  const std::uint32_t lora_module = ad != nullptr ? container_enter(Container::kLora, x.requires_grad(), sub) : kNone;
+  T result = linear(x, w, b, out_features);
   if (ad == nullptr) return result;
   const LoraLabels& labels = lora_labels(path);
   if (params_[w].quantized) return lora_4bit(x, result, *ad, labels);
   const DType result_dtype = result.dtype;
+  dp_->zero3_external_param(lora_module, ad->a);  // lora_A.weight.dtype, through ZeRO-3's getter
   T xa = to(x, params_[ad->a].dtype);  // _cast_input_dtype: x is rebound, kept to the end
+  const std::uint32_t dropout_module = container_enter(Container::kLoraDropout, xa.requires_grad(), sub);
   T xd = r_.lora.dropout > 0 ? dropout(xa) : t_.ref(xa);
+  module_exit(dropout_module);
   op(labels.a);
   T down = linear(xd, ad->a, kNone, r_.lora.rank);
   t_.drop(xd);
@@ -239,6 +249,7 @@ T StepBuilder::proj(const T& x, std::string_view path, std::uint32_t w, std::uin
   T out = to(sum, result_dtype);
   t_.drop(sum);
   t_.drop(xa);
+  module_exit(lora_module);
   return out;
 }
 

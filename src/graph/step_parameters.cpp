@@ -228,11 +228,13 @@ std::uint32_t StepBuilder::add_param(const ParameterGroup& g, bool in_layer, boo
     }
   } else {
     const std::uint64_t bytes = detail::mul(g.numel, dtype_bytes(pol_.param), "parameter bytes");
-    // FSDP2 holds shards only: the full parameter never has memory (See Note [FSDP2 units]);
-    // ZeRO makes the parameters views of one flat buffer (See Note [DeepSpeed ZeRO-1/2]).
-    // Under LoRA the frozen base is not flattened: its parameters keep their storages.
-    const bool view = r_.parallel == Parallel::kFsdp || (is_zero(r_.parallel) && !r_.lora.enabled());
-    p.storage = view ? t_.reserve(bytes, Category::kWeights) : t_.alloc_bytes(bytes, Category::kWeights);
+    // ZeRO-1/2 makes the parameters views of one flat buffer (See Note [DeepSpeed ZeRO-1/2]);
+    // under LoRA the frozen base is not flattened there: its parameters keep their storages.
+    if (is_zero(r_.parallel) && r_.parallel != Parallel::kZero3 && !r_.lora.enabled()) {
+      p.storage = t_.reserve(bytes, Category::kWeights);
+    } else {
+      p.storage = new_param_storage(bytes);
+    }
   }
   p.slot = t_.new_param(p.storage);
   p.matmul = g.matmul_weight;
@@ -319,11 +321,11 @@ void StepBuilder::create_adapters() {
   }
 }
 
-// A parameter's storage as the model is built: under FSDP2 without memory, since only its shards
-// ever reach the device (See Note [FSDP2 units]).
+// A parameter's storage as the model is built: under FSDP2 and ZeRO-3 without memory, since only
+// its shard or partition ever reaches the device (See Notes [FSDP2 units] and [DeepSpeed ZeRO-3]).
 TensorId StepBuilder::new_param_storage(std::uint64_t bytes) {
-  return r_.parallel == Parallel::kFsdp ? t_.reserve(bytes, Category::kWeights)
-                                        : t_.alloc_bytes(bytes, Category::kWeights);
+  const bool sharded = r_.parallel == Parallel::kFsdp || r_.parallel == Parallel::kZero3;
+  return sharded ? t_.reserve(bytes, Category::kWeights) : t_.alloc_bytes(bytes, Category::kWeights);
 }
 
 std::uint32_t StepBuilder::add_adapter_param(std::uint64_t numel, std::uint64_t rows) {
@@ -331,6 +333,7 @@ std::uint32_t StepBuilder::add_adapter_param(std::uint64_t numel, std::uint64_t 
   p.numel = numel;
   p.dtype = pol_.param;
   p.storage = new_param_storage(detail::mul(numel, dtype_bytes(p.dtype), "adapter bytes"));
+  p.adapter = true;
   p.slot = t_.new_param(p.storage);
   p.matmul = true;
   p.rows = rows;

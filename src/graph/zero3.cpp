@@ -89,6 +89,33 @@ constexpr std::int32_t kNoLayer = -1;
 // on reduce_and_partition_stream (overlap_comm is on by default for stage 3) with record_stream:
 // a freed gathered buffer or flat is reused only after its stream's work, so reserved bytes can
 // be higher than this single-stream replay; the allocations themselves are the same.
+// Note [LoRA under ZeRO-3]
+// deepspeed.initialize over a peft model, the client optimizer over the adapters (DeepSpeed 0.19.8,
+// peft 0.21); measured on two gloo ranks (data/ground_truth/parallel/cpu-zero3-*-lora*), every rank
+// exact. What changes against Note [DeepSpeed ZeRO-3]:
+//  * Init partitions every parameter, the frozen base too; the optimizer's groups (lp_param_buffer,
+//    the fp32 sub-groups, grad_partitions_flat_buffer) hold the trainable ones only, and a frozen
+//    parameter keeps the partition Init made for it. The gradient norm walks the trainable ones;
+//    _post_step gathers every persistent parameter again, frozen or not. bf16-master is DeepSpeed's
+//    bf16 mode, which casts the adapters to bf16 too;
+//  * Init replaces torch.nn.functional.linear by LinearFunctionForZeroStage3 (zero/linear.py,
+//    mem_efficient_linear), which saves the input, the weight and the bias whatever needs a
+//    gradient: a frozen projection whose input requires grad keeps its input too, an adapter whose
+//    input does not (layer 0 before the first adapter) keeps its gathered weight to its backward.
+//    GPT-2's Conv1D runs torch.addmm and saves as autograd does;
+//  * every module has hooks, so peft's lora.Linear and its lora_dropout (nn.Identity or
+//    nn.Dropout) are trace steps too, and so are the PeftModel and its LoraModel at the top (whose
+//    forward calls the CausalLM's .forward, so that module's own hooks never fire);
+//  * lora.Linear's forward reads lora_A.weight.dtype while the engine's forward flag is on:
+//    ZeROOrderedDict's getter makes lora_A.weight an external parameter of the lora.Linear and,
+//    while it is partitioned, gathers it at once with Init's own single-parameter all-gather (the
+//    coordinator's count of available elements does not see it). From then on the lora.Linear's
+//    fetches and releases, forward and backward, include it (zero3_external_param);
+//  * under checkpointing, enable_input_require_grads' forward hook runs before DeepSpeed's, so the
+//    embedding module's output requires grad and gets a pre-backward Function: the backward
+//    fetches the embedding again at its very end (released there as a leftover), and the complete
+//    trace keeps it gathered from its forward on.
+// DeepSpeed's offload with adapters, and a 4-bit base, stay refused (unmeasured).
 constexpr std::uint64_t kReduceBucketElements = 500'000'000;
 constexpr std::uint64_t kPrefetchBucketElements = 50'000'000;
 constexpr std::uint64_t kPersistenceThreshold = 100'000;
@@ -124,14 +151,27 @@ void DataParallel::zero3_wrap() {
   std::uint64_t total = 0;
   sub_group_numel_.clear();
   std::uint64_t group = 0;
+  std::size_t last_trainable = n;
+  for (std::size_t i = 0; i < n; ++i) {
+    if (params_[i].trainable) last_trainable = i;
+  }
+  TRAINMEM_ASSERT(last_trainable < n, "ZeRO-3 wraps no trainable parameter");
   for (std::size_t i = 0; i < n; ++i) {
     TRAINMEM_ASSERT(params_[i].dtype == params_.front().dtype, "ZeRO-3's partitions mix dtypes");
     z3_partition_[i] = zero3_partition_numel(params_[i].numel, world_);
     z3_persist_[i] = zero3_persistent(params_[i].numel);
+    // A frozen parameter (a LoRA base, Note [LoRA under ZeRO-3]) keeps the partition Init made
+    // for it; the optimizer's groups, their buffers and sub-groups hold the trainable ones.
+    if (!params_[i].trainable) {
+      if (!offload_params_) {
+        t_.alloc_bytes(detail::mul(z3_partition_[i], z3_item_, "ZeRO-3 partition bytes"), Category::kWeights);
+      }
+      continue;
+    }
     total = detail::add(total, z3_partition_[i], "ZeRO-3 partition elements");
     // _create_fp16_sub_groups: a sub-group closes at the parameter that takes it to sub_group_size.
     group += z3_partition_[i];
-    if (group >= kSubGroupElements || i + 1 == n) {
+    if (group >= kSubGroupElements || i == last_trainable) {
       sub_group_numel_.push_back(group);
       group = 0;
     }
@@ -248,6 +288,21 @@ void DataParallel::module_backward(std::uint32_t m, bool begin) {
   zero3_release_module(m, false);
 }
 
+void DataParallel::zero3_external_param(std::uint32_t m, std::uint32_t pi) {
+  if (!zero3() || m == kNone) return;
+  Z3Module& mod = z3_modules_[m];
+  if (std::find(mod.params.begin(), mod.params.end(), pi) == mod.params.end()) {
+    mod.params.push_back(pi);  // ds_external_parameters, after the module's own in iter_params
+    mod.numel += params_[pi].numel;
+  }
+  if (z3_status_[pi] != Z3Status::kNotAvailable) return;
+  // param.all_gather(): Init's own single-parameter gather, not the coordinator's (no count).
+  t_.at(t_.phase(), kNoLayer, "zero3.external_parameter");
+  z3_data_[pi] = t_.alloc_bytes(detail::mul({z3_partition_[pi], world_, z3_item_}, "gathered parameter bytes"),
+                                Category::kWeights);
+  z3_status_[pi] = Z3Status::kAvailable;
+}
+
 void DataParallel::zero3_fetch(std::uint32_t m, bool forward) {
   (void)forward;
   const Z3Module& mod = z3_modules_[m];
@@ -271,7 +326,8 @@ void DataParallel::zero3_fetch(std::uint32_t m, bool forward) {
       const Z3ParamUse& u = z3_param_order_[z3_queue_++];
       z3_most_recent_[u.param] = u.step;
     }
-    const std::uint64_t room = kMaxLiveParameters > z3_available_ ? kMaxLiveParameters - z3_available_ : 0;
+    const std::int64_t live = static_cast<std::int64_t>(kMaxLiveParameters);
+    const std::uint64_t room = live > z3_available_ ? static_cast<std::uint64_t>(live - z3_available_) : 0;
     const std::uint64_t limit = std::min(room, kPrefetchBucketElements);
     std::vector<std::uint32_t> prefetch;
     std::uint64_t numel = 0;
@@ -298,7 +354,7 @@ void DataParallel::zero3_all_gather(std::vector<std::uint32_t> params) {
   h.params = params;
   h.pending = static_cast<std::uint32_t>(params.size());
   for (std::uint32_t p : params) {
-    z3_available_ += params_[p].numel;
+    z3_available_ += static_cast<std::int64_t>(params_[p].numel);
     z3_status_[p] = Z3Status::kInflight;
   }
   if (params.size() == 1) {  // _all_gather_sequential: .data is a narrow of the buffer
@@ -348,7 +404,7 @@ void DataParallel::zero3_release_param(std::uint32_t pi) {
   t_.release(z3_data_[pi]);  // free_param: the gathered storage goes unless still referenced
   z3_data_[pi] = kNone;
   z3_status_[pi] = Z3Status::kNotAvailable;
-  z3_available_ -= params_[pi].numel;
+  z3_available_ -= static_cast<std::int64_t>(params_[pi].numel);
 }
 
 // __params_to_release (a complete trace): the module's non-persistent parameters that no module
@@ -480,6 +536,7 @@ void DataParallel::zero3_before_optimizer() {
   // sum(pow(stack(norms), 2)) ** (1 / 2) and torch.where(isnan | isinf, -1.0, norm).
   std::vector<TensorId> norms;
   for (std::uint32_t p = 0; p < params_.size(); ++p) {
+    if (!params_[p].trainable) continue;  // the optimizer's groups: the trainable parameters
     TensorId wide = t_.alloc_bytes(detail::mul(z3_partition_[p], 8, "grad norm bytes"), Category::kTemporaries);
     norms.push_back(scalar(8));
     t_.release(wide);

@@ -574,9 +574,14 @@ std::uint64_t plan::persistent_floor(const Model& m, const Recipe& r) {
   // FSDP2's CPUOffloadPolicy keeps nothing on the GPU between its all-gathers (Note [FSDP2 CPU
   // offload] in graph/parallel.cpp).
   if (r.parallel == Parallel::kFsdp && r.offload == Offload::kBoth) return 0;
-  // Adapters and their states only add. FSDP2 shards the frozen base too: each rank holds at
-  // least 1/shards of it (Note [LoRA under FSDP2] in graph/parallel.cpp).
-  if (r.lora.enabled()) return r.parallel == Parallel::kFsdp ? weights / (r.gpus / r.fsdp.replicate * r.cp) : weights;
+  // Adapters and their states only add. FSDP2 and ZeRO-3 partition the frozen base too: each rank
+  // holds at least 1/shards of it (Notes [LoRA under FSDP2] in graph/parallel.cpp and [LoRA under
+  // ZeRO-3] in graph/zero3.cpp).
+  if (r.lora.enabled()) {
+    if (r.parallel == Parallel::kFsdp) return weights / (r.gpus / r.fsdp.replicate * r.cp);
+    if (r.parallel == Parallel::kZero3) return weights / r.gpus;
+    return weights;
+  }
   const std::uint64_t n = m.parameter_count;
   const std::uint64_t states_per_element = state_bytes_per_element(r);
   if (r.parallel == Parallel::kZero3) {

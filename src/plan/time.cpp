@@ -311,8 +311,13 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
       case Parallel::kZero1: moved = 2 * ring * grads + ring * params; break;
       case Parallel::kZero2: moved = 2 * ring * grads * micro + ring * params; break;
       // ZeRO-3: every micro-batch gathers the parameters for the forward and again for the
-      // backward and reduce-scatters the gradients, as FSDP2 does.
-      case Parallel::kZero3: moved = ring * (2 * params + grads) * micro; break;
+      // backward and reduce-scatters the gradients, as FSDP2 does; under LoRA the gathers carry
+      // the frozen base too (in the 16-bit dtype DeepSpeed casts every parameter to).
+      case Parallel::kZero3: {
+        const double gathered = recipe.lora.enabled() ? (c.base_elements + c.adapters) * adapter : params;
+        moved = ring * (2 * gathered + grads) * micro;
+        break;
+      }
       case Parallel::kNone: break;
     }
     t.comm_s = moved / (gpu.interconnect_gbps * 1e9);

@@ -297,11 +297,8 @@ void validate_parallel(const Recipe& r) {
   const std::string p(to_string(r.parallel));
   if (r.mode == Mode::kInference) throw Error("parallel: " + p + " is a training knob; inference runs on one GPU");
   // DDP over a peft model buckets the adapters' gradients only (Note [DDP buckets]), ZeRO-1/2's
-  // flat group holds them only, FSDP2 shards the frozen base too and reduce-scatters the adapters'
-  // gradients only (Note [LoRA under FSDP2]); ZeRO-3's partitioned frozen base is not modelled.
-  if (r.lora.enabled() && r.parallel == Parallel::kZero3) {
-    throw Error("parallel: " + p + " with LoRA is not modelled yet (ddp, fsdp, zero1 and zero2 are)");
-  }
+  // flat group holds them only, FSDP2 and ZeRO-3 partition the frozen base too and reduce the
+  // adapters' gradients only (Notes [LoRA under FSDP2], [LoRA under ZeRO-3]).
   // FSDP2's CPUOffloadPolicy pins the frozen shards with the adapters' (Note [LoRA under FSDP2]);
   // DeepSpeed's offload over a peft model is not modelled.
   if (r.lora.enabled() && r.offload != Offload::kNone && r.parallel != Parallel::kFsdp) {

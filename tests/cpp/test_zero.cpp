@@ -385,5 +385,45 @@ TEST(Zero3Optimizer, ModelStatesAgainstDeepSpeedsEstimator) {
   }
 }
 
+// Note [LoRA under ZeRO-3]: GPT-2 with rank-8 adapters on c_attn (lora_A 8 x 768, lora_B 2,304 x
+// 8 per layer). Init partitions every parameter; the frozen base keeps its own partitions, and
+// lp_param_buffer, the fp32 sub-group and the gradient partitions hold the adapters'.
+Recipe zero3_lora(const Model& m, Precision p) {
+  Recipe r = dp_recipe(Parallel::kZero3, 2, p);
+  r.lora.rank = 8;
+  r.lora.targets = resolve_lora_targets(m.arch, {"default"});
+  r.validate();
+  return r;
+}
+
+TEST(Zero3Lora, TheOptimizersGroupsHoldTheAdaptersOnly) {
+  const Model m = gpt2_l2();
+  const graph::Trace t = graph::build_training_trace(m, zero3_lora(m, Precision::kFp32), find_gpu("cpu"));
+  std::vector<std::uint64_t> want;
+  for (std::uint64_t n : gpt2_l2_numels()) want.push_back(DataParallel::zero3_partition_numel(n, 2) * 4);
+  const std::uint64_t adapters = 2 * (8 * 768 + 2'304 * 8) / 2;  // both layers' adapters, halved
+  want.push_back(adapters * 4);                                 // lp_param_buffer
+  EXPECT_EQ(allocs_at(t, "zero3.partition_parameters"), want);
+  EXPECT_EQ(allocs_at(t, "zero3.fp32_partitions"), (std::vector<std::uint64_t>{adapters * 4}));
+  EXPECT_EQ(allocs_at(t, "zero3.grad_partitions"), (std::vector<std::uint64_t>{adapters * 4, 1}));
+  EXPECT_EQ(allocs_at(t, "optimizer.init_state"), (std::vector<std::uint64_t>{4, adapters * 4, adapters * 4}));
+}
+
+// lora.Linear reads lora_A.weight.dtype, which makes lora_A.weight its external parameter: step 1
+// (no trace) gathers it through the getter, once per adapted projection; afterwards the lora.Linear's
+// own fetch gathers it, so the getter finds it available.
+TEST(Zero3Lora, LoraAIsAnExternalParameterOfItsLoraLinear) {
+  const Model m = gpt2_l2();
+  const graph::Trace t = graph::build_training_trace(m, zero3_lora(m, Precision::kBf16Master), find_gpu("cpu"));
+  std::vector<std::uint32_t> steps;
+  for (const graph::Event& e : t.events) {
+    if (e.alloc && t.moments[e.moment].op == "zero3.external_parameter") {
+      steps.push_back(t.moments[e.moment].step);
+      EXPECT_EQ(t.storages[e.tensor].bytes, 8u * 768 * 2);  // lora_A's bf16 partition x world
+    }
+  }
+  EXPECT_EQ(steps, (std::vector<std::uint32_t>{1, 1}));
+}
+
 }  // namespace
 }  // namespace trainmem

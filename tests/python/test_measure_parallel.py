@@ -35,7 +35,6 @@ from trainmem.measure.models import resolve_model  # noqa: E402
      "a torch optimizer handed to deepspeed.initialize"),
     ({"gpus": 2, "parallel": "zero1", "precision": "fp32", "loss": "fused"}, "loss=fused is not measured"),
     ({"gpus": 2, "parallel": "ddp", "mode": "inference", "precision": "bf16-true"}, "is a training knob"),
-    ({"gpus": 2, "parallel": "zero3", "lora_rank": 8}, "with LoRA is not measured yet (DDP, FSDP2 and ZeRO-1/2"),
     ({"gpus": 2, "parallel": "fsdp", "precision": "bf16-master"}, "MixedPrecisionPolicy"),
     ({"gpus": 2, "parallel": "fsdp", "precision": "fp16-mixed"}, "MixedPrecisionPolicy"),
     ({"gpus": 2, "parallel": "fsdp", "optimizer": "adafactor"}, "local shards of DTensor"),

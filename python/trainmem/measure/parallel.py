@@ -536,6 +536,12 @@ def _attach_zero(tracker, engine) -> None:
     for attr, kind in _ZERO_ATTRIBUTES.items():
         for i, t in enumerate(_iter_tensors(getattr(zero, attr, None))):
             known.setdefault(t.untyped_storage()._cdata, (kind, f"deepspeed {attr} {i}"))
+    # Stage 3: every parameter's partition (ds_tensor). A trainable one's is a view of
+    # lp_param_buffer (above); a frozen one's (a LoRA base) is a storage of its own.
+    for i, p in enumerate(engine.module.parameters()):
+        ds_tensor = getattr(p, "ds_tensor", None)
+        if isinstance(ds_tensor, torch.Tensor):
+            known.setdefault(ds_tensor.untyped_storage()._cdata, ("weights", f"deepspeed partition {i}"))
     for bucket in (getattr(zero, "ipg_buckets", None) or {}).values():  # stage 3: made at init
         if isinstance(getattr(bucket, "buffer", None), torch.Tensor):
             known.setdefault(bucket.buffer.untyped_storage()._cdata, ("gradients", "deepspeed ipg bucket"))
