@@ -227,7 +227,11 @@ T StepBuilder::proj(const T& x, std::string_view path, std::uint32_t w, std::uin
   T result = linear(x, w, b, out_features);
   if (ad == nullptr) return result;
   const LoraLabels& labels = lora_labels(path);
-  if (params_[w].quantized) return lora_4bit(x, result, *ad, labels);
+  if (params_[w].quantized) {
+    T out = lora_4bit(x, result, *ad, labels);
+    module_exit(lora_module);
+    return out;
+  }
   const DType result_dtype = result.dtype;
   dp_->zero3_external_param(lora_module, ad->a);  // lora_A.weight.dtype, through ZeRO-3's getter
   T xa = to(x, params_[ad->a].dtype);  // _cast_input_dtype: x is rebound, kept to the end

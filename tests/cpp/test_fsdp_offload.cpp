@@ -167,9 +167,8 @@ TEST(FsdpOffload, HostHoldsShardsGradientsAndStates) {
 // adapters get a host .grad and optimizer states; bf16-true's base shards are bf16, the adapters'
 // fp32. GPT-2's default target, attn.c_attn: lora_A 8 x 768 and lora_B 2,304 x 8 per layer, halved.
 TEST(FsdpOffload, LoraPinsTheFrozenShardsAndStepsTheAdaptersOnly) {
-  Recipe r = offload_recipe(Precision::kBf16True);
-  r.lora.rank = 8;
-  r.lora.targets = resolve_lora_targets(gpt2_l2().arch, {"default"});
+  Recipe r = testing::dp_lora_recipe(gpt2_l2(), Parallel::kFsdp, Precision::kBf16True, "h100-80gb");
+  r.offload = Offload::kBoth;
   r.validate();
   const HostMemory h = estimate(gpt2_l2(), r).host;
   const std::uint64_t adapters = 2 * (8 * 768 + 2'304 * 8) / 2 * 4;  // two layers' fp32 adapter shards

@@ -279,12 +279,7 @@ TEST(FsdpVariants, KnobsAreCheckedWithParallelFsdpOnly) {
 constexpr std::uint64_t kC_attnAdapterElements = 8 * 768 + 2'304 * 8;
 
 Recipe lora_recipe(const Model& m, Precision precision, const char* gpu) {
-  Recipe r = dp_recipe(Parallel::kFsdp, 2, precision);
-  r.gpu = gpu;
-  r.lora.rank = 8;
-  r.lora.targets = resolve_lora_targets(m.arch, {"default"});
-  r.validate();
-  return r;
+  return testing::dp_lora_recipe(m, Parallel::kFsdp, precision, gpu);
 }
 
 TEST(FsdpLora, UnitsGatherTheFrozenBaseAndReduceTheAdaptersOnly) {

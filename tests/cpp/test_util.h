@@ -65,6 +65,16 @@ inline Recipe dp_recipe(Parallel parallel, std::uint64_t gpus, Precision precisi
   return r;
 }
 
+// dp_recipe with rank-8 LoRA adapters on the model's default targets, on `gpu`.
+inline Recipe dp_lora_recipe(const Model& m, Parallel parallel, Precision precision, const char* gpu = "cpu") {
+  Recipe r = dp_recipe(parallel, 2, precision);
+  r.gpu = gpu;
+  r.lora.rank = 8;
+  r.lora.targets = resolve_lora_targets(m.arch, {"default"});
+  r.validate();
+  return r;
+}
+
 // Live bytes per category after the trace's first `events` events.
 inline std::array<std::uint64_t, 6> live_after_events(const graph::Trace& t, std::size_t events) {
   std::array<std::uint64_t, 6> live{};

@@ -388,13 +388,7 @@ TEST(Zero3Optimizer, ModelStatesAgainstDeepSpeedsEstimator) {
 // Note [LoRA under ZeRO-3]: GPT-2 with rank-8 adapters on c_attn (lora_A 8 x 768, lora_B 2,304 x
 // 8 per layer). Init partitions every parameter; the frozen base keeps its own partitions, and
 // lp_param_buffer, the fp32 sub-group and the gradient partitions hold the adapters'.
-Recipe zero3_lora(const Model& m, Precision p) {
-  Recipe r = dp_recipe(Parallel::kZero3, 2, p);
-  r.lora.rank = 8;
-  r.lora.targets = resolve_lora_targets(m.arch, {"default"});
-  r.validate();
-  return r;
-}
+Recipe zero3_lora(const Model& m, Precision p) { return testing::dp_lora_recipe(m, Parallel::kZero3, p); }
 
 TEST(Zero3Lora, TheOptimizersGroupsHoldTheAdaptersOnly) {
   const Model m = gpt2_l2();
