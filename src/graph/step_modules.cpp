@@ -233,7 +233,10 @@ T StepBuilder::proj(const T& x, std::string_view path, std::uint32_t w, std::uin
     return out;
   }
   const DType result_dtype = result.dtype;
-  dp_->zero3_external_param(lora_module, ad->a);  // lora_A.weight.dtype, through ZeRO-3's getter
+  if (dp_->zero3()) {
+    dp_->zero3_external_param(lora_module, ad->a);  // lora_A.weight.dtype, through ZeRO-3's getter
+    op(path);
+  }
   T xa = to(x, params_[ad->a].dtype);  // _cast_input_dtype: x is rebound, kept to the end
   const std::uint32_t dropout_module = container_enter(Container::kLoraDropout, xa.requires_grad(), sub);
   T xd = r_.lora.dropout > 0 ? dropout(xa) : t_.ref(xa);
