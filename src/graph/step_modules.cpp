@@ -1055,8 +1055,10 @@ T StepBuilder::checkpointed_layer(const T& x, std::uint32_t l) {
   t_.saving = false;
   std::size_t before = t_.node_count();
   T out = decoder_layer(x, l);
-  (void)before;
   t_.saving = true;
+  // ZeRO-3's pre-backward fetches that run before the recompute (Note [LoRA under ZeRO-3]).
+  std::vector<std::uint32_t> hooks;
+  if (dp_->zero3()) hooks = t_.recompute_hooks(before);
   // The nodes recorded without saves stand for the graph the checkpoint discards; replace
   // them by one checkpoint node (their grads flow through the recompute instead).
   drop_nodes_since(before);
@@ -1073,7 +1075,11 @@ T StepBuilder::checkpointed_layer(const T& x, std::uint32_t l) {
   }
   T xin = x, cos = cos_, sin = sin_, mask = mask_;
   std::int32_t layer = static_cast<std::int32_t>(l);
-  nd.recompute = [this, xin, cos, sin, mask, l, layer]() {
+  nd.recompute = [this, xin, cos, sin, mask, l, layer, hooks]() {
+    if (!hooks.empty()) {
+      t_.at(Phase::kBackward, layer, "checkpoint");
+      t_.fire_before_recompute(hooks);
+    }
     Phase keep = phase_;
     phase_ = Phase::kForward;  // labelled "recompute" (the tape knows it is recomputing)
     std::string_view keep_op = op_;

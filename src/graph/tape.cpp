@@ -87,6 +87,7 @@ void Tape::close_node() {
       if (s.category == Category::kTemporaries) recategorize(id, Category::kActivations);
     }
   } else if (!node.recompute) {
+    if (!node.saved.empty()) last_saving_node_ = nodes_.size() - 1;
     node.saved.clear();
   }
   if (recomputing && saving) {
@@ -105,6 +106,22 @@ void Tape::close_node() {
       last_saving_event_ = stop;
     }
     op_begin_event_ = trace_.events.size();
+  }
+}
+
+std::vector<std::uint32_t> Tape::recompute_hooks(std::size_t first) const {
+  std::vector<std::uint32_t> out;
+  if (last_saving_node_ < first) return out;
+  for (std::size_t i = std::min(nodes_.size(), module_begins_at_.size()); i-- > last_saving_node_;) {
+    out.insert(out.end(), module_begins_at_[i].rbegin(), module_begins_at_[i].rend());
+  }
+  return out;
+}
+
+void Tape::fire_before_recompute(const std::vector<std::uint32_t>& modules) {
+  for (std::uint32_t m : modules) {
+    on_module_backward(m, true);
+    fired_before_recompute_.push_back(m);
   }
 }
 
@@ -361,7 +378,15 @@ void Tape::run(std::size_t begin, std::size_t end) {
     if (i < module_begins_at_.size() && !module_begins_at_[i].empty()) {
       at(Phase::kBackward, nodes_[i].tag.layer, nodes_[i].tag.op);
       const std::vector<std::uint32_t> outer_first(module_begins_at_[i].rbegin(), module_begins_at_[i].rend());
-      for (std::uint32_t m : outer_first) on_module_backward(m, true);
+      for (std::uint32_t m : outer_first) {
+        // Fired already, before the recompute that recorded this node (recompute_hooks).
+        auto early = std::find(fired_before_recompute_.begin(), fired_before_recompute_.end(), m);
+        if (early != fired_before_recompute_.end()) {
+          fired_before_recompute_.erase(early);
+          continue;
+        }
+        on_module_backward(m, true);
+      }
     }
     // run_node may grow nodes_ and the module lists (a recompute) and shrink them again.
     std::vector<std::uint32_t> ends;

@@ -487,6 +487,13 @@ class Tape {
   std::function<void(std::uint32_t module, bool begin)> on_module_backward;
   void module_begin(std::uint32_t module) { open_modules_.push_back({module, nodes_.size()}); }
   void module_end();
+  // A checkpointed segment's backward unpacks at its last node that saves; the pre-backward hooks
+  // of the modules whose backward begins at or after it (in backward order) fire before that, so
+  // before the recompute. recompute_hooks(first) lists them, outer first, for the segment recorded
+  // from node `first` on (the checkpoint's first forward); fire_before_recompute runs them and
+  // run() then skips them once for the recomputed nodes.
+  std::vector<std::uint32_t> recompute_hooks(std::size_t first) const;
+  void fire_before_recompute(const std::vector<std::uint32_t>& modules);
 
   // Runs backward from `root` (a scalar) and clears the recorded graph.
   void backward(ValueId root);
@@ -574,6 +581,8 @@ class Tape {
   // Removes what a recompute made after event `stop` (a non-reentrant checkpoint's early stop).
   void stop_recompute_at(std::size_t stop);
   std::size_t last_saving_event_ = 0;
+  std::size_t last_saving_node_ = 0;               // the newest node that saved, or would have (not saving)
+  std::vector<std::uint32_t> fired_before_recompute_;
   std::size_t op_begin_event_ = 0;     // during a recompute: the events when the previous node was recorded  // during a recompute: the events when the last saving node was recorded
 
   Trace trace_;

@@ -115,6 +115,10 @@ constexpr std::int32_t kNoLayer = -1;
 //    embedding module's output requires grad and gets a pre-backward Function: the backward
 //    fetches the embedding again at its very end (released there as a leftover), and the complete
 //    trace keeps it gathered from its forward on.
+//  * a checkpointed layer's pre-backward fetches run before its recompute (Tape::recompute_hooks);
+//    what the recompute gathers of the frozen base DeepSpeed also attributes to the innermost module
+//    in backward (update_recompute_parameters), which the engine does not mirror (below the peaks
+//    measured).
 // DeepSpeed's offload with adapters, and a 4-bit base, stay refused (unmeasured).
 constexpr std::uint64_t kReduceBucketElements = 500'000'000;
 constexpr std::uint64_t kPrefetchBucketElements = 50'000'000;
