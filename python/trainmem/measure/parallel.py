@@ -63,6 +63,7 @@ import os
 import socket
 import sys
 import tempfile
+import time
 import traceback
 import weakref
 from pathlib import Path
@@ -634,6 +635,27 @@ def _attach_zero3(tracker, zero) -> None:
     zero._post_step = post_step
     tracker._restore.append(functools.partial(delattr, zero, "_post_step"))
 
+    # Note [Settled release]: gloo's all-gather Work holds its output (the gathered buffer) until
+    # its worker thread lets go of it, so a released parameter's storage is freed wherever the
+    # main thread is then: at once, or at the next collective. NCCL's work holds nothing of the
+    # caching allocator's past the stream's order. The release waits (at most 50 ms) until only
+    # it still holds the storage, so the free lands inside the release, deterministically.
+    from deepspeed.runtime.zero import partition_parameters
+
+    original_free = partition_parameters.free_param
+
+    @functools.wraps(original_free)
+    def free_param(param):
+        old = param.data.untyped_storage()
+        original_free(param)
+        deadline = time.monotonic() + 0.05
+        while torch._C._storage_Use_Count(old._cdata) > 1 and time.monotonic() < deadline:
+            time.sleep(0.0002)
+        del old
+
+    partition_parameters.free_param = free_param
+    tracker._restore.append(functools.partial(setattr, partition_parameters, "free_param", original_free))
+
 
 class _ReducerProxy:
     """DDP's Reducer with `_rebuild_buckets` run under `forced("gradients")`: the new buckets."""
@@ -697,8 +719,6 @@ _SETTLE_TIMEOUT_S = 60.0
 
 
 def _settled_reduce_scatter(tracker, fn):
-    import time
-
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         first = len(tracker.records)
