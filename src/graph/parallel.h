@@ -293,6 +293,9 @@ class DataParallel {
   // outside it (an external parameter's getter) is released by it too, so this can go below 0.
   std::int64_t z3_available_ = 0;
   std::vector<std::uint32_t> z3_backward_active_;  // __active_backward_submodules
+  // ds_recompute_parameters per module: frozen parameters a checkpoint's recompute fetched while
+  // the module was the innermost in backward, released with it (Note [LoRA under ZeRO-3]).
+  std::vector<std::vector<std::uint32_t>> z3_recompute_params_;
   std::vector<std::uint64_t> sub_group_numel_;
   TensorId z3_bucket_ = kNone;
   std::uint64_t z3_bucket_elements_ = 0;

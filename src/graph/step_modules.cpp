@@ -191,12 +191,13 @@ T StepBuilder::linear_module(const T& x_in, std::uint32_t w, std::uint32_t b, st
     requires_grad(y);
     Node& n = open_node(y);
     if (wt || save_all) n.saved.push_back(x.id);
-    if (x.requires_grad() || save_all) {
-      // The saved weight keeps the storage it had when ZeRO-3 releases the parameter (See
-      // Note [DeepSpeed ZeRO-3]).
-      n.saved.push_back(wc.id);
-    }
-    if (save_all && b != kNone) n.saved.push_back(bc.id);
+    // The weight (and the bias): autograd saves the parameter itself, a leaf, so under ZeRO-3
+    // it holds no gathered storage once the parameter is released, except in a checkpoint's
+    // recompute, whose saved-tensor hook keeps a detached alias of a trainable one until this
+    // node runs (the frozen ones stay gathered for the module in backward: See Note
+    // [DeepSpeed ZeRO-3]).
+    const bool alias = dp_->zero3() && t_.recomputing && trainable(w);
+    if ((x.requires_grad() || save_all) && (!dp_->zero3() || alias)) n.saved.push_back(wc.id);
     if (x.requires_grad()) n.inputs.push_back(grad_of(x));
     // addmm(bias, x, W): the bias is the first input, so its gradient is made and its
     // AccumulateGrad runs first (what DDP's gradient-ready order shows: Note [DDP buckets]).
@@ -494,7 +495,6 @@ T StepBuilder::rms_norm_module(const T& x, std::uint32_t w, std::uint64_t rows) 
   requires_grad(out);
   Node& nd = open_node(out);
   if (trainable(w)) nd.saved = {hc.id};
-  if (dp_->zero3() && hc.requires_grad()) nd.saved.push_back(dp_->zero3_data(w));  // See Note [DeepSpeed ZeRO-3]
   if (hc.requires_grad()) nd.inputs.push_back(GradIn{hc.value, hc.bytes(), false});
   if (trainable(w)) nd.params.push_back(param_grad(w, od, n * dtype_bytes(od)));
   t_.close_node();
@@ -518,13 +518,9 @@ T StepBuilder::layer_norm(const T& x, std::uint32_t w, std::uint32_t b, std::uin
     requires_grad(out);
     Node nd = node(out);
     nd.saved = {xin.id, mean.id, rstd.id};
-    // native_layer_norm also saves the weight and the bias: the parameters, whose storage
-    // lives as long as the parameter does, except under ZeRO-3, where the saved ones keep
-    // the gathered storage after the release (See Note [DeepSpeed ZeRO-3]).
-    if (dp_->zero3()) {
-      nd.saved.push_back(dp_->zero3_data(w));
-      if (b != kNone) nd.saved.push_back(dp_->zero3_data(b));
-    }
+    // native_layer_norm also saves the weight and the bias: the parameters themselves, which
+    // keep no storage of their own alive (under ZeRO-3 the release swaps it out: See Note
+    // [DeepSpeed ZeRO-3]).
     if (xin.requires_grad()) nd.inputs.push_back(grad_of(xin));
     if (trainable(w)) nd.params.push_back(param_grad(w, xin.dtype));
     if (trainable(b)) nd.params.push_back(param_grad(b, xin.dtype));

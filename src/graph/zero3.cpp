@@ -41,10 +41,18 @@ constexpr std::int32_t kNoLayer = -1;
 //    .data is a torch.cat of its pieces (numel elements; AllGatherCoalescedHandle.wait), the
 //    flat buffer lives until the handle's last parameter was waited for. A release
 //    (release_sub_module → __release_param → partition → free_param) replaces .data by an
-//    empty tensor: the gathered storage is freed unless autograd saved it — measured: a saved
-//    weight (LayerNorm's weight and bias, Conv1D's and nn.Linear's weight, RMSNorm's weight)
-//    keeps the storage it had until its backward node runs, and the backward gathers the
-//    parameter again, so for a moment both copies exist;
+//    empty tensor, which frees the gathered storage: what autograd saved of a parameter
+//    (LayerNorm's weight and bias, Conv1D's weight, RMSNorm's weight, and every nn.Linear's
+//    weight through Init's LinearFunctionForZeroStage3) is the parameter itself, a leaf, whose
+//    .data the next fetch fills again. In a checkpoint's recompute, though, torch's
+//    saved-tensor hook keeps a detached alias of what it saves: a trainable weight released
+//    after the recomputed module's forward keeps its storage until the node that saved it runs
+//    (measured: a LoRA adapter's gathered weights until lora_B's and lora_A's backward; the
+//    frozen ones stay gathered for the module in backward anyway). (Until 2026-12-06 the measuring side's saved-tensor hook
+//    kept a detached alias of each saved tensor, and with it every saved weight's storage to its
+//    backward, and gloo's all-gather Work held released buffers to the next collective: Notes
+//    [Saved leaves] in python/trainmem/measure/tracker.py and [Settled release] in parallel.py.
+//    The ZeRO-3 corpus was measured again without either.);
 //  * trace (ZeRoTraceMode): the first forward+backward runs with no trace (INVALID → RECORD at
 //    the first reset_step, in the model's forward pre-hook): every module's parameters, the
 //    persistent ones included, are released after its forward and after its backward. The
@@ -215,6 +223,7 @@ std::uint32_t DataParallel::zero3_module(const std::vector<std::uint32_t>& param
   for (std::uint32_t p : mod.params) mod.numel += params_[p].numel;
   z3_modules_.push_back(std::move(mod));
   z3_fetched_for_.emplace_back();
+  z3_recompute_params_.emplace_back();
   return it->second;
 }
 
@@ -315,9 +324,17 @@ void DataParallel::zero3_fetch(std::uint32_t m, bool forward) {
     if (z3_status_[p] == Z3Status::kNotAvailable) missing.push_back(p);
   }
   if (!missing.empty()) zero3_all_gather(missing);
+  // update_recompute_parameters: what a checkpoint's recompute fetches of the frozen parameters
+  // belongs to the innermost module in backward too, and is released with it.
+  const std::uint32_t owner = forward && t_.recomputing && !z3_backward_active_.empty() ? z3_backward_active_.back() : kNone;
   for (std::uint32_t p : mod.params) {
     auto& active = z3_active_[p];
     if (std::find(active.begin(), active.end(), m) == active.end()) active.push_back(m);
+    if (owner != kNone && !params_[p].trainable) {
+      if (std::find(active.begin(), active.end(), owner) == active.end()) active.push_back(owner);
+      auto& owned = z3_recompute_params_[owner];
+      if (std::find(owned.begin(), owned.end(), p) == owned.end()) owned.push_back(p);
+    }
     if (z3_inflight_[p] != kNone) zero3_wait(p);
   }
   if (z3_trace_ == Z3Trace::kComplete) {
@@ -437,9 +454,18 @@ void DataParallel::zero3_release_module(std::uint32_t m, bool forward) {
     release.assign(params_.size(), false);
     for (std::uint32_t p : z3_modules_[m].params) release[p] = true;
   }
-  if (!forward) z3_backward_active_.erase(std::remove(z3_backward_active_.begin(), z3_backward_active_.end(), m),
-                                          z3_backward_active_.end());
-  for (std::uint32_t p : z3_modules_[m].params) {
+  std::vector<std::uint32_t> params = z3_modules_[m].params;
+  if (!forward) {
+    z3_backward_active_.erase(std::remove(z3_backward_active_.begin(), z3_backward_active_.end(), m),
+                              z3_backward_active_.end());
+    // The recompute's frozen parameters this module owns, persistent ones kept.
+    for (std::uint32_t p : z3_recompute_params_[m]) {
+      if (!z3_persist_[p]) release[p] = true;
+      if (std::find(params.begin(), params.end(), p) == params.end()) params.push_back(p);
+    }
+    z3_recompute_params_[m].clear();
+  }
+  for (std::uint32_t p : params) {
     auto& active = z3_active_[p];
     active.erase(std::remove(active.begin(), active.end(), m), active.end());
     if (release[p]) zero3_release_param(p);
@@ -505,7 +531,12 @@ void DataParallel::zero3_backward_end() {
   zero3_reduce_ipg();
   t_.at(t_.phase(), kNoLayer, "zero3.release_backward_leftovers");
   for (std::uint32_t m : z3_backward_active_) {
-    for (std::uint32_t p : z3_modules_[m].params) {
+    std::vector<std::uint32_t> params = z3_modules_[m].params;
+    for (std::uint32_t p : z3_recompute_params_[m]) {
+      if (std::find(params.begin(), params.end(), p) == params.end()) params.push_back(p);
+    }
+    z3_recompute_params_[m].clear();
+    for (std::uint32_t p : params) {
       auto& active = z3_active_[p];
       active.erase(std::remove(active.begin(), active.end(), m), active.end());
       if (!z3_persist_[p]) zero3_release_param(p);
