@@ -535,12 +535,13 @@ class MemoryTracker:
 
     def _pack(self, x):
         self._on_saved(x)
-        # Note [Saved leaves]: a leaf (a parameter) is kept as itself, as autograd keeps it without
-        # hooks: ZeRO-3 releases a gathered parameter by swapping its .data, which frees the
-        # storage unless something else holds it, and an alias here would (the ZeRO-3 traces
-        # before 2026-12-06 kept every saved weight gathered to its backward). Any other tensor is
-        # detached: itself would make a reference cycle for a saved output.
-        return x if x.is_leaf else x.detach()
+        # Note [Saved leaves]: a parameter is kept as itself, as autograd keeps it without hooks:
+        # ZeRO-3 releases a gathered parameter by swapping its .data, which frees the storage
+        # unless something else holds it, and an alias here would (the ZeRO-3 traces before
+        # 2026-12-06 kept every saved weight gathered to its backward). Any other tensor is
+        # detached: itself would make a reference cycle for a saved output, and other leaves (a
+        # pipeline stage's received input, say) kept as themselves made PP x FSDP peaks vary.
+        return x if isinstance(x, torch.nn.Parameter) else x.detach()
 
     def _on_saved(self, x) -> None:
         if isinstance(x, torch.Tensor):
