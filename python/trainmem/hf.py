@@ -111,7 +111,7 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
         # PreTrainedModel (a peft model) and for one that is not checkpointed.
         find_unused = _get(args, "ddp_find_unused_parameters")
         if find_unused is None:
-            find_unused = True if peft else not checkpointed
+            find_unused = peft or not checkpointed
         if find_unused:
             knobs["ddp_find_unused_parameters"] = True
     if _get(args, "use_liger_kernel", False):

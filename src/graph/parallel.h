@@ -296,6 +296,7 @@ class DataParallel {
   // ds_recompute_parameters per module: frozen parameters a checkpoint's recompute fetched while
   // the module was the innermost in backward, released with it (Note [LoRA under ZeRO-3]).
   std::vector<std::vector<std::uint32_t>> z3_recompute_params_;
+  std::vector<std::uint32_t> zero3_take_recompute_params(std::uint32_t module, std::vector<std::uint32_t>& params);
   std::vector<std::uint64_t> sub_group_numel_;
   TensorId z3_bucket_ = kNone;
   std::uint64_t z3_bucket_elements_ = 0;

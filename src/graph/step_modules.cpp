@@ -196,8 +196,8 @@ T StepBuilder::linear_module(const T& x_in, std::uint32_t w, std::uint32_t b, st
     // recompute, whose saved-tensor hook keeps a detached alias of a trainable one until this
     // node runs (the frozen ones stay gathered for the module in backward: See Note
     // [DeepSpeed ZeRO-3]).
-    const bool alias = dp_->zero3() && t_.recomputing && trainable(w);
-    if ((x.requires_grad() || save_all) && (!dp_->zero3() || alias)) n.saved.push_back(wc.id);
+    const bool keeps_weight = !dp_->zero3() || (t_.recomputing && wt);
+    if ((x.requires_grad() || save_all) && keeps_weight) n.saved.push_back(wc.id);
     if (x.requires_grad()) n.inputs.push_back(grad_of(x));
     // addmm(bias, x, W): the bias is the first input, so its gradient is made and its
     // AccumulateGrad runs first (what DDP's gradient-ready order shows: Note [DDP buckets]).

@@ -580,10 +580,10 @@ class Tape {
   void recategorize(TensorId id, Category c);
   // Removes what a recompute made after event `stop` (a non-reentrant checkpoint's early stop).
   void stop_recompute_at(std::size_t stop);
-  std::size_t last_saving_event_ = 0;
+  std::size_t last_saving_event_ = 0;  // during a recompute: the events when the last saving node was recorded
   std::size_t last_saving_node_ = 0;               // the newest node that saved, or would have (not saving)
   std::vector<std::uint32_t> fired_before_recompute_;
-  std::size_t op_begin_event_ = 0;     // during a recompute: the events when the previous node was recorded  // during a recompute: the events when the last saving node was recorded
+  std::size_t op_begin_event_ = 0;     // during a recompute: the events when the previous node was recorded
 
   Trace trace_;
   TensorId sealed_storages_ = 0;  // storages below this id keep their categories

@@ -48,11 +48,11 @@ constexpr std::int32_t kNoLayer = -1;
 //    saved-tensor hook keeps a detached alias of what it saves: a trainable weight released
 //    after the recomputed module's forward keeps its storage until the node that saved it runs
 //    (measured: a LoRA adapter's gathered weights until lora_B's and lora_A's backward; the
-//    frozen ones stay gathered for the module in backward anyway). (Until 2026-12-06 the measuring side's saved-tensor hook
-//    kept a detached alias of each saved tensor, and with it every saved weight's storage to its
-//    backward, and gloo's all-gather Work held released buffers to the next collective: Notes
-//    [Saved leaves] in python/trainmem/measure/tracker.py and [Settled release] in parallel.py.
-//    The ZeRO-3 corpus was measured again without either.);
+//    frozen ones stay gathered for the module in backward anyway). Until 2026-12-06 the
+//    measuring side's saved-tensor hook kept a detached alias of each saved tensor, and with it
+//    every saved weight's storage to its backward, and gloo's all-gather Work held released
+//    buffers to the next collective (Notes [Saved leaves] in python/trainmem/measure/tracker.py
+//    and [Settled release] in parallel.py); the ZeRO-3 corpus was measured again without either;
 //  * trace (ZeRoTraceMode): the first forward+backward runs with no trace (INVALID → RECORD at
 //    the first reset_step, in the model's forward pre-hook): every module's parameters, the
 //    persistent ones included, are released after its forward and after its backward. The
@@ -125,8 +125,8 @@ constexpr std::int32_t kNoLayer = -1;
 //    trace keeps it gathered from its forward on.
 //  * a checkpointed layer's pre-backward fetches run before its recompute (Tape::recompute_hooks);
 //    what the recompute gathers of the frozen base DeepSpeed also attributes to the innermost module
-//    in backward (update_recompute_parameters), which the engine does not mirror (below the peaks
-//    measured).
+//    in backward (update_recompute_parameters), which releases it with its post-backward
+//    (z3_recompute_params_).
 // DeepSpeed's offload with adapters, and a 4-bit base, stay refused (unmeasured).
 constexpr std::uint64_t kReduceBucketElements = 500'000'000;
 constexpr std::uint64_t kPrefetchBucketElements = 50'000'000;
@@ -317,7 +317,6 @@ void DataParallel::zero3_external_param(std::uint32_t m, std::uint32_t pi) {
 }
 
 void DataParallel::zero3_fetch(std::uint32_t m, bool forward) {
-  (void)forward;
   const Z3Module& mod = z3_modules_[m];
   std::vector<std::uint32_t> missing;
   for (std::uint32_t p : mod.params) {
@@ -428,6 +427,17 @@ void DataParallel::zero3_release_param(std::uint32_t pi) {
   z3_available_ -= static_cast<std::int64_t>(params_[pi].numel);
 }
 
+// Hands over what a recompute attributed to module m (its ds_recompute_parameters, which it no
+// longer owns afterwards), adding those not among `params` to them.
+std::vector<std::uint32_t> DataParallel::zero3_take_recompute_params(std::uint32_t m, std::vector<std::uint32_t>& params) {
+  std::vector<std::uint32_t> owned = std::move(z3_recompute_params_[m]);
+  z3_recompute_params_[m].clear();
+  for (std::uint32_t p : owned) {
+    if (std::find(params.begin(), params.end(), p) == params.end()) params.push_back(p);
+  }
+  return owned;
+}
+
 // __params_to_release (a complete trace): the module's non-persistent parameters that no module
 // within max_reuse_distance elements of the rest of the order uses again.
 std::vector<bool> DataParallel::zero3_params_to_release(std::uint32_t m) const {
@@ -459,11 +469,9 @@ void DataParallel::zero3_release_module(std::uint32_t m, bool forward) {
     z3_backward_active_.erase(std::remove(z3_backward_active_.begin(), z3_backward_active_.end(), m),
                               z3_backward_active_.end());
     // The recompute's frozen parameters this module owns, persistent ones kept.
-    for (std::uint32_t p : z3_recompute_params_[m]) {
+    for (std::uint32_t p : zero3_take_recompute_params(m, params)) {
       if (!z3_persist_[p]) release[p] = true;
-      if (std::find(params.begin(), params.end(), p) == params.end()) params.push_back(p);
     }
-    z3_recompute_params_[m].clear();
   }
   for (std::uint32_t p : params) {
     auto& active = z3_active_[p];
@@ -532,10 +540,7 @@ void DataParallel::zero3_backward_end() {
   t_.at(t_.phase(), kNoLayer, "zero3.release_backward_leftovers");
   for (std::uint32_t m : z3_backward_active_) {
     std::vector<std::uint32_t> params = z3_modules_[m].params;
-    for (std::uint32_t p : z3_recompute_params_[m]) {
-      if (std::find(params.begin(), params.end(), p) == params.end()) params.push_back(p);
-    }
-    z3_recompute_params_[m].clear();
+    zero3_take_recompute_params(m, params);
     for (std::uint32_t p : params) {
       auto& active = z3_active_[p];
       active.erase(std::remove(active.begin(), active.end(), m), active.end());
