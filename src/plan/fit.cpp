@@ -436,7 +436,6 @@ std::uint64_t rank_floor(const Model& m, const Recipe& r) {
   return plan::persistent_floor(local, r);
 }
 
-// `r` as a pipeline of `stages` stages, one per GPU (or per tensor-parallel group of r.tp: PP x TP,
 // The knobs of one wrapper dropped where the candidate runs another: FSDP2's outside fsdp, DDP's
 // find_unused_parameters outside a plain DDP (recipe validation refuses them there).
 void keep_own_wrapper_knobs(Recipe& r) {
@@ -444,6 +443,7 @@ void keep_own_wrapper_knobs(Recipe& r) {
   if (r.parallel != Parallel::kDdp || r.pp > 1) r.ddp_find_unused_parameters = false;
 }
 
+// `r` as a pipeline of `stages` stages, one per GPU (or per tensor-parallel group of r.tp: PP x TP,
 // Note [Pipeline with tensor parallelism] in graph/pipeline.cpp), in `replicas` copies
 // data-parallel under `wrapper` (DDP or FSDP2) when more than one (PP x DP, Notes [Pipeline with
 // DDP] and [Pipeline with FSDP2]): every replica's stages run its share of the global batch in
