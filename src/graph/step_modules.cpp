@@ -66,12 +66,15 @@ T StepBuilder::linear_4bit(const T& x_in, std::uint32_t w, std::uint32_t b, std:
   }
   if (x.requires_grad()) {
     // MatMul4Bit saves only the packed weight (a parameter). Its backward: the fp32 absmax
-    // (double quant; dies once the weight is made), the weight in its load dtype, grad_A.
+    // (double quant; dies once the weight is made), the weight in its load dtype, under
+    // autocast cast to the gradient's dtype (the load one dies once the cast is made), grad_A.
     requires_grad(y);
     Node n = node(y);
     if (r_.quant.double_quant) n.scratch.push_back(absmax_f32_bytes);
-    n.scratch.push_back(numel * dtype_bytes(quant_dtype_));
-    n.scratch_freed_early = r_.quant.double_quant ? 1 : 0;
+    const DType load = policy_for(r_.precision).param;
+    n.scratch.push_back(numel * dtype_bytes(load));
+    if (load != quant_dtype_) n.scratch.push_back(numel * dtype_bytes(quant_dtype_));
+    n.scratch_freed_early = static_cast<std::uint32_t>(n.scratch.size()) - 1;
     n.inputs.push_back(grad_of(x));
     t_.record(std::move(n));
   }

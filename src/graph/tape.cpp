@@ -299,9 +299,12 @@ void Tape::run_node(Node& n) {
   std::vector<TensorId>& grads = node_grads_;
   std::vector<TensorId>& pgrads = node_pgrads_;
   scratch.clear();
-  for (std::uint64_t b : n.scratch) scratch.push_back(alloc_bytes(b, Category::kTemporaries));
-  TRAINMEM_ASSERT(n.scratch_freed_early <= scratch.size(), "scratch_freed_early past the scratch buffers");
-  for (std::uint32_t k = 0; k < n.scratch_freed_early; ++k) release(scratch[k]);
+  TRAINMEM_ASSERT(n.scratch_freed_early < n.scratch.size() || n.scratch.empty(),
+                  "scratch_freed_early reaches the last scratch buffer");
+  for (std::size_t k = 0; k < n.scratch.size(); ++k) {
+    scratch.push_back(alloc_bytes(n.scratch[k], Category::kTemporaries));
+    if (k > 0 && k <= n.scratch_freed_early) release(scratch[k - 1]);
+  }
   scratch.erase(scratch.begin(), scratch.begin() + n.scratch_freed_early);
   if (n.kernel) n.kernel(n, scratch);
   grads.assign(n.inputs.size(), kNone);

@@ -258,8 +258,9 @@ struct Node {
   SmallVec<TensorId, 4> kept;  // referenced until the node runs, but not saved by autograd
   SmallVec<GradIn, 3> inputs;
   SmallVec<std::uint64_t, 5> scratch;  // transient buffers alive while the node runs
-  // The first this many scratch buffers die once all are made, before the gradients are
-  // allocated (bitsandbytes' fp32 absmax, freed as soon as the weight is dequantized).
+  // The first this many scratch buffers each die as soon as the next one is made, before the
+  // gradients are allocated (bitsandbytes' fp32 absmax, freed once the weight is dequantized,
+  // and that weight, freed once its cast to the gradient's dtype is made).
   std::uint32_t scratch_freed_early = 0;
   SmallVec<ParamGrad, 2> params;
   GradOrder grad_order = GradOrder::kInputsFirst;

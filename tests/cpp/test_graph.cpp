@@ -1034,6 +1034,33 @@ TEST(GraphQlora, DequantizedCopyPerMatmul) {
   EXPECT_EQ(count(Phase::kBackward, "mlp.down_proj", 1657u * 4), 2);
 }
 
+// Under autocast (bf16-mixed) the base was loaded in fp32, so MatMul4Bit's backward dequantizes
+// the weight in fp32 and casts it to the bf16 gradient's dtype: the fp32 copy dies as the cast is
+// made, before grad_A (measured: the DDP QLoRA entry of data/ground_truth/parallel/ whose peak is
+// at layer 3's down_proj in backward). The forward dequantizes straight to bf16, as before.
+TEST(GraphQlora, AutocastBackwardDequantizesInTheLoadDtype) {
+  const Model m = odd_llama();
+  const Trace t = trace_of(m, qlora_recipe(Precision::kBf16Mixed, false));
+  const std::uint64_t numel = 530u * 200;
+  std::vector<std::pair<bool, std::uint64_t>> seen;  // step 1 backward of layer 1's down_proj: weight copies
+  int forward_bf16 = 0, forward_fp32 = 0;
+  for (const graph::Event& e : t.events) {
+    const MomentTag& mt = t.moments[e.moment];
+    if (mt.step != 1 || mt.layer != 1 || mt.op != "mlp.down_proj") continue;
+    const std::uint64_t bytes = t.storages[e.tensor].bytes;
+    if (mt.phase == Phase::kForward && e.alloc) {
+      forward_bf16 += bytes == numel * 2;
+      forward_fp32 += bytes == numel * 4;
+    }
+    if (mt.phase == Phase::kBackward && (bytes == numel * 2 || bytes == numel * 4)) seen.emplace_back(e.alloc, bytes);
+  }
+  EXPECT_EQ(forward_bf16, 1);
+  EXPECT_EQ(forward_fp32, 0);
+  const std::vector<std::pair<bool, std::uint64_t>> want = {
+      {true, numel * 4}, {true, numel * 2}, {false, numel * 4}, {false, numel * 2}};
+  EXPECT_EQ(seen, want);
+}
+
 // Qwen2's q/k/v biases under QLoRA: fp32 after prepare_model_for_kbit_training, recast to the
 // compute dtype by Linear4bit's first forward (a new half storage, the fp32 one freed), once.
 TEST(GraphQlora, BiasesRecastInTheFirstForward) {

@@ -422,6 +422,31 @@ TEST(Fit, QloraFloorAndSingleChange) {
   EXPECT_TRUE(offered);
 }
 
+// QLoRA on several GPUs: DDP is the one wrapper over a 4-bit base (each rank holds the whole
+// packed base), so every plan is DDP, is the estimate of its recipe, and keeps its floor.
+TEST(Fit, QloraOnSeveralGpusIsPlannedUnderDdp) {
+  const Model m = model::with_layers(load_model("llama-3.2-1b"), 2);
+  FitRequest q;
+  q.base = base_recipe("rtx-4090", 512);
+  q.base.lora.rank = 16;
+  q.base.lora.targets = {"default"};
+  q.base.quant.load_in_4bit = true;
+  q.base.quant.double_quant = true;
+  q.gpus = 2;
+  q.global_batch = 8;
+  q.top = 4;
+  const FitResult f = fit(m, q);
+  ASSERT_FALSE(f.plans.empty());
+  for (const Plan& p : f.plans) {
+    EXPECT_EQ(p.recipe.parallel, Parallel::kDdp);
+    EXPECT_TRUE(p.recipe.quant.enabled());
+    EXPECT_EQ(p.recipe.batch * p.recipe.grad_accum * 2, 8u);
+    const Estimate e = estimate(m, p.recipe);
+    EXPECT_EQ(e.peak_reserved_bytes, p.peak_reserved_bytes);
+    EXPECT_LE(plan::persistent_floor(m, p.recipe), e.peak_allocated_bytes);
+  }
+}
+
 // LoRA on several GPUs: DDP (its buckets hold the adapters' gradients) and ZeRO-1/2 (the flat
 // group holds the adapters) take a peft model, FSDP2 and ZeRO-3 do not; every plan has the batch
 // split, is the estimate of its recipe, and its floor never exceeds the replay.

@@ -351,6 +351,24 @@ def test_ddp_find_unused_entries_exact(comparisons):
     _assert_every_rank_exact(runs)
 
 
+def test_ddp_qlora_entries_exact(comparisons):
+    """DDP over a QLoRA model (recipe.parallel ddp with load_in_4bit): each rank holds the whole
+    4-bit base, the Reducer buckets the adapters' gradients only. Every rank exact: the narrow
+    Llama, GPT-2's transposed Conv1D weights, Qwen3, Qwen2.5 with fp4 in fp32, Phi-3's fused
+    projections; nf4 with and without double quant; find_unused_parameters (the Trainer's choice
+    for a peft model); and bf16-mixed over all linear layers, whose peak is inside a backward
+    4-bit matmul that dequantizes in the fp32 load dtype before the cast (Note [QLoRA])."""
+    runs = [(name, c) for name, c in comparisons
+            if c["recipe"].get("parallel") == "ddp" and c["recipe"].get("load_in_4bit")]
+    assert len(runs) >= 6, [name for name, _ in runs]
+    recipes = [c["recipe"] for _, c in runs]
+    assert any(r.get("ddp_find_unused_parameters") for r in recipes)
+    assert any(r["precision"] == "bf16-mixed" and r["grad_accum"] > 1 for r in recipes)
+    assert {r["bnb_4bit_quant_type"] for r in recipes} == {"nf4", "fp4"}
+    assert any(c["measured_peak"].get("phase") == "backward" for _, c in runs)
+    _assert_every_rank_exact(runs)
+
+
 def test_zero_lora_entries_exact(comparisons):
     """DeepSpeed ZeRO over a peft model: under ZeRO-1/2 the flat 16-bit group and the fp32 master
     partition hold the adapters only (the client optimizer's parameters) and the frozen base keeps
