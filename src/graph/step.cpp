@@ -28,7 +28,10 @@ StepBuilder::StepBuilder(const Model& m, const Recipe& r, const Gpu& gpu, const 
       // (See Note [FSDP2 variants]).
       // Under autocast (bf16-mixed) the fp32 model is autocast's as usual and the 4-bit matmuls
       // run in its dtype (bnb_4bit_compute_dtype).
-      pol_(policy_for(r.quant.enabled() && r.mode == Mode::kTraining && !policy_for(r.precision).autocast
+      // DeepSpeed's bf16 mode (ZeRO-1/2, bf16-master) casts that fp32 rest back to bf16 (See
+      // Note [QLoRA under ZeRO-1/2] in zero.cpp).
+      pol_(policy_for(r.quant.enabled() && r.mode == Mode::kTraining && !policy_for(r.precision).autocast &&
+                              r.precision != Precision::kBf16Master
                           ? Precision::kFp32
                       : r.fsdp.param_dtype == FsdpDtype::kBf16 ? Precision::kBf16True
                                                                : r.precision)),

@@ -70,6 +70,20 @@ constexpr std::int32_t kNoLayer = -1;
 // flattens them (before tracking starts, as the measurements do). On CUDA the reduction runs on
 // the current stream (overlap_comm off, so reduction_stream is unused) and get_norm_dtype() is
 // float64 too: the order is the CPU one; unmeasured there.
+//
+// Note [QLoRA under ZeRO-1/2]
+// deepspeed.initialize over get_peft_model(prepare_model_for_kbit_training(<4-bit base>)) with
+// the optimizer over the adapters (measured: data/ground_truth/parallel/cpu-zero*-*qlora*,
+// *-4bit*). The flat group, the partitions and the bucket hold the adapters only, as over any
+// peft model; the packed Params4bit weights and their QuantState tensors stay where they are on
+// every rank. What DeepSpeed's bf16 mode (our bf16-master) does on top: the engine casts the
+// parameters to bf16 (engine.py _cast_module_mixed_precision, `p.data = p.data.to(bf16)` for
+// floating dtypes only: not the uint8 packed weights; the QuantState is no parameter, and the
+// buffers are not cast), so the fp32
+// embeddings, norms and lm_head of prepare_model_for_kbit_training and peft's fp32 adapters are
+// bf16 again. The step is then a bf16-true QLoRA step with bf16 adapters: the 4-bit matmuls'
+// casts of x and of the output are no-ops, the weight was loaded and is dequantized in bf16.
+// In fp32 mode nothing is cast. (StepBuilder's policy: bf16-master's, not QLoRA's fp32 rest.)
 constexpr std::uint64_t kReduceBucketElements = 500'000'000;
 constexpr std::uint64_t kNcclStartAlignment = 2;
 

@@ -492,10 +492,12 @@ std::uint64_t weight_bytes(const Model& m, const Recipe& r) {
   const std::uint64_t pb = plan::parameter_bytes(r.precision);
   std::uint64_t weights = 0;
   for (const ParameterGroup& g : m.parameters) {
-    // A 4-bit base (Note [QLoRA]): the layers' linear weights packed, everything else fp32.
+    // A 4-bit base (Note [QLoRA]): the layers' linear weights packed, everything else fp32, or
+    // bf16 again under DeepSpeed's bf16 mode (bf16-master: Note [QLoRA under ZeRO-1/2]).
     const bool packed = r.quant.enabled() && g.matmul_weight && g.name.find(".N.") != std::string::npos;
+    const std::uint64_t rest = r.quant.enabled() && r.precision != Precision::kBf16Master ? 4 : pb;
     const std::uint64_t one = packed ? graph::packed_4bit(g.numel, r.quant.double_quant).packed_bytes
-                                     : detail::mul(g.numel, r.quant.enabled() ? 4 : pb, "parameter bytes");
+                                     : detail::mul(g.numel, rest, "parameter bytes");
     weights = detail::add(weights, detail::mul(one, g.count, "parameter bytes"), "parameter bytes");
   }
   return weights;
@@ -1365,7 +1367,9 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
     r.quant.load_in_4bit = true;
     r.quant.quant_type = QuantType::kNf4;
     r.quant.double_quant = true;
-    if (r.precision == Precision::kBf16Master) {  // the one precision a 4-bit base has no counterpart of
+    // bf16-master is a 4-bit base's precision only as DeepSpeed's bf16 mode (ZeRO-1/2).
+    const bool deepspeed_bf16 = r.parallel == Parallel::kZero1 || r.parallel == Parallel::kZero2;
+    if (r.precision == Precision::kBf16Master && !deepspeed_bf16) {
       r.precision = gpu.bf16 ? Precision::kBf16True : Precision::kFp16True;
     }
     change(std::string(base.lora.enabled() ? "qlora" : "qlora 16 (default targets)") + ": nf4 base, double quant, " +

@@ -305,10 +305,12 @@ void validate_parallel(const Recipe& r) {
     throw Error("offload: " + std::string(to_string(r.offload)) + " with LoRA is not modelled yet (FSDP2's offload "
                 "both is)");
   }
-  // DDP over a QLoRA model buckets the adapters only, as over any peft model; the 4-bit base is
-  // every rank's own (Note [DDP buckets]). The sharding wrappers would have to split Params4bit.
-  if (r.quant.load_in_4bit && r.parallel != Parallel::kDdp) {
-    throw Error("parallel: " + p + " over a 4-bit base (QLoRA) is not modelled yet (unmeasured); ddp is");
+  // DDP over a QLoRA model buckets the adapters only, as over any peft model, and ZeRO-1/2's flat
+  // group holds them only; the 4-bit base is every rank's own (Notes [DDP buckets], [QLoRA under
+  // ZeRO-1/2]). FSDP2 and ZeRO-3 would have to split Params4bit.
+  if (r.quant.load_in_4bit && (r.parallel == Parallel::kFsdp || r.parallel == Parallel::kZero3)) {
+    throw Error("parallel: " + p + " over a 4-bit base (QLoRA) is not modelled yet (unmeasured); ddp, zero1 and "
+                "zero2 are");
   }
   if (r.parallel == Parallel::kFsdp) {
     if (r.precision == Precision::kFp16Mixed || r.precision == Precision::kBf16Master) {
@@ -443,7 +445,7 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   const bool quantized = in.load_in_4bit || in.load_in_8bit;
   if (!in.precision.empty()) {
     r.precision = parse_precision(in.precision);
-  } else if (r.mode == Mode::kInference || quantized) {
+  } else if (r.mode == Mode::kInference || (quantized && !is_zero(parse_parallel(in.parallel)))) {
     r.precision = Precision::kBf16True;
   } else {
     // (With adapters too: under zero1 / zero2 bf16-master is DeepSpeed's bf16 mode over the adapters.)
@@ -534,12 +536,15 @@ void Recipe::validate() const {
     // The precision's dtype is the load dtype and bnb_4bit_compute_dtype; prepare_model_for_kbit_training
     // makes everything else fp32. Training may also run under autocast (bf16-mixed: the compute
     // dtype is autocast's); a master copy is not modelled.
+    // Under ZeRO-1/2 bf16-master is DeepSpeed's bf16 mode, which casts that fp32 rest and the
+    // adapters to bf16 (Note [QLoRA under ZeRO-1/2] in graph/zero.cpp).
     const bool autocast = precision == Precision::kBf16Mixed || precision == Precision::kFp16Mixed;
-    if (!one_dtype(precision) &&
-        !(autocast && mode == Mode::kTraining)) {
-      throw Error("precision: load_in_4bit runs with fp32, bf16-true or fp16-true (the 4-bit matmuls' dtype), or "
-                  "for training under autocast (bf16-mixed, fp16-mixed), got " +
-                  std::string(to_string(precision)));
+    const bool deepspeed_bf16 = precision == Precision::kBf16Master &&
+                                (parallel == Parallel::kZero1 || parallel == Parallel::kZero2);
+    if (!one_dtype(precision) && !(autocast && mode == Mode::kTraining) && !deepspeed_bf16) {
+      throw Error("precision: load_in_4bit runs with fp32, bf16-true or fp16-true (the 4-bit matmuls' dtype), "
+                  "for training under autocast (bf16-mixed, fp16-mixed), or under zero1 / zero2 with "
+                  "bf16-master (DeepSpeed's bf16 mode), got " + std::string(to_string(precision)));
     }
   }
   if (quant.load_in_8bit && mode != Mode::kInference) {

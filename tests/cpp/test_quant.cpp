@@ -94,6 +94,28 @@ TEST(QloraRecipe, DefaultPrecisionIsBf16True) {
   EXPECT_EQ(parse_recipe(s).precision, Precision::kBf16Mixed);
 }
 
+// Under ZeRO-1/2 a 4-bit base takes DeepSpeed's bf16 mode (bf16-master) by default, and only there
+// (Note [QLoRA under ZeRO-1/2] in src/graph/zero.cpp); fp32 is DeepSpeed's fp32 mode.
+TEST(QloraRecipe, ZeroTakesDeepSpeedsBf16Mode) {
+  RecipeSpelling s = qlora_spelling();
+  s.precision = "";
+  s.gpus = 2;
+  s.parallel = "zero2";
+  EXPECT_EQ(parse_recipe(s).precision, Precision::kBf16Master);
+  s.parallel = "zero1";
+  s.precision = "fp32";
+  EXPECT_EQ(parse_recipe(s).precision, Precision::kFp32);
+  s.precision = "bf16-true";  // not a DeepSpeed mode
+  EXPECT_NE(error_of([&] { parse_recipe(s); }).find("DeepSpeed"), std::string::npos);
+  s.parallel = "ddp";
+  s.precision = "bf16-master";
+  EXPECT_NE(error_of([&] { parse_recipe(s); }).find("bf16-master keeps fp32 masters"), std::string::npos);
+  s.parallel = "zero3";
+  s.precision = "fp32";
+  EXPECT_EQ(error_of([&] { parse_recipe(s); }),
+            "parallel: zero3 over a 4-bit base (QLoRA) is not modelled yet (unmeasured); ddp, zero1 and zero2 are");
+}
+
 TEST(QloraRecipe, Errors) {
   RecipeSpelling s = qlora_spelling();
   s.bnb_4bit_quant_type = "int4";

@@ -205,6 +205,11 @@ TEST(ZeroRanks, EveryRankOfTheMeasurements) {
     sp.attention = rj.value("attention", "sdpa");
     sp.lora_rank = rj.value("lora_rank", std::uint64_t{0});
     sp.lora_dropout = rj.value("lora_dropout", 0.0);
+    sp.load_in_4bit = rj.value("load_in_4bit", false);  // QLoRA under ZeRO-1/2
+    if (sp.load_in_4bit) {
+      sp.bnb_4bit_quant_type = rj.value("bnb_4bit_quant_type", std::string("fp4"));
+      sp.bnb_4bit_use_double_quant = rj.value("bnb_4bit_use_double_quant", false);
+    }
     if (rj.contains("lora_targets")) {  // the resolved module paths, as trainmem compare takes them
       std::string targets;
       for (const auto& t : rj["lora_targets"]) targets += (targets.empty() ? "" : ",") + t.get<std::string>();
