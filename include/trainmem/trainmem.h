@@ -511,6 +511,10 @@ struct FitResult {
     Plan plan;  // the fastest recipe of the search that fits there, replayed on that GPU
   };
   std::vector<OtherGpu> fits_on;     // when nothing fits: catalog GPUs with more memory that do fit
+  // When no full fine-tuning recipe fits: the fastest plans of the same search with LoRA adapters
+  // (rank 16, peft's default targets), or with QLoRA (the same on a 4-bit nf4 base) where no LoRA
+  // recipe fits either; empty when neither fits, or when the request trains adapters already.
+  std::vector<Plan> adapter_plans;
 };
 
 // Searches the recipe space for `model` on `base.gpu`: micro-batch × grad_accum reaching the

@@ -178,6 +178,8 @@ class FitResult:
     changes: list[dict[str, Any]]
     closest_miss: dict[str, Any] | None
     fits_on: list[dict[str, Any]] = field(default_factory=list)  # when nothing fits: bigger GPUs that do
+    # When no full fine-tuning recipe fits: plans with LoRA 16, or QLoRA 16 where LoRA does not fit
+    adapter_plans: list[dict[str, Any]] = field(default_factory=list)
     baseline_moved: bool = False  # the global batch does not split over the GPUs: baseline as pp or tp
     source: str = "engine"
     _text: str = field(default="", repr=False, compare=False)

@@ -429,7 +429,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
 
   auto* fitc = app.add_subcommand(
-      "fit", "Recipes that fit a GPU, fastest first, and what single changes of your recipe save");
+      "fit", "Recipes that fit a GPU, fastest first, and what single changes of your recipe save;\n"
+             "when nothing fits, what it takes (a larger GPU, adapters instead of full fine-tuning)");
   std::string fit_model, fit_global = "0", fit_top = "10", fit_host = std::to_string(trainmem::kDefaultHostMemoryBytes >> 30);
   RecipeFlags fit_flags;
   bool fit_json = false;
@@ -441,7 +442,8 @@ int main(int argc, char** argv) {
   fitc->add_option("--host-memory", fit_host,
                    "Host RAM in GiB each GPU's rank may use under CPU offload (a node's RAM over its GPUs)")
       ->capture_default_str();
-  fitc->add_flag("--json", fit_json, "Print capacity_bytes, plans, baseline, changes, closest_miss as JSON");
+  fitc->add_flag("--json", fit_json,
+                 "Print capacity_bytes, plans, baseline, changes, closest_miss, fits_on and adapter_plans as JSON");
   fitc->footer(
       "Knobs you pass (--precision, --optimizer, --checkpointing, --loss, --allocator, --batch) are held;\n"
       "the others are searched. Your recipe is also replayed as given, with each single change.");

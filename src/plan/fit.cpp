@@ -687,7 +687,9 @@ const std::vector<std::string>& fit_knobs() {
 namespace {
 
 // `reference`: the search as it was before Note [Fewer replays] (plan::fit_reference).
-FitResult search(const Model& model, const FitRequest& q, bool reference) {
+// `plans_only`: the walk alone, for the adapter route (Note [The adapter route]): no closest
+// miss, no other GPUs, no single changes.
+FitResult search(const Model& model, const FitRequest& q, bool reference, bool plans_only = false) {
   q.base.validate();
   if (q.base.mode != Mode::kTraining) throw Error("mode: fit plans training recipes; estimate a generation with `estimate --inference`");
   if (q.base.cp != 1) {
@@ -1104,6 +1106,10 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
     }
   }
 
+  if (plans_only) {
+    out.simulated = planner.recipes_replayed();
+    return out;
+  }
   if (out.plans.empty()) {
     // The closest miss: every recipe the floor did not rule out, replayed to the end (the
     // probes only said "too big"); when the floor ruled out everything, the smallest floor.
@@ -1395,10 +1401,51 @@ FitResult search(const Model& model, const FitRequest& q, bool reference) {
   return out;
 }
 
+// Note [The adapter route]
+// When no recipe of a full fine-tuning search fits, the most useful change is usually not a knob
+// of the search but what is trained: adapters instead of every weight. The planner then searches
+// the same space (GPUs, global batch, fixed knobs, host budget) again with LoRA rank 16 on peft's
+// default targets and, if nothing fits with those either, with QLoRA (the same adapters on an nf4
+// base with double quant), and reports the fastest few plans of the first that fits. It is a
+// separate answer, not part of the ranking: a LoRA run trains a different model than full
+// fine-tuning, so its step time is not comparable as a cost of the same result. A model whose
+// default targets peft cannot resolve gets no adapter route.
+FitResult with_adapter_route(const Model& model, const FitRequest& q, bool reference) {
+  FitResult out = search(model, q, reference);
+  if (!out.plans.empty() || q.base.lora.enabled() || q.base.quant.any()) return out;
+  for (bool qlora : {false, true}) {
+    FitRequest a = q;
+    a.top = std::min<std::size_t>(q.top, 3);
+    a.base.lora.rank = 16;
+    a.base.lora.targets = {"default"};
+    if (qlora) {
+      a.base.quant.load_in_4bit = true;
+      a.base.quant.quant_type = QuantType::kNf4;
+      a.base.quant.double_quant = true;
+    }
+    // bf16-master is an adapter recipe's precision only as DeepSpeed's bf16 mode (ZeRO-1/2).
+    if (a.base.precision == Precision::kBf16Master && !is_zero(a.base.parallel)) {
+      a.base.precision = out.gpu.bf16 ? Precision::kBf16True : Precision::kFp16True;
+    }
+    try {
+      a.base.validate();
+      FitResult r = search(model, a, reference, true);
+      out.simulated += r.simulated;
+      if (!r.plans.empty()) {
+        out.adapter_plans = std::move(r.plans);
+        break;
+      }
+    } catch (const Error&) {
+      return out;  // this model or recipe takes no adapters (e.g. targets peft cannot resolve)
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
-FitResult fit(const Model& model, const FitRequest& q) { return search(model, q, false); }
+FitResult fit(const Model& model, const FitRequest& q) { return with_adapter_route(model, q, false); }
 
-FitResult plan::fit_reference(const Model& model, const FitRequest& q) { return search(model, q, true); }
+FitResult plan::fit_reference(const Model& model, const FitRequest& q) { return with_adapter_route(model, q, true); }
 
 }  // namespace trainmem

@@ -200,6 +200,9 @@ std::string fit_to_json(const std::string& model, const FitResult& f, bool prett
     on.push_back(x);
   }
   j["fits_on"] = on;
+  ordered_json adapters = ordered_json::array();
+  for (const Plan& p : f.adapter_plans) adapters.push_back(plan_object(p));
+  j["adapter_plans"] = adapters;
   j["source"] = "engine";
   return pretty ? j.dump(2, ' ', false, ordered_json::error_handler_t::replace)
                 : j.dump(-1, ' ', false, ordered_json::error_handler_t::replace);
@@ -278,6 +281,23 @@ std::string fit_to_text(const std::string& model, const FitResult& f) {
     } else {
       add("no larger GPU of the catalog fits even the search's lowest-memory recipe (smallest micro-batch,\n"
           "checkpointing, fused loss, smallest floor); more GPUs (--gpus N, DDP or FSDP2) may.\n");
+    }
+    if (!f.adapter_plans.empty()) {  // See Note [The adapter route] in plan/fit.cpp
+      const Recipe& a = f.adapter_plans.front().recipe;
+      add("\nor train adapters instead of every weight (a different training run; --lora %llu%s plans it):\n"
+          "%s rank %llu on peft's default targets fits (reserved, allocated, step time%s):\n",
+          static_cast<unsigned long long>(a.lora.rank), a.quant.enabled() ? " --qlora" : "",
+          a.quant.enabled() ? "QLoRA (an nf4 base with double quant)" : "LoRA", static_cast<unsigned long long>(a.lora.rank),
+          std::any_of(f.adapter_plans.begin(), f.adapter_plans.end(),
+                      [](const Plan& p) { return p.recipe.offload != Offload::kNone; })
+              ? ", host memory per rank"
+              : "");
+      for (const Plan& p : f.adapter_plans) {
+        add("    %s %12s %12s %9.3gs%s\n", recipe_words(p.recipe).c_str(),
+            detail::format_bytes(p.peak_reserved_bytes).c_str(), detail::format_bytes(p.peak_allocated_bytes).c_str(),
+            p.time.seconds,
+            p.recipe.offload == Offload::kNone ? "" : ("  " + detail::format_bytes(p.host_bytes)).c_str());
+      }
     }
   }
   add("\nyour recipe: %s\n", recipe_words(b).c_str());

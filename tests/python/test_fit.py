@@ -57,6 +57,32 @@ def test_nothing_fits_names_the_closest_miss(run):
     j = json.loads(run("fit", "llama-3.1-70b", "--gpu", "rtx-4090", "--seq", "4096", "--json", timeout=120).stdout)
     assert j["plans"] == [] and j["fits_on"] == []
     assert j["closest_miss"]["lacks_bytes"] > 0
+    assert j["adapter_plans"] == []  # its 4-bit base alone (~37 GB) outgrows a 24 GB GPU
+
+
+def test_nothing_fits_offers_the_adapter_route(run):
+    # Full fine-tuning of the 70B model fits no single GPU; QLoRA on an 80 GB one does (LoRA's bf16
+    # base, 141 GB, does not), and each adapter plan is the estimate of its recipe.
+    r = run("fit", "llama-3.1-70b", "--gpu", "a100-80gb", "--seq", "2048", timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "nothing fits" in r.stdout and "or train adapters instead of every weight" in r.stdout
+    assert "--lora 16 --qlora plans it" in r.stdout
+    j = json.loads(run("fit", "llama-3.1-70b", "--gpu", "a100-80gb", "--seq", "2048", "--json", timeout=120).stdout)
+    assert j["plans"] == [] and 1 <= len(j["adapter_plans"]) <= 3
+    for p in j["adapter_plans"]:
+        rc = p["recipe"]
+        assert rc["lora_rank"] == 16 and rc["load_in_4bit"] and rc["bnb_4bit_quant_type"] == "nf4"
+        assert p["fits"] and p["peak_reserved_bytes"] <= j["capacity_bytes"]
+        e = json.loads(run("estimate", "llama-3.1-70b", "--gpu", "a100-80gb", "--batch", rc["batch"], "--seq", rc["seq"],
+                           "--precision", rc["precision"], "--optimizer", rc["optimizer"], "--checkpointing",
+                           rc["checkpointing"], "--loss", rc["loss"], "--allocator", rc["allocator"], "--lora", "16",
+                           "--qlora", "--grad-accum", rc["grad_accum"], "--json").stdout)
+        assert e["peak_reserved_bytes"] == p["peak_reserved_bytes"]
+    # A recipe that fits gets no adapter route, nor does one that trains adapters already.
+    j = json.loads(run("fit", "gpt2", "--gpu", "a100-80gb", "--seq", "512", "--json", timeout=120).stdout)
+    assert j["plans"] and j["adapter_plans"] == []
+    j = json.loads(run("fit", "llama-3.1-70b", "--gpu", "rtx-4090", "--lora", "16", "--json", timeout=120).stdout)
+    assert j["plans"] == [] and j["adapter_plans"] == []
 
 
 def test_nothing_fits_says_what_it_takes(run):
