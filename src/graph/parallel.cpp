@@ -181,7 +181,27 @@ constexpr std::uint64_t kBucketCapBytes = std::uint64_t{25} << 20;
 //  * the optimizer holds the adapters' shards (local_numel), fp32;
 //  * under CPUOffloadPolicy (Note [FSDP2 CPU offload], mirrored, not measured) every shard is
 //    pinned on the host, the frozen ones too, and only the adapters have host .grads and states.
-// ZeRO-3 over a peft model and DeepSpeed's offload with LoRA stay refused (unmeasured).
+// DeepSpeed's offload with LoRA stays refused (unmeasured).
+//
+// Note [QLoRA under FSDP2]
+// fully_shard over get_peft_model(prepare_model_for_kbit_training(<4-bit base>)), bitsandbytes
+// 0.50 (measured: data/ground_truth/parallel/cpu-fsdp-*-qlora*, *-4bit*, cpu-hsdp-*-4bit*, every
+// rank exact). What changes against Note [LoRA under FSDP2]:
+//  * a Params4bit is a parameter like any other to FSDP2: its packed uint8 storage, shape
+//    (packed bytes, 1), is sharded along dim 0 and gathered as bytes with the unit's fp32 rest
+//    and adapters. Only the shard reaches the device (StepBuilder::add_param);
+//  * its QuantState (absmax, code, and with double quant the offset and the nested state) is no
+//    parameter: it stays whole on every rank, where it was loaded, and Linear4bit keeps it as the
+//    module's quant_state, which it hands back to the gathered weight before each matmul
+//    (fix_4bit_weight_quant_state_from_module). The measuring side reads it from the module once
+//    the parameter is a DTensor (models.quant_state_tensors);
+//  * a biased 4-bit layer under a half compute dtype recasts its fp32 bias in step 1's first
+//    forward (Note [Quantized linear biases]); the recast swaps the data of FSDP2's unsharded
+//    parameter for a half copy that FSDP2 never frees, so the copy lives for the run on every
+//    rank while the fp32 bias is still gathered and freed with its unit;
+//  * a param_dtype policy would cast the packed weights for the all-gather: refused.
+// The time model's all-gathers carry half a byte per packed element (plan/time.cpp). ZeRO-3 over
+// a 4-bit base stays refused (unmeasured).
 
 // Note [Collectives on CUDA]
 // The ground truth for data parallelism is CPU (gloo) only; what the engine assumes on CUDA is

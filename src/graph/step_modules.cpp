@@ -20,14 +20,20 @@ namespace trainmem::graph::step {
 // and stays half. The bias then goes into the matmul's own kernel (gemm_4bit's F.linear with the
 // bias, int8_mm_dequant's in-place `out += bias`): no tensor of its own. A frozen base bias gets
 // no gradient (MatMul4Bit's grad_bias only when it requires grad).
+// Under FSDP2 the bias is FSDP's unsharded parameter while the unit is gathered: the recast
+// swaps that nn.Parameter's data for the half copy, which FSDP2 neither frees at reshard nor
+// gathers into again (it resizes the storages it made itself), so the copy lives for the run,
+// whole on every rank, and FSDP2 keeps gathering and freeing the fp32 bias beside it (measured:
+// data/ground_truth/parallel/cpu-hsdp-qwen2.5w512l2-4bitfp4-*; Note [QLoRA under FSDP2]).
 void StepBuilder::recast_bias(std::uint32_t b, DType dtype) {
   if (b == kNone || params_[b].dtype == dtype) return;
   Param& p = params_[b];
   TRAINMEM_ASSERT(!p.trainable, "a trainable bias on a quantized layer");
   const TensorId cast = t_.alloc_bytes(detail::mul(p.numel, dtype_bytes(dtype), "bias bytes"), Category::kWeights);
+  p.dtype = dtype;
+  if (r_.parallel == Parallel::kFsdp) return;  // FSDP2's storage stays its own; the copy is never freed
   t_.release(p.storage);
   p.storage = cast;
-  p.dtype = dtype;
 }
 
 // bnb.nn.Linear4bit: the input cast to the compute dtype, the weight dequantized for the matmul

@@ -70,6 +70,9 @@ void StepBuilder::wrap_data_parallel() {
   std::vector<WrappedParam> wp;
   for (const Param& p : params_) {
     WrappedParam w{p.slot, p.storage, p.numel, p.rows, p.dtype};
+    if (p.quantized && r_.quant.enabled()) {  // Params4bit: packed uint8 of shape (packed bytes, 1)
+      w.numel = w.rows = packed_4bit(p.numel, r_.quant.double_quant).packed_bytes;
+    }
     w.trainable = p.trainable;
     wp.push_back(w);
   }
@@ -220,9 +223,11 @@ std::uint32_t StepBuilder::add_param(const ParameterGroup& g, bool in_layer, boo
     t_.alloc_bytes(q.scb_bytes, Category::kWeights);
   } else if (p.quantized) {
     // Params4bit and its QuantState's tensors (Note [QLoRA]); none requires grad.
+    // Under FSDP2 only the packed weight's shard reaches the device; its QuantState, which is no
+    // parameter, stays whole on every rank (See Note [QLoRA under FSDP2] in parallel.cpp).
     const Packed4bit q = packed_4bit(g.numel, r_.quant.double_quant);
     p.dtype = DType::kU8;
-    p.storage = t_.alloc_bytes(q.packed_bytes, Category::kWeights);
+    p.storage = new_param_storage(q.packed_bytes);
     for (std::uint64_t b : {q.absmax_bytes, q.code_bytes, q.offset_bytes, q.nested_absmax_bytes, q.nested_code_bytes}) {
       if (b != 0) t_.alloc_bytes(b, Category::kWeights);
     }

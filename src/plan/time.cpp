@@ -282,8 +282,15 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
         // The gathers carry the whole model: under LoRA the frozen base (in the precision's dtype)
         // and the fp32 adapters, which reduce alone (Note [LoRA under FSDP2] in graph/parallel.cpp).
         const double item = f.param_dtype == FsdpDtype::kBf16 ? 2 : pb;
-        const double root_gathered = c.base_root * item;
-        const double layers_gathered = (c.base_elements - c.base_root) * item + c.adapters * (f.param_dtype == FsdpDtype::kBf16 ? 2 : 4);
+        double root_gathered = c.base_root * item;
+        double layers_gathered = (c.base_elements - c.base_root) * item + c.adapters * (f.param_dtype == FsdpDtype::kBf16 ? 2 : 4);
+        if (recipe.quant.enabled()) {
+          // A 4-bit base (Note [QLoRA under FSDP2] in graph/parallel.cpp): the layers' packed
+          // weights, half a byte per element, and the fp32 rest of prepare_model_for_kbit_training.
+          const double packed = c.layer - c.adapters;
+          root_gathered = c.base_root * 4;
+          layers_gathered = packed / 2 + (c.base_elements - c.base_root - packed) * 4 + c.adapters * 4;
+        }
         const double gathered = root_gathered + layers_gathered;
         const double reduced = f.reduce_dtype == FsdpDtype::kFp32 ? c.trainable_elements * 4
                                : f.param_dtype == FsdpDtype::kBf16 ? c.trainable_elements * 2

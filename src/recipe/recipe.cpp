@@ -306,10 +306,11 @@ void validate_parallel(const Recipe& r) {
                 "both is)");
   }
   // DDP over a QLoRA model buckets the adapters only, as over any peft model, and ZeRO-1/2's flat
-  // group holds them only; the 4-bit base is every rank's own (Notes [DDP buckets], [QLoRA under
-  // ZeRO-1/2]). FSDP2 and ZeRO-3 would have to split Params4bit.
-  if (r.quant.load_in_4bit && (r.parallel == Parallel::kFsdp || r.parallel == Parallel::kZero3)) {
-    throw Error("parallel: " + p + " over a 4-bit base (QLoRA) is not modelled yet (unmeasured); ddp, zero1 and "
+  // group holds them only; the 4-bit base is every rank's own. FSDP2 shards the packed weights
+  // as bytes and leaves their QuantState whole (Notes [DDP buckets], [QLoRA under ZeRO-1/2],
+  // [QLoRA under FSDP2]). ZeRO-3 would partition Params4bit itself: unexplored.
+  if (r.quant.load_in_4bit && r.parallel == Parallel::kZero3) {
+    throw Error("parallel: zero3 over a 4-bit base (QLoRA) is not modelled yet (unmeasured); ddp, fsdp, zero1 and "
                 "zero2 are");
   }
   if (r.parallel == Parallel::kFsdp) {
@@ -341,6 +342,10 @@ void validate_parallel(const Recipe& r) {
                   std::string(to_string(r.precision)) +
                   ": MixedPrecisionPolicy casts fp32 parameters (sharded, the optimizer's) for the all-gather and "
                   "the compute; use precision fp32");
+    }
+    if (f.param_dtype != FsdpDtype::kNone && r.quant.load_in_4bit) {
+      throw Error("fsdp_param_dtype: " + std::string(to_string(f.param_dtype)) + " over a 4-bit base is not modelled "
+                  "(the policy would cast the packed uint8 weights for the all-gather); use fsdp_param_dtype none");
     }
     if (f.reduce_dtype != FsdpDtype::kNone && f.param_dtype == FsdpDtype::kNone) {
       throw Error("fsdp_reduce_dtype: " + std::string(to_string(f.reduce_dtype)) +

@@ -422,28 +422,33 @@ TEST(Fit, QloraFloorAndSingleChange) {
   EXPECT_TRUE(offered);
 }
 
-// QLoRA on several GPUs: DDP is the one wrapper over a 4-bit base (each rank holds the whole
-// packed base), so every plan is DDP, is the estimate of its recipe, and keeps its floor.
-TEST(Fit, QloraOnSeveralGpusIsPlannedUnderDdp) {
-  const Model m = model::with_layers(load_model("llama-3.2-1b"), 2);
-  FitRequest q;
-  q.base = base_recipe("rtx-4090", 512);
-  q.base.lora.rank = 16;
-  q.base.lora.targets = {"default"};
-  q.base.quant.load_in_4bit = true;
-  q.base.quant.double_quant = true;
-  q.gpus = 2;
-  q.global_batch = 8;
-  q.top = 4;
-  const FitResult f = fit(m, q);
-  ASSERT_FALSE(f.plans.empty());
-  for (const Plan& p : f.plans) {
-    EXPECT_EQ(p.recipe.parallel, Parallel::kDdp);
-    EXPECT_TRUE(p.recipe.quant.enabled());
-    EXPECT_EQ(p.recipe.batch * p.recipe.grad_accum * 2, 8u);
-    const Estimate e = estimate(m, p.recipe);
-    EXPECT_EQ(e.peak_reserved_bytes, p.peak_reserved_bytes);
-    EXPECT_LE(plan::persistent_floor(m, p.recipe), e.peak_allocated_bytes);
+// QLoRA on several GPUs: DDP and ZeRO-1/2 hold the whole packed base on every rank, FSDP2 shards
+// it (Note [QLoRA under FSDP2]). Every plan keeps the 4-bit base, is the estimate of its recipe and
+// keeps its floor; a 70B base, 35 GB packed, fits 24 GB GPUs only sharded.
+TEST(Fit, QloraOnSeveralGpus) {
+  for (const char* name : {"llama-3.2-1b", "llama-3.1-70b"}) {
+    SCOPED_TRACE(name);
+    const bool big = std::string(name) == "llama-3.1-70b";
+    const Model m = big ? load_model(name) : model::with_layers(load_model(name), 2);
+    FitRequest q;
+    q.base = base_recipe("rtx-4090", big ? 2048 : 512);
+    q.base.lora.rank = 16;
+    q.base.lora.targets = {"default"};
+    q.base.quant.load_in_4bit = true;
+    q.base.quant.double_quant = true;
+    q.gpus = big ? 4 : 2;
+    q.global_batch = 8;
+    q.top = 4;
+    const FitResult f = fit(m, q);
+    ASSERT_FALSE(f.plans.empty());
+    for (const Plan& p : f.plans) {
+      if (big) EXPECT_EQ(p.recipe.parallel, Parallel::kFsdp);
+      EXPECT_TRUE(p.recipe.quant.enabled());
+      EXPECT_EQ(p.recipe.batch * p.recipe.grad_accum * q.gpus, 8u);
+      const Estimate e = estimate(m, p.recipe);
+      EXPECT_EQ(e.peak_reserved_bytes, p.peak_reserved_bytes);
+      EXPECT_LE(plan::persistent_floor(m, p.recipe), e.peak_allocated_bytes);
+    }
   }
 }
 

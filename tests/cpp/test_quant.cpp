@@ -113,7 +113,8 @@ TEST(QloraRecipe, ZeroTakesDeepSpeedsBf16Mode) {
   s.parallel = "zero3";
   s.precision = "fp32";
   EXPECT_EQ(error_of([&] { parse_recipe(s); }),
-            "parallel: zero3 over a 4-bit base (QLoRA) is not modelled yet (unmeasured); ddp, zero1 and zero2 are");
+            "parallel: zero3 over a 4-bit base (QLoRA) is not modelled yet (unmeasured); ddp, fsdp, zero1 and zero2 "
+            "are");
 }
 
 TEST(QloraRecipe, Errors) {

@@ -319,9 +319,16 @@ TEST(RecipeValidate, ParallelRefusesWhatIsNotModelled) {
   EXPECT_EQ(parse_recipe(zl).precision, Precision::kBf16Master);
   lora.quant.load_in_4bit = true;  // DDP over a 4-bit base too (measured: cpu-ddp-*-qlora*, *-4bit*) ...
   EXPECT_NO_THROW(lora.validate());
-  lora.parallel = Parallel::kFsdp;  // ... but not a sharding wrapper (unmeasured)
+  lora.parallel = Parallel::kFsdp;  // FSDP2 shards the packed weights (measured: cpu-[fh]sdp-*-qlora*, *-4bit*) ...
+  EXPECT_NO_THROW(lora.validate());
+  lora.fsdp.param_dtype = FsdpDtype::kBf16;  // ... but no policy casts them
+  lora.precision = Precision::kFp32;
+  EXPECT_NE(error_of([&] { lora.validate(); }).find("over a 4-bit base is not modelled"), std::string::npos);
+  lora.fsdp.param_dtype = FsdpDtype::kNone;
+  lora.parallel = Parallel::kZero3;  // ... and ZeRO-3 does not partition them (unmeasured)
   EXPECT_EQ(error_of([&] { lora.validate(); }),
-            "parallel: fsdp over a 4-bit base (QLoRA) is not modelled yet (unmeasured); ddp, zero1 and zero2 are");
+            "parallel: zero3 over a 4-bit base (QLoRA) is not modelled yet (unmeasured); ddp, fsdp, zero1 and zero2 "
+            "are");
   lora.parallel = Parallel::kZero2;  // ZeRO-1/2 holds the adapters only (measured: cpu-zero*-*qlora*)
   lora.precision = Precision::kBf16Master;
   EXPECT_NO_THROW(lora.validate());

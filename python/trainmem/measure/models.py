@@ -297,7 +297,14 @@ def quant_state_tensors(model) -> list[tuple[str, torch.Tensor]]:
     16-entry code; with double quant the offset and the nested state's fp32 absmax and 256-entry
     code), and every 8-bit weight's SCB (fp32 per output row; its CB is the parameter's data)."""
     out = []
-    for name, p in model.named_parameters():
+    # Under FSDP2 a parameter is a DTensor shard that no longer carries its QuantState; bnb's
+    # Linear4bit keeps it as the module's `quant_state` too (and gives it back to the gathered
+    # weight before each matmul: fix_4bit_weight_quant_state_from_module), so the module's is read.
+    owners = [(name, p) for name, p in model.named_parameters()]
+    owners += [(f"{name}.weight", m) for name, m in model.named_modules()
+               if getattr(m, "quant_state", None) is not None
+               and getattr(getattr(m, "weight", None), "quant_state", None) is None]
+    for name, p in owners:
         scb = getattr(p, "SCB", None)
         if isinstance(scb, torch.Tensor):
             out.append((f"{name}.SCB", scb))

@@ -214,12 +214,13 @@ class Recipe:
             return
         if self.is_inference:
             raise RecipeError(f"parallel={self.parallel!r} is a training knob: inference runs on one process")
-        if self.load_in_4bit and self.parallel not in ("ddp", "zero1", "zero2"):
-            # DDP and ZeRO-1/2 over a QLoRA model are measured: every rank quantizes its own copy
-            # (models.build_quantized_model), and the Reducer or the ZeRO optimizer sees the adapters
-            # only. FSDP2 and ZeRO-3 would shard the packed Params4bit themselves: unexplored.
-            raise RecipeError(f"parallel={self.parallel!r} over a 4-bit base is not measured yet; ddp, zero1 and "
-                              "zero2 are")
+        if self.load_in_4bit and self.parallel not in ("ddp", "zero1", "zero2", "fsdp"):
+            # DDP, ZeRO-1/2 and FSDP2 over a QLoRA model are measured: every rank quantizes its own
+            # copy (models.build_quantized_model); the Reducer or the ZeRO optimizer sees the adapters
+            # only, FSDP2 shards the packed weights (as uint8 bytes) with the rest. ZeRO-3 would
+            # partition Params4bit itself: unexplored.
+            raise RecipeError(f"parallel={self.parallel!r} over a 4-bit base is not measured yet; ddp, fsdp, zero1 "
+                              "and zero2 are")
         if self.parallel == "fsdp":
             if self.precision in ("fp16-mixed", "bf16-master"):
                 raise RecipeError(f"parallel=fsdp with precision={self.precision!r} is not measured: FSDP2's form of "
@@ -356,6 +357,9 @@ class Recipe:
             raise RecipeError(f"fsdp_param_dtype={self.fsdp_param_dtype} with precision={self.precision!r}: "
                               "MixedPrecisionPolicy casts fp32 parameters (sharded, the optimizer's) to param_dtype for "
                               "the all-gather and the compute; use precision fp32")
+        if self.fsdp_param_dtype != "none" and self.load_in_4bit:
+            raise RecipeError(f"fsdp_param_dtype={self.fsdp_param_dtype} over a 4-bit base is not measured: the "
+                              "policy would cast the packed uint8 weights for the all-gather")
         if self.fsdp_reduce_dtype != "none" and self.fsdp_param_dtype == "none":
             raise RecipeError(f"fsdp_reduce_dtype={self.fsdp_reduce_dtype} without fsdp_param_dtype is not measured: "
                               "the gradients are reduced in the parameters' dtype")
