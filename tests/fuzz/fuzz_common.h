@@ -16,6 +16,7 @@
 // loss's chunk loop, whose length grows with tokens / chunk (see cheap()).
 #pragma once
 
+#include <algorithm>
 #include <cinttypes>
 #include <cstdint>
 #include <cstdio>
@@ -101,6 +102,12 @@ inline bool cheap(const trainmem::Model& m, const trainmem::Recipe& r) {
   if (m.arch.num_layers > kMaxLayers || r.grad_accum > kMaxGradAccum || r.steps > 2) return false;
   if (r.mode == trainmem::Mode::kInference && (r.new_tokens > kMaxNewTokens || r.beams > kMaxNewTokens)) return false;
   if (trainmem::is_zero(r.parallel) && r.gpus > kMaxReplayedRanks) return false;
+  // A pipeline replays every stage (and its schedule grows with them), a context-parallel ring
+  // runs one attention step per rank of the ring.
+  if (r.pp > kMaxReplayedRanks || r.pp_stages_per_rank > kMaxReplayedRanks / std::max<std::uint64_t>(r.pp, 1) ||
+      r.cp > kMaxReplayedRanks) {
+    return false;
+  }
   // The fused loss walks the tokens in chunks of about hidden / vocab × tokens rows, so a huge
   // vocabulary over a tiny width times many tokens means ~vocab / hidden chunk iterations.
   std::uint64_t tokens = 0;
@@ -141,10 +148,13 @@ inline void check_estimate(const trainmem::Model& m, const trainmem::Recipe& r, 
   trainmem::Estimate e = trainmem::estimate(m, r, opt);
   // The rank shown is one of the recipe's, and without one asked for it is the worst replayed
   // (Note [The worst rank] in src/estimate.cpp).
-  FUZZ_CHECK(e.rank < r.gpus);
-  FUZZ_CHECK(r.gpus == 1 ? e.ranks.empty() : !e.ranks.empty());
+  // A pipeline's ranks are its stages (stage x gpus + data-parallel rank); a tensor-parallel group
+  // or a context-parallel ring is one rank shown, without a list.
+  const std::uint64_t ranks = r.gpus * r.pp;  // both bounded by validate()
+  FUZZ_CHECK(e.rank < ranks);
+  FUZZ_CHECK(ranks == 1 ? e.ranks.empty() : !e.ranks.empty());
   for (const auto& x : e.ranks) {
-    FUZZ_CHECK(x.rank < r.gpus);
+    FUZZ_CHECK(x.rank < ranks);
     FUZZ_CHECK(x.peak_reserved_bytes <= e.peak_reserved_bytes);
   }
   if (rank >= 0) FUZZ_CHECK(e.rank == static_cast<std::uint64_t>(rank));

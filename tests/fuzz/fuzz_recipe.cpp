@@ -30,6 +30,9 @@ constexpr const char* kModes[] = {"training", "inference"};
 constexpr const char* kParallel[] = {"none", "ddp", "fsdp", "zero1", "zero2"};
 constexpr const char* kLoraTargets[] = {"default", "all-linear", "q_proj,v_proj", "c_attn", "down_proj,up_proj"};
 constexpr const char* kQuantTypes[] = {"fp4", "nf4"};
+constexpr const char* kOffload[] = {"none", "optimizer", "params", "both"};
+constexpr const char* kSchedules[] = {"1f1b", "gpipe", "interleaved-1f1b", "looped-bfs"};
+constexpr const char* kFsdpDtypes[] = {"none", "bf16", "fp32"};
 
 // A valid spelling most of the time, otherwise a fuzzed string (typos, case, empty, bytes).
 template <std::size_t N>
@@ -179,6 +182,62 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       if (p.ConsumeBool()) rank = p.ConsumeIntegralInRange<std::int64_t>(-1, 4);
     }
   }
+  // The knobs added since (ZeRO-3, DDP's find_unused_parameters, offload, tensor, pipeline and
+  // context parallelism, FSDP2's knobs) are drawn after everything above: an input made before
+  // them decodes as it did (an exhausted provider gives 0: none of them). One group at a time,
+  // half of the time, so that a combination stays valid often enough to reach the step builder.
+  const std::uint8_t more = p.ConsumeIntegral<std::uint8_t>();
+  // TP, PP and CP take few of the other knobs (docs/parallelism.md); half of the time those are
+  // set to ones they take, so that the sharded step builders are reached, not only refused.
+  auto plain_training = [&] {
+    if (!p.ConsumeBool()) return;
+    sp.mode = "training";
+    sp.precision = "fp32";
+    sp.optimizer = "adamw";
+    sp.loss = "standard";
+    sp.attention = "sdpa";
+    sp.lora_rank = 0;
+    sp.lora_dropout = 0;
+    sp.load_in_4bit = false;
+    sp.bnb_4bit_quant_type = "fp4";
+    sp.bnb_4bit_use_double_quant = false;
+    sp.grad_accum = 4;  // a 1F1B pipeline needs at least as many micro-batches as stages
+    sp.seq = 64;
+  };
+  if (more >= 128) {
+    switch (more % 8) {
+      case 0:
+        sp.gpus = count(p, 4);
+        sp.parallel = "zero3";
+        break;
+      case 1: sp.ddp_find_unused_parameters = true; break;
+      case 2: sp.offload = pick(p, kOffload); break;
+      case 7:  // PP x TP: both groups
+      case 3:
+        plain_training();
+        sp.tp = count(p, 4);
+        sp.sequence_parallel = p.ConsumeBool();
+        sp.loss_parallel = p.ConsumeBool();
+        if (more % 8 == 3) break;
+        [[fallthrough]];
+      case 4:
+        if (more % 8 == 4) plain_training();
+        sp.pp = count(p, 4);
+        sp.pp_schedule = pick(p, kSchedules);
+        sp.pp_stages_per_rank = p.ConsumeBool() ? 1 : count(p, 3);
+        break;
+      case 5:
+        plain_training();
+        sp.cp = count(p, 4);
+        break;
+      default:
+        sp.fsdp_reshard_after_forward = p.ConsumeBool();
+        sp.fsdp_replicate = p.ConsumeBool() ? 1 : count(p, 4);
+        sp.fsdp_param_dtype = pick(p, kFsdpDtypes);
+        sp.fsdp_reduce_dtype = pick(p, kFsdpDtypes);
+        break;
+    }
+  }
 
   if (std::getenv("TRAINMEM_FUZZ_VERBOSE")) {  // to read a reproducer: what the bytes decode to
     std::fprintf(stderr, "model: %s\nname: %s\nrecipe: precision=%s optimizer=%s checkpointing=%s "
@@ -196,6 +255,13 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
                  sp.bnb_4bit_use_double_quant, sp.mode.c_str(), static_cast<unsigned long long>(sp.new_tokens),
                  static_cast<unsigned long long>(sp.beams), static_cast<unsigned long long>(sp.gpus),
                  sp.parallel.c_str(), static_cast<long long>(rank));
+    std::fprintf(stderr, "find_unused=%d offload=%s tp=%llu sp=%d lp=%d pp=%llu schedule=%s stages=%llu cp=%llu "
+                 "fsdp: reshard=%d replicate=%llu param=%s reduce=%s\n",
+                 sp.ddp_find_unused_parameters, sp.offload.c_str(), static_cast<unsigned long long>(sp.tp),
+                 sp.sequence_parallel, sp.loss_parallel, static_cast<unsigned long long>(sp.pp), sp.pp_schedule.c_str(),
+                 static_cast<unsigned long long>(sp.pp_stages_per_rank), static_cast<unsigned long long>(sp.cp),
+                 sp.fsdp_reshard_after_forward, static_cast<unsigned long long>(sp.fsdp_replicate),
+                 sp.fsdp_param_dtype.c_str(), sp.fsdp_reduce_dtype.c_str());
   }
   fuzz::expected_outcome([&] {
     trainmem::Recipe r = trainmem::parse_recipe(sp);
@@ -210,6 +276,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
                                            config.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace),
                                            name);
     fuzz::check_estimate(m, r, false, rank);
+    if (std::getenv("TRAINMEM_FUZZ_VERBOSE")) std::fprintf(stderr, "valid: %s\n", fuzz::cheap(m, r) ? "estimated" : "not cheap");
     if (fuzz::cheap(m, r) && r.mode == trainmem::Mode::kTraining && r.checkpointing == trainmem::Checkpointing::kNone) {
       trainmem::Recipe full = r;
       full.checkpointing = trainmem::Checkpointing::kFull;
