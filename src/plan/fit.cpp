@@ -686,6 +686,28 @@ const std::vector<std::string>& fit_knobs() {
 
 namespace {
 
+// `r` training adapters (the QLoRA single change, Note [The adapter route]): LoRA rank 16 on
+// peft's default targets unless it has adapters already, on an nf4 base with double quant when
+// `qlora`. bf16-master stays only as DeepSpeed's bf16 mode, where an adapter recipe takes it
+// (ZeRO-1/2 over a 4-bit base, any stage over LoRA); elsewhere it becomes the GPU's half precision.
+Recipe with_adapters(Recipe r, bool qlora, const Gpu& gpu) {
+  if (!r.lora.enabled()) {
+    r.lora.rank = 16;
+    r.lora.targets = {"default"};
+  }
+  if (qlora) {
+    r.quant.load_in_4bit = true;
+    r.quant.quant_type = QuantType::kNf4;
+    r.quant.double_quant = true;
+  }
+  const bool deepspeed_bf16 = qlora ? r.parallel == Parallel::kZero1 || r.parallel == Parallel::kZero2
+                                    : is_zero(r.parallel);
+  if (r.precision == Precision::kBf16Master && !deepspeed_bf16) {
+    r.precision = gpu.bf16 ? Precision::kBf16True : Precision::kFp16True;
+  }
+  return r;
+}
+
 // `reference`: the search as it was before Note [Fewer replays] (plan::fit_reference).
 // `plans_only`: the walk alone, for the adapter route (Note [The adapter route]): no closest
 // miss, no other GPUs, no single changes.
@@ -1365,19 +1387,7 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
   if (!base.quant.enabled()) {
     // QLoRA: the same adapters (or LoRA 16) on a 4-bit nf4 base with double quant, in a
     // precision a 4-bit base runs with.
-    Recipe r = base;
-    if (!r.lora.enabled()) {
-      r.lora.rank = 16;
-      r.lora.targets = {"default"};
-    }
-    r.quant.load_in_4bit = true;
-    r.quant.quant_type = QuantType::kNf4;
-    r.quant.double_quant = true;
-    // bf16-master is a 4-bit base's precision only as DeepSpeed's bf16 mode (ZeRO-1/2).
-    const bool deepspeed_bf16 = r.parallel == Parallel::kZero1 || r.parallel == Parallel::kZero2;
-    if (r.precision == Precision::kBf16Master && !deepspeed_bf16) {
-      r.precision = gpu.bf16 ? Precision::kBf16True : Precision::kFp16True;
-    }
+    const Recipe r = with_adapters(base, true, gpu);
     change(std::string(base.lora.enabled() ? "qlora" : "qlora 16 (default targets)") + ": nf4 base, double quant, " +
                std::string(to_string(r.precision)),
            r);
@@ -1416,17 +1426,7 @@ FitResult with_adapter_route(const Model& model, const FitRequest& q, bool refer
   for (bool qlora : {false, true}) {
     FitRequest a = q;
     a.top = std::min<std::size_t>(q.top, 3);
-    a.base.lora.rank = 16;
-    a.base.lora.targets = {"default"};
-    if (qlora) {
-      a.base.quant.load_in_4bit = true;
-      a.base.quant.quant_type = QuantType::kNf4;
-      a.base.quant.double_quant = true;
-    }
-    // bf16-master is an adapter recipe's precision only as DeepSpeed's bf16 mode (ZeRO-1/2).
-    if (a.base.precision == Precision::kBf16Master && !is_zero(a.base.parallel)) {
-      a.base.precision = out.gpu.bf16 ? Precision::kBf16True : Precision::kFp16True;
-    }
+    a.base = with_adapters(q.base, qlora, out.gpu);
     try {
       a.base.validate();
       FitResult r = search(model, a, reference, true);
