@@ -299,7 +299,7 @@ void Tape::run_node(Node& n) {
   std::vector<TensorId>& grads = node_grads_;
   std::vector<TensorId>& pgrads = node_pgrads_;
   scratch.clear();
-  TRAINMEM_ASSERT(n.scratch_freed_early < n.scratch.size() || n.scratch.empty(),
+  TRAINMEM_ASSERT(n.scratch_freed_early == 0 || n.scratch_freed_early < n.scratch.size(),
                   "scratch_freed_early reaches the last scratch buffer");
   for (std::size_t k = 0; k < n.scratch.size(); ++k) {
     scratch.push_back(alloc_bytes(n.scratch[k], Category::kTemporaries));
