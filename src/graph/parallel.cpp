@@ -201,7 +201,7 @@ constexpr std::uint64_t kBucketCapBytes = std::uint64_t{25} << 20;
 //    rank while the fp32 bias is still gathered and freed with its unit;
 //  * a param_dtype policy would cast the packed weights for the all-gather: refused.
 // The time model's all-gathers carry half a byte per packed element (plan/time.cpp). ZeRO-3 over
-// a 4-bit base stays refused (unmeasured).
+// a 4-bit base: Note [QLoRA under ZeRO-3] in zero3.cpp.
 
 // Note [Collectives on CUDA]
 // The ground truth for data parallelism is CPU (gloo) only; what the engine assumes on CUDA is

@@ -244,9 +244,10 @@ class DataParallel {
     bool input_requires_grad = true;
     std::uint64_t numel = 0;            // Σ ds_numel of its parameters
   };
-  struct Z3Handle {  // an AllGatherCoalescedHandle / AllGatherHandle
-    std::vector<std::uint32_t> params;
-    TensorId flat = kNone;  // the coalesced flat buffer, kept until the last parameter is waited for
+  struct Z3Handle {  // a MultipleAllGatherHandles (or one AllGatherHandle)
+    std::vector<std::uint32_t> params;  // by dtype group, then by ds_id: the order wait() fills them
+    // The coalesced flat buffers, one per dtype group, kept until the last parameter is waited for.
+    std::vector<TensorId> flats;
     std::uint32_t pending = 0;
     bool waited = false;
   };
@@ -272,7 +273,11 @@ class DataParallel {
   void zero3_partition_all();
   void zero3_gather_persistent();
   std::vector<bool> zero3_params_to_release(std::uint32_t m) const;
+  // The trainable parameters' dtype (the optimizer's groups, the bucket, the gradient partitions),
+  // and each parameter's own (its partition and what gathers it): a 4-bit base's are uint8.
   std::uint64_t z3_item_ = 2, z3_accum_item_ = 2;
+  std::uint64_t z3_item(std::uint32_t p) const { return dtype_bytes(params_[p].dtype); }
+  std::uint64_t z3_gathered_bytes(std::uint32_t p) const;  // ceil(numel / world) x world of its dtype
   std::vector<std::uint64_t> z3_partition_;  // per parameter, ceil(numel / world)
   std::vector<bool> z3_persist_;
   std::vector<Z3Status> z3_status_;

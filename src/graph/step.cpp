@@ -565,6 +565,7 @@ void StepBuilder::backward(ValueId loss) {
   ensure_workspace(true);
   t_.backward(loss);
   dp_->backward_end();
+  t_.free_graph_held();  // `del loss`: the graph goes (See Tape::hold_with_graph)
   t_.drop(pending_loss_);
   for (T& l : zero_losses_) t_.drop(l);
   zero_losses_.clear();

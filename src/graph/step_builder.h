@@ -297,7 +297,9 @@ class StepBuilder {
   // A sequence all-gather's result is a view of the stacked buffer, no cat (Note [Gathering a
   // batch of one] in tensor_parallel.h).
   bool gather_is_view() const { return r_.batch == 1; }
-  T lora_4bit(const T& x, T& base, const Adapter& ad, const LoraLabels& labels);
+  // `lora_module`, `sub`: the lora.Linear4bit's ZeRO-3 module and adapter index (See container_enter).
+  T lora_4bit(const T& x, T& base, const Adapter& ad, const LoraLabels& labels, std::uint32_t lora_module,
+              std::uint32_t sub);
 
   // Elementwise op producing `numel` elements of `d`; `saved` are kept for backward; each input
   // that requires grad gets a gradient of its own size.

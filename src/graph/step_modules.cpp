@@ -81,6 +81,10 @@ T StepBuilder::linear_4bit(const T& x_in, std::uint32_t w, std::uint32_t b, std:
     n.scratch.push_back(numel * dtype_bytes(load));
     if (load != quant_dtype_) n.scratch.push_back(numel * dtype_bytes(quant_dtype_));
     n.scratch_freed_early = static_cast<std::uint32_t>(n.scratch.size()) - 1;
+    // ctx.tensors holds B.view(-1, 1), a view of the packed weight's .data: under ZeRO-3 the
+    // gathered storage outlives the parameter's release until the graph goes (Note [QLoRA under
+    // ZeRO-3]).
+    if (dp_->zero3() && dp_->zero3_data(w) != kNone) t_.hold_with_graph(dp_->zero3_data(w));
     n.inputs.push_back(grad_of(x));
     t_.record(std::move(n));
   }
@@ -238,7 +242,7 @@ T StepBuilder::proj(const T& x, std::string_view path, std::uint32_t w, std::uin
   if (ad == nullptr) return result;
   const LoraLabels& labels = lora_labels(path);
   if (params_[w].quantized) {
-    T out = lora_4bit(x, result, *ad, labels);
+    T out = lora_4bit(x, result, *ad, labels, lora_module, sub);
     module_exit(lora_module);
     return out;
   }
@@ -363,7 +367,8 @@ T StepBuilder::seq_shard(const T& full) {
 }
 
 // peft's lora.bnb.Linear4bit around a 4-bit projection whose output is `base` (Note [QLoRA]).
-T StepBuilder::lora_4bit(const T& x, T& base, const Adapter& ad, const LoraLabels& labels) {
+T StepBuilder::lora_4bit(const T& x, T& base, const Adapter& ad, const LoraLabels& labels, std::uint32_t lora_module,
+                         std::uint32_t sub) {
   T result = fresh(base.numel, base.dtype);  // result.clone(): CloneBackward hands its gradient on
   if (base.requires_grad()) {
     requires_grad(result);
@@ -376,8 +381,14 @@ T StepBuilder::lora_4bit(const T& x, T& base, const Adapter& ad, const LoraLabel
   // torch.is_autocast_enabled(), which asks about CUDA's autocast only: a CPU run under CPU
   // autocast converts, a CUDA run under autocast adds the bf16 output to the fp32 result.
   const bool convert = !(pol_.autocast && cuda_);
+  if (convert && dp_->zero3()) {
+    dp_->zero3_external_param(lora_module, ad.a);  // lora_A.weight.dtype, through ZeRO-3's getter
+    op(labels.path);
+  }
   T xa = convert ? to(x, params_[ad.a].dtype) : t_.ref(x);  // _cast_input_dtype
+  const std::uint32_t dropout_module = container_enter(Container::kLoraDropout, xa.requires_grad(), sub);
   T xd = r_.lora.dropout > 0 ? dropout(xa) : t_.ref(xa);
+  module_exit(dropout_module);
   op(labels.a);
   T down = linear(xd, ad.a, kNone, r_.lora.rank);
   t_.drop(xd);
@@ -1059,11 +1070,17 @@ T StepBuilder::residual_add(const T& residual, T& branch) {
 T StepBuilder::checkpointed_layer(const T& x, std::uint32_t l) {
   t_.saving = false;
   std::size_t before = t_.node_count();
+  const ValueId first_value = t_.value_count();
   T out = decoder_layer(x, l);
   t_.saving = true;
-  // ZeRO-3's pre-backward fetches that run before the recompute (Note [LoRA under ZeRO-3]).
+  // ZeRO-3's hooks: the backward of the graph's tail, with its modules' hooks, runs before the
+  // recompute (See Note [Checkpoint tails] in tape.h); where no tail can stand in for the
+  // recomputed one, only the pre-backward fetches run before the recompute (Note [LoRA under
+  // ZeRO-3]).
+  std::shared_ptr<const CheckpointTail> tail;
   std::vector<std::uint32_t> hooks;
-  if (dp_->zero3()) hooks = t_.recompute_hooks(before);
+  if (dp_->zero3()) tail = t_.take_tail(before, out.value, first_value);
+  if (dp_->zero3() && !tail) hooks = t_.recompute_hooks(before);
   // The nodes recorded without saves stand for the graph the checkpoint discards; replace
   // them by one checkpoint node (their grads flow through the recompute instead).
   drop_nodes_since(before);
@@ -1075,6 +1092,7 @@ T StepBuilder::checkpointed_layer(const T& x, std::uint32_t l) {
   // states) with save_for_backward; the keyword arguments (mask, position embeddings,
   // position ids) are only referenced by the recompute closure.
   nd.saved = {x.id};
+  nd.tail = std::move(tail);
   for (const T* shared : {&cos_, &sin_, &mask_, &position_ids_}) {
     if (shared->id != kNone) nd.kept.push_back(shared->id);
   }

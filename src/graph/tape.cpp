@@ -112,10 +112,54 @@ void Tape::close_node() {
 std::vector<std::uint32_t> Tape::recompute_hooks(std::size_t first) const {
   std::vector<std::uint32_t> out;
   if (last_saving_node_ < first) return out;
-  for (std::size_t i = std::min(nodes_.size(), module_begins_at_.size()); i-- > last_saving_node_;) {
+  // From the segment's last node down to its last saving one, inclusive.
+  for (std::size_t i = std::min(nodes_.size(), module_begins_at_.size()); i > last_saving_node_;) {
+    --i;
     out.insert(out.end(), module_begins_at_[i].rbegin(), module_begins_at_[i].rend());
   }
   return out;
+}
+
+void Tape::hold_with_graph(TensorId id) {
+  retain(id);
+  (recomputing ? recompute_held_ : graph_held_).push_back(id);
+}
+
+void Tape::free_graph_held() {
+  for (TensorId id : graph_held_) release(id);
+  graph_held_.clear();
+}
+
+void Tape::free_recompute_held() {
+  for (TensorId id : recompute_held_) release(id);
+  recompute_held_.clear();
+}
+
+std::shared_ptr<const CheckpointTail> Tape::take_tail(std::size_t first, ValueId output, ValueId first_value) const {
+  if (last_saving_node_ < first || last_saving_node_ >= nodes_.size()) return nullptr;  // nothing saves: no unpack
+  auto tail = std::make_shared<CheckpointTail>();
+  tail->output = output;
+  tail->saving_nodes = last_saving_node_ + 1 - first;
+  if (last_saving_node_ < module_begins_at_.size()) tail->saving_begins = module_begins_at_[last_saving_node_];
+  for (std::size_t k = first; k < nodes_.size(); ++k) tail->outputs.push_back(nodes_[k].output);
+  for (std::size_t k = last_saving_node_ + 1; k < nodes_.size(); ++k) {
+    const Node& n = nodes_[k];
+    // A node that holds storages, makes parameter gradients or reuses forward storages would need
+    // the recomputed ones: the recomputed tail stands for it then.
+    if (!n.kept.empty() || !n.params.empty() || n.recompute || n.kernel) return nullptr;
+    for (const GradIn& g : n.inputs) {
+      if (g.reuse != kNone) return nullptr;
+      // The gradients the tail hands on: to its own nodes, the segment's earlier ones or outside it.
+      if (g.value != kNone && g.value >= first_value &&
+          std::find(tail->outputs.begin(), tail->outputs.end(), g.value) == tail->outputs.end()) {
+        return nullptr;
+      }
+    }
+    tail->nodes.push_back(n);
+    tail->begins.push_back(k < module_begins_at_.size() ? module_begins_at_[k] : std::vector<std::uint32_t>{});
+    tail->ends.push_back(k < module_ends_at_.size() ? module_ends_at_[k] : std::vector<std::uint32_t>{});
+  }
+  return tail;
 }
 
 void Tape::fire_before_recompute(const std::vector<std::uint32_t>& modules) {
@@ -249,6 +293,7 @@ void Tape::run_node(Node& n) {
     for (TensorId id : n.kept) release(id);
     return;
   }
+  if (n.recompute && n.tail) return run_checkpoint_with_tail(n, incoming);
   if (n.recompute) {
     // Non-reentrant checkpoint: recompute the segment with saving on, then run its nodes. The
     // recompute appends to nodes_, so take what we need from `n` before it may move.
@@ -271,6 +316,7 @@ void Tape::run_node(Node& n) {
     // Early stop (set_checkpoint_early_stop, on by default): the recompute ends once the last
     // tensor to be saved is made; what the forward would do after it never runs.
     stop_recompute_at(last_saving_event_);
+    free_recompute_held();  // the recomputed graph goes
     deliver(out.value, incoming);
     // The recompute runs when the first saved tensor is unpacked (torch/utils/checkpoint.py,
     // _checkpoint_hook.unpack_hook): the segment's last nodes that save nothing (a residual add,
@@ -376,6 +422,64 @@ void Tape::run_node(Node& n) {
   }
 }
 
+// See Note [Checkpoint tails].
+void Tape::run_checkpoint_with_tail(Node& n, TensorId incoming) {
+  auto recompute = std::move(n.recompute);
+  const std::shared_ptr<const CheckpointTail> tail = std::move(n.tail);
+  auto saved = std::move(n.saved);
+  auto kept = std::move(n.kept);
+  const MomentTag tag = n.tag;
+  const std::size_t begin = nodes_.size();
+  // The tail of the first forward's graph, with its module hooks.
+  deliver(tail->output, incoming);
+  nodes_.insert(nodes_.end(), tail->nodes.begin(), tail->nodes.end());
+  module_begins_at_.resize(begin);
+  module_ends_at_.resize(begin);
+  module_begins_at_.insert(module_begins_at_.end(), tail->begins.begin(), tail->begins.end());
+  module_ends_at_.insert(module_ends_at_.end(), tail->ends.begin(), tail->ends.end());
+  run(begin, nodes_.size());
+  resize_nodes(begin);
+  // The pre-backward hooks on the last saving node's outputs run before it unpacks.
+  at(Phase::kBackward, tag.layer, tag.op);
+  fire_before_recompute({tail->saving_begins.rbegin(), tail->saving_begins.rend()});
+  // The recompute, up to the early stop.
+  last_saving_event_ = trace_.events.size();
+  op_begin_event_ = trace_.events.size();
+  recompute_stop_node_ = begin + tail->saving_nodes;
+  const bool was = saving;
+  saving = true;
+  recomputing = true;
+  T out = recompute();
+  recomputing = false;
+  saving = was;
+  recompute_stop_node_ = SIZE_MAX;
+  at(Phase::kBackward, tag.layer, tag.op);
+  release(out.id);
+  stop_recompute_at(last_saving_event_);
+  TRAINMEM_ASSERT(nodes_.size() - begin == tail->outputs.size(), "a recompute recorded other nodes than its forward");
+  // What the tail handed to the first forward's values goes to the recomputed ones.
+  for (std::size_t k = 0; k < tail->saving_nodes; ++k) {
+    const ValueId first = tail->outputs[k];
+    if (first == kNone || value_grad_[first] == kNone) continue;
+    const TensorId g = value_grad_[first];
+    value_grad_[first] = kNone;
+    deliver(nodes_[begin + k].output, g);
+  }
+  free_recompute_held();  // the recomputed graph goes
+  // The recomputed tail never runs: the first forward's ran above.
+  for (std::size_t k = begin + tail->saving_nodes; k < nodes_.size(); ++k) {
+    for (TensorId id : nodes_[k].saved) release(id);
+    for (TensorId id : nodes_[k].kept) release(id);
+    nodes_[k].saved.clear();
+    nodes_[k].kept.clear();
+  }
+  run(begin, begin + tail->saving_nodes);
+  resize_nodes(begin);
+  at(Phase::kBackward, tag.layer, tag.op);
+  for (TensorId id : saved) release(id);
+  for (TensorId id : kept) release(id);
+}
+
 void Tape::run(std::size_t begin, std::size_t end) {
   for (std::size_t i = end; i-- > begin;) {
     if (i < module_begins_at_.size() && !module_begins_at_[i].empty()) {
@@ -476,6 +580,9 @@ void Tape::put_graph(Graph&& g) {
   subclass_ = std::move(g.subclass);
 }
 
-Trace Tape::take() { return std::move(trace_); }
+Trace Tape::take() {
+  TRAINMEM_ASSERT(graph_held_.empty() && recompute_held_.empty(), "a graph's held storages were never freed");
+  return std::move(trace_);
+}
 
 }  // namespace trainmem::graph

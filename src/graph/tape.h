@@ -251,6 +251,8 @@ struct ParamGrad {
 // The accumulation into .grad follows the params' order in every case.
 enum class GradOrder : std::uint8_t { kInputsFirst, kParamsFirst, kParamsReversed };
 
+struct CheckpointTail;
+
 struct Node {
   MomentTag tag;
   ValueId output = kNone;
@@ -267,11 +269,38 @@ struct Node {
   // Checkpointed segments: re-runs the forward (recording nodes) and returns the recomputed
   // output whose gradient is the checkpoint's incoming gradient.
   std::function<T()> recompute;
+  // With `recompute` under module hooks: the nodes its backward runs before the recompute (See
+  // Note [Checkpoint tails]).
+  std::shared_ptr<const CheckpointTail> tail;
   // A backward whose own allocations are a sequence (context parallelism's ring: Note [Context
   // parallelism] in context_parallel.h): runs after the scratch buffers are made and before the
   // gradients; it may point inputs' `reuse` at storages it made, and what it leaves in `left`
   // is released with the scratch buffers.
   std::function<void(Node& n, std::vector<TensorId>& left)> kernel;
+};
+
+// Note [Checkpoint tails]
+// A non-reentrant checkpoint recomputes its segment when backward first unpacks a saved tensor,
+// at the segment's last node that saves (in forward order). The nodes after it save nothing (a
+// residual add, casts, bitsandbytes' MatMul4Bit, which keeps its weight on ctx): they run before
+// the recompute, and the recompute stops early once the last saved tensor is made, so it never
+// enters the modules after that point. Where module hooks act on memory (DeepSpeed ZeRO-3's
+// fetches and releases), their order matters: a 4-bit projection at the end of a layer is
+// gathered, runs its backward and is released before the recompute gathers the layer again, and
+// the recompute's gathers are owned by the module then innermost in backward (Note [LoRA under
+// ZeRO-3] in zero3.cpp). So under hooks a checkpoint keeps the tail of its first forward's graph
+// (Tape::take_tail): its backward runs those nodes with their hooks, then the recompute (whose
+// module hooks past the stop do not fire: Tape::past_recompute_stop), hands the gradients the
+// tail left on the forward's values to the recomputed ones (the recompute records the same nodes
+// in the same order) and runs the recomputed nodes up to the last saving one. Without hooks the
+// tail's events are the recomputed tail's, moved ahead of the recompute's (Tape::run_node).
+struct CheckpointTail {
+  std::vector<Node> nodes;  // the first forward's nodes after its last saving one
+  std::vector<std::vector<std::uint32_t>> begins, ends;  // their module hooks
+  std::vector<std::uint32_t> saving_begins;  // the hooks that begin at the last saving node
+  ValueId output = kNone;       // the segment's output in the first forward
+  std::vector<ValueId> outputs;  // every node's output in the first forward, by index in the segment
+  std::size_t saving_nodes = 0;  // the segment's nodes up to and including the last saving one
 };
 
 // A recorded autograd graph taken off the tape (Tape::take_graph), to be put back before its
@@ -489,12 +518,25 @@ class Tape {
   void module_begin(std::uint32_t module) { open_modules_.push_back({module, nodes_.size()}); }
   void module_end();
   // A checkpointed segment's backward unpacks at its last node that saves; the pre-backward hooks
-  // of the modules whose backward begins at or after it (in backward order) fire before that, so
-  // before the recompute. recompute_hooks(first) lists them, outer first, for the segment recorded
-  // from node `first` on (the checkpoint's first forward); fire_before_recompute runs them and
-  // run() then skips them once for the recomputed nodes.
+  // of the modules whose backward begins at or before it (in backward order: at that node or one
+  // after it in the forward) fire before that, so before the recompute. recompute_hooks(first)
+  // lists them, outer first, for the segment recorded from node `first` on (the checkpoint's first
+  // forward); fire_before_recompute runs them and run() then skips them once for the recomputed
+  // nodes.
   std::vector<std::uint32_t> recompute_hooks(std::size_t first) const;
   void fire_before_recompute(const std::vector<std::uint32_t>& modules);
+  // The segment recorded from node `first` on, whose output is `output` and whose values are
+  // numbered from `first_value` on: its tail, or null where a tail cannot stand in for the
+  // recomputed one (See Note [Checkpoint tails]).
+  std::shared_ptr<const CheckpointTail> take_tail(std::size_t first, ValueId output, ValueId first_value) const;
+  // A storage the recorded graph references outside saved tensors and Node::kept until the graph is
+  // freed (a custom Function's ctx attribute: bitsandbytes' MatMul4Bit keeps B.view(-1, 1)), or
+  // during a recompute until the recompute ends, when the recomputed graph goes.
+  void hold_with_graph(TensorId id);
+  void free_graph_held();  // the graph goes: the loss is dropped after its backward
+  // In a recompute with a tail: its last saving node has been recorded, so the real recompute
+  // has stopped and no module hook past it fires.
+  bool past_recompute_stop() const { return recomputing && nodes_.size() >= recompute_stop_node_; }
 
   // Runs backward from `root` (a scalar) and clears the recorded graph.
   void backward(ValueId root);
@@ -575,6 +617,7 @@ class Tape {
  private:
   void run(std::size_t begin, std::size_t end);
   void run_node(Node& n);
+  void run_checkpoint_with_tail(Node& n, TensorId incoming);
   void deliver(ValueId v, TensorId g);
   void accumulate_param(const ParamGrad& pg, TensorId g);
 
@@ -584,6 +627,9 @@ class Tape {
   std::size_t last_saving_event_ = 0;  // during a recompute: the events when the last saving node was recorded
   std::size_t last_saving_node_ = 0;               // the newest node that saved, or would have (not saving)
   std::vector<std::uint32_t> fired_before_recompute_;
+  std::size_t recompute_stop_node_ = SIZE_MAX;  // past_recompute_stop's bound, during a recompute with a tail
+  std::vector<TensorId> graph_held_, recompute_held_;  // hold_with_graph's
+  void free_recompute_held();
   std::size_t op_begin_event_ = 0;     // during a recompute: the events when the previous node was recorded
 
   Trace trace_;

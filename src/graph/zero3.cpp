@@ -127,7 +127,28 @@ constexpr std::int32_t kNoLayer = -1;
 //    what the recompute gathers of the frozen base DeepSpeed also attributes to the innermost module
 //    in backward (update_recompute_parameters), which releases it with its post-backward
 //    (z3_recompute_params_).
-// DeepSpeed's offload with adapters, and a 4-bit base, stay refused (unmeasured).
+// DeepSpeed's offload with adapters stays refused (unmeasured).
+// Note [QLoRA under ZeRO-3]
+// deepspeed.initialize over get_peft_model(prepare_model_for_kbit_training(<4-bit base>)), the
+// optimizer over the adapters (DeepSpeed 0.19.8, bitsandbytes 0.50; measured on two gloo ranks:
+// data/ground_truth/parallel/cpu-zero3-*-qlora*, *-4bit*, every rank exact). On top of Note
+// [LoRA under ZeRO-3]:
+//  * Init partitions each Params4bit like any parameter: its packed uint8 storage, shape
+//    (packed bytes, 1), keeps ceil(bytes / world) bytes per rank and is gathered as bytes. Its
+//    QuantState is no parameter: it stays whole on every rank, and Linear4bit's forward hands it
+//    back to the gathered weight (fix_4bit_weight_quant_state_from_module);
+//  * the parameters' dtypes now differ (uint8 packed weights beside the fp32, or in DeepSpeed's
+//    bf16 mode bf16, rest; Note [QLoRA under ZeRO-1/2] has that cast). A partition and a gather are
+//    sized by the parameter's own dtype; the optimizer's groups, the ipg bucket and the gradient
+//    partitions by the adapters' (stage3.py's self.dtype);
+//  * a coalesced fetch of several parameters (_all_gather_coalesced) groups them by dtype: one flat
+//    buffer per dtype, the groups in str(dtype) order (sort_dtypes, so float32 before uint8), in
+//    one MultipleAllGatherHandles whose first wait cats every parameter's pieces group by group.
+//    Every flat buffer lives until the handle's last parameter was waited for. A biased 4-bit
+//    layer (Qwen2.5's q/k/v, GPT-2's) gathers two flat buffers;
+//  * peft's lora.Linear4bit reads lora_A.weight.dtype unless autocast is on (to convert x), which
+//    gathers lora_A.weight as an external parameter as lora.Linear does; its lora_dropout is a
+//    module with hooks too.
 constexpr std::uint64_t kReduceBucketElements = 500'000'000;
 constexpr std::uint64_t kPrefetchBucketElements = 50'000'000;
 constexpr std::uint64_t kPersistenceThreshold = 100'000;
@@ -140,6 +161,10 @@ std::uint64_t ceil_div(std::uint64_t a, std::uint64_t b) { return a / b + (a % b
 
 }  // namespace
 
+std::uint64_t DataParallel::z3_gathered_bytes(std::uint32_t p) const {
+  return detail::mul({z3_partition_[p], world_, z3_item(p)}, "gathered parameter bytes");
+}
+
 std::uint64_t DataParallel::zero3_partition_numel(std::uint64_t numel, std::uint64_t world) {
   return ceil_div(numel, world);
 }
@@ -150,7 +175,10 @@ bool DataParallel::zero3_persistent(std::uint64_t numel) { return numel <= kPers
 void DataParallel::zero3_wrap() {
   TRAINMEM_ASSERT(!params_.empty(), "ZeRO-3 wraps no parameters");
   t_.at(Phase::kSetup, kNoLayer, "zero3.partition_parameters");
-  z3_item_ = dtype_bytes(params_.front().dtype);
+  const auto first_trainable =
+      std::find_if(params_.begin(), params_.end(), [](const WrappedParam& p) { return p.trainable; });
+  TRAINMEM_ASSERT(first_trainable != params_.end(), "ZeRO-3 wraps no trainable parameter");
+  z3_item_ = dtype_bytes(first_trainable->dtype);  // stage3.py's self.dtype: the optimizer's first parameter's
   z3_accum_item_ = z3_item_;  // gradient_accumulation_dtype: the model dtype (bf16 or fp32)
   const std::size_t n = params_.size();
   z3_partition_.assign(n, 0);
@@ -167,16 +195,18 @@ void DataParallel::zero3_wrap() {
   for (std::size_t i = 0; i < n; ++i) {
     if (params_[i].trainable) last_trainable = i;
   }
-  TRAINMEM_ASSERT(last_trainable < n, "ZeRO-3 wraps no trainable parameter");
   for (std::size_t i = 0; i < n; ++i) {
-    TRAINMEM_ASSERT(params_[i].dtype == params_.front().dtype, "ZeRO-3's partitions mix dtypes");
+    // The frozen ones may differ: a 4-bit base's packed uint8 weights (Note [QLoRA under ZeRO-3]).
+    TRAINMEM_ASSERT(!params_[i].trainable || params_[i].dtype == first_trainable->dtype,
+                    "ZeRO-3's optimizer groups mix dtypes");
     z3_partition_[i] = zero3_partition_numel(params_[i].numel, world_);
     z3_persist_[i] = zero3_persistent(params_[i].numel);
     // A frozen parameter (a LoRA base, Note [LoRA under ZeRO-3]) keeps the partition Init made
     // for it; the optimizer's groups, their buffers and sub-groups hold the trainable ones.
     if (!params_[i].trainable) {
       if (!offload_params_) {
-        t_.alloc_bytes(detail::mul(z3_partition_[i], z3_item_, "ZeRO-3 partition bytes"), Category::kWeights);
+        t_.alloc_bytes(detail::mul(z3_partition_[i], z3_item(static_cast<std::uint32_t>(i)), "ZeRO-3 partition bytes"),
+                       Category::kWeights);
       }
       continue;
     }
@@ -270,8 +300,9 @@ void DataParallel::zero3_clean_inflight() {
   }
 }
 
+// A recompute's hooks past its early stop never fire (See Note [Checkpoint tails] in tape.h).
 void DataParallel::module_pre_forward(std::uint32_t m) {
-  if (!zero3()) return;
+  if (!zero3() || t_.past_recompute_stop()) return;
   // trace_prologue: a module out of the recorded order invalidates the trace.
   if (z3_trace_ == Z3Trace::kComplete &&
       (z3_order_.size() <= static_cast<std::size_t>(z3_step_id_) || z3_order_[z3_step_id_] != m)) {
@@ -285,7 +316,7 @@ void DataParallel::module_pre_forward(std::uint32_t m) {
 }
 
 void DataParallel::module_post_forward(std::uint32_t m) {
-  if (zero3()) zero3_release_module(m, true);
+  if (zero3() && !t_.past_recompute_stop()) zero3_release_module(m, true);
 }
 
 void DataParallel::module_backward(std::uint32_t m, bool begin) {
@@ -302,7 +333,7 @@ void DataParallel::module_backward(std::uint32_t m, bool begin) {
 }
 
 void DataParallel::zero3_external_param(std::uint32_t m, std::uint32_t pi) {
-  if (!zero3() || m == kNone) return;
+  if (!zero3() || m == kNone || t_.past_recompute_stop()) return;
   Z3Module& mod = z3_modules_[m];
   if (std::find(mod.params.begin(), mod.params.end(), pi) == mod.params.end()) {
     mod.params.push_back(pi);  // ds_external_parameters, after the module's own in iter_params
@@ -311,8 +342,7 @@ void DataParallel::zero3_external_param(std::uint32_t m, std::uint32_t pi) {
   if (z3_status_[pi] != Z3Status::kNotAvailable) return;
   // param.all_gather(): Init's own single-parameter gather, not the coordinator's (no count).
   t_.at(t_.phase(), kNoLayer, "zero3.external_parameter");
-  z3_data_[pi] = t_.alloc_bytes(detail::mul({z3_partition_[pi], world_, z3_item_}, "gathered parameter bytes"),
-                                Category::kWeights);
+  z3_data_[pi] = t_.alloc_bytes(z3_gathered_bytes(pi), Category::kWeights);
   z3_status_[pi] = Z3Status::kAvailable;
 }
 
@@ -371,7 +401,6 @@ void DataParallel::zero3_fetch(std::uint32_t m, bool forward) {
 // __all_gather_params_ → all_gather_coalesced (see Note [DeepSpeed ZeRO-3]).
 void DataParallel::zero3_all_gather(std::vector<std::uint32_t> params) {
   Z3Handle h;
-  h.params = params;
   h.pending = static_cast<std::uint32_t>(params.size());
   for (std::uint32_t p : params) {
     z3_available_ += static_cast<std::int64_t>(params_[p].numel);
@@ -379,22 +408,34 @@ void DataParallel::zero3_all_gather(std::vector<std::uint32_t> params) {
   }
   if (params.size() == 1) {  // _all_gather_sequential: .data is a narrow of the buffer
     const std::uint32_t p = params.front();
-    z3_data_[p] = t_.alloc_bytes(detail::mul({z3_partition_[p], world_, z3_item_}, "gathered parameter bytes"),
-                                 Category::kWeights);
+    z3_data_[p] = t_.alloc_bytes(z3_gathered_bytes(p), Category::kWeights);
     const TensorId in = zero3_copy_in(p);  // offload_param: the host partition's GPU copy
     if (in != kNone) t_.release(in);
     h.waited = true;
   } else {
-    std::uint64_t flat = 0;
-    for (std::uint32_t p : params) flat += z3_partition_[p];
-    h.flat = t_.alloc_bytes(detail::mul({flat, world_, z3_item_}, "all-gather bytes"), Category::kWeights);
-    std::vector<TensorId> copies;  // offload_param: torch.cat of the partitions' GPU copies
-    for (std::uint32_t p : params) {
-      const TensorId in = zero3_copy_in(p);
-      if (in != kNone) copies.push_back(in);
+    // _all_gather_coalesced: one flat buffer per dtype, the groups in str(dtype) order
+    // (sort_dtypes), each parameter's ds_id order kept within its group.
+    std::stable_sort(params.begin(), params.end(), [&](std::uint32_t a, std::uint32_t b) {
+      return dtype_name(params_[a].dtype) < dtype_name(params_[b].dtype);
+    });
+    for (std::size_t begin = 0; begin < params.size();) {
+      std::size_t end = begin;
+      std::uint64_t flat = 0;
+      for (; end < params.size() && params_[params[end]].dtype == params_[params[begin]].dtype; ++end) {
+        flat += z3_partition_[params[end]];
+      }
+      h.flats.push_back(t_.alloc_bytes(detail::mul({flat, world_, z3_item(params[begin])}, "all-gather bytes"),
+                                       Category::kWeights));
+      std::vector<TensorId> copies;  // offload_param: torch.cat of the partitions' GPU copies
+      for (std::size_t k = begin; k < end; ++k) {
+        const TensorId in = zero3_copy_in(params[k]);
+        if (in != kNone) copies.push_back(in);
+      }
+      for (TensorId in : copies) t_.release(in);
+      begin = end;
     }
-    for (TensorId in : copies) t_.release(in);
   }
+  h.params = params;
   const std::uint32_t id = static_cast<std::uint32_t>(z3_handles_.size());
   z3_handles_.push_back(std::move(h));
   for (std::uint32_t p : params) z3_inflight_[p] = id;
@@ -406,16 +447,16 @@ void DataParallel::zero3_wait(std::uint32_t pi) {
   z3_inflight_[pi] = kNone;
   if (!h.waited) {
     for (std::uint32_t p : h.params) {
-      z3_data_[p] = t_.alloc_bytes(detail::mul(params_[p].numel, z3_item_, "gathered parameter bytes"),
+      z3_data_[p] = t_.alloc_bytes(detail::mul(params_[p].numel, z3_item(p), "gathered parameter bytes"),
                                    Category::kWeights);  // torch.cat of its pieces
       z3_status_[p] = Z3Status::kAvailable;
     }
     h.waited = true;
   }
   z3_status_[pi] = Z3Status::kAvailable;
-  if (--h.pending == 0 && h.flat != kNone) {
-    t_.release(h.flat);  // the handle is gone
-    h.flat = kNone;
+  if (--h.pending == 0) {
+    for (TensorId flat : h.flats) t_.release(flat);  // the handle is gone
+    h.flats.clear();
   }
 }
 
@@ -658,8 +699,7 @@ void DataParallel::zero3_gather_persistent() {
   t_.at(Phase::kOptimizer, kNoLayer, "zero3.gather_persistent");
   for (std::uint32_t p = 0; p < params_.size(); ++p) {
     if (!z3_persist_[p] || z3_status_[p] != Z3Status::kNotAvailable) continue;
-    z3_data_[p] = t_.alloc_bytes(detail::mul({z3_partition_[p], world_, z3_item_}, "gathered parameter bytes"),
-                                 Category::kWeights);
+    z3_data_[p] = t_.alloc_bytes(z3_gathered_bytes(p), Category::kWeights);
     const TensorId in = zero3_copy_in(p);  // offload_param: the host partition's GPU copy
     if (in != kNone) t_.release(in);
     z3_status_[p] = Z3Status::kAvailable;

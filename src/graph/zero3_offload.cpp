@@ -90,7 +90,8 @@ void DataParallel::zero3_offload_wrap() {
   if (offload_params_) {
     for (std::size_t i = 0; i < params_.size(); ++i) {  // Init's pinned partitions, freed but cached
       host_.pinned_bytes = detail::add(
-          host_.pinned_bytes, pinned_block_bytes(detail::mul(z3_partition_[i], z3_item_, "partition bytes")),
+          host_.pinned_bytes,
+          pinned_block_bytes(detail::mul(z3_partition_[i], z3_item(static_cast<std::uint32_t>(i)), "partition bytes")),
           "host pinned bytes");
     }
     host_pinned(detail::mul(total, z3_item_, "param_groups_fp16_flat_cpu_memory bytes"), &HostMemory::weights_bytes);
@@ -109,7 +110,7 @@ void DataParallel::zero3_offload_wrap() {
 // ds_tensor.to(device) of a host partition (offload_param), kNone when the partition is on the GPU.
 TensorId DataParallel::zero3_copy_in(std::uint32_t pi) {
   if (!offload_params_) return kNone;
-  return t_.alloc_bytes(detail::mul(z3_partition_[pi], z3_item_, "partition copy bytes"), Category::kWeights);
+  return t_.alloc_bytes(detail::mul(z3_partition_[pi], z3_item(pi), "partition copy bytes"), Category::kWeights);
 }
 
 // partition_grads' offload_optimizer branch over the bucket (sorted by ds_id), after the

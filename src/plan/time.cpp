@@ -319,9 +319,16 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
       case Parallel::kZero2: moved = 2 * ring * grads * micro + ring * params; break;
       // ZeRO-3: every micro-batch gathers the parameters for the forward and again for the
       // backward and reduce-scatters the gradients, as FSDP2 does; under LoRA the gathers carry
-      // the frozen base too (in the 16-bit dtype DeepSpeed casts every parameter to).
+      // the frozen base too (in the 16-bit dtype DeepSpeed's bf16 mode casts every parameter to,
+      // fp32 in its fp32 mode).
       case Parallel::kZero3: {
-        const double gathered = recipe.lora.enabled() ? (c.base_elements + c.adapters) * adapter : params;
+        double gathered = recipe.lora.enabled() ? (c.base_elements + c.adapters) * adapter : params;
+        if (recipe.quant.enabled()) {
+          // A 4-bit base (Note [QLoRA under ZeRO-3] in graph/zero3.cpp): the layers' packed weights
+          // as bytes, half a byte per element, beside the rest in the mode's dtype.
+          const double packed = c.layer - c.adapters;
+          gathered = packed / 2 + (c.base_elements - packed + c.adapters) * adapter;
+        }
         moved = ring * (2 * gathered + grads) * micro;
         break;
       }

@@ -307,12 +307,8 @@ void validate_parallel(const Recipe& r) {
   }
   // DDP over a QLoRA model buckets the adapters only, as over any peft model, and ZeRO-1/2's flat
   // group holds them only; the 4-bit base is every rank's own. FSDP2 shards the packed weights
-  // as bytes and leaves their QuantState whole (Notes [DDP buckets], [QLoRA under ZeRO-1/2],
-  // [QLoRA under FSDP2]). ZeRO-3 would partition Params4bit itself: unexplored.
-  if (r.quant.load_in_4bit && r.parallel == Parallel::kZero3) {
-    throw Error("parallel: zero3 over a 4-bit base (QLoRA) is not modelled yet (unmeasured); ddp, fsdp, zero1 and "
-                "zero2 are");
-  }
+  // as bytes and leaves their QuantState whole, and ZeRO-3 partitions them as bytes too (Notes
+  // [DDP buckets], [QLoRA under ZeRO-1/2], [QLoRA under FSDP2], [QLoRA under ZeRO-3]).
   if (r.parallel == Parallel::kFsdp) {
     if (r.precision == Precision::kFp16Mixed || r.precision == Precision::kBf16Master) {
       throw Error("precision: " + std::string(to_string(r.precision)) +
@@ -541,14 +537,13 @@ void Recipe::validate() const {
     // The precision's dtype is the load dtype and bnb_4bit_compute_dtype; prepare_model_for_kbit_training
     // makes everything else fp32. Training may also run under autocast (bf16-mixed: the compute
     // dtype is autocast's); a master copy is not modelled.
-    // Under ZeRO-1/2 bf16-master is DeepSpeed's bf16 mode, which casts that fp32 rest and the
+    // Under ZeRO bf16-master is DeepSpeed's bf16 mode, which casts that fp32 rest and the
     // adapters to bf16 (Note [QLoRA under ZeRO-1/2] in graph/zero.cpp).
     const bool autocast = precision == Precision::kBf16Mixed || precision == Precision::kFp16Mixed;
-    const bool deepspeed_bf16 = precision == Precision::kBf16Master &&
-                                (parallel == Parallel::kZero1 || parallel == Parallel::kZero2);
+    const bool deepspeed_bf16 = precision == Precision::kBf16Master && is_zero(parallel);
     if (!one_dtype(precision) && !(autocast && mode == Mode::kTraining) && !deepspeed_bf16) {
       throw Error("precision: load_in_4bit runs with fp32, bf16-true or fp16-true (the 4-bit matmuls' dtype), "
-                  "for training under autocast (bf16-mixed, fp16-mixed), or under zero1 / zero2 with "
+                  "for training under autocast (bf16-mixed, fp16-mixed), or under zero1 / zero2 / zero3 with "
                   "bf16-master (DeepSpeed's bf16 mode), got " + std::string(to_string(precision)));
     }
   }

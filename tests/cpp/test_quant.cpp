@@ -94,8 +94,9 @@ TEST(QloraRecipe, DefaultPrecisionIsBf16True) {
   EXPECT_EQ(parse_recipe(s).precision, Precision::kBf16Mixed);
 }
 
-// Under ZeRO-1/2 a 4-bit base takes DeepSpeed's bf16 mode (bf16-master) by default, and only there
-// (Note [QLoRA under ZeRO-1/2] in src/graph/zero.cpp); fp32 is DeepSpeed's fp32 mode.
+// Under ZeRO a 4-bit base takes DeepSpeed's bf16 mode (bf16-master) by default, and only there
+// (Notes [QLoRA under ZeRO-1/2] in src/graph/zero.cpp, [QLoRA under ZeRO-3] in zero3.cpp); fp32 is
+// DeepSpeed's fp32 mode.
 TEST(QloraRecipe, ZeroTakesDeepSpeedsBf16Mode) {
   RecipeSpelling s = qlora_spelling();
   s.precision = "";
@@ -111,10 +112,12 @@ TEST(QloraRecipe, ZeroTakesDeepSpeedsBf16Mode) {
   s.precision = "bf16-master";
   EXPECT_NE(error_of([&] { parse_recipe(s); }).find("bf16-master keeps fp32 masters"), std::string::npos);
   s.parallel = "zero3";
+  s.precision = "";
+  EXPECT_EQ(parse_recipe(s).precision, Precision::kBf16Master);
   s.precision = "fp32";
-  EXPECT_EQ(error_of([&] { parse_recipe(s); }),
-            "parallel: zero3 over a 4-bit base (QLoRA) is not modelled yet (unmeasured); ddp, fsdp, zero1 and zero2 "
-            "are");
+  EXPECT_EQ(parse_recipe(s).precision, Precision::kFp32);
+  s.offload = "optimizer";  // DeepSpeed's offload over a peft model is not modelled
+  EXPECT_NE(error_of([&] { parse_recipe(s); }).find("with LoRA is not modelled yet"), std::string::npos);
 }
 
 TEST(QloraRecipe, Errors) {

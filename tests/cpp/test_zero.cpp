@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "graph/parallel.h"
+#include "graph/quant.h"
 #include "graph/step.h"
 #include "test_util.h"
 #include "trainmem/trainmem.h"
@@ -205,7 +206,7 @@ TEST(ZeroRanks, EveryRankOfTheMeasurements) {
     sp.attention = rj.value("attention", "sdpa");
     sp.lora_rank = rj.value("lora_rank", std::uint64_t{0});
     sp.lora_dropout = rj.value("lora_dropout", 0.0);
-    sp.load_in_4bit = rj.value("load_in_4bit", false);  // QLoRA under ZeRO-1/2
+    sp.load_in_4bit = rj.value("load_in_4bit", false);  // QLoRA under ZeRO
     if (sp.load_in_4bit) {
       sp.bnb_4bit_quant_type = rj.value("bnb_4bit_quant_type", std::string("fp4"));
       sp.bnb_4bit_use_double_quant = rj.value("bnb_4bit_use_double_quant", false);
@@ -418,6 +419,94 @@ TEST(Zero3Lora, LoraAIsAnExternalParameterOfItsLoraLinear) {
     }
   }
   EXPECT_EQ(steps, (std::vector<std::uint32_t>{1, 1}));
+}
+
+// Note [QLoRA under ZeRO-3]: GPT-2 with rank-8 adapters on c_attn over an nf4 base (Conv1D
+// becomes Linear4bit; its bias stays an fp32 parameter after prepare_model_for_kbit_training).
+Recipe zero3_qlora(const Model& m, Checkpointing ckpt = Checkpointing::kNone) {
+  Recipe r = testing::dp_lora_recipe(m, Parallel::kZero3, Precision::kFp32);
+  r.quant.load_in_4bit = true;
+  r.quant.quant_type = QuantType::kNf4;
+  r.checkpointing = ckpt;
+  r.validate();
+  return r;
+}
+
+// The packed weights are partitioned as bytes; a coalesced fetch makes one flat buffer per dtype,
+// in str(dtype) order (float32 before uint8), then each parameter's cat.
+TEST(Zero3Qlora, PackedWeightsArePartitionedAndGatheredAsBytes) {
+  const Model m = gpt2_l2();
+  const graph::Trace t = graph::build_training_trace(m, zero3_qlora(m), find_gpu("cpu"));
+  const std::uint64_t packed = graph::packed_4bit(768 * 2304, false).packed_bytes;  // c_attn
+  const std::vector<std::uint64_t> parts = allocs_at(t, "zero3.partition_parameters");
+  EXPECT_NE(std::find(parts.begin(), parts.end(), DataParallel::zero3_partition_numel(packed, 2)), parts.end());
+  std::vector<std::uint64_t> fetch;
+  for (const graph::Event& e : t.events) {
+    const graph::MomentTag& mo = t.moments[e.moment];
+    if (e.alloc && mo.step == 1 && mo.layer == 0 && mo.op == "attn.c_attn" && fetch.size() < 4) {
+      fetch.push_back(t.storages[e.tensor].bytes);
+    }
+  }
+  const std::uint64_t bias = DataParallel::zero3_partition_numel(2304, 2) * 2 * 4;
+  const std::uint64_t bytes = DataParallel::zero3_partition_numel(packed, 2) * 2;
+  EXPECT_EQ(fetch, (std::vector<std::uint64_t>{bias, bytes, 2304 * 4, packed}));
+}
+
+// MatMul4Bit keeps B.view(-1, 1) on its ctx: the release after a module's forward (step 1 has no
+// trace) swaps the parameter's .data, but the gathered bytes live until the graph goes, after the
+// backward's epilogue. Both attn.c_proj inputs require grad (c_attn has adapters).
+TEST(Zero3Qlora, TheGraphHoldsEachGatheredPackedWeightToItsEnd) {
+  const Model m = gpt2_l2();
+  const graph::Trace t = graph::build_training_trace(m, zero3_qlora(m), find_gpu("cpu"));
+  const std::uint64_t packed = graph::packed_4bit(768 * 768, false).packed_bytes;  // attn.c_proj
+  std::vector<graph::TensorId> held;
+  for (const graph::Event& e : t.events) {
+    const graph::MomentTag& mo = t.moments[e.moment];
+    if (e.alloc && mo.step == 1 && mo.phase == Phase::kForward && mo.op == "attn.c_proj" &&
+        t.storages[e.tensor].bytes == packed) {
+      held.push_back(e.tensor);
+    }
+  }
+  // Per layer the coalesced fetch's flat buffer (freed once waited for) and the weight's cat.
+  ASSERT_EQ(held.size(), 4u);
+  std::size_t in_forward = 0, with_the_graph = 0;
+  for (const graph::Event& e : t.events) {
+    if (e.alloc || std::find(held.begin(), held.end(), e.tensor) == held.end()) continue;
+    const graph::MomentTag& mo = t.moments[e.moment];
+    in_forward += mo.phase == Phase::kForward && mo.op == "attn.c_proj";
+    with_the_graph += mo.step == 1 && mo.op == "zero3.release_backward_leftovers";
+  }
+  EXPECT_EQ(in_forward, 2u);
+  EXPECT_EQ(with_the_graph, 2u);
+}
+
+// Note [Checkpoint tails] in graph/tape.h: the narrow Llama's last layer ends in down_proj, a 4-bit
+// projection without adapters whose MatMul4Bit saves nothing. Its backward gathers down_proj,
+// dequantizes it and releases it before the recompute begins.
+TEST(Zero3Qlora, TheCheckpointsTailRunsBeforeTheRecompute) {
+  const Model m = testing::llama_w512();
+  Recipe r = zero3_qlora(m, Checkpointing::kFull);
+  r.batch = 1;
+  r.seq = 64;
+  const graph::Trace t = graph::build_training_trace(m, r, find_gpu("cpu"));
+  const std::int32_t last = static_cast<std::int32_t>(m.arch.num_layers) - 1;
+  std::vector<graph::TensorId> gathered;
+  bool freed = false, recomputed = false;
+  for (const graph::Event& e : t.events) {
+    const graph::MomentTag& mo = t.moments[e.moment];
+    if (mo.step != 1 || mo.layer != last) continue;
+    if (mo.recompute) {
+      recomputed = true;
+      break;
+    }
+    if (mo.phase != Phase::kBackward) continue;
+    const graph::Storage& s = t.storages[e.tensor];
+    if (e.alloc && mo.op == "mlp.down_proj" && s.category == Category::kWeights) gathered.push_back(e.tensor);
+    if (!e.alloc && std::find(gathered.begin(), gathered.end(), e.tensor) != gathered.end()) freed = true;
+  }
+  EXPECT_TRUE(recomputed);
+  EXPECT_FALSE(gathered.empty()) << "down_proj is gathered for its backward before the recompute";
+  EXPECT_TRUE(freed) << "and released by its post-backward hook before the recompute";
 }
 
 }  // namespace

@@ -355,21 +355,26 @@ def test_ddp_find_unused_entries_exact(comparisons):
 
 
 def test_data_parallel_qlora_entries_exact(comparisons):
-    """DDP, ZeRO-1/2 and FSDP2 over a QLoRA model (load_in_4bit): under DDP and ZeRO-1/2 each rank
+    """DDP, ZeRO-1/2/3 and FSDP2 over a QLoRA model (load_in_4bit): under DDP and ZeRO-1/2 each rank
     holds the whole 4-bit base, and the Reducer's buckets or ZeRO's flat group hold the adapters
     only; under DeepSpeed's bf16 mode (bf16-master) the fp32 rest of prepare_model_for_kbit_training
     and the adapters are cast to bf16 (Note [QLoRA under ZeRO-1/2]). FSDP2 (and HSDP) shards the
     packed weights as bytes and leaves their QuantState whole; a recast bias outlives FSDP2's
-    reshard (Note [QLoRA under FSDP2]). Every rank exact: the narrow Llama, GPT-2's transposed
-    Conv1D weights, Qwen3, Qwen2.5 with fp4, Phi-3's fused projections; nf4 with and without
-    double quant; find_unused_parameters (the Trainer's choice for a peft model); and bf16-mixed
+    reshard (Note [QLoRA under FSDP2]). ZeRO-3 partitions them as bytes too, gathers one buffer
+    per dtype, and MatMul4Bit's view holds a gathered weight until the graph goes (Note [QLoRA
+    under ZeRO-3]). Every rank exact: the narrow Llama, GPT-2's transposed Conv1D weights, Qwen3,
+    Qwen2.5 with fp4, Phi-3's fused projections; nf4 with and without double quant;
+    find_unused_parameters (the Trainer's choice for a peft model); checkpointing under ZeRO-3
+    (the checkpoint's tail runs before the recompute: Note [Checkpoint tails]); and bf16-mixed
     over all linear layers, whose peak is inside a backward 4-bit matmul that dequantizes in the
     fp32 load dtype before the cast (Note [QLoRA])."""
     runs = [(name, c) for name, c in comparisons
-            if c["recipe"].get("parallel") in ("ddp", "zero1", "zero2", "fsdp") and c["recipe"].get("load_in_4bit")]
-    assert len(runs) >= 18, [name for name, _ in runs]
+            if c["recipe"].get("parallel") in ("ddp", "zero1", "zero2", "zero3", "fsdp")
+            and c["recipe"].get("load_in_4bit")]
+    assert len(runs) >= 24, [name for name, _ in runs]
     recipes = [c["recipe"] for _, c in runs]
-    assert {r["parallel"] for r in recipes} == {"ddp", "zero1", "zero2", "fsdp"}
+    assert {r["parallel"] for r in recipes} == {"ddp", "zero1", "zero2", "zero3", "fsdp"}
+    assert any(r["parallel"] == "zero3" and r["checkpointing"] == "full" for r in recipes)
     assert any(r.get("fsdp_replicate", 1) > 1 for r in recipes)  # HSDP over four ranks
     assert any(r.get("ddp_find_unused_parameters") for r in recipes)
     assert any(r["precision"] == "bf16-mixed" and r["grad_accum"] > 1 for r in recipes)

@@ -51,8 +51,6 @@ from trainmem.measure.models import resolve_model  # noqa: E402
     ({"gpus": 2, "parallel": "fsdp", "precision": "fp32", "fsdp_reduce_dtype": "fp32"}, "without fsdp_param_dtype"),
     ({"gpus": 2, "parallel": "fsdp", "precision": "fp32", "lora_rank": 8, "load_in_4bit": True,
       "fsdp_param_dtype": "bf16"}, "over a 4-bit base is not measured: the policy would cast the packed uint8"),
-    ({"gpus": 2, "parallel": "zero3", "precision": "fp32", "lora_rank": 8, "load_in_4bit": True},
-     "parallel='zero3' over a 4-bit base is not measured yet; ddp, fsdp, zero1 and zero2 are"),
     ({"gpus": 2, "parallel": "ddp", "precision": "bf16-master", "lora_rank": 8, "load_in_4bit": True},
      "precision=bf16-master cannot be combined with LoRA"),
 ])
@@ -68,6 +66,9 @@ def test_parallel_knobs_accepted():
     assert Recipe(gpus=2, parallel="ddp", lora_rank=8, load_in_4bit=True, precision="bf16-true").is_parallel
     # ... and ZeRO-1/2, also in DeepSpeed's bf16 mode (cpu-zero*-*qlora*)
     assert Recipe(gpus=2, parallel="zero2", lora_rank=8, load_in_4bit=True, precision="bf16-master").is_zero
+    # ... and ZeRO-3, which partitions the packed weights as bytes (cpu-zero3-*-qlora*, *-4bit*)
+    assert Recipe(gpus=2, parallel="zero3", lora_rank=8, load_in_4bit=True, precision="fp32").is_zero
+    assert Recipe(gpus=2, parallel="zero3", lora_rank=8, load_in_4bit=True, precision="bf16-master").is_zero
     # ... and FSDP2 (cpu-fsdp-*-qlora*, cpu-hsdp-*-4bit*)
     assert Recipe(gpus=4, parallel="fsdp", fsdp_replicate=2, lora_rank=8, load_in_4bit=True).is_parallel
     assert Recipe(gpus=8, parallel="fsdp", precision="bf16-true").gpus == 8

@@ -214,13 +214,6 @@ class Recipe:
             return
         if self.is_inference:
             raise RecipeError(f"parallel={self.parallel!r} is a training knob: inference runs on one process")
-        if self.load_in_4bit and self.parallel not in ("ddp", "zero1", "zero2", "fsdp"):
-            # DDP, ZeRO-1/2 and FSDP2 over a QLoRA model are measured: every rank quantizes its own
-            # copy (models.build_quantized_model); the Reducer or the ZeRO optimizer sees the adapters
-            # only, FSDP2 shards the packed weights (as uint8 bytes) with the rest. ZeRO-3 would
-            # partition Params4bit itself: unexplored.
-            raise RecipeError(f"parallel={self.parallel!r} over a 4-bit base is not measured yet; ddp, fsdp, zero1 "
-                              "and zero2 are")
         if self.parallel == "fsdp":
             if self.precision in ("fp16-mixed", "bf16-master"):
                 raise RecipeError(f"parallel=fsdp with precision={self.precision!r} is not measured: FSDP2's form of "
@@ -436,9 +429,10 @@ class Recipe:
         if self.mode == "training" and not self.uses_lora:
             raise RecipeError("load_in_4bit: a 4-bit base model cannot be trained itself; add LoRA adapters "
                               "(lora_rank > 0): that is QLoRA")
-        # DeepSpeed's bf16 mode (bf16-master under ZeRO-1/2) loads in bf16 and casts the fp32 rest of
+        # DeepSpeed's bf16 mode (bf16-master under ZeRO) loads in bf16 and casts the fp32 rest of
         # prepare_model_for_kbit_training back to bf16 (the engine's Note [QLoRA under ZeRO-1/2]).
-        zero_bf16 = self.precision == "bf16-master" and self.parallel in ("zero1", "zero2") and self.load_in_4bit
+        zero_bf16 = (self.precision == "bf16-master" and self.parallel in ("zero1", "zero2", "zero3")
+                     and self.load_in_4bit)
         if (self.precision not in QUANTIZED_PRECISIONS and not (self.autocast_dtype_name and self.mode == "training")
                 and not zero_bf16):
             key = "load_in_4bit" if self.load_in_4bit else "load_in_8bit"
