@@ -213,10 +213,17 @@ struct Lora {
 // generation]). 8-bit: BitsAndBytesConfig(load_in_8bit=True) with transformers' defaults (LLM.int8,
 // threshold 6.0), inference only (Note [LLM.int8]).
 enum class QuantType : std::uint8_t { kFp4, kNf4 };
+// The dtype from_pretrained loads a 4-bit base in (its `dtype` argument), which is the QuantState's
+// dtype, the one a 4-bit matmul's backward dequantizes to. kAuto: the precision's parameter dtype
+// (fp32 under autocast). kBf16 under bf16-mixed: the common Trainer recipe (dtype=bfloat16,
+// prepare_model_for_kbit_training, bf16=True), whose rest is fp32 again after the prepare
+// (Note [The load dtype of a 4-bit base] in src/graph/quant.h).
+enum class LoadDtype : std::uint8_t { kAuto, kBf16 };
 struct Quantization {
   bool load_in_4bit = false;
   QuantType quant_type = QuantType::kFp4;  // transformers' default; QLoRA uses nf4
   bool double_quant = false;               // the block constants quantized again (8-bit)
+  LoadDtype load_dtype = LoadDtype::kAuto;
   bool load_in_8bit = false;               // LLM.int8: int8 weights and fp32 row scales
   bool enabled() const { return load_in_4bit; }  // a 4-bit base
   bool any() const { return load_in_4bit || load_in_8bit; }
@@ -287,6 +294,7 @@ std::string_view to_string(Loss);
 std::string_view to_string(AllocatorMode);
 std::string_view to_string(Mode);
 std::string_view to_string(QuantType);
+std::string_view to_string(LoadDtype);
 std::string_view to_string(Parallel);
 std::string_view to_string(FsdpDtype);
 std::string_view to_string(Offload);
@@ -309,6 +317,7 @@ struct RecipeSpelling {
   bool load_in_4bit = false;                  // BitsAndBytesConfig's spellings
   std::string bnb_4bit_quant_type = "fp4";    // fp4 | nf4
   bool bnb_4bit_use_double_quant = false;
+  std::string load_dtype = "auto";            // auto | bf16: from_pretrained's dtype for a 4-bit base
   bool load_in_8bit = false;
   std::string mode = "training";  // training | inference
   std::uint64_t new_tokens = 128;
@@ -341,6 +350,7 @@ Loss parse_loss(std::string_view);
 AllocatorMode parse_allocator(std::string_view);
 Mode parse_mode(std::string_view);
 QuantType parse_quant_type(std::string_view);
+LoadDtype parse_load_dtype(std::string_view);
 Parallel parse_parallel(std::string_view);
 FsdpDtype parse_fsdp_dtype(std::string_view, std::string_view field);
 Offload parse_offload(std::string_view);

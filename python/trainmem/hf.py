@@ -34,7 +34,7 @@ def _get(args: Any, name: str, default: Any = None) -> Any:
 
 def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_dtype: str = "float32",
                                    gpu: str | None = None, gpus: int | None = None,
-                                   peft: bool = False) -> dict[str, Any]:
+                                   peft: bool = False, quantization_config: Any = None) -> dict[str, Any]:
     """Keyword arguments for trainmem.estimate / trainmem.fit from a `TrainingArguments` (or its
     `to_dict()`). `seq` is the tokens per sequence the data collator produces (TrainingArguments
     has none; TRL's `max_length` is used when present). `model_dtype` is the dtype the model was
@@ -53,12 +53,28 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
     caller gives as lora_rank etc.) and for one that is not checkpointed: the recipe's
     `ddp_find_unused_parameters` (docs/parallelism.md "find_unused_parameters").
 
+    `quantization_config` is the model's BitsAndBytesConfig (or its to_dict(), as
+    `model.config.quantization_config` holds it) for a QLoRA run: a 4-bit base prepared with
+    peft's `prepare_model_for_kbit_training` (which makes everything but the 4-bit weights fp32)
+    and trained through adapters (`peft=True`; the caller gives lora_rank etc.). See
+    recipe_from_quantization_config for what it maps.
+
     Not modelled, so refused: FSDP1, FSDP2's hybrid sharding options, reentrant
     checkpointing, optimizers other than those of _OPTIMIZERS and SGD with momentum, and what
     recipe_from_deepspeed_config refuses. The Trainer puts weight-decayed and other parameters in
     two optimizer groups; trainmem models one group, which for foreach AdamW keeps one set of sqrt
     temporaries for all parameters (an upper bound of the two-group figure).
     """
+    if quantization_config is not None:
+        if not peft:
+            raise ValueError("quantization_config: a 4-bit base is trained through adapters (QLoRA); pass peft=True "
+                             "and the adapters' lora_rank")
+        # prepare_model_for_kbit_training makes the rest fp32 whatever the load dtype: the Trainer's
+        # precision is that of a float32 model (DeepSpeed's bf16 mode casts it back).
+        knobs = recipe_from_training_arguments(args, seq=seq, model_dtype="float32", gpu=gpu, gpus=gpus, peft=True)
+        knobs.update(recipe_from_quantization_config(quantization_config, model_dtype=model_dtype,
+                                                     precision=knobs.get("precision", "fp32")))
+        return knobs
     if _get(args, "deepspeed"):
         return recipe_from_deepspeed_config(_get(args, "deepspeed"), seq=seq, gpus=gpus, training_arguments=args,
                                             gpu=gpu)
@@ -118,6 +134,68 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
         knobs["loss"] = "fused"  # Liger's fused linear cross-entropy
     if gpu is not None:
         knobs["gpu"] = gpu
+    return knobs
+
+
+# The dtype the 4-bit matmuls compute in under each precision a QLoRA run can take (bf16-master: a
+# DeepSpeed engine's bf16 mode), and the load dtypes modelled with it (the first: load_dtype auto).
+_COMPUTE_DTYPES = {"bf16-mixed": "bfloat16", "fp16-mixed": "float16", "fp32": "float32", "bf16-master": "bfloat16"}
+_LOAD_DTYPES = {"bf16-mixed": ("float32", "bfloat16"), "fp16-mixed": ("float32",), "fp32": ("float32",),
+                "bf16-master": ("bfloat16",)}
+
+
+def _dtype_name(value: Any) -> str:
+    """torch.bfloat16, "bfloat16", "torch.bfloat16" or "bf16" as "bfloat16" (None: float32,
+    BitsAndBytesConfig's default compute dtype)."""
+    if value is None:
+        return "float32"
+    name = str(value).removeprefix("torch.")
+    return {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}.get(
+        name, name)
+
+
+def recipe_from_quantization_config(config: Any, *, model_dtype: str = "float32",
+                                    precision: str = "fp32") -> dict[str, Any]:
+    """The 4-bit knobs of a QLoRA run from its BitsAndBytesConfig (or the dict of to_dict()), for a
+    base loaded with from_pretrained(dtype=`model_dtype`), prepared with peft's
+    prepare_model_for_kbit_training and trained in `precision` (the Trainer's: "bf16-mixed" for
+    bf16=True, "fp16-mixed" for fp16=True, else "fp32"; under DeepSpeed its bf16 mode,
+    "bf16-master", over a bfloat16-loaded base, as measured).
+
+    Mapped: load_in_4bit with bnb_4bit_quant_type and bnb_4bit_use_double_quant; a bfloat16-loaded
+    base under bf16=True is load_dtype "bf16" (its QuantState is bf16; Note [The load dtype of a
+    4-bit base] in src/graph/quant.h), a float32-loaded one load_dtype "auto". Refused, not being
+    modelled: 8-bit training, another bnb_4bit_quant_storage than uint8, a compute dtype other than
+    the one the run computes in (bnb_4bit_compute_dtype must be autocast's dtype under bf16 / fp16,
+    float32 without), a half-loaded base without the matching autocast, and fp16-loaded bases."""
+    if not isinstance(config, dict):
+        to_dict = getattr(config, "to_dict", None)
+        config = to_dict() if callable(to_dict) else vars(config)
+    if config.get("load_in_8bit"):
+        raise ValueError("quantization_config: load_in_8bit training is not modelled (LLM.int8 is, for inference)")
+    if not config.get("load_in_4bit"):
+        raise ValueError("quantization_config: expected load_in_4bit=True (a QLoRA base)")
+    storage = _dtype_name(config.get("bnb_4bit_quant_storage") or "uint8")
+    if storage != "uint8":
+        raise ValueError(f"quantization_config: bnb_4bit_quant_storage={storage} is not modelled (uint8 is)")
+    quant_type = config.get("bnb_4bit_quant_type", "fp4")
+    if quant_type not in ("fp4", "nf4"):
+        raise ValueError(f"quantization_config: bnb_4bit_quant_type={quant_type!r} is not one of fp4, nf4")
+    if precision not in _COMPUTE_DTYPES:
+        raise ValueError(f"quantization_config: a 4-bit base trained in {precision} is not modelled "
+                         "(bf16=True, fp16=True or neither over a float32- or bfloat16-loaded base are)")
+    compute = _dtype_name(config.get("bnb_4bit_compute_dtype"))
+    if compute != _COMPUTE_DTYPES[precision]:
+        raise ValueError(f"quantization_config: bnb_4bit_compute_dtype={compute} under {precision} is not modelled; "
+                         f"the matmuls compute in {_COMPUTE_DTYPES[precision]} there, set it to that")
+    knobs: dict[str, Any] = {"load_in_4bit": True, "bnb_4bit_quant_type": quant_type,
+                             "bnb_4bit_use_double_quant": bool(config.get("bnb_4bit_use_double_quant", False))}
+    loaded = _dtype_name(model_dtype)
+    if loaded not in _LOAD_DTYPES[precision]:
+        raise ValueError(f"quantization_config: a {loaded}-loaded 4-bit base trained in {precision} is not modelled "
+                         f"(loaded in {' or '.join(_LOAD_DTYPES[precision])} it is)")
+    if precision == "bf16-mixed" and loaded == "bfloat16":
+        knobs["load_dtype"] = "bf16"
     return knobs
 
 

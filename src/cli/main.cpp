@@ -70,6 +70,7 @@ struct RecipeFlags {
   bool loss_parallel = false;
   bool ddp_find_unused_parameters = false;
   std::string quant_type = "";
+  std::string load_dtype = "auto";
   std::string new_tokens = "128", beams = "1";
   std::string gpus = "1", parallel = "none", tp = "1", cp = "1", zero = "", offload = "none", pp = "1", pp_schedule = "1f1b",
               pp_stages_per_rank = "1";
@@ -106,6 +107,9 @@ struct RecipeFlags {
     options.emplace_back("load_in_4bit", app->add_flag("--qlora", qlora,
                                                        "QLoRA's base: --load-in-4bit --bnb-4bit-quant-type nf4 "
                                                        "--bnb-4bit-use-double-quant"));
+    opt("load_dtype", "--load-dtype", load_dtype,
+        "With --load-in-4bit: the dtype the base is loaded in before quantizing; auto (the precision's) | bf16 "
+        "(with bf16-mixed: a Trainer with bf16=True over a bf16-loaded QLoRA base)");
     options.emplace_back("load_in_8bit", app->add_flag("--load-in-8bit", load_in_8bit,
                                                        "8-bit weights (bitsandbytes LLM.int8, threshold 6.0); --inference only"));
     CLI::Option* inf = app->add_flag("--inference", inference, "Generation (prefill + decode with a KV cache), not training");
@@ -181,6 +185,7 @@ struct RecipeFlags {
     sp.load_in_4bit = load_in_4bit || qlora;
     sp.bnb_4bit_quant_type = !quant_type.empty() ? quant_type : (qlora ? "nf4" : sp.bnb_4bit_quant_type);
     sp.bnb_4bit_use_double_quant = double_quant || qlora;
+    sp.load_dtype = load_dtype;
     sp.load_in_8bit = load_in_8bit;
     sp.mode = inference ? "inference" : "training";
     sp.new_tokens = parse_count(new_tokens, "new_tokens");
@@ -301,6 +306,7 @@ std::string compare(const std::string& path, bool as_json) {
   sp.fsdp_reduce_dtype = text("fsdp_reduce_dtype", sp.fsdp_reduce_dtype.c_str());
   sp.bnb_4bit_quant_type = text("bnb_4bit_quant_type", sp.bnb_4bit_quant_type.c_str());
   sp.bnb_4bit_use_double_quant = flag("bnb_4bit_use_double_quant", false);
+  sp.load_dtype = text("load_dtype", sp.load_dtype.c_str());
   sp.load_in_8bit = flag("load_in_8bit", false);
   sp.sequence_parallel = flag("sequence_parallel", false);
   sp.loss_parallel = flag("loss_parallel", false);

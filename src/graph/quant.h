@@ -31,6 +31,19 @@
 //    then result + lora_B(lora_A(dropout(x))) * scaling, the adapter output cast to the result's
 //    dtype first (not after the sum, as lora.Linear does).
 //
+// Note [The load dtype of a 4-bit base]
+// Loading quantizes each weight from the dtype from_pretrained loads the checkpoint in
+// (`dtype=`), and the QuantState remembers it (quant_state.dtype). Only MatMul4Bit's backward
+// reads it: dequantize_4bit(B, state) makes the weight in that dtype, then casts it to the
+// gradient's (Note [QLoRA]); the forward's gemm_4bit dequantizes to the input's dtype directly.
+// The recipes: a base loaded in the precision's parameter dtype (load_dtype auto: fp32 under
+// autocast), or, the common Trainer recipe, loaded in bf16 (`dtype=torch.bfloat16`), prepared by
+// prepare_model_for_kbit_training (the rest is fp32 again: the casts of Note [QLoRA]) and trained
+// with bf16=True (load_dtype bf16 under bf16-mixed). Nothing else changes: the absmax and codes
+// are fp32 whatever the load dtype, and what is not 4-bit is fp32 either way. The backward then
+// makes one bf16 weight and no cast instead of an fp32 weight and its bf16 cast (measured:
+// data/ground_truth/cpu-*-loadbf16-*, parallel/cpu-[df]*-loadbf16-*).
+//
 // Note [Quantized generation]
 // One generate() call with 4-bit weights (bitsandbytes 0.50, transformers 5): the model is loaded
 // with from_pretrained(quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...,

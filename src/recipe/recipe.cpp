@@ -32,6 +32,7 @@ constexpr Spellings<Loss, 2> kLoss{{{Loss::kStandard, "standard"}, {Loss::kFused
 constexpr Spellings<AllocatorMode, 2> kAllocator{{{AllocatorMode::kDefault, "default"},
                                                   {AllocatorMode::kExpandable, "expandable"}}};
 constexpr Spellings<QuantType, 2> kQuantTypes{{{QuantType::kFp4, "fp4"}, {QuantType::kNf4, "nf4"}}};
+constexpr Spellings<LoadDtype, 2> kLoadDtypes{{{LoadDtype::kAuto, "auto"}, {LoadDtype::kBf16, "bf16"}}};
 constexpr Spellings<Mode, 2> kModes{{{Mode::kTraining, "training"}, {Mode::kInference, "inference"}}};
 constexpr Spellings<Parallel, 6> kParallel{{{Parallel::kNone, "none"},
                                             {Parallel::kDdp, "ddp"},
@@ -416,6 +417,7 @@ std::string_view to_string(Loss x) { return name_of(kLoss, x); }
 std::string_view to_string(AllocatorMode x) { return name_of(kAllocator, x); }
 std::string_view to_string(Mode x) { return name_of(kModes, x); }
 std::string_view to_string(QuantType x) { return name_of(kQuantTypes, x); }
+std::string_view to_string(LoadDtype x) { return name_of(kLoadDtypes, x); }
 std::string_view to_string(Parallel x) { return name_of(kParallel, x); }
 std::string_view to_string(FsdpDtype x) { return name_of(kFsdpDtypes, x); }
 FsdpDtype parse_fsdp_dtype(std::string_view s, std::string_view field) { return parse(kFsdpDtypes, s, field); }
@@ -430,6 +432,7 @@ Loss parse_loss(std::string_view s) { return parse(kLoss, s, "loss"); }
 AllocatorMode parse_allocator(std::string_view s) { return parse(kAllocator, s, "allocator"); }
 Mode parse_mode(std::string_view s) { return parse(kModes, s, "mode"); }
 QuantType parse_quant_type(std::string_view s) { return parse(kQuantTypes, s, "bnb_4bit_quant_type"); }
+LoadDtype parse_load_dtype(std::string_view s) { return parse(kLoadDtypes, s, "load_dtype"); }
 Parallel parse_parallel(std::string_view s) { return parse(kParallel, s, "parallel"); }
 Offload parse_offload(std::string_view s) { return parse(kOffload, s, "offload"); }
 PipelineSchedule parse_pipeline_schedule(std::string_view s) { return parse(kPipelineSchedule, s, "pp_schedule"); }
@@ -466,6 +469,7 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   r.quant.load_in_4bit = in.load_in_4bit;
   r.quant.quant_type = parse_quant_type(in.bnb_4bit_quant_type);
   r.quant.double_quant = in.bnb_4bit_use_double_quant;
+  r.quant.load_dtype = parse_load_dtype(in.load_dtype);
   r.quant.load_in_8bit = in.load_in_8bit;
   r.gpus = in.gpus;
   r.parallel = parse_parallel(in.parallel);
@@ -528,6 +532,10 @@ void Recipe::validate() const {
     if (quant.quant_type != QuantType::kFp4 || quant.double_quant) {
       throw Error("bnb_4bit_quant_type / bnb_4bit_use_double_quant: set without load_in_4bit");
     }
+    if (quant.load_dtype != LoadDtype::kAuto) {
+      throw Error("load_dtype: set without load_in_4bit (a model that is not quantized is loaded in the "
+                  "precision's dtype)");
+    }
   } else {
     if (quant.load_in_8bit) throw Error("load_in_8bit: cannot be combined with load_in_4bit; choose one");
     if (mode == Mode::kTraining && !lora.enabled()) {
@@ -545,6 +553,12 @@ void Recipe::validate() const {
       throw Error("precision: load_in_4bit runs with fp32, bf16-true or fp16-true (the 4-bit matmuls' dtype), "
                   "for training under autocast (bf16-mixed, fp16-mixed), or under zero1 / zero2 / zero3 with "
                   "bf16-master (DeepSpeed's bf16 mode), got " + std::string(to_string(precision)));
+    }
+    // A bf16-loaded base under bf16 autocast (Note [The load dtype of a 4-bit base]); other
+    // combinations are not measured.
+    if (quant.load_dtype == LoadDtype::kBf16 && !(precision == Precision::kBf16Mixed && mode == Mode::kTraining)) {
+      throw Error("load_dtype: bf16 is a 4-bit base loaded in bf16 and trained under bf16 autocast (precision "
+                  "bf16-mixed); with " + std::string(to_string(precision)) + " use auto (the precision's dtype)");
     }
   }
   if (quant.load_in_8bit && mode != Mode::kInference) {

@@ -35,6 +35,7 @@ ordered_json recipe_object(const Recipe& r) {
     j["load_in_4bit"] = true;
     j["bnb_4bit_quant_type"] = to_string(r.quant.quant_type);
     j["bnb_4bit_use_double_quant"] = r.quant.double_quant;
+    if (r.quant.load_dtype != LoadDtype::kAuto) j["load_dtype"] = to_string(r.quant.load_dtype);
   }
   if (r.quant.load_in_8bit) j["load_in_8bit"] = true;  // only for 8-bit weights, as trainmem-measure writes it
   j["mode"] = to_string(r.mode);

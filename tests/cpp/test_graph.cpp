@@ -1040,25 +1040,35 @@ TEST(GraphQlora, DequantizedCopyPerMatmul) {
 // at layer 3's down_proj in backward). The forward dequantizes straight to bf16, as before.
 TEST(GraphQlora, AutocastBackwardDequantizesInTheLoadDtype) {
   const Model m = odd_llama();
-  const Trace t = trace_of(m, qlora_recipe(Precision::kBf16Mixed, false));
   const std::uint64_t numel = 530u * 200;
-  std::vector<std::pair<bool, std::uint64_t>> seen;  // step 1 backward of layer 1's down_proj: weight copies
-  int forward_bf16 = 0, forward_fp32 = 0;
-  for (const graph::Event& e : t.events) {
-    const MomentTag& mt = t.moments[e.moment];
-    if (mt.step != 1 || mt.layer != 1 || mt.op != "mlp.down_proj") continue;
-    const std::uint64_t bytes = t.storages[e.tensor].bytes;
-    if (mt.phase == Phase::kForward && e.alloc) {
-      forward_bf16 += bytes == numel * 2;
-      forward_fp32 += bytes == numel * 4;
+  // Step 1 of layer 1's down_proj: (forward bf16 copies, forward fp32 copies), then the backward's
+  // weight copies as (alloc, bytes).
+  auto copies = [&](const Trace& t) {
+    std::vector<std::pair<bool, std::uint64_t>> seen;
+    int forward_bf16 = 0, forward_fp32 = 0;
+    for (const graph::Event& e : t.events) {
+      const MomentTag& mt = t.moments[e.moment];
+      if (mt.step != 1 || mt.layer != 1 || mt.op != "mlp.down_proj") continue;
+      const std::uint64_t bytes = t.storages[e.tensor].bytes;
+      if (mt.phase == Phase::kForward && e.alloc) {
+        forward_bf16 += bytes == numel * 2;
+        forward_fp32 += bytes == numel * 4;
+      }
+      if (mt.phase == Phase::kBackward && (bytes == numel * 2 || bytes == numel * 4)) seen.emplace_back(e.alloc, bytes);
     }
-    if (mt.phase == Phase::kBackward && (bytes == numel * 2 || bytes == numel * 4)) seen.emplace_back(e.alloc, bytes);
-  }
-  EXPECT_EQ(forward_bf16, 1);
-  EXPECT_EQ(forward_fp32, 0);
-  const std::vector<std::pair<bool, std::uint64_t>> want = {
+    EXPECT_EQ(forward_bf16, 1) << "the forward dequantizes to the input's dtype directly";
+    EXPECT_EQ(forward_fp32, 0);
+    return seen;
+  };
+  Recipe r = qlora_recipe(Precision::kBf16Mixed, false);
+  const std::vector<std::pair<bool, std::uint64_t>> fp32_load = {
       {true, numel * 4}, {true, numel * 2}, {false, numel * 4}, {false, numel * 2}};
-  EXPECT_EQ(seen, want);
+  EXPECT_EQ(copies(trace_of(m, r)), fp32_load);
+  // A base loaded in bf16 (Note [The load dtype of a 4-bit base]): one bf16 weight, no cast.
+  r.quant.load_dtype = LoadDtype::kBf16;
+  r.validate();
+  const std::vector<std::pair<bool, std::uint64_t>> bf16_load = {{true, numel * 2}, {false, numel * 2}};
+  EXPECT_EQ(copies(trace_of(m, r)), bf16_load);
 }
 
 // Qwen2's q/k/v biases under QLoRA: fp32 after prepare_model_for_kbit_training, recast to the

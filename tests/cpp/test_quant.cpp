@@ -120,6 +120,24 @@ TEST(QloraRecipe, ZeroTakesDeepSpeedsBf16Mode) {
   EXPECT_NE(error_of([&] { parse_recipe(s); }).find("with LoRA is not modelled yet"), std::string::npos);
 }
 
+// load_dtype bf16: a base loaded in bf16 and trained under bf16 autocast; auto elsewhere.
+TEST(QloraRecipe, LoadDtype) {
+  RecipeSpelling s = qlora_spelling();
+  s.precision = "bf16-mixed";
+  s.load_dtype = "bf16";
+  EXPECT_EQ(parse_recipe(s).quant.load_dtype, LoadDtype::kBf16);
+  s.load_dtype = "fp16";
+  EXPECT_EQ(error_of([&] { parse_recipe(s); }), "load_dtype: unknown value 'fp16'; expected one of auto, bf16");
+  s.load_dtype = "bf16";
+  s.precision = "bf16-true";
+  EXPECT_EQ(error_of([&] { parse_recipe(s); }),
+            "load_dtype: bf16 is a 4-bit base loaded in bf16 and trained under bf16 autocast (precision bf16-mixed); "
+            "with bf16-true use auto (the precision's dtype)");
+  RecipeSpelling plain;
+  plain.load_dtype = "bf16";
+  EXPECT_NE(error_of([&] { parse_recipe(plain); }).find("load_dtype: set without load_in_4bit"), std::string::npos);
+}
+
 TEST(QloraRecipe, Errors) {
   RecipeSpelling s = qlora_spelling();
   s.bnb_4bit_quant_type = "int4";

@@ -33,6 +33,7 @@ constexpr const char* kQuantTypes[] = {"fp4", "nf4"};
 constexpr const char* kOffload[] = {"none", "optimizer", "params", "both"};
 constexpr const char* kSchedules[] = {"1f1b", "gpipe", "interleaved-1f1b", "looped-bfs"};
 constexpr const char* kFsdpDtypes[] = {"none", "bf16", "fp32"};
+constexpr const char* kLoadDtypes[] = {"auto", "bf16"};
 
 // A valid spelling most of the time, otherwise a fuzzed string (typos, case, empty, bytes).
 template <std::size_t N>
@@ -238,6 +239,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         break;
     }
   }
+  // Drawn after the groups (the same reason): a 4-bit base's load dtype, now and then.
+  if (p.ConsumeIntegral<std::uint8_t>() >= 192) sp.load_dtype = pick(p, kLoadDtypes);
 
   if (std::getenv("TRAINMEM_FUZZ_VERBOSE")) {  // to read a reproducer: what the bytes decode to
     std::fprintf(stderr, "model: %s\nname: %s\nrecipe: precision=%s optimizer=%s checkpointing=%s "
@@ -256,12 +259,12 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
                  static_cast<unsigned long long>(sp.beams), static_cast<unsigned long long>(sp.gpus),
                  sp.parallel.c_str(), static_cast<long long>(rank));
     std::fprintf(stderr, "find_unused=%d offload=%s tp=%llu sp=%d lp=%d pp=%llu schedule=%s stages=%llu cp=%llu "
-                 "fsdp: reshard=%d replicate=%llu param=%s reduce=%s\n",
+                 "fsdp: reshard=%d replicate=%llu param=%s reduce=%s load_dtype=%s\n",
                  sp.ddp_find_unused_parameters, sp.offload.c_str(), static_cast<unsigned long long>(sp.tp),
                  sp.sequence_parallel, sp.loss_parallel, static_cast<unsigned long long>(sp.pp), sp.pp_schedule.c_str(),
                  static_cast<unsigned long long>(sp.pp_stages_per_rank), static_cast<unsigned long long>(sp.cp),
                  sp.fsdp_reshard_after_forward, static_cast<unsigned long long>(sp.fsdp_replicate),
-                 sp.fsdp_param_dtype.c_str(), sp.fsdp_reduce_dtype.c_str());
+                 sp.fsdp_param_dtype.c_str(), sp.fsdp_reduce_dtype.c_str(), sp.load_dtype.c_str());
   }
   fuzz::expected_outcome([&] {
     trainmem::Recipe r = trainmem::parse_recipe(sp);

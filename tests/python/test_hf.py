@@ -209,3 +209,42 @@ def test_unreadable_deepspeed_configs(tmp_path):
         trainmem.hf.recipe_from_deepspeed_config(str(bad), gpus=2)
     with pytest.raises(ValueError, match="cannot read it"):
         trainmem.hf.recipe_from_deepspeed_config(str(tmp_path / "missing.json"), gpus=2)
+
+
+QLORA = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
+         "bnb_4bit_compute_dtype": "bfloat16", "bnb_4bit_quant_storage": "uint8"}
+
+
+def test_a_qlora_trainer_run_maps_its_bitsandbytes_config():
+    d = args(per_device_train_batch_size=2, gradient_checkpointing=True, optim="adamw_torch").to_dict()
+    d["bf16"] = True
+    # The common recipe: from_pretrained(dtype=torch.bfloat16, quantization_config=...), then
+    # prepare_model_for_kbit_training and bf16=True: a bf16 QuantState under bf16 autocast.
+    knobs = trainmem.hf.recipe_from_training_arguments(d, seq=256, model_dtype="bfloat16", peft=True,
+                                                       quantization_config=QLORA)
+    assert knobs["precision"] == "bf16-mixed" and knobs["load_dtype"] == "bf16"
+    assert knobs["load_in_4bit"] and knobs["bnb_4bit_quant_type"] == "nf4" and knobs["bnb_4bit_use_double_quant"]
+    est = trainmem.estimate("qwen3-0.6b", lora_rank=16, **knobs)
+    assert est.recipe["load_dtype"] == "bf16"
+    # A float32-loaded base keeps the precision's dtype (load_dtype auto, not written).
+    knobs = trainmem.hf.recipe_from_training_arguments(d, seq=256, peft=True, quantization_config=QLORA)
+    assert knobs["precision"] == "bf16-mixed" and "load_dtype" not in knobs
+    # The config object's to_dict() is read the same way.
+    cfg = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype="bfloat16")
+    knobs = trainmem.hf.recipe_from_training_arguments(d, model_dtype="bfloat16", peft=True, quantization_config=cfg)
+    assert knobs["load_dtype"] == "bf16" and not knobs["bnb_4bit_use_double_quant"]
+
+
+@pytest.mark.parametrize("change,kw,message", [
+    ({"bnb_4bit_compute_dtype": "float32"}, {}, "bnb_4bit_compute_dtype=float32 under bf16-mixed"),
+    ({"bnb_4bit_quant_storage": "bfloat16"}, {}, "bnb_4bit_quant_storage=bfloat16 is not modelled"),
+    ({"load_in_4bit": False, "load_in_8bit": True}, {}, "load_in_8bit training"),
+    ({}, {"model_dtype": "float16"}, "float16-loaded 4-bit base"),
+    ({}, {"peft": False}, "pass peft=True"),
+])
+def test_unmodelled_qlora_settings_are_refused(change, kw, message):
+    d = args().to_dict()
+    d["bf16"] = True
+    kw = {"model_dtype": "bfloat16", "peft": True, **kw}
+    with pytest.raises(ValueError, match=message):
+        trainmem.hf.recipe_from_training_arguments(d, quantization_config={**QLORA, **change}, **kw)

@@ -34,6 +34,10 @@ from trainmem.measure.models import ModelSpec, build_real_model, quant_state_ten
      "bnb_4bit_quant_type='int4' is not one of fp4, nf4"),
     (dict(bnb_4bit_use_double_quant=True), "set without load_in_4bit"),
     (dict(lora_rank=8, load_in_4bit=1, precision="bf16-true"), "load_in_4bit must be true or false"),
+    (dict(load_dtype="bf16"), "load_dtype is set without load_in_4bit"),
+    (dict(lora_rank=8, load_in_4bit=True, precision="bf16-true", load_dtype="bf16"), "it needs precision bf16-mixed"),
+    (dict(lora_rank=8, load_in_4bit=True, precision="bf16-mixed", load_dtype="fp16"),
+     "load_dtype='fp16' is not one of auto, bf16"),
 ])
 def test_measure_recipe_rejects(knobs, message):
     with pytest.raises(RecipeError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -45,6 +49,9 @@ def test_recipe_keys_only_with_a_4bit_base():
     d = Recipe(precision="bf16-true", lora_rank=8, load_in_4bit=True, bnb_4bit_quant_type="nf4",
                bnb_4bit_use_double_quant=True).as_dict()
     assert (d["load_in_4bit"], d["bnb_4bit_quant_type"], d["bnb_4bit_use_double_quant"]) == (True, "nf4", True)
+    assert "load_dtype" not in d  # auto, as the engine writes it: only when it is not the precision's
+    d = Recipe(precision="bf16-mixed", lora_rank=8, load_in_4bit=True, load_dtype="bf16").as_dict()
+    assert d["load_dtype"] == "bf16"
 
 
 def test_measure_cli_qlora_needs_lora(capsys, quant_llama_path):

@@ -108,6 +108,9 @@ def _parser() -> _Parser:
                    help=f"with --load-in-4bit: the 4-bit code (default {defaults.bnb_4bit_quant_type}, as transformers')")
     p.add_argument("--bnb-4bit-use-double-quant", action="store_true",
                    help="with --load-in-4bit: quantize the block constants again (8-bit, blocks of 256)")
+    p.add_argument("--load-dtype", choices=("auto", "bf16"), default="auto",
+                   help="with --load-in-4bit: from_pretrained's dtype; auto is the precision's weights' dtype, "
+                        "bf16 (with bf16-mixed) the Trainer recipe of a bf16-loaded QLoRA base (default %(default)s)")
     p.add_argument("--qlora", action="store_true",
                    help="QLoRA's base: --load-in-4bit --bnb-4bit-quant-type nf4 --bnb-4bit-use-double-quant")
     p.add_argument("--load-in-8bit", action="store_true",
@@ -179,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                         ddp_find_unused_parameters=args.ddp_find_unused_parameters,
                         load_in_4bit=args.load_in_4bit or args.qlora, bnb_4bit_quant_type=quant_type,
                         bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant or args.qlora,
-                        load_in_8bit=args.load_in_8bit)
+                        load_dtype=args.load_dtype, load_in_8bit=args.load_in_8bit)
         command = shlex.join([PROG, *argv])
         result = measure(args.model, recipe, device=args.device, fake=args.fake, trace=args.trace,
                          command=command)
@@ -229,7 +232,8 @@ def render_text(result: dict) -> str:
                         f" {result['trainable_parameters']:,} trainable parameters")
     if r.get("load_in_4bit"):
         lines.insert(2, f"4-bit base: {r['bnb_4bit_quant_type']}"
-                        f"{', double quant' if r.get('bnb_4bit_use_double_quant') else ''} (bitsandbytes)")
+                        f"{', double quant' if r.get('bnb_4bit_use_double_quant') else ''}"
+                        f"{', loaded in bf16' if r.get('load_dtype') == 'bf16' else ''} (bitsandbytes)")
     if r.get("load_in_8bit"):
         lines.insert(2, "8-bit weights: LLM.int8, threshold 6.0 (bitsandbytes)")
     total = result["peak_allocated_bytes"] or 1

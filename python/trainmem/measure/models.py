@@ -224,7 +224,8 @@ def build_quantized_model(model, recipe: Recipe, device: str):
     temporary directory. `from_pretrained` replaces every linear layer of the decoder layers by
     bitsandbytes' Linear4bit (Linear8bitLt with load_in_8bit) and quantizes its weight as it is
     loaded (Params4bit: packed uint8 and a QuantState; Int8Params: int8 CB and its fp32 row
-    scales SCB); the embeddings, lm_head and norms stay in the load dtype.
+    scales SCB); the embeddings, lm_head and norms stay in the load dtype: the precision's weights'
+    dtype, or bf16 with recipe.load_dtype "bf16" (the QuantState's dtype then is bf16 too).
     For training, prepare_model_for_kbit_training then freezes every parameter and casts every
     bf16/fp16 parameter that is not 4-bit to float32 (`param.data = param.data.to(torch.float32)`:
     the embeddings, norms and lm_head become fp32, and so does the residual stream). It is called
@@ -252,8 +253,9 @@ def build_quantized_model(model, recipe: Recipe, device: str):
         model.should_save_on_this_rank = lambda is_main_process: True
         model.save_pretrained(tmp)
         del model
+        load = torch.bfloat16 if recipe.load_dtype == "bf16" else model_dtype(recipe)
         quantized = AutoModelForCausalLM.from_pretrained(
-            tmp, quantization_config=bnb_config(recipe), dtype=model_dtype(recipe), device_map=device,
+            tmp, quantization_config=bnb_config(recipe), dtype=load, device_map=device,
             attn_implementation=HF_ATTENTION[recipe.attention])
     if device == "cpu":
         _generic_bitsandbytes_cpu_kernels(quantized, recipe)

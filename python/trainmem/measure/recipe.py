@@ -45,6 +45,10 @@ MAX_LORA_RANK = 65536  # the engine's bound: beyond it the adapters outgrow the 
 # bnb_4bit_quant_type, whose default "fp4" is transformers' own; the precisions a 4-bit base runs with
 # (the precision's dtype is the load dtype and bnb_4bit_compute_dtype; no autocast, no master copy).
 BNB_4BIT_QUANT_TYPES = ("fp4", "nf4")
+# The dtype from_pretrained loads a 4-bit base in (its `dtype`): "auto", the precision's weights'
+# dtype, or "bf16" under bf16-mixed, the Trainer recipe (dtype=torch.bfloat16, bf16=True) whose
+# QuantState dtype is bf16 while prepare_model_for_kbit_training makes the rest fp32 again.
+LOAD_DTYPES = ("auto", "bf16")
 QUANTIZED_PRECISIONS = ("fp32", "bf16-true", "fp16-true")
 
 # Hugging Face's attn_implementation for each --attention value.
@@ -80,6 +84,7 @@ class Recipe:
     load_in_4bit: bool = False
     bnb_4bit_quant_type: str = "fp4"
     bnb_4bit_use_double_quant: bool = False
+    load_dtype: str = "auto"
     # LLM.int8(): BitsAndBytesConfig(load_in_8bit=True) with transformers' defaults (threshold 6.0,
     # no fp16 weights kept); inference only (models.build_quantized_model).
     load_in_8bit: bool = False
@@ -415,9 +420,16 @@ class Recipe:
         if self.bnb_4bit_quant_type not in BNB_4BIT_QUANT_TYPES:
             raise RecipeError(f"bnb_4bit_quant_type={self.bnb_4bit_quant_type!r} is not one of "
                               f"{', '.join(BNB_4BIT_QUANT_TYPES)}")
+        if self.load_dtype not in LOAD_DTYPES:
+            raise RecipeError(f"load_dtype={self.load_dtype!r} is not one of {', '.join(LOAD_DTYPES)}")
         if not self.load_in_4bit:
             if self.bnb_4bit_quant_type != "fp4" or self.bnb_4bit_use_double_quant:
                 raise RecipeError("bnb_4bit_quant_type / bnb_4bit_use_double_quant are set without load_in_4bit")
+            if self.load_dtype != "auto":
+                raise RecipeError("load_dtype is set without load_in_4bit")
+        elif self.load_dtype == "bf16" and not (self.precision == "bf16-mixed" and self.mode == "training"):
+            raise RecipeError("load_dtype='bf16' is a 4-bit base loaded in bf16 and trained under bf16 autocast: "
+                              "it needs precision bf16-mixed")
         if self.load_in_8bit:
             if self.load_in_4bit:
                 raise RecipeError("load_in_8bit and load_in_4bit cannot both be set")
@@ -495,6 +507,8 @@ class Recipe:
             out["lora_targets"] = list(lora_targets)
         if not self.load_in_4bit:  # as the engine writes it: the 4-bit keys only for a 4-bit base
             del out["load_in_4bit"], out["bnb_4bit_quant_type"], out["bnb_4bit_use_double_quant"]
+        if out.get("load_dtype") == "auto":  # as the engine writes it: only when not the precision's
+            del out["load_dtype"]
         if not self.load_in_8bit:  # and load_in_8bit only for 8-bit weights
             del out["load_in_8bit"]
         if not self.is_inference:  # as the engine writes it: new_tokens and beams for inference only

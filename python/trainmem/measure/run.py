@@ -483,6 +483,8 @@ def default_command(spec: ModelSpec, recipe: Recipe, *, device: str, fake: bool)
             args += ["--load-in-4bit", "--bnb-4bit-quant-type", recipe.bnb_4bit_quant_type]
             if recipe.bnb_4bit_use_double_quant:
                 args.append("--bnb-4bit-use-double-quant")
+        if recipe.load_dtype != "auto":
+            args += ["--load-dtype", recipe.load_dtype]
     if fake:
         args.append("--fake")
     if device != "cpu":
