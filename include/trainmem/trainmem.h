@@ -216,9 +216,10 @@ enum class QuantType : std::uint8_t { kFp4, kNf4 };
 // The dtype from_pretrained loads a 4-bit base in (its `dtype` argument), which is the QuantState's
 // dtype, the one a 4-bit matmul's backward dequantizes to. kAuto: the precision's parameter dtype
 // (fp32 under autocast). kBf16 under bf16-mixed: the common Trainer recipe (dtype=bfloat16,
-// prepare_model_for_kbit_training, bf16=True), whose rest is fp32 again after the prepare
-// (Note [The load dtype of a 4-bit base] in src/graph/quant.h).
-enum class LoadDtype : std::uint8_t { kAuto, kBf16 };
+// prepare_model_for_kbit_training, bf16=True), whose rest is fp32 again after the prepare; kFp16
+// the same under fp16-mixed (fp16=True, on GPUs without bf16) (Note [The load dtype of a 4-bit
+// base] in src/graph/quant.h).
+enum class LoadDtype : std::uint8_t { kAuto, kBf16, kFp16 };
 struct Quantization {
   bool load_in_4bit = false;
   QuantType quant_type = QuantType::kFp4;  // transformers' default; QLoRA uses nf4
@@ -317,7 +318,7 @@ struct RecipeSpelling {
   bool load_in_4bit = false;                  // BitsAndBytesConfig's spellings
   std::string bnb_4bit_quant_type = "fp4";    // fp4 | nf4
   bool bnb_4bit_use_double_quant = false;
-  std::string load_dtype = "auto";            // auto | bf16: from_pretrained's dtype for a 4-bit base
+  std::string load_dtype = "auto";            // auto | bf16 | fp16: from_pretrained's dtype for a 4-bit base
   bool load_in_8bit = false;
   std::string mode = "training";  // training | inference
   std::uint64_t new_tokens = 128;

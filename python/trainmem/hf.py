@@ -140,7 +140,7 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
 # The dtype the 4-bit matmuls compute in under each precision a QLoRA run can take (bf16-master: a
 # DeepSpeed engine's bf16 mode), and the load dtypes modelled with it (the first: load_dtype auto).
 _COMPUTE_DTYPES = {"bf16-mixed": "bfloat16", "fp16-mixed": "float16", "fp32": "float32", "bf16-master": "bfloat16"}
-_LOAD_DTYPES = {"bf16-mixed": ("float32", "bfloat16"), "fp16-mixed": ("float32",), "fp32": ("float32",),
+_LOAD_DTYPES = {"bf16-mixed": ("float32", "bfloat16"), "fp16-mixed": ("float32", "float16"), "fp32": ("float32",),
                 "bf16-master": ("bfloat16",)}
 
 
@@ -164,10 +164,11 @@ def recipe_from_quantization_config(config: Any, *, model_dtype: str = "float32"
 
     Mapped: load_in_4bit with bnb_4bit_quant_type and bnb_4bit_use_double_quant; a bfloat16-loaded
     base under bf16=True is load_dtype "bf16" (its QuantState is bf16; Note [The load dtype of a
-    4-bit base] in src/graph/quant.h), a float32-loaded one load_dtype "auto". Refused, not being
-    modelled: 8-bit training, another bnb_4bit_quant_storage than uint8, a compute dtype other than
-    the one the run computes in (bnb_4bit_compute_dtype must be autocast's dtype under bf16 / fp16,
-    float32 without), a half-loaded base without the matching autocast, and fp16-loaded bases."""
+    4-bit base] in src/graph/quant.h), a float16-loaded one under fp16=True load_dtype "fp16", a
+    float32-loaded one load_dtype "auto". Refused, not being modelled: 8-bit training, another
+    bnb_4bit_quant_storage than uint8, a compute dtype other than the one the run computes in
+    (bnb_4bit_compute_dtype must be autocast's dtype under bf16 / fp16, float32 without), and a
+    half-loaded base without the matching autocast."""
     if not isinstance(config, dict):
         to_dict = getattr(config, "to_dict", None)
         config = to_dict() if callable(to_dict) else vars(config)
@@ -196,6 +197,8 @@ def recipe_from_quantization_config(config: Any, *, model_dtype: str = "float32"
                          f"(loaded in {' or '.join(_LOAD_DTYPES[precision])} it is)")
     if precision == "bf16-mixed" and loaded == "bfloat16":
         knobs["load_dtype"] = "bf16"
+    if precision == "fp16-mixed" and loaded == "float16":
+        knobs["load_dtype"] = "fp16"
     return knobs
 
 

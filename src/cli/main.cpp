@@ -109,7 +109,7 @@ struct RecipeFlags {
                                                        "--bnb-4bit-use-double-quant"));
     opt("load_dtype", "--load-dtype", load_dtype,
         "With --load-in-4bit: the dtype the base is loaded in before quantizing; auto (the precision's) | bf16 "
-        "(with bf16-mixed: a Trainer with bf16=True over a bf16-loaded QLoRA base)");
+        "(with bf16-mixed: a Trainer with bf16=True over a bf16-loaded QLoRA base) | fp16 (with fp16-mixed)");
     options.emplace_back("load_in_8bit", app->add_flag("--load-in-8bit", load_in_8bit,
                                                        "8-bit weights (bitsandbytes LLM.int8, threshold 6.0); --inference only"));
     CLI::Option* inf = app->add_flag("--inference", inference, "Generation (prefill + decode with a KV cache), not training");

@@ -39,10 +39,11 @@
 // The recipes: a base loaded in the precision's parameter dtype (load_dtype auto: fp32 under
 // autocast), or, the common Trainer recipe, loaded in bf16 (`dtype=torch.bfloat16`), prepared by
 // prepare_model_for_kbit_training (the rest is fp32 again: the casts of Note [QLoRA]) and trained
-// with bf16=True (load_dtype bf16 under bf16-mixed). Nothing else changes: the absmax and codes
+// with bf16=True (load_dtype bf16 under bf16-mixed), or on a GPU without bf16 loaded in fp16 and
+// trained with fp16=True (load_dtype fp16 under fp16-mixed). Nothing else changes: the absmax and codes
 // are fp32 whatever the load dtype, and what is not 4-bit is fp32 either way. The backward then
-// makes one bf16 weight and no cast instead of an fp32 weight and its bf16 cast (measured:
-// data/ground_truth/cpu-*-loadbf16-*, parallel/cpu-[df]*-loadbf16-*).
+// makes one half weight and no cast instead of an fp32 weight and its half cast (measured:
+// data/ground_truth/cpu-*-loadbf16-*, cpu-*-loadfp16-*, parallel/cpu-[df]*-load[bf]*16-*).
 //
 // Note [Quantized generation]
 // One generate() call with 4-bit weights (bitsandbytes 0.50, transformers 5): the model is loaded

@@ -32,7 +32,8 @@ constexpr Spellings<Loss, 2> kLoss{{{Loss::kStandard, "standard"}, {Loss::kFused
 constexpr Spellings<AllocatorMode, 2> kAllocator{{{AllocatorMode::kDefault, "default"},
                                                   {AllocatorMode::kExpandable, "expandable"}}};
 constexpr Spellings<QuantType, 2> kQuantTypes{{{QuantType::kFp4, "fp4"}, {QuantType::kNf4, "nf4"}}};
-constexpr Spellings<LoadDtype, 2> kLoadDtypes{{{LoadDtype::kAuto, "auto"}, {LoadDtype::kBf16, "bf16"}}};
+constexpr Spellings<LoadDtype, 3> kLoadDtypes{
+    {{LoadDtype::kAuto, "auto"}, {LoadDtype::kBf16, "bf16"}, {LoadDtype::kFp16, "fp16"}}};
 constexpr Spellings<Mode, 2> kModes{{{Mode::kTraining, "training"}, {Mode::kInference, "inference"}}};
 constexpr Spellings<Parallel, 6> kParallel{{{Parallel::kNone, "none"},
                                             {Parallel::kDdp, "ddp"},
@@ -554,11 +555,16 @@ void Recipe::validate() const {
                   "for training under autocast (bf16-mixed, fp16-mixed), or under zero1 / zero2 / zero3 with "
                   "bf16-master (DeepSpeed's bf16 mode), got " + std::string(to_string(precision)));
     }
-    // A bf16-loaded base under bf16 autocast (Note [The load dtype of a 4-bit base]); other
+    // A half-loaded base under the same autocast (Note [The load dtype of a 4-bit base]); other
     // combinations are not measured.
-    if (quant.load_dtype == LoadDtype::kBf16 && !(precision == Precision::kBf16Mixed && mode == Mode::kTraining)) {
-      throw Error("load_dtype: bf16 is a 4-bit base loaded in bf16 and trained under bf16 autocast (precision "
-                  "bf16-mixed); with " + std::string(to_string(precision)) + " use auto (the precision's dtype)");
+    if (quant.load_dtype != LoadDtype::kAuto) {
+      const bool bf16 = quant.load_dtype == LoadDtype::kBf16;
+      if (precision != (bf16 ? Precision::kBf16Mixed : Precision::kFp16Mixed) || mode != Mode::kTraining) {
+        const std::string d(to_string(quant.load_dtype));
+        throw Error("load_dtype: " + d + " is a 4-bit base loaded in " + d + " and trained under " + d +
+                    " autocast (precision " + d + "-mixed); with " + std::string(to_string(precision)) +
+                    " use auto (the precision's dtype)");
+      }
     }
   }
   if (quant.load_in_8bit && mode != Mode::kInference) {

@@ -126,8 +126,12 @@ TEST(QloraRecipe, LoadDtype) {
   s.precision = "bf16-mixed";
   s.load_dtype = "bf16";
   EXPECT_EQ(parse_recipe(s).quant.load_dtype, LoadDtype::kBf16);
-  s.load_dtype = "fp16";
-  EXPECT_EQ(error_of([&] { parse_recipe(s); }), "load_dtype: unknown value 'fp16'; expected one of auto, bf16");
+  s.load_dtype = "fp8";
+  EXPECT_EQ(error_of([&] { parse_recipe(s); }), "load_dtype: unknown value 'fp8'; expected one of auto, bf16, fp16");
+  s.load_dtype = "fp16";  // fp16 goes with fp16 autocast
+  EXPECT_NE(error_of([&] { parse_recipe(s); }).find("precision fp16-mixed); with bf16-mixed"), std::string::npos);
+  s.precision = "fp16-mixed";
+  EXPECT_EQ(parse_recipe(s).quant.load_dtype, LoadDtype::kFp16);
   s.load_dtype = "bf16";
   s.precision = "bf16-true";
   EXPECT_EQ(error_of([&] { parse_recipe(s); }),

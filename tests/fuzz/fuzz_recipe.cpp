@@ -33,7 +33,7 @@ constexpr const char* kQuantTypes[] = {"fp4", "nf4"};
 constexpr const char* kOffload[] = {"none", "optimizer", "params", "both"};
 constexpr const char* kSchedules[] = {"1f1b", "gpipe", "interleaved-1f1b", "looped-bfs"};
 constexpr const char* kFsdpDtypes[] = {"none", "bf16", "fp32"};
-constexpr const char* kLoadDtypes[] = {"auto", "bf16"};
+constexpr const char* kLoadDtypes[] = {"auto", "bf16", "fp16"};
 
 // A valid spelling most of the time, otherwise a fuzzed string (typos, case, empty, bytes).
 template <std::size_t N>

@@ -233,17 +233,19 @@ def test_4bit_entries_exact(comparisons):
             assert v["measured"] == v["predicted"], (name, cat, v)
 
 
-def test_bf16_loaded_qlora_entries_exact(comparisons):
+def test_half_loaded_qlora_entries_exact(comparisons):
     """The Trainer's usual QLoRA recipe: the base loaded in bf16 (from_pretrained(dtype=torch.bfloat16)),
-    prepare_model_for_kbit_training, bf16=True. The QuantState is bf16, so a 4-bit matmul's backward
-    dequantizes in bf16 and casts nothing (Note [The load dtype of a 4-bit base]); the fp32-load
-    recipe would be 3,932,160 B high in the all-linear Llama's backward. One process, DDP and FSDP2,
-    with and without checkpointing; every rank exact."""
-    runs = [(name, c) for name, c in comparisons if c["recipe"].get("load_dtype") == "bf16"]
-    assert len(runs) >= 4, [name for name, _ in runs]
+    prepare_model_for_kbit_training, bf16=True; on a GPU without bf16, fp16 and fp16=True. The
+    QuantState is half, so a 4-bit matmul's backward dequantizes in half and casts nothing (Note
+    [The load dtype of a 4-bit base]); the fp32-load recipe would be 3,932,160 B high in the
+    all-linear Llama's backward. One process, DDP and FSDP2, with and without checkpointing; every
+    rank exact."""
+    runs = [(name, c) for name, c in comparisons if c["recipe"].get("load_dtype") in ("bf16", "fp16")]
+    assert len(runs) >= 6, [name for name, _ in runs]
     assert {c["recipe"].get("parallel", "none") for _, c in runs} >= {"none", "ddp", "fsdp"}
     assert any(c["recipe"]["checkpointing"] == "full" for _, c in runs)
-    assert all(c["recipe"]["precision"] == "bf16-mixed" for _, c in runs)
+    assert all(c["recipe"]["precision"] == c["recipe"]["load_dtype"] + "-mixed" for _, c in runs)
+    assert {c["recipe"]["load_dtype"] for _, c in runs} == {"bf16", "fp16"}
     _assert_every_rank_exact([(n, c) for n, c in runs if "ranks" in c])
     for name, c in runs:
         assert c["measured_peak_allocated_bytes"] == c["predicted_peak_allocated_bytes"], name

@@ -233,13 +233,19 @@ def test_a_qlora_trainer_run_maps_its_bitsandbytes_config():
     cfg = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype="bfloat16")
     knobs = trainmem.hf.recipe_from_training_arguments(d, model_dtype="bfloat16", peft=True, quantization_config=cfg)
     assert knobs["load_dtype"] == "bf16" and not knobs["bnb_4bit_use_double_quant"]
+    # On a GPU without bf16 (a T4): dtype=torch.float16, fp16=True, compute dtype float16.
+    d16 = args().to_dict()
+    d16["fp16"] = True
+    knobs = trainmem.hf.recipe_from_training_arguments(d16, model_dtype="float16", peft=True,
+                                                       quantization_config={**QLORA, "bnb_4bit_compute_dtype": "float16"})
+    assert knobs["precision"] == "fp16-mixed" and knobs["load_dtype"] == "fp16"
 
 
 @pytest.mark.parametrize("change,kw,message", [
     ({"bnb_4bit_compute_dtype": "float32"}, {}, "bnb_4bit_compute_dtype=float32 under bf16-mixed"),
     ({"bnb_4bit_quant_storage": "bfloat16"}, {}, "bnb_4bit_quant_storage=bfloat16 is not modelled"),
     ({"load_in_4bit": False, "load_in_8bit": True}, {}, "load_in_8bit training"),
-    ({}, {"model_dtype": "float16"}, "float16-loaded 4-bit base"),
+    ({}, {"model_dtype": "float16"}, "float16-loaded 4-bit base trained in bf16-mixed"),
     ({}, {"peft": False}, "pass peft=True"),
 ])
 def test_unmodelled_qlora_settings_are_refused(change, kw, message):

@@ -36,8 +36,9 @@ from trainmem.measure.models import ModelSpec, build_real_model, quant_state_ten
     (dict(lora_rank=8, load_in_4bit=1, precision="bf16-true"), "load_in_4bit must be true or false"),
     (dict(load_dtype="bf16"), "load_dtype is set without load_in_4bit"),
     (dict(lora_rank=8, load_in_4bit=True, precision="bf16-true", load_dtype="bf16"), "it needs precision bf16-mixed"),
-    (dict(lora_rank=8, load_in_4bit=True, precision="bf16-mixed", load_dtype="fp16"),
-     "load_dtype='fp16' is not one of auto, bf16"),
+    (dict(lora_rank=8, load_in_4bit=True, precision="bf16-mixed", load_dtype="fp16"), "it needs precision fp16-mixed"),
+    (dict(lora_rank=8, load_in_4bit=True, precision="bf16-mixed", load_dtype="fp8"),
+     "load_dtype='fp8' is not one of auto, bf16, fp16"),
 ])
 def test_measure_recipe_rejects(knobs, message):
     with pytest.raises(RecipeError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -108,9 +108,10 @@ def _parser() -> _Parser:
                    help=f"with --load-in-4bit: the 4-bit code (default {defaults.bnb_4bit_quant_type}, as transformers')")
     p.add_argument("--bnb-4bit-use-double-quant", action="store_true",
                    help="with --load-in-4bit: quantize the block constants again (8-bit, blocks of 256)")
-    p.add_argument("--load-dtype", choices=("auto", "bf16"), default="auto",
+    p.add_argument("--load-dtype", choices=("auto", "bf16", "fp16"), default="auto",
                    help="with --load-in-4bit: from_pretrained's dtype; auto is the precision's weights' dtype, "
-                        "bf16 (with bf16-mixed) the Trainer recipe of a bf16-loaded QLoRA base (default %(default)s)")
+                        "bf16 (with bf16-mixed) or fp16 (with fp16-mixed) the Trainer recipe of a half-loaded "
+                        "QLoRA base (default %(default)s)")
     p.add_argument("--qlora", action="store_true",
                    help="QLoRA's base: --load-in-4bit --bnb-4bit-quant-type nf4 --bnb-4bit-use-double-quant")
     p.add_argument("--load-in-8bit", action="store_true",
@@ -233,7 +234,7 @@ def render_text(result: dict) -> str:
     if r.get("load_in_4bit"):
         lines.insert(2, f"4-bit base: {r['bnb_4bit_quant_type']}"
                         f"{', double quant' if r.get('bnb_4bit_use_double_quant') else ''}"
-                        f"{', loaded in bf16' if r.get('load_dtype') == 'bf16' else ''} (bitsandbytes)")
+                        f"{', loaded in ' + r['load_dtype'] if r.get('load_dtype') else ''} (bitsandbytes)")
     if r.get("load_in_8bit"):
         lines.insert(2, "8-bit weights: LLM.int8, threshold 6.0 (bitsandbytes)")
     total = result["peak_allocated_bytes"] or 1

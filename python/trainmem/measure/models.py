@@ -253,7 +253,7 @@ def build_quantized_model(model, recipe: Recipe, device: str):
         model.should_save_on_this_rank = lambda is_main_process: True
         model.save_pretrained(tmp)
         del model
-        load = torch.bfloat16 if recipe.load_dtype == "bf16" else model_dtype(recipe)
+        load = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(recipe.load_dtype, model_dtype(recipe))
         quantized = AutoModelForCausalLM.from_pretrained(
             tmp, quantization_config=bnb_config(recipe), dtype=load, device_map=device,
             attn_implementation=HF_ATTENTION[recipe.attention])

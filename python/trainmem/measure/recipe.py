@@ -48,7 +48,7 @@ BNB_4BIT_QUANT_TYPES = ("fp4", "nf4")
 # The dtype from_pretrained loads a 4-bit base in (its `dtype`): "auto", the precision's weights'
 # dtype, or "bf16" under bf16-mixed, the Trainer recipe (dtype=torch.bfloat16, bf16=True) whose
 # QuantState dtype is bf16 while prepare_model_for_kbit_training makes the rest fp32 again.
-LOAD_DTYPES = ("auto", "bf16")
+LOAD_DTYPES = ("auto", "bf16", "fp16")
 QUANTIZED_PRECISIONS = ("fp32", "bf16-true", "fp16-true")
 
 # Hugging Face's attn_implementation for each --attention value.
@@ -427,9 +427,9 @@ class Recipe:
                 raise RecipeError("bnb_4bit_quant_type / bnb_4bit_use_double_quant are set without load_in_4bit")
             if self.load_dtype != "auto":
                 raise RecipeError("load_dtype is set without load_in_4bit")
-        elif self.load_dtype == "bf16" and not (self.precision == "bf16-mixed" and self.mode == "training"):
-            raise RecipeError("load_dtype='bf16' is a 4-bit base loaded in bf16 and trained under bf16 autocast: "
-                              "it needs precision bf16-mixed")
+        elif self.load_dtype != "auto" and not (self.precision == f"{self.load_dtype}-mixed" and self.mode == "training"):
+            raise RecipeError(f"load_dtype={self.load_dtype!r} is a 4-bit base loaded in {self.load_dtype} and trained "
+                              f"under {self.load_dtype} autocast: it needs precision {self.load_dtype}-mixed")
         if self.load_in_8bit:
             if self.load_in_4bit:
                 raise RecipeError("load_in_8bit and load_in_4bit cannot both be set")
