@@ -254,3 +254,19 @@ def test_unmodelled_qlora_settings_are_refused(change, kw, message):
     kw = {"model_dtype": "bfloat16", "peft": True, **kw}
     with pytest.raises(ValueError, match=message):
         trainmem.hf.recipe_from_training_arguments(d, quantization_config={**QLORA, **change}, **kw)
+
+
+def test_a_deepspeed_qlora_run_maps_onto_zero_over_a_4bit_base():
+    # DeepSpeed's bf16 mode over a bf16-loaded base (what was measured: cpu-zero*-*qlora*).
+    ds = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": "auto",
+          "gradient_accumulation_steps": "auto"}
+    d = args(per_device_train_batch_size=2, optim="adamw_torch").to_dict()
+    d["bf16"], d["deepspeed"] = True, ds
+    knobs = trainmem.hf.recipe_from_training_arguments(d, seq=128, model_dtype="bfloat16", peft=True, gpus=2,
+                                                       quantization_config=QLORA)
+    assert (knobs["parallel"], knobs["precision"], knobs["load_in_4bit"]) == ("zero3", "bf16-master", True)
+    assert "load_dtype" not in knobs  # bf16-master's own parameter dtype is the bf16 load
+    assert trainmem.estimate("qwen3-0.6b", lora_rank=8, **knobs).recipe["parallel"] == "zero3"
+    with pytest.raises(ValueError, match="float32-loaded 4-bit base trained in bf16-master"):
+        trainmem.hf.recipe_from_training_arguments(d, model_dtype="float32", peft=True, gpus=2,
+                                                   quantization_config=QLORA)
