@@ -448,8 +448,12 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   // under DeepSpeed ZeRO its bf16 mode ("bf16": {"enabled": true}: bf16 weights, fp32 master
   // partitions), as autocast (bf16-mixed) is not what a DeepSpeed engine runs.
   const bool quantized = in.load_in_4bit || in.load_in_8bit;
+  // A half load dtype is the Trainer recipe under that autocast (Note [The load dtype of a 4-bit base]).
+  const LoadDtype load = parse_load_dtype(in.load_dtype);
   if (!in.precision.empty()) {
     r.precision = parse_precision(in.precision);
+  } else if (in.load_in_4bit && load != LoadDtype::kAuto) {
+    r.precision = load == LoadDtype::kBf16 ? Precision::kBf16Mixed : Precision::kFp16Mixed;
   } else if (r.mode == Mode::kInference || (quantized && !is_zero(parse_parallel(in.parallel)))) {
     r.precision = Precision::kBf16True;
   } else {

@@ -137,6 +137,10 @@ TEST(QloraRecipe, LoadDtype) {
   EXPECT_EQ(error_of([&] { parse_recipe(s); }),
             "load_dtype: bf16 is a 4-bit base loaded in bf16 and trained under bf16 autocast (precision bf16-mixed); "
             "with bf16-true use auto (the precision's dtype)");
+  s.precision = "";  // the load dtype's autocast by default
+  EXPECT_EQ(parse_recipe(s).precision, Precision::kBf16Mixed);
+  s.load_dtype = "fp16";
+  EXPECT_EQ(parse_recipe(s).precision, Precision::kFp16Mixed);
   RecipeSpelling plain;
   plain.load_dtype = "bf16";
   EXPECT_NE(error_of([&] { parse_recipe(plain); }).find("load_dtype: set without load_in_4bit"), std::string::npos);
