@@ -171,7 +171,11 @@ def recipe_from_quantization_config(config: Any, *, model_dtype: str = "float32"
     half-loaded base without the matching autocast."""
     if not isinstance(config, dict):
         to_dict = getattr(config, "to_dict", None)
-        config = to_dict() if callable(to_dict) else vars(config)
+        as_dict = to_dict() if callable(to_dict) else None
+        if not isinstance(as_dict, dict):
+            raise ValueError("quantization_config: expected a BitsAndBytesConfig or its to_dict(), got "
+                             f"{type(config).__name__}")
+        config = as_dict
     if config.get("load_in_8bit"):
         raise ValueError("quantization_config: load_in_8bit training is not modelled (LLM.int8 is, for inference)")
     if not config.get("load_in_4bit"):

@@ -247,13 +247,15 @@ def test_a_qlora_trainer_run_maps_its_bitsandbytes_config():
     ({"load_in_4bit": False, "load_in_8bit": True}, {}, "load_in_8bit training"),
     ({}, {"model_dtype": "float16"}, "float16-loaded 4-bit base trained in bf16-mixed"),
     ({}, {"peft": False}, "pass peft=True"),
+    (None, {}, r"expected a BitsAndBytesConfig or its to_dict\(\), got list"),
 ])
 def test_unmodelled_qlora_settings_are_refused(change, kw, message):
     d = args().to_dict()
     d["bf16"] = True
     kw = {"model_dtype": "bfloat16", "peft": True, **kw}
+    config = [QLORA] if change is None else {**QLORA, **change}
     with pytest.raises(ValueError, match=message):
-        trainmem.hf.recipe_from_training_arguments(d, quantization_config={**QLORA, **change}, **kw)
+        trainmem.hf.recipe_from_training_arguments(d, quantization_config=config, **kw)
 
 
 def test_a_deepspeed_qlora_run_maps_onto_zero_over_a_4bit_base():
