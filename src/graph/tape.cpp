@@ -303,20 +303,7 @@ void Tape::run_node(Node& n) {
     MomentTag tag = n.tag;
     std::size_t begin = nodes_.size();
     const std::size_t recompute_events = trace_.events.size();
-    last_saving_event_ = recompute_events;
-    op_begin_event_ = recompute_events;
-    bool was = saving;
-    saving = true;
-    recomputing = true;
-    T out = recompute();
-    recomputing = false;
-    saving = was;
-    at(Phase::kBackward, tag.layer, tag.op);
-    release(out.id);
-    // Early stop (set_checkpoint_early_stop, on by default): the recompute ends once the last
-    // tensor to be saved is made; what the forward would do after it never runs.
-    stop_recompute_at(last_saving_event_);
-    free_recompute_held();  // the recomputed graph goes
+    const T out = recompute_segment(recompute, tag, SIZE_MAX);
     deliver(out.value, incoming);
     // The recompute runs when the first saved tensor is unpacked (torch/utils/checkpoint.py,
     // _checkpoint_hook.unpack_hook): the segment's last nodes that save nothing (a residual add,
@@ -422,6 +409,28 @@ void Tape::run_node(Node& n) {
   }
 }
 
+// A checkpoint's recompute with saving on, up to its early stop (set_checkpoint_early_stop, on by
+// default: the recompute ends once the last tensor to be saved is made; what the forward would
+// do after it never runs). The recomputed graph then goes, with what it held (hold_with_graph).
+// `stop_node`: past_recompute_stop's bound (SIZE_MAX: none).
+T Tape::recompute_segment(const std::function<T()>& recompute, const MomentTag& tag, std::size_t stop_node) {
+  last_saving_event_ = trace_.events.size();
+  op_begin_event_ = trace_.events.size();
+  recompute_stop_node_ = stop_node;
+  const bool was = saving;
+  saving = true;
+  recomputing = true;
+  T out = recompute();
+  recomputing = false;
+  saving = was;
+  recompute_stop_node_ = SIZE_MAX;
+  at(Phase::kBackward, tag.layer, tag.op);
+  release(out.id);
+  stop_recompute_at(last_saving_event_);
+  free_recompute_held();
+  return out;
+}
+
 // See Note [Checkpoint tails].
 void Tape::run_checkpoint_with_tail(Node& n, TensorId incoming) {
   auto recompute = std::move(n.recompute);
@@ -442,20 +451,7 @@ void Tape::run_checkpoint_with_tail(Node& n, TensorId incoming) {
   // The pre-backward hooks on the last saving node's outputs run before it unpacks.
   at(Phase::kBackward, tag.layer, tag.op);
   fire_before_recompute({tail->saving_begins.rbegin(), tail->saving_begins.rend()});
-  // The recompute, up to the early stop.
-  last_saving_event_ = trace_.events.size();
-  op_begin_event_ = trace_.events.size();
-  recompute_stop_node_ = begin + tail->saving_nodes;
-  const bool was = saving;
-  saving = true;
-  recomputing = true;
-  T out = recompute();
-  recomputing = false;
-  saving = was;
-  recompute_stop_node_ = SIZE_MAX;
-  at(Phase::kBackward, tag.layer, tag.op);
-  release(out.id);
-  stop_recompute_at(last_saving_event_);
+  recompute_segment(recompute, tag, begin + tail->saving_nodes);
   TRAINMEM_ASSERT(nodes_.size() - begin == tail->outputs.size(), "a recompute recorded other nodes than its forward");
   // What the tail handed to the first forward's values goes to the recomputed ones.
   for (std::size_t k = 0; k < tail->saving_nodes; ++k) {
@@ -465,7 +461,6 @@ void Tape::run_checkpoint_with_tail(Node& n, TensorId incoming) {
     value_grad_[first] = kNone;
     deliver(nodes_[begin + k].output, g);
   }
-  free_recompute_held();  // the recomputed graph goes
   // The recomputed tail never runs: the first forward's ran above.
   for (std::size_t k = begin + tail->saving_nodes; k < nodes_.size(); ++k) {
     for (TensorId id : nodes_[k].saved) release(id);

@@ -618,6 +618,7 @@ class Tape {
   void run(std::size_t begin, std::size_t end);
   void run_node(Node& n);
   void run_checkpoint_with_tail(Node& n, TensorId incoming);
+  T recompute_segment(const std::function<T()>& recompute, const MomentTag& tag, std::size_t stop_node);
   void deliver(ValueId v, TensorId g);
   void accumulate_param(const ParamGrad& pg, TensorId g);
 

@@ -408,6 +408,9 @@ void validate_offload(const Recipe& r) {
   }
 }
 
+// The autocast a half load dtype is trained under (Note [The load dtype of a 4-bit base]).
+Precision autocast_of(LoadDtype d) { return d == LoadDtype::kBf16 ? Precision::kBf16Mixed : Precision::kFp16Mixed; }
+
 }  // namespace
 
 std::string_view to_string(Precision x) { return name_of(kPrecisions, x); }
@@ -449,11 +452,11 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   // partitions), as autocast (bf16-mixed) is not what a DeepSpeed engine runs.
   const bool quantized = in.load_in_4bit || in.load_in_8bit;
   // A half load dtype is the Trainer recipe under that autocast (Note [The load dtype of a 4-bit base]).
-  const LoadDtype load = parse_load_dtype(in.load_dtype);
+  r.quant.load_dtype = parse_load_dtype(in.load_dtype);
   if (!in.precision.empty()) {
     r.precision = parse_precision(in.precision);
-  } else if (in.load_in_4bit && load != LoadDtype::kAuto) {
-    r.precision = load == LoadDtype::kBf16 ? Precision::kBf16Mixed : Precision::kFp16Mixed;
+  } else if (in.load_in_4bit && r.quant.load_dtype != LoadDtype::kAuto) {
+    r.precision = autocast_of(r.quant.load_dtype);
   } else if (r.mode == Mode::kInference || (quantized && !is_zero(parse_parallel(in.parallel)))) {
     r.precision = Precision::kBf16True;
   } else {
@@ -474,7 +477,6 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   r.quant.load_in_4bit = in.load_in_4bit;
   r.quant.quant_type = parse_quant_type(in.bnb_4bit_quant_type);
   r.quant.double_quant = in.bnb_4bit_use_double_quant;
-  r.quant.load_dtype = parse_load_dtype(in.load_dtype);
   r.quant.load_in_8bit = in.load_in_8bit;
   r.gpus = in.gpus;
   r.parallel = parse_parallel(in.parallel);
@@ -562,8 +564,7 @@ void Recipe::validate() const {
     // A half-loaded base under the same autocast (Note [The load dtype of a 4-bit base]); other
     // combinations are not measured.
     if (quant.load_dtype != LoadDtype::kAuto) {
-      const bool bf16 = quant.load_dtype == LoadDtype::kBf16;
-      if (precision != (bf16 ? Precision::kBf16Mixed : Precision::kFp16Mixed) || mode != Mode::kTraining) {
+      if (precision != autocast_of(quant.load_dtype) || mode != Mode::kTraining) {
         const std::string d(to_string(quant.load_dtype));
         throw Error("load_dtype: " + d + " is a 4-bit base loaded in " + d + " and trained under " + d +
                     " autocast (precision " + d + "-mixed); with " + std::string(to_string(precision)) +

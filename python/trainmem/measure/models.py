@@ -225,7 +225,7 @@ def build_quantized_model(model, recipe: Recipe, device: str):
     bitsandbytes' Linear4bit (Linear8bitLt with load_in_8bit) and quantizes its weight as it is
     loaded (Params4bit: packed uint8 and a QuantState; Int8Params: int8 CB and its fp32 row
     scales SCB); the embeddings, lm_head and norms stay in the load dtype: the precision's weights'
-    dtype, or bf16 with recipe.load_dtype "bf16" (the QuantState's dtype then is bf16 too).
+    dtype, or the half of recipe.load_dtype "bf16" / "fp16" (the QuantState's dtype then too).
     For training, prepare_model_for_kbit_training then freezes every parameter and casts every
     bf16/fp16 parameter that is not 4-bit to float32 (`param.data = param.data.to(torch.float32)`:
     the embeddings, norms and lm_head become fp32, and so does the residual stream). It is called

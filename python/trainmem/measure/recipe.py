@@ -46,8 +46,9 @@ MAX_LORA_RANK = 65536  # the engine's bound: beyond it the adapters outgrow the 
 # (the precision's dtype is the load dtype and bnb_4bit_compute_dtype; no autocast, no master copy).
 BNB_4BIT_QUANT_TYPES = ("fp4", "nf4")
 # The dtype from_pretrained loads a 4-bit base in (its `dtype`): "auto", the precision's weights'
-# dtype, or "bf16" under bf16-mixed, the Trainer recipe (dtype=torch.bfloat16, bf16=True) whose
-# QuantState dtype is bf16 while prepare_model_for_kbit_training makes the rest fp32 again.
+# dtype, or "bf16" under bf16-mixed (fp16 under fp16-mixed), the Trainer recipe (dtype=torch.bfloat16,
+# bf16=True) whose QuantState dtype is that half while prepare_model_for_kbit_training makes the rest
+# fp32 again.
 LOAD_DTYPES = ("auto", "bf16", "fp16")
 QUANTIZED_PRECISIONS = ("fp32", "bf16-true", "fp16-true")
 
