@@ -276,6 +276,10 @@ class MemoryTracker:
         self._ctx: tuple = ("setup", 0, 0, "setup", "", "")
         self._hooks: list = []
         self._restore: list = []
+        # OpOverloadPacket -> fn(func, args, kwargs) that runs the op in the tracker's place (the
+        # measuring side's settling of gloo's collectives: Note [Settled functional collectives]
+        # in parallel.py)
+        self.op_wrappers: dict = {}
         self._closed = False
         self._in_gc = False
         self._cuda_probe = cuda_probe and self.device_type == "cuda"
@@ -581,7 +585,8 @@ class MemoryTracker:
         self._ctx = (self.phase, self.step, self.micro_batch, label.op_name(aten), aten, label.module)
         if self._cuda_probe:
             peak_before = self._cuda_counters()[1]
-        out = func(*args, **kwargs)
+        wrapper = self.op_wrappers.get(packet)
+        out = wrapper(func, args, kwargs) if wrapper is not None else func(*args, **kwargs)
         if not isinstance(out, torch.Tensor) and next(_iter_tensors(out), None) is None:
             # Metadata queries (prim.device, sym_size...) reach this mode only for some tensor
             # types (fake tensors); they allocate nothing and must not change the free context.
