@@ -45,7 +45,9 @@ Estimate run(const Model& model, const Recipe& resolved, const Gpu& gpu, const E
 // the wrappers give each rank:
 //  * DDP replicates the model and its buckets, and FSDP2 pads every shard to the same size
 //    (Note [FSDP2 units] in graph/parallel.cpp): every rank runs the same ops on tensors of the same
-//    sizes, so rank 0 stands for all of them. (gloo's reduce-scatter temporary is measured inside
+//    sizes, so rank 0 stands for all of them. Only the optimizer's states follow a sharded
+//    parameter's own rows, fewer on the last ranks when the rows do not divide (Note [Uneven
+//    shards] in graph/parallel.cpp): rank 0's are never fewer. (gloo's reduce-scatter temporary is measured inside
 //    the collective on every rank: Note [gloo's reduce-scatter temporary] in graph/parallel.cpp.)
 //  * DeepSpeed ZeRO cuts the flat group into equal partitions, but which parameters overlap a
 //    partition differs by rank, and with them the whole-parameter gradient copies

@@ -45,6 +45,8 @@ def main() -> None:
             knobs += f" lora r={r['lora_rank']} on {','.join(t.split('.')[-1] for t in r['lora_targets'])}"
         if r.get("load_in_4bit"):
             knobs += f" 4-bit {r['bnb_4bit_quant_type']}{' dq' if r['bnb_4bit_use_double_quant'] else ''}"
+            if r.get("bnb_4bit_quant_storage"):
+                knobs += f" stored {r['bnb_4bit_quant_storage']}"
         if r.get("load_in_8bit"):
             knobs += " 8-bit"
         rows.append(f"| {path.stem} | {c['source'].replace('measured-', '')} | b{r['batch']}×s{r['seq']} {knobs} | "

@@ -220,11 +220,18 @@ enum class QuantType : std::uint8_t { kFp4, kNf4 };
 // the same under fp16-mixed (fp16=True, on GPUs without bf16) (Note [The load dtype of a 4-bit
 // base] in src/graph/quant.h).
 enum class LoadDtype : std::uint8_t { kAuto, kBf16, kFp16 };
+// The dtype of a 4-bit weight's packed bytes (bnb_4bit_quant_storage): uint8, bitsandbytes'
+// default, or bf16, what FSDP and ZeRO-3 QLoRA scripts set so that the packed weights share a bf16
+// base's dtype: the same bytes as half as many bf16 elements (Note [The packed weights' storage
+// dtype] in src/graph/quant.h).
+enum class QuantStorage : std::uint8_t { kUint8, kBf16 };
+DType storage_dtype(QuantStorage);
 struct Quantization {
   bool load_in_4bit = false;
   QuantType quant_type = QuantType::kFp4;  // transformers' default; QLoRA uses nf4
   bool double_quant = false;               // the block constants quantized again (8-bit)
   LoadDtype load_dtype = LoadDtype::kAuto;
+  QuantStorage storage = QuantStorage::kUint8;
   bool load_in_8bit = false;               // LLM.int8: int8 weights and fp32 row scales
   bool enabled() const { return load_in_4bit; }  // a 4-bit base
   bool any() const { return load_in_4bit || load_in_8bit; }
@@ -296,6 +303,7 @@ std::string_view to_string(AllocatorMode);
 std::string_view to_string(Mode);
 std::string_view to_string(QuantType);
 std::string_view to_string(LoadDtype);
+std::string_view to_string(QuantStorage);
 std::string_view to_string(Parallel);
 std::string_view to_string(FsdpDtype);
 std::string_view to_string(Offload);
@@ -319,6 +327,7 @@ struct RecipeSpelling {
   std::string bnb_4bit_quant_type = "fp4";    // fp4 | nf4
   bool bnb_4bit_use_double_quant = false;
   std::string load_dtype = "auto";            // auto | bf16 | fp16: from_pretrained's dtype for a 4-bit base
+  std::string bnb_4bit_quant_storage = "uint8";  // uint8 | bf16: the packed 4-bit weights' dtype
   bool load_in_8bit = false;
   std::string mode = "training";  // training | inference
   std::uint64_t new_tokens = 128;
@@ -352,6 +361,7 @@ AllocatorMode parse_allocator(std::string_view);
 Mode parse_mode(std::string_view);
 QuantType parse_quant_type(std::string_view);
 LoadDtype parse_load_dtype(std::string_view);
+QuantStorage parse_quant_storage(std::string_view);
 Parallel parse_parallel(std::string_view);
 FsdpDtype parse_fsdp_dtype(std::string_view, std::string_view field);
 Offload parse_offload(std::string_view);

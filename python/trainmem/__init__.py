@@ -79,6 +79,7 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     "bnb_4bit_quant_type": "fp4",
     "bnb_4bit_use_double_quant": False,
     "load_dtype": "auto",  # a 4-bit base: from_pretrained's dtype, auto (the precision's) | bf16 | fp16 (under its autocast)
+    "bnb_4bit_quant_storage": "uint8",  # a 4-bit base: the packed weights' dtype, uint8 | bf16 (FSDP / ZeRO-3 QLoRA)
     "load_in_8bit": False,  # LLM.int8 weights (BitsAndBytesConfig(load_in_8bit=True)); inference only
     "mode": "training",
     "new_tokens": 128,

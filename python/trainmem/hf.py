@@ -154,6 +154,9 @@ def _dtype_name(value: Any) -> str:
         name, name)
 
 
+_QUANT_STORAGES = {"uint8": "uint8", "bfloat16": "bf16"}  # torch's dtype name -> the knob's spelling
+
+
 def recipe_from_quantization_config(config: Any, *, model_dtype: str = "float32",
                                     precision: str = "fp32") -> dict[str, Any]:
     """The 4-bit knobs of a QLoRA run from its BitsAndBytesConfig (or the dict of to_dict()), for a
@@ -165,8 +168,9 @@ def recipe_from_quantization_config(config: Any, *, model_dtype: str = "float32"
     Mapped: load_in_4bit with bnb_4bit_quant_type and bnb_4bit_use_double_quant; a bfloat16-loaded
     base under bf16=True is load_dtype "bf16" (its QuantState is bf16; Note [The load dtype of a
     4-bit base] in src/graph/quant.h), a float16-loaded one under fp16=True load_dtype "fp16", a
-    float32-loaded one load_dtype "auto". Refused, not being modelled: 8-bit training, another
-    bnb_4bit_quant_storage than uint8, a compute dtype other than the one the run computes in
+    float32-loaded one load_dtype "auto"; bnb_4bit_quant_storage uint8 or bfloat16 (the FSDP and
+    ZeRO-3 QLoRA recipes' setting; Note [The packed weights' storage dtype]). Refused, not being
+    modelled: 8-bit training, another quant storage, a compute dtype other than the one the run computes in
     (bnb_4bit_compute_dtype must be autocast's dtype under bf16 / fp16, float32 without), and a
     half-loaded base without the matching autocast."""
     if not isinstance(config, dict):
@@ -181,8 +185,8 @@ def recipe_from_quantization_config(config: Any, *, model_dtype: str = "float32"
     if not config.get("load_in_4bit"):
         raise ValueError("quantization_config: expected load_in_4bit=True (a QLoRA base)")
     storage = _dtype_name(config.get("bnb_4bit_quant_storage") or "uint8")
-    if storage != "uint8":
-        raise ValueError(f"quantization_config: bnb_4bit_quant_storage={storage} is not modelled (uint8 is)")
+    if storage not in _QUANT_STORAGES:
+        raise ValueError(f"quantization_config: bnb_4bit_quant_storage={storage} is not modelled (uint8 and bfloat16 are)")
     quant_type = config.get("bnb_4bit_quant_type", "fp4")
     if quant_type not in ("fp4", "nf4"):
         raise ValueError(f"quantization_config: bnb_4bit_quant_type={quant_type!r} is not one of fp4, nf4")
@@ -195,6 +199,8 @@ def recipe_from_quantization_config(config: Any, *, model_dtype: str = "float32"
                          f"the matmuls compute in {_COMPUTE_DTYPES[precision]} there, set it to that")
     knobs: dict[str, Any] = {"load_in_4bit": True, "bnb_4bit_quant_type": quant_type,
                              "bnb_4bit_use_double_quant": bool(config.get("bnb_4bit_use_double_quant", False))}
+    if storage != "uint8":
+        knobs["bnb_4bit_quant_storage"] = _QUANT_STORAGES[storage]
     loaded = _dtype_name(model_dtype)
     if loaded not in _LOAD_DTYPES[precision]:
         raise ValueError(f"quantization_config: a {loaded}-loaded 4-bit base trained in {precision} is not modelled "

@@ -71,6 +71,7 @@ struct RecipeFlags {
   bool ddp_find_unused_parameters = false;
   std::string quant_type = "";
   std::string load_dtype = "auto";
+  std::string quant_storage = "uint8";
   std::string new_tokens = "128", beams = "1";
   std::string gpus = "1", parallel = "none", tp = "1", cp = "1", zero = "", offload = "none", pp = "1", pp_schedule = "1f1b",
               pp_stages_per_rank = "1";
@@ -110,6 +111,9 @@ struct RecipeFlags {
     opt("load_dtype", "--load-dtype", load_dtype,
         "With --load-in-4bit: the dtype the base is loaded in before quantizing; auto (the precision's) | bf16 "
         "(with bf16-mixed: a Trainer with bf16=True over a bf16-loaded QLoRA base) | fp16 (with fp16-mixed)");
+    opt("bnb_4bit_quant_storage", "--bnb-4bit-quant-storage", quant_storage,
+        "With --load-in-4bit: the packed weights' dtype; uint8 (bitsandbytes' default) | bf16 (the FSDP / ZeRO-3 "
+        "QLoRA recipe's; the same bytes, sharded as bf16 elements)");
     options.emplace_back("load_in_8bit", app->add_flag("--load-in-8bit", load_in_8bit,
                                                        "8-bit weights (bitsandbytes LLM.int8, threshold 6.0); --inference only"));
     CLI::Option* inf = app->add_flag("--inference", inference, "Generation (prefill + decode with a KV cache), not training");
@@ -186,6 +190,7 @@ struct RecipeFlags {
     sp.bnb_4bit_quant_type = !quant_type.empty() ? quant_type : (qlora ? "nf4" : sp.bnb_4bit_quant_type);
     sp.bnb_4bit_use_double_quant = double_quant || qlora;
     sp.load_dtype = load_dtype;
+    sp.bnb_4bit_quant_storage = quant_storage;
     sp.load_in_8bit = load_in_8bit;
     sp.mode = inference ? "inference" : "training";
     sp.new_tokens = parse_count(new_tokens, "new_tokens");
@@ -307,6 +312,7 @@ std::string compare(const std::string& path, bool as_json) {
   sp.bnb_4bit_quant_type = text("bnb_4bit_quant_type", sp.bnb_4bit_quant_type.c_str());
   sp.bnb_4bit_use_double_quant = flag("bnb_4bit_use_double_quant", false);
   sp.load_dtype = text("load_dtype", sp.load_dtype.c_str());
+  sp.bnb_4bit_quant_storage = text("bnb_4bit_quant_storage", sp.bnb_4bit_quant_storage.c_str());
   sp.load_in_8bit = flag("load_in_8bit", false);
   sp.sequence_parallel = flag("sequence_parallel", false);
   sp.loss_parallel = flag("loss_parallel", false);

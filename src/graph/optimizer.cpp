@@ -157,6 +157,10 @@ void StepBuilder::step_parameters(const std::vector<const Param*>& opt, bool fir
   };
   // The elements this rank's optimizer holds of a parameter (FSDP2: its shard).
   auto numel_of = [&](const Param& p) { return dp_of_slot(p.slot).local_numel(p.slot, p.numel); };
+  // A tensor of no elements has no storage (an FSDP2 rank past a parameter's last chunk).
+  auto state = [&](std::uint64_t bytes) {
+    if (bytes != 0) states_.push_back(t_.alloc_bytes(bytes, Category::kOptimizerStates));
+  };
   if (dp_->fsdp_offload()) {
     op("optimizer.cpu_step");  // the torch optimizer on the host: nothing on the GPU (Note [FSDP2 CPU offload])
   } else if (dp_->offload()) {
@@ -172,8 +176,8 @@ void StepBuilder::step_parameters(const std::vector<const Param*>& opt, bool fir
         const bool step_on_device = r_.optimizer == Optimizer::kAdamWFused || !cuda_;
         for (const Param* p : opt) {
           if (step_on_device) states_.push_back(t_.alloc_bytes(4, Category::kOptimizerStates));
-          states_.push_back(t_.alloc_bytes(numel_of(*p) * sb_of(*p), Category::kOptimizerStates));
-          states_.push_back(t_.alloc_bytes(numel_of(*p) * sb_of(*p), Category::kOptimizerStates));
+          state(numel_of(*p) * sb_of(*p));
+          state(numel_of(*p) * sb_of(*p));
         }
       }
       if (r_.optimizer == Optimizer::kAdamW) {
@@ -183,7 +187,7 @@ void StepBuilder::step_parameters(const std::vector<const Param*>& opt, bool fir
         op("optimizer.foreach_sqrt");
         std::vector<TensorId> tmp;
         for (const Param* p : opt) {
-          tmp.push_back(t_.alloc_bytes(numel_of(*p) * sb_of(*p), Category::kTemporaries));
+          if (numel_of(*p) != 0) tmp.push_back(t_.alloc_bytes(numel_of(*p) * sb_of(*p), Category::kTemporaries));
         }
         for (TensorId id : tmp) t_.release(id);
       } else {
@@ -215,9 +219,7 @@ void StepBuilder::step_parameters(const std::vector<const Param*>& opt, bool fir
       // momentum_buffer = clone(grad) at the first step; foreach in-place afterwards.
       op(first ? "optimizer.init_state" : "optimizer.sgd");
       if (first) {
-        for (const Param* p : opt) {
-          states_.push_back(t_.alloc_bytes(numel_of(*p) * sb_of(*p), Category::kOptimizerStates));
-        }
+        for (const Param* p : opt) state(numel_of(*p) * sb_of(*p));
       }
       break;
     }

@@ -189,7 +189,8 @@ constexpr std::uint64_t kBucketCapBytes = std::uint64_t{25} << 20;
 // rank exact). What changes against Note [LoRA under FSDP2]:
 //  * a Params4bit is a parameter like any other to FSDP2: its packed uint8 storage, shape
 //    (packed bytes, 1), is sharded along dim 0 and gathered as bytes with the unit's fp32 rest
-//    and adapters. Only the shard reaches the device (StepBuilder::add_param);
+//    and adapters (stored as bf16: rows of two bytes, Note [The packed weights' storage dtype]).
+//    Only the shard reaches the device (StepBuilder::add_param);
 //  * its QuantState (absmax, code, and with double quant the offset and the nested state) is no
 //    parameter: it stays whole on every rank, where it was loaded, and Linear4bit keeps it as the
 //    module's quant_state, which it hands back to the gathered weight before each matmul
@@ -241,6 +242,9 @@ DataParallel::DataParallel(Tape& tape, const Recipe& recipe, bool cuda, std::uin
   // Under context parallelism FSDP2 shards over every rank of the dp_shard x cp mesh (Note
   // [Context parallelism under FSDP2] in context_parallel.h).
   shard_world_ = world_ / f.replicate * recipe.cp;
+  // The mesh (replicate, shard) is row-major: rank r's place in its shard group is r % shard size.
+  // Under CP the dp_shard x cp mesh's order is not modelled: every rank takes rank 0's chunks.
+  shard_rank_ = recipe.cp > 1 ? 0 : rank_ % shard_world_;
   hsdp_ = f.replicate > 1;
   // TP x DP (a tensor-parallel model under FSDP2): FSDP2 shards each rank's TP-local parameters
   // over the dp group, which is what wrap() does with the local model the step builder passes.
@@ -553,9 +557,26 @@ void DataParallel::before_optimizer() {
   }
 }
 
+// Note [Uneven shards]
+// FSDP2 (_fsdp_param.py _init_sharded_param) cuts dim 0 with torch.chunk: chunks of
+// ceil(rows / world) rows, the last ones shorter or empty when the rows do not divide. Every
+// rank's shard storage is padded to the full chunk (the all-gather input and the reduce-scatter
+// output, so weights and gradients are the same on every rank), but the sharded parameter is a
+// view of its own rows only, and the optimizer's zeros_like / clone of it (Adam's moments, SGD's
+// momentum) have those rows: the last ranks of a shard group hold less optimizer state. Measured
+// on three ranks (cpu-fsdp3-*: rank 2's rank-16 LoRA matrices have 4 of 16 rows, and its Adam
+// states 327,680 B less at the peak). Rank 0's chunks are full, so rank 0 is never lighter than
+// another rank and stands for the worst (Note [The worst rank] in estimate.cpp); `--rank` gives the
+// others.
 std::uint64_t DataParallel::local_numel(std::uint32_t slot, std::uint64_t numel) const {
   if (kind_ != Parallel::kFsdp || slot >= param_of_slot_.size() || param_of_slot_[slot] == kNone) return numel;
-  return shard_numel_[param_of_slot_[slot]];  // rank 0's chunk is the full, padded size
+  const std::uint32_t pi = param_of_slot_[slot];
+  const WrappedParam& p = params_[pi];
+  const std::uint64_t rows = p.rows > 0 ? p.rows : p.numel;
+  const std::uint64_t chunk = ceil_div(rows, shard_world_);
+  const std::uint64_t begin = detail::mul(chunk, shard_rank_, "shard offset");
+  const std::uint64_t own = begin >= rows ? 0 : std::min(chunk, rows - begin);
+  return own * (p.numel / rows);
 }
 
 DType DataParallel::local_dtype(std::uint32_t slot, DType dtype) const {

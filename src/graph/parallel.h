@@ -75,7 +75,8 @@ class DataParallel {
   void set_first_layer_hooked(bool hooked) { first_layer_hooked_ = hooked; }
   bool holds(std::uint32_t slot) const { return slot < param_of_slot_.size() && param_of_slot_[slot] != kNone; }
 
-  // The elements of this rank's parameter that the optimizer sees (FSDP2: rank 0's shard).
+  // The elements of this rank's parameter that the optimizer sees (FSDP2: this rank's chunk of
+  // it, unpadded: Note [Uneven shards] in parallel.cpp).
   std::uint64_t local_numel(std::uint32_t slot, std::uint64_t numel) const;
   // Its dtype: the sharded parameter's (FSDP2 with a param_dtype policy: fp32 under a bf16 model).
   DType local_dtype(std::uint32_t slot, DType dtype) const;
@@ -188,6 +189,7 @@ class DataParallel {
   // FSDP2
   std::vector<Unit> units_;  // decoder layers, then the root
   std::uint64_t shard_world_ = 1;       // ranks of a shard group: gpus / fsdp_replicate (x cp)
+  std::uint64_t shard_rank_ = 0;        // this rank's place in it (See Note [Uneven shards])
   bool hsdp_ = false;                   // fsdp_replicate > 1: the reduced shards are all-reduced across replicas
   bool first_layer_hooked_ = true;      // See set_first_layer_hooked
   bool reshard_after_forward_ = true;   // the decoder layers'

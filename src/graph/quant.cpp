@@ -5,9 +5,12 @@
 namespace trainmem::graph {
 
 // See Note [QLoRA].
-Packed4bit packed_4bit(std::uint64_t numel, bool double_quant) {
+Packed4bit packed_4bit(std::uint64_t numel, bool double_quant, DType storage) {
   Packed4bit p;
-  p.packed_bytes = numel / 2 + numel % 2;
+  // quantize_4bit's output: ((n + 1) // (itemsize * 2), 1) elements of the storage dtype.
+  const std::uint64_t item = dtype_bytes(storage);
+  p.packed_numel = numel / (2 * item) + (numel % (2 * item) == 2 * item - 1);
+  p.packed_bytes = p.packed_numel * item;
   p.blocks = numel / kBnb4bitBlockSize + (numel % kBnb4bitBlockSize != 0);
   p.code_bytes = kBnb4bitCodeEntries * 4;
   if (!double_quant) {

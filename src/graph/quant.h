@@ -45,6 +45,19 @@
 // makes one half weight and no cast instead of an fp32 weight and its half cast (measured:
 // data/ground_truth/cpu-*-loadbf16-*, cpu-*-loadfp16-*, parallel/cpu-[df]*-load[bf]*16-*).
 //
+// Note [The packed weights' storage dtype]
+// BitsAndBytesConfig's bnb_4bit_quant_storage is the dtype quantize_4bit returns the packed bytes
+// as: shape ((n + 1) // (itemsize * 2), 1), uint8 by default. FSDP-QLoRA and ZeRO-3-QLoRA recipes
+// set it to bf16 (the base's load dtype) so that a wrapper that wants one dtype per flat buffer
+// sees none other. The bytes are the same; the kernels view them as uint8 (dequantize_4bit's
+// `A.view(torch.uint8)`, no copy), and prepare_model_for_kbit_training leaves Params4bit out of
+// its fp32 casts, so a single process holds and does exactly what it does with uint8. What
+// changes is what a sharding wrapper sees: FSDP2 shards dim 0 of (n / 4, 1) bf16 rows, not of
+// (n / 2, 1) uint8 ones (the padding to a multiple of the world differs), and ZeRO-3 partitions
+// n / 4 bf16 elements and gathers them in the bf16 flat buffer of a coalesced fetch, beside the
+// other bf16 parameters (Note [QLoRA under ZeRO-3] in zero3.cpp). Measured:
+// data/ground_truth/*-qsbf16-*, parallel/cpu-*-qsbf16-*.
+//
 // Note [Quantized generation]
 // One generate() call with 4-bit weights (bitsandbytes 0.50, transformers 5): the model is loaded
 // with from_pretrained(quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...,
@@ -114,6 +127,8 @@
 
 #include <cstdint>
 
+#include "trainmem/trainmem.h"
+
 namespace trainmem::graph {
 
 // bitsandbytes' defaults (functional.py quantize_4bit / quantize_blockwise).
@@ -127,7 +142,8 @@ inline constexpr std::uint64_t kBnbGemm4bitFusedMaxRows = 4;
 
 // The storages of one 4-bit weight of `numel` elements (Note [QLoRA]); 0 bytes where there is none.
 struct Packed4bit {
-  std::uint64_t packed_bytes = 0;         // uint8, two 4-bit values per byte
+  std::uint64_t packed_numel = 0;         // elements of the storage dtype, shape (packed_numel, 1)
+  std::uint64_t packed_bytes = 0;         // two 4-bit values per byte
   std::uint64_t blocks = 0;               // blocks of 64 elements
   std::uint64_t absmax_bytes = 0;         // fp32 per block, or uint8 with double quant
   std::uint64_t code_bytes = 0;           // the 16-entry fp32 code
@@ -139,7 +155,8 @@ struct Packed4bit {
   }
 };
 
-Packed4bit packed_4bit(std::uint64_t numel, bool double_quant);
+// `storage`: the packed weight's dtype (uint8, or bf16: Note [The packed weights' storage dtype]).
+Packed4bit packed_4bit(std::uint64_t numel, bool double_quant, DType storage = DType::kU8);
 
 // bitsandbytes' LLM.int8 outlier threshold, transformers' llm_int8_threshold default (Note [LLM.int8]).
 inline constexpr double kLlmInt8Threshold = 6.0;

@@ -70,8 +70,8 @@ void StepBuilder::wrap_data_parallel() {
   std::vector<WrappedParam> wp;
   for (const Param& p : params_) {
     WrappedParam w{p.slot, p.storage, p.numel, p.rows, p.dtype};
-    if (p.quantized && r_.quant.enabled()) {  // Params4bit: packed uint8 of shape (packed bytes, 1)
-      w.numel = w.rows = packed_4bit(p.numel, r_.quant.double_quant).packed_bytes;
+    if (p.quantized && r_.quant.enabled()) {  // Params4bit: shape (packed elements, 1) of its storage dtype
+      w.numel = w.rows = packed_4bit(p.numel, r_.quant.double_quant, p.dtype).packed_numel;
     }
     w.trainable = p.trainable;
     wp.push_back(w);
@@ -225,8 +225,9 @@ std::uint32_t StepBuilder::add_param(const ParameterGroup& g, bool in_layer, boo
     // Params4bit and its QuantState's tensors (Note [QLoRA]); none requires grad.
     // Under FSDP2 only the packed weight's shard reaches the device; its QuantState, which is no
     // parameter, stays whole on every rank (See Note [QLoRA under FSDP2] in parallel.cpp).
-    const Packed4bit q = packed_4bit(g.numel, r_.quant.double_quant);
-    p.dtype = DType::kU8;
+    // See Note [The packed weights' storage dtype].
+    p.dtype = storage_dtype(r_.quant.storage);
+    const Packed4bit q = packed_4bit(g.numel, r_.quant.double_quant, p.dtype);
     p.storage = new_param_storage(q.packed_bytes);
     for (std::uint64_t b : {q.absmax_bytes, q.code_bytes, q.offset_bytes, q.nested_absmax_bytes, q.nested_code_bytes}) {
       if (b != 0) t_.alloc_bytes(b, Category::kWeights);

@@ -134,7 +134,9 @@ constexpr std::int32_t kNoLayer = -1;
 // data/ground_truth/parallel/cpu-zero3-*-qlora*, *-4bit*, every rank exact). On top of Note
 // [LoRA under ZeRO-3]:
 //  * Init partitions each Params4bit like any parameter: its packed uint8 storage, shape
-//    (packed bytes, 1), keeps ceil(bytes / world) bytes per rank and is gathered as bytes. Its
+//    (packed bytes, 1), keeps ceil(bytes / world) bytes per rank and is gathered as bytes (stored
+//    as bf16: ceil(bytes / 2 / world) bf16 elements, gathered in the bf16 flat buffer, and
+//    persistent when at most 100,000 of them: Note [The packed weights' storage dtype]). Its
 //    QuantState is no parameter: it stays whole on every rank, and Linear4bit's forward hands it
 //    back to the gathered weight (fix_4bit_weight_quant_state_from_module);
 //  * the parameters' dtypes now differ (uint8 packed weights beside the fp32, or in DeepSpeed's

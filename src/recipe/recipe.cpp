@@ -34,6 +34,7 @@ constexpr Spellings<AllocatorMode, 2> kAllocator{{{AllocatorMode::kDefault, "def
 constexpr Spellings<QuantType, 2> kQuantTypes{{{QuantType::kFp4, "fp4"}, {QuantType::kNf4, "nf4"}}};
 constexpr Spellings<LoadDtype, 3> kLoadDtypes{
     {{LoadDtype::kAuto, "auto"}, {LoadDtype::kBf16, "bf16"}, {LoadDtype::kFp16, "fp16"}}};
+constexpr Spellings<QuantStorage, 2> kQuantStorages{{{QuantStorage::kUint8, "uint8"}, {QuantStorage::kBf16, "bf16"}}};
 constexpr Spellings<Mode, 2> kModes{{{Mode::kTraining, "training"}, {Mode::kInference, "inference"}}};
 constexpr Spellings<Parallel, 6> kParallel{{{Parallel::kNone, "none"},
                                             {Parallel::kDdp, "ddp"},
@@ -422,6 +423,8 @@ std::string_view to_string(AllocatorMode x) { return name_of(kAllocator, x); }
 std::string_view to_string(Mode x) { return name_of(kModes, x); }
 std::string_view to_string(QuantType x) { return name_of(kQuantTypes, x); }
 std::string_view to_string(LoadDtype x) { return name_of(kLoadDtypes, x); }
+std::string_view to_string(QuantStorage x) { return name_of(kQuantStorages, x); }
+DType storage_dtype(QuantStorage x) { return x == QuantStorage::kBf16 ? DType::kBF16 : DType::kU8; }
 std::string_view to_string(Parallel x) { return name_of(kParallel, x); }
 std::string_view to_string(FsdpDtype x) { return name_of(kFsdpDtypes, x); }
 FsdpDtype parse_fsdp_dtype(std::string_view s, std::string_view field) { return parse(kFsdpDtypes, s, field); }
@@ -437,6 +440,7 @@ AllocatorMode parse_allocator(std::string_view s) { return parse(kAllocator, s, 
 Mode parse_mode(std::string_view s) { return parse(kModes, s, "mode"); }
 QuantType parse_quant_type(std::string_view s) { return parse(kQuantTypes, s, "bnb_4bit_quant_type"); }
 LoadDtype parse_load_dtype(std::string_view s) { return parse(kLoadDtypes, s, "load_dtype"); }
+QuantStorage parse_quant_storage(std::string_view s) { return parse(kQuantStorages, s, "bnb_4bit_quant_storage"); }
 Parallel parse_parallel(std::string_view s) { return parse(kParallel, s, "parallel"); }
 Offload parse_offload(std::string_view s) { return parse(kOffload, s, "offload"); }
 PipelineSchedule parse_pipeline_schedule(std::string_view s) { return parse(kPipelineSchedule, s, "pp_schedule"); }
@@ -453,6 +457,7 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   const bool quantized = in.load_in_4bit || in.load_in_8bit;
   // A half load dtype is the Trainer recipe under that autocast (Note [The load dtype of a 4-bit base]).
   r.quant.load_dtype = parse_load_dtype(in.load_dtype);
+  r.quant.storage = parse_quant_storage(in.bnb_4bit_quant_storage);
   if (!in.precision.empty()) {
     r.precision = parse_precision(in.precision);
   } else if (in.load_in_4bit && r.quant.load_dtype != LoadDtype::kAuto) {
@@ -542,6 +547,9 @@ void Recipe::validate() const {
     if (quant.load_dtype != LoadDtype::kAuto) {
       throw Error("load_dtype: set without load_in_4bit (a model that is not quantized is loaded in the "
                   "precision's dtype)");
+    }
+    if (quant.storage != QuantStorage::kUint8) {
+      throw Error("bnb_4bit_quant_storage: set without load_in_4bit (it is the packed 4-bit weights' dtype)");
     }
   } else {
     if (quant.load_in_8bit) throw Error("load_in_8bit: cannot be combined with load_in_4bit; choose one");

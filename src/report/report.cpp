@@ -36,6 +36,7 @@ ordered_json recipe_object(const Recipe& r) {
     j["bnb_4bit_quant_type"] = to_string(r.quant.quant_type);
     j["bnb_4bit_use_double_quant"] = r.quant.double_quant;
     if (r.quant.load_dtype != LoadDtype::kAuto) j["load_dtype"] = to_string(r.quant.load_dtype);
+    if (r.quant.storage != QuantStorage::kUint8) j["bnb_4bit_quant_storage"] = to_string(r.quant.storage);
   }
   if (r.quant.load_in_8bit) j["load_in_8bit"] = true;  // only for 8-bit weights, as trainmem-measure writes it
   j["mode"] = to_string(r.mode);
@@ -434,12 +435,14 @@ std::string to_text(const Estimate& e) {
         static_cast<unsigned long long>(r.lora.rank), targets.c_str(), r.lora.dropout,
         detail::format_count(e.trainable_parameters).c_str());
   }
+  const std::string stored =
+      r.quant.storage != QuantStorage::kUint8 ? ", stored as " + std::string(to_string(r.quant.storage)) : "";
   if (r.quant.enabled() && r.mode == Mode::kTraining) {
-    add("4-bit base: %s%s (bitsandbytes), the rest fp32 (prepare_model_for_kbit_training)\n",
-        std::string(to_string(r.quant.quant_type)).c_str(), r.quant.double_quant ? ", double quant" : "");
+    add("4-bit base: %s%s%s (bitsandbytes), the rest fp32 (prepare_model_for_kbit_training)\n",
+        std::string(to_string(r.quant.quant_type)).c_str(), r.quant.double_quant ? ", double quant" : "", stored.c_str());
   } else if (r.quant.enabled()) {
-    add("4-bit weights: %s%s (bitsandbytes), the rest %s\n", std::string(to_string(r.quant.quant_type)).c_str(),
-        r.quant.double_quant ? ", double quant" : "", std::string(to_string(r.precision)).c_str());
+    add("4-bit weights: %s%s%s (bitsandbytes), the rest %s\n", std::string(to_string(r.quant.quant_type)).c_str(),
+        r.quant.double_quant ? ", double quant" : "", stored.c_str(), std::string(to_string(r.precision)).c_str());
   }
   if (r.quant.load_in_8bit) {
     add("8-bit weights: LLM.int8, threshold 6.0 (bitsandbytes), the rest %s\n",

@@ -53,6 +53,22 @@ TEST(Packed4bit, PartialBlocksRoundUp) {
   EXPECT_EQ(q.nested_absmax_bytes, 7u * 4);  // ceil(1657 / 256) = 7
 }
 
+// bf16 storage (Note [The packed weights' storage dtype]): the same bytes as (n + 1) // 4 bf16
+// elements, quantize_4bit's shape; the constants do not change.
+TEST(Packed4bit, Bf16StorageHoldsTheSameBytes) {
+  const std::uint64_t n = 2048ull * 8192;
+  const graph::Packed4bit u = packed_4bit(n, true);
+  const graph::Packed4bit b = packed_4bit(n, true, DType::kBF16);
+  EXPECT_EQ(u.packed_numel, n / 2);
+  EXPECT_EQ(b.packed_numel, n / 4);
+  EXPECT_EQ(b.packed_bytes, u.packed_bytes);
+  EXPECT_EQ(b.total_bytes(), u.total_bytes());
+  // (n + 1) // 4: a count of 4k + 3 takes a last element, one of 4k + 1 does not.
+  EXPECT_EQ(packed_4bit(4 * 1000 + 3, false, DType::kBF16).packed_numel, 1001u);
+  EXPECT_EQ(packed_4bit(4 * 1000 + 1, false, DType::kBF16).packed_numel, 1000u);
+  EXPECT_EQ(packed_4bit(4 * 1000 + 1, false).packed_numel, 2001u);
+}
+
 // LLM.int8: CB is one int8 per element, SCB one fp32 absmax per output row (Note [LLM.int8]).
 TEST(Int8Weight, CbAndScb) {
   const graph::Int8Weight w = graph::int8_weight(8192ull * 2048, 8192);  // Llama-3.2-1B's up_proj
@@ -144,6 +160,21 @@ TEST(QloraRecipe, LoadDtype) {
   RecipeSpelling plain;
   plain.load_dtype = "bf16";
   EXPECT_NE(error_of([&] { parse_recipe(plain); }).find("load_dtype: set without load_in_4bit"), std::string::npos);
+}
+
+TEST(QloraRecipe, QuantStorage) {
+  RecipeSpelling s = qlora_spelling();
+  EXPECT_EQ(parse_recipe(s).quant.storage, QuantStorage::kUint8);
+  s.bnb_4bit_quant_storage = "bf16";
+  EXPECT_EQ(parse_recipe(s).quant.storage, QuantStorage::kBf16);
+  EXPECT_EQ(storage_dtype(QuantStorage::kBf16), DType::kBF16);
+  s.bnb_4bit_quant_storage = "fp16";
+  EXPECT_EQ(error_of([&] { parse_recipe(s); }),
+            "bnb_4bit_quant_storage: unknown value 'fp16'; expected one of uint8, bf16");
+  RecipeSpelling plain;
+  plain.bnb_4bit_quant_storage = "bf16";
+  EXPECT_EQ(error_of([&] { parse_recipe(plain); }),
+            "bnb_4bit_quant_storage: set without load_in_4bit (it is the packed 4-bit weights' dtype)");
 }
 
 TEST(QloraRecipe, Errors) {

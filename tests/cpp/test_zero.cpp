@@ -211,6 +211,7 @@ TEST(ZeroRanks, EveryRankOfTheMeasurements) {
       sp.bnb_4bit_quant_type = rj.value("bnb_4bit_quant_type", std::string("fp4"));
       sp.bnb_4bit_use_double_quant = rj.value("bnb_4bit_use_double_quant", false);
       sp.load_dtype = rj.value("load_dtype", std::string("auto"));
+      sp.bnb_4bit_quant_storage = rj.value("bnb_4bit_quant_storage", std::string("uint8"));
     }
     if (rj.contains("lora_targets")) {  // the resolved module paths, as trainmem compare takes them
       std::string targets;

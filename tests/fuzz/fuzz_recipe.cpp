@@ -34,6 +34,7 @@ constexpr const char* kOffload[] = {"none", "optimizer", "params", "both"};
 constexpr const char* kSchedules[] = {"1f1b", "gpipe", "interleaved-1f1b", "looped-bfs"};
 constexpr const char* kFsdpDtypes[] = {"none", "bf16", "fp32"};
 constexpr const char* kLoadDtypes[] = {"auto", "bf16", "fp16"};
+constexpr const char* kQuantStorages[] = {"uint8", "bf16"};
 
 // A valid spelling most of the time, otherwise a fuzzed string (typos, case, empty, bytes).
 template <std::size_t N>
@@ -241,6 +242,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   }
   // Drawn after the groups (the same reason): a 4-bit base's load dtype, now and then.
   if (p.ConsumeIntegral<std::uint8_t>() >= 192) sp.load_dtype = pick(p, kLoadDtypes);
+  // And after that (older inputs decode as before): the packed weights' storage dtype.
+  if (p.ConsumeIntegral<std::uint8_t>() >= 160) sp.bnb_4bit_quant_storage = pick(p, kQuantStorages);
 
   if (std::getenv("TRAINMEM_FUZZ_VERBOSE")) {  // to read a reproducer: what the bytes decode to
     std::fprintf(stderr, "model: %s\nname: %s\nrecipe: precision=%s optimizer=%s checkpointing=%s "
@@ -259,12 +262,13 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
                  static_cast<unsigned long long>(sp.beams), static_cast<unsigned long long>(sp.gpus),
                  sp.parallel.c_str(), static_cast<long long>(rank));
     std::fprintf(stderr, "find_unused=%d offload=%s tp=%llu sp=%d lp=%d pp=%llu schedule=%s stages=%llu cp=%llu "
-                 "fsdp: reshard=%d replicate=%llu param=%s reduce=%s load_dtype=%s\n",
+                 "fsdp: reshard=%d replicate=%llu param=%s reduce=%s load_dtype=%s quant_storage=%s\n",
                  sp.ddp_find_unused_parameters, sp.offload.c_str(), static_cast<unsigned long long>(sp.tp),
                  sp.sequence_parallel, sp.loss_parallel, static_cast<unsigned long long>(sp.pp), sp.pp_schedule.c_str(),
                  static_cast<unsigned long long>(sp.pp_stages_per_rank), static_cast<unsigned long long>(sp.cp),
                  sp.fsdp_reshard_after_forward, static_cast<unsigned long long>(sp.fsdp_replicate),
-                 sp.fsdp_param_dtype.c_str(), sp.fsdp_reduce_dtype.c_str(), sp.load_dtype.c_str());
+                 sp.fsdp_param_dtype.c_str(), sp.fsdp_reduce_dtype.c_str(), sp.load_dtype.c_str(),
+                 sp.bnb_4bit_quant_storage.c_str());
   }
   fuzz::expected_outcome([&] {
     trainmem::Recipe r = trainmem::parse_recipe(sp);

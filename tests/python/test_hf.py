@@ -241,9 +241,27 @@ def test_a_qlora_trainer_run_maps_its_bitsandbytes_config():
     assert knobs["precision"] == "fp16-mixed" and knobs["load_dtype"] == "fp16"
 
 
+def test_an_fsdp_qlora_run_with_bf16_quant_storage():
+    """The FSDP-QLoRA Trainer recipe: a bf16-loaded base whose packed weights are stored as bf16,
+    bf16=True, FSDP2 full sharding (measured: cpu-fsdp-*-qsbf16-*)."""
+    d = args(per_device_train_batch_size=1, gradient_checkpointing=True, optim="adamw_torch").to_dict()
+    d["bf16"], d["fsdp"], d["fsdp_config"] = True, "full_shard", {"fsdp_version": 2}
+    cfg = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                          bnb_4bit_compute_dtype="bfloat16", bnb_4bit_quant_storage="bfloat16")
+    knobs = trainmem.hf.recipe_from_training_arguments(d, seq=512, model_dtype="bfloat16", peft=True, gpus=2,
+                                                       quantization_config=cfg)
+    assert (knobs["parallel"], knobs["load_dtype"], knobs["bnb_4bit_quant_storage"]) == ("fsdp", "bf16", "bf16")
+    est = trainmem.estimate("llama-3.2-1b", lora_rank=16, **knobs)
+    assert est.recipe["bnb_4bit_quant_storage"] == "bf16"
+    uint8 = trainmem.estimate("llama-3.2-1b", lora_rank=16, **{**knobs, "bnb_4bit_quant_storage": "uint8"})
+    # The same bytes: Llama-3.2-1B's projections have a multiple of 4 * 2 elements, so every shard
+    # and gather holds what uint8 rows hold.
+    assert est.peak_allocated_bytes == uint8.peak_allocated_bytes
+
+
 @pytest.mark.parametrize("change,kw,message", [
     ({"bnb_4bit_compute_dtype": "float32"}, {}, "bnb_4bit_compute_dtype=float32 under bf16-mixed"),
-    ({"bnb_4bit_quant_storage": "bfloat16"}, {}, "bnb_4bit_quant_storage=bfloat16 is not modelled"),
+    ({"bnb_4bit_quant_storage": "float16"}, {}, "bnb_4bit_quant_storage=float16 is not modelled"),
     ({"load_in_4bit": False, "load_in_8bit": True}, {}, "load_in_8bit training"),
     ({}, {"model_dtype": "float16"}, "float16-loaded 4-bit base trained in bf16-mixed"),
     ({}, {"peft": False}, "pass peft=True"),
@@ -269,6 +287,12 @@ def test_a_deepspeed_qlora_run_maps_onto_zero_over_a_4bit_base():
     assert (knobs["parallel"], knobs["precision"], knobs["load_in_4bit"]) == ("zero3", "bf16-master", True)
     assert "load_dtype" not in knobs  # bf16-master's own parameter dtype is the bf16 load
     assert trainmem.estimate("qwen3-0.6b", lora_rank=8, **knobs).recipe["parallel"] == "zero3"
+    # The ZeRO-3 QLoRA recipe stores the packed weights as bf16 (measured: cpu-zero3-*-qsbf16-*).
+    knobs = trainmem.hf.recipe_from_training_arguments(d, seq=128, model_dtype="bfloat16", peft=True, gpus=2,
+                                                       quantization_config={**QLORA, "bnb_4bit_quant_storage": "bfloat16"})
+    assert knobs["bnb_4bit_quant_storage"] == "bf16"
+    est = trainmem.estimate("qwen3-0.6b", lora_rank=8, **knobs)
+    assert est.recipe["bnb_4bit_quant_storage"] == "bf16"
     with pytest.raises(ValueError, match="float32-loaded 4-bit base trained in bf16-master"):
         trainmem.hf.recipe_from_training_arguments(d, model_dtype="float32", peft=True, gpus=2,
                                                    quantization_config=QLORA)

@@ -19,9 +19,9 @@ import os
 import shlex
 import sys
 
-from .recipe import (ALLOCATORS, ATTENTIONS, BNB_4BIT_QUANT_TYPES, CHECKPOINTING, FSDP_PARAM_DTYPES, FSDP_REDUCE_DTYPES,
-                     LOSSES, OPTIMIZERS, PARALLELS,
-                     PRECISIONS, Recipe, RecipeError)
+from .recipe import (ALLOCATORS, ATTENTIONS, BNB_4BIT_QUANT_STORAGES, BNB_4BIT_QUANT_TYPES, CHECKPOINTING,
+                     FSDP_PARAM_DTYPES, FSDP_REDUCE_DTYPES, LOSSES, OPTIMIZERS, PARALLELS, PRECISIONS, Recipe,
+                     RecipeError)
 
 PROG = "trainmem-measure"
 
@@ -108,6 +108,9 @@ def _parser() -> _Parser:
                    help=f"with --load-in-4bit: the 4-bit code (default {defaults.bnb_4bit_quant_type}, as transformers')")
     p.add_argument("--bnb-4bit-use-double-quant", action="store_true",
                    help="with --load-in-4bit: quantize the block constants again (8-bit, blocks of 256)")
+    p.add_argument("--bnb-4bit-quant-storage", choices=BNB_4BIT_QUANT_STORAGES, default="uint8",
+                   help="with --load-in-4bit: the dtype of the packed weights (default %(default)s); bf16 is the "
+                        "FSDP / ZeRO-3 QLoRA recipe's")
     p.add_argument("--load-dtype", choices=("auto", "bf16", "fp16"), default="auto",
                    help="with --load-in-4bit: from_pretrained's dtype; auto is the precision's weights' dtype, "
                         "bf16 (with bf16-mixed) or fp16 (with fp16-mixed) the Trainer recipe of a half-loaded "
@@ -183,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                         ddp_find_unused_parameters=args.ddp_find_unused_parameters,
                         load_in_4bit=args.load_in_4bit or args.qlora, bnb_4bit_quant_type=quant_type,
                         bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant or args.qlora,
+                        bnb_4bit_quant_storage=args.bnb_4bit_quant_storage,
                         load_dtype=args.load_dtype, load_in_8bit=args.load_in_8bit)
         command = shlex.join([PROG, *argv])
         result = measure(args.model, recipe, device=args.device, fake=args.fake, trace=args.trace,
@@ -234,6 +238,7 @@ def render_text(result: dict) -> str:
     if r.get("load_in_4bit"):
         lines.insert(2, f"4-bit base: {r['bnb_4bit_quant_type']}"
                         f"{', double quant' if r.get('bnb_4bit_use_double_quant') else ''}"
+                        f"{', stored as ' + r['bnb_4bit_quant_storage'] if r.get('bnb_4bit_quant_storage') else ''}"
                         f"{', loaded in ' + r['load_dtype'] if r.get('load_dtype') else ''} (bitsandbytes)")
     if r.get("load_in_8bit"):
         lines.insert(2, "8-bit weights: LLM.int8, threshold 6.0 (bitsandbytes)")

@@ -202,6 +202,9 @@ def build_fake_model(spec: ModelSpec, recipe: Recipe, fake_mode, device: str):
 
 # ---------------------------------------------------------------------------------------- QLoRA
 
+_QUANT_STORAGE = {"uint8": torch.uint8, "bf16": torch.bfloat16}
+
+
 def bnb_config(recipe: Recipe):
     """transformers' BitsAndBytesConfig as a QLoRA (or 4-bit inference) script writes it;
     bnb_4bit_compute_dtype is the precision's dtype (transformers' own default would be float32).
@@ -213,7 +216,8 @@ def bnb_config(recipe: Recipe):
         return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=recipe.bnb_4bit_quant_type,
                               bnb_4bit_use_double_quant=recipe.bnb_4bit_use_double_quant,
-                              bnb_4bit_compute_dtype=compute_dtype(recipe))
+                              bnb_4bit_compute_dtype=compute_dtype(recipe),
+                              bnb_4bit_quant_storage=_QUANT_STORAGE[recipe.bnb_4bit_quant_storage])
 
 
 def build_quantized_model(model, recipe: Recipe, device: str):

@@ -45,6 +45,10 @@ MAX_LORA_RANK = 65536  # the engine's bound: beyond it the adapters outgrow the 
 # bnb_4bit_quant_type, whose default "fp4" is transformers' own; the precisions a 4-bit base runs with
 # (the precision's dtype is the load dtype and bnb_4bit_compute_dtype; no autocast, no master copy).
 BNB_4BIT_QUANT_TYPES = ("fp4", "nf4")
+# The dtype bitsandbytes stores a 4-bit weight's packed bytes as (bnb_4bit_quant_storage): uint8, its
+# default, or bf16, what FSDP-QLoRA and ZeRO-3-QLoRA scripts set so that the packed weights share
+# the dtype of a bf16 base (the same bytes, half as many elements).
+BNB_4BIT_QUANT_STORAGES = ("uint8", "bf16")
 # The dtype from_pretrained loads a 4-bit base in (its `dtype`): "auto", the precision's weights'
 # dtype, or "bf16" under bf16-mixed (fp16 under fp16-mixed), the Trainer recipe (dtype=torch.bfloat16,
 # bf16=True) whose QuantState dtype is that half while prepare_model_for_kbit_training makes the rest
@@ -85,6 +89,7 @@ class Recipe:
     load_in_4bit: bool = False
     bnb_4bit_quant_type: str = "fp4"
     bnb_4bit_use_double_quant: bool = False
+    bnb_4bit_quant_storage: str = "uint8"
     load_dtype: str = "auto"
     # LLM.int8(): BitsAndBytesConfig(load_in_8bit=True) with transformers' defaults (threshold 6.0,
     # no fp16 weights kept); inference only (models.build_quantized_model).
@@ -423,9 +428,14 @@ class Recipe:
                               f"{', '.join(BNB_4BIT_QUANT_TYPES)}")
         if self.load_dtype not in LOAD_DTYPES:
             raise RecipeError(f"load_dtype={self.load_dtype!r} is not one of {', '.join(LOAD_DTYPES)}")
+        if self.bnb_4bit_quant_storage not in BNB_4BIT_QUANT_STORAGES:
+            raise RecipeError(f"bnb_4bit_quant_storage={self.bnb_4bit_quant_storage!r} is not one of "
+                              f"{', '.join(BNB_4BIT_QUANT_STORAGES)}")
         if not self.load_in_4bit:
             if self.bnb_4bit_quant_type != "fp4" or self.bnb_4bit_use_double_quant:
                 raise RecipeError("bnb_4bit_quant_type / bnb_4bit_use_double_quant are set without load_in_4bit")
+            if self.bnb_4bit_quant_storage != "uint8":
+                raise RecipeError("bnb_4bit_quant_storage is set without load_in_4bit")
             if self.load_dtype != "auto":
                 raise RecipeError("load_dtype is set without load_in_4bit")
         elif self.load_dtype != "auto" and not (self.precision == f"{self.load_dtype}-mixed" and self.mode == "training"):
@@ -510,6 +520,8 @@ class Recipe:
             del out["load_in_4bit"], out["bnb_4bit_quant_type"], out["bnb_4bit_use_double_quant"]
         if out.get("load_dtype") == "auto":  # as the engine writes it: only when not the precision's
             del out["load_dtype"]
+        if out.get("bnb_4bit_quant_storage") == "uint8":  # and the storage only when not bitsandbytes' default
+            del out["bnb_4bit_quant_storage"]
         if not self.load_in_8bit:  # and load_in_8bit only for 8-bit weights
             del out["load_in_8bit"]
         if not self.is_inference:  # as the engine writes it: new_tokens and beams for inference only

@@ -485,6 +485,8 @@ def default_command(spec: ModelSpec, recipe: Recipe, *, device: str, fake: bool)
                 args.append("--bnb-4bit-use-double-quant")
         if recipe.load_dtype != "auto":
             args += ["--load-dtype", recipe.load_dtype]
+        if recipe.bnb_4bit_quant_storage != "uint8":
+            args += ["--bnb-4bit-quant-storage", recipe.bnb_4bit_quant_storage]
     if fake:
         args.append("--fake")
     if device != "cpu":
