@@ -49,6 +49,8 @@ def main() -> None:
                 knobs += f" stored {r['bnb_4bit_quant_storage']}"
         if r.get("load_in_8bit"):
             knobs += " 8-bit"
+        if r.get("load_dtype"):
+            knobs += f" loaded {r['load_dtype']}"
         rows.append(f"| {path.stem} | {c['source'].replace('measured-', '')} | b{r['batch']}×s{r['seq']} {knobs} | "
                     f"{c['measured_peak_allocated_bytes'] / 2**20:,.1f} | {c['predicted_peak_allocated_bytes'] / 2**20:,.1f} | "
                     f"{c['peak_error_pct']:+.3f} % | {worst_cat[0]} {worst_cat[1]['diff_pct_of_peak']:+.3f} % |")

@@ -213,12 +213,14 @@ struct Lora {
 // generation]). 8-bit: BitsAndBytesConfig(load_in_8bit=True) with transformers' defaults (LLM.int8,
 // threshold 6.0), inference only (Note [LLM.int8]).
 enum class QuantType : std::uint8_t { kFp4, kNf4 };
-// The dtype from_pretrained loads a 4-bit base in (its `dtype` argument), which is the QuantState's
-// dtype, the one a 4-bit matmul's backward dequantizes to. kAuto: the precision's parameter dtype
-// (fp32 under autocast). kBf16 under bf16-mixed: the common Trainer recipe (dtype=bfloat16,
-// prepare_model_for_kbit_training, bf16=True), whose rest is fp32 again after the prepare; kFp16
-// the same under fp16-mixed (fp16=True, on GPUs without bf16) (Note [The load dtype of a 4-bit
-// base] in src/graph/quant.h).
+// The dtype from_pretrained loads the model in (its `dtype` argument). kAuto: the precision's
+// parameter dtype (fp32 under autocast). kBf16 under bf16-mixed: the common Trainer recipe
+// (dtype=bfloat16, bf16=True). Over a 4-bit base it is the QuantState's dtype, the one a 4-bit
+// matmul's backward dequantizes to, and prepare_model_for_kbit_training makes the rest fp32 again
+// (Note [The load dtype of a 4-bit base] in src/graph/quant.h); under LoRA without a 4-bit base
+// the frozen model stays half and the fp32 adapters run under autocast (Note [A half model under
+// autocast] in src/graph/step_parameters.cpp). kFp16 the same under fp16-mixed (fp16=True, on GPUs
+// without bf16).
 enum class LoadDtype : std::uint8_t { kAuto, kBf16, kFp16 };
 // The dtype of a 4-bit weight's packed bytes (bnb_4bit_quant_storage): uint8, bitsandbytes'
 // default, or bf16, what FSDP and ZeRO-3 QLoRA scripts set so that the packed weights share a bf16
@@ -226,11 +228,12 @@ enum class LoadDtype : std::uint8_t { kAuto, kBf16, kFp16 };
 // dtype] in src/graph/quant.h).
 enum class QuantStorage : std::uint8_t { kUint8, kBf16 };
 DType storage_dtype(QuantStorage);
+// The autocast a half load dtype is trained under (bf16 → bf16-mixed, fp16 → fp16-mixed).
+Precision autocast_of(LoadDtype);
 struct Quantization {
   bool load_in_4bit = false;
   QuantType quant_type = QuantType::kFp4;  // transformers' default; QLoRA uses nf4
   bool double_quant = false;               // the block constants quantized again (8-bit)
-  LoadDtype load_dtype = LoadDtype::kAuto;
   QuantStorage storage = QuantStorage::kUint8;
   bool load_in_8bit = false;               // LLM.int8: int8 weights and fp32 row scales
   bool enabled() const { return load_in_4bit; }  // a 4-bit base
@@ -250,6 +253,7 @@ struct Recipe {
   AllocatorMode allocator = AllocatorMode::kDefault;
   Lora lora;
   Quantization quant;
+  LoadDtype load_dtype = LoadDtype::kAuto;  // from_pretrained's dtype (a 4-bit base's, or a half model under LoRA)
   Mode mode = Mode::kTraining;
   std::uint64_t new_tokens = 128;  // inference: tokens generated after the prompt (max_new_tokens)
   std::uint64_t beams = 1;         // inference: num_beams (1: greedy)
@@ -292,6 +296,9 @@ struct Recipe {
   Offload offload = Offload::kNone;
 
   void validate() const;  // throws Error naming the field
+  // A LoRA model loaded half and trained under that autocast, no 4-bit base (Note [A half model
+  // under autocast] in src/graph/step_parameters.cpp).
+  bool half_model() const { return !quant.enabled() && load_dtype != LoadDtype::kAuto; }
 };
 
 std::string_view to_string(Precision);
@@ -326,7 +333,7 @@ struct RecipeSpelling {
   bool load_in_4bit = false;                  // BitsAndBytesConfig's spellings
   std::string bnb_4bit_quant_type = "fp4";    // fp4 | nf4
   bool bnb_4bit_use_double_quant = false;
-  std::string load_dtype = "auto";            // auto | bf16 | fp16: from_pretrained's dtype for a 4-bit base
+  std::string load_dtype = "auto";            // auto | bf16 | fp16: from_pretrained's dtype (4-bit base or LoRA)
   std::string bnb_4bit_quant_storage = "uint8";  // uint8 | bf16: the packed 4-bit weights' dtype
   bool load_in_8bit = false;
   std::string mode = "training";  // training | inference

@@ -39,7 +39,10 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
     `to_dict()`). `seq` is the tokens per sequence the data collator produces (TrainingArguments
     has none; TRL's `max_length` is used when present). `model_dtype` is the dtype the model was
     loaded in: "float32" (the default of from_pretrained without torch_dtype), or "bfloat16" /
-    "float16", which with bf16/fp16 autocast means half weights and half optimizer states.
+    "float16": half weights and half optimizer states (bf16-true / fp16-true, the half autocast
+    of bf16=True / fp16=True over a half model being no more than that, outside a few fp32 ops);
+    with `peft=True` and bf16=True / fp16=True, the half model's fp32 adapters under autocast
+    (precision bf16-mixed / fp16-mixed with load_dtype bf16 / fp16).
 
     `gpus` is the number of processes the run is launched with (torchrun / accelerate launch);
     TrainingArguments cannot know it. With more than one, the Trainer wraps the model in
@@ -105,10 +108,14 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
         if fp16:
             raise ValueError("fp16=True with a bfloat16 model is not a recipe trainmem models")
         knobs["precision"] = "bf16-true"
+        if bf16 and peft:  # a bf16 model's fp32 adapters under bf16 autocast (load_dtype bf16, measured)
+            knobs["precision"], knobs["load_dtype"] = "bf16-mixed", "bf16"
     else:
         if bf16:
             raise ValueError("bf16=True with a float16 model is not a recipe trainmem models")
         knobs["precision"] = "fp16-true"
+        if fp16 and peft and knobs.get("parallel") != "fsdp":  # FSDP2 under fp16 autocast is not modelled
+            knobs["precision"], knobs["load_dtype"] = "fp16-mixed", "fp16"
 
     knobs["optimizer"] = _trainer_optimizer(args)
 

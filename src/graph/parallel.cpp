@@ -337,13 +337,8 @@ void DataParallel::wrap(std::vector<WrappedParam>& params, const std::vector<std
                    u.params.end());
     for (std::uint32_t pi : u.params) {
       WrappedParam& p = params[pi];
-      std::uint64_t shard = 0;
-      if (p.rows > 0) {
-        TRAINMEM_ASSERT(p.numel % p.rows == 0, "parameter rows do not divide its size");
-        shard = detail::mul(ceil_div(p.rows, shard_world_), p.numel / p.rows, "shard elements");
-      } else {
-        shard = ceil_div(p.numel, shard_world_);
-      }
+      TRAINMEM_ASSERT(p.rows == 0 || p.numel % p.rows == 0, "parameter rows do not divide its size");
+      const std::uint64_t shard = chunk_numel(p, 0);  // padded to rank 0's, the full chunk
       shard_numel_[pi] = shard;
       u.gather_bytes = detail::add(u.gather_bytes, detail::mul(shard, dtype_bytes(p.dtype), "shard bytes"), "shard bytes");
       if (p.trainable) {  // the dtypes FSDP2 reduces in (uniform over the trainable: _init_mp_dtypes)
@@ -567,16 +562,19 @@ void DataParallel::before_optimizer() {
 // on three ranks (cpu-fsdp3-*: rank 2's rank-16 LoRA matrices have 4 of 16 rows, and its Adam
 // states 327,680 B less at the peak). Rank 0's chunks are full, so rank 0 is never lighter than
 // another rank and stands for the worst (Note [The worst rank] in estimate.cpp); `--rank` gives the
-// others.
+// others (not under PP x FSDP2, whose stages' wrappers are built as their rank 0, nor under CP).
+std::uint64_t DataParallel::chunk_numel(const WrappedParam& p, std::uint64_t shard_rank) const {
+  const std::uint64_t rows = p.rows > 0 ? p.rows : p.numel;  // a 1-D parameter: rows of one element
+  if (rows == 0) return 0;
+  const std::uint64_t chunk = ceil_div(rows, shard_world_);
+  const std::uint64_t begin = detail::mul(chunk, shard_rank, "shard offset");
+  const std::uint64_t own = begin >= rows ? 0 : std::min(chunk, rows - begin);
+  return detail::mul(own, p.numel / rows, "shard elements");
+}
+
 std::uint64_t DataParallel::local_numel(std::uint32_t slot, std::uint64_t numel) const {
   if (kind_ != Parallel::kFsdp || slot >= param_of_slot_.size() || param_of_slot_[slot] == kNone) return numel;
-  const std::uint32_t pi = param_of_slot_[slot];
-  const WrappedParam& p = params_[pi];
-  const std::uint64_t rows = p.rows > 0 ? p.rows : p.numel;
-  const std::uint64_t chunk = ceil_div(rows, shard_world_);
-  const std::uint64_t begin = detail::mul(chunk, shard_rank_, "shard offset");
-  const std::uint64_t own = begin >= rows ? 0 : std::min(chunk, rows - begin);
-  return own * (p.numel / rows);
+  return chunk_numel(params_[param_of_slot_[slot]], shard_rank_);
 }
 
 DType DataParallel::local_dtype(std::uint32_t slot, DType dtype) const {

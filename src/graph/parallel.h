@@ -190,6 +190,9 @@ class DataParallel {
   std::vector<Unit> units_;  // decoder layers, then the root
   std::uint64_t shard_world_ = 1;       // ranks of a shard group: gpus / fsdp_replicate (x cp)
   std::uint64_t shard_rank_ = 0;        // this rank's place in it (See Note [Uneven shards])
+  // The elements of `p`'s torch.chunk for place `shard_rank` of the shard group (rank 0's: the
+  // full chunk every shard is padded to).
+  std::uint64_t chunk_numel(const WrappedParam& p, std::uint64_t shard_rank) const;
   bool hsdp_ = false;                   // fsdp_replicate > 1: the reduced shards are all-reduced across replicas
   bool first_layer_hooked_ = true;      // See set_first_layer_hooked
   bool reshard_after_forward_ = true;   // the decoder layers'

@@ -43,7 +43,7 @@
 // trained with fp16=True (load_dtype fp16 under fp16-mixed). Nothing else changes: the absmax and codes
 // are fp32 whatever the load dtype, and what is not 4-bit is fp32 either way. The backward then
 // makes one half weight and no cast instead of an fp32 weight and its half cast (measured:
-// data/ground_truth/cpu-*-loadbf16-*, cpu-*-loadfp16-*, parallel/cpu-[df]*-load[bf]*16-*).
+// data/ground_truth/cpu-*{qlora,4bit}*-load{bf,fp}16-*, parallel/cpu-[df]*-{qlora,4bit}*-load*16-*).
 //
 // Note [The packed weights' storage dtype]
 // BitsAndBytesConfig's bnb_4bit_quant_storage is the dtype quantize_4bit returns the packed bytes

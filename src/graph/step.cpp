@@ -30,11 +30,15 @@ StepBuilder::StepBuilder(const Model& m, const Recipe& r, const Gpu& gpu, const 
       // run in its dtype (bnb_4bit_compute_dtype).
       // DeepSpeed's bf16 mode (ZeRO-1/2, bf16-master) casts that fp32 rest back to bf16 (See
       // Note [QLoRA under ZeRO-1/2] in zero.cpp).
-      pol_(policy_for(r.quant.enabled() && r.mode == Mode::kTraining && !policy_for(r.precision).autocast &&
-                              r.precision != Precision::kBf16Master
-                          ? Precision::kFp32
-                      : r.fsdp.param_dtype == FsdpDtype::kBf16 ? Precision::kBf16True
-                                                               : r.precision)),
+      // A half model under LoRA and its autocast: the half weights of *-true under *-mixed's
+      // autocast (See Note [A half model under autocast] in step_parameters.cpp).
+      pol_(r.half_model()
+               ? Policy{policy_for(r.precision).compute, policy_for(r.precision).compute, true, false}
+               : policy_for(r.quant.enabled() && r.mode == Mode::kTraining && !policy_for(r.precision).autocast &&
+                                    r.precision != Precision::kBf16Master
+                                ? Precision::kFp32
+                            : r.fsdp.param_dtype == FsdpDtype::kBf16 ? Precision::kBf16True
+                                                                     : r.precision)),
       quant_dtype_(policy_for(r.precision).autocast ? policy_for(r.precision).compute : policy_for(r.precision).param),
       rank_(r.pp > 1 ? rank / r.gpus : rank) {  // a pipeline's rank stage x gpus + dp rank: its stage
   B_ = r.batch;
@@ -357,7 +361,9 @@ T StepBuilder::causal_lm_loss(const T& logits, bool vocab_parallel) {
   T up = to(logits, DType::kF32);
   // shift_labels = pad(labels, (0, 1))[..., 1:].contiguous() (transformers' ForCausalLMLoss): a
   // copy, except for one sequence, whose [1, s] slice is contiguous already and stays a view of
-  // the padded labels (measured: cpu-fsdp-llamaw512l4-fp32-adamw-sgo-b1s256 peaks here).
+  // the padded labels (measured: cpu-fsdp-llamaw512l4-fp32-adamw-sgo-b1s256 peaks here). The
+  // padded labels are ForCausalLMLoss's `labels`, a local until it returns, freed after the
+  // logits' fp32 copy (measured, the loss phases of every batch-2 trace).
   T padded;
   T shifted;
   if (r_.cp > 1) {  // shift_labels given: no pad and no copy (See Note [Context parallelism])
@@ -369,7 +375,6 @@ T StepBuilder::causal_lm_loss(const T& logits, bool vocab_parallel) {
   } else {
     padded = fresh(tok_ + B_, DType::kI64);
     shifted = fresh(tok_, DType::kI64);
-    if (!vocab_parallel) t_.drop(padded);  // else held until ForCausalLMLoss returns (measured)
   }
   T logp = vocab_parallel ? vocab_parallel_log_softmax(up) : fresh(logits.numel, DType::kF32);
   requires_grad(logp);
@@ -392,6 +397,7 @@ T StepBuilder::causal_lm_loss(const T& logits, bool vocab_parallel) {
     loss = fresh(1, DType::kF32);
     total_weight = fresh(1, DType::kF32);
     t_.drop(up);
+    if (padded.id != kNone && B_ > 1) t_.drop(padded);
   }
   requires_grad(loss);
   {

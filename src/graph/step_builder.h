@@ -35,6 +35,9 @@ constexpr std::int32_t kNoLayer = -1;
 // *-master:    half parameters and gradients; the optimizer keeps an fp32 master copy and fp32
 //              gradients (the seed's 6 bytes/param of weights).
 // *-true:      everything half, optimizer states included (zeros_like of half parameters).
+// A half model under LoRA with load_dtype bf16 / fp16: *-true's parameters under *-mixed's
+//              autocast, which casts only what is not half already (Note [A half model under
+//              autocast] in step_parameters.cpp).
 struct Policy {
   DType param = DType::kF32;
   DType compute = DType::kF32;
@@ -246,9 +249,12 @@ class StepBuilder {
     Param& p = params_[pi];
     T w;
     w.numel = p.numel;
+    // autocast casts only what is not in its dtype already (a half model's own weights are used
+    // as they are: Note [A half model under autocast]).
+    const bool cast = pol_.autocast && p.dtype != pol_.compute;
     // A frozen weight's cast is not cached (Note [LoRA]): a new one at every use.
-    if (pol_.autocast && !p.trainable) return t_.make(p.numel, pol_.compute, Category::kWeights);
-    if (pol_.autocast) {
+    if (cast && !p.trainable) return t_.make(p.numel, pol_.compute, Category::kWeights);
+    if (cast) {
       if (p.cast == kNone) {
         p.cast = t_.alloc_bytes(p.numel * dtype_bytes(pol_.compute), Category::kWeights);
         casts_.push_back(pi);

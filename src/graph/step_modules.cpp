@@ -78,7 +78,7 @@ T StepBuilder::linear_4bit(const T& x_in, std::uint32_t w, std::uint32_t b, std:
     Node n = node(y);
     if (r_.quant.double_quant) n.scratch.push_back(absmax_f32_bytes);
     // See Note [The load dtype of a 4-bit base]: a half load dtype is its autocast's (validate).
-    const DType load = r_.quant.load_dtype == LoadDtype::kAuto ? policy_for(r_.precision).param : quant_dtype_;
+    const DType load = r_.load_dtype == LoadDtype::kAuto ? policy_for(r_.precision).param : quant_dtype_;
     n.scratch.push_back(numel * dtype_bytes(load));
     if (load != quant_dtype_) n.scratch.push_back(numel * dtype_bytes(quant_dtype_));
     n.scratch_freed_early = static_cast<std::uint32_t>(n.scratch.size()) - 1;

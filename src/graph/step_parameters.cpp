@@ -279,6 +279,24 @@ std::uint32_t StepBuilder::add_param(const ParameterGroup& g, bool in_layer, boo
 //    requires_grad. It is then a leaf, so everything after it records nodes as in full
 //    fine-tuning, and its AccumulateGrad node keeps it (and later its .grad) alive until the
 //    graph is freed after backward.
+// Note [A half model under autocast]
+// The usual LoRA script without a 4-bit base: from_pretrained(dtype=torch.bfloat16),
+// get_peft_model, a Trainer with bf16=True (load_dtype bf16 under bf16-mixed; fp16 the same
+// under fp16-mixed). The frozen model is bf16, the adapters fp32 (autocast_adapter_dtype, Note
+// [LoRA]), and the whole step runs under bf16 autocast. So the policy is bf16-true's parameters
+// under bf16-mixed's autocast (StepBuilder's pol_), and:
+//  * autocast's cached_cast copies only a tensor of another dtype: the frozen bf16 weights go
+//    to the matmuls as they are (no per-use copy, unlike an fp32 model's), the adapters' fp32
+//    weights get the cached bf16 casts of any trainable leaf (StepBuilder::weight);
+//  * lora.Linear still casts x to lora_A's fp32 (_cast_input_dtype does not look at autocast) and
+//    keeps the copy to the end of its forward; lora_A's matmul casts it back to bf16;
+//  * the embedding's output, the residual stream, the norms (which upcast inside) and the loss
+//    (logits.float()) are bf16-true's. Autocast's fp32 ops (CUDA's softmax, layer_norm...) cast
+//    their half inputs up as under bf16-mixed.
+// Against bf16-mixed over an fp32 model the frozen weights are half and never copied; against
+// bf16-true the adapters' matmuls run in bf16. Measured: data/ground_truth/cpu-*-lora*-loadbf16-*,
+// *-loadfp16-*, parallel/cpu-[df]*-lora8-*-loadbf16-* (one process, DDP, FSDP2). A model trained
+// whole this way is refused by the recipe's validation (not measured; bf16-true is close to it).
 void StepBuilder::create_adapters() {
   if (!r_.lora.enabled()) return;
   // Nothing would require grad, and backward() would fail as loss.backward() does.

@@ -344,8 +344,10 @@ class Planner {
          std::string(to_string(r.offload));
     for (const std::string& t : r.lora.targets) k += "/" + t;
     if (r.quant.enabled()) {
-      k += "/4bit/" + std::string(to_string(r.quant.quant_type)) + (r.quant.double_quant ? "/dq" : "");
+      k += "/4bit/" + std::string(to_string(r.quant.quant_type)) + (r.quant.double_quant ? "/dq" : "") + "/" +
+           std::string(to_string(r.quant.storage));
     }
+    k += "/load" + std::string(to_string(r.load_dtype));
     return k;
   }
 
@@ -441,6 +443,9 @@ std::uint64_t rank_floor(const Model& m, const Recipe& r) {
 void keep_own_wrapper_knobs(Recipe& r) {
   if (r.parallel != Parallel::kFsdp) r.fsdp = Fsdp{};
   if (r.parallel != Parallel::kDdp || r.pp > 1) r.ddp_find_unused_parameters = false;
+  // A half load dtype goes with its autocast; any other precision loads the model in its own dtype
+  // (bf16-true: bf16 again, without the autocast).
+  if (r.load_dtype != LoadDtype::kAuto && r.precision != autocast_of(r.load_dtype)) r.load_dtype = LoadDtype::kAuto;
 }
 
 // `r` as a pipeline of `stages` stages, one per GPU (or per tensor-parallel group of r.tp: PP x TP,
@@ -487,16 +492,16 @@ Recipe as_tensor_parallel(Recipe r, std::uint64_t tp, std::uint64_t groups, std:
 namespace {
 
 // The weights every rank holds for the whole run, before ZeRO-3 partitions them: the model in the
-// precision's parameter dtype, or a 4-bit base.
+// precision's parameter dtype (a half-loaded LoRA model's: half), or a 4-bit base.
 std::uint64_t weight_bytes(const Model& m, const Recipe& r) {
-  const std::uint64_t pb = plan::parameter_bytes(r.precision);
+  const std::uint64_t pb = plan::parameter_bytes(r);
   std::uint64_t weights = 0;
   for (const ParameterGroup& g : m.parameters) {
     // A 4-bit base (Note [QLoRA]): the layers' linear weights packed, everything else fp32, or
     // bf16 again under DeepSpeed's bf16 mode (bf16-master: Note [QLoRA under ZeRO-1/2]).
     const bool packed = r.quant.enabled() && g.matmul_weight && g.name.find(".N.") != std::string::npos;
     const std::uint64_t rest = r.quant.enabled() && r.precision != Precision::kBf16Master ? 4 : pb;
-    const std::uint64_t one = packed ? graph::packed_4bit(g.numel, r.quant.double_quant).packed_bytes
+    const std::uint64_t one = packed ? graph::packed_4bit(g.numel, r.quant.double_quant, storage_dtype(r.quant.storage)).packed_bytes
                                      : detail::mul(g.numel, rest, "parameter bytes");
     weights = detail::add(weights, detail::mul(one, g.count, "parameter bytes"), "parameter bytes");
   }
@@ -1230,7 +1235,7 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
   for (Precision p : {Precision::kBf16Mixed, Precision::kBf16True, Precision::kBf16Master, Precision::kFp16Mixed, Precision::kFp32}) {
     const bool bf16 = p == Precision::kBf16Mixed || p == Precision::kBf16True || p == Precision::kBf16Master;
     if (p == base.precision || (bf16 && !gpu.bf16) || (!bf16 && p != Precision::kFp32 && gpu.bf16)) continue;
-    Recipe r = base; r.precision = p; change("precision " + std::string(to_string(p)), r);
+    Recipe r = base; r.precision = p; keep_own_wrapper_knobs(r); change("precision " + std::string(to_string(p)), r);
   }
   for (Optimizer o : {Optimizer::kAdamW, Optimizer::kAdamWFused, Optimizer::kAdamW8bit, Optimizer::kAdafactor, Optimizer::kSgd}) {
     if (o != base.optimizer) { Recipe r = base; r.optimizer = o; change("optimizer " + std::string(to_string(o)), r); }

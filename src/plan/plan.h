@@ -11,6 +11,11 @@ namespace trainmem::plan {
 inline std::uint64_t parameter_bytes(Precision p) {
   return p == Precision::kBf16Master || p == Precision::kBf16True || p == Precision::kFp16True ? 2 : 4;
 }
+// A recipe's model parameters: a half-loaded LoRA model's frozen weights are half under autocast
+// (Note [A half model under autocast] in graph/step_parameters.cpp).
+inline std::uint64_t parameter_bytes(const Recipe& r) {
+  return r.half_model() ? 2 : parameter_bytes(r.precision);
+}
 inline std::uint64_t state_bytes(Precision p) {
   return p == Precision::kBf16True || p == Precision::kFp16True ? 2 : 4;
 }

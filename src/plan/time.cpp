@@ -213,7 +213,7 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
   // Loss parallelism: a rank's logits are vocab / tp wide (See Note [Loss parallel]).
   const double V = static_cast<double>(a.vocab_size) / (recipe.loss_parallel ? static_cast<double>(recipe.tp) : 1.0);
   const double loss_bytes = tokens * V * (recipe.loss == Loss::kFused ? 2 * act + 8 : 2 * (2 * act + 12));
-  const double pb = static_cast<double>(plan::parameter_bytes(recipe.precision));
+  const double pb = static_cast<double>(plan::parameter_bytes(recipe));
   const bool master = recipe.precision == Precision::kBf16Master;
   // State dtype: LoRA adapters are fp32 whatever the base (Note [LoRA]).
   const double sb = recipe.lora.enabled() ? 4 : static_cast<double>(plan::state_bytes(recipe.precision));
@@ -279,7 +279,8 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
         const Fsdp& f = recipe.fsdp;
         const double shard = n / static_cast<double>(f.replicate) * cp;
         const double shard_ring = (shard - 1) / shard;
-        // The gathers carry the whole model: under LoRA the frozen base (in the precision's dtype)
+        // The gathers carry the whole model: under LoRA the frozen base (in the precision's dtype,
+        // half when loaded half)
         // and the fp32 adapters, which reduce alone (Note [LoRA under FSDP2] in graph/parallel.cpp).
         const double item = f.param_dtype == FsdpDtype::kBf16 ? 2 : pb;
         double root_gathered = c.base_root * item;

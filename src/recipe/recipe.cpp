@@ -344,7 +344,7 @@ void validate_parallel(const Recipe& r) {
     }
     if (f.param_dtype != FsdpDtype::kNone && r.quant.load_in_4bit) {
       throw Error("fsdp_param_dtype: " + std::string(to_string(f.param_dtype)) + " over a 4-bit base is not modelled "
-                  "(the policy would cast the packed uint8 weights for the all-gather); use fsdp_param_dtype none");
+                  "(the policy would cast the packed weights for the all-gather); use fsdp_param_dtype none");
     }
     if (f.reduce_dtype != FsdpDtype::kNone && f.param_dtype == FsdpDtype::kNone) {
       throw Error("fsdp_reduce_dtype: " + std::string(to_string(f.reduce_dtype)) +
@@ -409,10 +409,9 @@ void validate_offload(const Recipe& r) {
   }
 }
 
-// The autocast a half load dtype is trained under (Note [The load dtype of a 4-bit base]).
-Precision autocast_of(LoadDtype d) { return d == LoadDtype::kBf16 ? Precision::kBf16Mixed : Precision::kFp16Mixed; }
-
 }  // namespace
+
+Precision autocast_of(LoadDtype d) { return d == LoadDtype::kBf16 ? Precision::kBf16Mixed : Precision::kFp16Mixed; }
 
 std::string_view to_string(Precision x) { return name_of(kPrecisions, x); }
 std::string_view to_string(Optimizer x) { return name_of(kOptimizers, x); }
@@ -455,13 +454,14 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   // under DeepSpeed ZeRO its bf16 mode ("bf16": {"enabled": true}: bf16 weights, fp32 master
   // partitions), as autocast (bf16-mixed) is not what a DeepSpeed engine runs.
   const bool quantized = in.load_in_4bit || in.load_in_8bit;
-  // A half load dtype is the Trainer recipe under that autocast (Note [The load dtype of a 4-bit base]).
-  r.quant.load_dtype = parse_load_dtype(in.load_dtype);
+  // A half load dtype is the Trainer recipe under that autocast (Notes [The load dtype of a 4-bit
+  // base], [A half model under autocast]).
+  r.load_dtype = parse_load_dtype(in.load_dtype);
   r.quant.storage = parse_quant_storage(in.bnb_4bit_quant_storage);
   if (!in.precision.empty()) {
     r.precision = parse_precision(in.precision);
-  } else if (in.load_in_4bit && r.quant.load_dtype != LoadDtype::kAuto) {
-    r.precision = autocast_of(r.quant.load_dtype);
+  } else if ((in.load_in_4bit || in.lora_rank > 0) && r.load_dtype != LoadDtype::kAuto) {
+    r.precision = autocast_of(r.load_dtype);
   } else if (r.mode == Mode::kInference || (quantized && !is_zero(parse_parallel(in.parallel)))) {
     r.precision = Precision::kBf16True;
   } else {
@@ -544,9 +544,9 @@ void Recipe::validate() const {
     if (quant.quant_type != QuantType::kFp4 || quant.double_quant) {
       throw Error("bnb_4bit_quant_type / bnb_4bit_use_double_quant: set without load_in_4bit");
     }
-    if (quant.load_dtype != LoadDtype::kAuto) {
-      throw Error("load_dtype: set without load_in_4bit (a model that is not quantized is loaded in the "
-                  "precision's dtype)");
+    if (load_dtype != LoadDtype::kAuto && !lora.enabled()) {
+      throw Error("load_dtype: set without load_in_4bit or LoRA (a model trained whole is loaded in the "
+                  "precision's dtype; a half model trained whole is bf16-true or fp16-true)");
     }
     if (quant.storage != QuantStorage::kUint8) {
       throw Error("bnb_4bit_quant_storage: set without load_in_4bit (it is the packed 4-bit weights' dtype)");
@@ -569,16 +569,14 @@ void Recipe::validate() const {
                   "for training under autocast (bf16-mixed, fp16-mixed), or under zero1 / zero2 / zero3 with "
                   "bf16-master (DeepSpeed's bf16 mode), got " + std::string(to_string(precision)));
     }
-    // A half-loaded base under the same autocast (Note [The load dtype of a 4-bit base]); other
-    // combinations are not measured.
-    if (quant.load_dtype != LoadDtype::kAuto) {
-      if (precision != autocast_of(quant.load_dtype) || mode != Mode::kTraining) {
-        const std::string d(to_string(quant.load_dtype));
-        throw Error("load_dtype: " + d + " is a 4-bit base loaded in " + d + " and trained under " + d +
-                    " autocast (precision " + d + "-mixed); with " + std::string(to_string(precision)) +
-                    " use auto (the precision's dtype)");
-      }
-    }
+  }
+  // A half-loaded model under the same autocast (Notes [The load dtype of a 4-bit base], [A half
+  // model under autocast]); other combinations are not measured.
+  if (load_dtype != LoadDtype::kAuto && (precision != autocast_of(load_dtype) || mode != Mode::kTraining)) {
+    const std::string d(to_string(load_dtype));
+    throw Error("load_dtype: " + d + " is a model loaded in " + d + " and trained under " + d +
+                " autocast (precision " + d + "-mixed); with " + std::string(to_string(precision)) +
+                " use auto (the precision's dtype)");
   }
   if (quant.load_in_8bit && mode != Mode::kInference) {
     // MatMul8bitLt's backward (int8 double quant of grad_output, CAt, ...) and peft's 8-bit LoRA

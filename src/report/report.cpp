@@ -35,9 +35,10 @@ ordered_json recipe_object(const Recipe& r) {
     j["load_in_4bit"] = true;
     j["bnb_4bit_quant_type"] = to_string(r.quant.quant_type);
     j["bnb_4bit_use_double_quant"] = r.quant.double_quant;
-    if (r.quant.load_dtype != LoadDtype::kAuto) j["load_dtype"] = to_string(r.quant.load_dtype);
     if (r.quant.storage != QuantStorage::kUint8) j["bnb_4bit_quant_storage"] = to_string(r.quant.storage);
   }
+  // Only when not the precision's, as trainmem-measure writes it (a 4-bit base's or a LoRA model's).
+  if (r.load_dtype != LoadDtype::kAuto) j["load_dtype"] = to_string(r.load_dtype);
   if (r.quant.load_in_8bit) j["load_in_8bit"] = true;  // only for 8-bit weights, as trainmem-measure writes it
   j["mode"] = to_string(r.mode);
   if (r.parallel != Parallel::kNone) {  // as trainmem-measure writes them: only when data-parallel
@@ -107,8 +108,10 @@ ordered_json plan_object(const Plan& p) {
 // "bf16-true adamw-fused ckpt=none loss=fused" and the micro-batch shape, for one table row.
 std::string recipe_words(const Recipe& r) {
   char buf[200];
+  // A precision marked '*': the model loaded half under that autocast (load_dtype; the table's legend).
+  const std::string precision = std::string(to_string(r.precision)) + (r.load_dtype != LoadDtype::kAuto ? "*" : "");
   std::snprintf(buf, sizeof buf, "%4llu x %-4llu %-11s %-11s %-4s %-8s %-10s", static_cast<unsigned long long>(r.batch),
-                static_cast<unsigned long long>(r.grad_accum), std::string(to_string(r.precision)).c_str(),
+                static_cast<unsigned long long>(r.grad_accum), precision.c_str(),
                 std::string(to_string(r.optimizer)).c_str(), std::string(to_string(r.checkpointing)).c_str(),
                 std::string(to_string(r.loss)).c_str(), std::string(to_string(r.allocator)).c_str());
   std::string words = buf;
@@ -248,6 +251,9 @@ std::string fit_to_text(const std::string& model, const FitResult& f) {
     if (host) {
       add("host: host memory of one rank under CPU offload, within the %s allowed per GPU (--host-memory)\n",
           detail::format_bytes(f.host_capacity_bytes).c_str());
+    }
+    if (std::any_of(f.plans.begin(), f.plans.end(), [](const Plan& p) { return p.recipe.load_dtype != LoadDtype::kAuto; })) {
+      add("*: the model loaded in the autocast's half dtype (load_dtype), not fp32\n");
     }
     if (std::any_of(f.plans.begin(), f.plans.end(), [](const Plan& p) { return p.recipe.cp > 1; })) {
       add("cp: context parallelism (ring attention) is mirrored from torch's source, not measured "
@@ -434,6 +440,11 @@ std::string to_text(const Estimate& e) {
     add("lora: rank %llu on %s (dropout %g), %s trainable parameters\n",
         static_cast<unsigned long long>(r.lora.rank), targets.c_str(), r.lora.dropout,
         detail::format_count(e.trainable_parameters).c_str());
+    if (r.half_model()) {
+      const std::string d(to_string(r.load_dtype));
+      add("model loaded in %s: the frozen weights %s, the adapters fp32 under %s autocast\n", d.c_str(), d.c_str(),
+          d.c_str());
+    }
   }
   const std::string stored =
       r.quant.storage != QuantStorage::kUint8 ? ", stored as " + std::string(to_string(r.quant.storage)) : "";

@@ -1065,7 +1065,7 @@ TEST(GraphQlora, AutocastBackwardDequantizesInTheLoadDtype) {
       {true, numel * 4}, {true, numel * 2}, {false, numel * 4}, {false, numel * 2}};
   EXPECT_EQ(copies(trace_of(m, r)), fp32_load);
   // A base loaded in bf16 (Note [The load dtype of a 4-bit base]): one bf16 weight, no cast.
-  r.quant.load_dtype = LoadDtype::kBf16;
+  r.load_dtype = LoadDtype::kBf16;
   r.validate();
   const std::vector<std::pair<bool, std::uint64_t>> bf16_load = {{true, numel * 2}, {false, numel * 2}};
   EXPECT_EQ(copies(trace_of(m, r)), bf16_load);

@@ -93,6 +93,43 @@ TEST(Fit, TheFloorIsNeverAboveTheReplayedPeak) {
   }
 }
 
+// A half-loaded LoRA model under autocast (Note [A half model under autocast]): its frozen weights
+// are half, so its floors count them at 2 bytes. Counted at the precision's 4, they were above
+// the peak, and fit found nothing for Llama-3.1-8B on an RTX 4090 where checkpointing fits.
+TEST(Fit, AHalfLoadedLoraModelsFloorsAreItsHalfWeights) {
+  for (const char* name : {"gpt2", "qwen3-0.6b"}) {
+    const Model m = model::with_layers(load_model(name), 2);
+    for (LoadDtype d : {LoadDtype::kBf16, LoadDtype::kFp16}) {
+      Recipe r = base_recipe("h100-80gb", 256);
+      r.precision = d == LoadDtype::kBf16 ? Precision::kBf16Mixed : Precision::kFp16Mixed;
+      r.load_dtype = d;
+      r.lora.rank = 8;
+      r.lora.targets = {"default"};
+      const Estimate e = estimate(m, r);
+      EXPECT_LE(plan::persistent_floor(m, r), e.peak_allocated_bytes) << name;
+      EXPECT_LE(plan::loss_floor(m, r), e.peak_allocated_bytes) << name;
+      EXPECT_GE(plan::persistent_floor(m, r), m.parameter_count * 2) << name;
+    }
+  }
+  const Model m = load_model("llama-3.1-8b");
+  FitRequest q;
+  q.base = base_recipe("rtx-4090", 2048);
+  q.base.precision = Precision::kBf16Mixed;
+  q.base.load_dtype = LoadDtype::kBf16;
+  q.base.lora.rank = 16;
+  q.base.lora.targets = {"default"};
+  q.global_batch = 8;
+  const FitResult f = fit(m, q);
+  ASSERT_FALSE(f.plans.empty());
+  // The load dtype goes with its autocast: a bf16-true plan loads bf16 by its own precision.
+  std::size_t half_autocast = 0;
+  for (const Plan& p : f.plans) {
+    EXPECT_EQ(p.recipe.load_dtype, p.recipe.precision == Precision::kBf16Mixed ? LoadDtype::kBf16 : LoadDtype::kAuto);
+    half_autocast += p.recipe.precision == Precision::kBf16Mixed;
+  }
+  EXPECT_GT(half_autocast, 0u);
+}
+
 // A pipeline's floor (the average stage's share, DDP's buckets included under PP x DP; under PP x
 // FSDP2 the shards plus the whole gradients) is a lower bound of its worst stage; a floor that
 // counted every stage's buckets on one, or sharded FSDP2's gradients, would not be.

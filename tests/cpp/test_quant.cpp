@@ -141,17 +141,17 @@ TEST(QloraRecipe, LoadDtype) {
   RecipeSpelling s = qlora_spelling();
   s.precision = "bf16-mixed";
   s.load_dtype = "bf16";
-  EXPECT_EQ(parse_recipe(s).quant.load_dtype, LoadDtype::kBf16);
+  EXPECT_EQ(parse_recipe(s).load_dtype, LoadDtype::kBf16);
   s.load_dtype = "fp8";
   EXPECT_EQ(error_of([&] { parse_recipe(s); }), "load_dtype: unknown value 'fp8'; expected one of auto, bf16, fp16");
   s.load_dtype = "fp16";  // fp16 goes with fp16 autocast
   EXPECT_NE(error_of([&] { parse_recipe(s); }).find("precision fp16-mixed); with bf16-mixed"), std::string::npos);
   s.precision = "fp16-mixed";
-  EXPECT_EQ(parse_recipe(s).quant.load_dtype, LoadDtype::kFp16);
+  EXPECT_EQ(parse_recipe(s).load_dtype, LoadDtype::kFp16);
   s.load_dtype = "bf16";
   s.precision = "bf16-true";
   EXPECT_EQ(error_of([&] { parse_recipe(s); }),
-            "load_dtype: bf16 is a 4-bit base loaded in bf16 and trained under bf16 autocast (precision bf16-mixed); "
+            "load_dtype: bf16 is a model loaded in bf16 and trained under bf16 autocast (precision bf16-mixed); "
             "with bf16-true use auto (the precision's dtype)");
   s.precision = "";  // the load dtype's autocast by default
   EXPECT_EQ(parse_recipe(s).precision, Precision::kBf16Mixed);
@@ -159,7 +159,13 @@ TEST(QloraRecipe, LoadDtype) {
   EXPECT_EQ(parse_recipe(s).precision, Precision::kFp16Mixed);
   RecipeSpelling plain;
   plain.load_dtype = "bf16";
-  EXPECT_NE(error_of([&] { parse_recipe(plain); }).find("load_dtype: set without load_in_4bit"), std::string::npos);
+  EXPECT_NE(error_of([&] { parse_recipe(plain); }).find("load_dtype: set without load_in_4bit or LoRA"),
+            std::string::npos);
+  // LoRA over a half model under its autocast (Note [A half model under autocast]).
+  plain.lora_rank = 8;
+  EXPECT_EQ(parse_recipe(plain).precision, Precision::kBf16Mixed);
+  plain.precision = "bf16-true";
+  EXPECT_NE(error_of([&] { parse_recipe(plain); }).find("(precision bf16-mixed); with bf16-true"), std::string::npos);
 }
 
 TEST(QloraRecipe, QuantStorage) {

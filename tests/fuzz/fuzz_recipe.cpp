@@ -240,7 +240,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         break;
     }
   }
-  // Drawn after the groups (the same reason): a 4-bit base's load dtype, now and then.
+  // Drawn after the groups (the same reason): the load dtype (a 4-bit base's or a LoRA model's), now and then.
   if (p.ConsumeIntegral<std::uint8_t>() >= 192) sp.load_dtype = pick(p, kLoadDtypes);
   // And after that (older inputs decode as before): the packed weights' storage dtype.
   if (p.ConsumeIntegral<std::uint8_t>() >= 160) sp.bnb_4bit_quant_storage = pick(p, kQuantStorages);

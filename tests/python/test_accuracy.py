@@ -240,12 +240,31 @@ def test_half_loaded_qlora_entries_exact(comparisons):
     [The load dtype of a 4-bit base]); the fp32-load recipe would be 3,932,160 B high in the
     all-linear Llama's backward. One process, DDP and FSDP2, with and without checkpointing; every
     rank exact."""
-    runs = [(name, c) for name, c in comparisons if c["recipe"].get("load_dtype") in ("bf16", "fp16")]
+    runs = [(name, c) for name, c in comparisons
+            if c["recipe"].get("load_dtype") in ("bf16", "fp16") and c["recipe"].get("load_in_4bit")]
     assert len(runs) >= 6, [name for name, _ in runs]
     assert {c["recipe"].get("parallel", "none") for _, c in runs} >= {"none", "ddp", "fsdp"}
     assert any(c["recipe"]["checkpointing"] == "full" for _, c in runs)
     assert all(c["recipe"]["precision"] == c["recipe"]["load_dtype"] + "-mixed" for _, c in runs)
     assert {c["recipe"]["load_dtype"] for _, c in runs} == {"bf16", "fp16"}
+    _assert_every_rank_exact([(n, c) for n, c in runs if "ranks" in c])
+    for name, c in runs:
+        assert c["measured_peak_allocated_bytes"] == c["predicted_peak_allocated_bytes"], name
+        for cat, v in c["categories"].items():
+            assert v["measured"] == v["predicted"], (name, cat, v)
+
+
+def test_half_model_lora_entries_exact(comparisons):
+    """LoRA over a model loaded half (from_pretrained(dtype=torch.bfloat16)) and trained with
+    bf16=True (fp16 the same): the frozen half weights go to autocast's matmuls as they are, the fp32
+    adapters get autocast's cached casts (Note [A half model under autocast]). Llama all-linear,
+    GPT-2 checkpointed, Qwen3 in fp16 with dropout, Gemma-2 eager; DDP and FSDP2; every rank exact."""
+    runs = [(name, c) for name, c in comparisons
+            if c["recipe"].get("load_dtype") in ("bf16", "fp16") and not c["recipe"].get("load_in_4bit")]
+    assert len(runs) >= 6, [name for name, _ in runs]
+    assert {c["recipe"].get("parallel", "none") for _, c in runs} == {"none", "ddp", "fsdp"}
+    assert {c["recipe"]["load_dtype"] for _, c in runs} == {"bf16", "fp16"}
+    assert all(c["recipe"]["lora_rank"] > 0 for _, c in runs)
     _assert_every_rank_exact([(n, c) for n, c in runs if "ranks" in c])
     for name, c in runs:
         assert c["measured_peak_allocated_bytes"] == c["predicted_peak_allocated_bytes"], name
@@ -442,3 +461,28 @@ def test_zero_lora_entries_exact(comparisons):
         for r in c["ranks"]:
             assert r["measured_peak_allocated_bytes"] == r["predicted_peak_allocated_bytes"], (name, r["rank"])
             assert r["measured_breakdown_at_peak"] == r["predicted_breakdown_at_peak"], (name, r["rank"])
+
+
+def test_every_command_reproduces_its_recipe():
+    """Each measurement's `command` (and provenance.command), parsed by trainmem-measure's own
+    parser, makes the recipe the file records: the command is how to measure it again. The builder
+    once dropped --load-dtype for LoRA, --precision bf16-mixed for a 4-bit base (whose CLI default
+    is bf16-true) and --ddp-find-unused-parameters; the 15 stored commands that lacked one were
+    rebuilt from their recipes (data/ground_truth/README.md)."""
+    import shlex
+
+    from trainmem.measure.cli import _parser, recipe_from_args
+
+    checked = 0
+    for path in measurements():
+        d = json.loads(path.read_text())
+        assert d["command"] == d["provenance"]["command"], path.name
+        argv = shlex.split(d["command"])
+        assert argv[0] == "trainmem-measure", path.name
+        stored = d["recipe"]
+        recipe = recipe_from_args(_parser().parse_args(argv[1:]), stored.get("gpu", "cpu")).as_dict()
+        # lora_targets are stored resolved (module paths), the command spells them
+        diff = {k: (v, recipe.get(k)) for k, v in stored.items() if k != "lora_targets" and recipe.get(k) != v}
+        assert not diff, (path.name, diff)
+        checked += 1
+    assert checked >= 290

@@ -33,6 +33,24 @@ def test_defaults_and_dtypes():
     assert knobs["precision"] == "fp16-mixed" and knobs["optimizer"] == "adamw-8bit"
 
 
+def test_a_half_model_with_adapters_under_autocast():
+    """from_pretrained(dtype=torch.bfloat16), LoRA through peft, bf16=True: the frozen bf16 model and
+    fp32 adapters under bf16 autocast (measured: cpu-*-lora*-loadbf16-*); without adapters the same
+    arguments stay bf16-true, and without bf16=True the adapters run in fp32 (bf16-true)."""
+    d = args(per_device_train_batch_size=2, optim="adamw_torch").to_dict()
+    d["bf16"] = True
+    knobs = trainmem.hf.recipe_from_training_arguments(d, seq=256, model_dtype="bfloat16", peft=True)
+    assert (knobs["precision"], knobs["load_dtype"]) == ("bf16-mixed", "bf16")
+    est = trainmem.estimate("llama-3.2-1b", lora_rank=16, **knobs)
+    assert est.recipe["load_dtype"] == "bf16"
+    # The frozen weights are bf16: half the fp32-loaded model's, and no autocast copies of them.
+    fp32 = trainmem.estimate("llama-3.2-1b", lora_rank=16, **{k: v for k, v in knobs.items() if k != "load_dtype"})
+    assert est.breakdown_at_peak["weights"] < 0.6 * fp32.breakdown_at_peak["weights"]
+    assert "load_dtype" not in trainmem.hf.recipe_from_training_arguments(d, model_dtype="bfloat16")
+    plain = args(per_device_train_batch_size=2, optim="adamw_torch").to_dict()
+    assert trainmem.hf.recipe_from_training_arguments(plain, model_dtype="bfloat16", peft=True)["precision"] == "bf16-true"
+
+
 @pytest.mark.parametrize("kw,message", [
     ({"optim": "lion_8bit"}, "not modelled"),
     ({"optim": "sgd"}, "no momentum"),

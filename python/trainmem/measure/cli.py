@@ -112,9 +112,9 @@ def _parser() -> _Parser:
                    help="with --load-in-4bit: the dtype of the packed weights (default %(default)s); bf16 is the "
                         "FSDP / ZeRO-3 QLoRA recipe's")
     p.add_argument("--load-dtype", choices=("auto", "bf16", "fp16"), default="auto",
-                   help="with --load-in-4bit: from_pretrained's dtype; auto is the precision's weights' dtype, "
-                        "bf16 (with bf16-mixed) or fp16 (with fp16-mixed) the Trainer recipe of a half-loaded "
-                        "QLoRA base (default %(default)s)")
+                   help="with --load-in-4bit or --lora: from_pretrained's dtype; auto is the precision's weights' "
+                        "dtype, bf16 (with bf16-mixed) or fp16 (with fp16-mixed) the Trainer recipe of a half-loaded "
+                        "QLoRA base, or of a half model whose fp32 adapters run under autocast (default %(default)s)")
     p.add_argument("--qlora", action="store_true",
                    help="QLoRA's base: --load-in-4bit --bnb-4bit-quant-type nf4 --bnb-4bit-use-double-quant")
     p.add_argument("--load-in-8bit", action="store_true",
@@ -139,6 +139,27 @@ def defaults_quant_type() -> str:
 def _error(message: str, code: int) -> int:
     print(f"{PROG}: error: {message}", file=sys.stderr)
     return code
+
+
+def recipe_from_args(args: argparse.Namespace, gpu: str) -> Recipe:
+    """The Recipe of parsed command-line arguments (`gpu`: the name recorded in it)."""
+    quant_type = args.bnb_4bit_quant_type or ("nf4" if args.qlora else defaults_quant_type())
+    return Recipe(batch=args.batch, seq=args.seq, grad_accum=args.grad_accum, precision=args.precision,
+                  optimizer=args.optimizer, checkpointing=args.checkpointing, attention=args.attention,
+                  loss=args.loss, gpu=gpu, allocator=args.allocator, lora_rank=args.lora,
+                  lora_targets=args.lora_targets, lora_dropout=args.lora_dropout,
+                  mode="inference" if args.inference else "training", new_tokens=args.new_tokens,
+                  beams=args.beams, gpus=args.gpus, parallel=args.parallel, tp=args.tp,
+                  sequence_parallel=args.sequence_parallel, loss_parallel=args.loss_parallel,
+                  pp=args.pp, pp_schedule=args.pp_schedule, pp_stages_per_rank=args.pp_stages_per_rank,
+                  fsdp_reshard_after_forward=args.fsdp_reshard_after_forward == "true",
+                  fsdp_replicate=args.fsdp_replicate, fsdp_param_dtype=args.fsdp_param_dtype,
+                  fsdp_reduce_dtype=args.fsdp_reduce_dtype,
+                  ddp_find_unused_parameters=args.ddp_find_unused_parameters,
+                  load_in_4bit=args.load_in_4bit or args.qlora, bnb_4bit_quant_type=quant_type,
+                  bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant or args.qlora,
+                  bnb_4bit_quant_storage=args.bnb_4bit_quant_storage,
+                  load_dtype=args.load_dtype, load_in_8bit=args.load_in_8bit)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,24 +191,8 @@ def main(argv: list[str] | None = None) -> int:
 
             if torch.cuda.is_available():
                 gpu = torch.cuda.get_device_name().lower().replace("nvidia", "").strip().replace(" ", "-")
-    quant_type = args.bnb_4bit_quant_type or ("nf4" if args.qlora else defaults_quant_type())
     try:
-        recipe = Recipe(batch=args.batch, seq=args.seq, grad_accum=args.grad_accum, precision=args.precision,
-                        optimizer=args.optimizer, checkpointing=args.checkpointing, attention=args.attention,
-                        loss=args.loss, gpu=gpu, allocator=args.allocator, lora_rank=args.lora,
-                        lora_targets=args.lora_targets, lora_dropout=args.lora_dropout,
-                        mode="inference" if args.inference else "training", new_tokens=args.new_tokens,
-                        beams=args.beams, gpus=args.gpus, parallel=args.parallel, tp=args.tp,
-                        sequence_parallel=args.sequence_parallel, loss_parallel=args.loss_parallel,
-                        pp=args.pp, pp_schedule=args.pp_schedule, pp_stages_per_rank=args.pp_stages_per_rank,
-                        fsdp_reshard_after_forward=args.fsdp_reshard_after_forward == "true",
-                        fsdp_replicate=args.fsdp_replicate, fsdp_param_dtype=args.fsdp_param_dtype,
-                        fsdp_reduce_dtype=args.fsdp_reduce_dtype,
-                        ddp_find_unused_parameters=args.ddp_find_unused_parameters,
-                        load_in_4bit=args.load_in_4bit or args.qlora, bnb_4bit_quant_type=quant_type,
-                        bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant or args.qlora,
-                        bnb_4bit_quant_storage=args.bnb_4bit_quant_storage,
-                        load_dtype=args.load_dtype, load_in_8bit=args.load_in_8bit)
+        recipe = recipe_from_args(args, gpu)
         command = shlex.join([PROG, *argv])
         result = measure(args.model, recipe, device=args.device, fake=args.fake, trace=args.trace,
                          command=command)
@@ -234,7 +239,8 @@ def render_text(result: dict) -> str:
         targets = r.get("lora_targets")
         targets = ", ".join(targets) if isinstance(targets, list) else targets
         lines.insert(1, f"lora: rank {r['lora_rank']} on {targets} (dropout {r.get('lora_dropout', 0):g}),"
-                        f" {result['trainable_parameters']:,} trainable parameters")
+                        f" {result['trainable_parameters']:,} trainable parameters"
+                        f"{'; model loaded in ' + r['load_dtype'] if r.get('load_dtype') and not r.get('load_in_4bit') else ''}")
     if r.get("load_in_4bit"):
         lines.insert(2, f"4-bit base: {r['bnb_4bit_quant_type']}"
                         f"{', double quant' if r.get('bnb_4bit_use_double_quant') else ''}"

@@ -49,9 +49,10 @@ BNB_4BIT_QUANT_TYPES = ("fp4", "nf4")
 # default, or bf16, what FSDP-QLoRA and ZeRO-3-QLoRA scripts set so that the packed weights share
 # the dtype of a bf16 base (the same bytes, half as many elements).
 BNB_4BIT_QUANT_STORAGES = ("uint8", "bf16")
-# The dtype from_pretrained loads a 4-bit base in (its `dtype`): "auto", the precision's weights'
-# dtype, or "bf16" under bf16-mixed (fp16 under fp16-mixed), the Trainer recipe (dtype=torch.bfloat16,
-# bf16=True) whose QuantState dtype is that half while prepare_model_for_kbit_training makes the rest
+# The dtype from_pretrained loads a 4-bit base or a LoRA model in (its `dtype`): "auto", the precision's
+# weights' dtype, or "bf16" under bf16-mixed (fp16 under fp16-mixed), the Trainer recipe (dtype=torch.bfloat16,
+# bf16=True). Without a 4-bit base the frozen model stays half and its fp32 adapters run under autocast;
+# over one, the QuantState dtype is that half while prepare_model_for_kbit_training makes the rest
 # fp32 again.
 LOAD_DTYPES = ("auto", "bf16", "fp16")
 QUANTIZED_PRECISIONS = ("fp32", "bf16-true", "fp16-true")
@@ -436,10 +437,10 @@ class Recipe:
                 raise RecipeError("bnb_4bit_quant_type / bnb_4bit_use_double_quant are set without load_in_4bit")
             if self.bnb_4bit_quant_storage != "uint8":
                 raise RecipeError("bnb_4bit_quant_storage is set without load_in_4bit")
-            if self.load_dtype != "auto":
-                raise RecipeError("load_dtype is set without load_in_4bit")
-        elif self.load_dtype != "auto" and not (self.precision == f"{self.load_dtype}-mixed" and self.mode == "training"):
-            raise RecipeError(f"load_dtype={self.load_dtype!r} is a 4-bit base loaded in {self.load_dtype} and trained "
+            if self.load_dtype != "auto" and not self.uses_lora:
+                raise RecipeError("load_dtype is set without load_in_4bit or LoRA")
+        if self.load_dtype != "auto" and not (self.precision == f"{self.load_dtype}-mixed" and self.mode == "training"):
+            raise RecipeError(f"load_dtype={self.load_dtype!r} is a model loaded in {self.load_dtype} and trained "
                               f"under {self.load_dtype} autocast: it needs precision {self.load_dtype}-mixed")
         if self.load_in_8bit:
             if self.load_in_4bit:
@@ -484,7 +485,9 @@ class Recipe:
 
     @property
     def weight_dtype_name(self) -> str:
-        """dtype the model is built in."""
+        """dtype the model is built in (a 4-bit base's load dtype is models.build_quantized_model's)."""
+        if self.load_dtype != "auto" and not self.load_in_4bit:  # a half model under its autocast, with LoRA
+            return {"bf16": "bfloat16", "fp16": "float16"}[self.load_dtype]
         if self.precision in ("bf16-master", "bf16-true"):
             return "bfloat16"
         if self.precision == "fp16-true":

@@ -446,9 +446,10 @@ def default_command(spec: ModelSpec, recipe: Recipe, *, device: str, fake: bool)
     defaults = Recipe(mode=recipe.mode)
     if recipe.is_inference:
         args.append("--inference")
+    # The precision always: the CLI's default depends on the other knobs (a 4-bit base's is bf16-true).
+    args += ["--precision", recipe.precision]
     for key, flag in (("batch", "--batch"), ("seq", "--seq"), ("grad_accum", "--grad-accum"),
-                      ("new_tokens", "--new-tokens"), ("beams", "--beams"),
-                      ("precision", "--precision"), ("optimizer", "--optimizer"),
+                      ("new_tokens", "--new-tokens"), ("beams", "--beams"), ("optimizer", "--optimizer"),
                       ("checkpointing", "--checkpointing"), ("attention", "--attention"), ("loss", "--loss"),
                       ("allocator", "--allocator"), ("gpus", "--gpus"), ("parallel", "--parallel"),
                       ("tp", "--tp"), ("pp", "--pp"), ("pp_schedule", "--pp-schedule"),
@@ -483,10 +484,10 @@ def default_command(spec: ModelSpec, recipe: Recipe, *, device: str, fake: bool)
             args += ["--load-in-4bit", "--bnb-4bit-quant-type", recipe.bnb_4bit_quant_type]
             if recipe.bnb_4bit_use_double_quant:
                 args.append("--bnb-4bit-use-double-quant")
-        if recipe.load_dtype != "auto":
-            args += ["--load-dtype", recipe.load_dtype]
         if recipe.bnb_4bit_quant_storage != "uint8":
             args += ["--bnb-4bit-quant-storage", recipe.bnb_4bit_quant_storage]
+    if recipe.load_dtype != "auto":  # a 4-bit base's or a LoRA model's
+        args += ["--load-dtype", recipe.load_dtype]
     if fake:
         args.append("--fake")
     if device != "cpu":
