@@ -158,9 +158,10 @@ void StepBuilder::step_parameters(const std::vector<const Param*>& opt, bool fir
   // The elements this rank's optimizer holds of a parameter (FSDP2: its shard).
   auto numel_of = [&](const Param& p) { return dp_of_slot(p.slot).local_numel(p.slot, p.numel); };
   // A tensor of no elements has no storage (an FSDP2 rank past a parameter's last chunk).
-  auto state = [&](std::uint64_t bytes) {
-    if (bytes != 0) states_.push_back(t_.alloc_bytes(bytes, Category::kOptimizerStates));
+  auto alloc_into = [&](std::vector<TensorId>& into, std::uint64_t bytes, Category category) {
+    if (bytes != 0) into.push_back(t_.alloc_bytes(bytes, category));
   };
+  auto state = [&](std::uint64_t bytes) { alloc_into(states_, bytes, Category::kOptimizerStates); };
   if (dp_->fsdp_offload()) {
     op("optimizer.cpu_step");  // the torch optimizer on the host: nothing on the GPU (Note [FSDP2 CPU offload])
   } else if (dp_->offload()) {
@@ -187,7 +188,7 @@ void StepBuilder::step_parameters(const std::vector<const Param*>& opt, bool fir
         op("optimizer.foreach_sqrt");
         std::vector<TensorId> tmp;
         for (const Param* p : opt) {
-          if (numel_of(*p) != 0) tmp.push_back(t_.alloc_bytes(numel_of(*p) * sb_of(*p), Category::kTemporaries));
+          alloc_into(tmp, numel_of(*p) * sb_of(*p), Category::kTemporaries);
         }
         for (TensorId id : tmp) t_.release(id);
       } else {

@@ -99,10 +99,7 @@ def test_tensor_parallel_entries_exact(comparisons):
     assert len(tp) >= 5, [name for name, _ in tp]
     assert any(c["measured_peak"].get("phase") == "backward" and "layer" in c["measured_peak"].get("op", "")
                for _, c in tp), "no tensor-parallel entry peaks inside a layer's backward"
-    for name, c in tp:
-        assert c["measured_peak_allocated_bytes"] == c["predicted_peak_allocated_bytes"], name
-        for cat, v in c["categories"].items():
-            assert v["measured"] == v["predicted"], (name, cat, v)
+    _assert_exact(tp)
     # Sequence parallelism (Note [Sequence parallelism]): SGD, AdamW, bf16-true and checkpointing.
     sp = [c["recipe"] for _, c in tp if c["recipe"].get("sequence_parallel")]
     assert len(sp) >= 4, sp
@@ -227,10 +224,7 @@ def test_4bit_entries_exact(comparisons):
     # Under autocast the backward dequantizes in the fp32 load dtype, then casts (Note [QLoRA]).
     assert any(c["recipe"]["precision"] == "bf16-mixed" and c["measured_peak"].get("phase") == "backward"
                for _, c in quantized if "ranks" not in c)
-    for name, c in quantized:
-        assert c["measured_peak_allocated_bytes"] == c["predicted_peak_allocated_bytes"], name
-        for cat, v in c["categories"].items():
-            assert v["measured"] == v["predicted"], (name, cat, v)
+    _assert_exact(quantized)
 
 
 def test_half_loaded_qlora_entries_exact(comparisons):
@@ -247,11 +241,7 @@ def test_half_loaded_qlora_entries_exact(comparisons):
     assert any(c["recipe"]["checkpointing"] == "full" for _, c in runs)
     assert all(c["recipe"]["precision"] == c["recipe"]["load_dtype"] + "-mixed" for _, c in runs)
     assert {c["recipe"]["load_dtype"] for _, c in runs} == {"bf16", "fp16"}
-    _assert_every_rank_exact([(n, c) for n, c in runs if "ranks" in c])
-    for name, c in runs:
-        assert c["measured_peak_allocated_bytes"] == c["predicted_peak_allocated_bytes"], name
-        for cat, v in c["categories"].items():
-            assert v["measured"] == v["predicted"], (name, cat, v)
+    _assert_exact(runs)
 
 
 def test_half_model_lora_entries_exact(comparisons):
@@ -265,11 +255,7 @@ def test_half_model_lora_entries_exact(comparisons):
     assert {c["recipe"].get("parallel", "none") for _, c in runs} == {"none", "ddp", "fsdp"}
     assert {c["recipe"]["load_dtype"] for _, c in runs} == {"bf16", "fp16"}
     assert all(c["recipe"]["lora_rank"] > 0 for _, c in runs)
-    _assert_every_rank_exact([(n, c) for n, c in runs if "ranks" in c])
-    for name, c in runs:
-        assert c["measured_peak_allocated_bytes"] == c["predicted_peak_allocated_bytes"], name
-        for cat, v in c["categories"].items():
-            assert v["measured"] == v["predicted"], (name, cat, v)
+    _assert_exact(runs)
 
 
 def test_every_measured_rank(comparisons):
@@ -331,19 +317,17 @@ def test_fsdp_entries_exact(comparisons):
     assert any(c["recipe"].get("fsdp_replicate", 1) > 1 for _, c in fsdp)
     assert any(c["measured_peak"].get("phase") == "backward" and c["measured_peak"].get("op", "").startswith("layer")
                for _, c in fsdp), "no FSDP2 entry peaks inside a layer's backward"
-    for name, c in fsdp:
-        assert c["measured_peak_allocated_bytes"] == c["predicted_peak_allocated_bytes"], name
-        for cat, v in c["categories"].items():
-            assert v["measured"] == v["predicted"], (name, cat, v)
+    _assert_exact(fsdp)
 
 
-def _assert_every_rank_exact(runs):
-    """Each comparison's peak and categories, and every measured rank's peak, to the byte."""
+def _assert_exact(runs):
+    """Each comparison's peak and categories, and every measured rank's peak (a multi-process
+    run's), to the byte."""
     for name, c in runs:
         assert c["measured_peak_allocated_bytes"] == c["predicted_peak_allocated_bytes"], name
         for cat, v in c["categories"].items():
             assert v["measured"] == v["predicted"], (name, cat, v)
-        for r in c["ranks"]:
+        for r in c.get("ranks", []):
             assert r["measured_peak_allocated_bytes"] == r["predicted_peak_allocated_bytes"], (name, r["rank"])
 
 
@@ -359,7 +343,7 @@ def test_ddp_lora_entries_exact(comparisons):
     recipes = [c["recipe"] for _, c in runs]
     assert any(r["checkpointing"] == "full" for r in recipes) and any(r["grad_accum"] > 1 for r in recipes)
     assert any(c["measured_peak"].get("phase") == "loss" for _, c in runs)
-    _assert_every_rank_exact(runs)
+    _assert_exact(runs)
 
 
 def test_fsdp_lora_entries_exact(comparisons):
@@ -379,7 +363,7 @@ def test_fsdp_lora_entries_exact(comparisons):
     assert any(not r.get("fsdp_reshard_after_forward", True) and r["grad_accum"] > 1 for r in recipes)
     assert any(r["checkpointing"] == "none" for r in recipes) and any(r["checkpointing"] == "full" for r in recipes)
     assert any(c["measured_peak"].get("phase") == "backward" for _, c in runs)
-    _assert_every_rank_exact(runs)
+    _assert_exact(runs)
 
 
 def test_ddp_find_unused_entries_exact(comparisons):
@@ -392,7 +376,7 @@ def test_ddp_find_unused_entries_exact(comparisons):
     assert any(c["recipe"].get("lora_rank", 0) == 0 for _, c in runs)
     assert any(c["recipe"]["grad_accum"] > 1 for _, c in runs)
     assert any(c["measured_peak"].get("phase") == "loss" for _, c in runs)
-    _assert_every_rank_exact(runs)
+    _assert_exact(runs)
 
 
 def test_data_parallel_qlora_entries_exact(comparisons):
@@ -422,7 +406,7 @@ def test_data_parallel_qlora_entries_exact(comparisons):
     assert any(r["precision"] == "bf16-master" for r in recipes) and any(r["precision"] == "fp32" for r in recipes)
     assert {r["bnb_4bit_quant_type"] for r in recipes} == {"nf4", "fp4"}
     assert any(c["measured_peak"].get("phase") == "backward" for _, c in runs)
-    _assert_every_rank_exact(runs)
+    _assert_exact(runs)
 
 
 def test_bf16_quant_storage_entries_exact(comparisons):
@@ -439,11 +423,7 @@ def test_bf16_quant_storage_entries_exact(comparisons):
     assert {r.get("parallel", "none") for r in recipes} == {"none", "fsdp", "zero3"}
     assert {r["gpus"] for r in recipes if "gpus" in r} >= {2, 3}
     assert {r["precision"] for r in recipes if r.get("parallel") == "zero3"} == {"fp32", "bf16-master"}
-    _assert_every_rank_exact([(n, c) for n, c in runs if "ranks" in c])
-    for name, c in runs:
-        assert c["measured_peak_allocated_bytes"] == c["predicted_peak_allocated_bytes"], name
-        for cat, v in c["categories"].items():
-            assert v["measured"] == v["predicted"], (name, cat, v)
+    _assert_exact(runs)
 
 
 def test_zero_lora_entries_exact(comparisons):

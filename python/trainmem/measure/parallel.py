@@ -499,36 +499,23 @@ def _settle_functional_collectives(tracker) -> None:
     use_count = torch._C._storage_Use_Count
     ops = torch.ops._c10d_functional
 
-    def tensors(obj):
-        stack = [obj]
-        while stack:
-            item = stack.pop()
-            if isinstance(item, torch.Tensor):
-                yield item
-            elif isinstance(item, (list, tuple)):
-                stack.extend(item)
-
     def collective(func, args, kwargs):
         inputs = {}
-        for t in tensors((args, list(kwargs.values()))):
+        for t in _iter_tensors((args, kwargs)):
             st = t.untyped_storage()
             inputs.setdefault(st._cdata, st)
         # with `inputs` holding one reference each
         settled = [(st, use_count(cdata)) for cdata, st in inputs.items()]
         out = func(*args, **kwargs)
         outputs = {}
-        for t in tensors(out):
+        for t in _iter_tensors(out):
             ops.wait_tensor(t)
             st = t.untyped_storage()
             # each returned tensor's reference, and this storage object's
             outputs[st._cdata] = (st, outputs.get(st._cdata, (st, 1))[1] + 1)
         settled += list(outputs.values())
-        deadline = time.monotonic() + _SETTLE_TIMEOUT_S
-        while any(use_count(st._cdata) > n for st, n in settled):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"gloo's Work kept a collective's tensors alive for {_SETTLE_TIMEOUT_S:.0f} s "
-                                   "(Note [Settled functional collectives])")
-            time.sleep(0.0002)
+        _wait_until_settled(lambda: any(use_count(st._cdata) > n for st, n in settled), 0.0002,
+                            "gloo's Work kept a collective's tensors alive", "Settled functional collectives")
         return out
 
     for name in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "all_reduce"):
@@ -779,6 +766,16 @@ def _attach_ddp(tracker, ddp) -> None:
 _SETTLE_TIMEOUT_S = 60.0
 
 
+def _wait_until_settled(busy, interval_s: float, what: str, note: str) -> None:
+    """Sleep `interval_s` at a time (releasing the GIL, so gloo's worker thread can drop its Work)
+    while `busy()`; an error after _SETTLE_TIMEOUT_S."""
+    deadline = time.monotonic() + _SETTLE_TIMEOUT_S
+    while busy():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} for {_SETTLE_TIMEOUT_S:.0f} s (Note [{note}])")
+        time.sleep(interval_s)
+
+
 def _settled_reduce_scatter(tracker, fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -786,12 +783,8 @@ def _settled_reduce_scatter(tracker, fn):
         out = fn(*args, **kwargs)
         if isinstance(out, torch.distributed.Work):
             out.wait()  # an async caller; FSDP2 calls it synchronously
-        deadline = time.monotonic() + _SETTLE_TIMEOUT_S
-        while any(rec.free_index is None for rec in tracker.records[first:]):
-            if time.monotonic() > deadline:
-                raise RuntimeError("gloo's reduce-scatter kept a temporary alive for "
-                                   f"{_SETTLE_TIMEOUT_S:.0f} s (Note [Settled reduce-scatter])")
-            time.sleep(0.001)  # releases the GIL: the worker thread drops the Work
+        _wait_until_settled(lambda: any(rec.free_index is None for rec in tracker.records[first:]), 0.001,
+                            "gloo's reduce-scatter kept a temporary alive", "Settled reduce-scatter")
         return out
     return wrapper
 
