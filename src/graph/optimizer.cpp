@@ -74,6 +74,19 @@ void StepBuilder::bnb_quantization_maps() {
   states_.push_back(t_.alloc_bytes(256 * 4, c));
 }
 
+// The parameters in model.parameters() order. A LoRA model's adapters are made in their layer's
+// registration order already (create_adapters), and its frozen base holds no gradient.
+std::vector<std::uint32_t> StepBuilder::optimizer_order() const {
+  if (r_.lora.enabled()) {
+    std::vector<std::uint32_t> order(params_.size());
+    for (std::uint32_t k = 0; k < order.size(); ++k) order[k] = k;
+    return order;
+  }
+  std::vector<std::uint32_t> order = registration_order(m_.parameters, a_.num_layers, a_.family);
+  TRAINMEM_ASSERT(order.size() == params_.size(), "the registration order misses parameters");
+  return order;
+}
+
 void StepBuilder::optimizer_step(bool first) {
   phase_ = Phase::kOptimizer;
   layer_ = kNoLayer;
@@ -100,9 +113,7 @@ void StepBuilder::optimizer_step(bool first) {
   if (pol_.master && !dp_->zero()) {
     // fp32 gradients for the master copy, parameter by parameter; the half .grad goes.
     op("optimizer.master_grads");
-    const std::vector<std::uint32_t> order = registration_order(m_.parameters, a_.num_layers, a_.family);
-    TRAINMEM_ASSERT(order.size() == params_.size(), "the registration order misses parameters");
-    for (std::uint32_t pi : order) {  // See Note [Parameter registration order]
+    for (std::uint32_t pi : optimizer_order()) {  // See Note [Parameter registration order]
       Param& p = params_[pi];
       TensorId g = t_.param_grad(p.slot);
       if (g == kNone) continue;
@@ -113,9 +124,13 @@ void StepBuilder::optimizer_step(bool first) {
   }
   // The optimizer holds the trainable parameters only (LoRA: the adapters, fp32); states are
   // zeros_like the parameter (fp32 masters for bf16-master).
+  // They come in model.parameters() order (See Note [Parameter registration order]): Adafactor's
+  // loop keeps one parameter's temporaries into the next's (Note [Adafactor's loop variables]),
+  // and zero_grad frees the gradients in that order.
+  const std::vector<std::uint32_t> order = optimizer_order();
   std::vector<const Param*> opt;
-  for (const Param& p : params_) {
-    if (p.trainable) opt.push_back(&p);
+  for (std::uint32_t pi : order) {
+    if (params_[pi].trainable) opt.push_back(&params_[pi]);
   }
   // ZeRO hands the torch optimizer this rank's fp32 master partition, one sub-group at a time
   // (ZeRO-1/2: one; ZeRO-3: sub_group_size elements each, Note [DeepSpeed ZeRO-3]).
@@ -139,7 +154,8 @@ void StepBuilder::optimizer_step(bool first) {
   }
   if (found_inf != kNone) t_.release(found_inf);  // GradScaler.update() drops its per-step state
   op("optimizer.zero_grad");
-  for (Param& p : params_) {
+  for (std::uint32_t pi : order) {
+    Param& p = params_[pi];
     TensorId g = t_.param_grad(p.slot);
     if (g != kNone) {
       t_.release(g);
@@ -229,8 +245,16 @@ void StepBuilder::step_parameters(const std::vector<const Param*>& opt, bool fir
       // State: row and column means of grad^2 for 2-D parameters, the full grad^2 average for
       // 1-D ones, in the dtype of the fp32 gradient copy; step and RMS are Python numbers.
       // Temporaries, all fp32 and parameter-sized (G): grad.float() and p.float() for half
-      // parameters (alive for the whole update), grad**2 and grad**2 + eps, the factored
-      // approximation (or rsqrt of the average), and -update for the final add.
+      // parameters, grad**2 and grad**2 + eps, the factored approximation (or rsqrt of the
+      // average), and -update for the final add.
+      // Note [Adafactor's loop variables]
+      // step()'s locals outlive their iteration: `grad`, `p_data_fp32` and `update` still hold
+      // the previous parameter's fp32 copies and update until the next iteration rebinds them
+      // (grad at its first line, p_data_fp32 before its .float(), update once grad**2 + eps is
+      // made), and the last parameter's until step() returns, freed then in the order the frame
+      // lists them (grad, p_data_fp32, update). So two parameters' temporaries overlap: measured
+      // in cpu-qwen3w512l2-bf16mixed-loadbf16-adafactor-ckpt-b1s64, whose peak is the next
+      // parameter's grad**2 + eps beside the last one's three.
       op(first ? "optimizer.adafactor_init" : "optimizer.adafactor");
       if (rms_.size() < opt.size()) rms_.assign(opt.size(), kNone);
       // _rms(x) = x.norm(2) / sqrt(numel): two 0-dim tensors, the norm freed.
@@ -240,13 +264,19 @@ void StepBuilder::step_parameters(const std::vector<const Param*>& opt, bool fir
         t_.release(norm);
         return r;
       };
+      auto drop = [&](TensorId& id) {
+        if (id != kNone) t_.release(id);
+        id = kNone;
+      };
+      TensorId grad32 = kNone, p32 = kNone, update = kNone;  // step()'s locals
       for (std::size_t pi = 0; pi < opt.size(); ++pi) {
         const Param& p = *opt[pi];
         const std::uint64_t g = p.numel * 4;
         const bool half = p.dtype != DType::kF32 && !pol_.master;
         const bool factored = p.rows != 0;
         const std::uint64_t cols = factored ? p.numel / p.rows : 0;
-        TensorId grad32 = half ? t_.alloc_bytes(g, Category::kTemporaries) : kNone;
+        drop(grad32);  // grad = p.grad
+        if (half) grad32 = t_.alloc_bytes(g, Category::kTemporaries);
         if (first) {
           if (factored) {
             states_.push_back(t_.alloc_bytes(p.rows * 4, Category::kOptimizerStates));
@@ -255,7 +285,8 @@ void StepBuilder::step_parameters(const std::vector<const Param*>& opt, bool fir
             states_.push_back(t_.alloc_bytes(g, Category::kOptimizerStates));
           }
         }
-        TensorId p32 = half ? t_.alloc_bytes(g, Category::kTemporaries) : kNone;
+        drop(p32);  // p_data_fp32 = p
+        if (half) p32 = t_.alloc_bytes(g, Category::kTemporaries);
         TensorId r = rms();  // state["RMS"] replaces last step's
         t_.set_category(r, Category::kOptimizerStates);
         if (rms_[pi] != kNone) t_.release(rms_[pi]);
@@ -263,7 +294,7 @@ void StepBuilder::step_parameters(const std::vector<const Param*>& opt, bool fir
         TensorId sq = t_.alloc_bytes(g, Category::kTemporaries);   // grad ** 2
         TensorId upd = t_.alloc_bytes(g, Category::kTemporaries);  // + eps
         t_.release(sq);
-        TensorId approx;
+        drop(update);  // update = grad**2 + eps
         if (factored) {
           // Row and column means of the update, added into the state in place.
           t_.release(t_.alloc_bytes(p.rows * 4, Category::kTemporaries));
@@ -274,11 +305,11 @@ void StepBuilder::step_parameters(const std::vector<const Param*>& opt, bool fir
           TensorId rf = t_.alloc_bytes(p.rows * 4, Category::kTemporaries);
           t_.release(mean);
           TensorId cf = t_.alloc_bytes(cols * 4, Category::kTemporaries);
-          approx = t_.alloc_bytes(g, Category::kTemporaries);
+          update = t_.alloc_bytes(g, Category::kTemporaries);
           t_.release(rf);
           t_.release(cf);
         } else {
-          approx = t_.alloc_bytes(g, Category::kTemporaries);  // exp_avg_sq.rsqrt()
+          update = t_.alloc_bytes(g, Category::kTemporaries);  // exp_avg_sq.rsqrt()
         }
         t_.release(upd);
         // update.div_((_rms(update) / clip_threshold).clamp_(min=1.0))
@@ -288,10 +319,10 @@ void StepBuilder::step_parameters(const std::vector<const Param*>& opt, bool fir
         t_.release(clip);
         TensorId neg = t_.alloc_bytes(g, Category::kTemporaries);  // p.add_(-update)
         t_.release(neg);
-        t_.release(approx);
-        t_.release(p32);
-        t_.release(grad32);
       }
+      drop(grad32);
+      drop(p32);
+      drop(update);
       break;
     }
   }

@@ -467,6 +467,7 @@ class StepBuilder {
   // ---------------------------------------------------------------- optimizer (optimizer.cpp)
   void bnb_quantization_maps();
   void optimizer_step(bool first);
+  std::vector<std::uint32_t> optimizer_order() const;  // model.parameters() order, indices into params_
   void step_parameters(const std::vector<const Param*>& opt, bool first);
 
   // ================================================================ generation (generation.cpp)
