@@ -219,8 +219,9 @@ enum class QuantType : std::uint8_t { kFp4, kNf4 };
 // matmul's backward dequantizes to, and prepare_model_for_kbit_training makes the rest fp32 again
 // (Note [The load dtype of a 4-bit base] in src/graph/quant.h); under LoRA without a 4-bit base
 // the frozen model stays half and the fp32 adapters run under autocast (Note [A half model under
-// autocast] in src/graph/step_parameters.cpp). kFp16 the same under fp16-mixed (fp16=True, on GPUs
-// without bf16).
+// autocast] in src/graph/step_parameters.cpp); without either a bf16 model is trained whole under
+// bf16 autocast (Note [A half model trained whole], there). kFp16 the same under fp16-mixed
+// (fp16=True, on GPUs without bf16), with LoRA or a 4-bit base only.
 enum class LoadDtype : std::uint8_t { kAuto, kBf16, kFp16 };
 // The dtype of a 4-bit weight's packed bytes (bnb_4bit_quant_storage): uint8, bitsandbytes'
 // default, or bf16, what FSDP and ZeRO-3 QLoRA scripts set so that the packed weights share a bf16
@@ -296,8 +297,9 @@ struct Recipe {
   Offload offload = Offload::kNone;
 
   void validate() const;  // throws Error naming the field
-  // A LoRA model loaded half and trained under that autocast, no 4-bit base (Note [A half model
-  // under autocast] in src/graph/step_parameters.cpp).
+  // A model loaded half and trained under that autocast, no 4-bit base: through LoRA adapters, or
+  // whole in bf16 (Notes [A half model under autocast], [A half model trained whole] in
+  // src/graph/step_parameters.cpp).
   bool half_model() const { return !quant.enabled() && load_dtype != LoadDtype::kAuto; }
 };
 

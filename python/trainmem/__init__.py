@@ -78,7 +78,7 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     "load_in_4bit": False,  # BitsAndBytesConfig's spellings (QLoRA: True, "nf4", True)
     "bnb_4bit_quant_type": "fp4",
     "bnb_4bit_use_double_quant": False,
-    "load_dtype": "auto",  # a 4-bit base's or a LoRA model's from_pretrained dtype: auto (the precision's) | bf16 | fp16 (under its autocast)
+    "load_dtype": "auto",  # from_pretrained's dtype: auto (the precision's) | bf16 | fp16 (under its autocast; fp16 with adapters)
     "bnb_4bit_quant_storage": "uint8",  # a 4-bit base: the packed weights' dtype, uint8 | bf16 (FSDP / ZeRO-3 QLoRA)
     "load_in_8bit": False,  # LLM.int8 weights (BitsAndBytesConfig(load_in_8bit=True)); inference only
     "mode": "training",

@@ -39,10 +39,12 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
     `to_dict()`). `seq` is the tokens per sequence the data collator produces (TrainingArguments
     has none; TRL's `max_length` is used when present). `model_dtype` is the dtype the model was
     loaded in: "float32" (the default of from_pretrained without torch_dtype), or "bfloat16" /
-    "float16": half weights and half optimizer states (bf16-true / fp16-true, the half autocast
-    of bf16=True / fp16=True over a half model being no more than that, outside a few fp32 ops);
-    with `peft=True` and bf16=True / fp16=True, the half model's fp32 adapters under autocast
-    (precision bf16-mixed / fp16-mixed with load_dtype bf16 / fp16).
+    "float16": half weights and half optimizer states (bf16-true / fp16-true without bf16=True /
+    fp16=True). With bf16=True a bfloat16 model trains under bf16 autocast (precision bf16-mixed
+    with load_dtype bf16), but under FSDP, where Accelerate casts its trainable parameters to fp32
+    first (a float32 model's recipe); with `peft=True` and bf16=True / fp16=True, the half model's
+    fp32 adapters under autocast (bf16-mixed / fp16-mixed with load_dtype bf16 / fp16). A float16
+    model trained whole with fp16=True is refused: the GradScaler refuses fp16 gradients.
 
     `gpus` is the number of processes the run is launched with (torchrun / accelerate launch);
     TrainingArguments cannot know it. With more than one, the Trainer wraps the model in
@@ -108,11 +110,20 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
         if fp16:
             raise ValueError("fp16=True with a bfloat16 model is not a recipe trainmem models")
         knobs["precision"] = "bf16-true"
-        if bf16 and peft:  # a bf16 model's fp32 adapters under bf16 autocast (load_dtype bf16, measured)
+        if bf16 and (peft or knobs.get("parallel") != "fsdp"):
+            # The half model (and a peft model's fp32 adapters) under bf16 autocast: load_dtype bf16,
+            # measured (cpu-*-loadbf16-*).
             knobs["precision"], knobs["load_dtype"] = "bf16-mixed", "bf16"
+        elif bf16:
+            # Accelerate's fsdp2_prepare_model casts every trainable parameter that is not fp32 to
+            # fp32 when mixed precision is on: the whole model's, so the run is a float32 model's.
+            knobs["precision"] = "bf16-mixed"
     else:
         if bf16:
             raise ValueError("bf16=True with a float16 model is not a recipe trainmem models")
+        if fp16 and not peft:
+            raise ValueError("fp16=True with a float16 model trained whole: the GradScaler refuses fp16 gradients "
+                             "(\"Attempting to unscale FP16 gradients\"); load it in float32 or bfloat16")
         knobs["precision"] = "fp16-true"
         if fp16 and peft and knobs.get("parallel") != "fsdp":  # FSDP2 under fp16 autocast is not modelled
             knobs["precision"], knobs["load_dtype"] = "fp16-mixed", "fp16"

@@ -109,9 +109,9 @@ struct RecipeFlags {
                                                        "QLoRA's base: --load-in-4bit --bnb-4bit-quant-type nf4 "
                                                        "--bnb-4bit-use-double-quant"));
     opt("load_dtype", "--load-dtype", load_dtype,
-        "With --load-in-4bit or --lora: the dtype the model is loaded in; auto (the precision's) | bf16 (with "
-        "bf16-mixed: a Trainer with bf16=True over a bf16-loaded model: a QLoRA base, or a half model whose fp32 "
-        "adapters run under autocast) | fp16 (with fp16-mixed)");
+        "The dtype the model is loaded in; auto (the precision's) | bf16 (with bf16-mixed: a Trainer with "
+        "bf16=True over a bf16-loaded model: a QLoRA base, a half model whose fp32 adapters run under autocast, or "
+        "a half model trained whole) | fp16 (with fp16-mixed, and --load-in-4bit or --lora)");
     opt("bnb_4bit_quant_storage", "--bnb-4bit-quant-storage", quant_storage,
         "With --load-in-4bit: the packed weights' dtype; uint8 (bitsandbytes' default) | bf16 (the FSDP / ZeRO-3 "
         "QLoRA recipe's; the same bytes, sharded as bf16 elements)");

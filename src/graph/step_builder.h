@@ -35,9 +35,9 @@ constexpr std::int32_t kNoLayer = -1;
 // *-master:    half parameters and gradients; the optimizer keeps an fp32 master copy and fp32
 //              gradients (the seed's 6 bytes/param of weights).
 // *-true:      everything half, optimizer states included (zeros_like of half parameters).
-// A half model under LoRA with load_dtype bf16 / fp16: *-true's parameters under *-mixed's
-//              autocast, which casts only what is not half already (Note [A half model under
-//              autocast] in step_parameters.cpp).
+// A half model (load_dtype bf16 / fp16; fp16 only under LoRA): *-true's parameters under
+//              *-mixed's autocast, which casts only what is not half already (Notes [A half model
+//              under autocast], [A half model trained whole] in step_parameters.cpp).
 struct Policy {
   DType param = DType::kF32;
   DType compute = DType::kF32;

@@ -295,8 +295,20 @@ std::uint32_t StepBuilder::add_param(const ParameterGroup& g, bool in_layer, boo
 //    their half inputs up as under bf16-mixed.
 // Against bf16-mixed over an fp32 model the frozen weights are half and never copied; against
 // bf16-true the adapters' matmuls run in bf16. Measured: data/ground_truth/cpu-*-lora*-loadbf16-*,
-// *-loadfp16-*, parallel/cpu-[df]*-lora8-*-loadbf16-* (one process, DDP, FSDP2). A model trained
-// whole this way is refused by the recipe's validation (not measured; bf16-true is close to it).
+// *-loadfp16-*, parallel/cpu-[df]*-lora8-*-loadbf16-* (one process, DDP, FSDP2).
+//
+// Note [A half model trained whole]
+// The same load without adapters: from_pretrained(dtype=torch.bfloat16) and a Trainer with
+// bf16=True, every parameter trained. It is bf16-true's step (bf16 weights, gradients and
+// optimizer states, zeros_like of the parameters) under bf16 autocast, which changes only what
+// autocast's fp32 ops do: their half inputs are cast up and their outputs are fp32 (GPT-2's
+// LayerNorm under CUDA's autocast, whose fp32 output the next matmul casts back and saves).
+// Nothing is cast per use, as no weight is fp32. Only bf16: under fp16=True the GradScaler's
+// unscale_ refuses fp16 gradients, so an fp16 model trained whole is refused; and under
+// Accelerate's FSDP2 the trainable parameters are cast to fp32 before sharding (fsdp2_prepare_model),
+// which is bf16-mixed over an fp32 model (trainmem.hf maps it so); parallel fsdp with load_dtype bf16
+// is fully_shard over the bf16 model itself. Measured: data/ground_truth/cpu-*-bf16mixed-loadbf16-*
+// without lora (one process, DDP, FSDP2, a pipeline).
 void StepBuilder::create_adapters() {
   if (!r_.lora.enabled()) return;
   // Nothing would require grad, and backward() would fail as loss.backward() does.

@@ -460,7 +460,7 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   r.quant.storage = parse_quant_storage(in.bnb_4bit_quant_storage);
   if (!in.precision.empty()) {
     r.precision = parse_precision(in.precision);
-  } else if ((in.load_in_4bit || in.lora_rank > 0) && r.load_dtype != LoadDtype::kAuto) {
+  } else if (r.load_dtype != LoadDtype::kAuto) {
     r.precision = autocast_of(r.load_dtype);
   } else if (r.mode == Mode::kInference || (quantized && !is_zero(parse_parallel(in.parallel)))) {
     r.precision = Precision::kBf16True;
@@ -544,9 +544,11 @@ void Recipe::validate() const {
     if (quant.quant_type != QuantType::kFp4 || quant.double_quant) {
       throw Error("bnb_4bit_quant_type / bnb_4bit_use_double_quant: set without load_in_4bit");
     }
-    if (load_dtype != LoadDtype::kAuto && !lora.enabled()) {
-      throw Error("load_dtype: set without load_in_4bit or LoRA (a model trained whole is loaded in the "
-                  "precision's dtype; a half model trained whole is bf16-true or fp16-true)");
+    // A model trained whole from a half load: only bf16 (Note [A half model trained whole] in
+    // graph/step_parameters.cpp); fp16's GradScaler refuses fp16 gradients.
+    if (load_dtype == LoadDtype::kFp16 && !lora.enabled()) {
+      throw Error("load_dtype: fp16 without LoRA trains fp16 parameters under fp16 autocast, whose GradScaler "
+                  "refuses fp16 gradients (\"Attempting to unscale FP16 gradients\"); use fp16-true, or bf16");
     }
     if (quant.storage != QuantStorage::kUint8) {
       throw Error("bnb_4bit_quant_storage: set without load_in_4bit (it is the packed 4-bit weights' dtype)");

@@ -157,12 +157,18 @@ TEST(QloraRecipe, LoadDtype) {
   EXPECT_EQ(parse_recipe(s).precision, Precision::kBf16Mixed);
   s.load_dtype = "fp16";
   EXPECT_EQ(parse_recipe(s).precision, Precision::kFp16Mixed);
+  // A bf16 model trained whole under bf16 autocast (Note [A half model trained whole]); fp16's
+  // GradScaler refuses fp16 gradients.
   RecipeSpelling plain;
   plain.load_dtype = "bf16";
-  EXPECT_NE(error_of([&] { parse_recipe(plain); }).find("load_dtype: set without load_in_4bit or LoRA"),
-            std::string::npos);
+  EXPECT_EQ(parse_recipe(plain).precision, Precision::kBf16Mixed);
+  EXPECT_TRUE(parse_recipe(plain).half_model());
+  plain.load_dtype = "fp16";
+  EXPECT_NE(error_of([&] { parse_recipe(plain); }).find("refuses fp16 gradients"), std::string::npos);
   // LoRA over a half model under its autocast (Note [A half model under autocast]).
   plain.lora_rank = 8;
+  EXPECT_EQ(parse_recipe(plain).precision, Precision::kFp16Mixed);
+  plain.load_dtype = "bf16";
   EXPECT_EQ(parse_recipe(plain).precision, Precision::kBf16Mixed);
   plain.precision = "bf16-true";
   EXPECT_NE(error_of([&] { parse_recipe(plain); }).find("(precision bf16-mixed); with bf16-true"), std::string::npos);

@@ -249,13 +249,33 @@ def test_half_model_lora_entries_exact(comparisons):
     bf16=True (fp16 the same): the frozen half weights go to autocast's matmuls as they are, the fp32
     adapters get autocast's cached casts (Note [A half model under autocast]). Llama all-linear,
     GPT-2 checkpointed, Qwen3 in fp16 with dropout, Gemma-2 eager; DDP and FSDP2; every rank exact."""
-    runs = [(name, c) for name, c in comparisons
-            if c["recipe"].get("load_dtype") in ("bf16", "fp16") and not c["recipe"].get("load_in_4bit")]
+    runs = [(name, c) for name, c in _half_models(comparisons) if c["recipe"].get("lora_rank", 0) > 0]
     assert len(runs) >= 6, [name for name, _ in runs]
     assert {c["recipe"].get("parallel", "none") for _, c in runs} == {"none", "ddp", "fsdp"}
     assert {c["recipe"]["load_dtype"] for _, c in runs} == {"bf16", "fp16"}
-    assert all(c["recipe"]["lora_rank"] > 0 for _, c in runs)
     _assert_exact(runs)
+
+
+def test_half_model_trained_whole_entries_exact(comparisons):
+    """A model loaded in bf16 and trained whole with bf16=True: bf16-true's weights, gradients and
+    states under bf16 autocast (Note [A half model trained whole]). Llama, GPT-2 eager (its
+    LayerNorm is an fp32 op under autocast), Qwen3 with Adafactor (whose loop keeps the previous
+    parameter's fp32 copies: Note [Adafactor's loop variables]), Phi-3 with fused AdamW and the
+    fused loss, Mistral with 8-bit AdamW and accumulation; DDP, FSDP2 and a pipeline; every rank
+    exact."""
+    runs = [(name, c) for name, c in _half_models(comparisons) if not c["recipe"].get("lora_rank")]
+    assert len(runs) >= 8, [name for name, _ in runs]
+    assert {c["recipe"].get("parallel", "none") for _, c in runs} == {"none", "ddp", "fsdp"}
+    assert any(c["recipe"].get("pp", 1) > 1 for _, c in runs)
+    assert {c["recipe"]["optimizer"] for _, c in runs} >= {"adamw", "adamw-fused", "adamw-8bit", "adafactor", "sgd"}
+    assert all(c["recipe"]["load_dtype"] == "bf16" for _, c in runs)
+    _assert_exact(runs)
+
+
+def _half_models(comparisons):
+    """The entries of a model loaded half without a 4-bit base (load_dtype bf16 / fp16)."""
+    return [(name, c) for name, c in comparisons
+            if c["recipe"].get("load_dtype") in ("bf16", "fp16") and not c["recipe"].get("load_in_4bit")]
 
 
 def test_every_measured_rank(comparisons):

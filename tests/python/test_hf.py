@@ -35,8 +35,8 @@ def test_defaults_and_dtypes():
 
 def test_a_half_model_with_adapters_under_autocast():
     """from_pretrained(dtype=torch.bfloat16), LoRA through peft, bf16=True: the frozen bf16 model and
-    fp32 adapters under bf16 autocast (measured: cpu-*-lora*-loadbf16-*); without adapters the same
-    arguments stay bf16-true, and without bf16=True the adapters run in fp32 (bf16-true)."""
+    fp32 adapters under bf16 autocast (measured: cpu-*-lora*-loadbf16-*); without bf16=True the
+    adapters run in fp32 (bf16-true)."""
     d = args(per_device_train_batch_size=2, optim="adamw_torch").to_dict()
     d["bf16"] = True
     knobs = trainmem.hf.recipe_from_training_arguments(d, seq=256, model_dtype="bfloat16", peft=True)
@@ -46,9 +46,31 @@ def test_a_half_model_with_adapters_under_autocast():
     # The frozen weights are bf16: half the fp32-loaded model's, and no autocast copies of them.
     fp32 = trainmem.estimate("llama-3.2-1b", lora_rank=16, **{k: v for k, v in knobs.items() if k != "load_dtype"})
     assert est.breakdown_at_peak["weights"] < 0.6 * fp32.breakdown_at_peak["weights"]
-    assert "load_dtype" not in trainmem.hf.recipe_from_training_arguments(d, model_dtype="bfloat16")
     plain = args(per_device_train_batch_size=2, optim="adamw_torch").to_dict()
     assert trainmem.hf.recipe_from_training_arguments(plain, model_dtype="bfloat16", peft=True)["precision"] == "bf16-true"
+
+
+def test_a_half_model_trained_whole_under_autocast():
+    """from_pretrained(dtype=torch.bfloat16) trained whole with bf16=True: bf16 weights, gradients and
+    states under bf16 autocast (measured: cpu-*-bf16mixed-loadbf16-*), but under FSDP, where
+    Accelerate casts the trainable parameters to fp32 first; fp16=True over a float16 model fails
+    in the GradScaler."""
+    d = args(per_device_train_batch_size=2, optim="adamw_torch").to_dict()
+    d["bf16"] = True
+    knobs = trainmem.hf.recipe_from_training_arguments(d, seq=256, model_dtype="bfloat16")
+    assert (knobs["precision"], knobs["load_dtype"]) == ("bf16-mixed", "bf16")
+    est = trainmem.estimate("gpt2", **knobs)
+    true = trainmem.estimate("gpt2", **{**knobs, "precision": "bf16-true", "load_dtype": "auto"})
+    assert est.breakdown_at_peak["weights"] == true.breakdown_at_peak["weights"]
+    # GPT-2's LayerNorm runs in fp32 under autocast: its outputs, saved for the next matmul, are wider.
+    assert est.peak_allocated_bytes > true.peak_allocated_bytes
+    d["fsdp"], d["fsdp_config"] = "full_shard auto_wrap", {"fsdp_version": 2}
+    fsdp = trainmem.hf.recipe_from_training_arguments(d, seq=256, model_dtype="bfloat16", gpus=2)
+    assert fsdp["precision"] == "bf16-mixed" and "load_dtype" not in fsdp
+    d = args(per_device_train_batch_size=2, optim="adamw_torch").to_dict()
+    d["fp16"] = True
+    with pytest.raises(ValueError, match="refuses fp16 gradients"):
+        trainmem.hf.recipe_from_training_arguments(d, model_dtype="float16")
 
 
 @pytest.mark.parametrize("kw,message", [

@@ -437,8 +437,9 @@ class Recipe:
                 raise RecipeError("bnb_4bit_quant_type / bnb_4bit_use_double_quant are set without load_in_4bit")
             if self.bnb_4bit_quant_storage != "uint8":
                 raise RecipeError("bnb_4bit_quant_storage is set without load_in_4bit")
-            if self.load_dtype != "auto" and not self.uses_lora:
-                raise RecipeError("load_dtype is set without load_in_4bit or LoRA")
+            if self.load_dtype == "fp16" and not self.uses_lora:  # GradScaler refuses fp16 gradients
+                raise RecipeError("load_dtype='fp16' without LoRA: fp16 parameters under fp16 autocast, whose "
+                                  "GradScaler refuses fp16 gradients; use fp16-true, or bf16")
         if self.load_dtype != "auto" and not (self.precision == f"{self.load_dtype}-mixed" and self.mode == "training"):
             raise RecipeError(f"load_dtype={self.load_dtype!r} is a model loaded in {self.load_dtype} and trained "
                               f"under {self.load_dtype} autocast: it needs precision {self.load_dtype}-mixed")
@@ -486,7 +487,7 @@ class Recipe:
     @property
     def weight_dtype_name(self) -> str:
         """dtype the model is built in (a 4-bit base's load dtype is models.build_quantized_model's)."""
-        if self.load_dtype != "auto" and not self.load_in_4bit:  # a half model under its autocast, with LoRA
+        if self.load_dtype != "auto" and not self.load_in_4bit:  # a half model under its autocast
             return {"bf16": "bfloat16", "fp16": "float16"}[self.load_dtype]
         if self.precision in ("bf16-master", "bf16-true"):
             return "bfloat16"

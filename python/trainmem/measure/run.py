@@ -486,7 +486,7 @@ def default_command(spec: ModelSpec, recipe: Recipe, *, device: str, fake: bool)
                 args.append("--bnb-4bit-use-double-quant")
         if recipe.bnb_4bit_quant_storage != "uint8":
             args += ["--bnb-4bit-quant-storage", recipe.bnb_4bit_quant_storage]
-    if recipe.load_dtype != "auto":  # a 4-bit base's or a LoRA model's
+    if recipe.load_dtype != "auto":  # a half-loaded model (4-bit base, LoRA or whole)
         args += ["--load-dtype", recipe.load_dtype]
     if fake:
         args.append("--fake")
