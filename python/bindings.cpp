@@ -72,6 +72,7 @@ NB_MODULE(_core, m) {
       .def_rw("bnb_4bit_quant_type", &RecipeSpelling::bnb_4bit_quant_type)
       .def_rw("load_dtype", &RecipeSpelling::load_dtype)
       .def_rw("bnb_4bit_quant_storage", &RecipeSpelling::bnb_4bit_quant_storage)
+      .def_rw("prepare_kbit_training", &RecipeSpelling::prepare_kbit_training)
       .def_rw("bnb_4bit_use_double_quant", &RecipeSpelling::bnb_4bit_use_double_quant)
       .def_rw("load_in_8bit", &RecipeSpelling::load_in_8bit)
       .def_rw("mode", &RecipeSpelling::mode)

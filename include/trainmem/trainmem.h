@@ -237,6 +237,11 @@ struct Quantization {
   bool double_quant = false;               // the block constants quantized again (8-bit)
   QuantStorage storage = QuantStorage::kUint8;
   bool load_in_8bit = false;               // LLM.int8: int8 weights and fp32 row scales
+  // peft's prepare_model_for_kbit_training, which casts what is not 4-bit to fp32. TRL skips it for
+  // a base loaded to the CPU or meta device (sharded QLoRA under FSDP or ZeRO-3): false keeps a
+  // half-loaded base's other weights half (Note [QLoRA without prepare_model_for_kbit_training]
+  // in src/graph/quant.h).
+  bool prepare_kbit_training = true;
   bool enabled() const { return load_in_4bit; }  // a 4-bit base
   bool any() const { return load_in_4bit || load_in_8bit; }
 };
@@ -300,7 +305,9 @@ struct Recipe {
   // A model loaded half and trained under that autocast, no 4-bit base: through LoRA adapters, or
   // whole in bf16 (Notes [A half model under autocast], [A half model trained whole] in
   // src/graph/step_parameters.cpp).
-  bool half_model() const { return !quant.enabled() && load_dtype != LoadDtype::kAuto; }
+  bool half_model() const {
+    return load_dtype != LoadDtype::kAuto && (!quant.enabled() || !quant.prepare_kbit_training);
+  }
 };
 
 std::string_view to_string(Precision);
@@ -337,6 +344,7 @@ struct RecipeSpelling {
   bool bnb_4bit_use_double_quant = false;
   std::string load_dtype = "auto";            // auto | bf16 | fp16: from_pretrained's dtype (4-bit base or LoRA)
   std::string bnb_4bit_quant_storage = "uint8";  // uint8 | bf16: the packed 4-bit weights' dtype
+  bool prepare_kbit_training = true;             // false: the rest of a half-loaded 4-bit base stays half
   bool load_in_8bit = false;
   std::string mode = "training";  // training | inference
   std::uint64_t new_tokens = 128;

@@ -79,6 +79,7 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     "bnb_4bit_quant_type": "fp4",
     "bnb_4bit_use_double_quant": False,
     "load_dtype": "auto",  # from_pretrained's dtype: auto (the precision's) | bf16 | fp16 (under its autocast; fp16 with adapters)
+    "prepare_kbit_training": True,  # a half-loaded 4-bit base: False keeps what is not 4-bit half (sharded QLoRA)
     "bnb_4bit_quant_storage": "uint8",  # a 4-bit base: the packed weights' dtype, uint8 | bf16 (FSDP / ZeRO-3 QLoRA)
     "load_in_8bit": False,  # LLM.int8 weights (BitsAndBytesConfig(load_in_8bit=True)); inference only
     "mode": "training",
@@ -133,7 +134,7 @@ def _spelling(knobs: dict[str, Any]):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"lora_dropout: must be a number, got {value!r}")
             value = float(value)
-        elif name in ("load_in_4bit", "bnb_4bit_use_double_quant", "load_in_8bit", "fsdp_reshard_after_forward",
+        elif name in ("load_in_4bit", "bnb_4bit_use_double_quant", "load_in_8bit", "fsdp_reshard_after_forward", "prepare_kbit_training",
                       "sequence_parallel", "loss_parallel", "ddp_find_unused_parameters"):
             if not isinstance(value, bool):
                 raise ValueError(f"{name}: must be True or False, got {value!r}")

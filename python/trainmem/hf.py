@@ -34,7 +34,8 @@ def _get(args: Any, name: str, default: Any = None) -> Any:
 
 def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_dtype: str = "float32",
                                    gpu: str | None = None, gpus: int | None = None,
-                                   peft: bool = False, quantization_config: Any = None) -> dict[str, Any]:
+                                   peft: bool = False, quantization_config: Any = None,
+                                   prepare_kbit_training: bool = True) -> dict[str, Any]:
     """Keyword arguments for trainmem.estimate / trainmem.fit from a `TrainingArguments` (or its
     `to_dict()`). `seq` is the tokens per sequence the data collator produces (TrainingArguments
     has none; TRL's `max_length` is used when present). `model_dtype` is the dtype the model was
@@ -62,7 +63,8 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
     `model.config.quantization_config` holds it) for a QLoRA run: a 4-bit base prepared with
     peft's `prepare_model_for_kbit_training` (which makes everything but the 4-bit weights fp32)
     and trained through adapters (`peft=True`; the caller gives lora_rank etc.). See
-    recipe_from_quantization_config for what it maps.
+    recipe_from_quantization_config for what it maps; `prepare_kbit_training=False` when the base
+    was not prepared (TRL's SFTTrainer with a base sharded by FSDP or ZeRO-3).
 
     Not modelled, so refused: FSDP1, FSDP2's hybrid sharding options, reentrant
     checkpointing, optimizers other than those of _OPTIMIZERS and SGD with momentum, and what
@@ -78,7 +80,8 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
         # precision is that of a float32 model (DeepSpeed's bf16 mode casts it back).
         knobs = recipe_from_training_arguments(args, seq=seq, model_dtype="float32", gpu=gpu, gpus=gpus, peft=True)
         knobs.update(recipe_from_quantization_config(quantization_config, model_dtype=model_dtype,
-                                                     precision=knobs.get("precision", "fp32")))
+                                                     precision=knobs.get("precision", "fp32"),
+                                                     prepare_kbit_training=prepare_kbit_training))
         return knobs
     if _get(args, "deepspeed"):
         return recipe_from_deepspeed_config(_get(args, "deepspeed"), seq=seq, gpus=gpus, training_arguments=args,
@@ -176,12 +179,15 @@ _QUANT_STORAGES = {"uint8": "uint8", "bfloat16": "bf16"}  # torch's dtype name -
 
 
 def recipe_from_quantization_config(config: Any, *, model_dtype: str = "float32",
-                                    precision: str = "fp32") -> dict[str, Any]:
+                                    precision: str = "fp32", prepare_kbit_training: bool = True) -> dict[str, Any]:
     """The 4-bit knobs of a QLoRA run from its BitsAndBytesConfig (or the dict of to_dict()), for a
     base loaded with from_pretrained(dtype=`model_dtype`), prepared with peft's
-    prepare_model_for_kbit_training and trained in `precision` (the Trainer's: "bf16-mixed" for
-    bf16=True, "fp16-mixed" for fp16=True, else "fp32"; under DeepSpeed its bf16 mode,
-    "bf16-master", over a bfloat16-loaded base, as measured).
+    prepare_model_for_kbit_training (`prepare_kbit_training=False`: not prepared, as TRL's
+    SFTTrainer leaves a base sharded by FSDP or ZeRO-3; a half-loaded base's other weights then
+    stay half, Note [QLoRA without prepare_model_for_kbit_training] in src/graph/quant.h) and
+    trained in `precision` (the Trainer's: "bf16-mixed" for bf16=True, "fp16-mixed" for fp16=True,
+    else "fp32"; under DeepSpeed its bf16 mode, "bf16-master", over a bfloat16-loaded base, as
+    measured).
 
     Mapped: load_in_4bit with bnb_4bit_quant_type and bnb_4bit_use_double_quant; a bfloat16-loaded
     base under bf16=True is load_dtype "bf16" (its QuantState is bf16; Note [The load dtype of a
@@ -227,6 +233,9 @@ def recipe_from_quantization_config(config: Any, *, model_dtype: str = "float32"
         knobs["load_dtype"] = "bf16"
     if precision == "fp16-mixed" and loaded == "float16":
         knobs["load_dtype"] = "fp16"
+    # Unprepared, a float32 base is the same model, and DeepSpeed's bf16 mode casts it all anyway.
+    if not prepare_kbit_training and "load_dtype" in knobs:
+        knobs["prepare_kbit_training"] = False
     return knobs
 
 

@@ -65,7 +65,7 @@ struct RecipeFlags {
               loss = "standard", gpu = "h100-80gb", allocator = "default";
   std::string lora_rank = "0", lora_targets = "default", lora_dropout = "0";
   bool inference = false;
-  bool load_in_4bit = false, double_quant = false, qlora = false, load_in_8bit = false;
+  bool load_in_4bit = false, double_quant = false, qlora = false, load_in_8bit = false, no_prepare_kbit = false;
   bool sequence_parallel = false;
   bool loss_parallel = false;
   bool ddp_find_unused_parameters = false;
@@ -112,6 +112,11 @@ struct RecipeFlags {
         "The dtype the model is loaded in; auto (the precision's) | bf16 (with bf16-mixed: a Trainer with "
         "bf16=True over a bf16-loaded model: a QLoRA base, a half model whose fp32 adapters run under autocast, or "
         "a half model trained whole) | fp16 (with fp16-mixed, and --load-in-4bit or --lora)");
+    options.emplace_back("prepare_kbit_training",
+                         app->add_flag("--no-prepare-kbit-training", no_prepare_kbit,
+                                       "With --load-in-4bit and --load-dtype bf16/fp16: skip peft's "
+                                       "prepare_model_for_kbit_training, so what is not 4-bit stays half (TRL's "
+                                       "sharded QLoRA under FSDP or ZeRO-3)"));
     opt("bnb_4bit_quant_storage", "--bnb-4bit-quant-storage", quant_storage,
         "With --load-in-4bit: the packed weights' dtype; uint8 (bitsandbytes' default) | bf16 (the FSDP / ZeRO-3 "
         "QLoRA recipe's; the same bytes, sharded as bf16 elements)");
@@ -192,6 +197,7 @@ struct RecipeFlags {
     sp.bnb_4bit_use_double_quant = double_quant || qlora;
     sp.load_dtype = load_dtype;
     sp.bnb_4bit_quant_storage = quant_storage;
+    sp.prepare_kbit_training = !no_prepare_kbit;
     sp.load_in_8bit = load_in_8bit;
     sp.mode = inference ? "inference" : "training";
     sp.new_tokens = parse_count(new_tokens, "new_tokens");
@@ -314,6 +320,7 @@ std::string compare(const std::string& path, bool as_json) {
   sp.bnb_4bit_use_double_quant = flag("bnb_4bit_use_double_quant", false);
   sp.load_dtype = text("load_dtype", sp.load_dtype.c_str());
   sp.bnb_4bit_quant_storage = text("bnb_4bit_quant_storage", sp.bnb_4bit_quant_storage.c_str());
+  sp.prepare_kbit_training = flag("prepare_kbit_training", true);
   sp.load_in_8bit = flag("load_in_8bit", false);
   sp.sequence_parallel = flag("sequence_parallel", false);
   sp.loss_parallel = flag("loss_parallel", false);

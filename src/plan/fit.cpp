@@ -345,7 +345,7 @@ class Planner {
     for (const std::string& t : r.lora.targets) k += "/" + t;
     if (r.quant.enabled()) {
       k += "/4bit/" + std::string(to_string(r.quant.quant_type)) + (r.quant.double_quant ? "/dq" : "") + "/" +
-           std::string(to_string(r.quant.storage));
+           std::string(to_string(r.quant.storage)) + (r.quant.prepare_kbit_training ? "" : "/unprepared");
     }
     k += "/load" + std::string(to_string(r.load_dtype));
     return k;
@@ -498,9 +498,10 @@ std::uint64_t weight_bytes(const Model& m, const Recipe& r) {
   std::uint64_t weights = 0;
   for (const ParameterGroup& g : m.parameters) {
     // A 4-bit base (Note [QLoRA]): the layers' linear weights packed, everything else fp32, or
-    // bf16 again under DeepSpeed's bf16 mode (bf16-master: Note [QLoRA under ZeRO-1/2]).
+    // bf16 again under DeepSpeed's bf16 mode (bf16-master: Note [QLoRA under ZeRO-1/2]), or half
+    // without prepare_model_for_kbit_training (half_model()).
     const bool packed = r.quant.enabled() && g.matmul_weight && g.name.find(".N.") != std::string::npos;
-    const std::uint64_t rest = r.quant.enabled() && r.precision != Precision::kBf16Master ? 4 : pb;
+    const std::uint64_t rest = r.quant.enabled() && r.precision != Precision::kBf16Master && !r.half_model() ? 4 : pb;
     const std::uint64_t one = packed ? graph::packed_4bit(g.numel, r.quant.double_quant, storage_dtype(r.quant.storage)).packed_bytes
                                      : detail::mul(g.numel, rest, "parameter bytes");
     weights = detail::add(weights, detail::mul(one, g.count, "parameter bytes"), "parameter bytes");

@@ -11,8 +11,10 @@ namespace trainmem::plan {
 inline std::uint64_t parameter_bytes(Precision p) {
   return p == Precision::kBf16Master || p == Precision::kBf16True || p == Precision::kFp16True ? 2 : 4;
 }
-// A recipe's model parameters: a half-loaded LoRA model's frozen weights are half under autocast
-// (Note [A half model under autocast] in graph/step_parameters.cpp).
+// A recipe's model parameters: a half-loaded model's are half under autocast (Notes [A half model
+// under autocast] and [A half model trained whole] in graph/step_parameters.cpp; a 4-bit base's
+// rest without prepare_model_for_kbit_training, Note [QLoRA without prepare_model_for_kbit_training]
+// in graph/quant.h).
 inline std::uint64_t parameter_bytes(const Recipe& r) {
   return r.half_model() ? 2 : parameter_bytes(r.precision);
 }

@@ -458,6 +458,7 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   // base], [A half model under autocast]).
   r.load_dtype = parse_load_dtype(in.load_dtype);
   r.quant.storage = parse_quant_storage(in.bnb_4bit_quant_storage);
+  r.quant.prepare_kbit_training = in.prepare_kbit_training;
   if (!in.precision.empty()) {
     r.precision = parse_precision(in.precision);
   } else if (r.load_dtype != LoadDtype::kAuto) {
@@ -579,6 +580,10 @@ void Recipe::validate() const {
     throw Error("load_dtype: " + d + " is a model loaded in " + d + " and trained under " + d +
                 " autocast (precision " + d + "-mixed); with " + std::string(to_string(precision)) +
                 " use auto (the precision's dtype)");
+  }
+  if (!quant.prepare_kbit_training && (!quant.load_in_4bit || load_dtype == LoadDtype::kAuto)) {
+    throw Error("prepare_kbit_training: false keeps the weights of a half-loaded 4-bit base that are not 4-bit "
+                "half; it needs load_in_4bit and load_dtype bf16 or fp16");
   }
   if (quant.load_in_8bit && mode != Mode::kInference) {
     // MatMul8bitLt's backward (int8 double quant of grad_output, CAt, ...) and peft's 8-bit LoRA

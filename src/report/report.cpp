@@ -36,6 +36,7 @@ ordered_json recipe_object(const Recipe& r) {
     j["bnb_4bit_quant_type"] = to_string(r.quant.quant_type);
     j["bnb_4bit_use_double_quant"] = r.quant.double_quant;
     if (r.quant.storage != QuantStorage::kUint8) j["bnb_4bit_quant_storage"] = to_string(r.quant.storage);
+    if (!r.quant.prepare_kbit_training) j["prepare_kbit_training"] = false;
   }
   // Only when not the precision's, as trainmem-measure writes it (a 4-bit base's or a LoRA model's).
   if (r.load_dtype != LoadDtype::kAuto) j["load_dtype"] = to_string(r.load_dtype);
@@ -440,17 +441,23 @@ std::string to_text(const Estimate& e) {
     add("lora: rank %llu on %s (dropout %g), %s trainable parameters\n",
         static_cast<unsigned long long>(r.lora.rank), targets.c_str(), r.lora.dropout,
         detail::format_count(e.trainable_parameters).c_str());
-    if (r.half_model()) {
+    if (r.half_model() && !r.quant.enabled()) {
       const std::string d(to_string(r.load_dtype));
       add("model loaded in %s: the frozen weights %s, the adapters fp32 under %s autocast\n", d.c_str(), d.c_str(),
           d.c_str());
     }
+  } else if (r.half_model()) {
+    const std::string d(to_string(r.load_dtype));
+    add("model loaded in %s and trained whole under %s autocast: %s weights, gradients and optimizer states\n",
+        d.c_str(), d.c_str(), d.c_str());
   }
   const std::string stored =
       r.quant.storage != QuantStorage::kUint8 ? ", stored as " + std::string(to_string(r.quant.storage)) : "";
   if (r.quant.enabled() && r.mode == Mode::kTraining) {
-    add("4-bit base: %s%s%s (bitsandbytes), the rest fp32 (prepare_model_for_kbit_training)\n",
-        std::string(to_string(r.quant.quant_type)).c_str(), r.quant.double_quant ? ", double quant" : "", stored.c_str());
+    const std::string rest = r.half_model() ? std::string(to_string(r.load_dtype)) + " (prepare_model_for_kbit_training skipped)"
+                                            : "fp32 (prepare_model_for_kbit_training)";
+    add("4-bit base: %s%s%s (bitsandbytes), the rest %s\n", std::string(to_string(r.quant.quant_type)).c_str(),
+        r.quant.double_quant ? ", double quant" : "", stored.c_str(), rest.c_str());
   } else if (r.quant.enabled()) {
     add("4-bit weights: %s%s%s (bitsandbytes), the rest %s\n", std::string(to_string(r.quant.quant_type)).c_str(),
         r.quant.double_quant ? ", double quant" : "", stored.c_str(), std::string(to_string(r.precision)).c_str());

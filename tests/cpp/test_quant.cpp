@@ -174,6 +174,25 @@ TEST(QloraRecipe, LoadDtype) {
   EXPECT_NE(error_of([&] { parse_recipe(plain); }).find("(precision bf16-mixed); with bf16-true"), std::string::npos);
 }
 
+TEST(QloraRecipe, PrepareKbitTraining) {
+  // Skipped (TRL's sharded QLoRA): a half-loaded base's other weights stay half, which makes the
+  // recipe a half model (Note [QLoRA without prepare_model_for_kbit_training]).
+  RecipeSpelling s = qlora_spelling();
+  s.precision = "bf16-mixed";
+  s.load_dtype = "bf16";
+  EXPECT_FALSE(parse_recipe(s).half_model());
+  s.prepare_kbit_training = false;
+  EXPECT_TRUE(parse_recipe(s).half_model());
+  s.load_dtype = "auto";  // an fp32 base is the same model either way
+  EXPECT_NE(error_of([&] { parse_recipe(s); }).find("needs load_in_4bit and load_dtype bf16 or fp16"),
+            std::string::npos);
+  RecipeSpelling plain;
+  plain.lora_rank = 8;
+  plain.load_dtype = "bf16";
+  plain.prepare_kbit_training = false;
+  EXPECT_NE(error_of([&] { parse_recipe(plain); }).find("needs load_in_4bit"), std::string::npos);
+}
+
 TEST(QloraRecipe, QuantStorage) {
   RecipeSpelling s = qlora_spelling();
   EXPECT_EQ(parse_recipe(s).quant.storage, QuantStorage::kUint8);

@@ -244,6 +244,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   if (p.ConsumeIntegral<std::uint8_t>() >= 192) sp.load_dtype = pick(p, kLoadDtypes);
   // And after that (older inputs decode as before): the packed weights' storage dtype.
   if (p.ConsumeIntegral<std::uint8_t>() >= 160) sp.bnb_4bit_quant_storage = pick(p, kQuantStorages);
+  // And after that: a 4-bit base not prepared by prepare_model_for_kbit_training.
+  if (p.ConsumeIntegral<std::uint8_t>() >= 192) sp.prepare_kbit_training = false;
 
   if (std::getenv("TRAINMEM_FUZZ_VERBOSE")) {  // to read a reproducer: what the bytes decode to
     std::fprintf(stderr, "model: %s\nname: %s\nrecipe: precision=%s optimizer=%s checkpointing=%s "
@@ -262,13 +264,13 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
                  static_cast<unsigned long long>(sp.beams), static_cast<unsigned long long>(sp.gpus),
                  sp.parallel.c_str(), static_cast<long long>(rank));
     std::fprintf(stderr, "find_unused=%d offload=%s tp=%llu sp=%d lp=%d pp=%llu schedule=%s stages=%llu cp=%llu "
-                 "fsdp: reshard=%d replicate=%llu param=%s reduce=%s load_dtype=%s quant_storage=%s\n",
+                 "fsdp: reshard=%d replicate=%llu param=%s reduce=%s load_dtype=%s quant_storage=%s prepare_kbit=%d\n",
                  sp.ddp_find_unused_parameters, sp.offload.c_str(), static_cast<unsigned long long>(sp.tp),
                  sp.sequence_parallel, sp.loss_parallel, static_cast<unsigned long long>(sp.pp), sp.pp_schedule.c_str(),
                  static_cast<unsigned long long>(sp.pp_stages_per_rank), static_cast<unsigned long long>(sp.cp),
                  sp.fsdp_reshard_after_forward, static_cast<unsigned long long>(sp.fsdp_replicate),
                  sp.fsdp_param_dtype.c_str(), sp.fsdp_reduce_dtype.c_str(), sp.load_dtype.c_str(),
-                 sp.bnb_4bit_quant_storage.c_str());
+                 sp.bnb_4bit_quant_storage.c_str(), sp.prepare_kbit_training);
   }
   fuzz::expected_outcome([&] {
     trainmem::Recipe r = trainmem::parse_recipe(sp);

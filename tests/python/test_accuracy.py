@@ -235,7 +235,8 @@ def test_half_loaded_qlora_entries_exact(comparisons):
     all-linear Llama's backward. One process, DDP and FSDP2, with and without checkpointing; every
     rank exact."""
     runs = [(name, c) for name, c in comparisons
-            if c["recipe"].get("load_dtype") in ("bf16", "fp16") and c["recipe"].get("load_in_4bit")]
+            if c["recipe"].get("load_dtype") in ("bf16", "fp16") and c["recipe"].get("load_in_4bit")
+            and c["recipe"].get("prepare_kbit_training", True)]
     assert len(runs) >= 6, [name for name, _ in runs]
     assert {c["recipe"].get("parallel", "none") for _, c in runs} >= {"none", "ddp", "fsdp"}
     assert any(c["recipe"]["checkpointing"] == "full" for _, c in runs)
@@ -269,6 +270,20 @@ def test_half_model_trained_whole_entries_exact(comparisons):
     assert any(c["recipe"].get("pp", 1) > 1 for _, c in runs)
     assert {c["recipe"]["optimizer"] for _, c in runs} >= {"adamw", "adamw-fused", "adamw-8bit", "adafactor", "sgd"}
     assert all(c["recipe"]["load_dtype"] == "bf16" for _, c in runs)
+    _assert_exact(runs)
+
+
+def test_unprepared_qlora_entries_exact(comparisons):
+    """A half-loaded 4-bit base that prepare_model_for_kbit_training never saw (TRL's sharded QLoRA):
+    its other weights, the residual stream and the logits stay half under autocast (Note [QLoRA
+    without prepare_model_for_kbit_training]). Llama, GPT-2 checkpointed, Qwen3 in fp16 all-linear;
+    DDP, FSDP2 on two and three ranks with bf16 storage; every rank exact."""
+    runs = [(name, c) for name, c in comparisons if c["recipe"].get("prepare_kbit_training") is False]
+    assert len(runs) >= 6, [name for name, _ in runs]
+    assert all(c["recipe"]["load_in_4bit"] and c["recipe"]["lora_rank"] > 0 for _, c in runs)
+    assert {c["recipe"].get("parallel", "none") for _, c in runs} == {"none", "ddp", "fsdp"}
+    assert {c["recipe"]["load_dtype"] for _, c in runs} == {"bf16", "fp16"}
+    assert any(c["recipe"].get("bnb_4bit_quant_storage") == "bf16" for _, c in runs)
     _assert_exact(runs)
 
 

@@ -299,6 +299,26 @@ def test_an_fsdp_qlora_run_with_bf16_quant_storage():
     assert est.peak_allocated_bytes == uint8.peak_allocated_bytes
 
 
+def test_an_unprepared_sharded_qlora_base():
+    """TRL's SFTTrainer skips prepare_model_for_kbit_training for a base sharded by FSDP: what is
+    not 4-bit stays bf16 (measured: cpu-*-noprep-*), so the residual stream and the logits are half."""
+    d = args(per_device_train_batch_size=4, optim="adamw_torch").to_dict()
+    d["bf16"], d["fsdp"], d["fsdp_config"] = True, "full_shard", {"fsdp_version": 2}
+    cfg = {**QLORA, "bnb_4bit_quant_storage": "bfloat16"}
+    kw = dict(seq=1024, model_dtype="bfloat16", peft=True, gpus=2, quantization_config=cfg)
+    unprepared = trainmem.hf.recipe_from_training_arguments(d, prepare_kbit_training=False, **kw)
+    assert unprepared["prepare_kbit_training"] is False
+    prepared = trainmem.hf.recipe_from_training_arguments(d, **kw)
+    assert "prepare_kbit_training" not in prepared
+    half = trainmem.estimate("llama-3.2-1b", lora_rank=16, **unprepared)
+    fp32 = trainmem.estimate("llama-3.2-1b", lora_rank=16, **prepared)
+    assert half.recipe["prepare_kbit_training"] is False
+    assert half.breakdown_at_peak["activations"] < 0.7 * fp32.breakdown_at_peak["activations"]
+    # A float32-loaded base is the same model prepared or not: nothing to mark.
+    kw["model_dtype"] = "float32"
+    assert "prepare_kbit_training" not in trainmem.hf.recipe_from_training_arguments(d, prepare_kbit_training=False, **kw)
+
+
 @pytest.mark.parametrize("change,kw,message", [
     ({"bnb_4bit_compute_dtype": "float32"}, {}, "bnb_4bit_compute_dtype=float32 under bf16-mixed"),
     ({"bnb_4bit_quant_storage": "float16"}, {}, "bnb_4bit_quant_storage=float16 is not modelled"),

@@ -111,6 +111,9 @@ def _parser() -> _Parser:
     p.add_argument("--bnb-4bit-quant-storage", choices=BNB_4BIT_QUANT_STORAGES, default="uint8",
                    help="with --load-in-4bit: the dtype of the packed weights (default %(default)s); bf16 is the "
                         "FSDP / ZeRO-3 QLoRA recipe's")
+    p.add_argument("--no-prepare-kbit-training", action="store_true",
+                   help="with --load-in-4bit and --load-dtype bf16/fp16: skip peft's prepare_model_for_kbit_training, "
+                        "so what is not 4-bit stays half (TRL's sharded FSDP / ZeRO-3 QLoRA)")
     p.add_argument("--load-dtype", choices=("auto", "bf16", "fp16"), default="auto",
                    help="with --load-in-4bit or --lora: from_pretrained's dtype; auto is the precision's weights' "
                         "dtype, bf16 (with bf16-mixed) or fp16 (with fp16-mixed) the Trainer recipe of a half-loaded "
@@ -159,7 +162,8 @@ def recipe_from_args(args: argparse.Namespace, gpu: str) -> Recipe:
                   load_in_4bit=args.load_in_4bit or args.qlora, bnb_4bit_quant_type=quant_type,
                   bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant or args.qlora,
                   bnb_4bit_quant_storage=args.bnb_4bit_quant_storage,
-                  load_dtype=args.load_dtype, load_in_8bit=args.load_in_8bit)
+                  load_dtype=args.load_dtype, load_in_8bit=args.load_in_8bit,
+                  prepare_kbit_training=not args.no_prepare_kbit_training)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -263,7 +263,7 @@ def build_quantized_model(model, recipe: Recipe, device: str):
             attn_implementation=HF_ATTENTION[recipe.attention])
     if device == "cpu":
         _generic_bitsandbytes_cpu_kernels(quantized, recipe)
-    if recipe.is_inference:
+    if recipe.is_inference or not recipe.prepare_kbit_training:  # sharded QLoRA keeps the half rest
         return quantized
     return prepare_model_for_kbit_training(quantized, use_gradient_checkpointing=False)
 

@@ -92,6 +92,10 @@ class Recipe:
     bnb_4bit_use_double_quant: bool = False
     bnb_4bit_quant_storage: str = "uint8"
     load_dtype: str = "auto"
+    # False: the sharded-QLoRA recipe (TRL skips prepare_model_for_kbit_training for a base loaded
+    # to the CPU or meta device, as FSDP and ZeRO-3 runs load it): what is not 4-bit stays in the
+    # half load dtype.
+    prepare_kbit_training: bool = True
     # LLM.int8(): BitsAndBytesConfig(load_in_8bit=True) with transformers' defaults (threshold 6.0,
     # no fp16 weights kept); inference only (models.build_quantized_model).
     load_in_8bit: bool = False
@@ -421,7 +425,7 @@ class Recipe:
 
     def _check_quantization(self) -> None:
         """The engine's rules for bitsandbytes weights (src/recipe/recipe.cpp)."""
-        for key in ("load_in_4bit", "bnb_4bit_use_double_quant", "load_in_8bit"):
+        for key in ("load_in_4bit", "bnb_4bit_use_double_quant", "load_in_8bit", "prepare_kbit_training"):
             if not isinstance(getattr(self, key), bool):
                 raise RecipeError(f"{key} must be true or false, got {getattr(self, key)!r}")
         if self.bnb_4bit_quant_type not in BNB_4BIT_QUANT_TYPES:
@@ -443,6 +447,9 @@ class Recipe:
         if self.load_dtype != "auto" and not (self.precision == f"{self.load_dtype}-mixed" and self.mode == "training"):
             raise RecipeError(f"load_dtype={self.load_dtype!r} is a model loaded in {self.load_dtype} and trained "
                               f"under {self.load_dtype} autocast: it needs precision {self.load_dtype}-mixed")
+        if not self.prepare_kbit_training and not (self.load_in_4bit and self.load_dtype != "auto"):
+            raise RecipeError("prepare_kbit_training=False keeps a half-loaded 4-bit base's other weights half: it "
+                              "needs load_in_4bit and load_dtype bf16 or fp16")
         if self.load_in_8bit:
             if self.load_in_4bit:
                 raise RecipeError("load_in_8bit and load_in_4bit cannot both be set")
@@ -526,6 +533,8 @@ class Recipe:
             del out["load_dtype"]
         if out.get("bnb_4bit_quant_storage") == "uint8":  # and the storage only when not bitsandbytes' default
             del out["bnb_4bit_quant_storage"]
+        if out["prepare_kbit_training"]:  # and the preparation only when skipped
+            del out["prepare_kbit_training"]
         if not self.load_in_8bit:  # and load_in_8bit only for 8-bit weights
             del out["load_in_8bit"]
         if not self.is_inference:  # as the engine writes it: new_tokens and beams for inference only

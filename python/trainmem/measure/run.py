@@ -488,6 +488,8 @@ def default_command(spec: ModelSpec, recipe: Recipe, *, device: str, fake: bool)
             args += ["--bnb-4bit-quant-storage", recipe.bnb_4bit_quant_storage]
     if recipe.load_dtype != "auto":  # a half-loaded model (4-bit base, LoRA or whole)
         args += ["--load-dtype", recipe.load_dtype]
+    if not recipe.prepare_kbit_training:
+        args.append("--no-prepare-kbit-training")
     if fake:
         args.append("--fake")
     if device != "cpu":
