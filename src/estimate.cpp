@@ -2,6 +2,8 @@
 // (Note [Estimates are not extrapolated over layers] in model/depth.cpp says why). The replay
 // follows the graph stage micro-batch by micro-batch, so repeated micro-batches are skipped
 // (Note [Repeated micro-batches] in sim/simulator.cpp).
+#include <algorithm>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -131,6 +133,58 @@ Estimate run_ranks(const Model& model, const Recipe& resolved, const Gpu& gpu, c
 }
 
 }  // namespace
+
+// Note [Requested bytes]
+// Every live tensor holds a block of at least its request rounded up to 512 B (round_size; a
+// power-of-two division only rounds further), whatever the allocator does around it, and blocks
+// do not overlap: the sum over the live tensors of a trace, taken after each event, is at most
+// the allocated bytes at that moment, which are at most the reserved ones. It needs the graph
+// stage only. The planner uses it where the allocator's replay would cost more than it can tell:
+// a recipe whose requests alone pass the usable memory does not fit under any allocator setting
+// (Note [Requests that do not fit] in plan/fit.cpp). The sum cannot skip a repeated micro-batch
+// (that takes the allocator's state, Note [Repeated micro-batches] in sim/simulator.cpp), so every
+// micro-batch is built. Checked against the replay's peaks: Estimate.RequestedBytesBoundTheReplay.
+std::uint64_t detail::peak_requested_bytes(const Model& model, const Recipe& recipe, std::uint64_t rank,
+                                           std::uint64_t stop_above, bool* before_optimizer) {
+  recipe.validate();
+  const Gpu& gpu = find_gpu(recipe.gpu);
+  Recipe resolved = recipe;
+  if (resolved.lora.enabled()) resolved.lora.targets = resolve_lora_targets(model.arch, recipe.lora.targets);
+  constexpr std::uint64_t kBlock = 512;
+  std::size_t next = 0;
+  std::uint64_t live = 0, peak = 0;
+  bool stopped = false;  // what the graph stage adds after a stop is not the step's
+  bool optimizer_seen = false;
+  auto read = [&](const graph::Trace& t) {
+    for (; !stopped && next < t.events.size(); ++next) {
+      const graph::Event& e = t.events[next];
+      optimizer_seen = optimizer_seen || t.moments[e.moment].phase == Phase::kOptimizer;
+      const std::uint64_t bytes = t.storages[e.tensor].bytes;
+      // (bytes + 511) / 512 * 512 without overflow, at least one block
+      const std::uint64_t block = bytes <= kBlock ? kBlock : (bytes / kBlock + (bytes % kBlock != 0)) * kBlock;
+      if (e.alloc) {
+        // Saturating: past 2^64 the replay would have refused the step long before.
+        live = live > UINT64_MAX - block ? UINT64_MAX : live + block;
+        peak = std::max(peak, live);
+        if (stop_above && live > stop_above) stopped = true;
+      } else {
+        live -= block;
+      }
+    }
+    return stopped ? graph::MicroBatchNext::kStop : graph::MicroBatchNext::kGoOn;
+  };
+  try {
+    graph::Trace trace = graph::build_training_trace(
+        model, resolved, gpu, [&read](const graph::Trace& t, std::uint32_t, std::uint32_t) { return read(t); },
+        rank);
+    read(trace);
+    graph::recycle(std::move(trace));
+  } catch (const std::overflow_error& e) {
+    throw Error(std::string("the step needs more memory than trainmem models (2^63 bytes): ") + e.what());
+  }
+  if (before_optimizer) *before_optimizer = stopped && !optimizer_seen;
+  return peak;
+}
 
 Estimate estimate(const Model& model, const Recipe& recipe, const EstimateOptions& options) {
   recipe.validate();

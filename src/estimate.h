@@ -20,4 +20,14 @@ std::vector<std::uint64_t> replayed_ranks(const Recipe& r);
 // the stop limit no other rank is replayed.
 bool worse_rank(const Estimate& a, const Estimate& b);
 
+// The most bytes the live tensors of `rank`'s trace request at once, each rounded up to 512 B as
+// the caching allocator rounds a request (Note [Requested bytes] in estimate.cpp): no allocator
+// behind it, so it is a lower bound of the peak allocated bytes, and of the reserved ones, under
+// every allocator setting. With `stop_above` > 0 the graph stage stops once they pass it (the
+// result is then above it, and no more than the bytes at that moment; `*before_optimizer` says
+// whether that came before any optimizer event, as Estimate::stopped_before_optimizer does).
+// `recipe` as estimate() takes it.
+std::uint64_t peak_requested_bytes(const Model& model, const Recipe& recipe, std::uint64_t rank,
+                                   std::uint64_t stop_above = 0, bool* before_optimizer = nullptr);
+
 }  // namespace trainmem::detail

@@ -201,6 +201,7 @@ class Planner {
   struct Pending {
     Recipe r;
     std::uint64_t limit = 0;
+    bool requests_first = false;  // See Note [Requests that do not fit]
     std::vector<std::uint64_t> ranks;
     std::vector<std::optional<Estimate>> est;  // by position in `ranks`
     std::vector<std::exception_ptr> error;
@@ -261,9 +262,19 @@ class Planner {
     t->ranks = detail::replayed_ranks(r);
     t->est.resize(t->ranks.size());
     t->error.resize(t->ranks.size());
+    t->requests_first = requests_first(r, limit);
     Pending* p = t.get();
     auto job = [this, p](std::size_t i) {
       try {
+        if (p->requests_first) {
+          bool before_optimizer = false;
+          const std::uint64_t requested =
+              detail::peak_requested_bytes(m_, p->r, p->ranks[i], p->limit, &before_optimizer);
+          if (requested > p->limit) {
+            p->est[i] = stopped_by_requests(p->r, p->ranks[i], requested, before_optimizer);
+            return;
+          }
+        }
         EstimateOptions opt;
         opt.stop_above_reserved_bytes = p->limit;
         if (p->ranks.size() > 1) opt.rank = static_cast<std::int64_t>(p->ranks[i]);
@@ -282,6 +293,44 @@ class Planner {
       });
     }
     return t;
+  }
+
+  // Note [Requests that do not fit]
+  // A probe under the expandable-segments allocator comes after the default allocator's probe of
+  // the same recipe stopped above the same limit (Note [Search order]): the walk tries the
+  // second allocator only where the first did not fit. Its replay costs more per event than the
+  // default one's, and it almost always stops as well: the live tensors' requests themselves
+  // pass the limit (llama-3.1-70b on 8 x h100-80gb: 212 of the 216 stopped pipeline probes). So
+  // such a probe first sums the requests of each rank's trace as the graph stage builds it
+  // (detail::peak_requested_bytes, a lower bound of the reserved bytes under any allocator: Note
+  // [Requested bytes] in estimate.cpp) and stops once they pass the limit: the answer, "above the
+  // limit", is the replay's, without the allocator. Where they stay under it the probe replays
+  // as before. The stopped plan's peaks are the requests at the stop; the search reads a stopped
+  // plan's "complete: false" only (the closest miss takes complete replays). One that stopped
+  // before any optimizer event answers its optimizer twins as a replay's stop does (Note
+  // [Optimizer twins]): they request the same until then. plan::fit_reference replays every
+  // probe, and the Fit tests compare the answers.
+  bool requests_first(const Recipe& r, std::uint64_t limit) const {
+    if (limit == 0 || reference_ || r.pp == 1 || r.allocator != AllocatorMode::kExpandable) return false;
+    Recipe first = r;
+    first.allocator = AllocatorMode::kDefault;
+    const auto it = memo_.find(key(first));
+    return it != memo_.end() && !it->second.error && !it->second.plan.complete && it->second.limit >= limit;
+  }
+
+  Estimate stopped_by_requests(const Recipe& r, std::uint64_t rank, std::uint64_t requested,
+                               bool before_optimizer) const {
+    Estimate e;
+    e.recipe = r;
+    if (r.lora.enabled()) e.recipe.lora.targets = resolve_lora_targets(m_.arch, r.lora.targets);
+    e.model = m_.name;
+    e.parameters = m_.parameter_count;
+    e.peak_allocated_bytes = requested;
+    e.peak_reserved_bytes = requested;
+    e.complete = false;
+    e.stopped_before_optimizer = before_optimizer;
+    e.rank = rank;
+    return e;
   }
 
   // The estimate() of a finished Pending: the worst rank, as run_ranks picks it.
