@@ -43,7 +43,10 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
     "float16": half weights and half optimizer states (bf16-true / fp16-true without bf16=True /
     fp16=True). With bf16=True a bfloat16 model trains under bf16 autocast (precision bf16-mixed
     with load_dtype bf16), but under FSDP, where Accelerate casts its trainable parameters to fp32
-    first (a float32 model's recipe); with `peft=True` and bf16=True / fp16=True, the half model's
+    first (a float32 model's recipe). Under FSDP with bf16=True a float32 model's recipe has
+    Accelerate's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16) under autocast
+    (fsdp_param_dtype and fsdp_reduce_dtype bf16; not over a half-loaded peft model or a 4-bit base,
+    whose estimates leave the policy out); with `peft=True` and bf16=True / fp16=True, the half model's
     fp32 adapters under autocast (bf16-mixed / fp16-mixed with load_dtype bf16 / fp16). A float16
     model trained whole with fp16=True is refused: the GradScaler refuses fp16 gradients.
 
@@ -79,6 +82,9 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
         # prepare_model_for_kbit_training makes the rest fp32 whatever the load dtype: the Trainer's
         # precision is that of a float32 model (DeepSpeed's bf16 mode casts it back).
         knobs = recipe_from_training_arguments(args, seq=seq, model_dtype="float32", gpu=gpu, gpus=gpus, peft=True)
+        # Accelerate's FSDP2 policy over a 4-bit base is not modelled: the estimate is without it.
+        knobs.pop("fsdp_param_dtype", None)
+        knobs.pop("fsdp_reduce_dtype", None)
         knobs.update(recipe_from_quantization_config(quantization_config, model_dtype=model_dtype,
                                                      precision=knobs.get("precision", "fp32"),
                                                      prepare_kbit_training=prepare_kbit_training))
@@ -130,6 +136,12 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
         knobs["precision"] = "fp16-true"
         if fp16 and peft and knobs.get("parallel") != "fsdp":  # FSDP2 under fp16 autocast is not modelled
             knobs["precision"], knobs["load_dtype"] = "fp16-mixed", "fp16"
+    if knobs.get("parallel") == "fsdp" and knobs["precision"] == "bf16-mixed" and "load_dtype" not in knobs:
+        # Accelerate's FSDP2 with mixed precision bf16 shards fp32 parameters under
+        # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16) and still runs the forward under
+        # autocast (measured: parallel/cpu-fsdp-*-bf16mixed-*-bf16params-bf16reduce-*). Over a
+        # half-loaded peft model the policy is not modelled; that run keeps the estimate without it.
+        knobs["fsdp_param_dtype"], knobs["fsdp_reduce_dtype"] = "bf16", "bf16"
 
     knobs["optimizer"] = _trainer_optimizer(args)
 

@@ -32,7 +32,9 @@ StepBuilder::StepBuilder(const Model& m, const Recipe& r, const Gpu& gpu, const 
       // Note [QLoRA under ZeRO-1/2] in zero.cpp).
       // A half model under LoRA and its autocast: the half weights of *-true under *-mixed's
       // autocast (See Note [A half model under autocast] in step_parameters.cpp).
-      pol_(r.half_model()
+      // Autocast over FSDP2's bf16 policy: bf16-true's compute with autocast's fp32 ops (See Note
+      // [Autocast over an FSDP2 policy] in step_parameters.cpp).
+      pol_(r.half_model() || (r.fsdp.param_dtype == FsdpDtype::kBf16 && policy_for(r.precision).autocast)
                ? Policy{policy_for(r.precision).compute, policy_for(r.precision).compute, true, false}
                : policy_for(r.quant.enabled() && r.mode == Mode::kTraining && !policy_for(r.precision).autocast &&
                                     r.precision != Precision::kBf16Master

@@ -867,24 +867,25 @@ T StepBuilder::attention_module(const T& x, const LayerParams& lp) {
     v = slice(qkv, kvw);
     t_.drop(qkv);
   } else {
-    q = proj(x, "self_attn.q_proj", lp.q, lp.q_b, qw);
-    k = proj(x, "self_attn.k_proj", lp.k, lp.k_b, kvw);
+    // Qwen3 normalises each projection over head_dim as soon as it is made (q_norm(q_proj(x)),
+    // then k_norm(k_proj(x)), then v_proj(x)): that order of creation is the backward's reverse
+    // (measured: v_proj's weight gradient comes first, then k_norm's, k_proj's, q_norm's).
+    auto normed = [&](T p, std::uint32_t w, std::uint64_t rows, const char* name) {
+      if (w == kNone) return p;
+      T n = rms_norm(p, w, rows, name);
+      t_.drop(p);
+      return n;
+    };
+    q = normed(proj(x, "self_attn.q_proj", lp.q, lp.q_b, qw), lp.q_norm, tok_ * heads, "self_attn.q_norm");
+    k = normed(proj(x, "self_attn.k_proj", lp.k, lp.k_b, kvw), lp.k_norm, tok_ * kvh, "self_attn.k_norm");
     v = proj(x, "self_attn.v_proj", lp.v, lp.v_b, kvw);
   }
-  // Note [Attention layouts]: q, k, v are views (view + transpose) of the projection outputs,
-  // laid out as [b, s, heads, d]; rope keeps that layout, Phi-3's cat and repeat_kv make
-  // contiguous [b, heads, s, d] tensors. Whether eager matmul copies an operand, and whether
-  // the attention output needs a copy, follows from it.
+  // Note [Attention layouts]: q, k, v are views (view + transpose) of the projection outputs
+  // (q and k normalised over head_dim before the transpose, Qwen3), laid out as [b, s, heads, d];
+  // rope keeps that layout, Phi-3's cat and repeat_kv make contiguous [b, heads, s, d] tensors.
+  // Whether eager matmul copies an operand, and whether the attention output needs a copy,
+  // follows from it.
   q.bshd = k.bshd = v.bshd = true;
-  if (lp.q_norm != kNone) {
-    T qn = rms_norm(q, lp.q_norm, tok_ * heads, "self_attn.q_norm");
-    t_.drop(q);
-    q = qn;
-    T kn = rms_norm(k, lp.k_norm, tok_ * kvh, "self_attn.k_norm");
-    t_.drop(k);
-    k = kn;
-    q.bshd = k.bshd = true;  // normalised over head_dim before the transpose
-  }
   if (a_.family != Family::kGpt2) {
     op("self_attn.rotary");
     // Phi-3 rotates the first rotary_dim channels and concatenates the rest (empty with

@@ -297,6 +297,19 @@ std::uint32_t StepBuilder::add_param(const ParameterGroup& g, bool in_layer, boo
 // bf16-true the adapters' matmuls run in bf16. Measured: data/ground_truth/cpu-*-lora*-loadbf16-*,
 // *-loadfp16-*, parallel/cpu-[df]*-lora8-*-loadbf16-* (one process, DDP, FSDP2).
 //
+// Note [Autocast over an FSDP2 policy]
+// Accelerate's FSDP2 with mixed precision bf16 (the Trainer's bf16=True under fsdp) sets
+// MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16) on fp32 shards (fsdp2_prepare_model
+// upcasts what is trainable) and still wraps the forward in autocast. The all-gathered parameters
+// are bf16 already, so autocast caches no copy of them: the compute is the policy's (bf16-true's,
+// as precision fp32 with fsdp_param_dtype bf16) and autocast adds only what its fp32 ops do (their
+// half inputs cast up, GPT-2's LayerNorm among them). Recipe: bf16-mixed with fsdp_param_dtype bf16
+// (and fsdp_reduce_dtype bf16, Accelerate's), the policy StepBuilder's pol_ gets. Measured:
+// parallel/cpu-fsdp-*-bf16mixed-*-bf16params-bf16reduce-* (Llama, GPT-2, Qwen3 checkpointed, a LoRA
+// model loaded in fp32). A half-loaded LoRA model under the policy is refused: its bf16 frozen
+// shards are not the fp32 ones the FSDP2 wrapper builds (measured 46,686,720 B on the Llama cut,
+// 63,443,968 B predicted when allowed).
+//
 // Note [A half model trained whole]
 // The same load without adapters: from_pretrained(dtype=torch.bfloat16) and a Trainer with
 // bf16=True, every parameter trained. It is bf16-true's step (bf16 weights, gradients and

@@ -336,11 +336,16 @@ void validate_parallel(const Recipe& r) {
     if (f.param_dtype == FsdpDtype::kFp32) {
       throw Error("fsdp_param_dtype: fp32 is the parameters' own dtype (the policy's None); use none or bf16");
     }
-    if (f.param_dtype != FsdpDtype::kNone && r.precision != Precision::kFp32) {
+    // MixedPrecisionPolicy casts fp32 parameters (sharded, the optimizer's) for the all-gather and the
+    // compute: over fp32, or under autocast of the same dtype, Accelerate's FSDP2 with mixed precision
+    // bf16 (Note [Autocast over an FSDP2 policy] in graph/step_parameters.cpp).
+    if (f.param_dtype != FsdpDtype::kNone && r.precision != Precision::kFp32 &&
+        !(f.param_dtype == FsdpDtype::kBf16 && r.precision == Precision::kBf16Mixed && !r.half_model())) {
       throw Error("fsdp_param_dtype: " + std::string(to_string(f.param_dtype)) + " with precision " +
                   std::string(to_string(r.precision)) +
                   ": MixedPrecisionPolicy casts fp32 parameters (sharded, the optimizer's) for the all-gather and "
-                  "the compute; use precision fp32");
+                  "the compute; use precision fp32, or bf16-mixed (autocast over the policy, Accelerate's FSDP2) "
+                  "with fsdp_param_dtype bf16 over an fp32-loaded model");
     }
     if (f.param_dtype != FsdpDtype::kNone && r.quant.load_in_4bit) {
       throw Error("fsdp_param_dtype: " + std::string(to_string(f.param_dtype)) + " over a 4-bit base is not modelled "

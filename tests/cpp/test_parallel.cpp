@@ -266,8 +266,13 @@ TEST(FsdpVariants, KnobsAreCheckedWithParallelFsdpOnly) {
   EXPECT_THROW(r.validate(), Error);
   r.fsdp.replicate = 3;  // does not divide the world
   EXPECT_THROW(r.validate(), Error);
-  r = dp_recipe(Parallel::kFsdp, 2, Precision::kBf16Mixed);
+  r = dp_recipe(Parallel::kFsdp, 2, Precision::kBf16True);
   r.fsdp.param_dtype = FsdpDtype::kBf16;  // casts fp32 parameters only
+  EXPECT_THROW(r.validate(), Error);
+  r = dp_recipe(Parallel::kFsdp, 2, Precision::kBf16Mixed);
+  r.fsdp.param_dtype = FsdpDtype::kBf16;
+  r.validate();  // autocast over the policy: Accelerate's FSDP2 (Note [Autocast over an FSDP2 policy])
+  r.load_dtype = LoadDtype::kBf16;  // a half-loaded model under the policy is not modelled
   EXPECT_THROW(r.validate(), Error);
   r = dp_recipe(Parallel::kFsdp, 2, Precision::kFp32);
   r.fsdp.reduce_dtype = FsdpDtype::kFp32;  // a reduce dtype without a param dtype

@@ -287,6 +287,19 @@ def test_unprepared_qlora_entries_exact(comparisons):
     _assert_exact(runs)
 
 
+def test_autocast_over_fsdp_policy_entries_exact(comparisons):
+    """Accelerate's FSDP2 with bf16=True: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)
+    over fp32 shards with autocast over it (Note [Autocast over an FSDP2 policy]): Llama, GPT-2,
+    Qwen3 checkpointed (whose q/k norms order its backward: StepBuilder::attention_module), a LoRA model;
+    every rank exact."""
+    runs = [(name, c) for name, c in comparisons
+            if c["recipe"].get("fsdp_param_dtype") == "bf16" and c["recipe"]["precision"] == "bf16-mixed"]
+    assert len(runs) >= 4, [name for name, _ in runs]
+    assert any(c["recipe"].get("lora_rank", 0) > 0 for _, c in runs)
+    assert any(c["recipe"]["checkpointing"] == "full" for _, c in runs)
+    _assert_exact(runs)
+
+
 def _half_models(comparisons):
     """The entries of a model loaded half without a 4-bit base (load_dtype bf16 / fp16)."""
     return [(name, c) for name, c in comparisons

@@ -67,6 +67,7 @@ def test_a_half_model_trained_whole_under_autocast():
     d["fsdp"], d["fsdp_config"] = "full_shard auto_wrap", {"fsdp_version": 2}
     fsdp = trainmem.hf.recipe_from_training_arguments(d, seq=256, model_dtype="bfloat16", gpus=2)
     assert fsdp["precision"] == "bf16-mixed" and "load_dtype" not in fsdp
+    assert fsdp == trainmem.hf.recipe_from_training_arguments(d, seq=256, model_dtype="float32", gpus=2)
     d = args(per_device_train_batch_size=2, optim="adamw_torch").to_dict()
     d["fp16"] = True
     with pytest.raises(ValueError, match="refuses fp16 gradients"):
@@ -297,6 +298,30 @@ def test_an_fsdp_qlora_run_with_bf16_quant_storage():
     # The same bytes: Llama-3.2-1B's projections have a multiple of 4 * 2 elements, so every shard
     # and gather holds what uint8 rows hold.
     assert est.peak_allocated_bytes == uint8.peak_allocated_bytes
+
+
+def test_fsdp_with_bf16_is_autocast_over_accelerates_policy():
+    """Accelerate's FSDP2 with mixed precision bf16: MixedPrecisionPolicy(param_dtype=bf16,
+    reduce_dtype=bf16) over fp32 shards, the forward still under autocast (measured:
+    cpu-fsdp-*-bf16mixed-*-bf16params-bf16reduce-*). The bf16 all-gathers make the unsharded
+    parameters half what autocast's copies of fp32 ones would be."""
+    d = args(per_device_train_batch_size=2, optim="adamw_torch").to_dict()
+    d["bf16"], d["fsdp"], d["fsdp_config"] = True, "full_shard auto_wrap", {"fsdp_version": 2}
+    knobs = trainmem.hf.recipe_from_training_arguments(d, seq=1024, gpus=2)
+    assert (knobs["precision"], knobs["fsdp_param_dtype"], knobs["fsdp_reduce_dtype"]) == ("bf16-mixed", "bf16", "bf16")
+    policy = trainmem.estimate("llama-3.2-1b", **knobs)
+    assert policy.recipe["fsdp_param_dtype"] == "bf16"
+    plain = trainmem.estimate("llama-3.2-1b", **{k: v for k, v in knobs.items() if not k.startswith("fsdp_")})
+    assert policy.peak_allocated_bytes < plain.peak_allocated_bytes
+    # Over a peft model loaded in fp32 too (measured), but not over a half-loaded one or a 4-bit base.
+    assert trainmem.hf.recipe_from_training_arguments(d, gpus=2, peft=True)["fsdp_param_dtype"] == "bf16"
+    assert "fsdp_param_dtype" not in trainmem.hf.recipe_from_training_arguments(d, gpus=2, peft=True,
+                                                                               model_dtype="bfloat16")
+    assert "fsdp_param_dtype" not in trainmem.hf.recipe_from_training_arguments(d, gpus=2, peft=True,
+                                                                               quantization_config=QLORA)
+    # Without bf16=True no policy: fp32 FSDP2.
+    d["bf16"] = False
+    assert "fsdp_param_dtype" not in trainmem.hf.recipe_from_training_arguments(d, gpus=2)
 
 
 def test_an_unprepared_sharded_qlora_base():
