@@ -45,8 +45,8 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
     with load_dtype bf16), but under FSDP, where Accelerate casts its trainable parameters to fp32
     first (a float32 model's recipe). Under FSDP with bf16=True a float32 model's recipe has
     Accelerate's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16) under autocast
-    (fsdp_param_dtype and fsdp_reduce_dtype bf16; not over a half-loaded peft model or a 4-bit base,
-    whose estimates leave the policy out); with `peft=True` and bf16=True / fp16=True, the half model's
+    (fsdp_param_dtype and fsdp_reduce_dtype bf16, also over a half-loaded peft model; not over a
+    4-bit base, whose estimate leaves the policy out); with `peft=True` and bf16=True / fp16=True, the half model's
     fp32 adapters under autocast (bf16-mixed / fp16-mixed with load_dtype bf16 / fp16). A float16
     model trained whole with fp16=True is refused: the GradScaler refuses fp16 gradients.
 
@@ -136,11 +136,11 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
         knobs["precision"] = "fp16-true"
         if fp16 and peft and knobs.get("parallel") != "fsdp":  # FSDP2 under fp16 autocast is not modelled
             knobs["precision"], knobs["load_dtype"] = "fp16-mixed", "fp16"
-    if knobs.get("parallel") == "fsdp" and knobs["precision"] == "bf16-mixed" and "load_dtype" not in knobs:
-        # Accelerate's FSDP2 with mixed precision bf16 shards fp32 parameters under
+    if knobs.get("parallel") == "fsdp" and knobs["precision"] == "bf16-mixed":
+        # Accelerate's FSDP2 with mixed precision bf16 shards the parameters under
         # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16) and still runs the forward under
-        # autocast (measured: parallel/cpu-fsdp-*-bf16mixed-*-bf16params-bf16reduce-*). Over a
-        # half-loaded peft model the policy is not modelled; that run keeps the estimate without it.
+        # autocast (measured: parallel/cpu-fsdp-*-bf16mixed-*-bf16params-bf16reduce-*, a half-loaded
+        # peft model's frozen bf16 shards included).
         knobs["fsdp_param_dtype"], knobs["fsdp_reduce_dtype"] = "bf16", "bf16"
 
     knobs["optimizer"] = _trainer_optimizer(args)

@@ -121,7 +121,10 @@ constexpr std::uint64_t kBucketCapBytes = std::uint64_t{25} << 20;
 //    bf16-true's); foreach_reduce makes its input and output in reduce_dtype (None: bf16) and, when
 //    that is not fp32, casts the output to a new fp32 shard (_to_dtype_if_needed) whose views are
 //    the sharded .grads. output_dtype stays None and cast_forward_inputs True (the defaults): the
-//    layers' floating inputs are bf16 already, so it casts nothing.
+//    layers' floating inputs are bf16 already, so it casts nothing. Over a half-loaded LoRA model
+//    (Note [Autocast over an FSDP2 policy] in step_parameters.cpp) the frozen bf16 shards are
+//    their param_dtype already: init_dtype_attrs sets their param_dtype to None, so they are
+//    all-gathered as they are and only the fp32 adapters go through the foreach copy.
 
 // Note [FSDP2 CPU offload]
 // fully_shard(..., offload_policy=CPUOffloadPolicy()) on every unit, pin_memory=True by default
@@ -251,6 +254,7 @@ DataParallel::DataParallel(Tape& tape, const Recipe& recipe, bool cuda, std::uin
   reshard_after_forward_ = f.reshard_after_forward;
   pp_no_sync_ = recipe.pp > 1;  // See Note [Pipeline with FSDP2] in pipeline.cpp
   cast_params_ = f.param_dtype != FsdpDtype::kNone;
+  half_frozen_ = recipe.half_model();
   // init_dtype_attrs clamps a reduce_dtype equal to param_dtype to None.
   if (f.reduce_dtype != FsdpDtype::kNone && f.reduce_dtype != f.param_dtype) {
     reduce_dtype_ = f.reduce_dtype == FsdpDtype::kFp32 ? DType::kF32 : DType::kBF16;
@@ -341,6 +345,9 @@ void DataParallel::wrap(std::vector<WrappedParam>& params, const std::vector<std
       const std::uint64_t shard = chunk_numel(p, 0);  // padded to rank 0's, the full chunk
       shard_numel_[pi] = shard;
       u.gather_bytes = detail::add(u.gather_bytes, detail::mul(shard, dtype_bytes(p.dtype), "shard bytes"), "shard bytes");
+      if (orig_dtype(p) != p.dtype) {
+        u.cast_bytes = detail::add(u.cast_bytes, detail::mul(shard, dtype_bytes(p.dtype), "shard bytes"), "shard bytes");
+      }
       if (p.trainable) {  // the dtypes FSDP2 reduces in (uniform over the trainable: _init_mp_dtypes)
         u.dtype = p.dtype;  // the model's dtype: with a param_dtype policy the compute's, over fp32 shards
         orig_dtype_ = orig_dtype(p);
@@ -660,7 +667,7 @@ void DataParallel::all_gather(Unit& u) {
     for (std::uint32_t pi : u.params) {
       const WrappedParam& p = params_[pi];
       TensorId in = t_.alloc_bytes(detail::mul(shard_numel_[pi], dtype_bytes(orig_dtype(p)), "shard bytes"), Category::kWeights);
-      if (cast_params_) {
+      if (orig_dtype(p) != p.dtype) {
         const TensorId cast = t_.alloc_bytes(detail::mul(shard_numel_[pi], dtype_bytes(p.dtype), "shard bytes"), Category::kWeights);
         t_.release(in);
         in = cast;
@@ -671,9 +678,9 @@ void DataParallel::all_gather(Unit& u) {
     for (TensorId in : inputs) t_.release(in);
     return;
   }
-  // A param_dtype policy: the shards are cast into one flat buffer first, freed when
+  // A param_dtype policy: the shards it casts are copied into one flat buffer first, freed when
   // foreach_all_gather returns (See Note [FSDP2 variants]).
-  const TensorId cast = cast_params_ ? t_.alloc_bytes(u.gather_bytes, Category::kWeights) : kNone;
+  const TensorId cast = u.cast_bytes != 0 ? t_.alloc_bytes(u.cast_bytes, Category::kWeights) : kNone;
   u.flat = t_.alloc_bytes(flat_bytes, Category::kWeights);
   if (cast != kNone) t_.release(cast);
 }

@@ -148,6 +148,7 @@ class DataParallel {
   struct Unit {
     std::vector<std::uint32_t> params;
     std::uint64_t gather_bytes = 0;  // Σ padded shard bytes in the unsharded dtypes: one rank's all-gather input
+    std::uint64_t cast_bytes = 0;    // the part of it a param_dtype policy casts (foreach-copies) first
     DType dtype = DType::kF32;       // the unsharded trainable parameters' (param_dtype, or their own)
     std::vector<std::uint32_t> reduced;  // the parameters whose gradients it reduce-scatters, in order
     bool posted = false;                 // its post-backward ran in this backward
@@ -197,9 +198,13 @@ class DataParallel {
   bool first_layer_hooked_ = true;      // See set_first_layer_hooked
   bool reshard_after_forward_ = true;   // the decoder layers'
   bool cast_params_ = false;            // a param_dtype policy: all-gather inputs cast from the fp32 shards
+  bool half_frozen_ = false;            // under it, a half-loaded model's frozen shards are half already
   DType orig_dtype_ = DType::kF32;      // the sharded trainable parameters' (and the sharded gradients')
-  // A parameter's sharded dtype: fp32 under a param_dtype policy, else its own.
-  DType orig_dtype(const WrappedParam& p) const { return cast_params_ ? DType::kF32 : p.dtype; }
+  // A parameter's sharded dtype: fp32 under a param_dtype policy (a half-loaded model's frozen
+  // weights: their own, Note [FSDP2 variants]), else its own.
+  DType orig_dtype(const WrappedParam& p) const {
+    return cast_params_ && !(half_frozen_ && !p.trainable) ? DType::kF32 : p.dtype;
+  }
   std::optional<DType> reduce_dtype_;   // the policy's reduce_dtype; none: the gradients' dtype
   TensorId forward_all_gather_ = kNone;  // comm_ctx.all_gather_state: the last forward all-gather's buffer
   std::vector<TensorId> all_reduce_inputs_;  // HSDP: reduce-dtype outputs held until the end of backward

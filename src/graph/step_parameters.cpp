@@ -306,9 +306,12 @@ std::uint32_t StepBuilder::add_param(const ParameterGroup& g, bool in_layer, boo
 // half inputs cast up, GPT-2's LayerNorm among them). Recipe: bf16-mixed with fsdp_param_dtype bf16
 // (and fsdp_reduce_dtype bf16, Accelerate's), the policy StepBuilder's pol_ gets. Measured:
 // parallel/cpu-fsdp-*-bf16mixed-*-bf16params-bf16reduce-* (Llama, GPT-2, Qwen3 checkpointed, a LoRA
-// model loaded in fp32). A half-loaded LoRA model under the policy is refused: its bf16 frozen
-// shards are not the fp32 ones the FSDP2 wrapper builds (measured 46,686,720 B on the Llama cut,
-// 63,443,968 B predicted when allowed).
+// model loaded in fp32). Over a half-loaded LoRA model (Note [A half model under autocast]) the
+// frozen shards stay bf16 and only the fp32 adapters are cast for the all-gather (Note [FSDP2
+// variants] in parallel.cpp): measured on Llama and on Qwen3 all-linear checkpointed; before the
+// wrapper knew it, it predicted 63,443,968 B for the Llama run's 46,686,720 B. A half model
+// trained whole is refused under the policy (Accelerate casts it to fp32 first: trainmem.hf maps it
+// to an fp32-loaded model).
 //
 // Note [A half model trained whole]
 // The same load without adapters: from_pretrained(dtype=torch.bfloat16) and a Trainer with

@@ -340,12 +340,13 @@ void validate_parallel(const Recipe& r) {
     // compute: over fp32, or under autocast of the same dtype, Accelerate's FSDP2 with mixed precision
     // bf16 (Note [Autocast over an FSDP2 policy] in graph/step_parameters.cpp).
     if (f.param_dtype != FsdpDtype::kNone && r.precision != Precision::kFp32 &&
-        !(f.param_dtype == FsdpDtype::kBf16 && r.precision == Precision::kBf16Mixed && !r.half_model())) {
+        !(f.param_dtype == FsdpDtype::kBf16 && r.precision == Precision::kBf16Mixed &&
+          (!r.half_model() || r.lora.enabled()))) {
       throw Error("fsdp_param_dtype: " + std::string(to_string(f.param_dtype)) + " with precision " +
                   std::string(to_string(r.precision)) +
                   ": MixedPrecisionPolicy casts fp32 parameters (sharded, the optimizer's) for the all-gather and "
                   "the compute; use precision fp32, or bf16-mixed (autocast over the policy, Accelerate's FSDP2) "
-                  "with fsdp_param_dtype bf16 over an fp32-loaded model");
+                  "with fsdp_param_dtype bf16 over an fp32-loaded model or a half-loaded LoRA model");
     }
     if (f.param_dtype != FsdpDtype::kNone && r.quant.load_in_4bit) {
       throw Error("fsdp_param_dtype: " + std::string(to_string(f.param_dtype)) + " over a 4-bit base is not modelled "

@@ -313,10 +313,11 @@ def test_fsdp_with_bf16_is_autocast_over_accelerates_policy():
     assert policy.recipe["fsdp_param_dtype"] == "bf16"
     plain = trainmem.estimate("llama-3.2-1b", **{k: v for k, v in knobs.items() if not k.startswith("fsdp_")})
     assert policy.peak_allocated_bytes < plain.peak_allocated_bytes
-    # Over a peft model loaded in fp32 too (measured), but not over a half-loaded one or a 4-bit base.
+    # Over a peft model loaded in fp32 or in bf16 too (measured), but not over a 4-bit base.
     assert trainmem.hf.recipe_from_training_arguments(d, gpus=2, peft=True)["fsdp_param_dtype"] == "bf16"
-    assert "fsdp_param_dtype" not in trainmem.hf.recipe_from_training_arguments(d, gpus=2, peft=True,
-                                                                               model_dtype="bfloat16")
+    half = trainmem.hf.recipe_from_training_arguments(d, seq=1024, gpus=2, peft=True, model_dtype="bfloat16")
+    assert (half["load_dtype"], half["fsdp_param_dtype"]) == ("bf16", "bf16")
+    assert trainmem.estimate("llama-3.2-1b", lora_rank=16, **half).recipe["fsdp_param_dtype"] == "bf16"
     assert "fsdp_param_dtype" not in trainmem.hf.recipe_from_training_arguments(d, gpus=2, peft=True,
                                                                                quantization_config=QLORA)
     # Without bf16=True no policy: fp32 FSDP2.
