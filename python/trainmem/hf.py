@@ -45,8 +45,8 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
     with load_dtype bf16), but under FSDP, where Accelerate casts its trainable parameters to fp32
     first (a float32 model's recipe). Under FSDP with bf16=True a float32 model's recipe has
     Accelerate's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16) under autocast
-    (fsdp_param_dtype and fsdp_reduce_dtype bf16, also over a half-loaded peft model; not over a
-    4-bit base, whose estimate leaves the policy out); with `peft=True` and bf16=True / fp16=True, the half model's
+    (fsdp_param_dtype and fsdp_reduce_dtype bf16, also over a half-loaded peft model and a 4-bit base
+    stored as bf16; over a uint8-stored one the estimate leaves the policy out); with `peft=True` and bf16=True / fp16=True, the half model's
     fp32 adapters under autocast (bf16-mixed / fp16-mixed with load_dtype bf16 / fp16). A float16
     model trained whole with fp16=True is refused: the GradScaler refuses fp16 gradients.
 
@@ -82,12 +82,14 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
         # prepare_model_for_kbit_training makes the rest fp32 whatever the load dtype: the Trainer's
         # precision is that of a float32 model (DeepSpeed's bf16 mode casts it back).
         knobs = recipe_from_training_arguments(args, seq=seq, model_dtype="float32", gpu=gpu, gpus=gpus, peft=True)
-        # Accelerate's FSDP2 policy over a 4-bit base is not modelled: the estimate is without it.
-        knobs.pop("fsdp_param_dtype", None)
-        knobs.pop("fsdp_reduce_dtype", None)
         knobs.update(recipe_from_quantization_config(quantization_config, model_dtype=model_dtype,
                                                      precision=knobs.get("precision", "fp32"),
                                                      prepare_kbit_training=prepare_kbit_training))
+        if knobs.get("bnb_4bit_quant_storage") != "bf16":
+            # Accelerate leaves uint8 packed weights out of fully_shard and its policy; not modelled:
+            # the estimate is without the policy.
+            knobs.pop("fsdp_param_dtype", None)
+            knobs.pop("fsdp_reduce_dtype", None)
         return knobs
     if _get(args, "deepspeed"):
         return recipe_from_deepspeed_config(_get(args, "deepspeed"), seq=seq, gpus=gpus, training_arguments=args,

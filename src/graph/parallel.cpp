@@ -121,10 +121,12 @@ constexpr std::uint64_t kBucketCapBytes = std::uint64_t{25} << 20;
 //    bf16-true's); foreach_reduce makes its input and output in reduce_dtype (None: bf16) and, when
 //    that is not fp32, casts the output to a new fp32 shard (_to_dtype_if_needed) whose views are
 //    the sharded .grads. output_dtype stays None and cast_forward_inputs True (the defaults): the
-//    layers' floating inputs are bf16 already, so it casts nothing. Over a half-loaded LoRA model
-//    (Note [Autocast over an FSDP2 policy] in step_parameters.cpp) the frozen bf16 shards are
-//    their param_dtype already: init_dtype_attrs sets their param_dtype to None, so they are
-//    all-gathered as they are and only the fp32 adapters go through the foreach copy.
+//    layers' floating inputs are bf16 already, so it casts nothing. A parameter that is bf16
+//    already has its param_dtype set to None by init_dtype_attrs: it is sharded, all-gathered and
+//    used as it is, and only the others go through the foreach copy (WrappedParam::keeps_dtype):
+//    a half-loaded LoRA model's frozen weights (Note [Autocast over an FSDP2 policy] in
+//    step_parameters.cpp), a QLoRA base's packed weights stored as bf16 (its fp32 rest and the
+//    adapters are cast). Packed uint8 weights under a policy are refused (recipe validation).
 
 // Note [FSDP2 CPU offload]
 // fully_shard(..., offload_policy=CPUOffloadPolicy()) on every unit, pin_memory=True by default
@@ -254,7 +256,6 @@ DataParallel::DataParallel(Tape& tape, const Recipe& recipe, bool cuda, std::uin
   reshard_after_forward_ = f.reshard_after_forward;
   pp_no_sync_ = recipe.pp > 1;  // See Note [Pipeline with FSDP2] in pipeline.cpp
   cast_params_ = f.param_dtype != FsdpDtype::kNone;
-  half_frozen_ = recipe.half_model();
   // init_dtype_attrs clamps a reduce_dtype equal to param_dtype to None.
   if (f.reduce_dtype != FsdpDtype::kNone && f.reduce_dtype != f.param_dtype) {
     reduce_dtype_ = f.reduce_dtype == FsdpDtype::kFp32 ? DType::kF32 : DType::kBF16;

@@ -30,6 +30,10 @@ struct WrappedParam {
   bool partial_grad = false;
   // requires_grad: false for a LoRA base's frozen weights, which DDP leaves out of its buckets.
   bool trainable = true;
+  // Its dtype before fully_shard is its unsharded one even under a param_dtype policy, which then
+  // leaves it alone (a half-loaded model's frozen weight, a 4-bit base's bf16-stored packed weight:
+  // Note [FSDP2 variants]); the others are fp32 there.
+  bool keeps_dtype = false;
 };
 
 class DataParallel {
@@ -198,13 +202,10 @@ class DataParallel {
   bool first_layer_hooked_ = true;      // See set_first_layer_hooked
   bool reshard_after_forward_ = true;   // the decoder layers'
   bool cast_params_ = false;            // a param_dtype policy: all-gather inputs cast from the fp32 shards
-  bool half_frozen_ = false;            // under it, a half-loaded model's frozen shards are half already
   DType orig_dtype_ = DType::kF32;      // the sharded trainable parameters' (and the sharded gradients')
-  // A parameter's sharded dtype: fp32 under a param_dtype policy (a half-loaded model's frozen
-  // weights: their own, Note [FSDP2 variants]), else its own.
-  DType orig_dtype(const WrappedParam& p) const {
-    return cast_params_ && !(half_frozen_ && !p.trainable) ? DType::kF32 : p.dtype;
-  }
+  // A parameter's sharded dtype: fp32 under a param_dtype policy (but what keeps its dtype), else
+  // its own.
+  DType orig_dtype(const WrappedParam& p) const { return cast_params_ && !p.keeps_dtype ? DType::kF32 : p.dtype; }
   std::optional<DType> reduce_dtype_;   // the policy's reduce_dtype; none: the gradients' dtype
   TensorId forward_all_gather_ = kNone;  // comm_ctx.all_gather_state: the last forward all-gather's buffer
   std::vector<TensorId> all_reduce_inputs_;  // HSDP: reduce-dtype outputs held until the end of backward

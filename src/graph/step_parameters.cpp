@@ -74,6 +74,8 @@ void StepBuilder::wrap_data_parallel() {
       w.numel = w.rows = packed_4bit(p.numel, r_.quant.double_quant, p.dtype).packed_numel;
     }
     w.trainable = p.trainable;
+    // See Note [FSDP2 variants] in parallel.cpp: under a param_dtype policy these are bf16 already.
+    w.keeps_dtype = (p.quantized && r_.quant.enabled()) || (r_.half_model() && !p.trainable);
     wp.push_back(w);
   }
   std::vector<std::vector<std::uint32_t>> layers(a_.num_layers);

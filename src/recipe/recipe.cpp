@@ -341,16 +341,17 @@ void validate_parallel(const Recipe& r) {
     // bf16 (Note [Autocast over an FSDP2 policy] in graph/step_parameters.cpp).
     if (f.param_dtype != FsdpDtype::kNone && r.precision != Precision::kFp32 &&
         !(f.param_dtype == FsdpDtype::kBf16 && r.precision == Precision::kBf16Mixed &&
-          (!r.half_model() || r.lora.enabled()))) {
+          (!r.half_model() || r.lora.enabled() || r.quant.enabled()))) {
       throw Error("fsdp_param_dtype: " + std::string(to_string(f.param_dtype)) + " with precision " +
                   std::string(to_string(r.precision)) +
                   ": MixedPrecisionPolicy casts fp32 parameters (sharded, the optimizer's) for the all-gather and "
                   "the compute; use precision fp32, or bf16-mixed (autocast over the policy, Accelerate's FSDP2) "
                   "with fsdp_param_dtype bf16 over an fp32-loaded model or a half-loaded LoRA model");
     }
-    if (f.param_dtype != FsdpDtype::kNone && r.quant.load_in_4bit) {
-      throw Error("fsdp_param_dtype: " + std::string(to_string(f.param_dtype)) + " over a 4-bit base is not modelled "
-                  "(the policy would cast the packed weights for the all-gather); use fsdp_param_dtype none");
+    if (f.param_dtype != FsdpDtype::kNone && r.quant.load_in_4bit && r.quant.storage != QuantStorage::kBf16) {
+      throw Error("fsdp_param_dtype: " + std::string(to_string(f.param_dtype)) + " over a 4-bit base stored as " +
+                  std::string(to_string(r.quant.storage)) + " is not modelled (the policy would cast the packed "
+                  "weights for the all-gather); use bnb_4bit_quant_storage bf16, or fsdp_param_dtype none");
     }
     if (f.reduce_dtype != FsdpDtype::kNone && f.param_dtype == FsdpDtype::kNone) {
       throw Error("fsdp_reduce_dtype: " + std::string(to_string(f.reduce_dtype)) +

@@ -321,9 +321,13 @@ TEST(RecipeValidate, ParallelRefusesWhatIsNotModelled) {
   EXPECT_NO_THROW(lora.validate());
   lora.parallel = Parallel::kFsdp;  // FSDP2 shards the packed weights (measured: cpu-[fh]sdp-*-qlora*, *-4bit*) ...
   EXPECT_NO_THROW(lora.validate());
-  lora.fsdp.param_dtype = FsdpDtype::kBf16;  // ... but no policy casts them
+  lora.fsdp.param_dtype = FsdpDtype::kBf16;  // ... but no policy casts them (uint8)
   lora.precision = Precision::kFp32;
-  EXPECT_NE(error_of([&] { lora.validate(); }).find("over a 4-bit base is not modelled"), std::string::npos);
+  EXPECT_NE(error_of([&] { lora.validate(); }).find("over a 4-bit base stored as uint8 is not modelled"),
+            std::string::npos);
+  lora.quant.storage = QuantStorage::kBf16;  // stored as bf16 they are left alone (Note [FSDP2 variants])
+  EXPECT_NO_THROW(lora.validate());
+  lora.quant.storage = QuantStorage::kUint8;
   lora.fsdp.param_dtype = FsdpDtype::kNone;
   lora.parallel = Parallel::kZero3;  // ZeRO-3 partitions them as bytes (measured: cpu-zero3-*-qlora*, *-4bit*)
   EXPECT_NO_THROW(lora.validate());

@@ -292,9 +292,15 @@ def test_an_fsdp_qlora_run_with_bf16_quant_storage():
     knobs = trainmem.hf.recipe_from_training_arguments(d, seq=512, model_dtype="bfloat16", peft=True, gpus=2,
                                                        quantization_config=cfg)
     assert (knobs["parallel"], knobs["load_dtype"], knobs["bnb_4bit_quant_storage"]) == ("fsdp", "bf16", "bf16")
-    est = trainmem.estimate("llama-3.2-1b", lora_rank=16, **knobs)
+    # Accelerate's policy over it (measured: cpu-fsdp-*-qsbf16-*-bf16params-bf16reduce-*).
+    assert (knobs["fsdp_param_dtype"], knobs["fsdp_reduce_dtype"]) == ("bf16", "bf16")
+    policy = trainmem.estimate("llama-3.2-1b", lora_rank=16, **knobs)
+    assert policy.recipe["fsdp_param_dtype"] == "bf16"
+    plain = {k: v for k, v in knobs.items() if not k.startswith("fsdp_")}
+    est = trainmem.estimate("llama-3.2-1b", lora_rank=16, **plain)
+    assert policy.peak_allocated_bytes < est.peak_allocated_bytes  # the fp32 rest all-gathered in bf16
     assert est.recipe["bnb_4bit_quant_storage"] == "bf16"
-    uint8 = trainmem.estimate("llama-3.2-1b", lora_rank=16, **{**knobs, "bnb_4bit_quant_storage": "uint8"})
+    uint8 = trainmem.estimate("llama-3.2-1b", lora_rank=16, **{**plain, "bnb_4bit_quant_storage": "uint8"})
     # The same bytes: Llama-3.2-1B's projections have a multiple of 4 * 2 elements, so every shard
     # and gather holds what uint8 rows hold.
     assert est.peak_allocated_bytes == uint8.peak_allocated_bytes
@@ -313,13 +319,16 @@ def test_fsdp_with_bf16_is_autocast_over_accelerates_policy():
     assert policy.recipe["fsdp_param_dtype"] == "bf16"
     plain = trainmem.estimate("llama-3.2-1b", **{k: v for k, v in knobs.items() if not k.startswith("fsdp_")})
     assert policy.peak_allocated_bytes < plain.peak_allocated_bytes
-    # Over a peft model loaded in fp32 or in bf16 too (measured), but not over a 4-bit base.
+    # Over a peft model loaded in fp32 or in bf16 too (measured), and a bf16-stored 4-bit base, not a uint8 one.
     assert trainmem.hf.recipe_from_training_arguments(d, gpus=2, peft=True)["fsdp_param_dtype"] == "bf16"
     half = trainmem.hf.recipe_from_training_arguments(d, seq=1024, gpus=2, peft=True, model_dtype="bfloat16")
     assert (half["load_dtype"], half["fsdp_param_dtype"]) == ("bf16", "bf16")
     assert trainmem.estimate("llama-3.2-1b", lora_rank=16, **half).recipe["fsdp_param_dtype"] == "bf16"
     assert "fsdp_param_dtype" not in trainmem.hf.recipe_from_training_arguments(d, gpus=2, peft=True,
                                                                                quantization_config=QLORA)
+    qs = trainmem.hf.recipe_from_training_arguments(d, gpus=2, peft=True, model_dtype="bfloat16",
+                                                    quantization_config={**QLORA, "bnb_4bit_quant_storage": "bfloat16"})
+    assert (qs["load_dtype"], qs["bnb_4bit_quant_storage"], qs["fsdp_param_dtype"]) == ("bf16", "bf16", "bf16")
     # Without bf16=True no policy: fp32 FSDP2.
     d["bf16"] = False
     assert "fsdp_param_dtype" not in trainmem.hf.recipe_from_training_arguments(d, gpus=2)
@@ -336,10 +345,18 @@ def test_an_unprepared_sharded_qlora_base():
     assert unprepared["prepare_kbit_training"] is False
     prepared = trainmem.hf.recipe_from_training_arguments(d, **kw)
     assert "prepare_kbit_training" not in prepared
-    half = trainmem.estimate("llama-3.2-1b", lora_rank=16, **unprepared)
-    fp32 = trainmem.estimate("llama-3.2-1b", lora_rank=16, **prepared)
+    # Without a policy (DDP, or FSDP2 run by hand) the prepared fp32 rest makes an fp32 residual stream.
+    plain = lambda k: {key: v for key, v in k.items() if not key.startswith("fsdp_")}  # noqa: E731
+    half = trainmem.estimate("llama-3.2-1b", lora_rank=16, **plain(unprepared))
+    fp32 = trainmem.estimate("llama-3.2-1b", lora_rank=16, **plain(prepared))
     assert half.recipe["prepare_kbit_training"] is False
     assert half.breakdown_at_peak["activations"] < 0.7 * fp32.breakdown_at_peak["activations"]
+    # Under Accelerate's bf16 policy (the Trainer's FSDP2) the policy casts the prepared rest to bf16
+    # for the compute: the activations are the same, the prepared rest's shards fp32.
+    half = trainmem.estimate("llama-3.2-1b", lora_rank=16, **unprepared)
+    fp32 = trainmem.estimate("llama-3.2-1b", lora_rank=16, **prepared)
+    assert half.breakdown_at_peak["activations"] == fp32.breakdown_at_peak["activations"]
+    assert half.peak_allocated_bytes < fp32.peak_allocated_bytes
     # A float32-loaded base is the same model prepared or not: nothing to mark.
     kw["model_dtype"] = "float32"
     assert "prepare_kbit_training" not in trainmem.hf.recipe_from_training_arguments(d, prepare_kbit_training=False, **kw)

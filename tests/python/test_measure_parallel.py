@@ -51,7 +51,7 @@ from trainmem.measure.models import resolve_model  # noqa: E402
     ({"gpus": 2, "parallel": "fsdp", "load_dtype": "bf16", "fsdp_param_dtype": "bf16"}, "over an fp32-loaded model"),
     ({"gpus": 2, "parallel": "fsdp", "precision": "fp32", "fsdp_reduce_dtype": "fp32"}, "without fsdp_param_dtype"),
     ({"gpus": 2, "parallel": "fsdp", "precision": "fp32", "lora_rank": 8, "load_in_4bit": True,
-      "fsdp_param_dtype": "bf16"}, "over a 4-bit base is not measured: the policy would cast the packed uint8"),
+      "fsdp_param_dtype": "bf16"}, "over a 4-bit base stored as uint8 is not measured: the policy would cast the packed uint8"),
     ({"gpus": 2, "parallel": "ddp", "precision": "bf16-master", "lora_rank": 8, "load_in_4bit": True},
      "precision=bf16-master cannot be combined with LoRA"),
 ])

@@ -363,14 +363,15 @@ class Recipe:
             raise RecipeError(f"fsdp_replicate={replicate}: HSDP's mesh is (replicate, shard) = (fsdp_replicate, "
                               f"gpus / fsdp_replicate) and needs a shard group of 2 or more ranks; gpus={self.gpus}")
         autocast_over_policy = (self.fsdp_param_dtype == "bf16" and self.precision == "bf16-mixed"
-                                and (self.load_dtype == "auto" or (self.uses_lora and not self.load_in_4bit)))
+                                and (self.load_dtype == "auto" or self.uses_lora))
         if self.fsdp_param_dtype != "none" and self.precision != "fp32" and not autocast_over_policy:
             raise RecipeError(f"fsdp_param_dtype={self.fsdp_param_dtype} with precision={self.precision!r}: "
                               "MixedPrecisionPolicy casts fp32 parameters (sharded, the optimizer's) to param_dtype for "
                               "the all-gather and the compute; use precision fp32, or bf16-mixed with fsdp_param_dtype "
                               "bf16 over an fp32-loaded model or a half-loaded LoRA model")
-        if self.fsdp_param_dtype != "none" and self.load_in_4bit:
-            raise RecipeError(f"fsdp_param_dtype={self.fsdp_param_dtype} over a 4-bit base is not measured: the "
+        if self.fsdp_param_dtype != "none" and self.load_in_4bit and self.bnb_4bit_quant_storage != "bf16":
+            raise RecipeError(f"fsdp_param_dtype={self.fsdp_param_dtype} over a 4-bit base stored as "
+                              f"{self.bnb_4bit_quant_storage} is not measured: the "
                               "policy would cast the packed uint8 weights for the all-gather")
         if self.fsdp_reduce_dtype != "none" and self.fsdp_param_dtype == "none":
             raise RecipeError(f"fsdp_reduce_dtype={self.fsdp_reduce_dtype} without fsdp_param_dtype is not measured: "
