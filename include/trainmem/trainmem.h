@@ -259,7 +259,7 @@ struct Recipe {
   AllocatorMode allocator = AllocatorMode::kDefault;
   Lora lora;
   Quantization quant;
-  LoadDtype load_dtype = LoadDtype::kAuto;  // from_pretrained's dtype (a 4-bit base's, or a half model under LoRA)
+  LoadDtype load_dtype = LoadDtype::kAuto;  // from_pretrained's dtype (a 4-bit base's, a half model's)
   Mode mode = Mode::kTraining;
   std::uint64_t new_tokens = 128;  // inference: tokens generated after the prompt (max_new_tokens)
   std::uint64_t beams = 1;         // inference: num_beams (1: greedy)
@@ -342,7 +342,7 @@ struct RecipeSpelling {
   bool load_in_4bit = false;                  // BitsAndBytesConfig's spellings
   std::string bnb_4bit_quant_type = "fp4";    // fp4 | nf4
   bool bnb_4bit_use_double_quant = false;
-  std::string load_dtype = "auto";            // auto | bf16 | fp16: from_pretrained's dtype (4-bit base or LoRA)
+  std::string load_dtype = "auto";            // auto | bf16 | fp16: from_pretrained's dtype
   std::string bnb_4bit_quant_storage = "uint8";  // uint8 | bf16: the packed 4-bit weights' dtype
   bool prepare_kbit_training = true;             // false: the rest of a half-loaded 4-bit base stays half
   bool load_in_8bit = false;

@@ -46,7 +46,7 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
     first (a float32 model's recipe). Under FSDP with bf16=True a float32 model's recipe has
     Accelerate's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16) under autocast
     (fsdp_param_dtype and fsdp_reduce_dtype bf16, also over a half-loaded peft model and a 4-bit base
-    stored as bf16; over a uint8-stored one the estimate leaves the policy out); with `peft=True` and bf16=True / fp16=True, the half model's
+    stored as bf16; a uint8-stored one under FSDP is refused: Accelerate leaves it unsharded); with `peft=True` and bf16=True / fp16=True, the half model's
     fp32 adapters under autocast (bf16-mixed / fp16-mixed with load_dtype bf16 / fp16). A float16
     model trained whole with fp16=True is refused: the GradScaler refuses fp16 gradients.
 
@@ -85,11 +85,12 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
         knobs.update(recipe_from_quantization_config(quantization_config, model_dtype=model_dtype,
                                                      precision=knobs.get("precision", "fp32"),
                                                      prepare_kbit_training=prepare_kbit_training))
-        if knobs.get("bnb_4bit_quant_storage") != "bf16":
-            # Accelerate leaves uint8 packed weights out of fully_shard and its policy; not modelled:
-            # the estimate is without the policy.
-            knobs.pop("fsdp_param_dtype", None)
-            knobs.pop("fsdp_reduce_dtype", None)
+        if knobs.get("parallel") == "fsdp" and knobs.get("bnb_4bit_quant_storage") != "bf16":
+            # fsdp2_prepare_model passes non-floating frozen Params4bit to fully_shard as ignored_params:
+            # every rank would hold the whole uint8 base, which the engine (it shards them) does not model.
+            raise ValueError("quantization_config: under FSDP, Accelerate leaves uint8-stored 4-bit weights out of "
+                             "fully_shard (each rank holds the whole base), which is not modelled; FSDP-QLoRA sets "
+                             "bnb_4bit_quant_storage=torch.bfloat16, which is")
         return knobs
     if _get(args, "deepspeed"):
         return recipe_from_deepspeed_config(_get(args, "deepspeed"), seq=seq, gpus=gpus, training_arguments=args,

@@ -160,7 +160,8 @@ struct RecipeFlags {
     opt("fsdp_replicate", "--fsdp-replicate", fsdp_replicate,
         "With --parallel fsdp: HSDP replica groups R, mesh (R, gpus / R); 1 shards over every GPU");
     opt("fsdp_param_dtype", "--fsdp-param-dtype", fsdp_param_dtype,
-        "With --parallel fsdp and fp32: MixedPrecisionPolicy param_dtype, none | bf16");
+        "With --parallel fsdp and fp32 (or bf16-mixed: Accelerate's policy under autocast): MixedPrecisionPolicy "
+        "param_dtype, none | bf16");
     opt("fsdp_reduce_dtype", "--fsdp-reduce-dtype", fsdp_reduce_dtype,
         "With --fsdp-param-dtype: MixedPrecisionPolicy reduce_dtype, none (param_dtype) | fp32 | bf16");
     opt("offload", "--offload", offload,

@@ -318,8 +318,11 @@ class Planner {
     return it != memo_.end() && !it->second.error && !it->second.plan.complete && it->second.limit >= limit;
   }
 
+  // The Estimate of a probe the requests stopped. Its host bytes stay 0: the bound pass keeps no
+  // trace, and pipelines offload nothing (recipe validation).
   Estimate stopped_by_requests(const Recipe& r, std::uint64_t rank, std::uint64_t requested,
                                bool before_optimizer) const {
+    TRAINMEM_ASSERT(r.offload == Offload::kNone, "a probe stopped by its requests has no host memory");
     Estimate e;
     e.recipe = r;
     if (r.lora.enabled()) e.recipe.lora.targets = resolve_lora_targets(m_.arch, r.lora.targets);
@@ -560,7 +563,7 @@ std::uint64_t weight_bytes(const Model& m, const Recipe& r) {
 
 // Optimizer states per trained element, in bytes (8-bit AdamW: two 1-byte states).
 std::uint64_t state_bytes_per_element(const Recipe& r) {
-  const std::uint64_t sb = plan::state_bytes(r.precision);
+  const std::uint64_t sb = plan::state_bytes(r);
   switch (r.optimizer) {
     case Optimizer::kAdamW:
     case Optimizer::kAdamWFused: return 2 * sb;
@@ -626,7 +629,7 @@ bool plan::optimizer_waits_for_its_step(const Recipe& r) {
 }
 
 std::uint64_t plan::persistent_floor(const Model& m, const Recipe& r) {
-  const std::uint64_t pb = parameter_bytes(r.precision);
+  const std::uint64_t pb = parameter_bytes(r);  // a half model trained whole: half gradients and buckets
   const std::uint64_t weights = weight_bytes(m, r);
   // FSDP2's CPUOffloadPolicy keeps nothing on the GPU between its all-gathers (Note [FSDP2 CPU
   // offload] in graph/parallel.cpp).
@@ -675,7 +678,7 @@ std::uint64_t plan::persistent_floor(const Model& m, const Recipe& r) {
   // DDP: the Reducer's buckets, a second copy of the gradients (Note [DDP buckets] in
   // graph/parallel.cpp). FSDP2: every rank holds at least 1/gpus of the parameters, gradients and
   // states (padded shards are never smaller); HSDP shards over its shard group only. A param_dtype
-  // policy keeps fp32 shards, gradients and states (the precision is fp32).
+  // policy keeps fp32 shards, gradients and states (an fp32-loaded model's: fp32 or bf16-mixed).
   const std::uint64_t buckets = r.parallel == Parallel::kDdp ? detail::mul(n, pb, "bucket bytes") : 0;
   // A pipeline's worst stage holds at least the average stage's share (Note [Pipeline split]),
   // its DDP buckets included: they hold the stage's own gradients (Note [Pipeline with DDP]).
@@ -726,7 +729,7 @@ std::uint64_t plan::loss_floor(const Model& m, const Recipe& r) {
     if (r.precision == Precision::kBf16Master) held = detail::add(held, detail::mul(n, 4, "master bytes"), "master bytes");
     held = detail::add(held, detail::mul(n, state_bytes_per_element(r), "state bytes"), "state bytes");
     if (r.grad_accum >= 2) {
-      held = detail::add(held, detail::mul(n, parameter_bytes(r.precision), "gradient bytes"), "gradient bytes");
+      held = detail::add(held, detail::mul(n, parameter_bytes(r), "gradient bytes"), "gradient bytes");
     }
   }
   return detail::add(held, logits, "loss floor bytes");

@@ -21,6 +21,11 @@ inline std::uint64_t parameter_bytes(const Recipe& r) {
 inline std::uint64_t state_bytes(Precision p) {
   return p == Precision::kBf16True || p == Precision::kFp16True ? 2 : 4;
 }
+// A recipe's full-size optimizer states: a half model trained whole keeps half ones (zeros_like its
+// half parameters); adapters are fp32.
+inline std::uint64_t state_bytes(const Recipe& r) {
+  return r.half_model() && !r.lora.enabled() ? 2 : state_bytes(r.precision);
+}
 
 // Bytes alive together when step 2's optimizer step starts (weights, fp32 masters, every
 // parameter's gradient, optimizer states; under ZeRO-1/2 the flat group, this rank's fp32

@@ -83,11 +83,18 @@ TEST(Fit, TheFloorIsNeverAboveTheReplayedPeak) {
         Recipe r = base_recipe("h100-80gb", 64);
         r.precision = p;
         r.optimizer = o;
-        const std::uint64_t floor = plan::persistent_floor(m, r);
-        const Estimate e = estimate(m, r);
-        EXPECT_LE(floor, e.peak_allocated_bytes) << name << " " << to_string(p) << " " << to_string(o);
-        // A floor far below the peak would rule nothing out: weights and states dominate here.
-        EXPECT_GT(floor, e.breakdown_at_peak[0] / 2) << name << " " << to_string(p) << " " << to_string(o);
+        for (LoadDtype d : {LoadDtype::kAuto, LoadDtype::kBf16}) {  // bf16: a half model trained whole
+          if (d == LoadDtype::kBf16 && p != Precision::kBf16Mixed) continue;
+          r.load_dtype = d;
+          const std::uint64_t floor = plan::persistent_floor(m, r);
+          const Estimate e = estimate(m, r);
+          const std::string what = std::string(name) + " " + std::string(to_string(p)) + " " +
+                                   std::string(to_string(o)) + (d == LoadDtype::kBf16 ? " loaded bf16" : "");
+          EXPECT_LE(floor, e.peak_allocated_bytes) << what;
+          EXPECT_LE(plan::loss_floor(m, r), e.peak_allocated_bytes) << what;
+          // A floor far below the peak would rule nothing out: weights and states dominate here.
+          EXPECT_GT(floor, e.breakdown_at_peak[0] / 2) << what;
+        }
       }
     }
   }
@@ -635,6 +642,9 @@ TEST(Fit, TheFloorIsNeverAboveTheReplayedPeakUnderDataParallelism) {
               r.parallel = dp;
               r.gpus = gpus;
               r.grad_accum = accum;
+              if (!is_zero(dp) && p == Precision::kBf16Mixed && gpus == 3) {
+                r.load_dtype = LoadDtype::kBf16;  // a half model trained whole (its own floors)
+              }
               const std::uint64_t floor = plan::persistent_floor(m, r);
               const Estimate e = estimate(m, r);
               EXPECT_LE(floor, e.peak_allocated_bytes) << name << " " << to_string(dp) << " x" << gpus << " "

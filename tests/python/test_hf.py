@@ -319,13 +319,14 @@ def test_fsdp_with_bf16_is_autocast_over_accelerates_policy():
     assert policy.recipe["fsdp_param_dtype"] == "bf16"
     plain = trainmem.estimate("llama-3.2-1b", **{k: v for k, v in knobs.items() if not k.startswith("fsdp_")})
     assert policy.peak_allocated_bytes < plain.peak_allocated_bytes
-    # Over a peft model loaded in fp32 or in bf16 too (measured), and a bf16-stored 4-bit base, not a uint8 one.
+    # Over a peft model loaded in fp32 or in bf16 too (measured), and a bf16-stored 4-bit base; a uint8 one
+    # Accelerate keeps out of fully_shard (not modelled: refused).
     assert trainmem.hf.recipe_from_training_arguments(d, gpus=2, peft=True)["fsdp_param_dtype"] == "bf16"
     half = trainmem.hf.recipe_from_training_arguments(d, seq=1024, gpus=2, peft=True, model_dtype="bfloat16")
     assert (half["load_dtype"], half["fsdp_param_dtype"]) == ("bf16", "bf16")
     assert trainmem.estimate("llama-3.2-1b", lora_rank=16, **half).recipe["fsdp_param_dtype"] == "bf16"
-    assert "fsdp_param_dtype" not in trainmem.hf.recipe_from_training_arguments(d, gpus=2, peft=True,
-                                                                               quantization_config=QLORA)
+    with pytest.raises(ValueError, match="leaves uint8-stored 4-bit weights out of fully_shard"):
+        trainmem.hf.recipe_from_training_arguments(d, gpus=2, peft=True, quantization_config=QLORA)
     qs = trainmem.hf.recipe_from_training_arguments(d, gpus=2, peft=True, model_dtype="bfloat16",
                                                     quantization_config={**QLORA, "bnb_4bit_quant_storage": "bfloat16"})
     assert (qs["load_dtype"], qs["bnb_4bit_quant_storage"], qs["fsdp_param_dtype"]) == ("bf16", "bf16", "bf16")

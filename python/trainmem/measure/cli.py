@@ -115,9 +115,10 @@ def _parser() -> _Parser:
                    help="with --load-in-4bit and --load-dtype bf16/fp16: skip peft's prepare_model_for_kbit_training, "
                         "so what is not 4-bit stays half (TRL's sharded FSDP / ZeRO-3 QLoRA)")
     p.add_argument("--load-dtype", choices=("auto", "bf16", "fp16"), default="auto",
-                   help="with --load-in-4bit or --lora: from_pretrained's dtype; auto is the precision's weights' "
-                        "dtype, bf16 (with bf16-mixed) or fp16 (with fp16-mixed) the Trainer recipe of a half-loaded "
-                        "QLoRA base, or of a half model whose fp32 adapters run under autocast (default %(default)s)")
+                   help="from_pretrained's dtype; auto is the precision's weights' dtype, bf16 (with bf16-mixed) or "
+                        "fp16 (with fp16-mixed, and --load-in-4bit or --lora) the Trainer recipe of a half-loaded "
+                        "QLoRA base, of a half model whose fp32 adapters run under autocast, or (bf16) of a half "
+                        "model trained whole (default %(default)s)")
     p.add_argument("--qlora", action="store_true",
                    help="QLoRA's base: --load-in-4bit --bnb-4bit-quant-type nf4 --bnb-4bit-use-double-quant")
     p.add_argument("--load-in-8bit", action="store_true",
