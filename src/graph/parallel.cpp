@@ -570,7 +570,8 @@ void DataParallel::before_optimizer() {
 // on three ranks (cpu-fsdp3-*: rank 2's rank-16 LoRA matrices have 4 of 16 rows, and its Adam
 // states 327,680 B less at the peak). Rank 0's chunks are full, so rank 0 is never lighter than
 // another rank and stands for the worst (Note [The worst rank] in estimate.cpp); `--rank` gives the
-// others (not under PP x FSDP2, whose stages' wrappers are built as their rank 0, nor under CP).
+// others (under PP x FSDP2 the rank's place among its stage's replicas; not under CP, whose
+// dp_shard x cp mesh order is not modelled).
 std::uint64_t DataParallel::chunk_numel(const WrappedParam& p, std::uint64_t shard_rank) const {
   const std::uint64_t rows = p.rows > 0 ? p.rows : p.numel;  // a 1-D parameter: rows of one element
   if (rows == 0) return 0;

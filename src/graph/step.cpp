@@ -42,7 +42,8 @@ StepBuilder::StepBuilder(const Model& m, const Recipe& r, const Gpu& gpu, const 
                             : r.fsdp.param_dtype == FsdpDtype::kBf16 ? Precision::kBf16True
                                                                      : r.precision)),
       quant_dtype_(policy_for(r.precision).autocast ? policy_for(r.precision).compute : policy_for(r.precision).param),
-      rank_(r.pp > 1 ? rank / r.gpus : rank) {  // a pipeline's rank stage x gpus + dp rank: its stage
+      rank_(r.pp > 1 ? rank / r.gpus : rank),  // a pipeline's rank stage x gpus + dp rank: its stage
+      stage_dp_rank_(r.pp > 1 ? rank % r.gpus : 0) {
   B_ = r.batch;
   S_ = r.seq / r.cp;  // a context-parallel rank's tokens (Note [Context parallelism])
   tok_ = detail::mul(B_, S_, "batch * seq");

@@ -515,6 +515,7 @@ class StepBuilder {
   Policy pol_;
   DType quant_dtype_;  // a 4-bit base: the load and compute dtype of its matmuls (Note [QLoRA])
   std::uint64_t rank_ = 0;  // the data-parallel rank built (graph/parallel.h); under pp the stage
+  std::uint64_t stage_dp_rank_ = 0;  // under pp: the rank's place among its stage's replicas
   Attention attention_;
   bool cuda_ = true;
   std::uint64_t B_ = 0, S_ = 0, tok_ = 0;
@@ -524,9 +525,10 @@ class StepBuilder {
   std::uint64_t sp_ = 1, res_tok_ = 0;
   bool dtensor_ = false;
   Tape t_;
-  // A pipeline stage (rank_ is the stage) is built as its data-parallel rank 0: DDP's replicas of a
-  // stage hold the same memory (See Note [Pipeline with DDP] in pipeline.cpp).
-  DataParallel dp_rank_{t_, r_, r_.gpu != "cpu", r_.pp > 1 ? 0 : rank_};  // DDP / FSDP2 (graph/parallel.h); nothing without
+  // A pipeline stage (rank_ is the stage) is built as its replica stage_dp_rank_: DDP's replicas of a
+  // stage hold the same memory (See Note [Pipeline with DDP] in pipeline.cpp), FSDP2's differ only
+  // where a parameter's rows do not divide (Note [Uneven shards] in parallel.cpp).
+  DataParallel dp_rank_{t_, r_, r_.gpu != "cpu", r_.pp > 1 ? stage_dp_rank_ : rank_};  // DDP / FSDP2 (graph/parallel.h); nothing without
   // The wrapper the hooks reach: the rank's, or with several pipeline stages per rank the wrapper of
   // the stage whose action runs (pp_dps_, one per local stage: See Notes [Interleaved pipeline
   // schedules with DDP] and [Interleaved pipeline schedules with FSDP2] in pipeline.cpp).

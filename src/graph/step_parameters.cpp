@@ -190,7 +190,7 @@ void StepBuilder::wrap_pipeline_stages(std::vector<WrappedParam>& wp, const std:
       const bool embedding = ends_with(root_names[k], "embed_tokens.weight");
       if (embedding ? s == 0 : s + 1 == stages) sub_root.push_back(take(root[k]));
     }
-    pp_dps_.emplace_back(t_, r_, r_.gpu != "cpu", 0);
+    pp_dps_.emplace_back(t_, r_, r_.gpu != "cpu", stage_dp_rank_);
     pp_dps_.back().wrap(sub, sub_layers, sub_root, {});
     for (std::size_t j = 0; j < sub.size(); ++j) wp[global[j]].storage = sub[j].storage;
   }
