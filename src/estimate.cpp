@@ -9,10 +9,17 @@
 
 #include "estimate.h"
 #include "graph/step.h"
+#include "sim/caching_allocator.h"
 #include "sim/simulator.h"
 
 namespace trainmem {
 namespace {
+
+// The allocator model places blocks in a 2^63-byte address space; a step that outgrows it is
+// bad input (absurd sizes), reported as such rather than as an allocator detail.
+[[noreturn]] void too_big(const std::overflow_error& e) {
+  throw Error(std::string("the step needs more memory than trainmem models (2^63 bytes): ") + e.what());
+}
 
 Estimate run(const Model& model, const Recipe& resolved, const Gpu& gpu, const EstimateOptions& options,
              std::uint64_t rank, bool peeks = true) {
@@ -144,13 +151,17 @@ Estimate run_ranks(const Model& model, const Recipe& resolved, const Gpu& gpu, c
 // (Note [Requests that do not fit] in plan/fit.cpp). The sum cannot skip a repeated micro-batch
 // (that takes the allocator's state, Note [Repeated micro-batches] in sim/simulator.cpp), so every
 // micro-batch is built. Checked against the replay's peaks: Estimate.RequestedBytesBoundTheReplay.
+Recipe detail::with_resolved_targets(const Model& model, Recipe recipe) {
+  if (recipe.lora.enabled()) recipe.lora.targets = resolve_lora_targets(model.arch, recipe.lora.targets);
+  return recipe;
+}
+
 std::uint64_t detail::peak_requested_bytes(const Model& model, const Recipe& recipe, std::uint64_t rank,
                                            std::uint64_t stop_above, bool* before_optimizer) {
   recipe.validate();
   const Gpu& gpu = find_gpu(recipe.gpu);
-  Recipe resolved = recipe;
-  if (resolved.lora.enabled()) resolved.lora.targets = resolve_lora_targets(model.arch, recipe.lora.targets);
-  constexpr std::uint64_t kBlock = 512;
+  const Recipe resolved = with_resolved_targets(model, recipe);
+  const sim::AllocatorConfig plain;  // 512 B steps: every config rounds to them or coarser
   std::size_t next = 0;
   std::uint64_t live = 0, peak = 0;
   bool stopped = false;  // what the graph stage adds after a stop is not the step's
@@ -159,9 +170,7 @@ std::uint64_t detail::peak_requested_bytes(const Model& model, const Recipe& rec
     for (; !stopped && next < t.events.size(); ++next) {
       const graph::Event& e = t.events[next];
       optimizer_seen = optimizer_seen || t.moments[e.moment].phase == Phase::kOptimizer;
-      const std::uint64_t bytes = t.storages[e.tensor].bytes;
-      // (bytes + 511) / 512 * 512 without overflow, at least one block
-      const std::uint64_t block = bytes <= kBlock ? kBlock : (bytes / kBlock + (bytes % kBlock != 0)) * kBlock;
+      const std::uint64_t block = sim::CachingAllocator::round_size(t.storages[e.tensor].bytes, plain);
       if (e.alloc) {
         // Saturating: past 2^64 the replay would have refused the step long before.
         live = live > UINT64_MAX - block ? UINT64_MAX : live + block;
@@ -180,7 +189,7 @@ std::uint64_t detail::peak_requested_bytes(const Model& model, const Recipe& rec
     read(trace);
     graph::recycle(std::move(trace));
   } catch (const std::overflow_error& e) {
-    throw Error(std::string("the step needs more memory than trainmem models (2^63 bytes): ") + e.what());
+    too_big(e);
   }
   if (before_optimizer) *before_optimizer = stopped && !optimizer_seen;
   return peak;
@@ -189,14 +198,10 @@ std::uint64_t detail::peak_requested_bytes(const Model& model, const Recipe& rec
 Estimate estimate(const Model& model, const Recipe& recipe, const EstimateOptions& options) {
   recipe.validate();
   const Gpu& gpu = find_gpu(recipe.gpu);
-  Recipe resolved = recipe;
-  if (resolved.lora.enabled()) resolved.lora.targets = resolve_lora_targets(model.arch, recipe.lora.targets);
-  // The allocator model places blocks in a 2^63-byte address space; a step that outgrows it is
-  // bad input (absurd sizes), reported as such rather than as an allocator detail.
   try {
-    return run_ranks(model, resolved, gpu, options);
+    return run_ranks(model, detail::with_resolved_targets(model, recipe), gpu, options);
   } catch (const std::overflow_error& e) {
-    throw Error(std::string("the step needs more memory than trainmem models (2^63 bytes): ") + e.what());
+    too_big(e);
   }
 }
 

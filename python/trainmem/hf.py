@@ -45,10 +45,11 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
     with load_dtype bf16), but under FSDP, where Accelerate casts its trainable parameters to fp32
     first (a float32 model's recipe). Under FSDP with bf16=True a float32 model's recipe has
     Accelerate's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16) under autocast
-    (fsdp_param_dtype and fsdp_reduce_dtype bf16, also over a half-loaded peft model and a 4-bit base
-    stored as bf16; a uint8-stored one under FSDP is refused: Accelerate leaves it unsharded); with `peft=True` and bf16=True / fp16=True, the half model's
-    fp32 adapters under autocast (bf16-mixed / fp16-mixed with load_dtype bf16 / fp16). A float16
-    model trained whole with fp16=True is refused: the GradScaler refuses fp16 gradients.
+    (fsdp_param_dtype and fsdp_reduce_dtype bf16, also over a half-loaded peft model and a 4-bit
+    base stored as bf16; a uint8-stored one under FSDP is refused: Accelerate leaves it unsharded);
+    with `peft=True` and bf16=True / fp16=True, the half model's fp32 adapters under autocast
+    (bf16-mixed / fp16-mixed with load_dtype bf16 / fp16). A float16 model trained whole with
+    fp16=True is refused: the GradScaler refuses fp16 gradients.
 
     `gpus` is the number of processes the run is launched with (torchrun / accelerate launch);
     TrainingArguments cannot know it. With more than one, the Trainer wraps the model in

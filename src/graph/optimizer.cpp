@@ -110,10 +110,14 @@ void StepBuilder::optimizer_step(bool first) {
   if (r_.precision == Precision::kFp16Mixed && r_.optimizer == Optimizer::kAdamWFused) {
     found_inf_sum = t_.alloc_bytes(4, Category::kTemporaries);
   }
+  // The parameters in model.parameters() order (See Note [Parameter registration order]): the
+  // master gradients are made, the optimizer walks them (Adafactor's loop keeps one parameter's
+  // temporaries into the next's: Note [Adafactor's loop variables]) and zero_grad frees them in it.
+  const std::vector<std::uint32_t> order = optimizer_order();
   if (pol_.master && !dp_->zero()) {
     // fp32 gradients for the master copy, parameter by parameter; the half .grad goes.
     op("optimizer.master_grads");
-    for (std::uint32_t pi : optimizer_order()) {  // See Note [Parameter registration order]
+    for (std::uint32_t pi : order) {
       Param& p = params_[pi];
       TensorId g = t_.param_grad(p.slot);
       if (g == kNone) continue;
@@ -124,10 +128,6 @@ void StepBuilder::optimizer_step(bool first) {
   }
   // The optimizer holds the trainable parameters only (LoRA: the adapters, fp32); states are
   // zeros_like the parameter (fp32 masters for bf16-master).
-  // They come in model.parameters() order (See Note [Parameter registration order]): Adafactor's
-  // loop keeps one parameter's temporaries into the next's (Note [Adafactor's loop variables]),
-  // and zero_grad frees the gradients in that order.
-  const std::vector<std::uint32_t> order = optimizer_order();
   std::vector<const Param*> opt;
   for (std::uint32_t pi : order) {
     if (params_[pi].trainable) opt.push_back(&params_[pi]);

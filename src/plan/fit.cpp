@@ -324,8 +324,7 @@ class Planner {
                                bool before_optimizer) const {
     TRAINMEM_ASSERT(r.offload == Offload::kNone, "a probe stopped by its requests has no host memory");
     Estimate e;
-    e.recipe = r;
-    if (r.lora.enabled()) e.recipe.lora.targets = resolve_lora_targets(m_.arch, r.lora.targets);
+    e.recipe = detail::with_resolved_targets(m_, r);
     e.model = m_.name;
     e.parameters = m_.parameter_count;
     e.peak_allocated_bytes = requested;

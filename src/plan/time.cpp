@@ -83,6 +83,7 @@
 #include <vector>
 
 #include "common/checked.h"
+#include "estimate.h"
 #include "graph/pipeline.h"
 #include "graph/tensor_parallel.h"
 #include "plan/plan.h"
@@ -178,8 +179,7 @@ MatmulCounts count(const Model& m, const Recipe& r) {
 StepTime step_time(const Model& full, const Recipe& spelled) {
   // A tensor-parallel rank computes on its local model (See Note [Tensor parallelism]).
   const Model model = spelled.tp > 1 ? graph::tensor_parallel_model(full, spelled.tp, spelled.loss_parallel) : full;
-  Recipe recipe = spelled;
-  if (recipe.lora.enabled()) recipe.lora.targets = resolve_lora_targets(model.arch, spelled.lora.targets);
+  const Recipe recipe = detail::with_resolved_targets(model, spelled);
   const Gpu& gpu = find_gpu(recipe.gpu);
   const Architecture& a = model.arch;
   StepTime t;

@@ -341,7 +341,7 @@ void validate_parallel(const Recipe& r) {
     // bf16 (Note [Autocast over an FSDP2 policy] in graph/step_parameters.cpp).
     if (f.param_dtype != FsdpDtype::kNone && r.precision != Precision::kFp32 &&
         !(f.param_dtype == FsdpDtype::kBf16 && r.precision == Precision::kBf16Mixed &&
-          (!r.half_model() || r.lora.enabled() || r.quant.enabled()))) {
+          !(r.half_model() && !r.lora.enabled()))) {  // a half model trained whole is cast to fp32 first
       throw Error("fsdp_param_dtype: " + std::string(to_string(f.param_dtype)) + " with precision " +
                   std::string(to_string(r.precision)) +
                   ": MixedPrecisionPolicy casts fp32 parameters (sharded, the optimizer's) for the all-gather and "
