@@ -145,7 +145,10 @@ std::vector<Gpu> gpus();
 
 enum class Precision : std::uint8_t { kFp32, kBf16Mixed, kFp16Mixed, kBf16Master, kBf16True, kFp16True };
 enum class Optimizer : std::uint8_t { kAdamW, kAdamWFused, kAdamW8bit, kSgd, kAdafactor };
-enum class Checkpointing : std::uint8_t { kNone, kFull };
+// kFull: Hugging Face's per-layer checkpointing with torch.utils.checkpoint's use_reentrant=False;
+// kFullReentrant: the same layers under use_reentrant=True (Note [Reentrant checkpoints] in
+// src/graph/tape.h), which peft's prepare_model_for_kbit_training turns on by default.
+enum class Checkpointing : std::uint8_t { kNone, kFull, kFullReentrant };
 enum class Attention : std::uint8_t { kEager, kSdpa, kFlash };
 enum class Loss : std::uint8_t { kStandard, kFused };
 enum class AllocatorMode : std::uint8_t { kDefault, kExpandable };

@@ -32,10 +32,24 @@ def _get(args: Any, name: str, default: Any = None) -> Any:
     return getattr(args, name, default)
 
 
+def _trainer_checkpointing(args: Any) -> str:
+    """The checkpointing the Trainer turns on: transformers' activation_checkpointing_enable with
+    the arguments' kwargs (every_n_layers and offload taken out, an empty rest passed as None:
+    use_reentrant=False), as Trainer._inner_training_loop does."""
+    kwargs = dict(_get(args, "activation_checkpointing_kwargs") or _get(args, "gradient_checkpointing_kwargs") or {})
+    if kwargs.pop("every_n_layers", 1) != 1:
+        raise ValueError("gradient_checkpointing_kwargs every_n_layers: checkpointing every n-th layer is not "
+                         "modelled (every layer is)")
+    if kwargs.pop("offload", False):
+        raise ValueError("gradient_checkpointing_kwargs offload: checkpoints saved to the CPU are not modelled")
+    return "full-reentrant" if kwargs.get("use_reentrant", False) else "full"
+
+
 def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_dtype: str = "float32",
                                    gpu: str | None = None, gpus: int | None = None,
                                    peft: bool = False, quantization_config: Any = None,
-                                   prepare_kbit_training: bool = True) -> dict[str, Any]:
+                                   prepare_kbit_training: bool = True,
+                                   kbit_gradient_checkpointing: bool = True) -> dict[str, Any]:
     """Keyword arguments for trainmem.estimate / trainmem.fit from a `TrainingArguments` (or its
     `to_dict()`). `seq` is the tokens per sequence the data collator produces (TrainingArguments
     has none; TRL's `max_length` is used when present). `model_dtype` is the dtype the model was
@@ -68,10 +82,17 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
     peft's `prepare_model_for_kbit_training` (which makes everything but the 4-bit weights fp32)
     and trained through adapters (`peft=True`; the caller gives lora_rank etc.). See
     recipe_from_quantization_config for what it maps; `prepare_kbit_training=False` when the base
-    was not prepared (TRL's SFTTrainer with a base sharded by FSDP or ZeRO-3).
+    was not prepared (TRL's SFTTrainer with a base sharded by FSDP or ZeRO-3). Prepared with its
+    default use_gradient_checkpointing=True (`kbit_gradient_checkpointing`), the base is
+    checkpointed with torch's reentrant variant, which the Trainer replaces by its own only when
+    gradient_checkpointing=True: without it the recipe is checkpointing full-reentrant (one GPU).
 
-    Not modelled, so refused: FSDP1, FSDP2's hybrid sharding options, reentrant
-    checkpointing, optimizers other than those of _OPTIMIZERS and SGD with momentum, and what
+    Checkpointing: the Trainer's gradient_checkpointing (activation_checkpointing) is full
+    (use_reentrant=False, the transformers default) or, with gradient_checkpointing_kwargs
+    {"use_reentrant": True}, full-reentrant; its every_n_layers other than 1 and offload are refused.
+
+    Not modelled, so refused: FSDP1, FSDP2's hybrid sharding options, checkpointing of every
+    n-th layer or offloaded, optimizers other than those of _OPTIMIZERS and SGD with momentum, and what
     recipe_from_deepspeed_config refuses. The Trainer puts weight-decayed and other parameters in
     two optimizer groups; trainmem models one group, which for foreach AdamW keeps one set of sqrt
     temporaries for all parameters (an upper bound of the two-group figure).
@@ -92,6 +113,17 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
             raise ValueError("quantization_config: under FSDP, Accelerate leaves uint8-stored 4-bit weights out of "
                              "fully_shard (each rank holds the whole base), which is not modelled; FSDP-QLoRA sets "
                              "bnb_4bit_quant_storage=torch.bfloat16, which is")
+        if prepare_kbit_training and kbit_gradient_checkpointing and knobs.get("checkpointing", "none") == "none":
+            # peft's prepare_model_for_kbit_training(use_gradient_checkpointing=True) calls
+            # gradient_checkpointing_enable with {} as its kwargs, so torch.utils.checkpoint runs with
+            # its default use_reentrant=True; the Trainer does not touch it without gradient_checkpointing.
+            if knobs.get("parallel", "none") != "none" or (gpus or 1) > 1:
+                raise ValueError("quantization_config: prepare_model_for_kbit_training's default "
+                                 "use_gradient_checkpointing=True turns on reentrant checkpointing, which is modelled "
+                                 "on one GPU only; set gradient_checkpointing=True (the Trainer's non-reentrant one "
+                                 "replaces it), or pass kbit_gradient_checkpointing=False if the base was prepared "
+                                 "with use_gradient_checkpointing=False")
+            knobs["checkpointing"] = "full-reentrant"
         return knobs
     if _get(args, "deepspeed"):
         return recipe_from_deepspeed_config(_get(args, "deepspeed"), seq=seq, gpus=gpus, training_arguments=args,
@@ -152,13 +184,7 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
     # transformers 5 names them activation_checkpointing*, the gradient_checkpointing* spellings
     # being deprecated aliases that a TrainingArguments mirrors but a hand-made dict may not.
     checkpointed = bool(_get(args, "activation_checkpointing") or _get(args, "gradient_checkpointing", False))
-    if checkpointed:
-        kwargs = _get(args, "activation_checkpointing_kwargs") or _get(args, "gradient_checkpointing_kwargs") or {}
-        if kwargs.get("use_reentrant", False):
-            raise ValueError("gradient_checkpointing_kwargs use_reentrant=True is not modelled (non-reentrant is)")
-        knobs["checkpointing"] = "full"
-    else:
-        knobs["checkpointing"] = "none"
+    knobs["checkpointing"] = _trainer_checkpointing(args) if checkpointed else "none"
     if knobs.get("parallel") == "ddp":
         # Trainer._build_accelerator_args: the argument when set, else True for a model that is not a
         # PreTrainedModel (a peft model) and for one that is not checkpointed.
@@ -462,11 +488,9 @@ def recipe_from_deepspeed_config(config: Any, *, seq: int | None = None, gpus: i
         knobs["optimizer"] = _trainer_optimizer(training_arguments)  # the engine says what ZeRO can take
     else:
         knobs["optimizer"] = "adamw"
-    if training_arguments is not None and _get(training_arguments, "gradient_checkpointing", False):
-        kwargs = _get(training_arguments, "gradient_checkpointing_kwargs") or {}
-        if kwargs.get("use_reentrant", False):
-            raise ValueError("gradient_checkpointing_kwargs use_reentrant=True is not modelled (non-reentrant is)")
-        knobs["checkpointing"] = "full"
+    if training_arguments is not None and (_get(training_arguments, "activation_checkpointing")
+                                           or _get(training_arguments, "gradient_checkpointing", False)):
+        knobs["checkpointing"] = _trainer_checkpointing(training_arguments)
     if seq is None and training_arguments is not None:
         seq = _get(training_arguments, "max_length") or _get(training_arguments, "max_seq_length")
     if seq is not None:

@@ -90,7 +90,9 @@ struct RecipeFlags {
     opt("precision", "--precision", precision,
         "fp32 | bf16-mixed | fp16-mixed | bf16-master | bf16-true | fp16-true (default: bf16-mixed; inference bf16-true)");
     opt("optimizer", "--optimizer", optimizer, "adamw | adamw-fused | adamw-8bit | sgd | adafactor");
-    opt("checkpointing", "--checkpointing", ckpt, "none | full (per decoder layer)");
+    opt("checkpointing", "--checkpointing", ckpt,
+        "none | full (per decoder layer, use_reentrant=False) | full-reentrant (use_reentrant=True, as peft's "
+        "prepare_model_for_kbit_training turns on; one GPU)");
     opt("attention", "--attention", attention, "eager | sdpa | flash");
     opt("loss", "--loss", loss, "standard (fp32 logits) | fused (chunked linear + cross-entropy)");
     opt("gpu", "--gpu", gpu, "GPU from `trainmem gpus`, or cpu");

@@ -541,7 +541,7 @@ void StepBuilder::pp_forward(std::uint64_t k, PipelineMicro& mb) {
     const auto layer = static_cast<std::uint32_t>(l);
     // HF's checkpointing wraps each layer the stage calls (See Note [Pipeline parallelism]).
     dp_->layer_pre_forward(layer);  // FSDP2's unit of the layer (See Note [Pipeline with FSDP2])
-    T next = r_.checkpointing == Checkpointing::kFull ? checkpointed_layer(hs, layer) : decoder_layer(hs, layer);
+    T next = r_.checkpointing != Checkpointing::kNone ? checkpointed_layer(hs, layer) : decoder_layer(hs, layer);
     dp_->layer_post_forward(layer);
     t_.drop(hs);
     hs = next;

@@ -14,9 +14,9 @@
 //  * prepare_model_for_kbit_training (peft utils/other.py) freezes everything and casts every
 //    bf16/fp16 parameter that is not Params4bit to fp32: embeddings, norms and lm_head, so the
 //    residual stream and every op outside the 4-bit matmuls run in fp32, like the fp32 policy.
-//    The adapters peft adds are fp32 too. Its use_gradient_checkpointing=True would turn on
-//    Hugging Face's reentrant checkpointing, which is not modelled: the checkpointing knob is
-//    the non-reentrant one, as everywhere;
+//    The adapters peft adds are fp32 too. Its use_gradient_checkpointing=True (the default)
+//    turns on Hugging Face's checkpointing with torch's reentrant variant: checkpointing
+//    full-reentrant (Note [Reentrant checkpoints] in tape.h); `full` is the non-reentrant one;
 //  * Linear4bit.forward (nn/modules.py): x.to(compute_dtype) (kept until it returns), then
 //    matmul_4bit → MatMul4Bit → gemm_4bit (backends/default/ops.py, the CPU kernel, and CUDA's
 //    for more than 1536 input rows): with double quant dequantize_blockwise of the uint8 absmax

@@ -67,6 +67,14 @@ StepBuilder::StepBuilder(const Model& m, const Recipe& r, const Gpu& gpu, const 
   attention_ = r.attention;
   // Gemma-2 declares no SDPA/flash support in transformers 5: it always runs eager attention.
   if (a_.family == Family::kGemma2) attention_ = Attention::kEager;
+  if (r.checkpointing == Checkpointing::kFullReentrant && (attention_ == Attention::kEager || a_.family == Family::kGpt2)) {
+    // The reentrant forward runs under no_grad, where eager attention and SDPA's math kernel
+    // (GPT-2's mask and dropout on the CPU) free their intermediates in another order than the
+    // modelled grad-mode forward (measured: forward peaks 9 MiB and 4 MiB above it).
+    throw Error("checkpointing: full-reentrant with " +
+                std::string(a_.family == Family::kGpt2 ? "GPT-2" : a_.family == Family::kGemma2 ? "Gemma-2 (always eager)" : "attention eager") +
+                " is not modelled (its no_grad forward is not mirrored); use full (use_reentrant=False)");
+  }
   // See Note [Layer stamp keys] (step_stamp.cpp): the recipes whose layers' forwards depend on
   // nothing but what the key holds.
   stamps_ = layer_stamping() && r.mode == Mode::kTraining && r.parallel == Parallel::kNone && r.tp == 1 &&
@@ -186,7 +194,7 @@ ValueId StepBuilder::forward_and_loss() {
     hs = shard;
     dtensor_ = true;
   }
-  if (!trainable(emb) && r_.checkpointing == Checkpointing::kFull) {
+  if (!trainable(emb) && r_.checkpointing != Checkpointing::kNone) {
     // enable_input_require_grads' hook on the module's output (Note [LoRA]): a leaf that
     // requires grad, held by its AccumulateGrad node until the graph is freed.
     requires_grad(hs);
@@ -251,7 +259,7 @@ ValueId StepBuilder::forward_and_loss() {
   }
   for (std::uint32_t l = 0; l < a_.num_layers; ++l) {
     dp_->layer_pre_forward(l);
-    T next = r_.checkpointing == Checkpointing::kFull ? checkpointed_layer(hs, l) : layer_forward(hs, l);
+    T next = r_.checkpointing != Checkpointing::kNone ? checkpointed_layer(hs, l) : layer_forward(hs, l);
     dp_->layer_post_forward(l);
     t_.drop(hs);
     hs = next;

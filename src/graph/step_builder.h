@@ -524,6 +524,8 @@ class StepBuilder {
   // parallelism] in tensor_parallel.h).
   std::uint64_t sp_ = 1, res_tok_ = 0;
   bool dtensor_ = false;
+  // A reentrant checkpoint's first forward runs under no_grad (Note [Reentrant checkpoints]).
+  bool no_grad_ = false;
   Tape t_;
   // A pipeline stage (rank_ is the stage) is built as its replica stage_dp_rank_: DDP's replicas of a
   // stage hold the same memory (See Note [Pipeline with DDP] in pipeline.cpp), FSDP2's differ only

@@ -666,11 +666,14 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
   T vc = pol_.autocast ? to(v, c) : t_.ref(v);
   if (r_.cp > 1) return ring_attention_core(q, qc, kc, vc);
   T o = fresh(qn, c);
-  T lse = fresh(B_ * heads * S_, DType::kF32);
+  // CUDA's memory-efficient kernel (fp32) computes the log-sum-exp only with grad mode on
+  // (should_compute_logsumexp); the flash kernels always return it.
+  T lse = (no_grad_ && cuda_ && c == DType::kF32) ? T{} : fresh(B_ * heads * S_, DType::kF32);
   if (qc.requires_grad() || kc.requires_grad() || vc.requires_grad()) {
     requires_grad(o);
     Node& nd = open_node(o);
-    nd.saved = {qc.id, kc.id, vc.id, o.id, lse.id};
+    nd.saved = {qc.id, kc.id, vc.id, o.id};
+    if (lse.id != kNone) nd.saved.push_back(lse.id);
     for (const T* x : {&qc, &kc, &vc}) nd.inputs.push_back(fused_grad_of(*x));
     // Flash backward (flash_api.cpp mha_bwd): a contiguous copy of grad_out, fp32 dq_accum,
     // fp32 softmax_d, and with GQA dk/dv at the query head count before the group sum. On the
@@ -682,7 +685,7 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
     }
     t_.close_node();
   }
-  t_.drop(lse);
+  if (lse.id != kNone) t_.drop(lse);
   t_.drop(qc);
   t_.drop(kc);
   t_.drop(vc);
@@ -1073,7 +1076,10 @@ T StepBuilder::checkpointed_layer(const T& x, std::uint32_t l) {
   t_.saving = false;
   std::size_t before = t_.node_count();
   const ValueId first_value = t_.value_count();
+  const bool reentrant = r_.checkpointing == Checkpointing::kFullReentrant;
+  no_grad_ = reentrant;
   T out = decoder_layer(x, l);
+  no_grad_ = false;
   t_.saving = true;
   // ZeRO-3's hooks: the backward of the graph's tail, with its modules' hooks, runs before the
   // recompute (See Note [Checkpoint tails] in tape.h); where no tail can stand in for the
@@ -1095,6 +1101,7 @@ T StepBuilder::checkpointed_layer(const T& x, std::uint32_t l) {
   // position ids) are only referenced by the recompute closure.
   nd.saved = {x.id};
   nd.tail = std::move(tail);
+  nd.reentrant = reentrant;
   for (const T* shared : {&cos_, &sin_, &mask_, &position_ids_}) {
     if (shared->id != kNone) nd.kept.push_back(shared->id);
   }

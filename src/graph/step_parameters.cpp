@@ -147,7 +147,7 @@ void StepBuilder::wrap_data_parallel() {
   }
   // Under LoRA the frozen embedding's output requires grad only where checkpointing made
   // transformers call enable_input_require_grads (See Note [LoRA]).
-  dp_->set_first_layer_hooked(!r_.lora.enabled() || r_.checkpointing == Checkpointing::kFull);
+  dp_->set_first_layer_hooked(!r_.lora.enabled() || r_.checkpointing != Checkpointing::kNone);
   for (std::size_t i = 0; i < params_.size(); ++i) params_[i].storage = wp[i].storage;
   t_.on_param_ready = [this](std::uint32_t slot) { dp_->param_ready(slot); };
   t_.on_layer_change = [this](std::int32_t from, std::int32_t to) { dp_->layer_change(from, to); };

@@ -293,6 +293,7 @@ void Tape::run_node(Node& n) {
     for (TensorId id : n.kept) release(id);
     return;
   }
+  if (n.recompute && n.reentrant) return run_reentrant_checkpoint(n, incoming);
   if (n.recompute && n.tail) return run_checkpoint_with_tail(n, incoming);
   if (n.recompute) {
     // Non-reentrant checkpoint: recompute the segment with saving on, then run its nodes. The
@@ -414,6 +415,16 @@ void Tape::run_node(Node& n) {
 // do after it never runs). The recomputed graph then goes, with what it held (hold_with_graph).
 // `stop_node`: past_recompute_stop's bound (SIZE_MAX: none).
 T Tape::recompute_segment(const std::function<T()>& recompute, const MomentTag& tag, std::size_t stop_node) {
+  const T out = rerun(recompute, stop_node);
+  at(Phase::kBackward, tag.layer, tag.op);
+  release(out.id);
+  stop_recompute_at(last_saving_event_);
+  free_recompute_held();
+  return out;
+}
+
+// A checkpoint's recompute with saving on (recorded as the forward records); its output.
+T Tape::rerun(const std::function<T()>& recompute, std::size_t stop_node) {
   last_saving_event_ = trace_.events.size();
   op_begin_event_ = trace_.events.size();
   recompute_stop_node_ = stop_node;
@@ -424,11 +435,28 @@ T Tape::recompute_segment(const std::function<T()>& recompute, const MomentTag& 
   recomputing = false;
   saving = was;
   recompute_stop_node_ = SIZE_MAX;
-  at(Phase::kBackward, tag.layer, tag.op);
-  release(out.id);
-  stop_recompute_at(last_saving_event_);
-  free_recompute_held();
   return out;
+}
+
+// See Note [Reentrant checkpoints] in tape.h.
+void Tape::run_reentrant_checkpoint(Node& n, TensorId incoming) {
+  auto recompute = std::move(n.recompute);
+  auto saved = std::move(n.saved);
+  auto kept = std::move(n.kept);
+  const MomentTag tag = n.tag;
+  const std::size_t begin = nodes_.size();
+  retain(incoming);  // CheckpointFunction.backward's args
+  const T out = rerun(recompute, SIZE_MAX);
+  deliver(out.value, incoming);
+  run(begin, nodes_.size());
+  resize_nodes(begin);
+  at(Phase::kBackward, tag.layer, tag.op);
+  free_recompute_held();
+  release(out.id);
+  release(incoming);
+  for (TensorId id : saved) release(id);
+  // Kept on ctx (run_function's keyword arguments): the node's references go to the graph.
+  graph_held_.insert(graph_held_.end(), kept.begin(), kept.end());
 }
 
 // See Note [Checkpoint tails].

@@ -269,6 +269,8 @@ struct Node {
   // Checkpointed segments: re-runs the forward (recording nodes) and returns the recomputed
   // output whose gradient is the checkpoint's incoming gradient.
   std::function<T()> recompute;
+  // With `recompute`: torch.utils.checkpoint's reentrant variant (Note [Reentrant checkpoints]).
+  bool reentrant = false;
   // With `recompute` under module hooks: the nodes its backward runs before the recompute (See
   // Note [Checkpoint tails]).
   std::shared_ptr<const CheckpointTail> tail;
@@ -302,6 +304,22 @@ struct CheckpointTail {
   std::vector<ValueId> outputs;  // every node's output in the first forward, by index in the segment
   std::size_t saving_nodes = 0;  // the segment's nodes up to and including the last saving one
 };
+
+// Note [Reentrant checkpoints]
+// torch.utils.checkpoint with use_reentrant=True is an autograd Function (CheckpointFunction):
+// its forward runs the segment under no_grad and saves the positional tensor arguments; its
+// backward recomputes the whole segment under enable_grad and runs torch.autograd.backward on
+// the recomputed outputs with the incoming gradients, then returns the inputs' gradients. Against
+// the non-reentrant variant (Note [Checkpoint tails]) that means, measured on CPU traces with
+// torch 2.13 (data/ground_truth, `ckptre` entries):
+//  * the recompute runs first and to the end: no node runs before it, nothing stops it early,
+//    and the recomputed output stays alive (the Function's `outputs`) until the backward returns;
+//  * the incoming gradient stays alive as well (the Function's `args`), so no gradient is summed
+//    into it in place: the sum at the residual stream is a new tensor;
+//  * what the Function keeps on ctx besides saved tensors (run_function: the layer's keyword
+//    arguments, the rotary tables, the mask, the position ids) lives as long as the graph, not
+//    until the node runs.
+// The forward allocates what the non-reentrant one does (no_grad saves nothing either).
 
 // A recorded autograd graph taken off the tape (Tape::take_graph), to be put back before its
 // backward runs (Tape::put_graph): a pipeline stage keeps several micro-batches' graphs alive at
@@ -618,7 +636,9 @@ class Tape {
   void run(std::size_t begin, std::size_t end);
   void run_node(Node& n);
   void run_checkpoint_with_tail(Node& n, TensorId incoming);
+  void run_reentrant_checkpoint(Node& n, TensorId incoming);
   T recompute_segment(const std::function<T()>& recompute, const MomentTag& tag, std::size_t stop_node);
+  T rerun(const std::function<T()>& recompute, std::size_t stop_node);
   void deliver(ValueId v, TensorId g);
   void accumulate_param(const ParamGrad& pg, TensorId g);
 

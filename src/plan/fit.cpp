@@ -1251,7 +1251,7 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
       const Candidate* lowest = nullptr;
       for (const Candidate& c : there) {
         auto rank = [](const Candidate& x) {
-          return std::tuple(x.r.batch, x.r.checkpointing != Checkpointing::kFull, x.r.loss != Loss::kFused, x.floor);
+          return std::tuple(x.r.batch, x.r.checkpointing == Checkpointing::kNone, x.r.loss != Loss::kFused, x.floor);
         };
         if (!lowest || rank(c) < rank(*lowest)) lowest = &c;
       }

@@ -23,8 +23,9 @@ constexpr Spellings<Optimizer, 5> kOptimizers{{{Optimizer::kAdamW, "adamw"},
                                               {Optimizer::kAdamW8bit, "adamw-8bit"},
                                               {Optimizer::kSgd, "sgd"},
                                               {Optimizer::kAdafactor, "adafactor"}}};
-constexpr Spellings<Checkpointing, 2> kCheckpointing{{{Checkpointing::kNone, "none"},
-                                                      {Checkpointing::kFull, "full"}}};
+constexpr Spellings<Checkpointing, 3> kCheckpointing{{{Checkpointing::kNone, "none"},
+                                                      {Checkpointing::kFull, "full"},
+                                                      {Checkpointing::kFullReentrant, "full-reentrant"}}};
 constexpr Spellings<Attention, 3> kAttention{{{Attention::kEager, "eager"},
                                               {Attention::kSdpa, "sdpa"},
                                               {Attention::kFlash, "flash"}}};
@@ -530,6 +531,13 @@ void Recipe::validate() const {
     if (seq > kMaxSeq - new_tokens) throw Error("seq + new_tokens: must be at most " + std::to_string(kMaxSeq));
   } else if (beams != 1) {
     throw Error("beams: beam search is an inference knob (mode inference)");
+  }
+  if (checkpointing == Checkpointing::kFullReentrant &&
+      (gpus > 1 || parallel != Parallel::kNone || tp > 1 || pp > 1 || cp > 1)) {
+    // DDP needs static_graph for it, ZeRO-3's and FSDP2's hooks run differently around the
+    // reentrant backward, and a pipeline stage's backward is not the loss's: none is modelled.
+    throw Error("checkpointing: full-reentrant is modelled on one GPU only (no data, tensor, pipeline or "
+                "context parallelism); use full (use_reentrant=False)");
   }
   if (lora.enabled()) {
     // peft's own ranks are small (8-256); beyond 2^16 the adapters outgrow the layers they adapt.

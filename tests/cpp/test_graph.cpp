@@ -417,6 +417,60 @@ TEST(GraphCheckpointing, BackwardHoldsOneRecomputedLayer) {
   }
 }
 
+// Note [Reentrant checkpoints] (src/graph/tape.h): the forward is the non-reentrant one's; in every
+// layer's backward the recomputed layer output stays alive (one hidden state more through the MLP's
+// backward), and so does the incoming gradient, so the residual stream's gradient sum is a new
+// tensor instead of an in-place add (two more through the attention's). Which part holds the layer's
+// peak depends on the shapes: the 1B cut of the corpus peaks in the attention (+2, measured:
+// data/ground_truth/*-ckptre-*), this probe in the MLP (+1).
+TEST(GraphCheckpointing, ReentrantHoldsTheLayerOutputAndItsGradient) {
+  const Dims x = kProbe;
+  const Model m = small_llama(3);
+  for (Precision p : {Precision::kFp32, Precision::kBf16True}) {
+    SCOPED_TRACE(to_string(p));
+    const std::uint64_t hidden = x.bsh() * (p == Precision::kFp32 ? 4 : 2);
+    Recipe r = cpu_recipe(p, Attention::kSdpa);
+    r.checkpointing = Checkpointing::kFull;
+    const Trace plain = trace_of(m, r);
+    r.checkpointing = Checkpointing::kFullReentrant;
+    const Trace reentrant = trace_of(m, r);
+    const Live before_plain = live_before_first(plain, first_backward_of(1));
+    const Live before_reentrant = live_before_first(reentrant, first_backward_of(1));
+    EXPECT_EQ(before_plain.raw, before_reentrant.raw);
+    auto total = [](const Live& l) {
+      std::uint64_t t = 0;
+      for (auto b : l.raw) t += b;
+      return t;
+    };
+    for (std::int32_t layer = 0; layer < 3; ++layer) {
+      SCOPED_TRACE(layer);
+      auto in_layer = [layer](const MomentTag& t) {
+        return t.step == 2 && t.phase == Phase::kBackward && t.layer == layer;
+      };
+      const std::uint64_t base = max_after(plain, in_layer, total);
+      const std::uint64_t held = max_after(reentrant, in_layer, total);
+      EXPECT_GE(held, base + hidden);
+      EXPECT_LE(held, base + 2 * hidden);
+    }
+  }
+}
+
+// The reentrant variant is modelled where it was measured: one GPU, SDPA, not GPT-2.
+TEST(GraphCheckpointing, ReentrantOutsideWhatIsModelledIsRefused) {
+  Recipe r = cpu_recipe(Precision::kFp32, Attention::kSdpa);
+  r.checkpointing = Checkpointing::kFullReentrant;
+  EXPECT_NO_THROW(estimate(small_llama(2), r));
+  EXPECT_EQ(parse_checkpointing(to_string(r.checkpointing)), Checkpointing::kFullReentrant);
+  Recipe eager = r;
+  eager.attention = Attention::kEager;
+  EXPECT_NE(testing::error_of([&] { estimate(small_llama(2), eager); }).find("attention eager"), std::string::npos);
+  EXPECT_NE(testing::error_of([&] { estimate(testing::gpt2_l2(), r); }).find("GPT-2"), std::string::npos);
+  Recipe ddp = r;
+  ddp.gpus = 2;
+  ddp.parallel = Parallel::kDdp;
+  EXPECT_NE(testing::error_of([&] { ddp.validate(); }).find("one GPU only"), std::string::npos);
+}
+
 // When activations decide the peak, checkpointing lowers it and moves it out of the forward.
 TEST(GraphCheckpointing, ReducesAnActivationPeak) {
   const Model m = small_llama(3);

@@ -90,7 +90,7 @@ TEST(RecipeSpellings, UnknownOptimizerListsTheValidValues) {
 
 TEST(RecipeSpellings, UnknownCheckpointingListsTheValidValues) {
   EXPECT_EQ(error_of([] { parse_checkpointing("selective"); }),
-            "checkpointing: unknown value 'selective'; expected one of none, full");
+            "checkpointing: unknown value 'selective'; expected one of none, full, full-reentrant");
 }
 
 TEST(RecipeSpellings, UnknownAttentionListsTheValidValues) {

@@ -246,6 +246,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   if (p.ConsumeIntegral<std::uint8_t>() >= 160) sp.bnb_4bit_quant_storage = pick(p, kQuantStorages);
   // And after that: a 4-bit base not prepared by prepare_model_for_kbit_training.
   if (p.ConsumeIntegral<std::uint8_t>() >= 192) sp.prepare_kbit_training = false;
+  // And after that: per-layer checkpointing under torch.utils.checkpoint's reentrant variant.
+  if (p.ConsumeIntegral<std::uint8_t>() >= 192 && sp.checkpointing == "full") sp.checkpointing = "full-reentrant";
 
   if (std::getenv("TRAINMEM_FUZZ_VERBOSE")) {  // to read a reproducer: what the bytes decode to
     std::fprintf(stderr, "model: %s\nname: %s\nrecipe: precision=%s optimizer=%s checkpointing=%s "

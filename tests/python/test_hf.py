@@ -77,11 +77,33 @@ def test_a_half_model_trained_whole_under_autocast():
 @pytest.mark.parametrize("kw,message", [
     ({"optim": "lion_8bit"}, "not modelled"),
     ({"optim": "sgd"}, "no momentum"),
-    ({"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}}, "use_reentrant"),
+    ({"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"every_n_layers": 2}}, "every_n_layers"),
+    ({"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"offload": True}}, "offload"),
 ])
 def test_unmodelled_settings_are_refused(kw, message):
     with pytest.raises(ValueError, match=message):
         trainmem.hf.recipe_from_training_arguments(args(**kw))
+
+
+def test_the_trainers_checkpointing_and_peft_s_reentrant_one():
+    """gradient_checkpointing=True is use_reentrant=False unless the kwargs say True (an empty dict
+    is passed on as None); a 4-bit base prepared by prepare_model_for_kbit_training with its defaults
+    is checkpointed with the reentrant variant when the Trainer does not checkpoint it itself."""
+    ckpt = trainmem.hf.recipe_from_training_arguments
+    assert ckpt(args(gradient_checkpointing=True))["checkpointing"] == "full"
+    assert ckpt(args(gradient_checkpointing=True, gradient_checkpointing_kwargs={}))["checkpointing"] == "full"
+    reentrant = ckpt(args(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True}), seq=128)
+    assert reentrant["checkpointing"] == "full-reentrant"
+    assert trainmem.estimate("qwen3-0.6b", **reentrant).recipe["checkpointing"] == "full-reentrant"
+    qlora = dict(seq=128, model_dtype="bfloat16", peft=True, quantization_config=QLORA)
+    plain, checkpointed = args().to_dict(), args(gradient_checkpointing=True).to_dict()
+    plain["bf16"] = checkpointed["bf16"] = True
+    assert ckpt(plain, **qlora)["checkpointing"] == "full-reentrant"
+    assert ckpt(plain, kbit_gradient_checkpointing=False, **qlora)["checkpointing"] == "none"
+    assert ckpt(plain, prepare_kbit_training=False, **qlora)["checkpointing"] == "none"
+    assert ckpt(checkpointed, **qlora)["checkpointing"] == "full"
+    knobs = ckpt(plain, **qlora)
+    assert trainmem.estimate("qwen3-0.6b", lora_rank=8, **knobs).peak_allocated_bytes > 0
 
 
 def test_ddp_find_unused_parameters_as_the_trainer_sets_it():
@@ -328,7 +350,8 @@ def test_fsdp_with_bf16_is_autocast_over_accelerates_policy():
     with pytest.raises(ValueError, match="leaves uint8-stored 4-bit weights out of fully_shard"):
         trainmem.hf.recipe_from_training_arguments(d, gpus=2, peft=True, quantization_config=QLORA)
     qs = trainmem.hf.recipe_from_training_arguments(d, gpus=2, peft=True, model_dtype="bfloat16",
-                                                    quantization_config={**QLORA, "bnb_4bit_quant_storage": "bfloat16"})
+                                                    quantization_config={**QLORA, "bnb_4bit_quant_storage": "bfloat16"},
+                                                    kbit_gradient_checkpointing=False)
     assert (qs["load_dtype"], qs["bnb_4bit_quant_storage"], qs["fsdp_param_dtype"]) == ("bf16", "bf16", "bf16")
     # Without bf16=True no policy: fp32 FSDP2.
     d["bf16"] = False
@@ -341,7 +364,8 @@ def test_an_unprepared_sharded_qlora_base():
     d = args(per_device_train_batch_size=4, optim="adamw_torch").to_dict()
     d["bf16"], d["fsdp"], d["fsdp_config"] = True, "full_shard", {"fsdp_version": 2}
     cfg = {**QLORA, "bnb_4bit_quant_storage": "bfloat16"}
-    kw = dict(seq=1024, model_dtype="bfloat16", peft=True, gpus=2, quantization_config=cfg)
+    kw = dict(seq=1024, model_dtype="bfloat16", peft=True, gpus=2, quantization_config=cfg,
+              kbit_gradient_checkpointing=False)
     unprepared = trainmem.hf.recipe_from_training_arguments(d, prepare_kbit_training=False, **kw)
     assert unprepared["prepare_kbit_training"] is False
     prepared = trainmem.hf.recipe_from_training_arguments(d, **kw)
@@ -386,8 +410,13 @@ def test_a_deepspeed_qlora_run_maps_onto_zero_over_a_4bit_base():
           "gradient_accumulation_steps": "auto"}
     d = args(per_device_train_batch_size=2, optim="adamw_torch").to_dict()
     d["bf16"], d["deepspeed"] = True, ds
+    with pytest.raises(ValueError, match="reentrant checkpointing, which is modelled on one GPU only"):
+        trainmem.hf.recipe_from_training_arguments(d, seq=128, model_dtype="bfloat16", peft=True, gpus=2,
+                                                   quantization_config=QLORA)
+    d["gradient_checkpointing"] = True  # the Trainer's own (non-reentrant) replaces peft's
     knobs = trainmem.hf.recipe_from_training_arguments(d, seq=128, model_dtype="bfloat16", peft=True, gpus=2,
                                                        quantization_config=QLORA)
+    assert knobs["checkpointing"] == "full"
     assert (knobs["parallel"], knobs["precision"], knobs["load_in_4bit"]) == ("zero3", "bf16-master", True)
     assert "load_dtype" not in knobs  # bf16-master's own parameter dtype is the bf16 load
     assert trainmem.estimate("qwen3-0.6b", lora_rank=8, **knobs).recipe["parallel"] == "zero3"

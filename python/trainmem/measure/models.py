@@ -234,8 +234,8 @@ def build_quantized_model(model, recipe: Recipe, device: str):
     bf16/fp16 parameter that is not 4-bit to float32 (`param.data = param.data.to(torch.float32)`:
     the embeddings, norms and lm_head become fp32, and so does the residual stream). It is called
     with use_gradient_checkpointing=False: with True (its default) it would turn on Hugging Face's
-    *reentrant* checkpointing; the recipe's checkpointing knob turns on the non-reentrant one
-    instead (enable_checkpointing), as for every other recipe. Inference (generate()) uses the
+    *reentrant* checkpointing; the recipe's checkpointing knob turns on the non-reentrant one, or
+    with full-reentrant that one (enable_checkpointing), as for every other recipe. Inference (generate()) uses the
     loaded model as it is: nothing is cast.
     """
     import tempfile
@@ -453,9 +453,10 @@ def underlying_model(model):
     return get() if callable(get) else model
 
 
-def enable_checkpointing(model) -> None:
-    """Hugging Face's full activation checkpointing, non-reentrant (see the package docstring)."""
-    kwargs = {"use_reentrant": False}
+def enable_checkpointing(model, reentrant: bool = False) -> None:
+    """Hugging Face's full activation checkpointing, non-reentrant, or with `reentrant` the
+    reentrant variant (torch.utils.checkpoint's use_reentrant=True; see the package docstring)."""
+    kwargs = {"use_reentrant": reentrant}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:  # older transformers

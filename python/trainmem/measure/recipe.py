@@ -6,7 +6,7 @@ import dataclasses
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-master", "bf16-true", "fp16-true")
 OPTIMIZERS = ("adamw", "adamw-fused", "adamw-8bit", "sgd", "adafactor")
-CHECKPOINTING = ("none", "full")
+CHECKPOINTING = ("none", "full", "full-reentrant")
 ATTENTIONS = ("eager", "sdpa", "flash")
 LOSSES = ("standard", "fused")
 ALLOCATORS = ("default", "expandable")

@@ -134,8 +134,8 @@ def measure(model: str | ModelSpec, recipe: Recipe, *, device: str = "cpu", fake
         model_obj = build_fake_model(spec, recipe, fake_mode, device)
     else:
         model_obj = build_real_model(spec, recipe, device)
-    if recipe.checkpointing == "full":
-        enable_checkpointing(model_obj)
+    if recipe.checkpointing != "none":
+        enable_checkpointing(model_obj, reentrant=recipe.checkpointing == "full-reentrant")
     # What the step calls: the model, or its DDP / FSDP2 wrapping in a rank (parallel.py).
     runner = _parallel.wrap_model(model_obj, recipe, device) if recipe.is_parallel else model_obj
     if recipe.is_inference:

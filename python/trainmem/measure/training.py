@@ -37,7 +37,9 @@ Choices made here (the engine mirrors them):
   it is what transformers 5 uses when no kwargs are given and what PyTorch recommends, it needs
   no input that requires grad, and the recompute stops early once the last saved tensor is
   rebuilt. The checkpoint keeps each decoder layer's positional input (the hidden states),
-  saved through the saved-tensor hooks, so those count as activations.
+  saved through the saved-tensor hooks, so those count as activations. `full-reentrant` is the
+  same with `use_reentrant=True` (what peft's prepare_model_for_kbit_training turns on by default):
+  the forward under no_grad, the whole layer recomputed when its backward starts.
 * `use_cache` is left at the config's value. For every catalog model that is True, so in
   training the Hugging Face forward builds a DynamicCache holding every layer's key and value
   states (after RoPE, kv heads) until the output object is dropped (with SDPA these are the same
