@@ -428,7 +428,8 @@ def _result(spec: ModelSpec, recipe: Recipe, model, tracker: MemoryTracker, anal
         "requested_bytes_by_category": analysis["requested_bytes_by_category"],
         "live_bytes_at_end": analysis["live_bytes_at_end"],
     }
-    for key in ("untracked_allocated_bytes", "op_internal_transients", "recomputation_hook_not_patched"):
+    for key in ("untracked_allocated_bytes", "op_internal_transients", "recomputation_hook_not_patched",
+                "freed_off_main_thread_bytes"):
         if stats.get(key):
             out["diagnostics"][key] = stats[key]
     return out

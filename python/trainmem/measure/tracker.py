@@ -87,6 +87,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import threading
 import weakref
 from collections import Counter
 from typing import Any, Iterator, NamedTuple
@@ -712,6 +713,11 @@ class MemoryTracker:
         self._live_bytes -= rec.block_bytes
         if self._in_gc:
             self.stats["freed_by_gc_bytes"] += rec.block_bytes
+        if threading.current_thread() is not threading.main_thread():
+            # The last reference went on another thread: gloo's worker releases a collective's
+            # tensors when its Work is done, which now and then comes after the main thread has
+            # dropped its own (FSDP2's all-gather buffers), so the free lands later than usual.
+            self.stats["freed_off_main_thread_bytes"] += rec.block_bytes
 
     def storage_resized(self, tensor: torch.Tensor, flag: str | None = None, name: str = "") -> None:
         """The storage of `tensor` was resized in place (`untyped_storage().resize_`, which no aten
