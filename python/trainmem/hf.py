@@ -14,6 +14,7 @@ not model raises ValueError naming it, rather than answering a different questio
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
 # Trainer `optim` values and the optimizer each becomes in trainmem.
@@ -34,22 +35,32 @@ def _get(args: Any, name: str, default: Any = None) -> Any:
 
 def _trainer_checkpointing(args: Any) -> str:
     """The checkpointing the Trainer turns on: transformers' activation_checkpointing_enable with
-    the arguments' kwargs (every_n_layers and offload taken out, an empty rest passed as None:
-    use_reentrant=False), as Trainer._inner_training_loop does."""
-    kwargs = dict(_get(args, "activation_checkpointing_kwargs") or _get(args, "gradient_checkpointing_kwargs") or {})
+    the arguments' kwargs, every_n_layers and offload taken out, as Trainer._inner_training_loop
+    does. An empty rest is passed as None, which transformers makes use_reentrant=False; any other
+    rest goes to torch.utils.checkpoint as it is, where a missing (or None) use_reentrant is torch's
+    default, the reentrant variant."""
+    kwargs = _get(args, "activation_checkpointing_kwargs") or _get(args, "gradient_checkpointing_kwargs") or {}
+    if isinstance(kwargs, str):  # TrainingArguments takes them as a JSON string too
+        kwargs = json.loads(kwargs)
+    kwargs = dict(kwargs)
     if kwargs.pop("every_n_layers", 1) != 1:
         raise ValueError("gradient_checkpointing_kwargs every_n_layers: checkpointing every n-th layer is not "
                          "modelled (every layer is)")
     if kwargs.pop("offload", False):
         raise ValueError("gradient_checkpointing_kwargs offload: checkpoints saved to the CPU are not modelled")
-    return "full-reentrant" if kwargs.get("use_reentrant", False) else "full"
+    if kwargs.get("early_stop", True) is False:
+        raise ValueError("gradient_checkpointing_kwargs early_stop=False: a recompute run to the end of each layer "
+                         "is not modelled (the default early stop is)")
+    if not kwargs:
+        return "full"
+    return "full" if kwargs.get("use_reentrant") is False else "full-reentrant"
 
 
 def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_dtype: str = "float32",
                                    gpu: str | None = None, gpus: int | None = None,
                                    peft: bool = False, quantization_config: Any = None,
                                    prepare_kbit_training: bool = True,
-                                   kbit_gradient_checkpointing: bool = True) -> dict[str, Any]:
+                                   kbit_gradient_checkpointing: bool | None = None) -> dict[str, Any]:
     """Keyword arguments for trainmem.estimate / trainmem.fit from a `TrainingArguments` (or its
     `to_dict()`). `seq` is the tokens per sequence the data collator produces (TrainingArguments
     has none; TRL's `max_length` is used when present). `model_dtype` is the dtype the model was
@@ -82,14 +93,17 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
     peft's `prepare_model_for_kbit_training` (which makes everything but the 4-bit weights fp32)
     and trained through adapters (`peft=True`; the caller gives lora_rank etc.). See
     recipe_from_quantization_config for what it maps; `prepare_kbit_training=False` when the base
-    was not prepared (TRL's SFTTrainer with a base sharded by FSDP or ZeRO-3). Prepared with its
-    default use_gradient_checkpointing=True (`kbit_gradient_checkpointing`), the base is
-    checkpointed with torch's reentrant variant, which the Trainer replaces by its own only when
-    gradient_checkpointing=True: without it the recipe is checkpointing full-reentrant (one GPU).
+    was not prepared (TRL's SFTTrainer with a base sharded by FSDP or ZeRO-3). A prepared base
+    whose Trainer does not checkpoint needs `kbit_gradient_checkpointing`: whether it was prepared
+    with use_gradient_checkpointing=True (peft's default, which turns on checkpointing with empty
+    kwargs: torch's reentrant variant, recipe checkpointing full-reentrant, one GPU) or False (no
+    checkpointing). With gradient_checkpointing=True the Trainer's own replaces peft's. (TRL's
+    SFTTrainer prepares the base itself and may turn the Trainer's off: say what its call did.)
 
     Checkpointing: the Trainer's gradient_checkpointing (activation_checkpointing) is full
-    (use_reentrant=False, the transformers default) or, with gradient_checkpointing_kwargs
-    {"use_reentrant": True}, full-reentrant; its every_n_layers other than 1 and offload are refused.
+    (use_reentrant=False, what transformers passes for empty kwargs) or full-reentrant (kwargs with
+    use_reentrant=True, or without it: torch's default); every_n_layers other than 1, offload and
+    early_stop=False are refused.
 
     Not modelled, so refused: FSDP1, FSDP2's hybrid sharding options, checkpointing of every
     n-th layer or offloaded, optimizers other than those of _OPTIMIZERS and SGD with momentum, and what
@@ -113,17 +127,22 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
             raise ValueError("quantization_config: under FSDP, Accelerate leaves uint8-stored 4-bit weights out of "
                              "fully_shard (each rank holds the whole base), which is not modelled; FSDP-QLoRA sets "
                              "bnb_4bit_quant_storage=torch.bfloat16, which is")
-        if prepare_kbit_training and kbit_gradient_checkpointing and knobs.get("checkpointing", "none") == "none":
+        if prepare_kbit_training and knobs.get("checkpointing", "none") == "none":
             # peft's prepare_model_for_kbit_training(use_gradient_checkpointing=True) calls
             # gradient_checkpointing_enable with {} as its kwargs, so torch.utils.checkpoint runs with
             # its default use_reentrant=True; the Trainer does not touch it without gradient_checkpointing.
-            if knobs.get("parallel", "none") != "none" or (gpus or 1) > 1:
-                raise ValueError("quantization_config: prepare_model_for_kbit_training's default "
-                                 "use_gradient_checkpointing=True turns on reentrant checkpointing, which is modelled "
-                                 "on one GPU only; set gradient_checkpointing=True (the Trainer's non-reentrant one "
-                                 "replaces it), or pass kbit_gradient_checkpointing=False if the base was prepared "
-                                 "with use_gradient_checkpointing=False")
-            knobs["checkpointing"] = "full-reentrant"
+            if kbit_gradient_checkpointing is None:
+                raise ValueError("quantization_config: without the Trainer's gradient_checkpointing, whether the run "
+                                 "checkpoints depends on prepare_model_for_kbit_training: pass "
+                                 "kbit_gradient_checkpointing=True (use_gradient_checkpointing=True, its default: "
+                                 "reentrant checkpointing) or False (use_gradient_checkpointing=False: none)")
+            if kbit_gradient_checkpointing:
+                if knobs.get("parallel", "none") != "none" or (gpus or 1) > 1:
+                    raise ValueError("quantization_config: prepare_model_for_kbit_training(use_gradient_checkpointing="
+                                     "True) turns on reentrant checkpointing, which is modelled without data, tensor, "
+                                     "pipeline or context parallelism only; set gradient_checkpointing=True (the "
+                                     "Trainer's non-reentrant one replaces it)")
+                knobs["checkpointing"] = "full-reentrant"
         return knobs
     if _get(args, "deepspeed"):
         return recipe_from_deepspeed_config(_get(args, "deepspeed"), seq=seq, gpus=gpus, training_arguments=args,

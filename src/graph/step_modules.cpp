@@ -1070,8 +1070,9 @@ T StepBuilder::residual_add(const T& residual, T& branch) {
   return sum;
 }
 
-// GradientCheckpointingLayer with use_reentrant=False: the forward keeps only the layer input;
-// backward recomputes the layer (recording its nodes) and runs them.
+// GradientCheckpointingLayer: the forward keeps only the layer input; backward recomputes the
+// layer (recording its nodes) and runs them, the non-reentrant way or, with full-reentrant,
+// torch's reentrant CheckpointFunction (Note [Reentrant checkpoints] in tape.h).
 T StepBuilder::checkpointed_layer(const T& x, std::uint32_t l) {
   t_.saving = false;
   std::size_t before = t_.node_count();
@@ -1096,9 +1097,9 @@ T StepBuilder::checkpointed_layer(const T& x, std::uint32_t l) {
   requires_grad(y);
   Node nd = node(y);
   nd.tag.op = "checkpoint";
-  // torch.utils.checkpoint (non-reentrant) saves the positional tensor arguments (the hidden
+  // torch.utils.checkpoint (either variant) saves the positional tensor arguments (the hidden
   // states) with save_for_backward; the keyword arguments (mask, position embeddings,
-  // position ids) are only referenced by the recompute closure.
+  // position ids) are only referenced by the recompute closure (reentrant: by ctx).
   nd.saved = {x.id};
   nd.tail = std::move(tail);
   nd.reentrant = reentrant;

@@ -236,12 +236,9 @@ void Tape::deliver(ValueId v, TensorId g) {
     mark_subclass(sum);
     return;
   }
-  // See Note [Mirroring autograd]: in-place when one side is exclusively owned.
+  // See Note [Mirroring autograd]: in place into the buffered one when it is exclusively owned.
   if (trace_.storages[buf].refs == 1) {
     release(g);
-  } else if (trace_.storages[g].refs == 1) {
-    release(buf);
-    buf = g;
   } else {
     TensorId sum = alloc_bytes(value_bytes_[v], Category::kTemporaries);
     release(buf);
@@ -298,10 +295,7 @@ void Tape::run_node(Node& n) {
   if (n.recompute) {
     // Non-reentrant checkpoint: recompute the segment with saving on, then run its nodes. The
     // recompute appends to nodes_, so take what we need from `n` before it may move.
-    auto recompute = std::move(n.recompute);
-    auto saved = std::move(n.saved);
-    auto kept = std::move(n.kept);
-    MomentTag tag = n.tag;
+    auto [recompute, saved, kept, tag] = take_checkpoint(n);
     std::size_t begin = nodes_.size();
     const std::size_t recompute_events = trace_.events.size();
     const T out = recompute_segment(recompute, tag, SIZE_MAX);
@@ -440,10 +434,7 @@ T Tape::rerun(const std::function<T()>& recompute, std::size_t stop_node) {
 
 // See Note [Reentrant checkpoints] in tape.h.
 void Tape::run_reentrant_checkpoint(Node& n, TensorId incoming) {
-  auto recompute = std::move(n.recompute);
-  auto saved = std::move(n.saved);
-  auto kept = std::move(n.kept);
-  const MomentTag tag = n.tag;
+  const auto [recompute, saved, kept, tag] = take_checkpoint(n);
   const std::size_t begin = nodes_.size();
   retain(incoming);  // CheckpointFunction.backward's args
   const T out = rerun(recompute, SIZE_MAX);
@@ -461,11 +452,8 @@ void Tape::run_reentrant_checkpoint(Node& n, TensorId incoming) {
 
 // See Note [Checkpoint tails].
 void Tape::run_checkpoint_with_tail(Node& n, TensorId incoming) {
-  auto recompute = std::move(n.recompute);
   const std::shared_ptr<const CheckpointTail> tail = std::move(n.tail);
-  auto saved = std::move(n.saved);
-  auto kept = std::move(n.kept);
-  const MomentTag tag = n.tag;
+  const auto [recompute, saved, kept, tag] = take_checkpoint(n);
   const std::size_t begin = nodes_.size();
   // The tail of the first forward's graph, with its module hooks.
   deliver(tail->output, incoming);

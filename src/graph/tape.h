@@ -12,8 +12,10 @@
 //  * a node allocates the gradients of its inputs (or passes its incoming gradient through, for
 //    adds and views), then its incoming gradient is dropped and its saved tensors released
 //    (evaluate_function → release_variables);
-//  * gradients arriving at a tensor used twice are summed in place when one side is exclusively
-//    owned (InputBuffer::accumulate), otherwise into a new tensor;
+//  * gradients arriving at a tensor used twice are summed in place into the one already buffered
+//    when that one is exclusively owned (InputBuffer::accumulate), otherwise into a new tensor
+//    (never into the arriving one: until 2026-12-06 the engine did that too, which no measured
+//    peak told apart; the reentrant checkpoint's held gradient shows the new tensor in traces);
 //  * a parameter's first gradient is stolen into .grad, later ones are added in place
 //    (AccumulateGrad).
 // Categories are final per storage: a temporary that a node saves becomes an activation for
@@ -637,6 +639,17 @@ class Tape {
   void run_node(Node& n);
   void run_checkpoint_with_tail(Node& n, TensorId incoming);
   void run_reentrant_checkpoint(Node& n, TensorId incoming);
+  // A checkpoint node's recompute, saved and kept storages and tag, taken out of it before the
+  // recompute appends to nodes_ (which may move the node).
+  struct TakenCheckpoint {
+    std::function<T()> recompute;
+    SmallVec<TensorId, 6> saved;
+    SmallVec<TensorId, 4> kept;
+    MomentTag tag;
+  };
+  static TakenCheckpoint take_checkpoint(Node& n) {
+    return {std::move(n.recompute), std::move(n.saved), std::move(n.kept), n.tag};
+  }
   T recompute_segment(const std::function<T()>& recompute, const MomentTag& tag, std::size_t stop_node);
   T rerun(const std::function<T()>& recompute, std::size_t stop_node);
   void deliver(ValueId v, TensorId g);

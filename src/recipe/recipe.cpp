@@ -536,8 +536,8 @@ void Recipe::validate() const {
       (gpus > 1 || parallel != Parallel::kNone || tp > 1 || pp > 1 || cp > 1)) {
     // DDP needs static_graph for it, ZeRO-3's and FSDP2's hooks run differently around the
     // reentrant backward, and a pipeline stage's backward is not the loss's: none is modelled.
-    throw Error("checkpointing: full-reentrant is modelled on one GPU only (no data, tensor, pipeline or "
-                "context parallelism); use full (use_reentrant=False)");
+    throw Error("checkpointing: full-reentrant is modelled without data, tensor, pipeline or context parallelism "
+                "(gpus 1, parallel none); use full (use_reentrant=False)");
   }
   if (lora.enabled()) {
     // peft's own ranks are small (8-256); beyond 2^16 the adapters outgrow the layers they adapt.

@@ -39,7 +39,8 @@ const Table<Optimizer> kOptimizers = {{Optimizer::kAdamW, "adamw"},
                                       {Optimizer::kSgd, "sgd"},
                                       {Optimizer::kAdafactor, "adafactor"}};
 const Table<Checkpointing> kCheckpointing = {{Checkpointing::kNone, "none"},
-                                             {Checkpointing::kFull, "full"}};
+                                             {Checkpointing::kFull, "full"},
+                                             {Checkpointing::kFullReentrant, "full-reentrant"}};
 const Table<Attention> kAttention = {
     {Attention::kEager, "eager"}, {Attention::kSdpa, "sdpa"}, {Attention::kFlash, "flash"}};
 const Table<Loss> kLoss = {{Loss::kStandard, "standard"}, {Loss::kFused, "fused"}};
@@ -68,7 +69,7 @@ TEST(RecipeSpellings, AllocatorRoundTrips) { expect_round_trips(kAllocator, pars
 TEST(RecipeSpellings, TablesCoverEveryValue) {
   EXPECT_EQ(kPrecisions.size(), static_cast<std::size_t>(Precision::kFp16True) + 1);
   EXPECT_EQ(kOptimizers.size(), static_cast<std::size_t>(Optimizer::kAdafactor) + 1);
-  EXPECT_EQ(kCheckpointing.size(), static_cast<std::size_t>(Checkpointing::kFull) + 1);
+  EXPECT_EQ(kCheckpointing.size(), static_cast<std::size_t>(Checkpointing::kFullReentrant) + 1);
   EXPECT_EQ(kAttention.size(), static_cast<std::size_t>(Attention::kFlash) + 1);
   EXPECT_EQ(kLoss.size(), static_cast<std::size_t>(Loss::kFused) + 1);
   EXPECT_EQ(kAllocator.size(), static_cast<std::size_t>(AllocatorMode::kExpandable) + 1);

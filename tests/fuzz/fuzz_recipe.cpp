@@ -247,7 +247,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   // And after that: a 4-bit base not prepared by prepare_model_for_kbit_training.
   if (p.ConsumeIntegral<std::uint8_t>() >= 192) sp.prepare_kbit_training = false;
   // And after that: per-layer checkpointing under torch.utils.checkpoint's reentrant variant.
-  if (p.ConsumeIntegral<std::uint8_t>() >= 192 && sp.checkpointing == "full") sp.checkpointing = "full-reentrant";
+  if (p.ConsumeIntegral<std::uint8_t>() >= 128 && sp.checkpointing == "full") sp.checkpointing = "full-reentrant";
 
   if (std::getenv("TRAINMEM_FUZZ_VERBOSE")) {  // to read a reproducer: what the bytes decode to
     std::fprintf(stderr, "model: %s\nname: %s\nrecipe: precision=%s optimizer=%s checkpointing=%s "
@@ -257,7 +257,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
                  from_catalog ? catalog_name.c_str()
                               : config.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str(),
                  nlohmann::json(name).dump(-1, ' ', true, nlohmann::json::error_handler_t::replace).c_str(),
-                 precision.c_str(), optimizer.c_str(), checkpointing.c_str(), attention.c_str(), loss.c_str(),
+                 precision.c_str(), optimizer.c_str(), sp.checkpointing.c_str(), attention.c_str(), loss.c_str(),
                  allocator.c_str(), gpu.c_str(), static_cast<unsigned long long>(batch),
                  static_cast<unsigned long long>(seq), static_cast<unsigned long long>(accum),
                  static_cast<unsigned long long>(steps), static_cast<unsigned long long>(sp.lora_rank),

@@ -86,23 +86,32 @@ def test_unmodelled_settings_are_refused(kw, message):
 
 
 def test_the_trainers_checkpointing_and_peft_s_reentrant_one():
-    """gradient_checkpointing=True is use_reentrant=False unless the kwargs say True (an empty dict
-    is passed on as None); a 4-bit base prepared by prepare_model_for_kbit_training with its defaults
-    is checkpointed with the reentrant variant when the Trainer does not checkpoint it itself."""
+    """gradient_checkpointing=True is use_reentrant=False when the kwargs are empty (passed on as
+    None) or say so, else torch's default, the reentrant variant; a 4-bit base prepared by
+    prepare_model_for_kbit_training with its defaults is checkpointed with the reentrant variant
+    when the Trainer does not checkpoint it itself, and without the Trainer's the caller must say."""
     ckpt = trainmem.hf.recipe_from_training_arguments
+    with_kwargs = lambda kw: {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": kw}  # noqa: E731
     assert ckpt(args(gradient_checkpointing=True))["checkpointing"] == "full"
-    assert ckpt(args(gradient_checkpointing=True, gradient_checkpointing_kwargs={}))["checkpointing"] == "full"
+    assert ckpt(with_kwargs({}))["checkpointing"] == "full"
+    assert ckpt(with_kwargs({"use_reentrant": False, "preserve_rng_state": False}))["checkpointing"] == "full"
+    assert ckpt(with_kwargs({"preserve_rng_state": False}))["checkpointing"] == "full-reentrant"
+    assert ckpt(with_kwargs('{"use_reentrant": true}'))["checkpointing"] == "full-reentrant"
+    with pytest.raises(ValueError, match="early_stop"):
+        ckpt(with_kwargs({"use_reentrant": False, "early_stop": False}))
     reentrant = ckpt(args(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True}), seq=128)
     assert reentrant["checkpointing"] == "full-reentrant"
     assert trainmem.estimate("qwen3-0.6b", **reentrant).recipe["checkpointing"] == "full-reentrant"
     qlora = dict(seq=128, model_dtype="bfloat16", peft=True, quantization_config=QLORA)
     plain, checkpointed = args().to_dict(), args(gradient_checkpointing=True).to_dict()
     plain["bf16"] = checkpointed["bf16"] = True
-    assert ckpt(plain, **qlora)["checkpointing"] == "full-reentrant"
+    with pytest.raises(ValueError, match="pass kbit_gradient_checkpointing"):
+        ckpt(plain, **qlora)
+    assert ckpt(plain, kbit_gradient_checkpointing=True, **qlora)["checkpointing"] == "full-reentrant"
     assert ckpt(plain, kbit_gradient_checkpointing=False, **qlora)["checkpointing"] == "none"
     assert ckpt(plain, prepare_kbit_training=False, **qlora)["checkpointing"] == "none"
     assert ckpt(checkpointed, **qlora)["checkpointing"] == "full"
-    knobs = ckpt(plain, **qlora)
+    knobs = ckpt(plain, kbit_gradient_checkpointing=True, **qlora)
     assert trainmem.estimate("qwen3-0.6b", lora_rank=8, **knobs).peak_allocated_bytes > 0
 
 
@@ -300,7 +309,8 @@ def test_a_qlora_trainer_run_maps_its_bitsandbytes_config():
     d16 = args().to_dict()
     d16["fp16"] = True
     knobs = trainmem.hf.recipe_from_training_arguments(d16, model_dtype="float16", peft=True,
-                                                       quantization_config={**QLORA, "bnb_4bit_compute_dtype": "float16"})
+                                                       quantization_config={**QLORA, "bnb_4bit_compute_dtype": "float16"},
+                                                       kbit_gradient_checkpointing=False)
     assert knobs["precision"] == "fp16-mixed" and knobs["load_dtype"] == "fp16"
 
 
@@ -410,9 +420,9 @@ def test_a_deepspeed_qlora_run_maps_onto_zero_over_a_4bit_base():
           "gradient_accumulation_steps": "auto"}
     d = args(per_device_train_batch_size=2, optim="adamw_torch").to_dict()
     d["bf16"], d["deepspeed"] = True, ds
-    with pytest.raises(ValueError, match="reentrant checkpointing, which is modelled on one GPU only"):
+    with pytest.raises(ValueError, match="reentrant checkpointing, which is modelled without data"):
         trainmem.hf.recipe_from_training_arguments(d, seq=128, model_dtype="bfloat16", peft=True, gpus=2,
-                                                   quantization_config=QLORA)
+                                                   quantization_config=QLORA, kbit_gradient_checkpointing=True)
     d["gradient_checkpointing"] = True  # the Trainer's own (non-reentrant) replaces peft's
     knobs = trainmem.hf.recipe_from_training_arguments(d, seq=128, model_dtype="bfloat16", peft=True, gpus=2,
                                                        quantization_config=QLORA)

@@ -467,14 +467,14 @@ def test_pp_with_ddp_is_pp_times_gpus_ranks():
 
 def assert_replicas_alike(ranks: list[dict], pairs=((0, 1), (2, 3))) -> None:
     """A pipeline stage's data-parallel replicas hold the same memory. Now and then gloo's worker
-    thread drops a collective's buffer (FSDP2's all-gather) after the main thread has, so that free
-    comes later and may move a peak: the tracker counts such frees (freed_off_main_thread_bytes),
-    and a pair where one shows up is not compared."""
+    thread drops a collective's buffer (FSDP2's all-gather) after the tracking thread has, so that
+    free comes later and may raise a peak by at most its bytes: the tracker counts such frees
+    (freed_off_thread_bytes)."""
     for a, b in pairs:
-        if ranks[a]["freed_off_main_thread_bytes"] or ranks[b]["freed_off_main_thread_bytes"]:
-            continue
-        assert ranks[a]["peak_allocated_bytes"] == ranks[b]["peak_allocated_bytes"]
-        assert ranks[a]["breakdown_at_peak"] == ranks[b]["breakdown_at_peak"]
+        late = max(ranks[a]["freed_off_thread_bytes"], ranks[b]["freed_off_thread_bytes"])
+        assert abs(ranks[a]["peak_allocated_bytes"] - ranks[b]["peak_allocated_bytes"]) <= late
+        if not late:
+            assert ranks[a]["breakdown_at_peak"] == ranks[b]["breakdown_at_peak"]
 
 
 def test_pp_with_ddp_world_size_4(tiny_llama):

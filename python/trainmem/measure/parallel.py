@@ -193,7 +193,7 @@ def _summary(rank: int, result: dict) -> dict:
     return {"rank": rank, "peak_allocated_bytes": result["peak_allocated_bytes"],
             "breakdown_at_peak": result["breakdown_at_peak"], "peak": result["peak"], "steps": result["steps"],
             "storages": result["diagnostics"]["storages"], "events": result["diagnostics"]["events"],
-            "freed_off_main_thread_bytes": result["diagnostics"].get("freed_off_main_thread_bytes", 0)}
+            "freed_off_thread_bytes": result["diagnostics"].get("freed_off_thread_bytes", 0)}
 
 
 def _merge(results: list[dict], worst: bool = False) -> dict:

@@ -429,7 +429,7 @@ def _result(spec: ModelSpec, recipe: Recipe, model, tracker: MemoryTracker, anal
         "live_bytes_at_end": analysis["live_bytes_at_end"],
     }
     for key in ("untracked_allocated_bytes", "op_internal_transients", "recomputation_hook_not_patched",
-                "freed_off_main_thread_bytes"):
+                "freed_off_thread_bytes"):
         if stats.get(key):
             out["diagnostics"][key] = stats[key]
     return out

@@ -283,6 +283,8 @@ class MemoryTracker:
         self.op_wrappers: dict = {}
         self._closed = False
         self._in_gc = False
+        self._thread = threading.get_ident()  # the tracking thread (set again on __enter__)
+        self._recomputing = False  # inside a checkpoint's recompute during backward
         self._cuda_probe = cuda_probe and self.device_type == "cuda"
         self._detect_untracked = detect_untracked and self._cuda_probe
         self._untracked_live = 0
@@ -416,6 +418,7 @@ class MemoryTracker:
     # ------------------------------------------------------------------ activation
 
     def __enter__(self) -> "MemoryTracker":
+        self._thread = threading.get_ident()
         stack = contextlib.ExitStack()
         self._gc_was_enabled = gc.isenabled()
         gc.collect()
@@ -490,13 +493,18 @@ class MemoryTracker:
 
     # ------------------------------------------------------------------ hooks
 
+    def _labels_nodes(self) -> bool:
+        # The forward's graph, and a reentrant checkpoint's recompute in backward, which builds a
+        # new graph for its own backward (the non-reentrant one's recompute graph is discarded).
+        return self.phase in ("forward", "loss") or self._recomputing
+
     def _pre_hook(self, label: Label, module, args, kwargs):
-        if self.phase in ("forward", "loss"):
+        if self._labels_nodes():
             self.label_graph((args, kwargs), self._module_stack[-1] if self._module_stack else self._top_label())
         self._module_stack.append(label)
 
     def _post_hook(self, label: Label, module, args, kwargs, output):
-        if self.phase in ("forward", "loss"):
+        if self._labels_nodes():
             self.label_graph(output, label)
             # A forward may give a parameter new storage (bitsandbytes' `bias.data = bias.data.to(x.dtype)`):
             # the new storage is the parameter's from birth.
@@ -531,8 +539,13 @@ class MemoryTracker:
                 return func(function, *args, **kwargs)
 
             def run(*a, **k):
-                with tracker.scope(label):
-                    return function(*a, **k)
+                recomputing = tracker._recomputing
+                tracker._recomputing = tracker.phase == "backward"
+                try:
+                    with tracker.scope(label):
+                        return function(*a, **k)
+                finally:
+                    tracker._recomputing = recomputing
 
             return func(run, *args, **kwargs)
 
@@ -713,11 +726,13 @@ class MemoryTracker:
         self._live_bytes -= rec.block_bytes
         if self._in_gc:
             self.stats["freed_by_gc_bytes"] += rec.block_bytes
-        if threading.current_thread() is not threading.main_thread():
-            # The last reference went on another thread: gloo's worker releases a collective's
-            # tensors when its Work is done, which now and then comes after the main thread has
-            # dropped its own (FSDP2's all-gather buffers), so the free lands later than usual.
-            self.stats["freed_off_main_thread_bytes"] += rec.block_bytes
+        if threading.get_ident() != self._thread:
+            # The last reference went on another thread than the one tracking. On the CPU that is
+            # gloo's worker, which releases a collective's tensors when its Work is done, now and
+            # then after the tracking thread has dropped its own (FSDP2's all-gather buffers): the
+            # free lands later than usual. (On CUDA the autograd engine's device threads run the
+            # backward, so most of its frees count here.)
+            self.stats["freed_off_thread_bytes"] += rec.block_bytes
 
     def storage_resized(self, tensor: torch.Tensor, flag: str | None = None, name: str = "") -> None:
         """The storage of `tensor` was resized in place (`untyped_storage().resize_`, which no aten
