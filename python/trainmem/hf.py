@@ -56,6 +56,18 @@ def _trainer_checkpointing(args: Any) -> str:
     return "full" if kwargs.get("use_reentrant") is False else "full-reentrant"
 
 
+def _refuse_reentrant_find_unused(knobs: dict[str, Any]) -> dict[str, Any]:
+    """DDP with find_unused_parameters fails under reentrant checkpoints (its forward marks the
+    parameters the no_grad forward left out of the graph ready, and their hooks fire again in
+    backward: "Expected to mark a variable ready only once"); the Trainer passes True for a peft
+    model unless ddp_find_unused_parameters says otherwise."""
+    if knobs.get("checkpointing") == "full-reentrant" and knobs.get("ddp_find_unused_parameters"):
+        raise ValueError("reentrant checkpointing under DDP with find_unused_parameters=True (the Trainer's choice "
+                         "for a peft model or an unset ddp_find_unused_parameters) fails in torch (\"Expected to mark a "
+                         "variable ready only once\"); set ddp_find_unused_parameters=False")
+    return knobs
+
+
 def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_dtype: str = "float32",
                                    gpu: str | None = None, gpus: int | None = None,
                                    peft: bool = False, quantization_config: Any = None,
@@ -137,13 +149,12 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
                                  "kbit_gradient_checkpointing=True (use_gradient_checkpointing=True, its default: "
                                  "reentrant checkpointing) or False (use_gradient_checkpointing=False: none)")
             if kbit_gradient_checkpointing:
-                if knobs.get("parallel", "none") != "none" or (gpus or 1) > 1:
+                if knobs.get("parallel", "none") not in ("none", "ddp"):
                     raise ValueError("quantization_config: prepare_model_for_kbit_training(use_gradient_checkpointing="
-                                     "True) turns on reentrant checkpointing, which is modelled without data, tensor, "
-                                     "pipeline or context parallelism only; set gradient_checkpointing=True (the "
-                                     "Trainer's non-reentrant one replaces it)")
+                                     "True) turns on reentrant checkpointing, which is modelled on one GPU or under "
+                                     "DDP; set gradient_checkpointing=True (the Trainer's non-reentrant one replaces it)")
                 knobs["checkpointing"] = "full-reentrant"
-        return knobs
+        return _refuse_reentrant_find_unused(knobs)
     if _get(args, "deepspeed"):
         return recipe_from_deepspeed_config(_get(args, "deepspeed"), seq=seq, gpus=gpus, training_arguments=args,
                                             gpu=gpu)
@@ -216,7 +227,7 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
         knobs["loss"] = "fused"  # Liger's fused linear cross-entropy
     if gpu is not None:
         knobs["gpu"] = gpu
-    return knobs
+    return _refuse_reentrant_find_unused(knobs)
 
 
 # The dtype the 4-bit matmuls compute in under each precision a QLoRA run can take (bf16-master: a

@@ -532,12 +532,19 @@ void Recipe::validate() const {
   } else if (beams != 1) {
     throw Error("beams: beam search is an inference knob (mode inference)");
   }
-  if (checkpointing == Checkpointing::kFullReentrant &&
-      (gpus > 1 || parallel != Parallel::kNone || tp > 1 || pp > 1 || cp > 1)) {
-    // DDP needs static_graph for it, ZeRO-3's and FSDP2's hooks run differently around the
-    // reentrant backward, and a pipeline stage's backward is not the loss's: none is modelled.
-    throw Error("checkpointing: full-reentrant is modelled without data, tensor, pipeline or context parallelism "
-                "(gpus 1, parallel none); use full (use_reentrant=False)");
+  if (checkpointing == Checkpointing::kFullReentrant) {
+    // ZeRO's and FSDP2's hooks run differently around the reentrant backward, and a pipeline
+    // stage's backward is not the loss's: not modelled. DDP is (its hooks fire as the inner
+    // backward accumulates each parameter), but not with find_unused_parameters, where torch
+    // fails: its forward marks the parameters the no_grad forward left out of the graph ready.
+    if ((parallel != Parallel::kNone && parallel != Parallel::kDdp) || tp > 1 || pp > 1 || cp > 1) {
+      throw Error("checkpointing: full-reentrant is modelled on one GPU or under DDP, without tensor, pipeline "
+                  "or context parallelism; use full (use_reentrant=False)");
+    }
+    if (parallel == Parallel::kDdp && ddp_find_unused_parameters) {
+      throw Error("checkpointing: full-reentrant under DDP with find_unused_parameters fails in torch (\"Expected "
+                  "to mark a variable ready only once\"); use ddp_find_unused_parameters false, or full");
+    }
   }
   if (lora.enabled()) {
     // peft's own ranks are small (8-256); beyond 2^16 the adapters outgrow the layers they adapt.

@@ -455,7 +455,8 @@ TEST(GraphCheckpointing, ReentrantHoldsTheLayerOutputAndItsGradient) {
   }
 }
 
-// The reentrant variant is modelled where it was measured: one GPU, SDPA, not GPT-2.
+// The reentrant variant is modelled where it was measured: one GPU or DDP without
+// find_unused_parameters, SDPA, not GPT-2.
 TEST(GraphCheckpointing, ReentrantOutsideWhatIsModelledIsRefused) {
   Recipe r = cpu_recipe(Precision::kFp32, Attention::kSdpa);
   r.checkpointing = Checkpointing::kFullReentrant;
@@ -468,7 +469,12 @@ TEST(GraphCheckpointing, ReentrantOutsideWhatIsModelledIsRefused) {
   Recipe ddp = r;
   ddp.gpus = 2;
   ddp.parallel = Parallel::kDdp;
-  EXPECT_NE(testing::error_of([&] { ddp.validate(); }).find("without data, tensor, pipeline or context parallelism"), std::string::npos);
+  EXPECT_NO_THROW(ddp.validate());
+  ddp.ddp_find_unused_parameters = true;
+  EXPECT_NE(testing::error_of([&] { ddp.validate(); }).find("ready only once"), std::string::npos);
+  Recipe fsdp = ddp;
+  fsdp.parallel = Parallel::kFsdp;
+  EXPECT_NE(testing::error_of([&] { fsdp.validate(); }).find("on one GPU or under DDP"), std::string::npos);
 }
 
 // When activations decide the peak, checkpointing lowers it and moves it out of the forward.

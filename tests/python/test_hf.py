@@ -111,6 +111,13 @@ def test_the_trainers_checkpointing_and_peft_s_reentrant_one():
     assert ckpt(plain, kbit_gradient_checkpointing=False, **qlora)["checkpointing"] == "none"
     assert ckpt(plain, prepare_kbit_training=False, **qlora)["checkpointing"] == "none"
     assert ckpt(checkpointed, **qlora)["checkpointing"] == "full"
+    # Under DDP (measured: parallel/cpu-ddp-*-ckptre-*) only without find_unused_parameters, which
+    # the Trainer sets for a peft model unless told otherwise: torch fails with it.
+    with pytest.raises(ValueError, match="ready only once"):
+        ckpt(plain, kbit_gradient_checkpointing=True, gpus=2, **qlora)
+    ddp = ckpt({**plain, "ddp_find_unused_parameters": False}, kbit_gradient_checkpointing=True, gpus=2, **qlora)
+    assert (ddp["parallel"], ddp["checkpointing"]) == ("ddp", "full-reentrant")
+    assert trainmem.estimate("qwen3-0.6b", lora_rank=8, **ddp).recipe["parallel"] == "ddp"
     knobs = ckpt(plain, kbit_gradient_checkpointing=True, **qlora)
     assert trainmem.estimate("qwen3-0.6b", lora_rank=8, **knobs).peak_allocated_bytes > 0
 
@@ -420,7 +427,7 @@ def test_a_deepspeed_qlora_run_maps_onto_zero_over_a_4bit_base():
           "gradient_accumulation_steps": "auto"}
     d = args(per_device_train_batch_size=2, optim="adamw_torch").to_dict()
     d["bf16"], d["deepspeed"] = True, ds
-    with pytest.raises(ValueError, match="reentrant checkpointing, which is modelled without data"):
+    with pytest.raises(ValueError, match="reentrant checkpointing, which is modelled on one GPU or under DDP"):
         trainmem.hf.recipe_from_training_arguments(d, seq=128, model_dtype="bfloat16", peft=True, gpus=2,
                                                    quantization_config=QLORA, kbit_gradient_checkpointing=True)
     d["gradient_checkpointing"] = True  # the Trainer's own (non-reentrant) replaces peft's
