@@ -619,9 +619,13 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
       t_.drop(y);
       return copy;
     };
+    // Under no_grad (a reentrant checkpoint's forward) the Python variables decide: repeat_kv's
+    // key_states and value_states live until eager_attention_forward returns, the scores until
+    // the probabilities replace them, and the probabilities (the layer's `_`) to the layer's end.
+    const bool no_grad = no_grad_;
     T qc = for_bmm(q);
     T kc = for_bmm(kr);
-    t_.drop(kr);
+    if (!no_grad) t_.drop(kr);
     ensure_workspace(false);
     T s0 = bmm(qc, kc, scores, c);  // q @ k^T
     t_.drop(qc);
@@ -640,21 +644,30 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
     t_.drop(s1);
     op("self_attn.softmax");
     T s32 = to(s2, DType::kF32);
-    t_.drop(s2);
+    if (!no_grad) t_.drop(s2);
     T p32 = softmax(s32);
     t_.drop(s32);
     T p = to(p32, q.dtype);  // .to(query.dtype): fp32 under autocast, so a no-op there
     t_.drop(p32);
+    if (no_grad) t_.drop(s2);
     op("self_attn.attn_output");
     T pc = pol_.autocast ? to(p, c) : t_.ref(p);
-    t_.drop(p);
+    if (no_grad) {
+      attn_weights_ = p;
+    } else {
+      t_.drop(p);
+    }
     T vc = for_bmm(vr);
-    t_.drop(vr);
+    if (!no_grad) t_.drop(vr);
     T o = bmm(pc, vc, qn, c);  // probs @ v
     t_.drop(pc);
     t_.drop(vc);
     T oc = elementwise({&o}, qn, c, {});  // transpose(1, 2).contiguous()
     t_.drop(o);
+    if (no_grad) {
+      t_.drop(kr);
+      t_.drop(vr);
+    }
     return oc;
   }
   // SDPA / flash-attention: q, k, v (as passed), the output and the fp32 log-sum-exp are
@@ -1042,6 +1055,10 @@ T StepBuilder::decoder_layer_module(const T& x, std::uint32_t l) {
   T out = residual_add(h1, m);
   t_.drop(h1);
   if (attn_output.id != kNone) t_.drop(attn_output);
+  if (attn_weights_.id != kNone) {  // the layer's `_` (eager under no_grad)
+    t_.drop(attn_weights_);
+    attn_weights_ = T{};
+  }
   return out;
 }
 

@@ -321,7 +321,9 @@ struct CheckpointTail {
 //  * what the Function keeps on ctx besides saved tensors (run_function: the layer's keyword
 //    arguments, the rotary tables, the mask, the position ids) lives as long as the graph, not
 //    until the node runs.
-// The forward allocates what the non-reentrant one does (no_grad saves nothing either). Under DDP
+// The forward allocates what the non-reentrant one does (no_grad saves nothing either), but for
+// eager attention, whose intermediates then live as long as their Python variables (the
+// StepBuilder's no_grad_, attention_core). Under DDP
 // (without find_unused_parameters, with which torch fails) the Reducer's hooks fire as the inner
 // backward accumulates each parameter, in the same order: measured exact on two ranks.
 

@@ -456,7 +456,7 @@ TEST(GraphCheckpointing, ReentrantHoldsTheLayerOutputAndItsGradient) {
 }
 
 // The reentrant variant is modelled where it was measured: one GPU or DDP without
-// find_unused_parameters, SDPA, not GPT-2.
+// find_unused_parameters, SDPA or eager attention, not GPT-2.
 TEST(GraphCheckpointing, ReentrantOutsideWhatIsModelledIsRefused) {
   Recipe r = cpu_recipe(Precision::kFp32, Attention::kSdpa);
   r.checkpointing = Checkpointing::kFullReentrant;
@@ -464,7 +464,7 @@ TEST(GraphCheckpointing, ReentrantOutsideWhatIsModelledIsRefused) {
   EXPECT_EQ(parse_checkpointing(to_string(r.checkpointing)), Checkpointing::kFullReentrant);
   Recipe eager = r;
   eager.attention = Attention::kEager;
-  EXPECT_NE(testing::error_of([&] { estimate(small_llama(2), eager); }).find("attention eager"), std::string::npos);
+  EXPECT_NO_THROW(estimate(small_llama(2), eager));
   EXPECT_NE(testing::error_of([&] { estimate(testing::gpt2_l2(), r); }).find("GPT-2"), std::string::npos);
   Recipe ddp = r;
   ddp.gpus = 2;
