@@ -874,9 +874,7 @@ T StepBuilder::g_attention_core(const T& q, std::uint32_t l, bool q_bshd) {
     t_.drop(low);
     t_.drop(zero);
   }
-  // The CPU flash kernel and CUDA's flash kernel (half inputs) always return the fp32
-  // log-sum-exp; CUDA's memory-efficient kernel (fp32) computes it only for autograd.
-  T lse = (cuda_ && c == DType::kF32) ? T{} : fresh(Bg_ * H * q_, DType::kF32);
+  T lse = sdpa_makes_lse(c, /*grad_mode=*/false) ? fresh(Bg_ * H * q_, DType::kF32) : T{};
   T o = fresh(r * H * d, c);
   if (lse.id != kNone) t_.drop(lse);
   if (fmask.id != kNone) t_.drop(fmask);

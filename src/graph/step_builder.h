@@ -387,6 +387,10 @@ class StepBuilder {
   T rope(const T& q);
   T repeat_kv(const T& x);
   bool folds_with_copy(const T& x) const;
+  // Whether an SDPA kernel in dtype c returns the fp32 log-sum-exp: the CPU flash kernel and
+  // CUDA's flash kernel (half inputs) always do; CUDA's memory-efficient kernel (fp32) only with
+  // grad mode on (should_compute_logsumexp).
+  bool sdpa_makes_lse(DType c, bool grad_mode) const { return grad_mode || !cuda_ || c != DType::kF32; }
   T attention_core(T& q, T& k, T& v);
   T ring_attention_core(const T& q, T& qc, T& kc, T& vc);
   T gpt2_attention_core(T& q, T& k, T& v);

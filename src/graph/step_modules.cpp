@@ -679,9 +679,7 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
   T vc = pol_.autocast ? to(v, c) : t_.ref(v);
   if (r_.cp > 1) return ring_attention_core(q, qc, kc, vc);
   T o = fresh(qn, c);
-  // CUDA's memory-efficient kernel (fp32) computes the log-sum-exp only with grad mode on
-  // (should_compute_logsumexp); the flash kernels always return it.
-  T lse = (no_grad_ && cuda_ && c == DType::kF32) ? T{} : fresh(B_ * heads * S_, DType::kF32);
+  T lse = sdpa_makes_lse(c, !no_grad_) ? fresh(B_ * heads * S_, DType::kF32) : T{};
   if (qc.requires_grad() || kc.requires_grad() || vc.requires_grad()) {
     requires_grad(o);
     Node& nd = open_node(o);

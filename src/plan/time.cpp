@@ -195,11 +195,12 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
   const double fwd_mm = 2 * tokens * (c.trainable + c.frozen + c.adapters);
   const double bwd_mm = 2 * 2 * tokens * (c.trainable + c.adapters) + 2 * tokens * c.frozen;
   const bool eager = recipe.attention == Attention::kEager || a.family == Family::kGemma2;
+  const bool ckpt = recipe.checkpointing != Checkpointing::kNone;  // full or full-reentrant: one more forward
   const double causal = eager ? 1.0 : 0.5;
   const double attn_fwd = 4 * tokens * static_cast<double>(recipe.seq) * static_cast<double>(a.head_dim) *
                           static_cast<double>(a.num_heads) * L * causal;
   double per_micro = fwd_mm + bwd_mm + attn_fwd * 3;
-  if (recipe.checkpointing != Checkpointing::kNone) per_micro += 2 * tokens * c.layer + attn_fwd;
+  if (ckpt) per_micro += 2 * tokens * c.layer + attn_fwd;
   t.flops = per_micro * micro;
   const double peak = (half_compute(recipe.precision) ? gpu.half_tflops : gpu.fp32_tflops) * 1e12;
   t.compute_s = t.flops / (peak * kMatmulEfficiency);
@@ -209,7 +210,7 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
   const double h = static_cast<double>(a.hidden_size), inter = static_cast<double>(a.intermediate_size);
   const double residual_h = recipe.sequence_parallel ? h / static_cast<double>(recipe.tp) : h;
   double layer_bytes = tokens * L * (10 * residual_h + 4 * inter) * act * kElementwisePasses;
-  if (recipe.checkpointing != Checkpointing::kNone) layer_bytes *= 4.0 / 3.0;
+  if (ckpt) layer_bytes *= 4.0 / 3.0;
   // Loss parallelism: a rank's logits are vocab / tp wide (See Note [Loss parallel]).
   const double V = static_cast<double>(a.vocab_size) / (recipe.loss_parallel ? static_cast<double>(recipe.tp) : 1.0);
   const double loss_bytes = tokens * V * (recipe.loss == Loss::kFused ? 2 * act + 8 : 2 * (2 * act + 12));
@@ -244,7 +245,7 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
   t.memory_s = ((layer_bytes + loss_bytes) * micro + opt_bytes) / bw;
 
   // Launches.
-  double kernels = kKernelsPerLayer * L * (eager ? 1.2 : 1.0) * (recipe.checkpointing != Checkpointing::kNone ? 4.0 / 3.0 : 1.0);
+  double kernels = kKernelsPerLayer * L * (eager ? 1.2 : 1.0) * (ckpt ? 4.0 / 3.0 : 1.0);
   if (recipe.lora.enabled()) kernels += 8 * static_cast<double>(recipe.lora.targets.size()) * L;
   kernels *= micro;
   const bool per_tensor = recipe.optimizer == Optimizer::kAdamW8bit || recipe.optimizer == Optimizer::kAdafactor;
@@ -342,7 +343,6 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
     const double n = static_cast<double>(recipe.tp);
     const double ring = (n - 1) / n;
     const double activation = tokens * h * act;  // one [batch, seq, hidden] in the compute dtype
-    const bool ckpt = recipe.checkpointing != Checkpointing::kNone;
     double per_layer = 0, per_micro_extra = 0;  // ring-step bytes through each GPU's link
     if (recipe.sequence_parallel) {
       per_layer = (7 + 7 + (ckpt ? 7 : 0)) * ring * activation;  // forward, backward, recompute
@@ -359,7 +359,7 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
   }
   if (recipe.cp > 1 && gpu.interconnect_gbps > 0) {
     const double kv = tokens * static_cast<double>(a.num_kv_heads) * static_cast<double>(a.head_dim) * 2;
-    const double gathers = recipe.checkpointing != Checkpointing::kNone ? 3 : 2;  // forward, backward, recompute
+    const double gathers = ckpt ? 3 : 2;  // forward, backward, recompute
     const double per_layer = (cp - 1) * kv * (gathers * act + 4);                 // + the fp32 gradients' rotations
     // Pure CP all-reduces every .grad; under FSDP2 its reduce-scatter (above) sums them instead.
     const double grads = recipe.parallel == Parallel::kNone ? c.trainable_elements * (master ? 2 : pb) : 0;
