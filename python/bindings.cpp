@@ -19,11 +19,12 @@ namespace {
 std::string source_of(const nb::bytes& model) { return std::string(model.c_str(), model.size()); }
 
 trainmem::Estimate run_estimate(const nb::bytes& model_bytes, const trainmem::RecipeSpelling& spelling,
-                                bool timeline, std::int64_t rank) {
+                                bool timeline, bool phases, std::int64_t rank) {
   const std::string model = source_of(model_bytes);
   const trainmem::Recipe r = trainmem::parse_recipe(spelling);
   trainmem::EstimateOptions opt;
   opt.timeline = timeline;
+  opt.phases = phases;
   opt.rank = rank;  // -1: the worst rank
   return trainmem::estimate(trainmem::load_model(model), r, opt);
 }
@@ -108,7 +109,7 @@ NB_MODULE(_core, m) {
         return nb::bytes(t.data(), t.size());
       });
 
-  m.def("estimate", &run_estimate, "model"_a, "recipe"_a, "timeline"_a, "rank"_a);
+  m.def("estimate", &run_estimate, "model"_a, "recipe"_a, "timeline"_a, "phases"_a, "rank"_a);
   m.def("fit_knobs", &trainmem::fit_knobs);
   m.def("fit", &run_fit, "model"_a, "recipe"_a, "gpus"_a, "global_batch"_a, "fixed"_a, "top"_a, "host_memory_bytes"_a);
   m.attr("DEFAULT_HOST_MEMORY_BYTES") = trainmem::kDefaultHostMemoryBytes;

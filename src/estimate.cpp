@@ -113,10 +113,11 @@ Estimate run_ranks(const Model& model, const Recipe& resolved, const Gpu& gpu, c
                         : detail::replayed_ranks(resolved);
   // With several ranks, find the worst without a timeline or an event trace, then replay it
   // again with them.
-  const bool extras = replayed.size() > 1 && (options.timeline || !options.trace_path.empty());
+  const bool extras = replayed.size() > 1 && (options.timeline || options.phases || !options.trace_path.empty());
   EstimateOptions probe = options;
   if (extras) {
     probe.timeline = false;
+    probe.phases = false;
     probe.trace_path.clear();
   }
   std::vector<RankPeak> peaks;

@@ -23,30 +23,26 @@ import json
 import sys
 from pathlib import Path
 
-BLOCK = 512
+def _phases_module():
+    """python/trainmem/measure/phases.py of this tree, alone: it needs no torch."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "python" / "trainmem" / "measure" / "phases.py"
+    spec = importlib.util.spec_from_file_location("trainmem_phases", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def block_bytes(nbytes: int) -> int:
-    return max(BLOCK, -(-nbytes // BLOCK) * BLOCK)
+_PHASES = _phases_module()
+phase_peaks, trace_events = _PHASES.phase_peaks, _PHASES.trace_events
 
 
-def phase_peaks(path: Path) -> dict[tuple[int, int, str], int]:
-    """The most live bytes after any event of each (step, micro-batch, phase)."""
-    live = 0
-    peaks: dict[tuple[int, int, str], int] = {}
-    with path.open() as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                e = json.loads(line)
-                size = block_bytes(int(e["nbytes"]))
-                live += size if e["event"] == "alloc" else -size
-                key = (int(e["step"]), int(e.get("micro_batch", 0)), str(e["phase"]))
-            except (ValueError, KeyError, TypeError) as err:
-                raise SystemExit(f"{path}:{number}: not a trace event ({err})") from None
-            peaks[key] = max(peaks.get(key, live), live)
-    return peaks
+def peaks_of(path: Path) -> dict[tuple[int, int, str], int]:
+    try:
+        return phase_peaks(trace_events(path))
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("predicted", type=Path)
     ap.add_argument("--json", action="store_true", help="one JSON object per phase")
     a = ap.parse_args(argv)
-    measured, predicted = phase_peaks(a.measured), phase_peaks(a.predicted)
+    measured, predicted = peaks_of(a.measured), peaks_of(a.predicted)
     rows = []
     for key in sorted(set(measured) | set(predicted)):
         if key[2] == "setup":  # the two sides load the model differently (tracking starts after it)

@@ -410,6 +410,16 @@ struct StepPeak {
   std::uint64_t peak_reserved_bytes = 0;
 };
 
+// The peaks of one phase of one micro-batch (Estimate::phases): the most bytes after any of its
+// events. A run's peak lies in one phase; the others are checked against measurements here.
+struct PhasePeak {
+  std::uint64_t step = 0;
+  std::uint64_t micro_batch = 0;
+  Phase phase = Phase::kSetup;
+  std::uint64_t peak_allocated_bytes = 0;
+  std::uint64_t peak_reserved_bytes = 0;
+};
+
 struct TimelinePoint {
   std::uint64_t event = 0;  // index in the simulated event stream
   std::uint64_t allocated_bytes = 0;
@@ -450,6 +460,7 @@ struct Estimate {
   Moment peak;
   std::vector<StepPeak> steps;
   std::vector<TimelinePoint> timeline;  // filled only when asked for
+  std::vector<PhasePeak> phases;        // likewise (EstimateOptions::phases), in order of first event
   Recipe recipe;
   Gpu gpu;
   std::uint64_t events = 0;  // allocator events simulated
@@ -470,6 +481,7 @@ struct Estimate {
 struct EstimateOptions {
   bool timeline = false;             // record a down-sampled allocated/reserved timeline
   std::uint64_t timeline_points = 400;
+  bool phases = false;               // record each phase's peaks of every micro-batch (Estimate::phases)
   std::string trace_path;            // write every alloc/free event as JSON lines (same fields as
                                      // trainmem-measure --trace); empty: none
   // Stop the replay once reserved bytes pass this (0: never): the peaks are then only "above it".

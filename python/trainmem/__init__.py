@@ -35,6 +35,7 @@ class Estimate:
     device: dict[str, Any]
     recipe: dict[str, Any]
     timeline: list[dict[str, Any]] = field(default_factory=list)
+    phases: list[dict[str, Any]] = field(default_factory=list)  # with phases=True
     source: str = "engine"
     # With gpus > 1: the rank these figures are (the worst unless `rank=` chose one) and every
     # rank replayed (docs/schema.md).
@@ -44,10 +45,11 @@ class Estimate:
     host_bytes: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        """The object `trainmem estimate --json` prints (timeline only when recorded)."""
+        """The object `trainmem estimate --json` prints (timeline and phases only when recorded)."""
         d = {k: v for k, v in self.__dict__.items() if k != "_text"}
-        if not d["timeline"]:
-            del d["timeline"]
+        for recorded in ("timeline", "phases"):
+            if not d[recorded]:
+                del d[recorded]
         if self.recipe.get("gpus", 1) == 1 and self.recipe.get("pp", 1) == 1:  # a pipeline's ranks are its stages
             del d["rank"], d["ranks"]
         if not d["host_bytes"]:
@@ -148,16 +150,19 @@ def _spelling(knobs: dict[str, Any]):
     return sp
 
 
-def estimate(model: str, *, timeline: bool = False, rank: int | None = None, **recipe: Any) -> Estimate:
+def estimate(model: str, *, timeline: bool = False, phases: bool = False, rank: int | None = None,
+             **recipe: Any) -> Estimate:
     """Peak memory of one training step. Recipe knobs are keyword arguments with the names and
     defaults of RECIPE_DEFAULTS (the CLI's flags). With gpus > 1 the figures are the worst rank's,
     or rank `rank`'s (0 .. gpus - 1; with pp > 1, 0 .. gpus x pp - 1, rank = stage x gpus + dp
-    rank). Raises ValueError on bad input."""
+    rank). `timeline` and `phases` add the CLI's --timeline and --phases lists. Raises ValueError
+    on bad input."""
     from . import _core
 
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
         raise ValueError(f"rank: must be a rank number 0 .. gpus - 1 or None (the worst rank), got {rank!r}")
-    core = _core.estimate(_source(model), _spelling(recipe), timeline, -1 if rank is None else rank)
+    core = _core.estimate(_source(model), _spelling(recipe), bool(timeline), bool(phases),
+                          -1 if rank is None else rank)
     data = json.loads(core.to_json())
     data["_text"] = core.to_text().decode("utf-8", "replace")
     return Estimate(**data)

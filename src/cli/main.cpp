@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <iostream>
 #include <string>
+#include <tuple>
 
 #include "report/report.h"
 #include "trainmem/trainmem.h"
@@ -354,10 +355,40 @@ std::string compare(const std::string& path, bool as_json) {
     o.rank = static_cast<std::int64_t>(v.get<std::uint64_t>() / r.tp);
     return o;
   };
+  // Measurements that record their phases' peaks (`phases`, each rank's too) are compared phase
+  // by phase: every (step, micro-batch, phase) the file lists, against the engine's.
+  const bool phases = m.contains("phases") && m["phases"].is_array();
   trainmem::EstimateOptions opt;
   opt.rank = 0;  // what trainmem-measure reports, unless the file names its rank
   if (parallel && parallel->contains("rank")) opt = rank_options((*parallel)["rank"]);
+  opt.phases = phases;
   const trainmem::Estimate e = trainmem::estimate(model, r, opt);
+  std::uint64_t phases_compared = 0, phases_differing = 0;
+  auto compare_phases = [&](const nlohmann::json& measured, const trainmem::Estimate& est) {
+    std::map<std::tuple<std::uint64_t, std::uint64_t, std::string>, std::uint64_t> predicted;
+    for (const auto& p : est.phases) {
+      predicted[{p.step, p.micro_batch, std::string(trainmem::phase_name(p.phase))}] = p.peak_allocated_bytes;
+    }
+    nlohmann::ordered_json rows = nlohmann::ordered_json::array();
+    for (const auto& mp : measured) {
+      if (!mp.is_object() || !mp.contains("step") || !mp["step"].is_number_unsigned() || !mp.contains("phase") ||
+          !mp["phase"].is_string() || !mp.contains("peak_allocated_bytes") ||
+          !mp["peak_allocated_bytes"].is_number_unsigned()) {
+        throw Error("compare: a 'phases' entry needs step, micro_batch, phase and peak_allocated_bytes");
+      }
+      const std::uint64_t step = mp["step"].get<std::uint64_t>();
+      const std::uint64_t micro = mp.value("micro_batch", std::uint64_t{0});
+      const std::string phase = mp["phase"].get<std::string>();
+      auto it = predicted.find({step, micro, phase});
+      nlohmann::ordered_json row = {{"step", step}, {"micro_batch", micro}, {"phase", phase},
+                                    {"measured", mp["peak_allocated_bytes"]}};
+      row["predicted"] = it == predicted.end() ? nlohmann::json() : nlohmann::json(it->second);
+      ++phases_compared;
+      if (it == predicted.end() || it->second != mp["peak_allocated_bytes"].get<std::uint64_t>()) ++phases_differing;
+      rows.push_back(row);
+    }
+    return rows;
+  };
 
   const double peak_m = m["peak_allocated_bytes"].get<double>();
   const double err = peak_m > 0 ? (static_cast<double>(e.peak_allocated_bytes) - peak_m) / peak_m * 100 : 0;
@@ -385,6 +416,7 @@ std::string compare(const std::string& path, bool as_json) {
     rows += line;
   }
   j["categories"] = cats;
+  if (phases) j["phases"] = compare_phases(m["phases"], e);
   if (parallel && parallel->contains("ranks") && (*parallel)["ranks"].is_array()) {
     // Every measured rank against the engine's replay of that rank, each engine rank replayed once
     // (the processes of a tensor-parallel group share one).
@@ -394,7 +426,8 @@ std::string compare(const std::string& path, bool as_json) {
       if (!mr.is_object() || !mr.contains("rank") || !mr.contains("peak_allocated_bytes")) {
         throw Error("compare: diagnostics.parallel.ranks entries need 'rank' and 'peak_allocated_bytes'");
       }
-      const trainmem::EstimateOptions ro = rank_options(mr["rank"]);
+      trainmem::EstimateOptions ro = rank_options(mr["rank"]);
+      ro.phases = phases;
       auto it = replayed.find(ro.rank);
       if (it == replayed.end()) it = replayed.emplace(ro.rank, trainmem::estimate(model, r, ro)).first;
       const trainmem::Estimate& er = it->second;
@@ -408,6 +441,7 @@ std::string compare(const std::string& path, bool as_json) {
       }
       x["predicted_breakdown_at_peak"] = b;
       if (mr.contains("breakdown_at_peak")) x["measured_breakdown_at_peak"] = mr["breakdown_at_peak"];
+      if (phases && mr.contains("phases") && mr["phases"].is_array()) x["phases"] = compare_phases(mr["phases"], er);
       ranks.push_back(x);
     }
     j["ranks"] = ranks;
@@ -422,6 +456,10 @@ std::string compare(const std::string& path, bool as_json) {
   out += "  measured peak at:  " + j["measured_peak"].value("phase", std::string("?")) + ", " +
          j["measured_peak"].value("op", std::string("?")) + "\n";
   out += "  predicted peak at: " + std::string(trainmem::phase_name(e.peak.phase)) + ", " + e.peak.op + "\n";
+  if (phases_compared > 0) {
+    out += "  phase peaks:       " + std::to_string(phases_compared) + " compared, " +
+           std::to_string(phases_differing) + " differ" + (phases_differing ? " (see --json)" : "") + "\n";
+  }
   return out;
 }
 
@@ -437,7 +475,7 @@ int main(int argc, char** argv) {
   auto* est = app.add_subcommand("estimate", "Peak memory of one training step for a model and a recipe");
   std::string model;
   RecipeFlags flags;
-  bool as_json = false, timeline = false;
+  bool as_json = false, timeline = false, phases = false;
   std::string trace_path, rank = "worst";
   est->add_option("model", model,
                   "Catalog name (qwen3-4b), Hugging Face id (Qwen/Qwen3-4B), config.json path or model directory")
@@ -445,6 +483,7 @@ int main(int argc, char** argv) {
   flags.add_to(est);
   est->add_flag("--json", as_json, "Print the JSON object of docs/schema.md");
   est->add_flag("--timeline", timeline, "Include an allocated/reserved timeline in --json");
+  est->add_flag("--phases", phases, "Include the peaks of each phase of every micro-batch in --json");
   est->add_option("--trace", trace_path, "Write every simulated alloc/free event to FILE as JSON lines");
   est->add_option("--rank", rank,
                   "With --gpus N: the rank to report, 0..N-1 (with --pp P: 0..N x P - 1, stage x N + dp rank), or "
@@ -511,6 +550,7 @@ int main(int argc, char** argv) {
       trainmem::Model m = trainmem::load_model(model);
       trainmem::EstimateOptions opt;
       opt.timeline = timeline;
+      opt.phases = phases;
       opt.trace_path = trace_path;
       if (rank != "worst") {
         const std::uint64_t n = parse_count(rank, "rank (a rank number or 'worst')");

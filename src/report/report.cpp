@@ -396,6 +396,17 @@ std::string to_json(const Estimate& e, bool pretty) {
                        {"gradients", e.host.gradients_bytes},
                        {"measured", false}};
   }
+  if (!e.phases.empty()) {
+    ordered_json ph = ordered_json::array();
+    for (const auto& p : e.phases) {
+      ph.push_back({{"step", p.step},
+                    {"micro_batch", p.micro_batch},
+                    {"phase", phase_name(p.phase)},
+                    {"peak_allocated_bytes", p.peak_allocated_bytes},
+                    {"peak_reserved_bytes", p.peak_reserved_bytes}});
+    }
+    j["phases"] = ph;
+  }
   if (!e.timeline.empty()) {
     ordered_json t = ordered_json::array();
     for (const auto& p : e.timeline) {

@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <unordered_map>
 
 #include "common/checked.h"
 #include "sim/caching_allocator.h"
@@ -64,6 +65,8 @@ struct Replay::State {
     peak = 0;
     next = 0;
     est = Estimate{};
+    phase_index.clear();
+    phase_at = 0;
     out.reset();
     stride = 0;
     stop_above = 0;
@@ -121,8 +124,12 @@ struct Replay::State {
   std::uint64_t peak_allocated_all = 0, peak_reserved_all = 0;
 
   void consume(const graph::Trace& trace, std::size_t end_hint);
-  template <bool kWatch>  // a trace file or a timeline is written
+  template <bool kWatch>  // a trace file, a timeline or phase peaks are written
   void consume_events(const graph::Trace& trace, std::size_t end_hint);
+  // Estimate::phases: the entry of each (step, micro-batch, phase) key, and the current one.
+  std::unordered_map<std::uint64_t, std::size_t> phase_index;
+  std::size_t phase_at = 0;
+  void watch_phase(const graph::MomentTag& m, bool moved);
   void close_step();
   std::vector<std::uint64_t> fingerprint();
   bool same_events(const graph::Trace& t) const;
@@ -133,7 +140,7 @@ void Replay::State::consume(const graph::Trace& trace, std::size_t total_hint) {
     block.resize(trace.storages.size(), UINT32_MAX);
     cat_of.resize(trace.storages.size(), 0);
   }
-  if (out || stride) {
+  if (out || stride || options.phases) {
     consume_events<true>(trace, total_hint);
   } else {
     consume_events<false>(trace, total_hint);
@@ -222,6 +229,7 @@ void Replay::State::consume_events(const graph::Trace& trace, std::size_t total_
     }
     if (first_of_step) alloc.reset_peak_stats();  // See Note [Step peaks between steps]
     if constexpr (kWatch) {
+      if (options.phases) watch_phase(trace.moments[e.moment], i == next || e.moment != events[i - 1].moment);
       if (stride && (i % stride == 0 || i + 1 == total_hint)) {
         est.timeline.push_back(
             {i, alloc.allocated_bytes(), alloc.reserved_bytes(), to_moment(trace.moments[e.moment])});
@@ -233,6 +241,19 @@ void Replay::State::consume_events(const graph::Trace& trace, std::size_t total_
     }
   }
   next = n;
+}
+
+void Replay::State::watch_phase(const graph::MomentTag& m, bool moved) {
+  if (moved) {
+    const Phase phase = m.recompute ? Phase::kBackward : m.phase;  // as to_moment says
+    const std::uint64_t key = std::uint64_t{m.step} << 40 | std::uint64_t{m.micro} << 8 | static_cast<std::uint64_t>(phase);
+    auto [it, fresh] = phase_index.try_emplace(key, est.phases.size());
+    if (fresh) est.phases.push_back({m.step, m.micro, phase, 0, 0});
+    phase_at = it->second;
+  }
+  PhasePeak& p = est.phases[phase_at];
+  p.peak_allocated_bytes = std::max(p.peak_allocated_bytes, alloc.allocated_bytes());
+  p.peak_reserved_bytes = std::max(p.peak_reserved_bytes, alloc.reserved_bytes());
 }
 
 // Note [Stopping early]
@@ -310,7 +331,7 @@ Replay::~Replay() {
 graph::MicroBatchNext Replay::micro_batch_done(const graph::Trace& trace, std::uint32_t step, std::uint32_t micro) {
   using graph::MicroBatchNext;
   State& s = *s_;
-  if (s.options.timeline || s.out) return MicroBatchNext::kGoOn;  // every event is wanted
+  if (s.options.timeline || s.out || s.options.phases) return MicroBatchNext::kGoOn;  // every event is wanted
   if (micro == graph::kMidSchedule) {  // See Note [Peeks inside a schedule] in graph/pipeline.cpp
     if (!s.stop_above || !s.peeks) return MicroBatchNext::kGoOn;
     s.peeked = true;

@@ -16,6 +16,19 @@ def test_python_matches_cli(trainmem_bin):
     assert est.to_dict() == cli
 
 
+def test_phases_match_the_cli(run):
+    """phases=True is --phases: every phase of every micro-batch, setup first, and a step's peak
+    is its highest phase's."""
+    est = trainmem.estimate("qwen3-0.6b", seq=256, grad_accum=2, phases=True)
+    cli = json.loads(run("estimate", "qwen3-0.6b", "--seq", "256", "--grad-accum", "2", "--phases", "--json").stdout)
+    assert est.to_dict() == cli
+    assert [(p["step"], p["micro_batch"], p["phase"]) for p in est.phases][:4] == [
+        (0, 0, "setup"), (1, 1, "forward"), (1, 1, "loss"), (1, 1, "backward")]
+    for s in est.steps:
+        assert max(p["peak_allocated_bytes"] for p in est.phases if p["step"] == s["step"]) == s["peak_allocated_bytes"]
+    assert "phases" not in trainmem.estimate("qwen3-0.6b", seq=256).to_dict()
+
+
 def test_load_in_8bit_keyword_matches_the_cli(run):
     est = trainmem.estimate("llama-3.2-1b", mode="inference", seq=64, new_tokens=4, load_in_8bit=True)
     cli = json.loads(run("estimate", "llama-3.2-1b", "--inference", "--load-in-8bit", "--seq", "64",

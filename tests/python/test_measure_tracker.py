@@ -91,6 +91,12 @@ def test_single_linear_adamw_exact_bytes():
     assert result["peak"] == {"step": 1, "micro_batch": 1, "phase": "optimizer", "op": "optimizer._foreach_sqrt",
                               "aten_op": "_foreach_sqrt", "module": ""}
     assert [s["peak_allocated_bytes"] for s in result["steps"]] == [result["peak_allocated_bytes"]] * 2
+    # Every phase of every micro-batch once, setup left out; step 1's forward peaks at out + sum
+    # over W and x, and each step's peak is its optimizer phase's.
+    phases = {(p["step"], p["micro_batch"], p["phase"]): p["peak_allocated_bytes"] for p in result["phases"]}
+    assert list(phases) == [(s, 1, ph) for s in (1, 2) for ph in ("forward", "loss", "backward", "optimizer")]
+    assert phases[(1, 1, "forward")] == 2 * MiB + 256 * 1024 + 128 * 1024 + 512
+    assert phases[(1, 1, "optimizer")] == phases[(2, 1, "optimizer")] == result["peak_allocated_bytes"]
     step1 = [(r["event"], r["bytes"], r["category"], r["phase"]) for r in tracker.trace_rows() if r["step"] <= 1]
     assert step1[:10] == [
         ("alloc", 2 * MiB, "weights", "setup"),

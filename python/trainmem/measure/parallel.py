@@ -192,6 +192,7 @@ def _rank_main(rank: int, world: int, port: int, model, recipe: Recipe, device: 
 def _summary(rank: int, result: dict) -> dict:
     return {"rank": rank, "peak_allocated_bytes": result["peak_allocated_bytes"],
             "breakdown_at_peak": result["breakdown_at_peak"], "peak": result["peak"], "steps": result["steps"],
+            "phases": result.get("phases", []),
             "storages": result["diagnostics"]["storages"], "events": result["diagnostics"]["events"],
             "freed_off_thread_bytes": result["diagnostics"].get("freed_off_thread_bytes", 0)}
 

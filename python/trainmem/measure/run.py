@@ -406,6 +406,7 @@ def _result(spec: ModelSpec, recipe: Recipe, model, tracker: MemoryTracker, anal
         "breakdown_at_peak": breakdown,
         "peak": analysis["peak"],
         "steps": steps,
+        "phases": analysis["phases"],
         "device": device_info,
         "recipe": recipe_dict,
         "source": source,

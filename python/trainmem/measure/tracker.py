@@ -96,6 +96,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
+from .phases import as_rows, block_bytes, phase_peaks  # block_bytes: see Note [Block size]
+
 CATEGORIES = ("weights", "optimizer_states", "gradients", "activations", "temporaries", "other")
 _PRIORITY = ("weights", "optimizer_states", "gradients", "other", "activations")
 PHASES = ("setup", "forward", "loss", "backward", "optimizer", "prefill", "decode")
@@ -103,12 +105,6 @@ PHASES = ("setup", "forward", "loss", "backward", "optimizer", "prefill", "decod
 ALLOC, FREE = 0, 1
 _NO_SEQUENCE_NR = 2**64 - 1  # what AccumulateGrad nodes report
 _TO_COPY = torch.ops.aten._to_copy.default
-_MIN_BLOCK_BYTES = 512
-
-
-def block_bytes(nbytes: int) -> int:
-    """Allocator block for a request of nbytes (see Note [Block size])."""
-    return max(_MIN_BLOCK_BYTES, (nbytes + _MIN_BLOCK_BYTES - 1) // _MIN_BLOCK_BYTES * _MIN_BLOCK_BYTES)
 
 
 class Label(NamedTuple):
@@ -767,11 +763,13 @@ class MemoryTracker:
         peak_index = None
         peak_breakdown = dict(per_category)
         step_peaks: dict[int, int] = {}
+        phase_events: list[tuple[tuple[int, int, str], int]] = []
         allocated_total = dict.fromkeys(CATEGORIES, 0)
         requested_total = dict.fromkeys(CATEGORIES, 0)
         for index, (kind, sid, ctx) in enumerate(self.events):
             rec = self.records[sid]
             category = categories[sid]
+            phase_events.append(((ctx[1], ctx[2], ctx[0]), rec.block_bytes if kind == ALLOC else -rec.block_bytes))
             if kind == ALLOC:
                 live += rec.block_bytes
                 live_requested += rec.nbytes
@@ -799,6 +797,7 @@ class MemoryTracker:
             "peak": {"step": peak_ctx[1], "micro_batch": peak_ctx[2], "phase": peak_ctx[0],
                      "op": peak_ctx[3], "aten_op": peak_ctx[4], "module": peak_ctx[5]},
             "steps": [{"step": s, "peak_allocated_bytes": step_peaks[s]} for s in sorted(step_peaks)],
+            "phases": as_rows(phase_peaks(phase_events)),
             "peak_requested_bytes": max(peak_requested, 0),
             "allocated_bytes_by_category": allocated_total,
             "requested_bytes_by_category": requested_total,
