@@ -78,7 +78,6 @@ Trace StepBuilder::build_generation() {
   T attention_mask = t_.make(tok_, DType::kI64, Category::kOther);  // kept by the caller
   kc_.assign(a_.num_layers, T{});
   vc_.assign(a_.num_layers, T{});
-  window_ = model::attention_windows(a_);
   stored_.assign(a_.num_layers, 0);
   swt_.assign(a_.num_layers, T{});
 
@@ -651,48 +650,55 @@ std::vector<T> StepBuilder::generation_masks() {
     // SDPA: no mask unless a sliding window is reached; flash-attention takes the window
     // as an argument and never gets a mask.
     if (!eager && (attention_ == Attention::kFlash || !(W > 0 && kv >= W))) continue;
-    op(kind == MaskKind::kSliding ? "sliding_window_mask" : "causal_mask");
-    T batch = fresh(Bg_, DType::kI64);
-    T head = fresh(1, DType::kI64);
-    T qa0 = fresh(q_, DType::kI64);
-    T qa = fresh(q_, DType::kI64);
-    t_.drop(qa0);
-    T ka0 = fresh(kv, DType::kI64);
-    T ka = fresh(kv, DType::kI64);
-    t_.drop(ka0);
-    const std::uint64_t qk = detail::mul(q_, kv, "mask size");
-    T m;
-    if (kind == MaskKind::kSliding) {
-      T one = fresh(1, DType::kU8);
-      T sub = fresh(q_, DType::kI64);
-      T gt = fresh(qk, DType::kU8);
-      t_.drop(sub);
-      T a1 = fresh(qk, DType::kU8);
-      t_.drop(gt);
-      t_.drop(one);
-      T le = fresh(qk, DType::kU8);
-      m = fresh(qk, DType::kU8);
-      t_.drop(le);
-      t_.drop(a1);
-    } else {
-      m = fresh(qk, DType::kU8);
-    }
-    t_.drop(batch);
-    t_.drop(head);
-    t_.drop(qa);
-    t_.drop(ka);
-    if (eager) {
-      T zero = fresh(1, pol_.param);
-      T low = fresh(1, pol_.param);
-      T w = fresh(detail::mul(Bg_, qk, "mask size"), pol_.param);
-      t_.drop(low);
-      t_.drop(zero);
-      t_.drop(m);
-      m = w;
-    }
-    masks.push_back(m);
+    masks.push_back(attention_mask(kind, Bg_, q_, kv, eager, pol_.param));
   }
   return masks;
+}
+
+// One mask as Note [Generation masks] says: the index vectors, the mask function's bool
+// [1, 1, q, kv], and for eager attention the float [batch, 1, q, kv] that replaces it.
+T StepBuilder::attention_mask(MaskKind kind, std::uint64_t batch, std::uint64_t q, std::uint64_t kv, bool eager,
+                              DType dtype) {
+  op(kind == MaskKind::kSliding ? "sliding_window_mask" : "causal_mask");
+  T rows = fresh(batch, DType::kI64);
+  T head = fresh(1, DType::kI64);
+  T qa0 = fresh(q, DType::kI64);
+  T qa = fresh(q, DType::kI64);
+  t_.drop(qa0);
+  T ka0 = fresh(kv, DType::kI64);
+  T ka = fresh(kv, DType::kI64);
+  t_.drop(ka0);
+  const std::uint64_t qk = detail::mul(q, kv, "mask size");
+  T m;
+  if (kind == MaskKind::kSliding) {
+    T one = fresh(1, DType::kU8);
+    T sub = fresh(q, DType::kI64);
+    T gt = fresh(qk, DType::kU8);
+    t_.drop(sub);
+    T a1 = fresh(qk, DType::kU8);
+    t_.drop(gt);
+    t_.drop(one);
+    T le = fresh(qk, DType::kU8);
+    m = fresh(qk, DType::kU8);
+    t_.drop(le);
+    t_.drop(a1);
+  } else {
+    m = fresh(qk, DType::kU8);
+  }
+  t_.drop(rows);
+  t_.drop(head);
+  t_.drop(qa);
+  t_.drop(ka);
+  if (eager) {
+    T zero = fresh(1, dtype);
+    T low = fresh(1, dtype);
+    T w = fresh(detail::mul(batch, qk, "mask size"), dtype);
+    t_.drop(low);
+    t_.drop(zero);
+    t_.drop(m);
+    m = w;
+  }
+  return m;
 }
 
 // LlamaRotaryEmbedding on position_ids [rows, q]: cos/sin [rows, q, rotary_dim], computed in

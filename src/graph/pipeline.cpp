@@ -50,8 +50,9 @@ namespace trainmem::graph {
 //    (bf16-master: the fp32 masters' .grad made from the half ones first, the masters copied back
 //    after, as on one GPU: python/trainmem/measure/training.py grads_to_masters).
 //  * the stage module is the HF model's own modules called in LlamaModel.forward's order
-//    (pipeline.py _StageModule): position ids, create_causal_mask (eager attention: the [b, 1, s, s]
-//    mask of the step, made by each forward; SDPA: none), the rotary cos/sin, the stage's layers.
+//    (pipeline.py _StageModule): position ids, create_causal_mask (the causal kind alone, for every
+//    layer, made by each forward: Note [Training masks] in step.cpp), the rotary cos/sin, the
+//    stage's layers.
 //    Checkpointing (HF's gradient_checkpointing_enable, non-reentrant, before the stage is cut) wraps
 //    each of those layers as GradientCheckpointingLayer.__call__ does on one GPU: the checkpoint
 //    keeps the layer input, the mask and cos/sin are held by its closure, and the backward of a
@@ -529,13 +530,8 @@ void StepBuilder::pp_forward(std::uint64_t k, PipelineMicro& mb) {
   // attention: [b, 1, s, s] in the hidden states' dtype, as the step's; SDPA: none) and cos/sin.
   op("position_ids");
   position_ids_ = fresh(S_, DType::kI64);
-  mask_ = T{};
-  if (attention_ == Attention::kEager) {
-    op("causal_mask");
-    T boolean = fresh(B_ * S_ * S_, DType::kU8);
-    mask_ = fresh(B_ * S_ * S_, hs.dtype);
-    t_.drop(boolean);
-  }
+  training_masks(hs.dtype, /*causal_only=*/true);  // See Note [Training masks] in step.cpp
+  mask_ = masks_[0];
   rotary_embedding(hs.dtype);
   for (std::uint64_t l = layers.begin; l < layers.end; ++l) {
     const auto layer = static_cast<std::uint32_t>(l);
@@ -569,7 +565,7 @@ void StepBuilder::pp_forward(std::uint64_t k, PipelineMicro& mb) {
   t_.module_end();
   t_.drop(cos_);
   t_.drop(sin_);
-  if (mask_.id != kNone) t_.drop(mask_);
+  drop_training_masks();
   t_.drop(position_ids_);
   exit_autocast();  // bf16-mixed: the stage forward's own autocast context (Note [Pipeline parallelism])
   dp_->post_forward();  // FSDP2's root post-forward: the module has returned

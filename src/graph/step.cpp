@@ -67,16 +67,21 @@ StepBuilder::StepBuilder(const Model& m, const Recipe& r, const Gpu& gpu, const 
   attention_ = r.attention;
   // Gemma-2 declares no SDPA/flash support in transformers 5: it always runs eager attention.
   if (a_.family == Family::kGemma2) attention_ = Attention::kEager;
-  if (r.checkpointing == Checkpointing::kFullReentrant &&
-      (a_.family == Family::kGpt2 || a_.family == Family::kGemma2)) {
+  window_ = model::attention_windows(a_);
+  if (r.mode == Mode::kTraining && attention_ == Attention::kSdpa && (r.tp > 1 || r.cp > 1 || r.pp > 1) &&
+      window_of_model() > 0 && r.seq >= window_of_model()) {
+    // See Note [Training masks]: measured on one process only, and the pipeline's stage module
+    // builds the causal mask alone.
+    throw Error("attention: sdpa with a sequence of " + std::to_string(r.seq) + " tokens reaches the model's " +
+                "sliding window (" + std::to_string(window_of_model()) + "), where the mask is materialised; " +
+                "that is modelled without tensor, context or pipeline parallelism (use a shorter seq or flash)");
+  }
+  if (r.checkpointing == Checkpointing::kFullReentrant && a_.family == Family::kGpt2) {
     // The reentrant forward runs under no_grad, where GPT-2's attention (SDPA's math kernel under
     // its mask and dropout on the CPU, or its eager path) frees its intermediates in another
-    // order than the modelled grad-mode forward (measured: a forward peak 4 MiB above it). A
-    // narrow Gemma-2 measured one hidden state (fp32) above the model from the first forward on,
-    // not yet explained.
-    throw Error("checkpointing: full-reentrant with " +
-                std::string(a_.family == Family::kGpt2 ? "GPT-2" : "Gemma-2") +
-                " is not modelled (measured apart from the model); use full (use_reentrant=False)");
+    // order than the modelled grad-mode forward (measured: a forward peak 4 MiB above it).
+    throw Error("checkpointing: full-reentrant with GPT-2 is not modelled (measured apart from the model); "
+                "use full (use_reentrant=False)");
   }
   // See Note [Layer stamp keys] (step_stamp.cpp): the recipes whose layers' forwards depend on
   // nothing but what the key holds.
@@ -173,6 +178,60 @@ T StepBuilder::embedding(std::uint32_t w, const T& ids, std::uint64_t n) {
   return out;
 }
 
+// Note [Training masks]
+// A training forward (no cache, no attention_mask) calls masking_utils once per mask kind the
+// model builds (mask_kinds: Note [Generation masks]). Each call first checks the position ids,
+// expanded to [b, s], for packed sequences (find_packed_sequence_indices: position_ids[:, :1] - 1,
+// the diff with that prepended (a cat, then a sub), != 1, cumsum, the last column == 0, .all());
+// all of it dies at once. Then the mask of Note [Generation masks] with q = kv = s:
+//  * eager attention: the float [b, 1, s, s] of the hidden dtype;
+//  * SDPA: none (is_causal) unless a sliding layer's window is reached (s >= window), where
+//    the bool [1, 1, s, s] stays (expanded over the batch, a view);
+//  * flash attention: none (the window is the kernel's argument).
+// A layer uses its own kind's mask (causal or sliding, by window_), and a checkpoint's closure
+// holds that one; the model's forward keeps every mask to its end. Under SDPA a mask changes
+// the layer's attention: see attention_core. Measured on the CPU, the masks of every phase and
+// layer: Gemma-2 (both kinds, eager), Phi-3 (sliding, SDPA, no GQA) and Mistral v0.1 (sliding,
+// SDPA, GQA, under autocast), all narrowed, window 128 and seq 256.
+void StepBuilder::training_masks(DType dtype, bool causal_only) {
+  masks_ = {};
+  const bool eager = attention_ == Attention::kEager;
+  const std::vector<MaskKind> kinds = causal_only ? std::vector<MaskKind>{MaskKind::kFull} : mask_kinds();
+  for (MaskKind kind : kinds) {
+    op(kind == MaskKind::kSliding ? "sliding_window_mask" : "causal_mask");
+    packed_sequence_check(B_, S_);
+    const std::uint64_t W = kind == MaskKind::kSliding ? window_of_model() : 0;
+    if (eager || (attention_ == Attention::kSdpa && W > 0 && S_ >= W)) {
+      masks_[kind == MaskKind::kSliding ? 1 : 0] = attention_mask(kind, B_, S_, S_, eager, dtype);
+    }
+  }
+}
+
+void StepBuilder::packed_sequence_check(std::uint64_t rows, std::uint64_t cols) {
+  T first = fresh(rows, DType::kI64);
+  T prepended = fresh(detail::mul(rows, cols + 1, "position ids"), DType::kI64);
+  T diff = fresh(rows * cols, DType::kI64);
+  t_.drop(prepended);
+  T ne = fresh(rows * cols, DType::kU8);
+  T index = fresh(rows * cols, DType::kI64);
+  t_.drop(ne);
+  T last = fresh(rows, DType::kU8);
+  T all = fresh(1, DType::kU8);
+  t_.drop(last);
+  t_.drop(all);
+  t_.drop(first);
+  t_.drop(diff);
+  t_.drop(index);
+}
+
+void StepBuilder::drop_training_masks() {
+  for (T& m : masks_) {
+    if (m.id != kNone) t_.drop(m);
+    m = T{};
+  }
+  mask_ = T{};
+}
+
 ValueId StepBuilder::forward_and_loss() {
   phase_ = Phase::kForward;
   layer_ = kNoLayer;
@@ -234,19 +293,12 @@ ValueId StepBuilder::forward_and_loss() {
     T sum = add(hs, pe);
     t_.drop(hs);
     position_embeds = pe;
+    training_masks(sum.dtype, /*causal_only=*/false);
     op("drop");
     const std::uint32_t drop = container_enter(Container::kEmbedDropout);
     hs = dropout(sum);
     module_exit(drop);
     t_.drop(sum);
-  }
-  // Causal mask: eager attention materialises [b, 1, s, s] in the embedding dtype; SDPA and
-  // flash use is_causal with no mask when there is no padding.
-  if (attention_ == Attention::kEager) {
-    op("causal_mask");
-    T boolean = fresh(B_ * S_ * S_, DType::kU8);
-    mask_ = fresh(B_ * S_ * S_, hs.dtype);
-    t_.drop(boolean);
   }
   if (!gpt2 && r_.cp > 1) {
     position_ids_ = t_.ref(cp_positions_);  // given: the model makes none (See Note [Context parallelism])
@@ -258,9 +310,11 @@ ValueId StepBuilder::forward_and_loss() {
     t_.drop(ar);
   }
   if (!gpt2) {
+    training_masks(hs.dtype, /*causal_only=*/false);
     rotary_embedding(hs.dtype);
   }
   for (std::uint32_t l = 0; l < a_.num_layers; ++l) {
+    mask_ = layer_mask(l);
     dp_->layer_pre_forward(l);
     T next = r_.checkpointing != Checkpointing::kNone ? checkpointed_layer(hs, l) : layer_forward(hs, l);
     dp_->layer_post_forward(l);
@@ -273,7 +327,7 @@ ValueId StepBuilder::forward_and_loss() {
   module_exit(base_model_module_);
   base_model_module_ = kNone;
   t_.drop(hs);
-  if (mask_.id != kNone) t_.drop(mask_);
+  drop_training_masks();
   if (cos_.id != kNone) {
     t_.drop(cos_);
     t_.drop(sin_);

@@ -493,6 +493,12 @@ class StepBuilder {
   std::vector<MaskKind> mask_kinds() const;
   std::uint64_t window_of_model() const;
   std::vector<T> generation_masks();
+  T attention_mask(MaskKind kind, std::uint64_t batch, std::uint64_t q, std::uint64_t kv, bool eager, DType dtype);
+  // A training forward's masks: Note [Training masks] (step.cpp).
+  void training_masks(DType dtype, bool causal_only);
+  void packed_sequence_check(std::uint64_t rows, std::uint64_t cols);
+  void drop_training_masks();
+  const T& layer_mask(std::uint32_t l) const { return masks_[window_[l] > 0 ? 1 : 0]; }
   void generation_rotary();
   T g_rms_norm(const T& x, std::uint32_t w, std::uint64_t nrows, std::string_view name);
   T g_post_norm(T y, std::uint32_t norm, std::uint64_t rows, std::string_view name);
@@ -530,6 +536,9 @@ class StepBuilder {
   bool dtensor_ = false;
   // A reentrant checkpoint's first forward runs under no_grad (Note [Reentrant checkpoints]).
   bool no_grad_ = false;
+  // A forward that keeps no saved tensors (a checkpoint's first forward, either variant): what a
+  // module's Python locals hold lives until the module returns (Note [Forwards without saves]).
+  bool python_lifetimes() const { return no_grad_ || !t_.saving; }
   Tape t_;
   // A pipeline stage (rank_ is the stage) is built as its replica stage_dp_rank_: DDP's replicas of a
   // stage hold the same memory (See Note [Pipeline with DDP] in pipeline.cpp), FSDP2's differ only
@@ -546,6 +555,7 @@ class StepBuilder {
   std::vector<std::uint32_t> casts_;
   std::vector<TensorId> states_;
   T input_ids_, labels_, mask_, cos_, sin_, position_ids_, pending_loss_;
+  std::array<T, 2> masks_;  // a training forward's masks by kind (causal, sliding); mask_ is the layer's
   T cp_positions_;  // context parallelism's position_ids buffer (Note [Context parallelism])
   std::vector<T> zero_losses_;  // ZeRO: the loss and gas_scaled_loss, held through backward
   T input_leaf_;  // LoRA with checkpointing: the embeddings' output, a leaf (Note [LoRA])

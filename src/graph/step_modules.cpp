@@ -619,13 +619,11 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
       t_.drop(y);
       return copy;
     };
-    // Under no_grad (a reentrant checkpoint's forward) the Python variables decide: repeat_kv's
-    // key_states and value_states live until eager_attention_forward returns, the scores until
-    // the probabilities replace them, and the probabilities (the layer's `_`) to the layer's end.
-    const bool no_grad = no_grad_;
+    // Without saves the Python variables decide (Note [Forwards without saves] in tape.h).
+    const bool locals = python_lifetimes();
     T qc = for_bmm(q);
     T kc = for_bmm(kr);
-    if (!no_grad) t_.drop(kr);
+    if (!locals) t_.drop(kr);
     ensure_workspace(false);
     T s0 = bmm(qc, kc, scores, c);  // q @ k^T
     t_.drop(qc);
@@ -644,40 +642,56 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
     t_.drop(s1);
     op("self_attn.softmax");
     T s32 = to(s2, DType::kF32);
-    if (!no_grad) t_.drop(s2);
+    if (!locals) t_.drop(s2);
     T p32 = softmax(s32);
     t_.drop(s32);
     T p = to(p32, q.dtype);  // .to(query.dtype): fp32 under autocast, so a no-op there
     t_.drop(p32);
-    if (no_grad) t_.drop(s2);
+    if (locals) t_.drop(s2);
     op("self_attn.attn_output");
     T pc = pol_.autocast ? to(p, c) : t_.ref(p);
-    if (no_grad) {
+    if (locals) {
       attn_weights_ = p;
     } else {
       t_.drop(p);
     }
     T vc = for_bmm(vr);
-    if (!no_grad) t_.drop(vr);
+    if (!locals) t_.drop(vr);
     T o = bmm(pc, vc, qn, c);  // probs @ v
     t_.drop(pc);
     t_.drop(vc);
     T oc = elementwise({&o}, qn, c, {});  // transpose(1, 2).contiguous()
     t_.drop(o);
-    if (no_grad) {
+    if (locals) {
       t_.drop(kr);
       t_.drop(vr);
     }
     return oc;
   }
   // SDPA / flash-attention: q, k, v (as passed), the output and the fp32 log-sum-exp are
-  // saved; scores never exist. Without padding HF passes native GQA (enable_gqa).
+  // saved; scores never exist. Without a mask HF passes native GQA (enable_gqa). With one (a
+  // sliding window reached: Note [Training masks] in step.cpp) it repeats K and V first, and
+  // SDPA turns the bool mask into a float one of q's dtype (where with two 0-dim scalars) that
+  // the kernel saves; the repeated K and V live until sdpa_attention_forward returns.
   op("self_attn.sdpa");
-  const bool gqa_native = a_.num_kv_heads != a_.num_heads;
+  const bool masked = mask_.id != kNone;
+  const bool gqa_native = !masked && a_.num_kv_heads != a_.num_heads;
+  T kr = masked ? repeat_kv(k) : T{};
+  T vr = masked ? repeat_kv(v) : T{};
+  const T& kin = masked ? kr : k;
+  const T& vin = masked ? vr : v;
   T qc = pol_.autocast ? to(q, c) : t_.ref(q);
-  T kc = pol_.autocast ? to(k, c) : t_.ref(k);
-  T vc = pol_.autocast ? to(v, c) : t_.ref(v);
-  if (r_.cp > 1) return ring_attention_core(q, qc, kc, vc);
+  T kc = pol_.autocast ? to(kin, c) : t_.ref(kin);
+  T vc = pol_.autocast ? to(vin, c) : t_.ref(vin);
+  if (r_.cp > 1) return ring_attention_core(q, qc, kc, vc);  // never masked (step.cpp refuses it)
+  T fmask;
+  if (masked) {
+    T zero = fresh(1, c);
+    T low = fresh(1, c);
+    fmask = fresh(B_ * S_ * S_, c);
+    t_.drop(low);
+    t_.drop(zero);
+  }
   T o = fresh(qn, c);
   T lse = sdpa_makes_lse(c, !no_grad_) ? fresh(B_ * heads * S_, DType::kF32) : T{};
   if (qc.requires_grad() || kc.requires_grad() || vc.requires_grad()) {
@@ -685,6 +699,7 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
     Node& nd = open_node(o);
     nd.saved = {qc.id, kc.id, vc.id, o.id};
     if (lse.id != kNone) nd.saved.push_back(lse.id);
+    if (fmask.id != kNone) nd.saved.push_back(fmask.id);
     for (const T* x : {&qc, &kc, &vc}) nd.inputs.push_back(fused_grad_of(*x));
     // Flash backward (flash_api.cpp mha_bwd): a contiguous copy of grad_out, fp32 dq_accum,
     // fp32 softmax_d, and with GQA dk/dv at the query head count before the group sum. On the
@@ -697,16 +712,23 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
     t_.close_node();
   }
   if (lse.id != kNone) t_.drop(lse);
+  if (fmask.id != kNone) t_.drop(fmask);
   t_.drop(qc);
   t_.drop(kc);
   t_.drop(vc);
   // The flash kernels allocate their output with q's layout. When q is laid out as
   // [b, s, heads, d] (a projection view), HF's transpose(1, 2).contiguous() is a no-op and
   // o_proj saves the very storage SDPA saved; otherwise (Phi-3's cat) it copies.
-  if (q.bshd) return o;
-  T oc = elementwise({&o}, qn, c, {});
-  t_.drop(o);
-  return oc;
+  if (!q.bshd) {
+    T oc = elementwise({&o}, qn, c, {});
+    t_.drop(o);
+    o = oc;
+  }
+  if (masked) {
+    t_.drop(kr);
+    t_.drop(vr);
+  }
+  return o;
 }
 
 // Context parallelism's SDPA: the ring under the DTensor dispatch, one autograd node above it
@@ -924,12 +946,18 @@ T StepBuilder::attention_module(const T& x, const LayerParams& lp) {
     rotate(k);
   }
   T o = a_.family == Family::kGpt2 ? gpt2_attention_core(q, k, v) : attention_core(q, k, v);
-  t_.drop(q);
-  t_.drop(k);
-  t_.drop(v);
+  // The module's locals: see Note [Forwards without saves] in tape.h.
+  const bool locals = python_lifetimes();
+  auto drop_qkv = [&] {
+    t_.drop(q);
+    t_.drop(k);
+    t_.drop(v);
+  };
+  if (!locals) drop_qkv();
   T y = proj(o, a_.family == Family::kGpt2 ? "attn.c_proj" : "self_attn.o_proj", lp.o, lp.o_b,
              a_.hidden_size);
   t_.drop(o);
+  if (locals) drop_qkv();
   return a_.family == Family::kGpt2 ? gpt2_residual_dropout(y, Container::kAttnDropout) : y;
 }
 
@@ -985,8 +1013,10 @@ T StepBuilder::mlp_module(const T& x, const LayerParams& lp) {
                                               : gelu_tanh(gate);
   module_exit(act_module);
   // act_fn(gate_proj(x)): nothing but the activation's node holds the gate once it returns (under
-  // checkpointing not even that: measured, ZeRO-3 with checkpointing peaks here).
-  t_.drop(gate);
+  // checkpointing not even that: measured, ZeRO-3 with checkpointing peaks here). Phi-3's `gate`
+  // chunk holds the fused output until the MLP returns (Note [Forwards without saves]).
+  const bool gate_local = lp.gate_up != kNone && python_lifetimes();
+  if (!gate_local) t_.drop(gate);
   if (lp.gate_up == kNone) {
     up = proj(x, "mlp.up_proj", lp.up, lp.up_b, i);
   }
@@ -996,6 +1026,7 @@ T StepBuilder::mlp_module(const T& x, const LayerParams& lp) {
   t_.drop(up);
   T y = proj(prod, "mlp.down_proj", lp.down, lp.down_b, a_.hidden_size);
   t_.drop(prod);
+  if (gate_local) t_.drop(gate);
   return y;
 }
 
@@ -1053,7 +1084,7 @@ T StepBuilder::decoder_layer_module(const T& x, std::uint32_t l) {
   T out = residual_add(h1, m);
   t_.drop(h1);
   if (attn_output.id != kNone) t_.drop(attn_output);
-  if (attn_weights_.id != kNone) {  // the layer's `_` (eager under no_grad)
+  if (attn_weights_.id != kNone) {  // the layer's `_` (eager, without saves)
     t_.drop(attn_weights_);
     attn_weights_ = T{};
   }

@@ -456,7 +456,7 @@ TEST(GraphCheckpointing, ReentrantHoldsTheLayerOutputAndItsGradient) {
 }
 
 // The reentrant variant is modelled where it was measured: one GPU or DDP without
-// find_unused_parameters, SDPA or eager attention, not GPT-2 or Gemma-2.
+// find_unused_parameters, SDPA or eager attention, not GPT-2.
 TEST(GraphCheckpointing, ReentrantOutsideWhatIsModelledIsRefused) {
   Recipe r = cpu_recipe(Precision::kFp32, Attention::kSdpa);
   r.checkpointing = Checkpointing::kFullReentrant;
@@ -466,7 +466,7 @@ TEST(GraphCheckpointing, ReentrantOutsideWhatIsModelledIsRefused) {
   eager.attention = Attention::kEager;
   EXPECT_NO_THROW(estimate(small_llama(2), eager));
   EXPECT_NE(testing::error_of([&] { estimate(testing::gpt2_l2(), r); }).find("GPT-2"), std::string::npos);
-  EXPECT_NE(testing::error_of([&] { estimate(load_model("gemma-2-2b"), r); }).find("Gemma-2"), std::string::npos);
+  EXPECT_NO_THROW(estimate(load_model("gemma-2-2b"), r));  // its two masks (Note [Training masks])
   Recipe ddp = r;
   ddp.gpus = 2;
   ddp.parallel = Parallel::kDdp;

@@ -1,0 +1,175 @@
+// Tests for a training forward's attention masks (Note [Training masks] in src/graph/step.cpp),
+// for forwards that keep no saved tensors (Note [Forwards without saves] in src/graph/tape.h)
+// and for the phase peaks that check both (EstimateOptions::phases). Byte-exactness against
+// real runs is held by the cpu-gemma2w512l2-*, cpu-phi3w512l2win128-*, cpu-mistralv01w512l2win128-*
+// and cpu-qwen25w512l2slide128-* measurements, phase by phase (tests/python/test_accuracy.py).
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "graph/step.h"
+#include "model/model.h"
+#include "test_util.h"
+#include "trainmem/trainmem.h"
+
+namespace trainmem {
+namespace {
+
+Model derived(const std::string& name) {
+  return load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/" + name + ".json");
+}
+
+Recipe cpu(Precision precision, Attention attention, std::uint64_t batch = 2, std::uint64_t seq = 256) {
+  Recipe r;
+  r.batch = batch;
+  r.seq = seq;
+  r.precision = precision;
+  r.optimizer = Optimizer::kSgd;
+  r.attention = attention;
+  r.gpu = "cpu";
+  r.allocator = AllocatorMode::kExpandable;
+  return r;
+}
+
+// The masks that step 1's forward holds when its first layer starts: storages of mask_bytes
+// allocated under each mask kind's label and not freed by then, by kind.
+struct MaskCount {
+  int causal = 0, sliding = 0;
+};
+MaskCount masks_of(const Model& m, const Recipe& r, std::uint64_t mask_bytes) {
+  const graph::Trace t = graph::build_training_trace(m, r, find_gpu(r.gpu));
+  std::vector<std::pair<graph::TensorId, bool>> live;  // (storage, sliding)
+  for (const graph::Event& e : t.events) {
+    const graph::MomentTag& mo = t.moments[e.moment];
+    if (mo.step != 1) continue;
+    if (mo.layer == 0) break;
+    if (!e.alloc) {
+      std::erase_if(live, [&](const auto& x) { return x.first == e.tensor; });
+    } else if (t.storages[e.tensor].bytes == mask_bytes && (mo.op == std::string_view("causal_mask") ||
+                                                            mo.op == std::string_view("sliding_window_mask"))) {
+      live.emplace_back(e.tensor, mo.op == std::string_view("sliding_window_mask"));
+    }
+  }
+  MaskCount n;
+  for (const auto& x : live) ++(x.second ? n.sliding : n.causal);
+  return n;
+}
+
+// Gemma-2 builds both kinds (eager, whatever the sequence), Llama the causal one; under SDPA a
+// mask exists only where a sliding window is reached, as the bool [1, 1, s, s].
+TEST(TrainingMasks, EachModelBuildsItsKinds) {
+  const std::uint64_t B = 2, S = 256;
+  const MaskCount gemma = masks_of(derived("gemma-2-2b-w512-l2"), cpu(Precision::kFp32, Attention::kEager), B * S * S * 4);
+  EXPECT_EQ(gemma.causal, 1);
+  EXPECT_EQ(gemma.sliding, 1);
+  const MaskCount llama = masks_of(testing::llama_w512(), cpu(Precision::kFp32, Attention::kEager), B * S * S * 4);
+  EXPECT_EQ(llama.causal, 1);
+  EXPECT_EQ(llama.sliding, 0);
+  const Model phi3 = derived("phi-3-mini-4k-instruct-w512-l2-win128");  // window 128
+  const MaskCount reached = masks_of(phi3, cpu(Precision::kFp32, Attention::kSdpa), S * S);
+  EXPECT_EQ(reached.causal, 0);
+  EXPECT_EQ(reached.sliding, 1);
+  const MaskCount short_seq = masks_of(phi3, cpu(Precision::kFp32, Attention::kSdpa, B, 64), 64 * 64);
+  EXPECT_EQ(short_seq.sliding, 0);
+  const MaskCount sdpa_llama = masks_of(testing::llama_w512(), cpu(Precision::kFp32, Attention::kSdpa), S * S);
+  EXPECT_EQ(sdpa_llama.causal + sdpa_llama.sliding, 0);
+}
+
+std::uint64_t phase_peak(const Estimate& e, std::uint64_t step, Phase phase) {
+  for (const PhasePeak& p : e.phases) {
+    if (p.step == step && p.micro_batch == 1 && p.phase == phase) return p.peak_allocated_bytes;
+  }
+  ADD_FAILURE() << "no phase " << phase_name(phase) << " in step " << step;
+  return 0;
+}
+
+// A reached window makes SDPA save a float [b, 1, s, s] mask of q's dtype in every layer until
+// that layer's backward: the forward holds one per layer (and the bool mask) more than the same
+// model with its window out of reach.
+TEST(TrainingMasks, AReachedWindowSavesAFloatMaskPerLayer) {
+  const Model phi3 = derived("phi-3-mini-4k-instruct-w512-l2-win128");
+  Model wide = phi3;
+  wide.arch.sliding_window = 4096;  // not reached at seq 256
+  const Recipe r = cpu(Precision::kFp32, Attention::kSdpa);
+  EstimateOptions o;
+  o.phases = true;
+  const Estimate masked = estimate(phi3, r, o), plain = estimate(wide, r, o);
+  const std::uint64_t mask = 2 * 256 * 256 * 4;
+  const std::uint64_t layers = phi3.arch.num_layers;
+  const std::uint64_t fwd = phase_peak(masked, 2, Phase::kForward), fwd_plain = phase_peak(plain, 2, Phase::kForward);
+  EXPECT_GE(fwd, fwd_plain + layers * mask);
+  EXPECT_LE(fwd, fwd_plain + (layers + 1) * mask + 256 * 256);  // and the bool mask, no more
+  EXPECT_GT(masked.peak_allocated_bytes, plain.peak_allocated_bytes);
+}
+
+TEST(TrainingMasks, AReachedWindowUnderTensorParallelismIsRefused) {
+  Recipe r = cpu(Precision::kFp32, Attention::kSdpa);
+  r.tp = 2;
+  const Model mistral = derived("mistral-7b-v0.1-w512-l2-win128");
+  EXPECT_NE(testing::error_of([&] { estimate(mistral, r); }).find("sliding window (128)"), std::string::npos);
+  r.seq = 64;
+  EXPECT_NO_THROW(estimate(mistral, r));
+  r.seq = 256;
+  r.tp = 1;
+  EXPECT_NO_THROW(estimate(mistral, r));
+}
+
+// Whether the storage first allocated under op `made` in layer 0's first forward of step 1 is
+// still live when op `later` first allocates there.
+bool alive_at(const graph::Trace& t, std::string_view made, std::string_view later) {
+  graph::TensorId id = graph::kNone;
+  for (const graph::Event& e : t.events) {
+    const graph::MomentTag& mo = t.moments[e.moment];
+    if (mo.step != 1 || mo.layer != 0 || mo.recompute || mo.phase != Phase::kForward) continue;
+    if (e.alloc && mo.op == made && id == graph::kNone) id = e.tensor;
+    if (!e.alloc && e.tensor == id) return false;
+    if (e.alloc && mo.op == later && id != graph::kNone) return true;
+  }
+  return false;
+}
+
+// A checkpoint's first forward keeps no saved tensors, so the modules' Python locals decide: the
+// fused qkv projection (viewed by q, k, v) lives until o_proj has run, Phi-3's fused gate_up
+// output (its `gate` chunk) until down_proj has. Either variant of checkpointing.
+TEST(ForwardsWithoutSaves, TheModulesLocalsLiveUntilTheyReturn) {
+  const Model phi3 = derived("phi-3-mini-4k-instruct-w512-l2-win128");
+  for (Checkpointing c : {Checkpointing::kFull, Checkpointing::kFullReentrant}) {
+    Recipe r = cpu(Precision::kFp32, Attention::kSdpa, 2, 64);
+    r.checkpointing = c;
+    const graph::Trace t = graph::build_training_trace(phi3, r, find_gpu(r.gpu));
+    EXPECT_TRUE(alive_at(t, "self_attn.qkv_proj", "self_attn.o_proj")) << to_string(c);
+    EXPECT_TRUE(alive_at(t, "mlp.gate_up_proj", "mlp.down_proj")) << to_string(c);
+  }
+}
+
+// Every phase of every micro-batch is listed once, in order of its first event, and a step's
+// peak is its highest phase's.
+TEST(PhasePeaks, EveryPhaseOnceAndTheStepPeakAmongThem) {
+  Recipe r = cpu(Precision::kBf16Mixed, Attention::kSdpa, 1, 64);
+  r.grad_accum = 2;
+  r.checkpointing = Checkpointing::kFull;
+  EstimateOptions o;
+  o.phases = true;
+  const Estimate e = estimate(testing::llama_w512(), r, o);
+  ASSERT_EQ(e.phases.size(), 1u + 2 * (2 * 3 + 1));  // setup; per step 2 x (forward, loss, backward), optimizer
+  EXPECT_EQ(e.phases[0].phase, Phase::kSetup);
+  for (std::uint64_t step = 1; step <= 2; ++step) {
+    std::uint64_t top = 0;
+    for (const PhasePeak& p : e.phases) {
+      if (p.step == step) top = std::max(top, p.peak_allocated_bytes);
+    }
+    EXPECT_EQ(top, e.steps[step - 1].peak_allocated_bytes);
+  }
+  // Recomputed layers count to backward, as the measuring side labels them.
+  EXPECT_LT(phase_peak(e, 2, Phase::kForward), phase_peak(e, 2, Phase::kBackward));
+  EXPECT_TRUE(estimate(testing::llama_w512(), r).phases.empty());  // only when asked for
+}
+
+}  // namespace
+}  // namespace trainmem
