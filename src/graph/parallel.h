@@ -241,7 +241,10 @@ class DataParallel {
   TensorId zero_pad_ = kNone;  // the last rank's zeros for the padding, with averaged_gradients
   TensorId accumulated_ = kNone;  // averaged_gradients / all_grad_tensors: views of a grads_in_partition
   TensorId fp32_grad_ = kNone;    // single_grad_partition
-  TensorId grad_norm_ = kNone;    // _global_grad_norm, kept until the next step's
+  TensorId grad_norm_ = kNone;    // the optimizer's _global_grad_norm, kept until the next step's
+  TensorId engine_norm_ = kNone;  // the DeepSpeedEngine's: the previous step's until step() returns
+  void set_global_grad_norm(TensorId norm);
+  void engine_takes_global_grad_norm();
   TensorId scaled_norm_ = kNone;  // step()'s scaled_global_grad_norm
   std::uint64_t micro_ = 0;       // micro-batches since the last step
   std::uint64_t grad_accum_ = 1;

@@ -56,7 +56,10 @@ constexpr std::int32_t kNoLayer = -1;
 //    partition's gradient slices to get_norm_dtype() (float64 where the device has it, CPU and
 //    CUDA alike) for its vector_norm, one at a time, and keeps a 0-dim norm per slice; the total
 //    (combine_grad_norm_groups, runtime/utils.py) lives until step() returns, and the total over
-//    the loss scale is kept as _global_grad_norm until the next step's. gradient_clipping is 0
+//    the loss scale is kept as the optimizer's _global_grad_norm until the next step's, and as the
+//    DeepSpeedEngine's (_take_model_step copies it after step() returns): the previous step's
+//    norm lives through the next step() (measured: step 2's optimizer phase, 512 B on the CPU,
+//    every ZeRO stage; set_global_grad_norm). gradient_clipping is 0
 //    and the loss scale 1, so unscale_and_clip_grads does nothing. Then the slices are flattened (a view for
 //    one slice) and .to(fp32) (single_grad_partition: a copy for a 16-bit model, the flat itself
 //    for fp32), averaged_gradients dropped (grads_in_partition goes), the torch optimizer steps
@@ -328,8 +331,7 @@ void DataParallel::zero_before_optimizer() {
   t_.release(combined);
   // self._global_grad_norm = scaled_global_grad_norm / prev_scale, kept until the next step's.
   TensorId norm = scalar(4);
-  if (grad_norm_ != kNone) t_.release(grad_norm_);
-  grad_norm_ = norm;
+  set_global_grad_norm(norm);
 
   t_.at(Phase::kOptimizer, kNoLayer, "zero.fp32_grad_partition");
   TRAINMEM_ASSERT(accumulated_ != kNone, "ZeRO step without gradients");
@@ -359,6 +361,21 @@ void DataParallel::zero_after_optimizer() {
   fp32_grad_ = kNone;
   if (scaled_norm_ != kNone) t_.release(scaled_norm_);  // a local of step(), gone when it returns
   scaled_norm_ = kNone;
+  engine_takes_global_grad_norm();
+}
+
+// The optimizer's self._global_grad_norm = norm: the previous step's stays referenced by the
+// DeepSpeedEngine until step() has returned (see the Note above).
+void DataParallel::set_global_grad_norm(TensorId norm) {
+  if (engine_norm_ != kNone) t_.release(engine_norm_);  // not reached: the engine took it last step
+  engine_norm_ = grad_norm_;
+  grad_norm_ = norm;
+}
+
+// _take_model_step: self._global_grad_norm = self.optimizer._global_grad_norm.
+void DataParallel::engine_takes_global_grad_norm() {
+  if (engine_norm_ != kNone) t_.release(engine_norm_);
+  engine_norm_ = kNone;
 }
 
 }  // namespace trainmem::graph

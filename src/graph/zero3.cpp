@@ -652,10 +652,10 @@ void DataParallel::zero3_before_optimizer() {
   drop({full, stack1, bad, combined});
   scaled_norm_ = where;  // scaled_global_grad_norm, a local of step()
   drop({invalid(where)});  // is_invalid_grad_norm
-  // self._global_grad_norm = scaled_global_grad_norm / loss_scale, kept until the next step's.
+  // self._global_grad_norm = scaled_global_grad_norm / loss_scale, kept until the next step's
+  // (and the previous one by the DeepSpeedEngine until step() returns: set_global_grad_norm).
   TensorId global = scalar(8);
-  if (grad_norm_ != kNone) t_.release(grad_norm_);
-  grad_norm_ = global;
+  set_global_grad_norm(global);
   z3_norm_group_ = group;
 }
 
@@ -710,6 +710,7 @@ void DataParallel::zero3_gather_persistent() {
   scaled_norm_ = kNone;
   if (z3_norm_group_ != kNone) t_.release(z3_norm_group_);
   z3_norm_group_ = kNone;
+  engine_takes_global_grad_norm();
 }
 
 }  // namespace trainmem::graph

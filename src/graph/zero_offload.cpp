@@ -130,8 +130,7 @@ void DataParallel::offload_before_optimizer() {
   scaled_norm_ = t_.alloc_bytes(4, Category::kTemporaries);    // combine_grad_norm_groups
   t_.release(group);
   TensorId norm = t_.alloc_bytes(4, Category::kTemporaries);  // _global_grad_norm
-  if (grad_norm_ != kNone) t_.release(grad_norm_);
-  grad_norm_ = norm;
+  set_global_grad_norm(norm);
 }
 
 void DataParallel::offload_after_optimizer() {
