@@ -69,6 +69,7 @@ struct Param {
   DType dtype = DType::kF32;
   bool trainable = true;       // requires_grad: false for the base model under LoRA
   TensorId cast = kNone;       // autocast cache entry
+  ValueId cast_value = kNone;  // its ToCopyBackward's output (Note [Autocast's weight casts])
   TensorId master = kNone;     // bf16-master fp32 copy
   bool matmul = false;
   std::uint64_t rows = 0;  // 2-D tensors: first dimension as stored; 0 for 1-D
@@ -258,9 +259,21 @@ class StepBuilder {
       if (p.cast == kNone) {
         p.cast = t_.alloc_bytes(p.numel * dtype_bytes(pol_.compute), Category::kWeights);
         casts_.push_back(pi);
+        // Its backward, ToCopyBackward: the gradient cast to the parameter's dtype, then
+        // AccumulateGrad (See Note [Autocast's weight casts] in step_modules.cpp).
+        T c;
+        c.id = p.cast;
+        c.numel = p.numel;
+        c.dtype = pol_.compute;
+        requires_grad(c);
+        Node& n = open_node(c);
+        n.params.push_back(param_grad(pi, p.dtype));
+        t_.close_node();
+        p.cast_value = c.value;
       }
       w.id = p.cast;
       w.dtype = pol_.compute;
+      w.value = p.cast_value;
     } else {
       w.id = dp_->zero3() ? dp_->zero3_data(pi) : p.storage;  // ZeRO-3: what the module's fetch gathered
       w.dtype = p.dtype;
@@ -273,6 +286,7 @@ class StepBuilder {
     for (std::uint32_t pi : casts_) {
       t_.release(params_[pi].cast);
       params_[pi].cast = kNone;
+      params_[pi].cast_value = kNone;
     }
     casts_.clear();
   }
@@ -425,9 +439,10 @@ class StepBuilder {
     std::vector<Param> params;         // as they were, by role
     std::vector<Adapter> adapters;
     // What it leaves: the output (ids relative to the span) and the autocast cache entries it
-    // made (role, cast storage relative to the span), in the order they joined casts_.
+    // made (role, cast storage and its node's value relative to the span), in the order they
+    // joined casts_.
     T out;
-    std::vector<std::pair<std::uint32_t, TensorId>> casts;
+    std::vector<std::tuple<std::uint32_t, TensorId, ValueId>> casts;
   };
   T layer_forward(const T& x, std::uint32_t l);
   void layer_tables(const T& x, std::uint32_t l);

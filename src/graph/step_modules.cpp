@@ -174,6 +174,19 @@ T StepBuilder::linear_8bit(const T& x, std::uint32_t w, std::uint32_t b, std::ui
   return y;
 }
 
+// Note [Autocast's weight casts]
+// Under autocast, F.linear (and addmm) cast their arguments with cached_cast inside one call,
+// whose arguments C++ evaluates right to left here (torch 2.13, GCC): the bias, the weight, then
+// the input. A trainable weight's cast is cached, with its own autograd node (ToCopyBackward,
+// then the parameter's AccumulateGrad), made before the input's cast. Autograd runs the newest
+// ready node first, so after the matmul's backward the input's cast back to fp32 runs (and its
+// gradient is delivered, summed into a buffered one), then the weight's cast and its
+// AccumulateGrad. Measured on the CPU under bf16-mixed (the forward's _to_copy order, and in
+// backward the input's gradient cast before the weight's): one GPU, and pipeline stages, where
+// with one micro-batch of 64 tokens the weight's cast first made a backward phase 64 KiB high.
+// So a cached cast is a node of its own (weight()), and the linear hands the weight's gradient
+// to it as an input.
+
 // nn.Linear (or GPT-2's Conv1D addmm): y = x W^T + b over `rows` rows.
 T StepBuilder::linear(const T& x_in, std::uint32_t w, std::uint32_t b, std::uint64_t out_features) {
   const std::uint32_t m = module_enter(w, b, x_in.requires_grad());
@@ -189,10 +202,11 @@ T StepBuilder::linear_module(const T& x_in, std::uint32_t w, std::uint32_t b, st
   const std::uint64_t in_features = params_[w].numel / out_features;
   const std::uint64_t rows = x_in.numel / in_features;  // tokens
   const std::uint64_t out_numel = rows * out_features;
-  T x = pol_.autocast ? to(x_in, pol_.compute) : t_.ref(x_in);
-  T wc = weight(w);
+  // See Note [Autocast's weight casts]: the bias, the weight, then the input.
   T bc;
   if (b != kNone) bc = weight(b);
+  T wc = weight(w);
+  T x = pol_.autocast ? to(x_in, pol_.compute) : t_.ref(x_in);
   const DType cd = wc.dtype;
   T y = fresh(out_numel, cd);
   ensure_workspace(false);
@@ -212,14 +226,22 @@ T StepBuilder::linear_module(const T& x_in, std::uint32_t w, std::uint32_t b, st
     // [DeepSpeed ZeRO-3]).
     const bool keeps_weight = !dp_->zero3() || (t_.recomputing && wt);
     if ((x.requires_grad() || save_all) && keeps_weight) n.saved.push_back(wc.id);
+    // A weight cast by autocast hands its gradient to the cast's own node (Note [Autocast's
+    // weight casts]): an input of this node, made in the same order as a parameter's.
+    const bool wcast = wt && wc.value != kNone, bcast = bt && bc.value != kNone;
+    if (wcast && b == kNone) n.inputs.push_back(grad_of(wc));
     if (x.requires_grad()) n.inputs.push_back(grad_of(x));
+    if (wcast && b != kNone) n.inputs.push_back(grad_of(wc));
+    if (bcast) n.inputs.push_back(grad_of(bc));
     // addmm(bias, x, W): the bias is the first input, so its gradient is made and its
     // AccumulateGrad runs first (what DDP's gradient-ready order shows: Note [DDP buckets]).
-    if (bt) n.params.push_back(param_grad(b, cd));
-    if (wt) n.params.push_back(param_grad(w, cd));
+    if (bt && !bcast) n.params.push_back(param_grad(b, cd));
+    if (wt && !wcast) n.params.push_back(param_grad(w, cd));
     // mm makes the weight's gradient first, addmm the input's and the bias's last (See Note
     // [Gradient order of a node] in tape.h).
-    n.grad_order = b != kNone ? GradOrder::kParamsReversed : GradOrder::kParamsFirst;
+    n.grad_order = wcast || bcast           ? GradOrder::kInputsFirst
+                   : b != kNone             ? GradOrder::kParamsReversed
+                                            : GradOrder::kParamsFirst;
     t_.close_node();
   }
   t_.drop(x);

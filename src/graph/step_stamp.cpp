@@ -170,8 +170,9 @@ void StepBuilder::capture_layer(LayerTemplate& k, std::uint32_t l, const T& out,
     const std::uint32_t pi = casts_[i];
     const auto role = std::find(roles_.begin(), roles_.end(), pi);
     const TensorId cast = params_[pi].cast;
-    if (role == roles_.end() || cast == kNone || cast < s0) return;
-    k.casts.push_back({static_cast<std::uint32_t>(role - roles_.begin()), cast - s0});
+    const ValueId value = params_[pi].cast_value;
+    if (role == roles_.end() || cast == kNone || cast < s0 || value == kNone || value < mark_.values) return;
+    k.casts.push_back({static_cast<std::uint32_t>(role - roles_.begin()), cast - s0, value - mark_.values});
   }
   if (cached != k.casts.size()) return;
   k.out = out;
@@ -187,9 +188,10 @@ T StepBuilder::stamp_layer(LayerTemplate& k, std::uint32_t l) {
   layer_ = static_cast<std::int32_t>(l);
   t_.stamp(k.span, outside_, outside_values_, slots_, layer_);
   op_ = k.op_after;
-  for (const auto& [role, cast] : k.casts) {
+  for (const auto& [role, cast, value] : k.casts) {
     const std::uint32_t pi = roles_[role];
     params_[pi].cast = cast + s0;
+    params_[pi].cast_value = value + v0;
     casts_.push_back(pi);
   }
   T out = k.out;

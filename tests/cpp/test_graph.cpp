@@ -380,6 +380,33 @@ TEST(GraphActivations, AutocastEndOfForwardInFull) {
   EXPECT_EQ(live.raw[kTemps], 4u);
 }
 
+// Note [Autocast's weight casts]: in layer 0's up_proj under bf16-mixed, the forward casts the
+// weight before the input, and the backward casts the input's gradient to fp32 before the
+// weight's. Sizes tell them apart: the weight's casts are hidden x intermediate, the input's
+// tokens x hidden.
+TEST(GraphActivations, AutocastCastsTheWeightFirstAndItsGradientLast) {
+  Recipe r = cpu_recipe(Precision::kBf16Mixed, Attention::kSdpa);
+  r.batch = 1;
+  r.seq = 64;
+  const Model m = testing::llama_w512();
+  const Trace t = trace_of(m, r);
+  const std::uint64_t w_half = 512 * 2048 * 2, x_half = 64 * 512 * 2;
+  std::vector<std::uint64_t> forward, backward;  // allocation sizes under layer 0's up_proj
+  for (const graph::Event& e : t.events) {
+    const graph::MomentTag& mo = t.moments[e.moment];
+    if (!e.alloc || mo.step != 1 || mo.layer != 0 || mo.op != std::string_view("mlp.up_proj")) continue;
+    (mo.phase == Phase::kForward ? forward : backward).push_back(t.storages[e.tensor].bytes);
+  }
+  ASSERT_GE(forward.size(), 2u);
+  EXPECT_EQ(forward[0], w_half);  // the weight's cast
+  EXPECT_EQ(forward[1], x_half);  // then the input's
+  const auto first = [&](std::uint64_t bytes) {
+    return std::find(backward.begin(), backward.end(), bytes) - backward.begin();
+  };
+  ASSERT_LT(first(2 * w_half), static_cast<std::ptrdiff_t>(backward.size()));
+  EXPECT_LT(first(2 * x_half), first(2 * w_half));  // the input's fp32 gradient before the weight's
+}
+
 // ---- §6.5: gradient checkpointing ---------------------------------------------------------
 
 // With every layer checkpointed, the forward keeps only each layer's input (2·bsh in bf16)
