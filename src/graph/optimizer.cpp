@@ -97,11 +97,24 @@ void StepBuilder::optimizer_step(bool first) {
   }
   TensorId found_inf = kNone;
   if (r_.precision == Precision::kFp16Mixed) {
-    // GradScaler.step → unscale_: found_inf and the inverse scale, gradients unscaled in place.
+    // GradScaler.unscale_ (torch/amp/grad_scaler.py): inv_scale = scale.double().reciprocal()
+    // .float(), found_inf = torch.full((), 0.0); _unscale_grads_ hands the unscale kernel each
+    // one's copy for the device (_MultiDeviceReplicator.get: .to(copy=True), found_inf's first),
+    // keeps found_inf's in optimizer_state (until update()) and drops inv_scale's; unscale_'s own
+    // locals go when it returns. Gradients are unscaled in place. (Measured: step 2's optimizer
+    // phase of the fp16-mixed GPT-2 entries, four 0-dim tensors at once.)
     op("grad_scaler.unscale_");
-    found_inf = t_.alloc_bytes(4, Category::kOther);
+    TensorId dbl = t_.alloc_bytes(8, Category::kOther);
+    TensorId reciprocal = t_.alloc_bytes(8, Category::kOther);
+    t_.release(dbl);
     TensorId inv_scale = t_.alloc_bytes(4, Category::kOther);
+    t_.release(reciprocal);
+    TensorId master_found_inf = t_.alloc_bytes(4, Category::kOther);
+    found_inf = t_.alloc_bytes(4, Category::kOther);
+    TensorId inv_scale_copy = t_.alloc_bytes(4, Category::kOther);
+    t_.release(inv_scale_copy);
     t_.release(inv_scale);
+    t_.release(master_found_inf);
   }
   // An optimizer that takes the scaling itself (fused AdamW: _step_supports_amp_scaling) is
   // handed optimizer.found_inf = sum(found_inf per device), a new 0-dim tensor that lives
