@@ -357,7 +357,8 @@ std::string compare(const std::string& path, bool as_json) {
   };
   // Measurements that record their phases' peaks (`phases`, each rank's too) are compared phase
   // by phase: every (step, micro-batch, phase) the file lists, against the engine's.
-  const bool phases = m.contains("phases") && m["phases"].is_array();
+  const bool phases = m.contains("phases");
+  if (phases && !m["phases"].is_array()) throw Error("compare: 'phases' must be a list of phase peaks");
   trainmem::EstimateOptions opt;
   opt.rank = 0;  // what trainmem-measure reports, unless the file names its rank
   if (parallel && parallel->contains("rank")) opt = rank_options((*parallel)["rank"]);
@@ -369,23 +370,35 @@ std::string compare(const std::string& path, bool as_json) {
     for (const auto& p : est.phases) {
       predicted[{p.step, p.micro_batch, std::string(trainmem::phase_name(p.phase))}] = p.peak_allocated_bytes;
     }
+    if (!measured.is_array()) throw Error("compare: 'phases' must be a list of phase peaks");
     nlohmann::ordered_json rows = nlohmann::ordered_json::array();
+    auto add_row = [&](std::uint64_t step, std::uint64_t micro, const std::string& phase, const nlohmann::json& mv,
+                       const nlohmann::json& pv) {
+      rows.push_back({{"step", step}, {"micro_batch", micro}, {"phase", phase}, {"measured", mv}, {"predicted", pv}});
+      ++phases_compared;
+      if (mv != pv) ++phases_differing;
+    };
     for (const auto& mp : measured) {
       if (!mp.is_object() || !mp.contains("step") || !mp["step"].is_number_unsigned() || !mp.contains("phase") ||
           !mp["phase"].is_string() || !mp.contains("peak_allocated_bytes") ||
-          !mp["peak_allocated_bytes"].is_number_unsigned()) {
-        throw Error("compare: a 'phases' entry needs step, micro_batch, phase and peak_allocated_bytes");
+          !mp["peak_allocated_bytes"].is_number_unsigned() ||
+          (mp.contains("micro_batch") && !mp["micro_batch"].is_number_unsigned())) {
+        throw Error("compare: a 'phases' entry needs step, micro_batch, phase and peak_allocated_bytes "
+                    "(non-negative integers and a phase name)");
       }
       const std::uint64_t step = mp["step"].get<std::uint64_t>();
       const std::uint64_t micro = mp.value("micro_batch", std::uint64_t{0});
       const std::string phase = mp["phase"].get<std::string>();
       auto it = predicted.find({step, micro, phase});
-      nlohmann::ordered_json row = {{"step", step}, {"micro_batch", micro}, {"phase", phase},
-                                    {"measured", mp["peak_allocated_bytes"]}};
-      row["predicted"] = it == predicted.end() ? nlohmann::json() : nlohmann::json(it->second);
-      ++phases_compared;
-      if (it == predicted.end() || it->second != mp["peak_allocated_bytes"].get<std::uint64_t>()) ++phases_differing;
-      rows.push_back(row);
+      add_row(step, micro, phase, mp["peak_allocated_bytes"],
+              it == predicted.end() ? nlohmann::json() : nlohmann::json(it->second));
+      if (it != predicted.end()) predicted.erase(it);
+    }
+    // What the engine has and the measurement lacks (the tracker starts after the model is loaded:
+    // no setup phase, nothing before step 1).
+    for (const auto& [key, bytes] : predicted) {
+      const auto& [step, micro, phase] = key;
+      if (step >= 1 && phase != "setup") add_row(step, micro, phase, nlohmann::json(), bytes);
     }
     return rows;
   };
@@ -441,7 +454,7 @@ std::string compare(const std::string& path, bool as_json) {
       }
       x["predicted_breakdown_at_peak"] = b;
       if (mr.contains("breakdown_at_peak")) x["measured_breakdown_at_peak"] = mr["breakdown_at_peak"];
-      if (phases && mr.contains("phases") && mr["phases"].is_array()) x["phases"] = compare_phases(mr["phases"], er);
+      if (phases && mr.contains("phases")) x["phases"] = compare_phases(mr["phases"], er);
       ranks.push_back(x);
     }
     j["ranks"] = ranks;

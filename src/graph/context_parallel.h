@@ -40,7 +40,7 @@ namespace trainmem::graph {
 //    runs find_packed_sequence_indices on given position_ids; the load-balanced chunks jump at
 //    the seam, which it reads as packed sequences and would build a mask that the ring refuses:
 //    the reference assumes the mask stays None and is_causal holds. Its few [b, seq / cp] int64
-//    temporaries are not modelled.);
+//    temporaries are modelled as on one GPU: Note [Training masks] in step.cpp.);
 //  * SDPA: _ContextParallel.sdpa_input_fn wraps q, k, v as Shard(2) DTensors (views); the
 //    autograd node above the DTensor dispatch saves q, k, v, the merged output and logsumexp,
 //    as without CP. Under it, _templated_ring_attention (rotate method ALL_GATHER, the default

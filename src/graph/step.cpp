@@ -68,21 +68,6 @@ StepBuilder::StepBuilder(const Model& m, const Recipe& r, const Gpu& gpu, const 
   // Gemma-2 declares no SDPA/flash support in transformers 5: it always runs eager attention.
   if (a_.family == Family::kGemma2) attention_ = Attention::kEager;
   window_ = model::attention_windows(a_);
-  if (r.mode == Mode::kTraining && attention_ == Attention::kSdpa && (r.tp > 1 || r.cp > 1 || r.pp > 1) &&
-      window_of_model() > 0 && r.seq >= window_of_model()) {
-    // See Note [Training masks]: measured on one process only, and the pipeline's stage module
-    // builds the causal mask alone.
-    throw Error("attention: sdpa with a sequence of " + std::to_string(r.seq) + " tokens reaches the model's " +
-                "sliding window (" + std::to_string(window_of_model()) + "), where the mask is materialised; " +
-                "that is modelled without tensor, context or pipeline parallelism (use a shorter seq or flash)");
-  }
-  if (r.checkpointing == Checkpointing::kFullReentrant && a_.family == Family::kGpt2) {
-    // The reentrant forward runs under no_grad, where GPT-2's attention (SDPA's math kernel under
-    // its mask and dropout on the CPU, or its eager path) frees its intermediates in another
-    // order than the modelled grad-mode forward (measured: a forward peak 4 MiB above it).
-    throw Error("checkpointing: full-reentrant with GPT-2 is not modelled (measured apart from the model); "
-                "use full (use_reentrant=False)");
-  }
   // See Note [Layer stamp keys] (step_stamp.cpp): the recipes whose layers' forwards depend on
   // nothing but what the key holds.
   stamps_ = layer_stamping() && r.mode == Mode::kTraining && r.parallel == Parallel::kNone && r.tp == 1 &&
@@ -657,11 +642,27 @@ void StepBuilder::backward(ValueId loss) {
 
 namespace trainmem::graph {
 
+void check_sliding_window(const Model& model, const Recipe& r) {
+  if (r.mode != Mode::kTraining || (r.tp <= 1 && r.cp <= 1 && r.pp <= 1)) return;
+  // Gemma-2 runs eager attention whatever the recipe says (its mask is modelled everywhere).
+  if (r.attention != Attention::kSdpa || model.arch.family == Family::kGemma2) return;
+  std::uint64_t window = 0;
+  for (std::uint64_t w : model::attention_windows(model.arch)) window = std::max(window, w);
+  if (window == 0 || r.seq < window) return;
+  // See Note [Training masks]: measured on one process only, and the pipeline's stage module
+  // builds the causal mask alone.
+  throw Error("attention: sdpa with a sequence of " + std::to_string(r.seq) + " tokens reaches the model's " +
+              "sliding window (" + std::to_string(window) + "), where the mask is materialised; that is " +
+              "modelled without tensor, context or pipeline parallelism (use a sequence shorter than the " +
+              "window" + std::string(r.cp > 1 ? "" : ", or flash attention") + ")");
+}
+
 Trace build_training_trace(const Model& model, const Recipe& recipe, const Gpu& gpu, const MicroBatchHook& hook,
                            std::uint64_t rank) {
   // A tensor-parallel rank builds the step of its local model (Note [Tensor parallelism]).
   const Model local = tensor_parallel_model(model, recipe.tp, recipe.loss_parallel);
   check_context_parallel(model, recipe);
+  check_sliding_window(model, recipe);
   step::StepBuilder b(local, recipe, gpu, hook, rank);
   return b.build();
 }

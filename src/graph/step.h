@@ -18,6 +18,11 @@ using MicroBatchHook = std::function<MicroBatchNext(const Trace&, std::uint32_t 
 // graph/pipeline.cpp): only kGoOn or kStop comes back.
 constexpr std::uint32_t kMidSchedule = UINT32_MAX;
 
+// Throws Error where a sequence reaches the model's sliding window under SDPA with tensor, context
+// or pipeline parallelism: the materialised mask is modelled without them (Note [Training masks]
+// in step.cpp). The planner asks it before it replays such a recipe.
+void check_sliding_window(const Model& model, const Recipe& recipe);
+
 // `rank`: the data-parallel rank whose memory is built (ZeRO's partitions differ by rank; the
 // estimate is rank 0's).
 Trace build_training_trace(const Model& model, const Recipe& recipe, const Gpu& gpu,

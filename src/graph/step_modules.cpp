@@ -176,9 +176,10 @@ T StepBuilder::linear_8bit(const T& x, std::uint32_t w, std::uint32_t b, std::ui
 
 // Note [Autocast's weight casts]
 // Under autocast, F.linear (and addmm) cast their arguments with cached_cast inside one call,
-// whose arguments C++ evaluates right to left here (torch 2.13, GCC): the bias, the weight, then
-// the input. A trainable weight's cast is cached, with its own autograd node (ToCopyBackward,
-// then the parameter's AccumulateGrad), made before the input's cast. Autograd runs the newest
+// whose arguments C++ evaluates right to left here (torch 2.13, GCC): F.linear(x, W, b) the
+// bias, the weight, then the input; addmm(b, x, W) the weight, the input, then the bias. A
+// trainable weight's cast is cached, with its own autograd node (ToCopyBackward, then the
+// parameter's AccumulateGrad), made before the input's cast. Autograd runs the newest
 // ready node first, so after the matmul's backward the input's cast back to fp32 runs (and its
 // gradient is delivered, summed into a buffered one), then the weight's cast and its
 // AccumulateGrad. Measured on the CPU under bf16-mixed (the forward's _to_copy order, and in
@@ -202,11 +203,14 @@ T StepBuilder::linear_module(const T& x_in, std::uint32_t w, std::uint32_t b, st
   const std::uint64_t in_features = params_[w].numel / out_features;
   const std::uint64_t rows = x_in.numel / in_features;  // tokens
   const std::uint64_t out_numel = rows * out_features;
-  // See Note [Autocast's weight casts]: the bias, the weight, then the input.
+  // See Note [Autocast's weight casts]: F.linear(x, W, b) casts the bias, the weight, then the
+  // input; addmm(b, x, W) (GPT-2's Conv1D) the weight, the input, then the bias.
+  const bool addmm = !functional_linear(w);
   T bc;
-  if (b != kNone) bc = weight(b);
+  if (b != kNone && !addmm) bc = weight(b);
   T wc = weight(w);
   T x = pol_.autocast ? to(x_in, pol_.compute) : t_.ref(x_in);
+  if (b != kNone && addmm) bc = weight(b);
   const DType cd = wc.dtype;
   T y = fresh(out_numel, cd);
   ensure_workspace(false);
@@ -841,7 +845,11 @@ T StepBuilder::gpt2_attention_core(T& q, T& k, T& v) {
     op("attn.attn_output");
     T vc = folds_with_copy(v) ? copy(v, v.dtype) : t_.ref(v);
     T o = bmm(pv, vc, qn, c);
-    t_.drop(pv);
+    if (python_lifetimes()) {
+      attn_weights_ = pv;  // GPT2Block holds the returned weights to its end (without saves it shows)
+    } else {
+      t_.drop(pv);
+    }
     t_.drop(vc);
     T oc = copy(o, c);  // transpose(1, 2).reshape(...).contiguous()
     t_.drop(o);
@@ -865,6 +873,7 @@ T StepBuilder::gpt2_attention_core(T& q, T& k, T& v) {
   // CPU: the math kernel (aten _scaled_dot_product_attention_math).
   op("attn.sdpa_math");
   const DType md = DType::kF32;
+  if (python_lifetimes()) return gpt2_math_without_saves(q, k, v);
   T causal = fresh(S_ * S_, DType::kU8);
   T fmask = fresh(S_ * S_, md);
   t_.drop(causal);
@@ -897,6 +906,60 @@ T StepBuilder::gpt2_attention_core(T& q, T& k, T& v) {
   t_.drop(ka);
   t_.drop(va);
   T out = copy(oc, c);  // transpose(1, 2).reshape(...).contiguous()
+  t_.drop(oc);
+  return out;
+}
+
+// The math kernel in a forward without saves (Note [Forwards without saves] in tape.h), where its
+// locals decide, as measured on the CPU (fp32, GPT-2 with `full` and `full-reentrant`): q is
+// scaled first and lives to the end; the causal mask is ones, tril and a where with two 0-dim
+// scalars; k^T is scaled and both are copied for bmm, then freed; the mask is added out of place;
+// softmax, dropout; v copied for the second bmm; then q, the mask and the probabilities go.
+T StepBuilder::gpt2_math_without_saves(T& q, T& k, T& v) {
+  const std::uint64_t qn = q.numel, scores = B_ * a_.num_heads * S_ * S_;
+  const DType c = q.dtype, md = DType::kF32;
+  auto copy = [&](const T& x) { return elementwise({&x}, x.numel, md, {}); };
+  T qa = to(q, md);
+  T qs = elementwise({&qa}, qn, md, {});  // q * sqrt(scale)
+  qs.bshd = q.dtype == md;
+  T ones = fresh(S_ * S_, DType::kU8);
+  T tril = fresh(S_ * S_, DType::kU8);
+  t_.drop(ones);
+  T zero = fresh(1, md), low = fresh(1, md);
+  T fmask = fresh(S_ * S_, md);
+  t_.drop(zero);
+  t_.drop(low);
+  t_.drop(tril);
+  T ka = to(k, md);
+  T ks = elementwise({&ka}, qn, md, {});  // k^T * sqrt(scale)
+  ks.bshd = k.dtype == md;
+  T qc = folds_with_copy(qs) ? copy(qs) : t_.ref(qs);
+  T kc = folds_with_copy(ks) ? copy(ks) : t_.ref(ks);
+  ensure_workspace(false);
+  T sc = bmm(qc, kc, scores, md);
+  t_.drop(kc);
+  t_.drop(qc);
+  t_.drop(ks);
+  t_.drop(ka);
+  T sa = add(sc, fmask);
+  t_.drop(sc);
+  T p = softmax(sa);  // _safe_softmax
+  t_.drop(sa);
+  T pd = dropout(p);
+  t_.drop(p);
+  T va = to(v, md);
+  va.bshd = v.dtype == md;
+  T vc = folds_with_copy(va) ? copy(va) : t_.ref(va);
+  T o = bmm(pd, vc, qn, md);
+  t_.drop(vc);
+  t_.drop(va);
+  t_.drop(qs);
+  t_.drop(qa);
+  t_.drop(fmask);
+  t_.drop(pd);
+  T oc = to(o, c);
+  t_.drop(o);
+  T out = elementwise({&oc}, qn, c, {});  // transpose(1, 2).reshape(...).contiguous()
   t_.drop(oc);
   return out;
 }
@@ -968,19 +1031,15 @@ T StepBuilder::attention_module(const T& x, const LayerParams& lp) {
     rotate(k);
   }
   T o = a_.family == Family::kGpt2 ? gpt2_attention_core(q, k, v) : attention_core(q, k, v);
-  // The module's locals: see Note [Forwards without saves] in tape.h.
-  const bool locals = python_lifetimes();
-  auto drop_qkv = [&] {
-    t_.drop(q);
-    t_.drop(k);
-    t_.drop(v);
-  };
-  if (!locals) drop_qkv();
   T y = proj(o, a_.family == Family::kGpt2 ? "attn.c_proj" : "self_attn.o_proj", lp.o, lp.o_b,
              a_.hidden_size);
   t_.drop(o);
-  if (locals) drop_qkv();
-  return a_.family == Family::kGpt2 ? gpt2_residual_dropout(y, Container::kAttnDropout) : y;
+  if (a_.family == Family::kGpt2) y = gpt2_residual_dropout(y, Container::kAttnDropout);
+  // The module's locals go when it returns (Note [Forwards without saves] in tape.h).
+  t_.drop(q);
+  t_.drop(k);
+  t_.drop(v);
+  return y;
 }
 
 T StepBuilder::slice(const T& fused, std::uint64_t width) {
@@ -1037,7 +1096,7 @@ T StepBuilder::mlp_module(const T& x, const LayerParams& lp) {
   // act_fn(gate_proj(x)): nothing but the activation's node holds the gate once it returns (under
   // checkpointing not even that: measured, ZeRO-3 with checkpointing peaks here). Phi-3's `gate`
   // chunk holds the fused output until the MLP returns (Note [Forwards without saves]).
-  const bool gate_local = lp.gate_up != kNone && python_lifetimes();
+  const bool gate_local = lp.gate_up != kNone;
   if (!gate_local) t_.drop(gate);
   if (lp.gate_up == kNone) {
     up = proj(x, "mlp.up_proj", lp.up, lp.up_b, i);
@@ -1056,7 +1115,9 @@ T StepBuilder::mlp_module(const T& x, const LayerParams& lp) {
 // out in elementwise ops that save more (x, x^3 terms, tanh output).
 T StepBuilder::gelu_tanh(const T& x) {
   if (a_.family == Family::kGpt2) {
-    // 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3)))
+    // 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3))); without saves Python's order shows:
+    // 0.5 * x is made first (Note [Forwards without saves] in tape.h).
+    T early = python_lifetimes() ? elementwise({&x}, x.numel, x.dtype, {}) : T{};
     T x3 = elementwise({&x}, x.numel, x.dtype, {x.id});            // pow(x, 3)
     T m1 = elementwise({&x3}, x.numel, x.dtype, {});               // * 0.044715
     t_.drop(x3);
@@ -1068,7 +1129,7 @@ T StepBuilder::gelu_tanh(const T& x) {
     t_.drop(m2);
     T p1 = elementwise({&th}, x.numel, x.dtype, {});               // 1 + tanh
     t_.drop(th);
-    T hx = elementwise({&x}, x.numel, x.dtype, {});                // 0.5 * x
+    T hx = early.id != kNone ? early : elementwise({&x}, x.numel, x.dtype, {});  // 0.5 * x
     T y = elementwise({&hx, &p1}, x.numel, x.dtype, {hx.id, p1.id});
     t_.drop(hx);
     t_.drop(p1);
@@ -1171,8 +1232,12 @@ T StepBuilder::checkpointed_layer(const T& x, std::uint32_t l) {
   nd.saved = {x.id};
   nd.tail = std::move(tail);
   nd.reentrant = reentrant;
+  // GPT2Model.forward hands its causal mask to each block positionally: the reentrant Function
+  // saves it with the hidden states (measured: it goes with the first layer's backward).
+  const bool positional_mask = reentrant && a_.family == Family::kGpt2 && mask_.id != kNone;
+  if (positional_mask) nd.saved.push_back(mask_.id);
   for (const T* shared : {&cos_, &sin_, &mask_, &position_ids_}) {
-    if (shared->id != kNone) nd.kept.push_back(shared->id);
+    if (shared->id != kNone && !(shared == &mask_ && positional_mask)) nd.kept.push_back(shared->id);
   }
   T xin = x, cos = cos_, sin = sin_, mask = mask_;
   std::int32_t layer = static_cast<std::int32_t>(l);

@@ -250,7 +250,10 @@ struct ParamGrad {
 //  * a linear with a bias (addmm: Qwen2's q/k/v, GPT-2's Conv1D): the input's gradient, the
 //    weight's, then the bias's reduction of the incoming gradient (kParamsReversed: the params
 //    are listed bias first, the order their AccumulateGrad hooks run in, Note [DDP buckets]).
-// The accumulation into .grad follows the params' order in every case.
+// The accumulation into .grad follows the params' order in every case. A weight (and bias) cast
+// by autocast is not a parameter of the matmul's node but an input, in the same place in that
+// order: its gradient goes to the cast's own node, which casts and accumulates it (Note
+// [Autocast's weight casts] in step_modules.cpp).
 enum class GradOrder : std::uint8_t { kInputsFirst, kParamsFirst, kParamsReversed };
 
 struct CheckpointTail;
@@ -330,14 +333,18 @@ struct CheckpointTail {
 // A checkpoint's first forward keeps no saved tensors (non-reentrant: the saved-tensor hooks drop
 // them; reentrant: no_grad). A tensor then lives exactly as long as Python references it, and
 // the modules' locals decide where a saving forward's saves hid it (measured, narrowed Gemma-2
-// and Phi-3 with `full`, Llama-family and Qwen3 with `full-reentrant`):
+// and Phi-3 with `full`, Llama-family and Qwen3 with `full-reentrant`, GPT-2 with both):
 //  * attention: the projections' outputs, rotated q and k and the value states live until the
 //    attention module returns, after o_proj;
 //  * eager attention: repeat_kv's copies until the attention function returns, the scores until
 //    the probabilities replace them, the probabilities (the layer's `_`) to the layer's end;
-//  * Phi-3's MLP: the gate_up output (the `gate` chunk's storage) until the MLP returns.
-// StepBuilder::python_lifetimes() tells the modules (attention_module, attention_core,
-// mlp_module).
+//  * Phi-3's MLP: the gate_up output (the `gate` chunk's storage) until the MLP returns;
+//  * GPT-2: the CPU math kernel's own locals (gpt2_math_without_saves), NewGELU's `0.5 * x` made
+//    first, the block holding eager attention's returned weights to its end.
+// Where a saving forward saves the tensor anyway, or frees it at the same point, the rule is the
+// same there (the modules' locals, attention_module and mlp_module, follow it always);
+// StepBuilder::python_lifetimes() tells the ops whose order differs (attention_core,
+// gpt2_attention_core, gelu_tanh).
 
 // A recorded autograd graph taken off the tape (Tape::take_graph), to be put back before its
 // backward runs (Tape::put_graph): a pipeline stage keeps several micro-batches' graphs alive at

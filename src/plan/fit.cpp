@@ -48,6 +48,7 @@
 #include "graph/parallel.h"
 #include "graph/pipeline.h"
 #include "graph/quant.h"
+#include "graph/step.h"
 #include "graph/tensor_parallel.h"
 #include "plan/plan.h"
 
@@ -453,9 +454,15 @@ bool accepted(F&& check) {
   }
 }
 
+// Whether a sequence that reaches the model's sliding window under SDPA lets `r`'s tensor,
+// context or pipeline parallelism through (graph/step.h).
+bool window_modelled(const Model& m, const Recipe& r) {
+  return accepted([&] { graph::check_sliding_window(m, r); });
+}
+
 // The model-dependent part of what the engine splits into stages (graph/pipeline.h).
 bool pipeline_modelled(const Model& m, const Recipe& r) {
-  return accepted([&] { graph::check_pipeline_model(m.arch, r); });
+  return accepted([&] { graph::check_pipeline_model(m.arch, r); }) && window_modelled(m, r);
 }
 
 bool valid(const Recipe& r) {
@@ -464,7 +471,7 @@ bool valid(const Recipe& r) {
 
 // Whether the engine models `r`'s context parallelism for this model (graph/context_parallel.h).
 bool cp_modelled(const Model& m, const Recipe& r) {
-  return accepted([&] { graph::check_context_parallel(m, r); });
+  return accepted([&] { graph::check_context_parallel(m, r); }) && window_modelled(m, r);
 }
 
 // Whether the engine models `tp`-way tensor parallelism of this model (the family and the
@@ -862,7 +869,7 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
     }
     if (valid(pr) && pipeline_modelled(model, pr)) {
       base = pr;
-    } else if (q.gpus <= 64 && tp_modelled(model, q.gpus) && valid(tr)) {
+    } else if (q.gpus <= 64 && tp_modelled(model, q.gpus) && valid(tr) && window_modelled(model, tr)) {
       base = tr;
     } else {
       throw no_split("the engine models this recipe neither as a pipeline nor as tensor parallelism over " +
@@ -907,7 +914,9 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
   // parallelism), t below it gpus / t groups data-parallel under FSDP2 (TP x DP, docs/parallelism.md).
   std::vector<std::uint64_t> tp_degrees;  // above 1: also the single changes' (below)
   for (std::uint64_t t = 2; t <= std::min<std::uint64_t>(q.gpus, 64); ++t) {
-    if (q.gpus % t == 0 && tp_modelled(model, t)) tp_degrees.push_back(t);
+    Recipe at_t = base;
+    at_t.tp = t;
+    if (q.gpus % t == 0 && tp_modelled(model, t) && window_modelled(model, at_t)) tp_degrees.push_back(t);
   }
   // Pipeline degrees: every divisor P > 1 of the GPUs the model has layers for, P = --gpus one
   // pipeline over all of them, P below it --gpus / P replicas of it under DDP or FSDP2 (PP x DP),
