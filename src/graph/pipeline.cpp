@@ -782,6 +782,9 @@ Trace StepBuilder::build_pipeline_multi() {
     t_.micro = 1;
     phase_ = Phase::kForward;
     layer_ = kNoLayer;
+    // The schedule's first actions (FSDP2's unshards) are the step's forward, as the tracker
+    // labels them, not the previous step's optimizer.
+    t_.at(phase_, layer_, "pipeline.step");
     if (step == 1) {
       pp_warmup_vote_multi();
       op("pipeline.recv_buffers");

@@ -872,50 +872,16 @@ T StepBuilder::gpt2_attention_core(T& q, T& k, T& v) {
   }
   // CPU: the math kernel (aten _scaled_dot_product_attention_math).
   op("attn.sdpa_math");
-  const DType md = DType::kF32;
-  if (python_lifetimes()) return gpt2_math_without_saves(q, k, v);
-  T causal = fresh(S_ * S_, DType::kU8);
-  T fmask = fresh(S_ * S_, md);
-  t_.drop(causal);
-  T qa = to(q, md), ka = to(k, md), va = to(v, md);
-  T qs = elementwise({&qa}, qn, md, {});  // q * sqrt(scale)
-  T ks = elementwise({&ka}, qn, md, {});  // k^T * sqrt(scale)
-  qs.bshd = ks.bshd = q.dtype == md;       // a view of the Conv1D output when not upcast
-  T qc = folds_with_copy(qs) ? copy(qs, md) : t_.ref(qs);
-  T kc = folds_with_copy(ks) ? copy(ks, md) : t_.ref(ks);
-  t_.drop(qs);
-  t_.drop(ks);
-  ensure_workspace(false);
-  T sc = bmm(qc, kc, scores, md);  // the mask is added in place
-  t_.drop(qc);
-  t_.drop(kc);
-  T p = softmax(sc);  // _safe_softmax
-  t_.drop(sc);
-  t_.drop(fmask);
-  drop_out(p);
-  va.bshd = v.dtype == md;
-  T vc = folds_with_copy(va) ? copy(va, md) : t_.ref(va);
-  T o = bmm(p, vc, qn, md);
-  t_.drop(vc);
-  T oc = to(o, c);
-  t_.drop(o);
-  T pw = to(p, c);  // the returned attention weights, dropped by the caller
-  t_.drop(pw);
-  t_.drop(p);
-  t_.drop(qa);
-  t_.drop(ka);
-  t_.drop(va);
-  T out = copy(oc, c);  // transpose(1, 2).reshape(...).contiguous()
-  t_.drop(oc);
-  return out;
+  return gpt2_math_kernel(q, k, v);
 }
 
-// The math kernel in a forward without saves (Note [Forwards without saves] in tape.h), where its
-// locals decide, as measured on the CPU (fp32, GPT-2 with `full` and `full-reentrant`): q is
-// scaled first and lives to the end; the causal mask is ones, tril and a where with two 0-dim
-// scalars; k^T is scaled and both are copied for bmm, then freed; the mask is added out of place;
-// softmax, dropout; v copied for the second bmm; then q, the mask and the probabilities go.
-T StepBuilder::gpt2_math_without_saves(T& q, T& k, T& v) {
+// aten _scaled_dot_product_attention_math as its locals run, measured on the CPU (fp32, GPT-2,
+// with and without saves: the same ops, the saves decide the rest): q is scaled first and lives
+// to the end; the causal mask is ones, tril and a where with two 0-dim scalars; k^T is scaled and
+// both are copied for bmm (b > 1); the mask is added out of place; softmax, dropout; v copied for
+// the second bmm; then q, the mask and the probabilities go. Half inputs are upcast first and the
+// output cast back.
+T StepBuilder::gpt2_math_kernel(T& q, T& k, T& v) {
   const std::uint64_t qn = q.numel, scores = B_ * a_.num_heads * S_ * S_;
   const DType c = q.dtype, md = DType::kF32;
   auto copy = [&](const T& x) { return elementwise({&x}, x.numel, md, {}); };
@@ -956,6 +922,8 @@ T StepBuilder::gpt2_math_without_saves(T& q, T& k, T& v) {
   t_.drop(qs);
   t_.drop(qa);
   t_.drop(fmask);
+  T pw = to(pd, c);  // the returned attention weights, dropped by the caller
+  t_.drop(pw);
   t_.drop(pd);
   T oc = to(o, c);
   t_.drop(o);
@@ -1115,9 +1083,9 @@ T StepBuilder::mlp_module(const T& x, const LayerParams& lp) {
 // out in elementwise ops that save more (x, x^3 terms, tanh output).
 T StepBuilder::gelu_tanh(const T& x) {
   if (a_.family == Family::kGpt2) {
-    // 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3))); without saves Python's order shows:
-    // 0.5 * x is made first (Note [Forwards without saves] in tape.h).
-    T early = python_lifetimes() ? elementwise({&x}, x.numel, x.dtype, {}) : T{};
+    // 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3))), in Python's order: 0.5 * x first
+    // (measured with and without saves; Note [Forwards without saves] in tape.h).
+    T hx = elementwise({&x}, x.numel, x.dtype, {});                // 0.5 * x
     T x3 = elementwise({&x}, x.numel, x.dtype, {x.id});            // pow(x, 3)
     T m1 = elementwise({&x3}, x.numel, x.dtype, {});               // * 0.044715
     t_.drop(x3);
@@ -1129,7 +1097,6 @@ T StepBuilder::gelu_tanh(const T& x) {
     t_.drop(m2);
     T p1 = elementwise({&th}, x.numel, x.dtype, {});               // 1 + tanh
     t_.drop(th);
-    T hx = early.id != kNone ? early : elementwise({&x}, x.numel, x.dtype, {});  // 0.5 * x
     T y = elementwise({&hx, &p1}, x.numel, x.dtype, {hx.id, p1.id});
     t_.drop(hx);
     t_.drop(p1);
