@@ -326,7 +326,7 @@ def test_phase_peaks_exact(comparisons):
             assert diff == 0 or 0 < diff <= slack.get(rank, 0), (name, rank, row)
             phases += 1
             late += diff != 0
-    assert files >= 100 and phases >= 1000 and late <= phases // 50, (files, phases, late)
+    assert files >= 200 and phases >= 2000 and late <= phases // 50, (files, phases, late)
 
 
 def _half_models(comparisons):
