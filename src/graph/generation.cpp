@@ -690,11 +690,7 @@ T StepBuilder::attention_mask(MaskKind kind, std::uint64_t batch, std::uint64_t 
   t_.drop(qa);
   t_.drop(ka);
   if (eager) {
-    T zero = fresh(1, dtype);
-    T low = fresh(1, dtype);
-    T w = fresh(detail::mul(batch, qk, "mask size"), dtype);
-    t_.drop(low);
-    t_.drop(zero);
+    T w = where_of_scalars(detail::mul(batch, qk, "mask size"), dtype);
     t_.drop(m);
     m = w;
   }
@@ -873,13 +869,7 @@ T StepBuilder::g_attention_core(const T& q, std::uint32_t l, bool q_bshd) {
   // (convert_boolean_attn_mask: where(mask, 0, -inf) with two wrapped scalars), [b, 1, q, kv]
   // of q's dtype, freed after the kernel.
   T fmask;
-  if (layer_has_mask(l)) {
-    T zero = fresh(1, c);
-    T low = fresh(1, c);
-    fmask = fresh(detail::mul({Bg_, q_, stored_[l]}, "mask size"), c);
-    t_.drop(low);
-    t_.drop(zero);
-  }
+  if (layer_has_mask(l)) fmask = where_of_scalars(detail::mul({Bg_, q_, stored_[l]}, "mask size"), c);
   T lse = sdpa_makes_lse(c, /*grad_mode=*/false) ? fresh(Bg_ * H * q_, DType::kF32) : T{};
   T o = fresh(r * H * d, c);
   if (lse.id != kNone) t_.drop(lse);

@@ -231,6 +231,17 @@ class StepBuilder {
     dp_->module_post_forward(m);
   }
 
+  // torch.where(cond, a, b) over `numel` elements of `d` with two Python numbers, each wrapped
+  // as a 0-dim tensor first (masking_utils' eager mask, SDPA's conversion of a bool mask, the
+  // math kernel's causal mask).
+  T where_of_scalars(std::uint64_t numel, DType d) {
+    T a = fresh(1, d), b = fresh(1, d);
+    T w = fresh(numel, d);
+    t_.drop(b);
+    t_.drop(a);
+    return w;
+  }
+
   // x.to(dtype): a new tensor when the dtype changes (ToCopyBackward saves nothing).
   T to(const T& x, DType d) {
     if (x.dtype == d) return t_.ref(x);

@@ -710,14 +710,7 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
   T kc = pol_.autocast ? to(kin, c) : t_.ref(kin);
   T vc = pol_.autocast ? to(vin, c) : t_.ref(vin);
   if (r_.cp > 1) return ring_attention_core(q, qc, kc, vc);  // never masked (step.cpp refuses it)
-  T fmask;
-  if (masked) {
-    T zero = fresh(1, c);
-    T low = fresh(1, c);
-    fmask = fresh(B_ * S_ * S_, c);
-    t_.drop(low);
-    t_.drop(zero);
-  }
+  T fmask = masked ? where_of_scalars(B_ * S_ * S_, c) : T{};
   T o = fresh(qn, c);
   T lse = sdpa_makes_lse(c, !no_grad_) ? fresh(B_ * heads * S_, DType::kF32) : T{};
   if (qc.requires_grad() || kc.requires_grad() || vc.requires_grad()) {
@@ -891,10 +884,7 @@ T StepBuilder::gpt2_math_kernel(T& q, T& k, T& v) {
   T ones = fresh(S_ * S_, DType::kU8);
   T tril = fresh(S_ * S_, DType::kU8);
   t_.drop(ones);
-  T zero = fresh(1, md), low = fresh(1, md);
-  T fmask = fresh(S_ * S_, md);
-  t_.drop(zero);
-  t_.drop(low);
+  T fmask = where_of_scalars(S_ * S_, md);
   t_.drop(tril);
   T ka = to(k, md);
   T ks = elementwise({&ka}, qn, md, {});  // k^T * sqrt(scale)
