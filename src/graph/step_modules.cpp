@@ -869,24 +869,27 @@ T StepBuilder::gpt2_attention_core(T& q, T& k, T& v) {
 }
 
 // aten _scaled_dot_product_attention_math as its locals run, measured on the CPU (fp32, GPT-2,
-// with and without saves: the same ops, the saves decide the rest): q is scaled first and lives
-// to the end; the causal mask is ones, tril and a where with two 0-dim scalars; k^T is scaled and
-// both are copied for bmm (b > 1); the mask is added out of place; softmax, dropout; v copied for
-// the second bmm; then q, the mask and the probabilities go. Half inputs are upcast first and the
-// output cast back.
+// with and without saves: the same ops, the saves decide the rest): the fp32 copies of half
+// inputs first (query_acc, key_acc, value_acc, kept to the end); q is scaled and lives to the
+// end; the causal mask is ones, tril and a where with two 0-dim scalars; k^T is scaled and both
+// are copied for bmm (b > 1); the mask is added; softmax, dropout; v copied for the second bmm;
+// the returned tuple's casts back; then the locals go. The add is out of place because the
+// measuring side's TorchDispatchMode makes areAnyTensorSubclassLike true: an untracked CPU run
+// adds in place and has one scores-sized tensor less at that moment. The engine follows what the
+// corpus measures; CUDA never runs this kernel for GPT-2 here (flash or memory-efficient). The
+// half path follows torch's source, unmeasured.
 T StepBuilder::gpt2_math_kernel(T& q, T& k, T& v) {
   const std::uint64_t qn = q.numel, scores = B_ * a_.num_heads * S_ * S_;
   const DType c = q.dtype, md = DType::kF32;
   auto copy = [&](const T& x) { return elementwise({&x}, x.numel, md, {}); };
-  T qa = to(q, md);
-  T qs = elementwise({&qa}, qn, md, {});  // q * sqrt(scale)
+  T qa = to(q, md), ka = to(k, md), va = to(v, md);  // query_acc, key_acc, value_acc
+  T qs = elementwise({&qa}, qn, md, {});               // q * sqrt(scale)
   qs.bshd = q.dtype == md;
   T ones = fresh(S_ * S_, DType::kU8);
   T tril = fresh(S_ * S_, DType::kU8);
   t_.drop(ones);
   T fmask = where_of_scalars(S_ * S_, md);
   t_.drop(tril);
-  T ka = to(k, md);
   T ks = elementwise({&ka}, qn, md, {});  // k^T * sqrt(scale)
   ks.bshd = k.dtype == md;
   T qc = folds_with_copy(qs) ? copy(qs) : t_.ref(qs);
@@ -896,27 +899,21 @@ T StepBuilder::gpt2_math_kernel(T& q, T& k, T& v) {
   t_.drop(kc);
   t_.drop(qc);
   t_.drop(ks);
-  t_.drop(ka);
-  T sa = add(sc, fmask);
+  T sa = add(sc, fmask);  // out of place under the tracker: see the comment above
   t_.drop(sc);
   T p = softmax(sa);  // _safe_softmax
   t_.drop(sa);
   T pd = dropout(p);
   t_.drop(p);
-  T va = to(v, md);
+  // return make_tuple(matmul(attn, v).to(origin), attn.to(origin)): the second element first.
+  T pw = to(pd, c);
   va.bshd = v.dtype == md;
   T vc = folds_with_copy(va) ? copy(va) : t_.ref(va);
   T o = bmm(pd, vc, qn, md);
   t_.drop(vc);
-  t_.drop(va);
-  t_.drop(qs);
-  t_.drop(qa);
-  t_.drop(fmask);
-  T pw = to(pd, c);  // the returned attention weights, dropped by the caller
-  t_.drop(pw);
-  t_.drop(pd);
   T oc = to(o, c);
-  t_.drop(o);
+  // The kernel returns: its locals go, then the caller drops the weights it does not use.
+  for (T* local : {&qs, &fmask, &pd, &o, &va, &ka, &qa, &pw}) t_.drop(*local);
   T out = elementwise({&oc}, qn, c, {});  // transpose(1, 2).reshape(...).contiguous()
   t_.drop(oc);
   return out;

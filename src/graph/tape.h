@@ -339,12 +339,12 @@ struct CheckpointTail {
 //  * eager attention: repeat_kv's copies until the attention function returns, the scores until
 //    the probabilities replace them, the probabilities (the layer's `_`) to the layer's end;
 //  * Phi-3's MLP: the gate_up output (the `gate` chunk's storage) until the MLP returns;
-//  * GPT-2: the CPU math kernel's own locals (gpt2_math_without_saves), NewGELU's `0.5 * x` made
-//    first, the block holding eager attention's returned weights to its end.
+//  * GPT-2: the CPU math kernel's own locals (gpt2_math_kernel, the same in every forward), the
+//    block holding eager attention's returned weights to its end.
 // Where a saving forward saves the tensor anyway, or frees it at the same point, the rule is the
 // same there (the modules' locals, attention_module and mlp_module, follow it always);
-// StepBuilder::python_lifetimes() tells the ops whose order differs (attention_core,
-// gpt2_attention_core, gelu_tanh).
+// StepBuilder::python_lifetimes() tells the ops whose order differs (attention_core's eager path,
+// gpt2_attention_core's returned weights).
 
 // A recorded autograd graph taken off the tape (Tape::take_graph), to be put back before its
 // backward runs (Tape::put_graph): a pipeline stage keeps several micro-batches' graphs alive at

@@ -871,6 +871,12 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
       base = pr;
     } else if (q.gpus <= 64 && tp_modelled(model, q.gpus) && valid(tr) && window_modelled(model, tr)) {
       base = tr;
+    } else if (!window_modelled(model, pr)) {
+      try {
+        graph::check_sliding_window(model, pr);
+      } catch (const Error& e) {
+        throw no_split(std::string("a pipeline or tensor-parallel group over them is refused: ") + e.what());
+      }
     } else {
       throw no_split("the engine models this recipe neither as a pipeline nor as tensor parallelism over " +
                      std::to_string(q.gpus) + " GPUs (docs/parallelism.md)");
