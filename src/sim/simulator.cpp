@@ -11,13 +11,15 @@
 namespace trainmem::sim {
 namespace {
 
+// A checkpointed layer's forward re-run happens inside backward: its phase is backward (and its
+// op is named "layer N recompute <op>", to_moment).
+Phase reported_phase(const graph::MomentTag& m) { return m.recompute ? Phase::kBackward : m.phase; }
+
 Moment to_moment(const graph::MomentTag& m) {
   Moment out;
   out.step = m.step;
   out.micro_batch = m.micro;
-  // A checkpointed layer's forward re-run happens inside backward: phase backward, op named
-  // "layer N recompute <op>".
-  out.phase = m.recompute ? Phase::kBackward : m.phase;
+  out.phase = reported_phase(m);
   std::string op = m.recompute ? "recompute " + std::string(m.op) : std::string(m.op);
   if (m.layer >= 0) out.op = "layer " + std::to_string(m.layer) + " " + op;
   else out.op = op;
@@ -245,7 +247,7 @@ void Replay::State::consume_events(const graph::Trace& trace, std::size_t total_
 
 void Replay::State::watch_phase(const graph::MomentTag& m, bool moved) {
   if (moved) {
-    const Phase phase = m.recompute ? Phase::kBackward : m.phase;  // as to_moment says
+    const Phase phase = reported_phase(m);
     const std::uint64_t key = std::uint64_t{m.step} << 40 | std::uint64_t{m.micro} << 8 | static_cast<std::uint64_t>(phase);
     auto [it, fresh] = phase_index.try_emplace(key, est.phases.size());
     if (fresh) est.phases.push_back({m.step, m.micro, phase, 0, 0});
