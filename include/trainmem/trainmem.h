@@ -80,6 +80,11 @@ struct Architecture {
   Activation activation = Activation::kSilu;
   double attn_logit_softcap = 0;   // Gemma-2: tanh soft-capping of scores (eager only)
   double final_logit_softcap = 0;  // Gemma-2: tanh soft-capping of logits
+  // Dropout probabilities in training (Note [Dropout probabilities] in model/config.cpp); a
+  // dropout of 0 returns its input and allocates nothing.
+  double attn_dropout = 0;   // on the attention probabilities (GPT-2 attn_pdrop, attention_dropout)
+  double resid_dropout = 0;  // on each sub-layer's output (GPT-2, Phi-3: resid_pdrop)
+  double embd_dropout = 0;   // on the embeddings' sum (GPT-2: embd_pdrop)
   DType torch_dtype = DType::kF32; // the dtype the checkpoint was published in
   // Generation (model::attention_windows, Note [Sliding-window layers] in graph/generation.cpp):
   std::uint64_t sliding_window = 0;       // window of the layers that slide; 0: no layer does

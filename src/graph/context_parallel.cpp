@@ -36,6 +36,10 @@ void check_context_parallel(const Model& model, const Recipe& r) {
     throw Error(cp + " with attention " + std::string(to_string(r.attention)) +
                 ": context_parallel replaces torch's scaled_dot_product_attention only; use sdpa");
   }
+  if (model.arch.attn_dropout > 0) {
+    throw Error(cp + " with attention dropout (the config's attention_dropout > 0): the ring's dropout is not "
+                "modelled; set attention_dropout to 0");
+  }
   if (r.lora.enabled() || r.quant.enabled()) {
     throw Error(cp + " with LoRA or a 4-bit base is not modelled (untested)");
   }

@@ -281,7 +281,7 @@ ValueId StepBuilder::forward_and_loss() {
     training_masks(sum.dtype, /*causal_only=*/false);
     op("drop");
     const std::uint32_t drop = container_enter(Container::kEmbedDropout);
-    hs = dropout(sum);
+    hs = dropout(sum, a_.embd_dropout);
     module_exit(drop);
     t_.drop(sum);
   }
@@ -657,12 +657,27 @@ void check_sliding_window(const Model& model, const Recipe& r) {
               "window" + std::string(r.cp > 1 ? "" : ", or flash attention") + ")");
 }
 
+void check_attention_dropout(const Model& model, const Recipe& r, const Gpu& gpu) {
+  const Architecture& a = model.arch;
+  // On the CPU no fused kernel takes dropout, so SDPA runs its math kernel; GPT-2's is modelled
+  // (Note [GPT-2 attention]), with its fp32 copies, causal mask and scaled operands. The others
+  // would add GQA's repeat_interleave, unmeasured. Gemma-2 runs eager attention anyway.
+  if (r.mode != Mode::kTraining || gpu.name != "cpu" || r.attention != Attention::kSdpa || a.attn_dropout == 0 ||
+      a.family == Family::kGpt2 || a.family == Family::kGemma2) {
+    return;
+  }
+  throw Error("attention: sdpa with attention dropout (the config's attention_dropout > 0) on the CPU runs "
+              "torch's math kernel, which is modelled for GPT-2 only; use eager attention, a GPU, or "
+              "attention_dropout 0");
+}
+
 Trace build_training_trace(const Model& model, const Recipe& recipe, const Gpu& gpu, const MicroBatchHook& hook,
                            std::uint64_t rank) {
   // A tensor-parallel rank builds the step of its local model (Note [Tensor parallelism]).
   const Model local = tensor_parallel_model(model, recipe.tp, recipe.loss_parallel);
   check_context_parallel(model, recipe);
   check_sliding_window(model, recipe);
+  check_attention_dropout(model, recipe, gpu);
   step::StepBuilder b(local, recipe, gpu, hook, rank);
   return b.build();
 }

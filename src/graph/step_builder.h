@@ -408,7 +408,7 @@ class StepBuilder {
   T rms_norm(const T& x, std::uint32_t w, std::uint64_t rows, std::string_view name);
   T rms_norm_module(const T& x, std::uint32_t w, std::uint64_t rows);
   T layer_norm(const T& x, std::uint32_t w, std::uint32_t b, std::uint64_t rows, std::string_view name);
-  T dropout(const T& x);
+  T dropout(const T& x, double p);
   T rope(const T& q);
   T repeat_kv(const T& x);
   bool folds_with_copy(const T& x) const;
@@ -429,7 +429,7 @@ class StepBuilder {
   T decoder_layer(const T& x, std::uint32_t l);
   T decoder_layer_module(const T& x, std::uint32_t l);
   T post_norm(T y, std::uint32_t norm, std::string_view name);
-  T gpt2_residual_dropout(T y, Container module);
+  T residual_dropout(T y, Container module);
   T residual_add(const T& residual, T& branch);
   T checkpointed_layer(const T& x, std::uint32_t l);
   void drop_nodes_since(std::size_t n);

@@ -280,7 +280,7 @@ T StepBuilder::proj(const T& x, std::string_view path, std::uint32_t w, std::uin
   }
   T xa = to(x, params_[ad->a].dtype);  // _cast_input_dtype: x is rebound, kept to the end
   const std::uint32_t dropout_module = container_enter(Container::kLoraDropout, xa.requires_grad(), sub);
-  T xd = r_.lora.dropout > 0 ? dropout(xa) : t_.ref(xa);
+  T xd = dropout(xa, r_.lora.dropout);
   module_exit(dropout_module);
   op(labels.a);
   T down = linear(xd, ad->a, kNone, r_.lora.rank);
@@ -414,7 +414,7 @@ T StepBuilder::lora_4bit(const T& x, T& base, const Adapter& ad, const LoraLabel
   }
   T xa = convert ? to(x, params_[ad.a].dtype) : t_.ref(x);  // _cast_input_dtype
   const std::uint32_t dropout_module = container_enter(Container::kLoraDropout, xa.requires_grad(), sub);
-  T xd = r_.lora.dropout > 0 ? dropout(xa) : t_.ref(xa);
+  T xd = dropout(xa, r_.lora.dropout);
   module_exit(dropout_module);
   op(labels.a);
   T down = linear(xd, ad.a, kNone, r_.lora.rank);
@@ -580,9 +580,11 @@ T StepBuilder::layer_norm(const T& x, std::uint32_t w, std::uint32_t b, std::uin
   return out;
 }
 
-// Dropout with p > 0 in training. CUDA's fused kernel saves a bool mask; the CPU path saves
-// the scaled noise in the input dtype (ATen Dropout.cpp).
-T StepBuilder::dropout(const T& x) {
+// Dropout in training. p = 0 returns the input itself (Note [Dropout probabilities] in
+// model/config.cpp); otherwise CUDA's fused kernel saves a bool mask and the CPU path saves the
+// scaled noise in the input dtype (ATen Dropout.cpp).
+T StepBuilder::dropout(const T& x, double p) {
+  if (p == 0) return t_.ref(x);
   T mask = cuda_ ? fresh(x.numel, DType::kU8) : fresh(x.numel, x.dtype);
   T y = elementwise({&x}, x.numel, x.dtype, {mask.id});
   t_.drop(mask);
@@ -674,6 +676,9 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
     T p = to(p32, q.dtype);  // .to(query.dtype): fp32 under autocast, so a no-op there
     t_.drop(p32);
     if (locals) t_.drop(s2);
+    T pd = dropout(p, a_.attn_dropout);  // attention_dropout, rebinding attn_weights
+    t_.drop(p);
+    p = pd;
     op("self_attn.attn_output");
     T pc = pol_.autocast ? to(p, c) : t_.ref(p);
     if (locals) {
@@ -699,7 +704,7 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
   // sliding window reached: Note [Training masks] in step.cpp) it repeats K and V first, and
   // SDPA turns the bool mask into a float one of q's dtype (where with two 0-dim scalars) that
   // the kernel saves; the repeated K and V live until sdpa_attention_forward returns.
-  op("self_attn.sdpa");
+  op(a_.family == Family::kGpt2 ? "attn.sdpa" : "self_attn.sdpa");
   const bool masked = mask_.id != kNone;
   const bool gqa_native = !masked && a_.num_kv_heads != a_.num_heads;
   T kr = masked ? repeat_kv(k) : T{};
@@ -795,10 +800,10 @@ T StepBuilder::ring_attention_core(const T& q, T& qc, T& kc, T& vc) {
 //  * eager: matmul reshapes each strided operand for bmm, so with b > 1 q, k^T and v are
 //    copied and the copies saved (b = 1: the views, so the Conv1D output; folds_with_copy);
 //    softmax takes no dtype argument (CUDA autocast runs it in fp32, CPU autocast in the
-//    input dtype), .type(value.dtype) casts back, and attention dropout (attn_pdrop, 0.1) is
-//    active in training; the output is transposed and copied.
-//  * sdpa on CUDA: the flash kernel takes the views (their storage, the Conv1D output, is
-//    what stays saved) and supports dropout; the output needs no copy.
+//    input dtype), .type(value.dtype) casts back, and attention dropout (attn_pdrop, 0.1 by
+//    default) runs in training; the output is transposed and copied.
+//  * sdpa on CUDA, or on the CPU with attn_pdrop 0: a fused kernel takes the views (their
+//    storage, the Conv1D output, is what stays saved); the output needs no copy.
 //  * sdpa on CPU with dropout: no fused kernel takes dropout, so the math kernel runs: half
 //    inputs are upcast to fp32 (contiguous copies), q and k^T are scaled separately (the
 //    products keep their operand's layout) and folded for bmm as in eager, the causal mask
@@ -809,8 +814,8 @@ T StepBuilder::gpt2_attention_core(T& q, T& k, T& v) {
   const std::uint64_t qn = q.numel, scores = B_ * heads * S_ * S_;
   const DType c = q.dtype;  // the Conv1D output dtype: the compute dtype
   auto copy = [&](const T& x, DType d) { return elementwise({&x}, x.numel, d, {}); };
-  auto drop_out = [&](T& x) {  // dropout(p > 0) on probabilities: see dropout()
-    T y = dropout(x);
+  auto drop_out = [&](T& x) {  // dropout on the probabilities: see dropout()
+    T y = dropout(x, a_.attn_dropout);
     t_.drop(x);
     x = y;
   };
@@ -848,22 +853,11 @@ T StepBuilder::gpt2_attention_core(T& q, T& k, T& v) {
     t_.drop(o);
     return oc;
   }
-  if (cuda_) {
-    op("attn.sdpa");
-    T o = fresh(qn, c);
-    T lse = fresh(B_ * heads * S_, DType::kF32);
-    if (q.requires_grad() || k.requires_grad() || v.requires_grad()) {
-      requires_grad(o);
-      Node nd = node(o);
-      nd.saved = {q.id, k.id, v.id, o.id, lse.id};
-      for (const T* x : {&q, &k, &v}) nd.inputs.push_back(fused_grad_of(*x));
-      nd.scratch = {qn * dtype_bytes(c), qn * 4, B_ * heads * S_ * 4};
-      t_.record(std::move(nd));
-    }
-    t_.drop(lse);
-    return o;
-  }
-  // CPU: the math kernel (aten _scaled_dot_product_attention_math).
+  // A fused kernel, as for the other families: CUDA's take dropout, the CPU's flash kernel only
+  // p = 0. q, k and v are views of the Conv1D output, laid out as [b, s, heads, d], so the
+  // output needs no copy.
+  if (cuda_ || a_.attn_dropout == 0) return attention_core(q, k, v);
+  // CPU with dropout: the math kernel (aten _scaled_dot_product_attention_math).
   op("attn.sdpa_math");
   return gpt2_math_kernel(q, k, v);
 }
@@ -903,7 +897,7 @@ T StepBuilder::gpt2_math_kernel(T& q, T& k, T& v) {
   t_.drop(sc);
   T p = softmax(sa);  // _safe_softmax
   t_.drop(sa);
-  T pd = dropout(p);
+  T pd = dropout(p, a_.attn_dropout);
   t_.drop(p);
   // return make_tuple(matmul(attn, v).to(origin), attn.to(origin)): the second element first.
   T pw = to(pd, c);
@@ -989,7 +983,7 @@ T StepBuilder::attention_module(const T& x, const LayerParams& lp) {
   T y = proj(o, a_.family == Family::kGpt2 ? "attn.c_proj" : "self_attn.o_proj", lp.o, lp.o_b,
              a_.hidden_size);
   t_.drop(o);
-  if (a_.family == Family::kGpt2) y = gpt2_residual_dropout(y, Container::kAttnDropout);
+  if (a_.family == Family::kGpt2) y = residual_dropout(y, Container::kAttnDropout);
   // The module's locals go when it returns (Note [Forwards without saves] in tape.h).
   t_.drop(q);
   t_.drop(k);
@@ -1032,7 +1026,7 @@ T StepBuilder::mlp_module(const T& x, const LayerParams& lp) {
     t_.drop(h);
     T y = proj(g, "mlp.c_proj", lp.down, lp.down_b, a_.hidden_size);
     t_.drop(g);
-    return gpt2_residual_dropout(y, Container::kMlpDropout);  // GPT2MLP's dropout
+    return residual_dropout(y, Container::kMlpDropout);  // GPT2MLP's dropout
   }
   T gate, up;
   if (lp.gate_up != kNone) {
@@ -1108,6 +1102,7 @@ T StepBuilder::decoder_layer_module(const T& x, std::uint32_t l) {
   T att = attention(n1, lp);  // GPT-2's residual dropout happens inside, as in GPT2Attention
   t_.drop(n1);
   att = post_norm(att, lp.post_attn_norm, "post_attention_layernorm");
+  if (a_.family == Family::kPhi3) att = residual_dropout(att, Container::kAttnDropout);
   // GPT2Block keeps `attn_output`, a local, to its return (measured: the residual dropout's
   // output outlives the MLP); the other families rebind hidden_states at the add.
   T attn_output = gpt2 ? t_.ref(att) : T{};
@@ -1118,6 +1113,7 @@ T StepBuilder::decoder_layer_module(const T& x, std::uint32_t l) {
   T m = mlp(n2, lp);
   t_.drop(n2);
   m = post_norm(m, lp.post_ff_norm, "post_feedforward_layernorm");
+  if (a_.family == Family::kPhi3) m = residual_dropout(m, Container::kMlpDropout);
   T out = residual_add(h1, m);
   t_.drop(h1);
   if (attn_output.id != kNone) t_.drop(attn_output);
@@ -1137,9 +1133,11 @@ T StepBuilder::post_norm(T y, std::uint32_t norm, std::string_view name) {
   return pn;
 }
 
-T StepBuilder::gpt2_residual_dropout(T y, Container module) {
+// The nn.Dropout on a sub-layer's output: inside GPT-2's attention and MLP modules, in Phi-3's
+// decoder layer (resid_attn_dropout, resid_mlp_dropout).
+T StepBuilder::residual_dropout(T y, Container module) {
   const std::uint32_t m = container_enter(module);
-  T dr = dropout(y);
+  T dr = dropout(y, a_.resid_dropout);
   module_exit(m);
   t_.drop(y);
   return dr;

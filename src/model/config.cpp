@@ -93,6 +93,23 @@ double get_number_or(const json& c, const char* key, double fallback) {
   return d;
 }
 
+// Note [Dropout probabilities]
+// Dropout changes memory only through whether it runs: torch's dropout returns its input itself
+// for p = 0 (ATen Dropout.cpp), so nothing is allocated or saved, while any p in (0, 1) makes
+// the same mask and output whatever its value. The engine therefore needs each site's
+// probability only to tell zero from non-zero, but a value outside [0, 1) is an error: p = 1
+// zeroes every activation, which no training run means. Defaults are the config classes':
+// 0.1 for GPT-2's attn_pdrop, resid_pdrop and embd_pdrop, 0.0 for the others' attention_dropout
+// and Phi-3's resid_pdrop (its embd_pdrop is never used by the model).
+double get_probability_or(const json& c, const char* key, double fallback) {
+  const double p = get_number_or(c, key, fallback);
+  if (p >= 1) {
+    throw Error(std::string("config.json: field '") + key + "' is a dropout probability and must be below 1, got " +
+                describe(c.at(key)));
+  }
+  return p;
+}
+
 DType parse_dtype(const json& c) {
   // transformers 5 writes "dtype"; older configs "torch_dtype".
   for (const char* key : {"dtype", "torch_dtype"}) {
@@ -161,6 +178,9 @@ Architecture parse_gpt2(const json& c) {
   a.learned_positions = true;
   a.norm = NormKind::kLayerNorm;
   a.activation = parse_activation(c, "activation_function", Activation::kGeluTanh);
+  a.attn_dropout = get_probability_or(c, "attn_pdrop", 0.1);
+  a.resid_dropout = get_probability_or(c, "resid_pdrop", 0.1);
+  a.embd_dropout = get_probability_or(c, "embd_pdrop", 0.1);
   return a;
 }
 
@@ -188,6 +208,7 @@ Architecture parse_llama_like(const json& c, Family family) {
   }
   check_heads(a);
   a.activation = parse_activation(c, "hidden_act", Activation::kSilu);
+  a.attn_dropout = get_probability_or(c, "attention_dropout", 0);
   switch (family) {
     case Family::kLlama: {
       bool bias = get_bool_or(c, "attention_bias", false);
@@ -224,6 +245,7 @@ Architecture parse_llama_like(const json& c, Family family) {
     case Family::kPhi3:
       a.fused_qkv = true;
       a.fused_gate_up = true;
+      a.resid_dropout = get_probability_or(c, "resid_pdrop", 0);
       a.tie_word_embeddings = get_bool_or(c, "tie_word_embeddings", false);
       break;
     case Family::kGpt2:

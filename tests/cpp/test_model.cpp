@@ -408,6 +408,45 @@ TEST(ModelConfig, NegativeSoftcap) {
   EXPECT_EQ(error_from(j), "config.json: field 'final_logit_softcapping' must be a finite number ≥ 0, got -1");
 }
 
+TEST(ModelConfig, DropoutProbabilitiesFollowEachConfigClass) {
+  // GPT2Config's attn_pdrop, resid_pdrop and embd_pdrop default to 0.1; the Llama family's
+  // attention_dropout and Phi-3's resid_pdrop to 0 (Note [Dropout probabilities]).
+  const Architecture g = from(gpt2_config()).arch;
+  EXPECT_EQ(g.attn_dropout, 0.1);
+  EXPECT_EQ(g.resid_dropout, 0.1);
+  EXPECT_EQ(g.embd_dropout, 0.1);
+  json gj = gpt2_config();
+  gj["attn_pdrop"] = 0;
+  gj["resid_pdrop"] = 0.2;
+  gj["embd_pdrop"] = nullptr;  // null: the class default
+  const Architecture g2 = from(gj).arch;
+  EXPECT_EQ(g2.attn_dropout, 0);
+  EXPECT_EQ(g2.resid_dropout, 0.2);
+  EXPECT_EQ(g2.embd_dropout, 0.1);
+  const Architecture l = from(llama_config()).arch;
+  EXPECT_EQ(l.attn_dropout, 0);
+  EXPECT_EQ(l.resid_dropout, 0);
+  EXPECT_EQ(l.embd_dropout, 0);
+  json lj = llama_config();
+  lj["attention_dropout"] = 0.1;
+  lj["resid_pdrop"] = 0.3;  // not a Llama key: ignored
+  EXPECT_EQ(from(lj).arch.attn_dropout, 0.1);
+  EXPECT_EQ(from(lj).arch.resid_dropout, 0);
+  lj["model_type"] = "phi3";
+  EXPECT_EQ(from(lj).arch.resid_dropout, 0.3);
+}
+
+TEST(ModelConfig, DropoutProbabilitiesMustBeBelowOne) {
+  json g = gpt2_config();
+  g["attn_pdrop"] = 1;
+  EXPECT_EQ(error_from(g), "config.json: field 'attn_pdrop' is a dropout probability and must be below 1, got 1");
+  g["attn_pdrop"] = -0.1;
+  EXPECT_EQ(error_from(g), "config.json: field 'attn_pdrop' must be a finite number ≥ 0, got -0.1");
+  json l = llama_config();
+  l["attention_dropout"] = "0.1";
+  EXPECT_EQ(error_from(l), "config.json: field 'attention_dropout' must be a number, got \"0.1\"");
+}
+
 TEST(ModelConfig, NanAndInfinityAreNotJson) {
   // Python's json.dump writes NaN and Infinity; they are not JSON and nlohmann rejects them.
   EXPECT_EQ(error_from_text(R"({"model_type": "llama", "hidden_size": NaN})"), "config.json: not valid JSON");

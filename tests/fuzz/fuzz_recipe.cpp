@@ -11,6 +11,7 @@
 #include <fuzzer/FuzzedDataProvider.h>
 
 #include <nlohmann/json.hpp>
+#include <string>
 #include <vector>
 
 #include "fuzz_common.h"
@@ -112,9 +113,15 @@ nlohmann::json make_config(FuzzedDataProvider& p) {
   static constexpr const char* kKeys[] = {"hidden_size", "intermediate_size", "num_hidden_layers",
                                           "num_attention_heads", "num_key_value_heads", "head_dim",
                                           "vocab_size", "n_embd", "n_head", "n_inner", "torch_dtype",
-                                          "hidden_act", "tie_word_embeddings", "model_type"};
+                                          "hidden_act", "tie_word_embeddings", "model_type",
+                                          "attn_pdrop", "resid_pdrop", "embd_pdrop", "attention_dropout"};
   while (p.remaining_bytes() > 0 && p.ConsumeIntegral<std::uint8_t>() >= 224) {
-    const char* key = kKeys[p.ConsumeIntegralInRange<std::size_t>(0, std::size(kKeys) - 1)];
+    const std::string key = kKeys[p.ConsumeIntegralInRange<std::size_t>(0, std::size(kKeys) - 1)];
+    // A dropout probability is mostly a valid one: 0 (no dropout at all) or in (0, 1).
+    if (key.find("drop") != std::string::npos && p.ConsumeBool()) {
+      c[key] = p.ConsumeBool() ? 0.0 : p.ConsumeProbability<double>();
+      continue;
+    }
     switch (p.ConsumeIntegralInRange(0, 5)) {
       case 0: c[key] = p.ConsumeIntegral<std::int64_t>(); break;
       case 1: c[key] = p.ConsumeIntegral<std::uint64_t>(); break;
