@@ -1100,21 +1100,27 @@ T StepBuilder::decoder_layer_module(const T& x, std::uint32_t l) {
   T n1 = gpt2 ? layer_norm(x, lp.in_norm, lp.in_norm_b, res_tok_, "ln_1")
               : rms_norm(x, lp.in_norm, res_tok_, "input_layernorm");
   T att = attention(n1, lp);  // GPT-2's residual dropout happens inside, as in GPT2Attention
-  t_.drop(n1);
+  // The other families rebind hidden_states to the attention's output; GPT2Block names it
+  // attn_output, so its hidden_states holds ln_1's output until the add rebinds it (measured:
+  // under autocast, where c_attn saves a cast copy and nothing else holds it, the add's output
+  // is allocated first). Likewise ln_2's output and the MLP's.
+  if (!gpt2) t_.drop(n1);
   att = post_norm(att, lp.post_attn_norm, "post_attention_layernorm");
   if (a_.family == Family::kPhi3) att = residual_dropout(att, Container::kAttnDropout);
   // GPT2Block keeps `attn_output`, a local, to its return (measured: the residual dropout's
   // output outlives the MLP); the other families rebind hidden_states at the add.
   T attn_output = gpt2 ? t_.ref(att) : T{};
   T h1 = residual_add(x, att);
+  if (gpt2) t_.drop(n1);
   T n2 = gpt2 ? layer_norm(h1, lp.post_attn_norm, lp.post_attn_norm_b, res_tok_, "ln_2")
               : rms_norm(h1, a_.sandwich_norms ? lp.pre_ff_norm : lp.post_attn_norm, res_tok_,
                          a_.sandwich_norms ? "pre_feedforward_layernorm" : "post_attention_layernorm");
   T m = mlp(n2, lp);
-  t_.drop(n2);
+  if (!gpt2) t_.drop(n2);
   m = post_norm(m, lp.post_ff_norm, "post_feedforward_layernorm");
   if (a_.family == Family::kPhi3) m = residual_dropout(m, Container::kMlpDropout);
   T out = residual_add(h1, m);
+  if (gpt2) t_.drop(n2);
   t_.drop(h1);
   if (attn_output.id != kNone) t_.drop(attn_output);
   if (attn_weights_.id != kNone) {  // the layer's `_` (eager, without saves)

@@ -96,7 +96,9 @@ double get_number_or(const json& c, const char* key, double fallback) {
 // Note [Dropout probabilities]
 // Dropout changes memory only through whether it runs: torch's dropout returns its input itself
 // for p = 0 (ATen Dropout.cpp), so nothing is allocated or saved, while any p in (0, 1) makes
-// the same mask and output whatever its value. The engine therefore needs each site's
+// the same mask and output whatever its value. CUDA's fused SDPA kernels draw theirs inside the
+// kernel: flash keeps its Philox seed and offset as CPU scalars outside graph capture (mha_fwd in
+// flash_api.cpp), so it saves what it saves without dropout. The engine needs each site's
 // probability only to tell zero from non-zero, but a value outside [0, 1) is an error: p = 1
 // zeroes every activation, which no training run means. Defaults are the config classes':
 // 0.1 for GPT-2's attn_pdrop, resid_pdrop and embd_pdrop, 0.0 for the others' attention_dropout

@@ -136,14 +136,16 @@ TEST(TrainingMasks, ThePlannerSkipsAReachedWindowsRefusals) {
   }
 }
 
-// Whether the storage first allocated under op `made` in layer 0's first forward of step 1 is
-// still live when op `later` first allocates there.
-bool alive_at(const graph::Trace& t, std::string_view made, std::string_view later) {
+// Whether the storage first allocated under op `made` (of `bytes`, unless 0) in layer 0's first
+// forward of step 1 is still live when op `later` next allocates there.
+bool alive_at(const graph::Trace& t, std::string_view made, std::string_view later, std::uint64_t bytes = 0) {
   graph::TensorId id = graph::kNone;
   for (const graph::Event& e : t.events) {
     const graph::MomentTag& mo = t.moments[e.moment];
     if (mo.step != 1 || mo.layer != 0 || mo.recompute || mo.phase != Phase::kForward) continue;
-    if (e.alloc && mo.op == made && id == graph::kNone) id = e.tensor;
+    if (e.alloc && mo.op == made && id == graph::kNone && (bytes == 0 || t.storages[e.tensor].bytes == bytes)) {
+      id = e.tensor;
+    }
     if (!e.alloc && e.tensor == id) return false;
     if (e.alloc && mo.op == later && id != graph::kNone) return true;
   }
@@ -162,6 +164,18 @@ TEST(ForwardsWithoutSaves, TheModulesLocalsLiveUntilTheyReturn) {
     EXPECT_TRUE(alive_at(t, "self_attn.qkv_proj", "self_attn.o_proj")) << to_string(c);
     EXPECT_TRUE(alive_at(t, "mlp.gate_up_proj", "mlp.down_proj")) << to_string(c);
   }
+}
+
+// GPT2Block names the attention's and the MLP's outputs apart, so its hidden_states holds ln_1's
+// (ln_2's) output until the residual add rebinds it. Under autocast the projections save a cast
+// copy, and that name is all that holds the norm's fp32 output (measured:
+// cpu-gpt2-bf16mixed-adamw-fusedloss-ga2-b1s8's forward phases).
+TEST(ForwardsWithoutSaves, GPT2BlockHoldsItsNormOutputsToTheAdds) {
+  const Recipe r = cpu(Precision::kBf16Mixed, Attention::kSdpa, 2, 64);
+  const graph::Trace t = graph::build_training_trace(testing::gpt2_l2(), r, find_gpu(r.gpu));
+  const std::uint64_t hidden_fp32 = 2 * 64 * 768 * 4;
+  EXPECT_TRUE(alive_at(t, "ln_1", "residual_add", hidden_fp32));
+  EXPECT_TRUE(alive_at(t, "ln_2", "residual_add", hidden_fp32));
 }
 
 // Every phase of every micro-batch is listed once, in order of its first event, and a step's
