@@ -336,8 +336,7 @@ void StepBuilder::rotary_embedding(DType x_dtype) {
   T pf = fresh(S_, DType::kF32);
   T freqs = fresh(S_ * d / 2, DType::kF32);
   t_.drop(pf);
-  T emb = fresh(S_ * d, DType::kF32);
-  t_.drop(freqs);
+  T emb = fresh(S_ * d, DType::kF32);  // cat((freqs, freqs)); both locals live to the return
   auto trig = [&]() {
     T raw = fresh(S_ * d, DType::kF32);
     T scaled = fresh(S_ * d, DType::kF32);
@@ -349,6 +348,7 @@ void StepBuilder::rotary_embedding(DType x_dtype) {
   };
   cos_ = trig();
   sin_ = trig();
+  t_.drop(freqs);
   t_.drop(emb);
   module_exit(rotary);
 }
@@ -641,14 +641,24 @@ void StepBuilder::backward(ValueId loss) {
 }  // namespace trainmem::graph::step
 
 namespace trainmem::graph {
+namespace {
 
-void check_sliding_window(const Model& model, const Recipe& r) {
-  if (r.mode != Mode::kTraining || (r.tp <= 1 && r.cp <= 1 && r.pp <= 1)) return;
-  // Gemma-2 runs eager attention whatever the recipe says (its mask is modelled everywhere).
-  if (r.attention != Attention::kSdpa || model.arch.family == Family::kGemma2) return;
+// The sliding window that a training sequence of the recipe's length reaches under SDPA, making
+// HF materialise the mask (Note [Training masks]); 0 when none does. Gemma-2 runs eager
+// attention whatever the recipe says (its mask is modelled everywhere).
+std::uint64_t reached_window(const Model& model, const Recipe& r) {
+  if (r.mode != Mode::kTraining || r.attention != Attention::kSdpa || model.arch.family == Family::kGemma2) return 0;
   std::uint64_t window = 0;
   for (std::uint64_t w : model::attention_windows(model.arch)) window = std::max(window, w);
-  if (window == 0 || r.seq < window) return;
+  return window != 0 && r.seq >= window ? window : 0;
+}
+
+}  // namespace
+
+void check_sliding_window(const Model& model, const Recipe& r) {
+  if (r.tp <= 1 && r.cp <= 1 && r.pp <= 1) return;
+  const std::uint64_t window = reached_window(model, r);
+  if (window == 0) return;
   // See Note [Training masks]: measured on one process only, and the pipeline's stage module
   // builds the causal mask alone.
   throw Error("attention: sdpa with a sequence of " + std::to_string(r.seq) + " tokens reaches the model's " +
@@ -659,16 +669,16 @@ void check_sliding_window(const Model& model, const Recipe& r) {
 
 void check_attention_dropout(const Model& model, const Recipe& r, const Gpu& gpu) {
   const Architecture& a = model.arch;
-  // On the CPU no fused kernel takes dropout, so SDPA runs its math kernel; GPT-2's is modelled
-  // (Note [GPT-2 attention]), with its fp32 copies, causal mask and scaled operands. The others
-  // would add GQA's repeat_interleave, unmeasured. Gemma-2 runs eager attention anyway.
-  if (r.mode != Mode::kTraining || gpu.name != "cpu" || r.attention != Attention::kSdpa || a.attn_dropout == 0 ||
-      a.family == Family::kGpt2 || a.family == Family::kGemma2) {
-    return;
-  }
-  throw Error("attention: sdpa with attention dropout (the config's attention_dropout > 0) on the CPU runs "
-              "torch's math kernel, which is modelled for GPT-2 only; use eager attention, a GPU, or "
-              "attention_dropout 0");
+  // On the CPU no fused kernel takes dropout, so SDPA runs its math kernel (StepBuilder::
+  // math_kernel), modelled with its own causal mask; a reached sliding window hands it HF's
+  // mask instead, which is not. Gemma-2 runs eager attention anyway.
+  if (gpu.name != "cpu" || a.attn_dropout == 0) return;
+  const std::uint64_t window = reached_window(model, r);
+  if (window == 0) return;
+  throw Error("attention: sdpa with attention dropout (the config's attention_dropout > 0) on the CPU, with a "
+              "sequence of " + std::to_string(r.seq) + " tokens that reaches the sliding window (" +
+              std::to_string(window) + "), runs torch's math kernel on the model's mask, which is not modelled; "
+              "use eager attention, a shorter sequence, or attention_dropout 0");
 }
 
 Trace build_training_trace(const Model& model, const Recipe& recipe, const Gpu& gpu, const MicroBatchHook& hook,

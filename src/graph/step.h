@@ -23,8 +23,9 @@ constexpr std::uint32_t kMidSchedule = UINT32_MAX;
 // in step.cpp). The planner asks it before it replays such a recipe.
 void check_sliding_window(const Model& model, const Recipe& recipe);
 
-// Throws Error for SDPA with attention dropout on the CPU in the families whose math kernel the
-// engine does not mirror (all but GPT-2: Note [Dropout probabilities] in model/config.cpp).
+// Throws Error for SDPA with attention dropout on the CPU where a reached sliding window hands
+// torch's math kernel HF's mask, which is not modelled (Note [Dropout probabilities] in
+// model/config.cpp).
 void check_attention_dropout(const Model& model, const Recipe& recipe, const Gpu& gpu);
 
 // `rank`: the data-parallel rank whose memory is built (ZeRO's partitions differ by rank; the

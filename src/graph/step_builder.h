@@ -419,7 +419,7 @@ class StepBuilder {
   T attention_core(T& q, T& k, T& v);
   T ring_attention_core(const T& q, T& qc, T& kc, T& vc);
   T gpt2_attention_core(T& q, T& k, T& v);
-  T gpt2_math_kernel(T& q, T& k, T& v);
+  T math_kernel(T& q, T& k, T& v);
   T attention(const T& x, const LayerParams& lp);
   T attention_module(const T& x, const LayerParams& lp);
   T slice(const T& fused, std::uint64_t width);

@@ -704,8 +704,23 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
   // sliding window reached: Note [Training masks] in step.cpp) it repeats K and V first, and
   // SDPA turns the bool mask into a float one of q's dtype (where with two 0-dim scalars) that
   // the kernel saves; the repeated K and V live until sdpa_attention_forward returns.
-  op(a_.family == Family::kGpt2 ? "attn.sdpa" : "self_attn.sdpa");
   const bool masked = mask_.id != kNone;
+  if (!cuda_ && a_.attn_dropout > 0 && a_.family != Family::kGpt2) {
+    // No CPU kernel but the math one takes dropout (a reached window's mask: refused in step.cpp).
+    op("self_attn.sdpa_math");
+    auto cast = [&](const T& x) {  // autocast's; it keeps the operand's order of strides
+      T y = pol_.autocast ? to(x, c) : t_.ref(x);
+      y.bshd = x.bshd;
+      return y;
+    };
+    T qc = cast(q), kc = cast(k), vc = cast(v);
+    T o = math_kernel(qc, kc, vc);
+    t_.drop(qc);
+    t_.drop(kc);
+    t_.drop(vc);
+    return o;
+  }
+  op(a_.family == Family::kGpt2 ? "attn.sdpa" : "self_attn.sdpa");
   const bool gqa_native = !masked && a_.num_kv_heads != a_.num_heads;
   T kr = masked ? repeat_kv(k) : T{};
   T vr = masked ? repeat_kv(v) : T{};
@@ -805,7 +820,7 @@ T StepBuilder::ring_attention_core(const T& q, T& qc, T& kc, T& vc) {
 //  * sdpa on CUDA, or on the CPU with attn_pdrop 0: a fused kernel takes the views (their
 //    storage, the Conv1D output, is what stays saved); the output needs no copy.
 //  * sdpa on CPU with dropout: no fused kernel takes dropout, so the math kernel runs: half
-//    inputs are upcast to fp32 (contiguous copies), q and k^T are scaled separately (the
+//    inputs are upcast to fp32 (copies in the same layout), q and k^T are scaled separately (the
 //    products keep their operand's layout) and folded for bmm as in eager, the causal mask
 //    is built as [s, s] bool and float, softmax and the dropout noise and output
 //    are saved, and the result is cast back.
@@ -859,33 +874,48 @@ T StepBuilder::gpt2_attention_core(T& q, T& k, T& v) {
   if (cuda_ || a_.attn_dropout == 0) return attention_core(q, k, v);
   // CPU with dropout: the math kernel (aten _scaled_dot_product_attention_math).
   op("attn.sdpa_math");
-  return gpt2_math_kernel(q, k, v);
+  return math_kernel(q, k, v);
 }
 
-// aten _scaled_dot_product_attention_math as its locals run, measured on the CPU (fp32, GPT-2,
-// with and without saves: the same ops, the saves decide the rest): the fp32 copies of half
-// inputs first (query_acc, key_acc, value_acc, kept to the end); q is scaled and lives to the
-// end; the causal mask is ones, tril and a where with two 0-dim scalars; k^T is scaled and both
-// are copied for bmm (b > 1); the mask is added; softmax, dropout; v copied for the second bmm;
-// the returned tuple's casts back; then the locals go. The add is out of place because the
-// measuring side's TorchDispatchMode makes areAnyTensorSubclassLike true: an untracked CPU run
-// adds in place and has one scores-sized tensor less at that moment. The engine follows what the
-// corpus measures; CUDA never runs this kernel for GPT-2 here (flash or memory-efficient). The
-// half path follows torch's source, unmeasured.
-T StepBuilder::gpt2_math_kernel(T& q, T& k, T& v) {
+// aten _scaled_dot_product_attention_math with is_causal as its locals run, measured on the
+// CPU (GPT-2 in fp32 and bf16-mixed, with and without saves: the same ops, the saves decide the
+// rest; the Llama family with attention_dropout): the fp32 copies of half inputs first
+// (query_acc, key_acc, value_acc, kept to the end); q is scaled and lives to the end; the causal
+// mask is ones, tril and a where with two 0-dim scalars; with GQA (enable_gqa) K and V are
+// repeated (unsqueeze, expand, clone: contiguous copies at the query head count, kept to the
+// end); k^T is scaled and both are copied for bmm where their layout needs it (b > 1); the mask
+// is added; softmax, dropout; v copied for the second bmm likewise; the returned tuple's casts
+// back; then the locals go. A cast keeps its operand's order of strides (preserve_format), a
+// slice of a fused projection's too (GPT-2's q, k, v; Phi-3's v), so the fp32 copies fold for bmm
+// as their inputs would (measured: bf16-mixed GPT-2 and Phi-3 at b = 2). The add is out of place
+// because the measuring side's TorchDispatchMode makes areAnyTensorSubclassLike true: an
+// untracked CPU run adds in place and has one scores-sized tensor less at that moment. The
+// engine follows what the corpus measures; CUDA never runs this kernel here (the fused kernels
+// take dropout).
+T StepBuilder::math_kernel(T& q, T& k, T& v) {
   const std::uint64_t qn = q.numel, scores = B_ * a_.num_heads * S_ * S_;
+  const std::uint64_t groups = a_.num_heads / a_.num_kv_heads;
   const DType c = q.dtype, md = DType::kF32;
   auto copy = [&](const T& x) { return elementwise({&x}, x.numel, md, {}); };
   T qa = to(q, md), ka = to(k, md), va = to(v, md);  // query_acc, key_acc, value_acc
   T qs = elementwise({&qa}, qn, md, {});               // q * sqrt(scale)
-  qs.bshd = q.dtype == md;
+  qs.bshd = q.bshd;
   T ones = fresh(S_ * S_, DType::kU8);
   T tril = fresh(S_ * S_, DType::kU8);
   t_.drop(ones);
   T fmask = where_of_scalars(S_ * S_, md);
   t_.drop(tril);
-  T ks = elementwise({&ka}, qn, md, {});  // k^T * sqrt(scale)
-  ks.bshd = k.dtype == md;
+  T ke = t_.ref(ka), ve = t_.ref(va);  // key_expanded, value_expanded
+  ke.bshd = k.bshd;
+  ve.bshd = v.bshd;
+  if (groups > 1) {
+    t_.drop(ke);
+    t_.drop(ve);
+    ke = elementwise({&ka}, ka.numel * groups, md, {});
+    ve = elementwise({&va}, va.numel * groups, md, {});
+  }
+  T ks = elementwise({&ke}, qn, md, {});  // k^T * sqrt(scale)
+  ks.bshd = ke.bshd;
   T qc = folds_with_copy(qs) ? copy(qs) : t_.ref(qs);
   T kc = folds_with_copy(ks) ? copy(ks) : t_.ref(ks);
   ensure_workspace(false);
@@ -901,13 +931,12 @@ T StepBuilder::gpt2_math_kernel(T& q, T& k, T& v) {
   t_.drop(p);
   // return make_tuple(matmul(attn, v).to(origin), attn.to(origin)): the second element first.
   T pw = to(pd, c);
-  va.bshd = v.dtype == md;
-  T vc = folds_with_copy(va) ? copy(va) : t_.ref(va);
+  T vc = folds_with_copy(ve) ? copy(ve) : t_.ref(ve);
   T o = bmm(pd, vc, qn, md);
   t_.drop(vc);
   T oc = to(o, c);
   // The kernel returns: its locals go, then the caller drops the weights it does not use.
-  for (T* local : {&qs, &fmask, &pd, &o, &va, &ka, &qa, &pw}) t_.drop(*local);
+  for (T* local : {&qs, &fmask, &pd, &o, &ke, &ve, &va, &ka, &qa, &pw}) t_.drop(*local);
   T out = elementwise({&oc}, qn, c, {});  // transpose(1, 2).reshape(...).contiguous()
   t_.drop(oc);
   return out;
@@ -959,10 +988,10 @@ T StepBuilder::attention_module(const T& x, const LayerParams& lp) {
   if (a_.family != Family::kGpt2) {
     op("self_attn.rotary");
     // Phi-3 rotates the first rotary_dim channels and concatenates the rest (empty with
-    // partial_rotary_factor 1.0): torch.cat copies the rotated q and k once more.
-    auto rotate = [&](T& x) {
+    // partial_rotary_factor 1.0): torch.cat copies the rotated q and k once more. The caller's
+    // query_states and key_states hold q and k until apply_rotary_pos_emb returns both.
+    auto rotate = [&](const T& x) {
       T r = rope(x);
-      t_.drop(x);
       if (a_.family == Family::kPhi3) {
         T c = fresh(r.numel, r.dtype);
         if (r.requires_grad()) {
@@ -974,10 +1003,14 @@ T StepBuilder::attention_module(const T& x, const LayerParams& lp) {
         t_.drop(r);
         r = c;
       }
-      x = r;
+      return r;
     };
-    rotate(q);
-    rotate(k);
+    T rq = rotate(q);
+    T rk = rotate(k);
+    t_.drop(q);
+    t_.drop(k);
+    q = rq;
+    k = rk;
   }
   T o = a_.family == Family::kGpt2 ? gpt2_attention_core(q, k, v) : attention_core(q, k, v);
   T y = proj(o, a_.family == Family::kGpt2 ? "attn.c_proj" : "self_attn.o_proj", lp.o, lp.o_b,
@@ -1094,35 +1127,41 @@ T StepBuilder::decoder_layer(const T& x, std::uint32_t l) {
   return out;
 }
 
+// A decoder layer as the block's Python names hold its tensors:
+//  * the Llama family rebinds hidden_states to each sub-layer's output, so a norm's output goes
+//    when its sub-layer returns;
+//  * Phi-3 adds `residual + self.resid_*_dropout(hidden_states)`: the sub-layer's output keeps
+//    its name until the add rebinds it (measured with resid_pdrop 0.1);
+//  * GPT2Block names the sub-layers' outputs apart (attn_output, feed_forward_hidden_states), so
+//    its hidden_states holds ln_1's (ln_2's) output until the add rebinds it (measured under
+//    autocast, where the projections save a cast copy and nothing else holds it), and
+//    attn_output lives to the block's return (the residual dropout's output outlives the MLP).
 T StepBuilder::decoder_layer_module(const T& x, std::uint32_t l) {
   const LayerParams& lp = layers_[l];
-  const bool gpt2 = a_.family == Family::kGpt2;
+  const bool gpt2 = a_.family == Family::kGpt2, phi3 = a_.family == Family::kPhi3;
   T n1 = gpt2 ? layer_norm(x, lp.in_norm, lp.in_norm_b, res_tok_, "ln_1")
               : rms_norm(x, lp.in_norm, res_tok_, "input_layernorm");
   T att = attention(n1, lp);  // GPT-2's residual dropout happens inside, as in GPT2Attention
-  // The other families rebind hidden_states to the attention's output; GPT2Block names it
-  // attn_output, so its hidden_states holds ln_1's output until the add rebinds it (measured:
-  // under autocast, where c_attn saves a cast copy and nothing else holds it, the add's output
-  // is allocated first). Likewise ln_2's output and the MLP's.
   if (!gpt2) t_.drop(n1);
   att = post_norm(att, lp.post_attn_norm, "post_attention_layernorm");
-  if (a_.family == Family::kPhi3) att = residual_dropout(att, Container::kAttnDropout);
-  // GPT2Block keeps `attn_output`, a local, to its return (measured: the residual dropout's
-  // output outlives the MLP); the other families rebind hidden_states at the add.
-  T attn_output = gpt2 ? t_.ref(att) : T{};
+  T attn_output = gpt2 || phi3 ? t_.ref(att) : T{};
+  if (phi3) att = residual_dropout(att, Container::kAttnDropout);
   T h1 = residual_add(x, att);
   if (gpt2) t_.drop(n1);
+  if (phi3) t_.drop(attn_output);
   T n2 = gpt2 ? layer_norm(h1, lp.post_attn_norm, lp.post_attn_norm_b, res_tok_, "ln_2")
               : rms_norm(h1, a_.sandwich_norms ? lp.pre_ff_norm : lp.post_attn_norm, res_tok_,
                          a_.sandwich_norms ? "pre_feedforward_layernorm" : "post_attention_layernorm");
   T m = mlp(n2, lp);
   if (!gpt2) t_.drop(n2);
   m = post_norm(m, lp.post_ff_norm, "post_feedforward_layernorm");
-  if (a_.family == Family::kPhi3) m = residual_dropout(m, Container::kMlpDropout);
+  T mlp_output = phi3 ? t_.ref(m) : T{};
+  if (phi3) m = residual_dropout(m, Container::kMlpDropout);
   T out = residual_add(h1, m);
   if (gpt2) t_.drop(n2);
+  if (phi3) t_.drop(mlp_output);
   t_.drop(h1);
-  if (attn_output.id != kNone) t_.drop(attn_output);
+  if (gpt2) t_.drop(attn_output);
   if (attn_weights_.id != kNone) {  // the layer's `_` (eager, without saves)
     t_.drop(attn_weights_);
     attn_weights_ = T{};

@@ -339,7 +339,7 @@ struct CheckpointTail {
 //  * eager attention: repeat_kv's copies until the attention function returns, the scores until
 //    the probabilities replace them, the probabilities (the layer's `_`) to the layer's end;
 //  * Phi-3's MLP: the gate_up output (the `gate` chunk's storage) until the MLP returns;
-//  * GPT-2: the CPU math kernel's own locals (gpt2_math_kernel, the same in every forward), the
+//  * GPT-2: the CPU math kernel's own locals (math_kernel, the same in every forward), the
 //    block holding eager attention's returned weights to its end.
 // Where a saving forward saves the tensor anyway, or frees it at the same point, the rule is the
 // same there (the modules' locals, attention_module and mlp_module, follow it always);

@@ -83,17 +83,19 @@ TEST(Dropout, AZeroProbabilityKeepsNoNoise) {
 
 // attention_dropout in the Llama family: eager attention saves the noise of its probabilities and
 // the dropped copy that the second matmul saves, two [b, heads, s, s] per layer (fp32 on the
-// CPU); SDPA on the CPU would run the math kernel,
-// which is refused, as is the ring of context parallelism.
+// CPU); SDPA on the CPU runs the math kernel, which saves the same two and repeats K and V for
+// GQA; the ring of context parallelism is refused.
 TEST(Dropout, LlamaAttentionDropout) {
   const std::uint64_t B = 2, S = 128, heads = 8, layers = 4, scores = B * heads * S * S * 4;
   const Model on = derived("llama-3.2-1b-w512-l4-attndrop");
   const ForwardAllocs with = forward_allocs(on, cpu(Attention::kEager, B, S), scores);
   const ForwardAllocs without = forward_allocs(testing::llama_w512(), cpu(Attention::kEager, B, S), scores);
   EXPECT_EQ(with.live_at_end - without.live_at_end, 2 * layers * scores);
-  EXPECT_EQ(testing::error_of([&] { graph::build_training_trace(on, cpu(Attention::kSdpa, B, S), find_gpu("cpu")); }),
-            "attention: sdpa with attention dropout (the config's attention_dropout > 0) on the CPU runs torch's "
-            "math kernel, which is modelled for GPT-2 only; use eager attention, a GPU, or attention_dropout 0");
+  const ForwardAllocs math = forward_allocs(on, cpu(Attention::kSdpa, B, S), scores);
+  const ForwardAllocs flash = forward_allocs(testing::llama_w512(), cpu(Attention::kSdpa, B, S), scores);
+  EXPECT_EQ(flash.of_size, 0);
+  EXPECT_GT(math.of_size, 0);
+  EXPECT_GT(math.live_at_end, flash.live_at_end + 2 * layers * scores);
   Recipe gpu = cpu(Attention::kSdpa, B, S);
   gpu.gpu = "h100-80gb";
   EXPECT_NO_THROW(graph::build_training_trace(on, gpu, find_gpu(gpu.gpu)));
@@ -101,6 +103,18 @@ TEST(Dropout, LlamaAttentionDropout) {
   EXPECT_EQ(testing::error_of([&] { graph::check_context_parallel(on, gpu); }),
             "cp: 2 with attention dropout (the config's attention_dropout > 0): the ring's dropout is not "
             "modelled; set attention_dropout to 0");
+}
+
+// A reached sliding window hands the CPU's math kernel HF's materialised mask: refused.
+TEST(Dropout, TheCpuMathKernelWithAWindowsMaskIsRefused) {
+  Model m = derived("mistral-7b-v0.1-w512-l2-win128");
+  m.arch.attn_dropout = 0.1;
+  EXPECT_NO_THROW(graph::build_training_trace(m, cpu(Attention::kSdpa, 2, 64), find_gpu("cpu")));
+  EXPECT_EQ(testing::error_of([&] { graph::build_training_trace(m, cpu(Attention::kSdpa, 2, 128), find_gpu("cpu")); }),
+            "attention: sdpa with attention dropout (the config's attention_dropout > 0) on the CPU, with a sequence "
+            "of 128 tokens that reaches the sliding window (128), runs torch's math kernel on the model's mask, which "
+            "is not modelled; use eager attention, a shorter sequence, or attention_dropout 0");
+  EXPECT_NO_THROW(graph::build_training_trace(m, cpu(Attention::kEager, 2, 128), find_gpu("cpu")));
 }
 
 }  // namespace
