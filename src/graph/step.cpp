@@ -323,7 +323,6 @@ ValueId StepBuilder::forward_and_loss() {
   ValueId loss = r_.loss == Loss::kFused ? fused_loss(normed, emb)
                  : r_.loss_parallel        ? vocab_parallel_loss(normed, emb)
                                            : standard_loss(normed, emb);
-  exit_autocast();
   return loss;
 }
 
@@ -336,20 +335,20 @@ void StepBuilder::rotary_embedding(DType x_dtype) {
   T pf = fresh(S_, DType::kF32);
   T freqs = fresh(S_ * d / 2, DType::kF32);
   t_.drop(pf);
-  T emb = fresh(S_ * d, DType::kF32);  // cat((freqs, freqs)); both locals live to the return
-  auto trig = [&]() {
+  T emb = fresh(S_ * d, DType::kF32);  // cat((freqs, freqs)); the locals live to the return
+  auto trig = [&]() {  // emb.cos() * attention_scaling
     T raw = fresh(S_ * d, DType::kF32);
     T scaled = fresh(S_ * d, DType::kF32);
     t_.drop(raw);
-    if (x_dtype == DType::kF32) return scaled;
-    T cast = fresh(S_ * d, x_dtype);
-    t_.drop(scaled);
-    return cast;
+    return scaled;
   };
   cos_ = trig();
   sin_ = trig();
-  t_.drop(freqs);
-  t_.drop(emb);
+  // return cos.to(x.dtype), sin.to(x.dtype); then the fp32 locals go.
+  T cos32 = cos_, sin32 = sin_;
+  cos_ = to(cos32, x_dtype);
+  sin_ = to(sin32, x_dtype);
+  for (T* local : {&freqs, &emb, &cos32, &sin32}) t_.drop(*local);
   module_exit(rotary);
 }
 
@@ -596,6 +595,7 @@ ValueId StepBuilder::scale_loss(T& loss) {
   module_exit(causal_lm_module_);  // the model's forward returns with the loss
   causal_lm_module_ = kNone;
   dp_->post_forward();  // the model's forward has returned (FSDP2's root post-forward)
+  exit_autocast();  // the autocast context ends with the forward, before the loss is scaled
   // (loss / grad_accum).backward(); fp16-mixed goes through GradScaler.scale(), which makes
   // its scale and growth tracker on first use and multiplies the loss by the scale.
   T scaled = elementwise({&loss}, 1, DType::kF32, {});

@@ -412,6 +412,7 @@ class StepBuilder {
   T rope(const T& q);
   T repeat_kv(const T& x);
   bool folds_with_copy(const T& x) const;
+  T matmul(const T& a, const T& b, std::uint64_t out_numel, DType c);
   // Whether an SDPA kernel in dtype c returns the fp32 log-sum-exp: the CPU flash kernel and
   // CUDA's flash kernel (half inputs) always do; CUDA's memory-efficient kernel (fp32) only with
   // grad mode on (should_compute_logsumexp).
@@ -420,6 +421,7 @@ class StepBuilder {
   T ring_attention_core(const T& q, T& qc, T& kc, T& vc);
   T gpt2_attention_core(T& q, T& k, T& v);
   T math_kernel(T& q, T& k, T& v);
+  T heads_last(T o);
   T attention(const T& x, const LayerParams& lp);
   T attention_module(const T& x, const LayerParams& lp);
   T slice(const T& fused, std::uint64_t width);

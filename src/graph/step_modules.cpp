@@ -629,6 +629,27 @@ T StepBuilder::repeat_kv(const T& x) {
 // expand + clone + _unsafe_view for b = 2).
 bool StepBuilder::folds_with_copy(const T& x) const { return x.bshd && B_ > 1; }
 
+// torch.matmul(a, b) of 4-D operands in dtype c: autocast casts the arguments last to first
+// (Note [Autocast's weight casts]), matmul folds each for bmm (a copy where folds_with_copy), and
+// the casts and copies are the call's temporaries, gone once it returns (bmm saves what it
+// needs; measured: eager attention under bf16-mixed at b = 2).
+T StepBuilder::matmul(const T& a, const T& b, std::uint64_t out_numel, DType c) {
+  auto cast = [&](const T& x) {
+    T y = pol_.autocast ? to(x, c) : t_.ref(x);
+    y.bshd = x.bshd;
+    return y;
+  };
+  auto fold = [&](const T& x) { return folds_with_copy(x) ? elementwise({&x}, x.numel, x.dtype, {}) : t_.ref(x); };
+  T bc = cast(b);
+  T ac = cast(a);
+  T af = fold(ac);
+  T bf = fold(bc);
+  ensure_workspace(false);
+  T out = bmm(af, bf, out_numel, c);
+  for (T* x : {&af, &bf, &ac, &bc}) t_.drop(*x);
+  return out;
+}
+
 T StepBuilder::attention_core(T& q, T& k, T& v) {
   const std::uint64_t heads = a_.num_heads, d = a_.head_dim;
   const std::uint64_t qn = tok_ * heads * d;
@@ -636,26 +657,13 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
   const DType c = pol_.autocast ? pol_.compute : q.dtype;
   if (attention_ == Attention::kEager) {
     op("self_attn.attn_weights");
+    // eager_attention_forward's Python names decide what lives, with saves or without
+    // (measured: bf16-mixed at b = 2, where the saved tensors are casts): the repeated K and V
+    // until it returns, the scores until the probabilities replace them, the returned
+    // probabilities (the layer's `_`) to the layer's end.
     T kr = repeat_kv(k);
     T vr = repeat_kv(v);
-    // matmul reshapes each operand to 3-D for bmm (see folds_with_copy).
-    auto for_bmm = [&](const T& x) {
-      T y = pol_.autocast ? to(x, c) : t_.ref(x);
-      y.bshd = x.bshd;
-      if (!folds_with_copy(y)) return y;
-      T copy = elementwise({&y}, y.numel, y.dtype, {});
-      t_.drop(y);
-      return copy;
-    };
-    // Without saves the Python variables decide (Note [Forwards without saves] in tape.h).
-    const bool locals = python_lifetimes();
-    T qc = for_bmm(q);
-    T kc = for_bmm(kr);
-    if (!locals) t_.drop(kr);
-    ensure_workspace(false);
-    T s0 = bmm(qc, kc, scores, c);  // q @ k^T
-    t_.drop(qc);
-    t_.drop(kc);
+    T s0 = matmul(q, kr, scores, c);  // q @ k^T
     T s1 = elementwise({&s0}, scores, c, {});  // * scaling
     t_.drop(s0);
     if (a_.attn_logit_softcap > 0) {  // Gemma-2: s / cap, tanh (saves output), * cap
@@ -670,33 +678,20 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
     t_.drop(s1);
     op("self_attn.softmax");
     T s32 = to(s2, DType::kF32);
-    if (!locals) t_.drop(s2);
     T p32 = softmax(s32);
     t_.drop(s32);
     T p = to(p32, q.dtype);  // .to(query.dtype): fp32 under autocast, so a no-op there
     t_.drop(p32);
-    if (locals) t_.drop(s2);
+    t_.drop(s2);
     T pd = dropout(p, a_.attn_dropout);  // attention_dropout, rebinding attn_weights
     t_.drop(p);
     p = pd;
     op("self_attn.attn_output");
-    T pc = pol_.autocast ? to(p, c) : t_.ref(p);
-    if (locals) {
-      attn_weights_ = p;
-    } else {
-      t_.drop(p);
-    }
-    T vc = for_bmm(vr);
-    if (!locals) t_.drop(vr);
-    T o = bmm(pc, vc, qn, c);  // probs @ v
-    t_.drop(pc);
-    t_.drop(vc);
-    T oc = elementwise({&o}, qn, c, {});  // transpose(1, 2).contiguous()
-    t_.drop(o);
-    if (locals) {
-      t_.drop(kr);
-      t_.drop(vr);
-    }
+    T o = matmul(p, vr, qn, c);  // probs @ v
+    attn_weights_ = p;
+    T oc = heads_last(o);
+    t_.drop(kr);
+    t_.drop(vr);
     return oc;
   }
   // SDPA / flash-attention: q, k, v (as passed), the output and the fp32 log-sum-exp are
@@ -713,12 +708,12 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
       y.bshd = x.bshd;
       return y;
     };
-    T qc = cast(q), kc = cast(k), vc = cast(v);
+    T vc = cast(v), kc = cast(k), qc = cast(q);  // autocast casts the arguments last to first
     T o = math_kernel(qc, kc, vc);
     t_.drop(qc);
     t_.drop(kc);
     t_.drop(vc);
-    return o;
+    return heads_last(o);
   }
   op(a_.family == Family::kGpt2 ? "attn.sdpa" : "self_attn.sdpa");
   const bool gqa_native = !masked && a_.num_kv_heads != a_.num_heads;
@@ -726,13 +721,17 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
   T vr = masked ? repeat_kv(v) : T{};
   const T& kin = masked ? kr : k;
   const T& vin = masked ? vr : v;
-  T qc = pol_.autocast ? to(q, c) : t_.ref(q);
-  T kc = pol_.autocast ? to(kin, c) : t_.ref(kin);
+  // autocast casts the arguments last to first (Note [Autocast's weight casts]).
   T vc = pol_.autocast ? to(vin, c) : t_.ref(vin);
+  T kc = pol_.autocast ? to(kin, c) : t_.ref(kin);
+  T qc = pol_.autocast ? to(q, c) : t_.ref(q);
   if (r_.cp > 1) return ring_attention_core(q, qc, kc, vc);  // never masked (step.cpp refuses it)
   T fmask = masked ? where_of_scalars(B_ * S_ * S_, c) : T{};
-  T o = fresh(qn, c);
-  T lse = sdpa_makes_lse(c, !no_grad_) ? fresh(B_ * heads * S_, DType::kF32) : T{};
+  // The CPU's flash kernel allocates the log-sum-exp first, CUDA's kernels their output.
+  T o, lse;
+  if (!cuda_) lse = fresh(B_ * heads * S_, DType::kF32);
+  o = fresh(qn, c);
+  if (cuda_ && sdpa_makes_lse(c, !no_grad_)) lse = fresh(B_ * heads * S_, DType::kF32);
   if (qc.requires_grad() || kc.requires_grad() || vc.requires_grad()) {
     requires_grad(o);
     Node& nd = open_node(o);
@@ -758,11 +757,7 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
   // The flash kernels allocate their output with q's layout. When q is laid out as
   // [b, s, heads, d] (a projection view), HF's transpose(1, 2).contiguous() is a no-op and
   // o_proj saves the very storage SDPA saved; otherwise (Phi-3's cat) it copies.
-  if (!q.bshd) {
-    T oc = elementwise({&o}, qn, c, {});
-    t_.drop(o);
-    o = oc;
-  }
+  if (!q.bshd) o = heads_last(o);
   if (masked) {
     t_.drop(kr);
     t_.drop(vr);
@@ -804,9 +799,7 @@ T StepBuilder::ring_attention_core(const T& q, T& qc, T& kc, T& vc) {
   t_.drop(kc);
   t_.drop(vc);
   if (q.bshd && !ring.output_contiguous()) return o;
-  T oc = elementwise({&o}, o.numel, o.dtype, {});  // HF's transpose(1, 2).contiguous() copies
-  t_.drop(o);
-  return oc;
+  return heads_last(o);
 }
 
 // Note [GPT-2 attention]
@@ -864,9 +857,7 @@ T StepBuilder::gpt2_attention_core(T& q, T& k, T& v) {
       t_.drop(pv);
     }
     t_.drop(vc);
-    T oc = copy(o, c);  // transpose(1, 2).reshape(...).contiguous()
-    t_.drop(o);
-    return oc;
+    return heads_last(o);  // transpose(1, 2).reshape(...).contiguous()
   }
   // A fused kernel, as for the other families: CUDA's take dropout, the CPU's flash kernel only
   // p = 0. q, k and v are views of the Conv1D output, laid out as [b, s, heads, d], so the
@@ -874,7 +865,7 @@ T StepBuilder::gpt2_attention_core(T& q, T& k, T& v) {
   if (cuda_ || a_.attn_dropout == 0) return attention_core(q, k, v);
   // CPU with dropout: the math kernel (aten _scaled_dot_product_attention_math).
   op("attn.sdpa_math");
-  return math_kernel(q, k, v);
+  return heads_last(math_kernel(q, k, v));
 }
 
 // aten _scaled_dot_product_attention_math with is_causal as its locals run, measured on the
@@ -937,8 +928,14 @@ T StepBuilder::math_kernel(T& q, T& k, T& v) {
   T oc = to(o, c);
   // The kernel returns: its locals go, then the caller drops the weights it does not use.
   for (T* local : {&qs, &fmask, &pd, &o, &ke, &ve, &va, &ka, &qa, &pw}) t_.drop(*local);
-  T out = elementwise({&oc}, qn, c, {});  // transpose(1, 2).reshape(...).contiguous()
-  t_.drop(oc);
+  return oc;
+}
+
+// The attention function's transpose(1, 2).contiguous() of the [b, heads, s, d] attention output
+// (after SDPA has returned, its arguments' casts gone).
+T StepBuilder::heads_last(T o) {
+  T out = elementwise({&o}, o.numel, o.dtype, {});
+  t_.drop(o);
   return out;
 }
 
@@ -1162,7 +1159,7 @@ T StepBuilder::decoder_layer_module(const T& x, std::uint32_t l) {
   if (phi3) t_.drop(mlp_output);
   t_.drop(h1);
   if (gpt2) t_.drop(attn_output);
-  if (attn_weights_.id != kNone) {  // the layer's `_` (eager, without saves)
+  if (attn_weights_.id != kNone) {  // the layer's `_` (eager attention)
     t_.drop(attn_weights_);
     attn_weights_ = T{};
   }

@@ -341,10 +341,11 @@ struct CheckpointTail {
 //  * Phi-3's MLP: the gate_up output (the `gate` chunk's storage) until the MLP returns;
 //  * GPT-2: the CPU math kernel's own locals (math_kernel, the same in every forward), the
 //    block holding eager attention's returned weights to its end.
-// Where a saving forward saves the tensor anyway, or frees it at the same point, the rule is the
-// same there (the modules' locals, attention_module and mlp_module, follow it always);
-// StepBuilder::python_lifetimes() tells the ops whose order differs (attention_core's eager path,
-// gpt2_attention_core's returned weights).
+// A saving forward follows the same rule wherever its saves do not hide it: the modules' locals
+// (attention_module, mlp_module, decoder_layer_module) and attention_core's eager path always do
+// (measured: eager Llama under bf16-mixed, where bmm saves casts and the names alone hold the
+// scores and probabilities). StepBuilder::python_lifetimes() is left for gpt2_attention_core's
+// returned weights, which a saving forward saves anyway.
 
 // A recorded autograd graph taken off the tape (Tape::take_graph), to be put back before its
 // backward runs (Tape::put_graph): a pipeline stage keeps several micro-batches' graphs alive at
