@@ -700,9 +700,10 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
   // SDPA turns the bool mask into a float one of q's dtype (where with two 0-dim scalars) that
   // the kernel saves; the repeated K and V live until sdpa_attention_forward returns.
   const bool masked = mask_.id != kNone;
-  if (!cuda_ && a_.attn_dropout > 0 && a_.family != Family::kGpt2) {
+  const bool gpt2 = a_.family == Family::kGpt2;
+  if (!cuda_ && a_.attn_dropout > 0) {
     // No CPU kernel but the math one takes dropout (a reached window's mask: refused in step.cpp).
-    op("self_attn.sdpa_math");
+    op(gpt2 ? "attn.sdpa_math" : "self_attn.sdpa_math");
     auto cast = [&](const T& x) {  // autocast's; it keeps the operand's order of strides
       T y = pol_.autocast ? to(x, c) : t_.ref(x);
       y.bshd = x.bshd;
@@ -715,7 +716,7 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
     t_.drop(vc);
     return heads_last(o);
   }
-  op(a_.family == Family::kGpt2 ? "attn.sdpa" : "self_attn.sdpa");
+  op(gpt2 ? "attn.sdpa" : "self_attn.sdpa");
   const bool gqa_native = !masked && a_.num_kv_heads != a_.num_heads;
   T kr = masked ? repeat_kv(k) : T{};
   T vr = masked ? repeat_kv(v) : T{};
@@ -859,13 +860,10 @@ T StepBuilder::gpt2_attention_core(T& q, T& k, T& v) {
     t_.drop(vc);
     return heads_last(o);  // transpose(1, 2).reshape(...).contiguous()
   }
-  // A fused kernel, as for the other families: CUDA's take dropout, the CPU's flash kernel only
-  // p = 0. q, k and v are views of the Conv1D output, laid out as [b, s, heads, d], so the
-  // output needs no copy.
-  if (cuda_ || a_.attn_dropout == 0) return attention_core(q, k, v);
-  // CPU with dropout: the math kernel (aten _scaled_dot_product_attention_math).
-  op("attn.sdpa_math");
-  return heads_last(math_kernel(q, k, v));
+  // SDPA as for the other families: a fused kernel (CUDA's take dropout, the CPU's flash kernel
+  // only p = 0), whose output needs no copy (q is laid out as [b, s, heads, d]), or the CPU's
+  // math kernel.
+  return attention_core(q, k, v);
 }
 
 // aten _scaled_dot_product_attention_math with is_causal as its locals run, measured on the
