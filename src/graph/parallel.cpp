@@ -609,13 +609,24 @@ DType DataParallel::local_dtype(std::uint32_t slot, DType dtype) const {
 
 void DataParallel::rebuild_buckets() {
   t_.at(Phase::kForward, kNoLayer, "ddp.rebuild_buckets");
-  for (TensorId b : buckets_) t_.release(b);
-  buckets_.clear();
   std::vector<std::uint32_t> order = ready_order_;
   for (std::uint32_t pi = static_cast<std::uint32_t>(params_.size()); pi-- > 0;) {
     if (std::find(order.begin(), order.end(), pi) == order.end()) order.push_back(pi);  // never ready
   }
-  for (std::uint64_t bytes : bucket_sizes(order)) buckets_.push_back(t_.alloc_bytes(bytes, Category::kGradients));
+  const std::vector<std::uint64_t> sizes = bucket_sizes(order);
+  // Reducer::sync_bucket_indices broadcasts the assignment from rank 0 first: the parameter
+  // indices (one int32 each, and the bucket count) and the bucket sizes, each made on the host
+  // and copied to the device, all gone before the buckets are rebuilt (measured on the CPU, where
+  // the host copies are tracked too).
+  std::vector<TensorId> assignment;
+  for (std::uint64_t n : {order.size() + 1, sizes.size()}) {
+    if (!cuda_) assignment.push_back(t_.alloc_bytes(n * 4, Category::kTemporaries));
+    assignment.push_back(t_.alloc_bytes(n * 4, Category::kTemporaries));
+  }
+  for (auto it = assignment.rbegin(); it != assignment.rend(); ++it) t_.release(*it);
+  for (TensorId b : buckets_) t_.release(b);
+  buckets_.clear();
+  for (std::uint64_t bytes : sizes) buckets_.push_back(t_.alloc_bytes(bytes, Category::kGradients));
   rebuilt_ = true;
 }
 

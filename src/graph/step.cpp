@@ -598,11 +598,16 @@ ValueId StepBuilder::scale_loss(T& loss) {
   exit_autocast();  // the autocast context ends with the forward, before the loss is scaled
   // (loss / grad_accum).backward(); fp16-mixed goes through GradScaler.scale(), which makes
   // its scale and growth tracker on first use and multiplies the loss by the scale.
-  T scaled = elementwise({&loss}, 1, DType::kF32, {});
   if (is_zero(r_.parallel)) {
     // See Note [DeepSpeed ZeRO-1/2]: engine.backward(loss) divides by the accumulation steps
     // (gas_scaled_loss, which it returns) and multiplies by the loss scale (1.0 for bf16 and
-    // fp32: LossScaler.scale_loss), and the caller keeps `loss` until backward returns.
+    // fp32: LossScaler.scale_loss), and the caller keeps `loss` until backward returns. Both
+    // happen inside engine.backward, in the backward phase.
+    phase_ = Phase::kBackward;
+    op("loss");
+  }
+  T scaled = elementwise({&loss}, 1, DType::kF32, {});
+  if (is_zero(r_.parallel)) {
     T by_scale = elementwise({&scaled}, 1, DType::kF32, {});
     zero_losses_ = {loss, scaled};
     pending_loss_ = by_scale;
