@@ -22,13 +22,14 @@ constexpr std::int32_t kNoLayer = -1;
 //    buckets are copied back into the .grads. All in place: nothing is allocated
 //    (gradient_as_bucket_view=False, the default, keeps .grad and bucket apart);
 //  * the first forward after a backward (_pre_forward → reducer._rebuild_buckets, once per run):
-//    the bucket is freed, then buckets are made in the order the gradients became ready, a
+//    the bucket assignment is broadcast (sync_bucket_indices: small int32 tensors, made on the
+//    host and copied to the device), the bucket is freed, then buckets are made in the order the
+//    gradients became ready, a
 //    bucket closing after the parameter that takes it to 1 MiB (the first,
 //    dist._DEFAULT_FIRST_BUCKET_BYTES) or 25 MiB (bucket_cap_mb), one block each;
 //  * every forward (broadcast_buffers=True): the module's buffers are broadcast from rank 0
 //    through one flattened temporary per dtype (_sync_buffers → _broadcast_coalesced).
-// The optimizer is untouched: every rank holds full states. The Reducer's small int32 tensors
-// (bucket-index broadcasts, 512 B blocks) are not modelled; they come and go in the rebuild.
+// The optimizer is untouched: every rank holds full states.
 constexpr std::uint64_t kFirstBucketBytes = std::uint64_t{1} << 20;
 constexpr std::uint64_t kBucketCapBytes = std::uint64_t{25} << 20;
 

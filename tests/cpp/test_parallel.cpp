@@ -38,10 +38,18 @@ TEST(Ddp, OneBucketOfEveryParameterAtConstruction) {
 
 TEST(Ddp, RebuiltBucketsFollowTheGradientOrder) {
   // Measured (docs/parallelism.md): 2,361,600 + 7,087,872 + 44,111,616 elements, the first
-  // closing past 1 MiB (ln_f and layer 1's mlp.c_proj), the second past 25 MiB.
-  const graph::Trace t = graph::build_training_trace(gpt2_l2(), dp_recipe(Parallel::kDdp, 2, Precision::kFp32), find_gpu("cpu"));
+  // closing past 1 MiB (ln_f and layer 1's mlp.c_proj), the second past 25 MiB. Before them
+  // sync_bucket_indices' int32 tensors, host and device: the 28 parameters' indices and the
+  // bucket count, then the 3 bucket sizes (measured with cpu-ddp-qwen3l2-fp32-adamw-ckpt-b1s32's
+  // trace: 24 parameters, 5 buckets).
+  Recipe r = dp_recipe(Parallel::kDdp, 2, Precision::kFp32);
+  const graph::Trace t = graph::build_training_trace(gpt2_l2(), r, find_gpu("cpu"));
   EXPECT_EQ(allocs_at(t, "ddp.rebuild_buckets"),
-            (std::vector<std::uint64_t>{2'361'600 * 4, 7'087'872 * 4, 44'111'616 * 4}));
+            (std::vector<std::uint64_t>{29 * 4, 29 * 4, 3 * 4, 3 * 4, 2'361'600 * 4, 7'087'872 * 4, 44'111'616 * 4}));
+  // On a GPU only the device copies are GPU memory.
+  r.gpu = "h100-80gb";
+  EXPECT_EQ(allocs_at(graph::build_training_trace(gpt2_l2(), r, find_gpu(r.gpu)), "ddp.rebuild_buckets"),
+            (std::vector<std::uint64_t>{29 * 4, 3 * 4, 2'361'600 * 4, 7'087'872 * 4, 44'111'616 * 4}));
 }
 
 TEST(Ddp, AddsTheBucketsToTheGradientsWhateverTheWorldSize) {
