@@ -9,6 +9,7 @@ imported (or an older installed copy would shadow this tree), `trainmem` is made
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 import types
 from pathlib import Path
@@ -37,3 +38,11 @@ def load_measure():
     if str(SOURCE) not in list(package.__path__):
         package.__path__.insert(0, str(SOURCE))
     return importlib.import_module("trainmem.measure")
+
+
+def load_phases():
+    """python/trainmem/measure/phases.py of this tree, alone: it needs no torch (nor the package)."""
+    spec = importlib.util.spec_from_file_location("trainmem_phases", SOURCE / "measure" / "phases.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

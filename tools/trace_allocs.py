@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
-"""Allocation by allocation, measured against predicted: where two traces first part ways.
+"""Allocation by allocation, measured against predicted: where two traces part ways.
 
 Phase peaks (tools/trace_phases.py) hide an error that does not move a phase's highest moment,
 and within a layer the attention's or the rotary embedding's temporaries rarely do. This compares
 the live bytes after every allocation instead, group by group: a group is one (step, micro-batch,
 phase, decoder layer) or the same outside the layers. Frees may come in another order between two
 allocations without showing (the peak cannot tell either); an allocation made earlier or later,
-of another size, or over a tensor that should have gone, does. Both traces are JSON lines as for
+of another size, or over a tensor that should have gone, does. Live bytes run on across groups,
+so a tensor kept too long shows in every group until it goes: the first group listed (groups come
+in the measured trace's order) is where the two part ways. Both traces are JSON lines as for
 trace_phases.py; live bytes count each request rounded up to 512 B.
 
 Usage:
@@ -26,36 +28,38 @@ import re
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from measure_common import load_phases  # noqa: E402
+
+block_bytes = load_phases().block_bytes
 _LAYER = re.compile(r"layer (\d+)")
 
-
-def _rounded(nbytes: int) -> int:
-    return max(512, -(-nbytes // 512) * 512)
+Group = tuple[int, int, str, int]  # (step, micro_batch, phase, layer or -1)
 
 
-def allocations(path: Path) -> dict[tuple, list[tuple[int, str]]]:
-    """(step, micro_batch, phase, layer or -1) -> [(live bytes after the allocation, what it is)]."""
+def allocations(path: Path) -> dict[Group, list[tuple[int, str]]]:
+    """Each group's allocations, groups in the order of their first: (live bytes after it, what it is)."""
     live = 0
-    groups: dict[tuple, list[tuple[int, str]]] = {}
+    groups: dict[Group, list[tuple[int, str]]] = {}
     with path.open() as f:
-        for n, line in enumerate(f, 1):
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
             try:
                 e = json.loads(line)
-            except json.JSONDecodeError:
-                raise SystemExit(f"{path}:{n}: not a JSON line") from None
-            kind = e.get("event")
-            if kind not in ("alloc", "free"):
-                continue
-            size = _rounded(int(e.get("nbytes", e.get("bytes", 0))))
+                kind = e["event"]
+                if kind not in ("alloc", "free"):
+                    continue
+                size = block_bytes(int(e["nbytes"]))
+                op = e.get("op") or ""
+                m = _LAYER.match(op)
+                key = (int(e["step"]), int(e.get("micro_batch", 0)), str(e["phase"]), int(m.group(1)) if m else -1)
+            except (ValueError, KeyError, TypeError) as err:
+                raise SystemExit(f"{path}:{number}: not a trace event ({err})") from None
             live += size if kind == "alloc" else -size
-            if kind != "alloc":
-                continue
-            op = e.get("op") or ""
-            m = _LAYER.match(op)
-            key = (e.get("step"), e.get("micro_batch"), e.get("phase"), int(m.group(1)) if m else -1)
-            what = " ".join(str(x) for x in (size, op, e.get("aten_op") or "", e.get("dtype") or "",
-                                             e.get("shape") or "") if x != "")
-            groups.setdefault(key, []).append((live, what))
+            if kind == "alloc":
+                what = " ".join(str(x) for x in (size, op, e.get("aten_op"), e.get("dtype"), e.get("shape")) if x)
+                groups.setdefault(key, []).append((live, what))
     return groups
 
 
@@ -69,12 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     phases = set(a.phases.split(","))
     measured, predicted = allocations(a.measured), allocations(a.predicted)
+    keys = list(measured) + [k for k in predicted if k not in measured]  # the engine's extra groups last
     compared = differing = 0
-    for key in sorted(measured, key=lambda k: tuple(-2 if x is None else x for x in k[:2]) + (str(k[2]), k[3])):
+    for key in keys:
         if key[2] not in phases:
             continue
         compared += 1
-        m, p = measured[key], predicted.get(key, [])
+        m, p = measured.get(key, []), predicted.get(key, [])
         if [x[0] for x in m] == [x[0] for x in p]:
             continue
         differing += 1

@@ -23,18 +23,10 @@ import json
 import sys
 from pathlib import Path
 
-def _phases_module():
-    """python/trainmem/measure/phases.py of this tree, alone: it needs no torch."""
-    import importlib.util
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from measure_common import load_phases  # noqa: E402
 
-    path = Path(__file__).resolve().parents[1] / "python" / "trainmem" / "measure" / "phases.py"
-    spec = importlib.util.spec_from_file_location("trainmem_phases", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_PHASES = _phases_module()
+_PHASES = load_phases()
 phase_peaks, trace_events = _PHASES.phase_peaks, _PHASES.trace_events
 
 

@@ -870,8 +870,7 @@ T StepBuilder::g_attention_core(const T& q, std::uint32_t l, bool q_bshd) {
   // of q's dtype, freed after the kernel.
   T fmask;
   if (layer_has_mask(l)) fmask = where_of_scalars(detail::mul({Bg_, q_, stored_[l]}, "mask size"), c);
-  T lse = sdpa_makes_lse(c, /*grad_mode=*/false) ? fresh(Bg_ * H * q_, DType::kF32) : T{};
-  T o = fresh(r * H * d, c);
+  auto [o, lse] = sdpa_outputs(r * H * d, Bg_ * H * q_, c, /*grad_mode=*/false);
   if (lse.id != kNone) t_.drop(lse);
   if (fmask.id != kNone) t_.drop(fmask);
   if (!(q_bshd || q_ == 1)) {

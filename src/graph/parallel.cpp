@@ -24,9 +24,8 @@ constexpr std::int32_t kNoLayer = -1;
 //  * the first forward after a backward (_pre_forward → reducer._rebuild_buckets, once per run):
 //    the bucket assignment is broadcast (sync_bucket_indices: small int32 tensors, made on the
 //    host and copied to the device), the bucket is freed, then buckets are made in the order the
-//    gradients became ready, a
-//    bucket closing after the parameter that takes it to 1 MiB (the first,
-//    dist._DEFAULT_FIRST_BUCKET_BYTES) or 25 MiB (bucket_cap_mb), one block each;
+//    gradients became ready, a bucket closing after the parameter that takes it to 1 MiB (the
+//    first, dist._DEFAULT_FIRST_BUCKET_BYTES) or 25 MiB (bucket_cap_mb), one block each;
 //  * every forward (broadcast_buffers=True): the module's buffers are broadcast from rank 0
 //    through one flattened temporary per dtype (_sync_buffers → _broadcast_coalesced).
 // The optimizer is untouched: every rank holds full states.

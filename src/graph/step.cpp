@@ -683,7 +683,7 @@ void check_attention_dropout(const Model& model, const Recipe& r, const Gpu& gpu
   throw Error("attention: sdpa with attention dropout (the config's attention_dropout > 0) on the CPU, with a "
               "sequence of " + std::to_string(r.seq) + " tokens that reaches the sliding window (" +
               std::to_string(window) + "), runs torch's math kernel on the model's mask, which is not modelled; "
-              "use eager attention, a shorter sequence, or attention_dropout 0");
+              "use eager attention, a sequence shorter than the window, or attention_dropout 0");
 }
 
 Trace build_training_trace(const Model& model, const Recipe& recipe, const Gpu& gpu, const MicroBatchHook& hook,

@@ -255,6 +255,14 @@ class StepBuilder {
     return y;
   }
 
+  // An argument of an op on autocast's lower-precision list (matmul, SDPA): its cast to c, in
+  // the same order of strides, or outside autocast the tensor itself.
+  T autocast_arg(const T& x, DType c) {
+    T y = pol_.autocast ? to(x, c) : t_.ref(x);
+    y.bshd = x.bshd;
+    return y;
+  }
+
   // Weight as a matmul sees it: under autocast the cached half copy (see Note [Precision
   // policies]), otherwise the parameter itself.
   T weight(std::uint32_t pi) {
@@ -417,6 +425,16 @@ class StepBuilder {
   // CUDA's flash kernel (half inputs) always do; CUDA's memory-efficient kernel (fp32) only with
   // grad mode on (should_compute_logsumexp).
   bool sdpa_makes_lse(DType c, bool grad_mode) const { return grad_mode || !cuda_ || c != DType::kF32; }
+  // A fused SDPA kernel's output (dtype c) and log-sum-exp, when it makes one: the CPU's flash
+  // kernel allocates the log-sum-exp first (measured), CUDA's kernels their output (flash_api.cpp).
+  std::pair<T, T> sdpa_outputs(std::uint64_t out_numel, std::uint64_t lse_numel, DType c, bool grad_mode) {
+    const bool makes_lse = sdpa_makes_lse(c, grad_mode);
+    T o, lse;
+    if (makes_lse && !cuda_) lse = fresh(lse_numel, DType::kF32);
+    o = fresh(out_numel, c);
+    if (makes_lse && cuda_) lse = fresh(lse_numel, DType::kF32);
+    return {o, lse};
+  }
   T attention_core(T& q, T& k, T& v);
   T ring_attention_core(const T& q, T& qc, T& kc, T& vc);
   T gpt2_attention_core(T& q, T& k, T& v);
@@ -565,9 +583,6 @@ class StepBuilder {
   bool dtensor_ = false;
   // A reentrant checkpoint's first forward runs under no_grad (Note [Reentrant checkpoints]).
   bool no_grad_ = false;
-  // A forward that keeps no saved tensors (a checkpoint's first forward, either variant): what a
-  // module's Python locals hold lives until the module returns (Note [Forwards without saves]).
-  bool python_lifetimes() const { return no_grad_ || !t_.saving; }
   Tape t_;
   // A pipeline stage (rank_ is the stage) is built as its replica stage_dp_rank_: DDP's replicas of a
   // stage hold the same memory (See Note [Pipeline with DDP] in pipeline.cpp), FSDP2's differ only

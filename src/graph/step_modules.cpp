@@ -634,14 +634,9 @@ bool StepBuilder::folds_with_copy(const T& x) const { return x.bshd && B_ > 1; }
 // the casts and copies are the call's temporaries, gone once it returns (bmm saves what it
 // needs; measured: eager attention under bf16-mixed at b = 2).
 T StepBuilder::matmul(const T& a, const T& b, std::uint64_t out_numel, DType c) {
-  auto cast = [&](const T& x) {
-    T y = pol_.autocast ? to(x, c) : t_.ref(x);
-    y.bshd = x.bshd;
-    return y;
-  };
   auto fold = [&](const T& x) { return folds_with_copy(x) ? elementwise({&x}, x.numel, x.dtype, {}) : t_.ref(x); };
-  T bc = cast(b);
-  T ac = cast(a);
+  T bc = autocast_arg(b, c);
+  T ac = autocast_arg(a, c);
   T af = fold(ac);
   T bf = fold(bc);
   ensure_workspace(false);
@@ -701,15 +696,11 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
   // the kernel saves; the repeated K and V live until sdpa_attention_forward returns.
   const bool masked = mask_.id != kNone;
   const bool gpt2 = a_.family == Family::kGpt2;
-  if (!cuda_ && a_.attn_dropout > 0) {
+  if (!cuda_ && a_.attn_dropout > 0 && attention_ == Attention::kSdpa) {
     // No CPU kernel but the math one takes dropout (a reached window's mask: refused in step.cpp).
     op(gpt2 ? "attn.sdpa_math" : "self_attn.sdpa_math");
-    auto cast = [&](const T& x) {  // autocast's; it keeps the operand's order of strides
-      T y = pol_.autocast ? to(x, c) : t_.ref(x);
-      y.bshd = x.bshd;
-      return y;
-    };
-    T vc = cast(v), kc = cast(k), qc = cast(q);  // autocast casts the arguments last to first
+    // autocast casts the arguments last to first (Note [Autocast's weight casts]).
+    T vc = autocast_arg(v, c), kc = autocast_arg(k, c), qc = autocast_arg(q, c);
     T o = math_kernel(qc, kc, vc);
     t_.drop(qc);
     t_.drop(kc);
@@ -723,16 +714,10 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
   const T& kin = masked ? kr : k;
   const T& vin = masked ? vr : v;
   // autocast casts the arguments last to first (Note [Autocast's weight casts]).
-  T vc = pol_.autocast ? to(vin, c) : t_.ref(vin);
-  T kc = pol_.autocast ? to(kin, c) : t_.ref(kin);
-  T qc = pol_.autocast ? to(q, c) : t_.ref(q);
+  T vc = autocast_arg(vin, c), kc = autocast_arg(kin, c), qc = autocast_arg(q, c);
   if (r_.cp > 1) return ring_attention_core(q, qc, kc, vc);  // never masked (step.cpp refuses it)
   T fmask = masked ? where_of_scalars(B_ * S_ * S_, c) : T{};
-  // The CPU's flash kernel allocates the log-sum-exp first, CUDA's kernels their output.
-  T o, lse;
-  if (!cuda_) lse = fresh(B_ * heads * S_, DType::kF32);
-  o = fresh(qn, c);
-  if (cuda_ && sdpa_makes_lse(c, !no_grad_)) lse = fresh(B_ * heads * S_, DType::kF32);
+  auto [o, lse] = sdpa_outputs(qn, B_ * heads * S_, c, !no_grad_);
   if (qc.requires_grad() || kc.requires_grad() || vc.requires_grad()) {
     requires_grad(o);
     Node& nd = open_node(o);
@@ -821,21 +806,11 @@ T StepBuilder::ring_attention_core(const T& q, T& qc, T& kc, T& vc) {
 T StepBuilder::gpt2_attention_core(T& q, T& k, T& v) {
   const std::uint64_t heads = a_.num_heads;
   const std::uint64_t qn = q.numel, scores = B_ * heads * S_ * S_;
-  const DType c = q.dtype;  // the Conv1D output dtype: the compute dtype
-  auto copy = [&](const T& x, DType d) { return elementwise({&x}, x.numel, d, {}); };
-  auto drop_out = [&](T& x) {  // dropout on the probabilities: see dropout()
-    T y = dropout(x, a_.attn_dropout);
-    t_.drop(x);
-    x = y;
-  };
+  // The compute dtype: the Conv1D output's, but for a 4-bit base's fp32 output under autocast.
+  const DType c = pol_.autocast ? pol_.compute : q.dtype;
   if (attention_ == Attention::kEager) {
     op("attn.attn_weights");
-    T qc = folds_with_copy(q) ? copy(q, c) : t_.ref(q);
-    T kc = folds_with_copy(k) ? copy(k, c) : t_.ref(k);
-    ensure_workspace(false);
-    T s0 = bmm(qc, kc, scores, c);
-    t_.drop(qc);
-    t_.drop(kc);
+    T s0 = matmul(q, k, scores, c);
     T s1 = elementwise({&s0}, scores, c, {});  // * scaling
     t_.drop(s0);
     T s2 = add(s1, mask_);
@@ -848,16 +823,11 @@ T StepBuilder::gpt2_attention_core(T& q, T& k, T& v) {
     t_.drop(sin);
     T pv = to(p, v.dtype);  // .type(value.dtype)
     t_.drop(p);
-    drop_out(pv);
+    T pd = dropout(pv, a_.attn_dropout);  // attn_dropout, rebinding attn_weights
+    t_.drop(pv);
     op("attn.attn_output");
-    T vc = folds_with_copy(v) ? copy(v, v.dtype) : t_.ref(v);
-    T o = bmm(pv, vc, qn, c);
-    if (python_lifetimes()) {
-      attn_weights_ = pv;  // GPT2Block holds the returned weights to its end (without saves it shows)
-    } else {
-      t_.drop(pv);
-    }
-    t_.drop(vc);
+    T o = matmul(pd, v, qn, c);
+    attn_weights_ = pd;  // GPT2Block's `_` holds the returned weights to its end
     return heads_last(o);  // transpose(1, 2).reshape(...).contiguous()
   }
   // SDPA as for the other families: a fused kernel (CUDA's take dropout, the CPU's flash kernel

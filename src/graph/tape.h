@@ -339,13 +339,12 @@ struct CheckpointTail {
 //  * eager attention: repeat_kv's copies until the attention function returns, the scores until
 //    the probabilities replace them, the probabilities (the layer's `_`) to the layer's end;
 //  * Phi-3's MLP: the gate_up output (the `gate` chunk's storage) until the MLP returns;
-//  * GPT-2: the CPU math kernel's own locals (math_kernel, the same in every forward), the
-//    block holding eager attention's returned weights to its end.
-// A saving forward follows the same rule wherever its saves do not hide it: the modules' locals
-// (attention_module, mlp_module, decoder_layer_module) and attention_core's eager path always do
-// (measured: eager Llama under bf16-mixed, where bmm saves casts and the names alone hold the
-// scores and probabilities). StepBuilder::python_lifetimes() is left for gpt2_attention_core's
-// returned weights, which a saving forward saves anyway.
+//  * SDPA on the CPU with dropout: the math kernel's own locals (math_kernel, the same in every
+//    forward); GPT-2's block holding eager attention's returned weights to its end.
+// A saving forward follows the same rule wherever its saves do not hide it, so the engine applies
+// it always: the modules' locals (attention_module, mlp_module, decoder_layer_module) and both
+// eager attention paths (measured: eager Llama under bf16-mixed, where bmm saves casts and the
+// names alone hold the scores and probabilities).
 
 // A recorded autograd graph taken off the tape (Tape::take_graph), to be put back before its
 // backward runs (Tape::put_graph): a pipeline stage keeps several micro-batches' graphs alive at

@@ -54,3 +54,33 @@ def test_trace_phases_sees_the_same_only_through_a_phase_peak(tmp_path):
     # The forward's peak differs (3,072 measured against 3,584 predicted); the backward's does not.
     assert out.returncode == 1
     assert "3,072" in out.stdout and "3,584" in out.stdout
+
+
+def test_trace_allocs_reports_a_group_only_the_engine_has(tmp_path):
+    m = write_trace(tmp_path / "m.jsonl", MEASURED[:6])
+    p = write_trace(tmp_path / "p.jsonl", MEASURED[:6] + [("alloc", 512, "loss", "loss")])
+    out = run("trace_allocs.py", m, p)
+    assert out.returncode == 1
+    assert "step 1 micro-batch 1 loss, outside the layers: 0 allocations measured, 1 predicted" in out.stdout
+
+
+def test_trace_allocs_lists_groups_in_trace_order_and_skips_blank_lines(tmp_path):
+    m = write_trace(tmp_path / "m.jsonl", MEASURED)
+    with m.open("a") as f:
+        f.write("\n")
+    p = write_trace(tmp_path / "p.jsonl", [(k, n + 512 if ph == "forward" and k == "alloc" and n == 512 else n, ph, op)
+                                          for k, n, ph, op in MEASURED])
+    out = run("trace_allocs.py", m, p)
+    assert out.returncode == 1
+    lines = out.stdout.splitlines()
+    # The forward's third allocation is 512 B larger; the backward then runs 512 B higher too.
+    assert lines[0].startswith("step 1 micro-batch 1 forward, layer 0")
+    assert lines[1].startswith("step 1 micro-batch 1 backward, layer 0")
+
+
+def test_trace_allocs_rejects_an_event_without_its_size(tmp_path):
+    m = tmp_path / "m.jsonl"
+    m.write_text(json.dumps({"event": "alloc", "step": 1, "micro_batch": 1, "phase": "forward"}) + "\n")
+    out = run("trace_allocs.py", m, m)
+    assert out.returncode != 0 and "m.jsonl:1: not a trace event" in out.stderr
+
