@@ -23,7 +23,6 @@ Exits 1 when a group differs.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from pathlib import Path
@@ -31,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from measure_common import load_phases  # noqa: E402
 
-block_bytes = load_phases().block_bytes
+trace_records = load_phases().trace_records
 _LAYER = re.compile(r"layer (\d+)")
 
 Group = tuple[int, int, str, int]  # (step, micro_batch, phase, layer or -1)
@@ -41,25 +40,17 @@ def allocations(path: Path) -> dict[Group, list[tuple[int, str]]]:
     """Each group's allocations, groups in the order of their first: (live bytes after it, what it is)."""
     live = 0
     groups: dict[Group, list[tuple[int, str]]] = {}
-    with path.open() as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
+    try:
+        for (step, micro, phase), delta, e in trace_records(path):
+            live += delta
+            if delta < 0:
                 continue
-            try:
-                e = json.loads(line)
-                kind = e["event"]
-                if kind not in ("alloc", "free"):
-                    continue
-                size = block_bytes(int(e["nbytes"]))
-                op = e.get("op") or ""
-                m = _LAYER.match(op)
-                key = (int(e["step"]), int(e.get("micro_batch", 0)), str(e["phase"]), int(m.group(1)) if m else -1)
-            except (ValueError, KeyError, TypeError) as err:
-                raise SystemExit(f"{path}:{number}: not a trace event ({err})") from None
-            live += size if kind == "alloc" else -size
-            if kind == "alloc":
-                what = " ".join(str(x) for x in (size, op, e.get("aten_op"), e.get("dtype"), e.get("shape")) if x)
-                groups.setdefault(key, []).append((live, what))
+            op = str(e.get("op") or "")
+            m = _LAYER.match(op)
+            what = " ".join(str(x) for x in (delta, op, e.get("aten_op"), e.get("dtype"), e.get("shape")) if x)
+            groups.setdefault((step, micro, phase, int(m.group(1)) if m else -1), []).append((live, what))
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
     return groups
 
 

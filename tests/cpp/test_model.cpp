@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
@@ -411,29 +412,24 @@ TEST(ModelConfig, NegativeSoftcap) {
 TEST(ModelConfig, DropoutProbabilitiesFollowEachConfigClass) {
   // GPT2Config's attn_pdrop, resid_pdrop and embd_pdrop default to 0.1; the Llama family's
   // attention_dropout and Phi-3's resid_pdrop to 0 (Note [Dropout probabilities]).
-  const Architecture g = from(gpt2_config()).arch;
-  EXPECT_EQ(g.attn_dropout, 0.1);
-  EXPECT_EQ(g.resid_dropout, 0.1);
-  EXPECT_EQ(g.embd_dropout, 0.1);
+  using P = std::array<double, 3>;  // attention, residual, embedding
+  auto dropouts = [](const json& j) {
+    const Architecture a = from(j).arch;
+    return P{a.attn_dropout, a.resid_dropout, a.embd_dropout};
+  };
+  EXPECT_EQ(dropouts(gpt2_config()), (P{0.1, 0.1, 0.1}));
   json gj = gpt2_config();
   gj["attn_pdrop"] = 0;
   gj["resid_pdrop"] = 0.2;
   gj["embd_pdrop"] = nullptr;  // null: the class default
-  const Architecture g2 = from(gj).arch;
-  EXPECT_EQ(g2.attn_dropout, 0);
-  EXPECT_EQ(g2.resid_dropout, 0.2);
-  EXPECT_EQ(g2.embd_dropout, 0.1);
-  const Architecture l = from(llama_config()).arch;
-  EXPECT_EQ(l.attn_dropout, 0);
-  EXPECT_EQ(l.resid_dropout, 0);
-  EXPECT_EQ(l.embd_dropout, 0);
+  EXPECT_EQ(dropouts(gj), (P{0, 0.2, 0.1}));
+  EXPECT_EQ(dropouts(llama_config()), (P{0, 0, 0}));
   json lj = llama_config();
   lj["attention_dropout"] = 0.1;
   lj["resid_pdrop"] = 0.3;  // not a Llama key: ignored
-  EXPECT_EQ(from(lj).arch.attn_dropout, 0.1);
-  EXPECT_EQ(from(lj).arch.resid_dropout, 0);
+  EXPECT_EQ(dropouts(lj), (P{0.1, 0, 0}));
   lj["model_type"] = "phi3";
-  EXPECT_EQ(from(lj).arch.resid_dropout, 0.3);
+  EXPECT_EQ(dropouts(lj), (P{0.1, 0.3, 0}));
 }
 
 TEST(ModelConfig, DropoutProbabilitiesMustBeBelowOne) {

@@ -35,8 +35,9 @@ def phase_peaks(events: Iterable[tuple[PhaseKey, int]]) -> dict[PhaseKey, int]:
     return peaks
 
 
-def trace_events(path: Path) -> Iterable[tuple[PhaseKey, int]]:
-    """The (key, signed block bytes) of every event of a trace file (JSON lines)."""
+def trace_records(path: Path) -> Iterable[tuple[PhaseKey, int, dict]]:
+    """Every event of a trace file (JSON lines): its key, signed block bytes and the event itself.
+    Blank lines are skipped; anything else that is not an event is an error naming its line."""
     with path.open() as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -45,9 +46,16 @@ def trace_events(path: Path) -> Iterable[tuple[PhaseKey, int]]:
                 e = json.loads(line)
                 size = block_bytes(int(e["nbytes"]))
                 key = (int(e["step"]), int(e.get("micro_batch", 0)), str(e["phase"]))
-                yield key, size if e["event"] == "alloc" else -size
+                delta = size if e["event"] == "alloc" else -size
             except (ValueError, KeyError, TypeError) as err:
                 raise ValueError(f"{path}:{number}: not a trace event ({err})") from None
+            yield key, delta, e
+
+
+def trace_events(path: Path) -> Iterable[tuple[PhaseKey, int]]:
+    """The (key, signed block bytes) of every event of a trace file (JSON lines)."""
+    for key, delta, _ in trace_records(path):
+        yield key, delta
 
 
 def as_rows(peaks: dict[PhaseKey, int]) -> list[dict]:
