@@ -419,7 +419,7 @@ class StepBuilder {
   T dropout(const T& x, double p);
   T rope(const T& q);
   T repeat_kv(const T& x);
-  bool folds_with_copy(const T& x) const;
+  T fold_for_bmm(const T& x);
   T matmul(const T& a, const T& b, std::uint64_t out_numel, DType c);
   // Whether an SDPA kernel in dtype c returns the fp32 log-sum-exp: the CPU flash kernel and
   // CUDA's flash kernel (half inputs) always do; CUDA's memory-efficient kernel (fp32) only with

@@ -626,19 +626,20 @@ T StepBuilder::repeat_kv(const T& x) {
 // An operand laid out as [b, s, heads, d] (a projection view, or an elementwise result that
 // kept its layout) folds as a view only when b == 1; otherwise reshape copies it, and bmm
 // saves the copy instead of the operand (checked with torch 2.13: expand + view for b = 1,
-// expand + clone + _unsafe_view for b = 2).
-bool StepBuilder::folds_with_copy(const T& x) const { return x.bshd && B_ > 1; }
+// expand + clone + _unsafe_view for b = 2). Returns what bmm takes: the copy, or x itself.
+T StepBuilder::fold_for_bmm(const T& x) {
+  return x.bshd && B_ > 1 ? elementwise({&x}, x.numel, x.dtype, {}) : t_.ref(x);
+}
 
 // torch.matmul(a, b) of 4-D operands in dtype c: autocast casts the arguments last to first
-// (Note [Autocast's weight casts]), matmul folds each for bmm (a copy where folds_with_copy), and
+// (Note [Autocast's weight casts]), matmul folds each for bmm (fold_for_bmm), and
 // the casts and copies are the call's temporaries, gone once it returns (bmm saves what it
 // needs; measured: eager attention under bf16-mixed at b = 2).
 T StepBuilder::matmul(const T& a, const T& b, std::uint64_t out_numel, DType c) {
-  auto fold = [&](const T& x) { return folds_with_copy(x) ? elementwise({&x}, x.numel, x.dtype, {}) : t_.ref(x); };
   T bc = autocast_arg(b, c);
   T ac = autocast_arg(a, c);
-  T af = fold(ac);
-  T bf = fold(bc);
+  T af = fold_for_bmm(ac);
+  T bf = fold_for_bmm(bc);
   ensure_workspace(false);
   T out = bmm(af, bf, out_numel, c);
   for (T* x : {&af, &bf, &ac, &bc}) t_.drop(*x);
@@ -792,7 +793,7 @@ T StepBuilder::ring_attention_core(const T& q, T& qc, T& kc, T& vc) {
 // q, k and v are strided views into the Conv1D output (split + view + transpose), which
 // changes what the kernels copy and save (transformers models/gpt2/modeling_gpt2.py):
 //  * eager: matmul reshapes each strided operand for bmm, so with b > 1 q, k^T and v are
-//    copied and the copies saved (b = 1: the views, so the Conv1D output; folds_with_copy);
+//    copied and the copies saved (b = 1: the views, so the Conv1D output; fold_for_bmm);
 //    softmax takes no dtype argument (CUDA autocast runs it in fp32, CPU autocast in the
 //    input dtype), .type(value.dtype) casts back, and attention dropout (attn_pdrop, 0.1 by
 //    default) runs in training; the output is transposed and copied.
@@ -855,7 +856,6 @@ T StepBuilder::math_kernel(T& q, T& k, T& v) {
   const std::uint64_t qn = q.numel, scores = B_ * a_.num_heads * S_ * S_;
   const std::uint64_t groups = a_.num_heads / a_.num_kv_heads;
   const DType c = q.dtype, md = DType::kF32;
-  auto copy = [&](const T& x) { return elementwise({&x}, x.numel, md, {}); };
   T qa = to(q, md), ka = to(k, md), va = to(v, md);  // query_acc, key_acc, value_acc
   T qs = elementwise({&qa}, qn, md, {});               // q * sqrt(scale)
   qs.bshd = q.bshd;
@@ -875,8 +875,8 @@ T StepBuilder::math_kernel(T& q, T& k, T& v) {
   }
   T ks = elementwise({&ke}, qn, md, {});  // k^T * sqrt(scale)
   ks.bshd = ke.bshd;
-  T qc = folds_with_copy(qs) ? copy(qs) : t_.ref(qs);
-  T kc = folds_with_copy(ks) ? copy(ks) : t_.ref(ks);
+  T qc = fold_for_bmm(qs);
+  T kc = fold_for_bmm(ks);
   ensure_workspace(false);
   T sc = bmm(qc, kc, scores, md);
   t_.drop(kc);
@@ -890,7 +890,7 @@ T StepBuilder::math_kernel(T& q, T& k, T& v) {
   t_.drop(p);
   // return make_tuple(matmul(attn, v).to(origin), attn.to(origin)): the second element first.
   T pw = to(pd, c);
-  T vc = folds_with_copy(ve) ? copy(ve) : t_.ref(ve);
+  T vc = fold_for_bmm(ve);
   T o = bmm(pd, vc, qn, md);
   t_.drop(vc);
   T oc = to(o, c);
