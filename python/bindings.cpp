@@ -64,6 +64,7 @@ NB_MODULE(_core, m) {
       .def_rw("checkpointing", &RecipeSpelling::checkpointing)
       .def_rw("attention", &RecipeSpelling::attention)
       .def_rw("loss", &RecipeSpelling::loss)
+      .def_rw("attention_mask", &RecipeSpelling::attention_mask)
       .def_rw("gpu", &RecipeSpelling::gpu)
       .def_rw("allocator", &RecipeSpelling::allocator)
       .def_rw("lora_rank", &RecipeSpelling::lora_rank)

@@ -35,6 +35,8 @@ def main() -> None:
         if r.get("pp", 1) > 1:
             stages = f" v={r['pp_stages_per_rank']}" if r.get("pp_stages_per_rank", 1) > 1 else ""
             knobs = f"pp×{r['pp']} {r['pp_schedule']}{stages} " + knobs
+        if r.get("attention_mask", "none") != "none":
+            knobs += f" mask={r['attention_mask']}"
         if r.get("fsdp_replicate", 1) > 1:
             knobs += f" hsdp replicate={r['fsdp_replicate']}"
         if r.get("fsdp_reshard_after_forward") is False:

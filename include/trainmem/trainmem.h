@@ -156,6 +156,10 @@ enum class Optimizer : std::uint8_t { kAdamW, kAdamWFused, kAdamW8bit, kSgd, kAd
 enum class Checkpointing : std::uint8_t { kNone, kFull, kFullReentrant };
 enum class Attention : std::uint8_t { kEager, kSdpa, kFlash };
 enum class Loss : std::uint8_t { kStandard, kFused };
+// The attention_mask a training batch passes to the model: none (input_ids and labels only), a
+// mask of ones (an unpadded batch as a tokenizer gives it), or one with padding (Note [Padding
+// masks] in src/graph/step.cpp). Which tokens are padding changes no tensor's size.
+enum class AttentionMask : std::uint8_t { kNone, kOnes, kPadded };
 enum class AllocatorMode : std::uint8_t { kDefault, kExpandable };
 // kTraining: two optimizer steps (the reference step of docs/schema.md). kInference: one
 // model.generate() call (greedy, or beam search with beams > 1) under torch.no_grad, with
@@ -263,6 +267,7 @@ struct Recipe {
   Checkpointing checkpointing = Checkpointing::kNone;
   Attention attention = Attention::kSdpa;
   Loss loss = Loss::kStandard;
+  AttentionMask attention_mask = AttentionMask::kNone;
   std::string gpu = "h100-80gb";
   AllocatorMode allocator = AllocatorMode::kDefault;
   Lora lora;
@@ -323,6 +328,7 @@ std::string_view to_string(Optimizer);
 std::string_view to_string(Checkpointing);
 std::string_view to_string(Attention);
 std::string_view to_string(Loss);
+std::string_view to_string(AttentionMask);
 std::string_view to_string(AllocatorMode);
 std::string_view to_string(Mode);
 std::string_view to_string(QuantType);
@@ -342,6 +348,7 @@ struct RecipeSpelling {
   std::string checkpointing = "none";
   std::string attention = "sdpa";
   std::string loss = "standard";
+  std::string attention_mask = "none";  // none | ones | padded
   std::string gpu = "h100-80gb";
   std::string allocator = "default";
   std::uint64_t lora_rank = 0;
@@ -382,6 +389,7 @@ Optimizer parse_optimizer(std::string_view);
 Checkpointing parse_checkpointing(std::string_view);
 Attention parse_attention(std::string_view);
 Loss parse_loss(std::string_view);
+AttentionMask parse_attention_mask(std::string_view);
 AllocatorMode parse_allocator(std::string_view);
 Mode parse_mode(std::string_view);
 QuantType parse_quant_type(std::string_view);

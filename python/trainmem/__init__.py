@@ -72,6 +72,7 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     "checkpointing": "none",
     "attention": "sdpa",
     "loss": "standard",
+    "attention_mask": "none",  # the batch's attention_mask: none | ones | padded (Note [Padding masks])
     "gpu": "h100-80gb",
     "allocator": "default",
     "lora_rank": 0,

@@ -63,7 +63,7 @@ double parse_fraction(const std::string& s, const char* field) {
 struct RecipeFlags {
   std::string batch = "1", seq = "2048", accum = "1";
   std::string precision = "", optimizer = "adamw", ckpt = "none", attention = "sdpa",
-              loss = "standard", gpu = "h100-80gb", allocator = "default";
+              loss = "standard", attention_mask = "none", gpu = "h100-80gb", allocator = "default";
   std::string lora_rank = "0", lora_targets = "default", lora_dropout = "0";
   bool inference = false;
   bool load_in_4bit = false, double_quant = false, qlora = false, load_in_8bit = false, no_prepare_kbit = false;
@@ -96,6 +96,9 @@ struct RecipeFlags {
         "prepare_model_for_kbit_training turns on; one GPU)");
     opt("attention", "--attention", attention, "eager | sdpa | flash");
     opt("loss", "--loss", loss, "standard (fp32 logits) | fused (chunked linear + cross-entropy)");
+    opt("attention_mask", "--attention-mask", attention_mask,
+        "The batch's attention_mask: none | ones (unpadded, as a tokenizer gives it) | padded (some tokens are "
+        "padding; SDPA then gets a [batch, 1, seq, seq] mask)");
     opt("gpu", "--gpu", gpu, "GPU from `trainmem gpus`, or cpu");
     opt("allocator", "--allocator", allocator, "default | expandable (expandable_segments:True)");
     opt("lora_rank", "--lora", lora_rank, "LoRA rank; 0 trains every parameter");
@@ -191,6 +194,7 @@ struct RecipeFlags {
     sp.checkpointing = ckpt;
     sp.attention = attention;
     sp.loss = loss;
+    sp.attention_mask = attention_mask;
     sp.gpu = gpu;
     sp.allocator = allocator;
     sp.lora_rank = lora_rank == "0" ? 0 : parse_count(lora_rank, "lora_rank");
@@ -282,6 +286,7 @@ std::string compare(const std::string& path, bool as_json) {
   sp.checkpointing = text("checkpointing", sp.checkpointing.c_str());
   sp.attention = text("attention", sp.attention.c_str());
   sp.loss = text("loss", sp.loss.c_str());
+  sp.attention_mask = text("attention_mask", sp.attention_mask.c_str());
   sp.gpu = on_cpu ? "cpu" : text("gpu", sp.gpu.c_str());
   sp.allocator = on_cpu ? "expandable" : text("allocator", sp.allocator.c_str());
   sp.lora_rank = count("lora_rank", 0);

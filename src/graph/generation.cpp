@@ -656,9 +656,12 @@ std::vector<T> StepBuilder::generation_masks() {
 }
 
 // One mask as Note [Generation masks] says: the index vectors, the mask function's bool
-// [1, 1, q, kv], and for eager attention the float [batch, 1, q, kv] that replaces it.
+// [1, 1, q, kv], and for eager attention the float [batch, 1, q, kv] that replaces it. With
+// `padding` (a training batch's attention_mask, Note [Padding masks] in step.cpp) the mask
+// function is and_masks(that one, padding_mask_function): a 0-dim True, the inner mask, their
+// &, then the padding mask indexed at [batch, 1, 1, kv] and its & [batch, 1, q, kv].
 T StepBuilder::attention_mask(MaskKind kind, std::uint64_t batch, std::uint64_t q, std::uint64_t kv, bool eager,
-                              DType dtype) {
+                              DType dtype, bool padding) {
   op(kind == MaskKind::kSliding ? "sliding_window_mask" : "causal_mask");
   T rows = fresh(batch, DType::kI64);
   T head = fresh(1, DType::kI64);
@@ -669,6 +672,7 @@ T StepBuilder::attention_mask(MaskKind kind, std::uint64_t batch, std::uint64_t 
   T ka = fresh(kv, DType::kI64);
   t_.drop(ka0);
   const std::uint64_t qk = detail::mul(q, kv, "mask size");
+  T outer = padding ? fresh(1, DType::kU8) : T{};
   T m;
   if (kind == MaskKind::kSliding) {
     T one = fresh(1, DType::kU8);
@@ -684,6 +688,15 @@ T StepBuilder::attention_mask(MaskKind kind, std::uint64_t batch, std::uint64_t 
     t_.drop(a1);
   } else {
     m = fresh(qk, DType::kU8);
+  }
+  if (padding) {
+    T inner = fresh(qk, DType::kU8);
+    t_.drop(m);
+    t_.drop(outer);
+    T index = fresh(detail::mul(batch, kv, "mask size"), DType::kU8);
+    m = fresh(detail::mul(batch, qk, "mask size"), DType::kU8);
+    t_.drop(index);
+    t_.drop(inner);
   }
   t_.drop(rows);
   t_.drop(head);

@@ -95,6 +95,7 @@ Trace StepBuilder::build() {
   // position_ids beside them) until context_parallel shards it (See Note [Context parallelism]).
   input_ids_ = t_.make(tok_ * r_.cp, DType::kI64, Category::kOther);
   labels_ = t_.make(tok_ * r_.cp, DType::kI64, Category::kOther);
+  if (r_.attention_mask != AttentionMask::kNone) padding_mask_ = t_.make(tok_, DType::kI64, Category::kOther);
   if (r_.cp > 1) cp_positions_ = t_.make(S_ * r_.cp, DType::kI64, Category::kOther);
   if (r_.optimizer == Optimizer::kAdamW8bit && !cuda_) {
     // On the CPU the maps bitsandbytes makes when the optimizer is built are already on the
@@ -178,18 +179,58 @@ T StepBuilder::embedding(std::uint32_t w, const T& ids, std::uint64_t n) {
 // the layer's attention: see attention_core. Measured on the CPU, the masks of every phase and
 // layer: Gemma-2 (both kinds, eager), Phi-3 (sliding, SDPA, no GQA) and Mistral v0.1 (sliding,
 // SDPA, GQA, under autocast), all narrowed, window 128 and seq 256.
+//
+// Note [Padding masks]
+// With an attention_mask in the batch (Recipe::attention_mask: ones or padded; the measuring side
+// makes it [b, s] int64 after input_ids and labels, and keeps it to the end of the run), each
+// call skips the packed-sequence check and first turns the mask into a bool [b, s] copy, which
+// dies when the call returns (after the mask is built). Then:
+//  * SDPA, unless a sliding window is reached (where the skip is refused before looking at the
+//    mask): fast_all(mask) (sum, then == numel: two 0-dim tensors). All ones: no mask, as
+//    without one. Padding: fast_all again on mask[:, :s] (the prefill case, which fails too),
+//    and the mask is built;
+//  * eager attention (or a reached window): the mask is built, whatever the values.
+// A built mask is and_masks(the kind's mask function, padding_mask_function) (attention_mask in
+// generation.cpp): a [b, 1, s, s] bool that SDPA keeps (not an expanded view), or eager's float
+// of that size as before. Under SDPA a mask makes the layer's attention the masked one (repeated
+// K/V, the float copy of the mask: attention_core). Measured on the CPU with padding in the last
+// row's second half: Llama (eager and SDPA, fp32 and bf16-mixed with checkpointing), GPT-2
+// (eager and SDPA), Gemma-2 (eager, both kinds) and Mistral v0.1 (SDPA, window reached); a mask
+// of ones under SDPA and eager.
 void StepBuilder::training_masks(DType dtype, bool causal_only) {
   masks_ = {};
   const bool eager = attention_ == Attention::kEager;
+  const bool given = padding_mask_.id != kNone;
   const std::vector<MaskKind> kinds = causal_only ? std::vector<MaskKind>{MaskKind::kFull} : mask_kinds();
   for (MaskKind kind : kinds) {
     op(kind == MaskKind::kSliding ? "sliding_window_mask" : "causal_mask");
-    packed_sequence_check(B_, S_);
     const std::uint64_t W = kind == MaskKind::kSliding ? window_of_model() : 0;
-    if (eager || (attention_ == Attention::kSdpa && W > 0 && S_ >= W)) {
-      masks_[kind == MaskKind::kSliding ? 1 : 0] = attention_mask(kind, B_, S_, S_, eager, dtype);
+    const bool window_reached = W > 0 && S_ >= W;
+    bool build = eager || (attention_ == Attention::kSdpa && window_reached);
+    T as_bool;
+    if (given) {
+      as_bool = fresh(B_ * S_, DType::kU8);
+      if (attention_ == Attention::kSdpa && !window_reached) {
+        fast_all();
+        if (r_.attention_mask == AttentionMask::kPadded) {
+          fast_all();
+          build = true;
+        }
+      }
+    } else {
+      packed_sequence_check(B_, S_);
     }
+    if (build) masks_[kind == MaskKind::kSliding ? 1 : 0] = attention_mask(kind, B_, S_, S_, eager, dtype, given);
+    if (given) t_.drop(as_bool);
   }
+}
+
+// masking_utils.fast_all: mask.sum() == mask.numel(), read at once.
+void StepBuilder::fast_all() {
+  T sum = fresh(1, DType::kI64);
+  T eq = fresh(1, DType::kU8);
+  t_.drop(sum);
+  t_.drop(eq);
 }
 
 void StepBuilder::packed_sequence_check(std::uint64_t rows, std::uint64_t cols) {
@@ -675,8 +716,8 @@ void check_sliding_window(const Model& model, const Recipe& r) {
 void check_attention_dropout(const Model& model, const Recipe& r, const Gpu& gpu) {
   const Architecture& a = model.arch;
   // On the CPU no fused kernel takes dropout, so SDPA runs its math kernel (StepBuilder::
-  // math_kernel), modelled with its own causal mask; a reached sliding window hands it HF's
-  // mask instead, which is not. Gemma-2 runs eager attention anyway.
+  // math_kernel), modelled with its own causal mask or a padding mask; a reached sliding window
+  // hands it HF's sliding mask instead, which is not measured. Gemma-2 runs eager attention anyway.
   if (gpu.name != "cpu" || a.attn_dropout == 0) return;
   const std::uint64_t window = reached_window(model, r);
   if (window == 0) return;

@@ -438,7 +438,7 @@ class StepBuilder {
   T attention_core(T& q, T& k, T& v);
   T ring_attention_core(const T& q, T& qc, T& kc, T& vc);
   T gpt2_attention_core(T& q, T& k, T& v);
-  T math_kernel(T& q, T& k, T& v);
+  T math_kernel(T& q, T& k, T& v, const T& attn_mask);
   T heads_last(T o);
   T attention(const T& x, const LayerParams& lp);
   T attention_module(const T& x, const LayerParams& lp);
@@ -540,10 +540,12 @@ class StepBuilder {
   std::vector<MaskKind> mask_kinds() const;
   std::uint64_t window_of_model() const;
   std::vector<T> generation_masks();
-  T attention_mask(MaskKind kind, std::uint64_t batch, std::uint64_t q, std::uint64_t kv, bool eager, DType dtype);
-  // A training forward's masks: Note [Training masks] (step.cpp).
+  T attention_mask(MaskKind kind, std::uint64_t batch, std::uint64_t q, std::uint64_t kv, bool eager, DType dtype,
+                   bool padding = false);
+  // A training forward's masks: Notes [Training masks], [Padding masks] (step.cpp).
   void training_masks(DType dtype, bool causal_only);
   void packed_sequence_check(std::uint64_t rows, std::uint64_t cols);
+  void fast_all();
   void drop_training_masks();
   const T& layer_mask(std::uint32_t l) const { return masks_[window_[l] > 0 ? 1 : 0]; }
   void generation_rotary();
@@ -598,7 +600,7 @@ class StepBuilder {
   std::vector<LayerParams> layers_;
   std::vector<std::uint32_t> casts_;
   std::vector<TensorId> states_;
-  T input_ids_, labels_, mask_, cos_, sin_, position_ids_, pending_loss_;
+  T input_ids_, labels_, padding_mask_, mask_, cos_, sin_, position_ids_, pending_loss_;
   std::array<T, 2> masks_;  // a training forward's masks by kind (causal, sliding); mask_ is the layer's
   T cp_positions_;  // context parallelism's position_ids buffer (Note [Context parallelism])
   std::vector<T> zero_losses_;  // ZeRO: the loss and gas_scaled_loss, held through backward

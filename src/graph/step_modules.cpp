@@ -697,18 +697,10 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
   // the kernel saves; the repeated K and V live until sdpa_attention_forward returns.
   const bool masked = mask_.id != kNone;
   const bool gpt2 = a_.family == Family::kGpt2;
-  if (!cuda_ && a_.attn_dropout > 0 && attention_ == Attention::kSdpa) {
-    // No CPU kernel but the math one takes dropout (a reached window's mask: refused in step.cpp).
-    op(gpt2 ? "attn.sdpa_math" : "self_attn.sdpa_math");
-    // autocast casts the arguments last to first (Note [Autocast's weight casts]).
-    T vc = autocast_arg(v, c), kc = autocast_arg(k, c), qc = autocast_arg(q, c);
-    T o = math_kernel(qc, kc, vc);
-    t_.drop(qc);
-    t_.drop(kc);
-    t_.drop(vc);
-    return heads_last(o);
-  }
-  op(gpt2 ? "attn.sdpa" : "self_attn.sdpa");
+  const bool math = !cuda_ && a_.attn_dropout > 0 && attention_ == Attention::kSdpa;
+  // No CPU kernel but the math one takes dropout (with a padding mask, or none; a reached
+  // window's mask is refused in step.cpp).
+  op(gpt2 ? (math ? "attn.sdpa_math" : "attn.sdpa") : (math ? "self_attn.sdpa_math" : "self_attn.sdpa"));
   const bool gqa_native = !masked && a_.num_kv_heads != a_.num_heads;
   T kr = masked ? repeat_kv(k) : T{};
   T vr = masked ? repeat_kv(v) : T{};
@@ -718,6 +710,18 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
   T vc = autocast_arg(vin, c), kc = autocast_arg(kin, c), qc = autocast_arg(q, c);
   if (r_.cp > 1) return ring_attention_core(q, qc, kc, vc);  // never masked (step.cpp refuses it)
   T fmask = masked ? where_of_scalars(B_ * S_ * S_, c) : T{};
+  if (math) {
+    T o = math_kernel(qc, kc, vc, fmask);
+    for (T* x : {&fmask, &qc, &kc, &vc}) {
+      if (x->id != kNone) t_.drop(*x);
+    }
+    o = heads_last(o);
+    if (masked) {
+      t_.drop(kr);
+      t_.drop(vr);
+    }
+    return o;
+  }
   auto [o, lse] = sdpa_outputs(qn, B_ * heads * S_, c, !no_grad_);
   if (qc.requires_grad() || kc.requires_grad() || vc.requires_grad()) {
     requires_grad(o);
@@ -851,19 +855,28 @@ T StepBuilder::gpt2_attention_core(T& q, T& k, T& v) {
 // because the measuring side's TorchDispatchMode makes areAnyTensorSubclassLike true: an
 // untracked CPU run adds in place and has one scores-sized tensor less at that moment. The
 // engine follows what the corpus measures; CUDA never runs this kernel here (the fused kernels
-// take dropout).
-T StepBuilder::math_kernel(T& q, T& k, T& v) {
+// take dropout). With a padding mask (Note [Padding masks] in step.cpp) HF has repeated K and V
+// and SDPA has made the float mask (`attn_mask`, its caller's) before the kernel runs: no causal
+// mask and no GQA copies inside; the kernel adds the given one (measured: GPT-2 and Llama with
+// attention_dropout, fp32 and bf16-mixed).
+T StepBuilder::math_kernel(T& q, T& k, T& v, const T& attn_mask) {
   const std::uint64_t qn = q.numel, scores = B_ * a_.num_heads * S_ * S_;
-  const std::uint64_t groups = a_.num_heads / a_.num_kv_heads;
+  const bool given = attn_mask.id != kNone;
+  const std::uint64_t groups = given ? 1 : a_.num_heads / a_.num_kv_heads;  // given: K/V repeated already
   const DType c = q.dtype, md = DType::kF32;
   T qa = to(q, md), ka = to(k, md), va = to(v, md);  // query_acc, key_acc, value_acc
   T qs = elementwise({&qa}, qn, md, {});               // q * sqrt(scale)
   qs.bshd = q.bshd;
-  T ones = fresh(S_ * S_, DType::kU8);
-  T tril = fresh(S_ * S_, DType::kU8);
-  t_.drop(ones);
-  T fmask = where_of_scalars(S_ * S_, md);
-  t_.drop(tril);
+  T fmask;
+  if (given) {
+    fmask = t_.ref(attn_mask);
+  } else {
+    T ones = fresh(S_ * S_, DType::kU8);
+    T tril = fresh(S_ * S_, DType::kU8);
+    t_.drop(ones);
+    fmask = where_of_scalars(S_ * S_, md);
+    t_.drop(tril);
+  }
   T ke = t_.ref(ka), ve = t_.ref(va);  // key_expanded, value_expanded
   ke.bshd = k.bshd;
   ve.bshd = v.bshd;

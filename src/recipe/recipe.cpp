@@ -30,6 +30,8 @@ constexpr Spellings<Attention, 3> kAttention{{{Attention::kEager, "eager"},
                                               {Attention::kSdpa, "sdpa"},
                                               {Attention::kFlash, "flash"}}};
 constexpr Spellings<Loss, 2> kLoss{{{Loss::kStandard, "standard"}, {Loss::kFused, "fused"}}};
+constexpr Spellings<AttentionMask, 3> kAttentionMask{
+    {{AttentionMask::kNone, "none"}, {AttentionMask::kOnes, "ones"}, {AttentionMask::kPadded, "padded"}}};
 constexpr Spellings<AllocatorMode, 2> kAllocator{{{AllocatorMode::kDefault, "default"},
                                                   {AllocatorMode::kExpandable, "expandable"}}};
 constexpr Spellings<QuantType, 2> kQuantTypes{{{QuantType::kFp4, "fp4"}, {QuantType::kNf4, "nf4"}}};
@@ -426,6 +428,7 @@ std::string_view to_string(Optimizer x) { return name_of(kOptimizers, x); }
 std::string_view to_string(Checkpointing x) { return name_of(kCheckpointing, x); }
 std::string_view to_string(Attention x) { return name_of(kAttention, x); }
 std::string_view to_string(Loss x) { return name_of(kLoss, x); }
+std::string_view to_string(AttentionMask x) { return name_of(kAttentionMask, x); }
 std::string_view to_string(AllocatorMode x) { return name_of(kAllocator, x); }
 std::string_view to_string(Mode x) { return name_of(kModes, x); }
 std::string_view to_string(QuantType x) { return name_of(kQuantTypes, x); }
@@ -443,6 +446,7 @@ Optimizer parse_optimizer(std::string_view s) { return parse(kOptimizers, s, "op
 Checkpointing parse_checkpointing(std::string_view s) { return parse(kCheckpointing, s, "checkpointing"); }
 Attention parse_attention(std::string_view s) { return parse(kAttention, s, "attention"); }
 Loss parse_loss(std::string_view s) { return parse(kLoss, s, "loss"); }
+AttentionMask parse_attention_mask(std::string_view s) { return parse(kAttentionMask, s, "attention_mask"); }
 AllocatorMode parse_allocator(std::string_view s) { return parse(kAllocator, s, "allocator"); }
 Mode parse_mode(std::string_view s) { return parse(kModes, s, "mode"); }
 QuantType parse_quant_type(std::string_view s) { return parse(kQuantTypes, s, "bnb_4bit_quant_type"); }
@@ -483,6 +487,7 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   r.checkpointing = parse_checkpointing(in.checkpointing);
   r.attention = parse_attention(in.attention);
   r.loss = parse_loss(in.loss);
+  r.attention_mask = parse_attention_mask(in.attention_mask);
   r.gpu = in.gpu;
   r.allocator = parse_allocator(in.allocator);
   r.lora.rank = in.lora_rank;
@@ -531,6 +536,23 @@ void Recipe::validate() const {
     if (seq > kMaxSeq - new_tokens) throw Error("seq + new_tokens: must be at most " + std::to_string(kMaxSeq));
   } else if (beams != 1) {
     throw Error("beams: beam search is an inference knob (mode inference)");
+  }
+  if (attention_mask != AttentionMask::kNone) {
+    // See Note [Padding masks] in graph/step.cpp for what is modelled.
+    const std::string m(to_string(attention_mask));
+    if (mode == Mode::kInference) {
+      throw Error("attention_mask: " + m + " is a training knob; generation always passes a mask of ones");
+    }
+    if (attention == Attention::kFlash) {
+      throw Error("attention_mask: " + m + " with attention flash is not modelled (flash-attention unpads the "
+                  "batch); use sdpa or eager");
+    }
+    if (tp > 1 || pp > 1 || cp > 1) {
+      throw Error("attention_mask: " + m + " with tensor, pipeline or context parallelism is not modelled");
+    }
+    if (attention_mask == AttentionMask::kPadded && seq < 2) {
+      throw Error("attention_mask: padded needs seq >= 2 (a row's first token is never padding)");
+    }
   }
   if (checkpointing == Checkpointing::kFullReentrant) {
     // ZeRO's and FSDP2's hooks run differently around the reentrant backward, and a pipeline

@@ -22,6 +22,8 @@ ordered_json recipe_object(const Recipe& r) {
   j["checkpointing"] = to_string(r.checkpointing);
   j["attention"] = to_string(r.attention);
   j["loss"] = to_string(r.loss);
+  // Only when the batch has one, as trainmem-measure writes it.
+  if (r.attention_mask != AttentionMask::kNone) j["attention_mask"] = to_string(r.attention_mask);
   j["gpu"] = r.gpu;
   j["allocator"] = to_string(r.allocator);
   if (r.lora.enabled()) {

@@ -213,5 +213,66 @@ TEST(PhasePeaks, EveryPhaseOnceAndTheStepPeakAmongThem) {
   EXPECT_TRUE(estimate(testing::llama_w512(), r).phases.empty());  // only when asked for
 }
 
+// Note [Padding masks]: a batch's attention_mask of ones changes nothing under SDPA (the mask is
+// skipped as without one) and nothing under eager attention (the float mask is built either way);
+// with padding SDPA gets the bool [b, 1, s, s] mask, no longer an expanded view.
+TEST(PaddingMasks, OnesKeepTheMasksPaddingMakesTheSdpaOne) {
+  const std::uint64_t B = 2, S = 256;
+  const Model llama = testing::llama_w512();
+  for (AttentionMask m : {AttentionMask::kNone, AttentionMask::kOnes, AttentionMask::kPadded}) {
+    SCOPED_TRACE(std::string(to_string(m)));
+    Recipe eager = cpu(Precision::kFp32, Attention::kEager), sdpa = cpu(Precision::kFp32, Attention::kSdpa);
+    eager.attention_mask = sdpa.attention_mask = m;
+    EXPECT_EQ(masks_of(llama, eager, B * S * S * 4).causal, 1);
+    EXPECT_EQ(masks_of(llama, sdpa, B * S * S).causal, m == AttentionMask::kPadded ? 1 : 0);
+  }
+}
+
+// Padding under SDPA saves a float [b, 1, s, s] mask of q's dtype in every layer, as a reached
+// window does; eager attention allocates the same with a mask of ones or with padding.
+TEST(PaddingMasks, PaddingUnderSdpaSavesAFloatMaskPerLayer) {
+  const Model llama = testing::llama_w512();
+  Recipe r = cpu(Precision::kFp32, Attention::kSdpa);
+  EstimateOptions o;
+  o.phases = true;
+  const Estimate plain = estimate(llama, r, o);
+  r.attention_mask = AttentionMask::kPadded;
+  const Estimate padded = estimate(llama, r, o);
+  const std::uint64_t B = 2, S = 256, mask = B * S * S * 4, layers = llama.arch.num_layers;
+  const std::uint64_t fwd = phase_peak(padded, 2, Phase::kForward), fwd_plain = phase_peak(plain, 2, Phase::kForward);
+  EXPECT_GE(fwd, fwd_plain + layers * mask);
+  // And K and V repeated to the query heads (a mask turns native GQA off), the bool mask and the
+  // batch's int64 attention_mask, no more.
+  const Architecture& a = llama.arch;
+  const std::uint64_t repeats = layers * 2 * B * S * (a.num_heads - a.num_kv_heads) * a.head_dim * 4;
+  EXPECT_LE(fwd, fwd_plain + (layers + 1) * mask + repeats + B * S * S + B * S * 8 + 512);
+  r.attention = Attention::kEager;
+  r.attention_mask = AttentionMask::kOnes;
+  const Estimate ones = estimate(llama, r);
+  r.attention_mask = AttentionMask::kPadded;
+  EXPECT_EQ(estimate(llama, r).peak_allocated_bytes, ones.peak_allocated_bytes);
+}
+
+TEST(PaddingMasks, WhereTheMaskIsNotModelledItIsRefused) {
+  const Model llama = testing::llama_w512();
+  Recipe r = cpu(Precision::kFp32, Attention::kFlash);
+  r.attention_mask = AttentionMask::kPadded;
+  EXPECT_NE(testing::error_of([&] { r.validate(); }).find("flash-attention unpads"), std::string::npos);
+  r.attention = Attention::kSdpa;
+  r.tp = 2;
+  EXPECT_NE(testing::error_of([&] { r.validate(); }).find("tensor, pipeline or context"), std::string::npos);
+  r.tp = 1;
+  r.seq = 1;
+  EXPECT_NE(testing::error_of([&] { r.validate(); }).find("seq >= 2"), std::string::npos);
+  r.attention_mask = AttentionMask::kOnes;
+  EXPECT_NO_THROW(r.validate());
+  r.mode = Mode::kInference;
+  r.precision = Precision::kBf16True;
+  EXPECT_NE(testing::error_of([&] { r.validate(); }).find("training knob"), std::string::npos);
+  RecipeSpelling sp;
+  sp.attention_mask = "left";
+  EXPECT_NE(testing::error_of([&] { parse_recipe(sp); }).find("attention_mask"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace trainmem

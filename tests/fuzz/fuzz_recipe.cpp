@@ -23,6 +23,7 @@ constexpr const char* kOptimizers[] = {"adamw", "adamw-fused", "adamw-8bit", "sg
 constexpr const char* kCheckpointing[] = {"none", "full"};
 constexpr const char* kAttention[] = {"sdpa", "eager", "flash"};
 constexpr const char* kLoss[] = {"standard", "fused"};
+constexpr const char* kAttentionMasks[] = {"none", "ones", "padded", "left"};  // "left": not a value
 constexpr const char* kAllocator[] = {"default", "expandable"};
 constexpr const char* kGpus[] = {"h100-80gb", "cpu", "a100-40gb", "t4-16gb", "rtx-4090"};
 constexpr const char* kFamilies[] = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt2"};
@@ -255,6 +256,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   if (p.ConsumeIntegral<std::uint8_t>() >= 192) sp.prepare_kbit_training = false;
   // And after that: per-layer checkpointing under torch.utils.checkpoint's reentrant variant.
   if (p.ConsumeIntegral<std::uint8_t>() >= 128 && sp.checkpointing == "full") sp.checkpointing = "full-reentrant";
+  // And after that: the batch's attention_mask.
+  if (p.ConsumeIntegral<std::uint8_t>() >= 128) sp.attention_mask = pick(p, kAttentionMasks);
 
   if (std::getenv("TRAINMEM_FUZZ_VERBOSE")) {  // to read a reproducer: what the bytes decode to
     std::fprintf(stderr, "model: %s\nname: %s\nrecipe: precision=%s optimizer=%s checkpointing=%s "
@@ -273,13 +276,14 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
                  static_cast<unsigned long long>(sp.beams), static_cast<unsigned long long>(sp.gpus),
                  sp.parallel.c_str(), static_cast<long long>(rank));
     std::fprintf(stderr, "find_unused=%d offload=%s tp=%llu sp=%d lp=%d pp=%llu schedule=%s stages=%llu cp=%llu "
-                 "fsdp: reshard=%d replicate=%llu param=%s reduce=%s load_dtype=%s quant_storage=%s prepare_kbit=%d\n",
+                 "fsdp: reshard=%d replicate=%llu param=%s reduce=%s load_dtype=%s quant_storage=%s prepare_kbit=%d "
+                 "attention_mask=%s\n",
                  sp.ddp_find_unused_parameters, sp.offload.c_str(), static_cast<unsigned long long>(sp.tp),
                  sp.sequence_parallel, sp.loss_parallel, static_cast<unsigned long long>(sp.pp), sp.pp_schedule.c_str(),
                  static_cast<unsigned long long>(sp.pp_stages_per_rank), static_cast<unsigned long long>(sp.cp),
                  sp.fsdp_reshard_after_forward, static_cast<unsigned long long>(sp.fsdp_replicate),
                  sp.fsdp_param_dtype.c_str(), sp.fsdp_reduce_dtype.c_str(), sp.load_dtype.c_str(),
-                 sp.bnb_4bit_quant_storage.c_str(), sp.prepare_kbit_training);
+                 sp.bnb_4bit_quant_storage.c_str(), sp.prepare_kbit_training, sp.attention_mask.c_str());
   }
   fuzz::expected_outcome([&] {
     trainmem::Recipe r = trainmem::parse_recipe(sp);
@@ -289,6 +293,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     FUZZ_CHECK(trainmem::parse_precision(trainmem::to_string(r.precision)) == r.precision);
     FUZZ_CHECK(trainmem::parse_optimizer(trainmem::to_string(r.optimizer)) == r.optimizer);
     FUZZ_CHECK(trainmem::parse_allocator(trainmem::to_string(r.allocator)) == r.allocator);
+    FUZZ_CHECK(trainmem::parse_attention_mask(trainmem::to_string(r.attention_mask)) == r.attention_mask);
     trainmem::Model m = from_catalog ? trainmem::load_model(catalog_name)
                                      : trainmem::model_from_config_json(
                                            config.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace),

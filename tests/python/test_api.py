@@ -145,6 +145,27 @@ def test_loss_parallel_keyword(trainmem_bin):
         trainmem.estimate("llama-3.2-1b", loss_parallel=True, **kw)
 
 
+def test_attention_mask_keyword(run):
+    """attention_mask is --attention-mask; padding under SDPA saves a float mask per layer
+    (Note [Padding masks]), a mask of ones under SDPA is skipped as none."""
+    kw = dict(seq=1024, batch=4)
+    padded = trainmem.estimate("llama-3.2-1b", attention_mask="padded", **kw)
+    cli = json.loads(run("estimate", "llama-3.2-1b", "--seq", "1024", "--batch", "4", "--attention-mask", "padded",
+                         "--json").stdout)
+    assert padded.to_dict() == cli and padded.recipe["attention_mask"] == "padded"
+    plain = trainmem.estimate("llama-3.2-1b", **kw)
+    ones = trainmem.estimate("llama-3.2-1b", attention_mask="ones", **kw)
+    assert "attention_mask" not in plain.recipe
+    # The batch's [4, 1024] int64 mask is all that ones adds at the peak; padding adds 16 layers'
+    # bf16 [4, 1, 1024, 1024] masks at least.
+    assert ones.peak_allocated_bytes - plain.peak_allocated_bytes <= 4 * 1024 * 8
+    assert padded.peak_allocated_bytes - plain.peak_allocated_bytes >= 16 * 4 * 1024 * 1024 * 2
+    with pytest.raises(ValueError, match="attention_mask: unknown value 'left'"):
+        trainmem.estimate("llama-3.2-1b", attention_mask="left")
+    with pytest.raises(ValueError, match="attention_mask: padded with attention flash is not modelled"):
+        trainmem.estimate("llama-3.2-1b", attention_mask="padded", attention="flash")
+
+
 def test_pipeline_keywords(trainmem_bin):
     kw = dict(seq=256, precision="bf16-true", optimizer="sgd", grad_accum=4, pp=2)
     est = trainmem.estimate("mistral-7b-v0.3", **kw)

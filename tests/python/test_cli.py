@@ -560,6 +560,19 @@ def test_data_parallel_bad_input(run, args, message):
     assert message in r.stderr
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--attention-mask", "left"], "attention_mask: unknown value 'left'; expected one of none, ones, padded"),
+    (["--attention-mask", "ones", "--inference"], "attention_mask: ones is a training knob"),
+    (["--attention-mask", "padded", "--seq", "1"], "attention_mask: padded needs seq >= 2"),
+    (["--attention-mask", "padded", "--pp", "2", "--grad-accum", "2"],
+     "attention_mask: padded with tensor, pipeline or context parallelism is not modelled"),
+])
+def test_attention_mask_bad_input(run, args, message):
+    r = run("estimate", "llama-3.2-1b", *args)
+    assert r.returncode == 2 and r.stdout == ""
+    assert message in r.stderr
+
+
 def test_fit_on_several_gpus_splits_the_global_batch(run):
     r = run("fit", "qwen3-0.6b", "--gpu", "rtx-4090", "--gpus", "4", "--seq", "1024", "--global-batch", "16",
             "--top", "3", "--json")

@@ -39,6 +39,9 @@ def tiny_config(tmp_path):
     (["gpt2", "--batch", "x"], "argument --batch: invalid int value: 'x'"),
     (["gpt2", "--precision", "int3"], "argument --precision: invalid choice: 'int3'"),
     (["gpt2", "--attention", "flash"], "attention=flash (flash_attention_2) runs on a real CUDA device only"),
+    (["gpt2", "--attention-mask", "left"], "argument --attention-mask: invalid choice: 'left'"),
+    (["gpt2", "--attention-mask", "padded", "--seq", "1"], "attention_mask='padded' needs seq >= 2"),
+    (["gpt2", "--attention-mask", "ones", "--inference"], "attention_mask='ones' is a training knob"),
     ([], "the following arguments are required: model"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):

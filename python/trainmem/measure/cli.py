@@ -19,9 +19,9 @@ import os
 import shlex
 import sys
 
-from .recipe import (ALLOCATORS, ATTENTIONS, BNB_4BIT_QUANT_STORAGES, BNB_4BIT_QUANT_TYPES, CHECKPOINTING,
-                     FSDP_PARAM_DTYPES, FSDP_REDUCE_DTYPES, LOSSES, OPTIMIZERS, PARALLELS, PRECISIONS, Recipe,
-                     RecipeError)
+from .recipe import (ALLOCATORS, ATTENTION_MASKS, ATTENTIONS, BNB_4BIT_QUANT_STORAGES, BNB_4BIT_QUANT_TYPES,
+                     CHECKPOINTING, FSDP_PARAM_DTYPES, FSDP_REDUCE_DTYPES, LOSSES, OPTIMIZERS, PARALLELS, PRECISIONS,
+                     Recipe, RecipeError)
 
 PROG = "trainmem-measure"
 
@@ -50,6 +50,10 @@ def _parser() -> _Parser:
     p.add_argument("--checkpointing", choices=CHECKPOINTING, default=defaults.checkpointing)
     p.add_argument("--attention", choices=ATTENTIONS, default=defaults.attention)
     p.add_argument("--loss", choices=LOSSES, default=defaults.loss)
+    p.add_argument("--attention-mask", choices=ATTENTION_MASKS, default=defaults.attention_mask,
+                   help="the training batch's attention_mask: none (input_ids and labels only), ones (an unpadded "
+                        "batch as a tokenizer gives it) or padded (the last row's second half is padding) "
+                        "(default %(default)s)")
     p.add_argument("--gpu", default=None,
                    help="recorded as recipe.gpu (default: cpu, or the CUDA device's name with --device cuda)")
     p.add_argument("--allocator", choices=ALLOCATORS, default=defaults.allocator,
@@ -150,7 +154,7 @@ def recipe_from_args(args: argparse.Namespace, gpu: str) -> Recipe:
     quant_type = args.bnb_4bit_quant_type or ("nf4" if args.qlora else defaults_quant_type())
     return Recipe(batch=args.batch, seq=args.seq, grad_accum=args.grad_accum, precision=args.precision,
                   optimizer=args.optimizer, checkpointing=args.checkpointing, attention=args.attention,
-                  loss=args.loss, gpu=gpu, allocator=args.allocator, lora_rank=args.lora,
+                  loss=args.loss, attention_mask=args.attention_mask, gpu=gpu, allocator=args.allocator, lora_rank=args.lora,
                   lora_targets=args.lora_targets, lora_dropout=args.lora_dropout,
                   mode="inference" if args.inference else "training", new_tokens=args.new_tokens,
                   beams=args.beams, gpus=args.gpus, parallel=args.parallel, tp=args.tp,

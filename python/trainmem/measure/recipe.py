@@ -9,6 +9,10 @@ OPTIMIZERS = ("adamw", "adamw-fused", "adamw-8bit", "sgd", "adafactor")
 CHECKPOINTING = ("none", "full", "full-reentrant")
 ATTENTIONS = ("eager", "sdpa", "flash")
 LOSSES = ("standard", "fused")
+# The attention_mask the training batch passes to the model (docs/schema.md): none (only input_ids
+# and labels), ones (what a tokenizer gives an unpadded batch) or padded (the last row's second
+# half is padding).
+ATTENTION_MASKS = ("none", "ones", "padded")
 ALLOCATORS = ("default", "expandable")
 # Data parallelism (docs/parallelism.md): "none" is one process; "ddp" DistributedDataParallel,
 # "fsdp" FSDP2 fully_shard per decoder layer and the root, "zero1" / "zero2" / "zero3" DeepSpeed's
@@ -77,6 +81,7 @@ class Recipe:
     checkpointing: str = "none"
     attention: str = "sdpa"
     loss: str = "standard"
+    attention_mask: str = "none"
     gpu: str = "cpu"
     allocator: str = "default"
     # LoRA (peft): rank 0 trains every parameter. lora_targets is spelled as on the command line
@@ -151,6 +156,7 @@ class Recipe:
             ("checkpointing", CHECKPOINTING),
             ("attention", ATTENTIONS),
             ("loss", LOSSES),
+            ("attention_mask", ATTENTION_MASKS),
             ("allocator", ALLOCATORS),
         ):
             value = getattr(self, key)
@@ -164,6 +170,7 @@ class Recipe:
     def _check_mode(self) -> None:
         """The engine's rules for inference (src/recipe/recipe.cpp Recipe::validate)."""
         if self.mode == "training":
+            self._check_attention_mask()
             if self.beams != 1:
                 raise RecipeError(f"beams={self.beams} is beam search, an inference knob: use mode inference "
                                   "(--inference) or beams 1")
@@ -173,6 +180,9 @@ class Recipe:
                               f"{', '.join(INFERENCE_PRECISIONS)}")
         if self.grad_accum != 1:
             raise RecipeError(f"grad_accum={self.grad_accum}: inference has no gradient accumulation")
+        if self.attention_mask != "none":
+            raise RecipeError(f"attention_mask={self.attention_mask!r} is a training knob: generation always passes "
+                              "a mask of ones")
         if self.checkpointing != "none":
             raise RecipeError(f"checkpointing={self.checkpointing!r}: inference keeps no activations to recompute")
         if self.lora_rank > 0:
@@ -181,6 +191,19 @@ class Recipe:
             raise RecipeError(f"beams must be at most {MAX_BEAMS}, got {self.beams}")
         if self.seq + self.new_tokens > MAX_SEQ:
             raise RecipeError(f"seq + new_tokens must be at most {MAX_SEQ}, got {self.seq + self.new_tokens}")
+
+    def _check_attention_mask(self) -> None:
+        """The engine's rules for attention_mask (src/recipe/recipe.cpp Recipe::validate)."""
+        if self.attention_mask == "none":
+            return
+        if self.attention == "flash":
+            raise RecipeError(f"attention_mask={self.attention_mask!r} with attention flash is not measured "
+                              "(flash-attention unpads the batch); use sdpa or eager")
+        if self.attention_mask == "padded" and self.seq < 2:
+            raise RecipeError("attention_mask='padded' needs seq >= 2 (the first token is never padding)")
+        if self.tp > 1 or self.pp > 1:
+            raise RecipeError(f"attention_mask={self.attention_mask!r} with tensor or pipeline parallelism is not "
+                              "measured")
 
     def _check_parallel(self) -> None:
         """What the measuring side can run under data parallelism (docs/parallelism.md)."""
@@ -541,6 +564,8 @@ class Recipe:
             del out["prepare_kbit_training"]
         if not self.load_in_8bit:  # and load_in_8bit only for 8-bit weights
             del out["load_in_8bit"]
+        if self.attention_mask == "none":  # as the engine writes it: the mask only when the batch has one
+            del out["attention_mask"]
         if not self.is_inference:  # as the engine writes it: new_tokens and beams for inference only
             del out["new_tokens"], out["beams"]
         if self.parallel == "none":  # no data parallelism: the keys of a single-GPU recipe, as before

@@ -160,7 +160,13 @@ def measure(model: str | ModelSpec, recipe: Recipe, *, device: str = "cpu", fake
 
     def make_batch():
         input_ids = torch.randint(vocab, (recipe.batch, recipe.seq), device=device)
-        return input_ids, input_ids.clone()
+        if recipe.attention_mask == "none":
+            return input_ids, input_ids.clone()
+        labels = input_ids.clone()
+        mask = torch.ones(recipe.batch, recipe.seq, dtype=torch.int64, device=device)
+        if recipe.attention_mask == "padded":
+            mask[-1, max(1, recipe.seq // 2):].zero_()  # right padding; in place, so nothing is allocated
+        return input_ids, labels, mask
 
     step_hooks = {}
     if is_cuda:
@@ -453,6 +459,7 @@ def default_command(spec: ModelSpec, recipe: Recipe, *, device: str, fake: bool)
     for key, flag in (("batch", "--batch"), ("seq", "--seq"), ("grad_accum", "--grad-accum"),
                       ("new_tokens", "--new-tokens"), ("beams", "--beams"), ("optimizer", "--optimizer"),
                       ("checkpointing", "--checkpointing"), ("attention", "--attention"), ("loss", "--loss"),
+                      ("attention_mask", "--attention-mask"),
                       ("allocator", "--allocator"), ("gpus", "--gpus"), ("parallel", "--parallel"),
                       ("tp", "--tp"), ("pp", "--pp"), ("pp_schedule", "--pp-schedule"),
                       ("pp_stages_per_rank", "--pp-stages-per-rank")):

@@ -3,7 +3,7 @@
 Both trainmem sides model this loop (the engine predicts it, this package measures it):
 
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=..., dtype=...)
-    input_ids = randint(vocab, (batch, seq)); labels = input_ids.clone()   # no attention_mask
+    input_ids = randint(vocab, (batch, seq)); labels = input_ids.clone()   # [attention_mask: ones, padded]
     for step in 1, 2:
         for micro in range(grad_accum):
             with autocast (only *-mixed):
@@ -160,8 +160,9 @@ def hf_loss_fn(model, recipe: Recipe, tracker: MemoryTracker):
         hf_model.loss_function = loss_function
 
         def forward_and_loss(batch):
-            input_ids, labels = batch
-            return model(input_ids=input_ids, labels=labels, use_cache=False).loss
+            input_ids, labels, *mask = batch  # an attention_mask when the recipe passes one
+            return model(input_ids=input_ids, labels=labels, attention_mask=mask[0] if mask else None,
+                         use_cache=False).loss
 
         return forward_and_loss
 
@@ -178,8 +179,9 @@ def hf_loss_fn(model, recipe: Recipe, tracker: MemoryTracker):
         compute_dtype = head.weight.dtype
 
     def forward_and_loss(batch):
-        input_ids, labels = batch
-        hidden = base(input_ids=input_ids, use_cache=False).last_hidden_state
+        input_ids, labels, *mask = batch
+        hidden = base(input_ids=input_ids, attention_mask=mask[0] if mask else None,
+                      use_cache=False).last_hidden_state
         tracker.set_phase("loss")
         with tracker.scope(LOSS):
             loss = fused_linear_cross_entropy(hidden, head.weight, labels,
