@@ -538,9 +538,12 @@ struct Plan {
 // a node's RAM over its GPUs, 1 TiB over 8 GPUs (docs/planner.md, "Host memory").
 constexpr std::uint64_t kDefaultHostMemoryBytes = 128ull << 30;
 
+// The most GPUs a recipe or a plan may span (the measuring side's MAX_GPUS).
+constexpr std::uint64_t kMaxGpus = 4096;
+
 struct FitRequest {
   Recipe base;                       // the user's recipe; the planner starts from it
-  std::uint64_t gpus = 1;            // data-parallel GPUs; more than 1 searches ddp / fsdp / zero1 / zero2
+  std::uint64_t gpus = 1;            // data-parallel GPUs (1 to kMaxGpus); more than 1 searches ddp / fsdp / zero1 / zero2
   std::uint64_t global_batch = 0;    // sequences per optimizer step over all GPUs; 0: batch*grad_accum*gpus
   std::vector<std::string> fixed;    // knob names the search keeps at the base recipe's value
   std::size_t top = 10;              // plans to return

@@ -208,7 +208,7 @@ def fit(model: str, *, gpus: int = 1, global_batch: int | None = None, top: int 
     bad input."""
     from . import _core
 
-    for name, value in (("gpus", gpus), ("top", top), ("global_batch", global_batch or 1),
+    for name, value in (("gpus", gpus), ("top", top), ("global_batch", 1 if global_batch is None else global_batch),
                         ("host_memory_gib", 1 if host_memory_gib is None else host_memory_gib)):
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 2**64:
             raise ValueError(f"{name}: must be a positive integer, got {value!r}")

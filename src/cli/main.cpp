@@ -22,12 +22,14 @@ namespace {
 
 using trainmem::Error;
 
-std::uint64_t parse_count(const std::string& s, const char* field) {
+// `zero_ok`: 0 means something (no adapters, rank 0), so the message asks for 0 or more.
+std::uint64_t parse_count(const std::string& s, const char* field, bool zero_ok = false) {
   std::uint64_t v = 0;
   const char* end = s.data() + s.size();
   auto [ptr, ec] = std::from_chars(s.data(), end, v);
   if (s.empty() || ec != std::errc() || ptr != end) {
-    throw Error(std::string(field) + ": must be a positive integer, got '" + s + "'");
+    throw Error(std::string(field) + (zero_ok ? ": must be a whole number (0 or more), got '"
+                                              : ": must be a positive integer, got '") + s + "'");
   }
   return v;
 }
@@ -93,7 +95,7 @@ struct RecipeFlags {
     opt("optimizer", "--optimizer", optimizer, "adamw | adamw-fused | adamw-8bit | sgd | adafactor");
     opt("checkpointing", "--checkpointing", ckpt,
         "none | full (per decoder layer, use_reentrant=False) | full-reentrant (use_reentrant=True, as peft's "
-        "prepare_model_for_kbit_training turns on; one GPU)");
+        "prepare_model_for_kbit_training turns on; one GPU, or DDP without find_unused_parameters)");
     opt("attention", "--attention", attention, "eager | sdpa | flash");
     opt("loss", "--loss", loss, "standard (fp32 logits) | fused (chunked linear + cross-entropy)");
     opt("attention_mask", "--attention-mask", attention_mask,
@@ -197,9 +199,13 @@ struct RecipeFlags {
     sp.attention_mask = attention_mask;
     sp.gpu = gpu;
     sp.allocator = allocator;
-    sp.lora_rank = lora_rank == "0" ? 0 : parse_count(lora_rank, "lora_rank");
+    sp.lora_rank = parse_count(lora_rank, "lora_rank", /*zero_ok=*/true);
     sp.lora_targets = lora_targets;
     sp.lora_dropout = parse_fraction(lora_dropout, "lora_dropout");
+    if (qlora && !quant_type.empty() && quant_type != "nf4") {
+      throw Error("bnb_4bit_quant_type: --qlora is an nf4 base with double quant; for " + quant_type +
+                  " use --load-in-4bit --bnb-4bit-quant-type " + quant_type);
+    }
     sp.load_in_4bit = load_in_4bit || qlora;
     sp.bnb_4bit_quant_type = !quant_type.empty() ? quant_type : (qlora ? "nf4" : sp.bnb_4bit_quant_type);
     sp.bnb_4bit_use_double_quant = double_quant || qlora;
@@ -510,7 +516,7 @@ int main(int argc, char** argv) {
   auto* fitc = app.add_subcommand(
       "fit", "Recipes that fit a GPU, fastest first, and what single changes of your recipe save;\n"
              "when nothing fits, what it takes (a larger GPU, adapters instead of full fine-tuning)");
-  std::string fit_model, fit_global = "0", fit_top = "10", fit_host = std::to_string(trainmem::kDefaultHostMemoryBytes >> 30);
+  std::string fit_model, fit_global, fit_top = "10", fit_host = std::to_string(trainmem::kDefaultHostMemoryBytes >> 30);
   RecipeFlags fit_flags;
   bool fit_json = false;
   fitc->add_option("model", fit_model, "Catalog name, Hugging Face id, config.json path or model directory")->required();
@@ -566,11 +572,12 @@ int main(int argc, char** argv) {
       const trainmem::Recipe r = trainmem::parse_recipe(flags.spelling());
       trainmem::Model m = trainmem::load_model(model);
       trainmem::EstimateOptions opt;
+      if (timeline && !as_json) throw Error("timeline: the timeline is part of the JSON output; add --json");
       opt.timeline = timeline;
       opt.phases = phases;
       opt.trace_path = trace_path;
       if (rank != "worst") {
-        const std::uint64_t n = parse_count(rank, "rank (a rank number or 'worst')");
+        const std::uint64_t n = parse_count(rank, "rank (a rank number or 'worst')", /*zero_ok=*/true);
         const std::uint64_t ranks = r.gpus * r.pp;
         if (n >= ranks) {
           throw Error("rank: " + rank + " is not one of the " + std::to_string(ranks) + " ranks (0.." +
@@ -589,7 +596,10 @@ int main(int argc, char** argv) {
       q.gpus = sp.gpus;
       if (sp.parallel == "none") sp.gpus = 1;  // the planner decides how the GPUs are used
       q.base = trainmem::parse_recipe(sp);
-      q.global_batch = fit_global == "0" ? 0 : parse_count(fit_global, "global_batch");
+      if (!fit_global.empty()) {  // unset: batch x grad-accum x gpus
+        q.global_batch = parse_count(fit_global, "global_batch");
+        if (q.global_batch == 0) throw Error("global_batch: must be at least 1 sequence per optimizer step, got 0");
+      }
       q.top = parse_count(fit_top, "top");
       q.host_memory_bytes = host_memory_bytes(fit_host);
       for (const std::string& k : fit_flags.given()) {

@@ -160,6 +160,18 @@ Model load_model(std::string_view source) {
     ss << in.rdbuf();
     return model_from_config_json(ss.str(), std::string(source));
   }
+  // A name that can only be a path (absolute, relative, home, a .json file): say what the
+  // file system said rather than suggest catalog names.
+  const bool path_like = source.front() == '/' || source.front() == '.' || source.front() == '~' ||
+                         source.ends_with(".json") || source.ends_with("/");
+  if (path_like) {
+    const fs::file_status st = fs::status(p, ec);
+    const std::string why = ec ? ec.message()
+                               : st.type() == fs::file_type::not_found ? "no such file or directory"
+                                                                      : "not a regular file or a directory";
+    throw Error("model: '" + std::string(source) + "': " + why +
+                " (a config.json, a model directory, or a name from `trainmem models`)");
+  }
   throw Error("unknown model '" + std::string(source) + "'; did you mean: " + suggestions(source) +
               "? (`trainmem models` lists the catalog; a path to a config.json or model directory also works)");
 }

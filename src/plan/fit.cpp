@@ -778,6 +778,9 @@ Recipe with_adapters(Recipe r, bool qlora, const Gpu& gpu) {
 FitResult search(const Model& model, const FitRequest& q, bool reference, bool plans_only = false) {
   q.base.validate();
   if (q.base.mode != Mode::kTraining) throw Error("mode: fit plans training recipes; estimate a generation with `estimate --inference`");
+  if (q.gpus < 1 || q.gpus > kMaxGpus) {
+    throw Error("gpus: must be between 1 and " + std::to_string(kMaxGpus) + ", got " + std::to_string(q.gpus));
+  }
   if (q.base.cp != 1) {
     throw Error("cp: fit searches context parallelism itself over --gpus (one ring over all of them, where it is "
                 "modelled); give the recipe without --cp");

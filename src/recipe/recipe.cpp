@@ -83,8 +83,6 @@ constexpr std::uint64_t kMaxSeq = std::uint64_t{1} << 24;
 // Every micro-batch is simulated (about as long as one forward and backward), so the count is
 // capped where an estimate still takes seconds, not hours.
 constexpr std::uint64_t kMaxAccum = 1024;
-// Data-parallel ranks: the measuring side's bound (python/trainmem/measure/recipe.py MAX_GPUS).
-constexpr std::uint64_t kMaxGpus = 4096;
 constexpr std::uint64_t kMaxCp = 64;  // as many as tensor parallelism's
 constexpr std::uint64_t kMaxPp = 64;  // the measuring side's MAX_PP
 constexpr std::uint64_t kMaxPpStagesPerRank = 64;  // the measuring side's MAX_PP_STAGES_PER_RANK
@@ -536,6 +534,8 @@ void Recipe::validate() const {
     if (seq > kMaxSeq - new_tokens) throw Error("seq + new_tokens: must be at most " + std::to_string(kMaxSeq));
   } else if (beams != 1) {
     throw Error("beams: beam search is an inference knob (mode inference)");
+  } else if (new_tokens != Recipe{}.new_tokens) {
+    throw Error("new_tokens: the tokens a generation adds, an inference knob (mode inference)");
   }
   if (attention_mask != AttentionMask::kNone) {
     // See Note [Padding masks] in graph/step.cpp for what is modelled.
@@ -570,7 +570,9 @@ void Recipe::validate() const {
   }
   if (lora.enabled()) {
     // peft's own ranks are small (8-256); beyond 2^16 the adapters outgrow the layers they adapt.
-    check_range("lora_rank", lora.rank, 65536);
+    if (lora.rank > 65536) {
+      throw Error("lora_rank: must be between 0 (no adapters) and 65536, got " + std::to_string(lora.rank));
+    }
     if (!(lora.dropout >= 0 && lora.dropout < 1)) {
       throw Error("lora_dropout: must be in [0, 1), got " + std::to_string(lora.dropout));
     }
@@ -584,6 +586,8 @@ void Recipe::validate() const {
     }
   } else if (lora.dropout != 0) {
     throw Error("lora_dropout: set without lora_rank (no adapters)");
+  } else if (!lora.targets.empty() && lora.targets != std::vector<std::string>{"default"}) {
+    throw Error("lora_targets: set without lora_rank (no adapters)");
   }
   if (!quant.load_in_4bit) {
     if (quant.quant_type != QuantType::kFp4 || quant.double_quant) {
@@ -637,6 +641,12 @@ void Recipe::validate() const {
   }
   validate_parallel(*this);
   validate_offload(*this);
+  if (mode == Mode::kInference) {
+    // Knobs of a training step a generation has no use for: refused rather than echoed back
+    // (after the checks that name a knob the generation cannot take at all).
+    if (optimizer != Recipe{}.optimizer) throw Error("optimizer: inference runs no optimizer");
+    if (loss != Recipe{}.loss) throw Error("loss: inference computes no loss");
+  }
 }
 
 }  // namespace trainmem

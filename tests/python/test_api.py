@@ -38,6 +38,13 @@ def test_load_in_8bit_keyword_matches_the_cli(run):
         trainmem.estimate("llama-3.2-1b", mode="inference", load_in_8bit="yes")
 
 
+def test_fit_refuses_no_gpus_and_an_empty_global_batch():
+    with pytest.raises(ValueError, match="gpus: must be a positive integer, got 0"):
+        trainmem.fit("qwen3-4b", gpus=0)
+    with pytest.raises(ValueError, match="global_batch: must be a positive integer, got 0"):
+        trainmem.fit("qwen3-4b", global_batch=0)
+
+
 def test_bad_input_raises_value_error():
     with pytest.raises(ValueError, match="unknown model 'nope'"):
         trainmem.estimate("nope")

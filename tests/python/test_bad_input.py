@@ -282,12 +282,13 @@ BAD_PATHS = [
     pytest.param("dir-config-loop",
                  lambda t: (t / "m").mkdir() or os.symlink("config.json", t / "m" / "config.json") or t / "m",
                  ["config.json"]),
-    ("path-symlink-loop", lambda t: os.symlink("loop", t / "loop") or t / "loop", ["unknown model", "loop"]),
+    ("path-symlink-loop", lambda t: os.symlink("loop", t / "loop") or t / "loop", ["loop", "symbolic links"]),
+    ("path-missing", lambda t: t / "my-model" / "config.json", ["my-model/config.json': No such file or directory"]),
     ("path-fifo", lambda t: _fifo(t / "fifo.json"), ["fifo.json"]),
     ("path-dev-null", lambda t: Path("/dev/null"), ["/dev/null"]),
     ("path-dev-zero", lambda t: Path("/dev/zero"), ["/dev/zero"]),
     ("path-proc-file", lambda t: Path("/proc/self/status"), ["not valid JSON"]),
-    ("path-name-too-long", lambda t: t / ("x" * 300 + ".json"), ["unknown model"]),
+    ("path-name-too-long", lambda t: t / ("x" * 300 + ".json"), ["File name too long"]),
     ("path-dir-without-config", lambda t: ROOT / "data" / "models", ["directory has no config.json"]),
 ]
 

@@ -233,6 +233,18 @@ def test_pipeline_with_ddp_replays_each_stage_once(run):
 
 @pytest.mark.parametrize("args, message", [
     (["estimate", "qwen3-4", "--json"], "unknown model 'qwen3-4'; did you mean: qwen3-4b"),
+    (["estimate", "./no-such-model/config.json"], "model: './no-such-model/config.json': No such file or directory"),
+    (["fit", "qwen3-4b", "--gpus", "0"], "gpus: must be between 1 and 4096, got 0"),
+    (["fit", "qwen3-4b", "--global-batch", "0"], "global_batch: must be at least 1 sequence per optimizer step"),
+    (["estimate", "qwen3-4b", "--new-tokens", "10"], "new_tokens: the tokens a generation adds, an inference knob"),
+    (["estimate", "qwen3-4b", "--inference", "--optimizer", "sgd"], "optimizer: inference runs no optimizer"),
+    (["estimate", "qwen3-4b", "--inference", "--loss", "fused"], "loss: inference computes no loss"),
+    (["estimate", "qwen3-4b", "--lora-targets", "all-linear"], "lora_targets: set without lora_rank"),
+    (["estimate", "qwen3-4b", "--lora", "8", "--qlora", "--bnb-4bit-quant-type", "fp4"],
+     "--qlora is an nf4 base with double quant"),
+    (["estimate", "qwen3-4b", "--timeline"], "timeline: the timeline is part of the JSON output; add --json"),
+    (["estimate", "qwen3-4b", "--lora", "-4"], "lora_rank: must be a whole number (0 or more), got '-4'"),
+    (["estimate", "qwen3-4b", "--lora", "100000"], "lora_rank: must be between 0 (no adapters) and 65536"),
     (["estimate", "qwen3-4b", "--batch", "0"], "batch: must be between 1 and"),
     (["estimate", "qwen3-4b", "--batch", "-3"], "batch: must be a positive integer, got '-3'"),
     (["estimate", "qwen3-4b", "--seq", "4k"], "seq: must be a positive integer, got '4k'"),
@@ -333,7 +345,7 @@ def test_pipeline_with_ddp_replays_each_stage_once(run):
      "rank: 2 is not one of the 2 ranks (0..1) of --gpus 2"),
     (["estimate", "gpt2", "--rank", "1"], "rank: 1 is not one of the 1 ranks (0..0) of --gpus 1"),
     (["estimate", "gpt2", "--gpus", "2", "--parallel", "ddp", "--rank", "last"],
-     "rank (a rank number or 'worst'): must be a positive integer, got 'last'"),
+     "rank (a rank number or 'worst'): must be a whole number (0 or more), got 'last'"),
 ])
 def test_bad_arguments_exit_2_with_one_line(run, args, message):
     r = run(*args)

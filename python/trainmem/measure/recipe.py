@@ -174,7 +174,14 @@ class Recipe:
             if self.beams != 1:
                 raise RecipeError(f"beams={self.beams} is beam search, an inference knob: use mode inference "
                                   "(--inference) or beams 1")
+            if self.new_tokens != Recipe.new_tokens:
+                raise RecipeError(f"new_tokens={self.new_tokens} is the tokens a generation adds, an inference knob: "
+                                  "use mode inference (--inference)")
             return
+        if self.optimizer != Recipe.optimizer:
+            raise RecipeError(f"optimizer={self.optimizer!r}: inference runs no optimizer")
+        if self.loss != Recipe.loss:
+            raise RecipeError(f"loss={self.loss!r}: inference computes no loss")
         if self.precision not in INFERENCE_PRECISIONS:
             raise RecipeError(f"precision={self.precision!r}: inference loads the weights in one dtype: "
                               f"{', '.join(INFERENCE_PRECISIONS)}")
@@ -440,6 +447,8 @@ class Recipe:
         if rank == 0:
             if dropout != 0:
                 raise RecipeError("lora_dropout is set without lora_rank (no adapters)")
+            if self.lora_targets != "default":
+                raise RecipeError("lora_targets is set without lora_rank (no adapters)")
             return
         if self.precision == "bf16-master" and self.parallel not in ("zero1", "zero2", "zero3"):  # DeepSpeed's bf16 mode
             raise RecipeError("precision=bf16-master cannot be combined with LoRA: it keeps fp32 masters of half "
