@@ -21,13 +21,15 @@ Model tensor_parallel_model(const Model& model, std::uint64_t tp, bool loss_para
   if (tp <= 1) return model;
   const Architecture& a = model.arch;
   const std::string prefix = "tp: " + std::to_string(tp) + " with " + std::string(family_name(a.family));
-  if (a.family != Family::kLlama && a.family != Family::kMistral) {
-    throw Error(prefix + " is not modelled: the Megatron plan here is measured on Llama (Mistral's layer is the same); "
-                         "GPT-2's c_attn and Phi-3's qkv_proj / gate_up_proj are fused, Qwen3's q_norm/k_norm "
-                         "need their gradients all-reduced, Qwen2 and Gemma-2 are unmeasured");
+  if (a.family != Family::kLlama && a.family != Family::kMistral && a.family != Family::kQwen2) {
+    throw Error(prefix + " is not modelled: the Megatron plan here is measured on Llama and Qwen2 (Mistral's layer "
+                         "is Llama's); GPT-2's c_attn and Phi-3's qkv_proj / gate_up_proj are fused, Qwen3's "
+                         "q_norm/k_norm need their gradients all-reduced, Gemma-2 is unmeasured");
   }
-  if (a.qkv_bias || a.o_bias || a.mlp_bias) {
-    throw Error(prefix + ": projections with biases are not modelled under tensor parallelism (unmeasured)");
+  // Colwise q/k/v biases are sharded with their weights (Shard(0): parameter_groups of the local
+  // width has them); a rowwise bias is added to a Partial output, which is not modelled.
+  if (a.o_bias || a.mlp_bias) {
+    throw Error(prefix + ": biases on o_proj or the MLP are not modelled under tensor parallelism (unmeasured)");
   }
   auto check = [&](const char* key, std::uint64_t v) {
     if (v % tp != 0) {

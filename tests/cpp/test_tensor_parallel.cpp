@@ -109,6 +109,22 @@ TEST(TensorParallel, ColwiseBackwardAllReducesAndSumsOutOfPlace) {
   EXPECT_EQ(allocs(t, Phase::kBackward, 3, "mlp.gate_proj"), (std::vector<std::uint64_t>{1024 * 512 * 4, x, x, x}));
 }
 
+// Qwen2's q/k/v biases are ColwiseParallel's Shard(0) with their weights: each rank holds
+// heads / tp of them (measured: parallel/cpu-tp2*-qwen25w512l2-*).
+TEST(TensorParallel, Qwen2ShardsItsProjectionBiases) {
+  const Model m = load_model("qwen2.5-0.5b");  // 14 heads, 2 KV heads of 64
+  ASSERT_TRUE(m.arch.qkv_bias);
+  const Model local = graph::tensor_parallel_model(m, 2);
+  std::uint64_t q_bias = 0, k_bias = 0;
+  for (const ParameterGroup& g : local.parameters) {
+    if (g.name == "model.layers.N.self_attn.q_proj.bias") q_bias = g.numel;
+    if (g.name == "model.layers.N.self_attn.k_proj.bias") k_bias = g.numel;
+  }
+  EXPECT_EQ(q_bias, 7u * 64);
+  EXPECT_EQ(k_bias, 1u * 64);
+  EXPECT_EQ(local.parameter_count, m.parameter_count);  // a DTensor's numel is the global one
+}
+
 TEST(TensorParallel, RefusesWhatIsNotModelled) {
   const Model m = llama_w512();
   EXPECT_NE(error_of([&] { graph::tensor_parallel_model(m, 3); })
@@ -117,6 +133,10 @@ TEST(TensorParallel, RefusesWhatIsNotModelled) {
   EXPECT_NE(error_of([&] { graph::tensor_parallel_model(m, 8); }).find("num_key_value_heads = 4"), std::string::npos);
   EXPECT_NE(error_of([&] { graph::tensor_parallel_model(testing::gpt2_l2(), 2); }).find("c_attn"), std::string::npos);
   EXPECT_NE(error_of([&] { graph::tensor_parallel_model(load_model("qwen3-0.6b"), 2); }).find("not modelled"),
+            std::string::npos);
+  Model o_biased = load_model("qwen2.5-0.5b");
+  o_biased.arch.o_bias = true;  // a rowwise bias would be added to a Partial output
+  EXPECT_NE(error_of([&] { graph::tensor_parallel_model(o_biased, 2); }).find("biases on o_proj"),
             std::string::npos);
   Recipe r = tp_recipe(1);
   r.tp = 2;
