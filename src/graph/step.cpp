@@ -730,7 +730,7 @@ void check_attention_dropout(const Model& model, const Recipe& r, const Gpu& gpu
 Trace build_training_trace(const Model& model, const Recipe& recipe, const Gpu& gpu, const MicroBatchHook& hook,
                            std::uint64_t rank) {
   // A tensor-parallel rank builds the step of its local model (Note [Tensor parallelism]).
-  const Model local = tensor_parallel_model(model, recipe.tp, recipe.loss_parallel);
+  const Model local = tensor_parallel_model(model, recipe.tp, recipe.loss_parallel, recipe.sequence_parallel);
   check_context_parallel(model, recipe);
   check_sliding_window(model, recipe);
   check_attention_dropout(model, recipe, gpu);

@@ -17,14 +17,22 @@ TpStyle tp_style(std::string_view path) {
   return TpStyle::kNone;
 }
 
-Model tensor_parallel_model(const Model& model, std::uint64_t tp, bool loss_parallel) {
+Model tensor_parallel_model(const Model& model, std::uint64_t tp, bool loss_parallel, bool sequence_parallel) {
   if (tp <= 1) return model;
   const Architecture& a = model.arch;
   const std::string prefix = "tp: " + std::to_string(tp) + " with " + std::string(family_name(a.family));
-  if (a.family != Family::kLlama && a.family != Family::kMistral && a.family != Family::kQwen2) {
-    throw Error(prefix + " is not modelled: the Megatron plan here is measured on Llama and Qwen2 (Mistral's layer "
-                         "is Llama's); GPT-2's c_attn and Phi-3's qkv_proj / gate_up_proj are fused, Qwen3's "
-                         "q_norm/k_norm need their gradients all-reduced, Gemma-2 is unmeasured");
+  if (a.family != Family::kLlama && a.family != Family::kMistral && a.family != Family::kQwen2 &&
+      a.family != Family::kGemma2) {
+    throw Error(prefix + " is not modelled: the Megatron plan here is measured on Llama, Qwen2 and Gemma-2 "
+                         "(Mistral's layer is Llama's); GPT-2's c_attn and Phi-3's qkv_proj / gate_up_proj are "
+                         "fused, Qwen3's q_norm/k_norm need their gradients all-reduced");
+  }
+  if (sequence_parallel && a.family == Family::kGemma2) {
+    // The plan shards input_layernorm and post_attention_layernorm only; Gemma-2's
+    // pre/post_feedforward_layernorm then add a replicated tensor to a Shard(1) DTensor, which
+    // torch refuses ("got mixed torch.Tensor and DTensor"; measured).
+    throw Error("sequence_parallel: " + std::string(family_name(a.family)) + " is not modelled (its pre/post "
+                "feedforward norms are not in the sequence-parallel plan; torch fails there)");
   }
   // Colwise q/k/v biases are sharded with their weights (Shard(0): parameter_groups of the local
   // width has them); a rowwise bias is added to a Partial output, which is not modelled.

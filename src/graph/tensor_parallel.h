@@ -142,8 +142,9 @@ namespace trainmem::graph {
 // The model one rank holds: the Architecture with local heads and MLP width, the projections'
 // parameters sharded as the plan shards them, and with `loss_parallel` lm_head's weight Shard(0)
 // (parameter_count stays the whole model's, as the DTensors report it). Throws Error for what is
-// not modelled (see the Notes).
-Model tensor_parallel_model(const Model& model, std::uint64_t tp, bool loss_parallel = false);
+// not modelled (see the Notes), `sequence_parallel` included.
+Model tensor_parallel_model(const Model& model, std::uint64_t tp, bool loss_parallel = false,
+                            bool sequence_parallel = false);
 
 // The plan's style for a decoder-layer projection path ("self_attn.q_proj"): colwise, rowwise or
 // none (the module is replicated).

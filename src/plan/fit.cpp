@@ -480,6 +480,11 @@ bool tp_modelled(const Model& m, std::uint64_t tp) {
   return accepted([&] { (void)graph::tensor_parallel_model(m, tp); });
 }
 
+// Whether it also models sequence parallelism there (not for Gemma-2: Note [Tensor parallelism]).
+bool sp_modelled(const Model& m, std::uint64_t tp) {
+  return accepted([&] { (void)graph::tensor_parallel_model(m, tp, /*loss_parallel=*/false, /*sequence_parallel=*/true); });
+}
+
 // Whether it also models loss parallelism there (untied embeddings, a vocabulary divisible by tp:
 // Note [Loss parallel] in graph/tensor_parallel.h).
 bool lp_modelled(const Model& m, std::uint64_t tp) {
@@ -1067,7 +1072,8 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
       const std::vector<Parallel> tp_parallels = tp == 1 ? parallels
                                                  : groups == 1 ? std::vector<Parallel>{Parallel::kNone}
                                                                : std::vector<Parallel>{Parallel::kFsdp};
-      const std::vector<bool> sps = tp > 1 ? std::vector<bool>{false, true} : std::vector<bool>{false};
+      const std::vector<bool> sps =
+          tp > 1 && sp_modelled(model, tp) ? std::vector<bool>{false, true} : std::vector<bool>{false};
       // Loss parallelism where the model takes it (See Note [Loss parallel]); kept on when asked.
       std::vector<bool> lps{false};
       if (tp > 1 && base.loss_parallel) lps = {true};
@@ -1426,9 +1432,11 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
     }
   }
   if (base.tp > 1) {
-    Recipe r = base;
-    r.sequence_parallel = !base.sequence_parallel;
-    change(std::string("sequence_parallel ") + (r.sequence_parallel ? "on" : "off"), r);
+    if (base.sequence_parallel || sp_modelled(model, base.tp)) {
+      Recipe r = base;
+      r.sequence_parallel = !base.sequence_parallel;
+      change(std::string("sequence_parallel ") + (r.sequence_parallel ? "on" : "off"), r);
+    }
     if (base.loss_parallel || lp_modelled(model, base.tp)) {
       Recipe l = base;
       l.loss_parallel = !base.loss_parallel;

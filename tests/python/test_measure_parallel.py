@@ -379,6 +379,20 @@ def test_tp_loss_parallel_world_size_2(tiny_llama, tmp_path):
         measure(str(tied), Recipe(**base, loss_parallel=True))
 
 
+def test_tp_keeps_a_tied_lm_head_one_parameter(tiny_llama, tmp_path):
+    """Under tensor parallelism the replicated modules become DTensors one module at a time; a
+    tied lm_head must get the embedding's DTensor, not a second Parameter over the same storage
+    (which would carry its own gradient and SGD momentum): tied, the momentum buffers weigh one
+    replicated [256, 64] fp32 matrix less than untied, as the weights do."""
+    tied = tmp_path / "config.json"
+    tied.write_text(json.dumps({**json.loads(tiny_llama.read_text()), "tie_word_embeddings": True}))
+    recipe = Recipe(batch=2, seq=8, precision="fp32", optimizer="sgd", tp=2)
+    untied_run, tied_run = measure(str(tiny_llama), recipe), measure(str(tied), recipe)
+    head = 256 * 64 * 4
+    for key in ("weights", "optimizer_states"):
+        assert untied_run["breakdown_at_peak"][key] - tied_run["breakdown_at_peak"][key] == head, key
+
+
 def test_zero3_world_size_2(tiny_gpt2):
     """DeepSpeed ZeRO-3 (bf16 model, fp32 master partitions): every parameter is partitioned; this
     tiny model's parameters are all at most stage3_param_persistence_threshold (1e5) elements, so

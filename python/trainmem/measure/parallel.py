@@ -403,13 +403,26 @@ def _vocab_parallelize_head(model: torch.nn.Module, mesh, *, sequence_parallel: 
 
 
 def _replicate_the_rest(model: torch.nn.Module, mesh) -> None:
-    """The modules the plan leaves alone (embedding, norms, lm_head) become Replicate DTensors."""
+    """The modules the plan leaves alone (embedding, norms, lm_head) become Replicate DTensors.
+
+    A parameter two modules share (tied embeddings: lm_head.weight is embed_tokens.weight) stays
+    one parameter: distribute_module on each module alone would wrap the shared tensor twice,
+    two Parameters over one storage, each with its own gradient and optimizer state, and the tie
+    would drift apart in training. The second module gets the first one's DTensor, which
+    distribute_module then keeps (it only replaces parameters that are not DTensors yet)."""
     from torch.distributed.tensor import DTensor, distribute_module
 
+    distributed = {}  # id of a parameter as the model was built -> the DTensor that replaced it
     for module in model.modules():
-        own = list(module.parameters(recurse=False))
-        if own and not any(isinstance(p, DTensor) for p in own):
-            distribute_module(module, mesh, input_fn=_replicated_inputs, output_fn=_local_outputs)
+        own = dict(module.named_parameters(recurse=False))
+        if not own or any(isinstance(p, DTensor) for p in own.values()):
+            continue
+        for name, p in own.items():
+            if id(p) in distributed:
+                setattr(module, name, distributed[id(p)])
+        distribute_module(module, mesh, input_fn=_replicated_inputs, output_fn=_local_outputs)
+        for name, p in own.items():
+            distributed[id(p)] = getattr(module, name)
 
 
 # Sequence parallelism (torch's Llama TP example, torch/distributed/tensor/parallel/style.py): the
