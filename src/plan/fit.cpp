@@ -863,7 +863,7 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
       return Error("global_batch: " + std::to_string(out.global_batch) + " sequences do not split over " +
                    std::to_string(q.gpus) + " data-parallel GPUs, and " + why);
     };
-    if (fixed(q, "parallel")) throw no_split("--fixed parallel keeps the data-parallel wrapper");
+    if (fixed(q, "parallel")) throw no_split("the --parallel given keeps the data-parallel wrapper");
     if (out.global_batch % base.batch != 0) {
       throw no_split("a pipeline or tensor-parallel group over them runs it in micro-batches of " +
                      std::to_string(base.batch) + ", which do not divide it either");
@@ -1069,9 +1069,11 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
           if (std::find(tp_batches.begin(), tp_batches.end(), b) == tp_batches.end()) tp_batches.push_back(b);
         }
       }
-      const std::vector<Parallel> tp_parallels = tp == 1 ? parallels
-                                                 : groups == 1 ? std::vector<Parallel>{Parallel::kNone}
-                                                               : std::vector<Parallel>{Parallel::kFsdp};
+      std::vector<Parallel> tp_parallels = tp == 1 ? parallels
+                                           : groups == 1 ? std::vector<Parallel>{Parallel::kNone}
+                                                         : std::vector<Parallel>{Parallel::kFsdp};
+      // A held wrapper holds for tensor-parallel groups too: TP x FSDP2 under a held fsdp only.
+      if (tp > 1 && fixed(q, "parallel")) std::erase_if(tp_parallels, [&](Parallel p) { return p != base.parallel; });
       const std::vector<bool> sps =
           tp > 1 && sp_modelled(model, tp) ? std::vector<bool>{false, true} : std::vector<bool>{false};
       // Loss parallelism where the model takes it (See Note [Loss parallel]); kept on when asked.
@@ -1209,6 +1211,12 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
     }
   }
 
+  // Found fastest first; recipes the step-time model times alike (autocast or not, say) are
+  // listed by the memory they reserve, the smaller first.
+  std::stable_sort(out.plans.begin(), out.plans.end(), [](const Plan& a, const Plan& b) {
+    if (a.time.seconds != b.time.seconds) return a.time.seconds < b.time.seconds;
+    return a.peak_reserved_bytes < b.peak_reserved_bytes;
+  });
   if (plans_only) {
     out.simulated = planner.recipes_replayed();
     return out;
@@ -1257,7 +1265,7 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
         if (c.floor < lo->floor) lo = &c;
       }
       Plan p;
-      p.recipe = lo->r;
+      p.recipe = detail::with_resolved_targets(model, lo->r);  // as a replayed plan lists them
       p.time = lo->t;
       p.peak_allocated_bytes = p.peak_reserved_bytes = lo->floor;
       out.closest_miss = p;  // simulated false: a floor, the real peak is higher
@@ -1460,12 +1468,8 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
       change("offload " + std::string(to_string(off)), r);
     }
   }
-  if (!base.lora.enabled() && base.parallel == Parallel::kNone) {
-    Recipe r = base;
-    r.lora.rank = 16;
-    r.lora.targets = {"default"};
-    if (r.precision == Precision::kBf16Master) r.precision = Precision::kBf16True;
-    change("lora 16 (default targets; trains adapters only)", r);
+  if (!base.lora.enabled()) {  // under any wrapper that takes adapters (change() skips the others)
+    change("lora 16 (default targets; trains adapters only)", with_adapters(base, false, gpu));
   }
   if (!base.quant.enabled()) {
     // QLoRA: the same adapters (or LoRA 16) on a 4-bit nf4 base with double quant, in a

@@ -237,8 +237,12 @@ std::string fit_to_text(const std::string& model, const FitResult& f) {
     // A host column where a plan offloads (See Note [Host memory in the planner]).
     const bool host = std::any_of(f.plans.begin(), f.plans.end(),
                                   [](const Plan& p) { return p.recipe.offload != Offload::kNone; });
+    // recipe_words adds the parallel column wherever a plan has one (one GPU under ZeRO too).
+    const bool parallel = f.gpus > 1 || std::any_of(f.plans.begin(), f.plans.end(), [](const Plan& p) {
+      return p.recipe.parallel != Parallel::kNone || p.recipe.tp > 1 || p.recipe.pp > 1 || p.recipe.cp > 1;
+    });
     add("%3s %-11s %-11s %-11s %-4s %-8s %-10s%s %12s %12s %10s%s\n", "#", "batch x acc", "precision", "optimizer",
-        "ckpt", "loss", "allocator", f.gpus > 1 ? " parallel     " : "", "reserved", "allocated", "step time",
+        "ckpt", "loss", "allocator", parallel ? " parallel     " : "", "reserved", "allocated", "step time",
         host ? "         host" : "");
     for (std::size_t i = 0; i < f.plans.size(); ++i) {
       const Plan& p = f.plans[i];
@@ -501,9 +505,13 @@ std::string to_text(const Estimate& e) {
       stages += (v ? (v + 1 == r.pp_stages_per_rank ? " and " : ", ") : "") + std::to_string(pipeline_rank + v * r.pp);
     }
     std::string dp;
+    if (r.tp > 1) {  // each stage a tensor-parallel group (Note [Pipeline with tensor parallelism])
+      dp.append(" x tensor parallel ").append(std::to_string(r.tp));
+      if (r.parallel == Parallel::kNone) dp.append(" (").append(std::to_string(r.pp * r.tp)).append(" GPUs)");
+    }
     if (r.parallel != Parallel::kNone) {
       dp.append(" x data parallel ").append(to_string(r.parallel)).append(" over ").append(std::to_string(r.gpus));
-      dp.append(" replicas (").append(std::to_string(r.pp * r.gpus)).append(" GPUs)");
+      dp.append(" replicas (").append(std::to_string(r.pp * r.gpus * r.tp)).append(" GPUs)");
     }
     add("pipeline parallel: %s over %llu stages (%llu per GPU on %llu GPUs)%s, %llu micro-batches; the figures "
         "below are one GPU's, rank %llu (stages %s)%s\n",

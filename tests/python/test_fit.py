@@ -290,6 +290,35 @@ def test_a_held_precision_zero_refuses_leaves_it_out(run):
     assert e["peak_reserved_bytes"] == change["peak_reserved_bytes"]
 
 
+def test_a_held_wrapper_holds_for_tensor_parallel_groups(run):
+    """--parallel zero2 keeps every plan under ZeRO-2 (tensor-parallel groups run under FSDP2 or
+    no wrapper, so none of them); --parallel fsdp keeps TP x FSDP2 but not a lone TP group. The
+    LoRA change is offered under a wrapper too."""
+    base = ["fit", "llama-3.1-8b", "--gpu", "a100-80gb", "--gpus", "4", "--seq", "2048", "--global-batch", "16",
+            "--json"]
+    zero2 = json.loads(run(*base, "--parallel", "zero2", timeout=300).stdout)
+    assert zero2["plans"] and all(p["recipe"]["parallel"] == "zero2" and "tp" not in p["recipe"]
+                                  for p in zero2["plans"])
+    lora = next(c for c in zero2["changes"] if c["change"].startswith("lora 16"))
+    assert lora["recipe"]["parallel"] == "zero2" and lora["recipe"]["lora_rank"] == 16
+    fsdp = json.loads(run(*base, "--parallel", "fsdp", timeout=300).stdout)
+    assert fsdp["plans"] and all(p["recipe"].get("parallel") == "fsdp" for p in fsdp["plans"])
+
+
+def test_plans_timed_alike_come_smaller_first_and_a_floor_lists_resolved_targets(run):
+    """Plans with the same step time (bf16-true and bf16-mixed over a 4-bit base, say) are listed
+    by reserved bytes; a closest miss known only by its floor names the modules LoRA wraps, as a
+    replayed plan does."""
+    f = json.loads(run("fit", "llama-3.1-70b", "--gpu", "a100-80gb", "--seq", "2048", "--json", timeout=300).stdout)
+    for plans in (f["plans"], f["adapter_plans"]):
+        keys = [(p["step_time_s"], p["peak_reserved_bytes"]) for p in plans]
+        assert keys == sorted(keys)
+    assert f["adapter_plans"][0]["recipe"]["precision"] == "bf16-true"
+    miss = json.loads(run("fit", "llama-3.1-70b", "--gpu", "rtx-4090", "--lora", "16", "--json",
+                          timeout=300).stdout)["closest_miss"]
+    assert miss["recipe"]["lora_targets"] == ["self_attn.q_proj", "self_attn.v_proj"]
+
+
 def test_held_zero_without_precision_starts_from_bf16_master(run):
     """Under ZeRO the default precision is DeepSpeed's bf16 mode (bf16-master), in estimate and
     in fit; fit then searches the ZeRO precisions with the wrapper held."""
@@ -309,7 +338,7 @@ def test_held_zero_without_precision_starts_from_bf16_master(run):
     (["fit", "gpt2", "--gpus", "3", "--global-batch", "8"], "8 sequences do not split over 3 data-parallel GPUs, and "
      "the engine models this recipe neither as a pipeline nor as tensor parallelism over 3 GPUs"),
     (["fit", "mistral-7b-v0.3", "--gpus", "4", "--global-batch", "6", "--parallel", "fsdp"],
-     "6 sequences do not split over 4 data-parallel GPUs, and --fixed parallel keeps the data-parallel wrapper"),
+     "6 sequences do not split over 4 data-parallel GPUs, and the --parallel given keeps the data-parallel wrapper"),
     (["fit", "gpt2", "--gpus", "2", "--parallel", "fsdp", "--optimizer", "adafactor"], "optimizer: adafactor under parallel fsdp"),
     (["fit", "gpt2", "--batch", "3", "--global-batch", "8"], "not a multiple of batch 3"),
     (["fit", "gpt2", "--global-batch", "x"], "global_batch: must be a positive integer"),
