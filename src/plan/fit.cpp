@@ -544,7 +544,8 @@ Recipe as_tensor_parallel(Recipe r, std::uint64_t tp, std::uint64_t groups, std:
   keep_own_wrapper_knobs(r);
   r.pp_schedule = Recipe{}.pp_schedule;
   r.grad_accum = global_batch / groups / r.batch;
-  const bool mixed = r.precision == Precision::kBf16Mixed || r.precision == Precision::kFp16Mixed;
+  // Under FSDP2 (TP x DP) the engine models the one-dtype precisions only.
+  const bool mixed = groups > 1 && (r.precision == Precision::kBf16Mixed || r.precision == Precision::kFp16Mixed);
   if (mixed) r.precision = r.precision == Precision::kBf16Mixed ? Precision::kBf16True : Precision::kFp16True;
   if (moved) *moved = mixed;
   return r;
@@ -610,13 +611,13 @@ bool plan::plainly_refused(const Recipe& r) {
   }
   // validate_parallel, validate_tensor_parallel, validate_pipeline_parallel: ZeRO, tensor and
   // pipeline parallelism take a torch optimizer and the standard loss; ZeRO fp32 or bf16-master,
-  // tensor parallelism one dtype, a pipeline no fp16-mixed.
+  // tensor parallelism under a wrapper or a pipeline one dtype, a pipeline no fp16-mixed.
   const bool torch_optimizer = r.optimizer == Optimizer::kAdamW || r.optimizer == Optimizer::kAdamWFused ||
                                r.optimizer == Optimizer::kSgd;
   if ((zero || r.tp > 1 || r.pp > 1) && (!torch_optimizer || r.loss != Loss::kStandard)) return true;
   if (zero && r.precision != Precision::kFp32 && r.precision != Precision::kBf16Master) return true;
-  if (r.tp > 1 && r.precision != Precision::kFp32 && r.precision != Precision::kBf16True &&
-      r.precision != Precision::kFp16True) {
+  if (r.tp > 1 && (r.parallel != Parallel::kNone || r.pp > 1) && r.precision != Precision::kFp32 &&
+      r.precision != Precision::kBf16True && r.precision != Precision::kFp16True) {
     return true;
   }
   if (r.pp > 1 && r.precision == Precision::kFp16Mixed) return true;

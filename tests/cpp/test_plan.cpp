@@ -949,9 +949,14 @@ TEST(Fit, SeveralGpusSearchTensorParallelism) {
   EXPECT_TRUE(seen.count({4, true}));
   EXPECT_GE(pp_tp, 1u);
   EXPECT_TRUE(seen.count({2, false}));
-  // The base recipe is bf16-mixed: the change moves it to bf16-true (TP is modelled without autocast).
+  // The base recipe is bf16-mixed: one tensor-parallel group keeps it (autocast over DTensor
+  // parameters is modelled there); TP x FSDP2 moves it to bf16-true (modelled without autocast).
   EXPECT_TRUE(std::any_of(f.changes.begin(), f.changes.end(), [](const Change& c) {
-    return c.what == "tp 4 (no data parallelism), precision bf16-true" && c.plan.recipe.tp == 4;
+    return c.what == "tp 4 (no data parallelism)" && c.plan.recipe.tp == 4 &&
+           c.plan.recipe.precision == Precision::kBf16Mixed;
+  }));
+  EXPECT_TRUE(std::any_of(f.changes.begin(), f.changes.end(), [](const Change& c) {
+    return c.what == "tp 2 x fsdp 2, precision bf16-true" && c.plan.recipe.precision == Precision::kBf16True;
   }));
   // Loss parallelism is searched with tp (Llama-3.1-8B's lm_head is untied, 128,256 = 4 x 32,064),
   // and its plans are estimates of exactly their recipe too.

@@ -274,7 +274,8 @@ def test_pipeline_with_ddp_replays_each_stage_once(run):
      "tensor parallelism combined with data parallelism is modelled under parallel fsdp only"),
     (["estimate", "llama-3.2-1b", "--tp", "2", "--gpus", "2", "--parallel", "fsdp", "--precision", "fp16-true",
       "--sequence-parallel"], "with precision fp16-true is not modelled (unmeasured); use fp32 or bf16-true"),
-    (["estimate", "llama-3.2-1b", "--tp", "2"], "tp: 2 with precision bf16-mixed is not modelled"),
+    (["estimate", "llama-3.2-1b", "--tp", "2", "--gpus", "2", "--parallel", "fsdp"],
+     "with precision bf16-mixed is not modelled"),
     (["estimate", "llama-3.2-1b", "--tp", "2", "--precision", "fp32", "--lora", "8"], "with LoRA or a 4-bit base"),
     (["estimate", "llama-3.2-1b", "--tp", "0"], "tp: must be between 1 and 64"),
     (["fit", "llama-3.2-1b", "--tp", "2", "--precision", "fp32"], "tp: 2 does not divide gpus 1: the planner splits the GPUs into tensor-parallel groups"),
@@ -324,7 +325,7 @@ def test_pipeline_with_ddp_replays_each_stage_once(run):
      "tp: 2 with gpus 4 / parallel fsdp: fsdp_reshard_after_forward / fsdp_replicate / fsdp_param_dtype / "
      "fsdp_reduce_dtype are not modelled with tensor parallelism"),
     (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--tp", "2"],
-     "tp: 2 with precision bf16-mixed is not modelled"),
+     "tp: 2 with precision bf16-mixed and data or pipeline parallelism is not modelled"),
     (["estimate", "mistral-7b-v0.3", "--pp-schedule", "gpipe"], "pp_schedule: a pipeline knob"),
     (["estimate", "mistral-7b-v0.3", "--pp", "2", "--pp-schedule", "zb"], "pp_schedule: unknown value 'zb'"),
     (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--pp-stages-per-rank", "2"],

@@ -185,11 +185,11 @@ def test_several_gpus_search_pipeline_stages(run):
 def test_pipeline_micro_batches_past_the_data_parallel_ones_run_gpipe(run):
     # A global batch of 4 over 4 GPUs: data parallelism has micro-batch 1 only, a pipeline stage runs
     # all 4 sequences, as 4 micro-batches of 1 (1F1B) or 2 of 2 and 1 of 4, fewer than the stages,
-    # where torch runs GPipe only (Note [Pipeline schedule in the planner]). --top 240: the faster
-    # tensor-parallel plans (tp 4 and tp 2 x fsdp 2, with and without sequence and loss
+    # where torch runs GPipe only (Note [Pipeline schedule in the planner]). --top 400: the faster
+    # tensor-parallel plans (tp 4 in every precision and tp 2 x fsdp 2, with and without sequence and loss
     # parallelism) and context-parallel rings come first.
     j = json.loads(run("fit", "mistral-7b-v0.3", "--gpu", "a100-40gb", "--gpus", "4", "--seq", "2048",
-                       "--global-batch", "4", "--top", "240", "--json", timeout=600).stdout)
+                       "--global-batch", "4", "--top", "400", "--json", timeout=600).stdout)
     pp = [p["recipe"] for p in j["plans"] if p["recipe"].get("pp", 1) == 4]
     assert {(r["batch"], r["grad_accum"], r["pp_schedule"]) for r in pp} >= {(1, 4, "1f1b"), (2, 2, "gpipe")}, pp
     for r in (p["recipe"] for p in j["plans"] if p["recipe"].get("pp", 1) > 1):  # pp 2 x ddp 2: 2 sequences each
