@@ -531,10 +531,9 @@ Recipe as_pipeline(Recipe r, std::uint64_t stages, std::uint64_t global_batch, s
 }
 
 // `r` as `groups` tensor-parallel groups of `tp` GPUs (data-parallel under FSDP2 when more than
-// one: TP x DP), each running its share of the global batch. Tensor parallelism is modelled
-// without autocast, so a mixed recipe moves to its -true twin; `moved` says so.
-Recipe as_tensor_parallel(Recipe r, std::uint64_t tp, std::uint64_t groups, std::uint64_t global_batch,
-                          bool* moved = nullptr) {
+// one: TP x DP), each running its share of the global batch, in its own precision (what FSDP2 or
+// a pipeline does not take is refused by the recipe's validation, and the change skipped).
+Recipe as_tensor_parallel(Recipe r, std::uint64_t tp, std::uint64_t groups, std::uint64_t global_batch) {
   r.tp = tp;
   r.gpus = groups;
   r.parallel = groups > 1 ? Parallel::kFsdp : Parallel::kNone;
@@ -544,10 +543,6 @@ Recipe as_tensor_parallel(Recipe r, std::uint64_t tp, std::uint64_t groups, std:
   keep_own_wrapper_knobs(r);
   r.pp_schedule = Recipe{}.pp_schedule;
   r.grad_accum = global_batch / groups / r.batch;
-  // Under FSDP2 (TP x DP) the engine models the one-dtype precisions only.
-  const bool mixed = groups > 1 && (r.precision == Precision::kBf16Mixed || r.precision == Precision::kFp16Mixed);
-  if (mixed) r.precision = r.precision == Precision::kBf16Mixed ? Precision::kBf16True : Precision::kFp16True;
-  if (moved) *moved = mixed;
   return r;
 }
 
@@ -611,15 +606,11 @@ bool plan::plainly_refused(const Recipe& r) {
   }
   // validate_parallel, validate_tensor_parallel, validate_pipeline_parallel: ZeRO, tensor and
   // pipeline parallelism take a torch optimizer and the standard loss; ZeRO fp32 or bf16-master,
-  // tensor parallelism under a wrapper or a pipeline one dtype, a pipeline no fp16-mixed.
+  // a pipeline no fp16-mixed.
   const bool torch_optimizer = r.optimizer == Optimizer::kAdamW || r.optimizer == Optimizer::kAdamWFused ||
                                r.optimizer == Optimizer::kSgd;
   if ((zero || r.tp > 1 || r.pp > 1) && (!torch_optimizer || r.loss != Loss::kStandard)) return true;
   if (zero && r.precision != Precision::kFp32 && r.precision != Precision::kBf16Master) return true;
-  if (r.tp > 1 && (r.parallel != Parallel::kNone || r.pp > 1) && r.precision != Precision::kFp32 &&
-      r.precision != Precision::kBf16True && r.precision != Precision::kFp16True) {
-    return true;
-  }
   if (r.pp > 1 && r.precision == Precision::kFp16Mixed) return true;
   return false;
 }
@@ -1369,11 +1360,9 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
     for (std::uint64_t t : tp_degrees) {
       const std::uint64_t groups = q.gpus / t;
       if (out.global_batch % (groups * base.batch) != 0) continue;
-      bool moved = false;
-      const Recipe r = as_tensor_parallel(base, t, groups, out.global_batch, &moved);
-      std::string what = groups > 1 ? "tp " + std::to_string(t) + " x fsdp " + std::to_string(groups)
-                                    : "tp " + std::to_string(t) + " (no data parallelism)";
-      if (moved) what += ", precision " + std::string(to_string(r.precision));
+      const Recipe r = as_tensor_parallel(base, t, groups, out.global_batch);
+      const std::string what = groups > 1 ? "tp " + std::to_string(t) + " x fsdp " + std::to_string(groups)
+                                          : "tp " + std::to_string(t) + " (no data parallelism)";
       if (r.grad_accum <= kMaxAccum) change(what, r);
     }
   }
@@ -1399,20 +1388,17 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
         }
       }
     }
-    // PP x TP: stages of tensor-parallel groups, FSDP2 over the replicas of the pipeline if any
-    // (a mixed precision moves to its -true twin, as under tensor parallelism alone).
+    // PP x TP: stages of tensor-parallel groups, FSDP2 over the replicas of the pipeline if any.
     for (std::uint64_t t : tp_degrees) {
       for (std::uint64_t stages : pp_degrees) {
         if (q.gpus % (stages * t) != 0) continue;
         const std::uint64_t replicas = q.gpus / stages / t;
-        bool moved = false;
-        const Recipe tr = as_tensor_parallel(base, t, q.gpus / t, out.global_batch, &moved);
+        const Recipe tr = as_tensor_parallel(base, t, q.gpus / t, out.global_batch);
         const auto r = pipeline_of(tr, stages, Parallel::kFsdp);
         if (!r) continue;
-        std::string what = "pp " + std::to_string(stages) + " " + std::string(to_string(r->pp_schedule)) + " x tp " +
-                           std::to_string(t) + (replicas > 1 ? " x fsdp " + std::to_string(replicas) : "");
-        if (moved) what += ", precision " + std::string(to_string(r->precision));
-        change(what, *r);
+        change("pp " + std::to_string(stages) + " " + std::string(to_string(r->pp_schedule)) + " x tp " +
+                   std::to_string(t) + (replicas > 1 ? " x fsdp " + std::to_string(replicas) : ""),
+               *r);
       }
     }
   }

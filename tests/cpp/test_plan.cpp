@@ -342,7 +342,7 @@ TEST(Fit, ThreadedSearchGivesTheReferenceAnswersOnSeveralGpus) {
       {"llama-3.1-8b", 8, "a100-40gb", 2048, 16, 8},
       {"llama-3.1-8b", 12, "t4-16gb", 4096, 4, 2},  // nothing fits (8 layers fit under ZeRO-3 + offload)
       {"qwen3-0.6b", 0, "rtx-4090", 512, 16, 4, true},
-      {"llama-3.1-8b", 8, "rtx-4090", 2048, 16, 4, false, 40},  // PP x FSDP2, PP x TP, interleaved among the plans
+      {"llama-3.1-8b", 8, "rtx-4090", 2048, 16, 4, false, 80},  // PP x FSDP2, PP x TP, interleaved among the plans
   };
   std::uint64_t pipeline_plans = 0, pipeline_changes = 0, nothing_fits = 0, zero_plans = 0;
   std::uint64_t fsdp_pipeline_plans = 0, fsdp_pipeline_changes = 0;  // PP x FSDP2
@@ -949,14 +949,14 @@ TEST(Fit, SeveralGpusSearchTensorParallelism) {
   EXPECT_TRUE(seen.count({4, true}));
   EXPECT_GE(pp_tp, 1u);
   EXPECT_TRUE(seen.count({2, false}));
-  // The base recipe is bf16-mixed: one tensor-parallel group keeps it (autocast over DTensor
-  // parameters is modelled there); TP x FSDP2 moves it to bf16-true (modelled without autocast).
+  // The base recipe is bf16-mixed: tensor parallelism keeps it, alone and under FSDP2 (autocast
+  // over DTensor parameters is modelled).
   EXPECT_TRUE(std::any_of(f.changes.begin(), f.changes.end(), [](const Change& c) {
     return c.what == "tp 4 (no data parallelism)" && c.plan.recipe.tp == 4 &&
            c.plan.recipe.precision == Precision::kBf16Mixed;
   }));
   EXPECT_TRUE(std::any_of(f.changes.begin(), f.changes.end(), [](const Change& c) {
-    return c.what == "tp 2 x fsdp 2, precision bf16-true" && c.plan.recipe.precision == Precision::kBf16True;
+    return c.what == "tp 2 x fsdp 2" && c.plan.recipe.precision == Precision::kBf16Mixed;
   }));
   // Loss parallelism is searched with tp (Llama-3.1-8B's lm_head is untied, 128,256 = 4 x 32,064),
   // and its plans are estimates of exactly their recipe too.

@@ -223,8 +223,6 @@ def test_zero2_world_size_2(tiny_gpt2):
     ({"tp": 2, "lora_rank": 8}, "with LoRA or a 4-bit base is not measured"),
     ({"tp": 2, "precision": "fp32", "optimizer": "adafactor"}, "would have to work on DTensor parameters"),
     ({"tp": 2, "precision": "fp32", "loss": "fused"}, "loss=fused is not measured"),
-    ({"tp": 2, "pp": 2, "grad_accum": 2, "precision": "bf16-mixed"},
-     "and data or pipeline parallelism is not measured"),
     ({"sequence_parallel": True}, "sequence_parallel needs tensor parallelism"),
     ({"tp": 2, "gpus": 4, "parallel": "fsdp", "precision": "fp32", "fsdp_replicate": 2},
      "measured only as FSDP2 over a 2-D mesh"),

@@ -313,10 +313,6 @@ class Recipe:
         if self.loss == "fused":
             raise RecipeError(f"tp={self.tp} with loss=fused is not measured: the chunked loss reads "
                               "lm_head.weight outside the module's forward")
-        if self.precision not in ("fp32", "bf16-true", "fp16-true") and (self.parallel != "none" or self.pp > 1):
-            raise RecipeError(f"tp={self.tp} with precision={self.precision!r} and data or pipeline parallelism is "
-                              "not measured (autocast and master copies of DTensor parameters are measured on a "
-                              "tensor-parallel group alone); use fp32, bf16-true or fp16-true")
 
     def _check_pp(self) -> None:
         """What the measuring side can run under pipeline parallelism (docs/parallelism.md)."""
