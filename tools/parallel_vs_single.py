@@ -25,7 +25,7 @@ CORPUS = ROOT / "data" / "ground_truth" / "parallel"
 CATEGORIES = ("weights", "optimizer_states", "gradients", "activations", "temporaries", "other")
 FLAGS = {"batch": "--batch", "seq": "--seq", "grad_accum": "--grad-accum", "precision": "--precision",
          "optimizer": "--optimizer", "checkpointing": "--checkpointing", "attention": "--attention",
-         "loss": "--loss"}
+         "loss": "--loss", "attention_mask": "--attention-mask"}
 
 
 def binary() -> str:

@@ -165,8 +165,9 @@ T StepBuilder::embedding(std::uint32_t w, const T& ids, std::uint64_t n) {
 }
 
 // Note [Training masks]
-// A training forward (no cache, no attention_mask) calls masking_utils once per mask kind the
-// model builds (mask_kinds: Note [Generation masks]). Each call first checks the position ids,
+// A training forward (no cache; an attention_mask changes this: Note [Padding masks]) calls
+// masking_utils once per mask kind the model builds (mask_kinds: Note [Generation masks]). Each
+// call first checks the position ids,
 // expanded to [b, s], for packed sequences (find_packed_sequence_indices: position_ids[:, :1] - 1,
 // the diff with that prepended (a cat, then a sub), != 1, cumsum, the last column == 0, .all());
 // all of it dies at once. Then the mask of Note [Generation masks] with q = kv = s:

@@ -391,6 +391,7 @@ class Planner {
     k += "/" + std::string(to_string(r.parallel)) + std::to_string(r.gpus);
     k += "/tp" + std::to_string(r.tp) + (r.sequence_parallel ? "sp" : "") + (r.loss_parallel ? "lp" : "");
     k += "/pp" + std::to_string(r.pp) + std::string(to_string(r.pp_schedule)) + "v" + std::to_string(r.pp_stages_per_rank);
+    k += "/cp" + std::to_string(r.cp) + "/mask" + std::string(to_string(r.attention_mask));
     k += "/fsdp" + std::string(r.fsdp.reshard_after_forward ? "1" : "0") + std::to_string(r.fsdp.replicate) + "/" +
          std::string(to_string(r.fsdp.param_dtype)) + "/" + std::string(to_string(r.fsdp.reduce_dtype)) + "/" +
          std::string(to_string(r.offload));
@@ -1065,7 +1066,8 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
                                            : groups == 1 ? std::vector<Parallel>{Parallel::kNone}
                                                          : std::vector<Parallel>{Parallel::kFsdp};
       // A held wrapper holds for tensor-parallel groups too: TP x FSDP2 under a held fsdp only.
-      if (tp > 1 && fixed(q, "parallel")) std::erase_if(tp_parallels, [&](Parallel p) { return p != base.parallel; });
+      // (The user's wrapper: base turns a held none on several GPUs into ddp.)
+      if (tp > 1 && fixed(q, "parallel")) std::erase_if(tp_parallels, [&](Parallel p) { return p != q.base.parallel; });
       const std::vector<bool> sps =
           tp > 1 && sp_modelled(model, tp) ? std::vector<bool>{false, true} : std::vector<bool>{false};
       // Loss parallelism where the model takes it (See Note [Loss parallel]); kept on when asked.
@@ -1456,7 +1458,10 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
     }
   }
   if (!base.lora.enabled()) {  // under any wrapper that takes adapters (change() skips the others)
-    change("lora 16 (default targets; trains adapters only)", with_adapters(base, false, gpu));
+    const Recipe r = with_adapters(base, false, gpu);
+    change("lora 16 (default targets; trains adapters only)" +
+               (r.precision != base.precision ? ", precision " + std::string(to_string(r.precision)) : std::string()),
+           r);
   }
   if (!base.quant.enabled()) {
     // QLoRA: the same adapters (or LoRA 16) on a 4-bit nf4 base with double quant, in a

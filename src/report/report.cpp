@@ -12,6 +12,23 @@ namespace {
 using nlohmann::json;
 using nlohmann::ordered_json;
 
+// The batch's attention_mask, where it has one (", attention_mask padded").
+std::string mask_words(const Recipe& r) {
+  if (r.attention_mask == AttentionMask::kNone) return "";
+  return ", attention_mask " + std::string(to_string(r.attention_mask));
+}
+
+// printf into the end of `out`, however long the line (a model's path, a pipeline's header).
+template <typename... A>
+void appendf(std::string& out, const char* fmt, A... args) {
+  const int n = std::snprintf(nullptr, 0, fmt, args...);
+  if (n <= 0) return;
+  const std::size_t at = out.size();
+  out.resize(at + static_cast<std::size_t>(n) + 1);
+  std::snprintf(out.data() + at, static_cast<std::size_t>(n) + 1, fmt, args...);
+  out.resize(at + static_cast<std::size_t>(n));
+}
+
 ordered_json recipe_object(const Recipe& r) {
   ordered_json j;
   j["batch"] = r.batch;
@@ -218,17 +235,13 @@ std::string fit_to_json(const std::string& model, const FitResult& f, bool prett
 
 std::string fit_to_text(const std::string& model, const FitResult& f) {
   std::string out;
-  char line[320];
-  auto add = [&](const char* fmt, auto... args) {
-    std::snprintf(line, sizeof line, fmt, args...);
-    out += line;
-  };
+  auto add = [&](const char* fmt, auto... args) { appendf(out, fmt, args...); };
   const Recipe& b = f.baseline.recipe;
   add("%s on %llu x %s: %s usable per GPU (%s less the CUDA context)\n", model.c_str(),
       static_cast<unsigned long long>(f.gpus), f.gpu.name.c_str(), detail::format_bytes(f.capacity_bytes).c_str(),
       detail::format_bytes(f.gpu.capacity_bytes).c_str());
-  add("seq %llu, global batch %llu sequences per optimizer step\n", static_cast<unsigned long long>(b.seq),
-      static_cast<unsigned long long>(f.global_batch));
+  add("seq %llu, global batch %llu sequences per optimizer step%s\n", static_cast<unsigned long long>(b.seq),
+      static_cast<unsigned long long>(f.global_batch), mask_words(b).c_str());
   add("searched %llu recipes fastest first, %llu of them ruled out by their floor (weights, gradients, states);\n"
       "%llu recipes replayed or probed in all (your recipe, its single changes and other GPUs included)\n\n",
       static_cast<unsigned long long>(f.searched), static_cast<unsigned long long>(f.pruned),
@@ -431,11 +444,7 @@ std::string to_json(const Estimate& e, bool pretty) {
 
 std::string to_text(const Estimate& e) {
   std::string out;
-  char line[256];
-  auto add = [&](const char* fmt, auto... args) {
-    std::snprintf(line, sizeof line, fmt, args...);
-    out += line;
-  };
+  auto add = [&](const char* fmt, auto... args) { appendf(out, fmt, args...); };
   add("%s — %.3g B parameters\n", e.model.c_str(), static_cast<double>(e.parameters) / 1e9);
   const Recipe& r = e.recipe;
   if (r.mode == Mode::kInference) {
@@ -446,11 +455,12 @@ std::string to_text(const Estimate& e) {
         static_cast<unsigned long long>(r.new_tokens), search.c_str(), std::string(to_string(r.precision)).c_str(),
         std::string(to_string(r.attention)).c_str());
   } else {
-    add("recipe: batch %llu × seq %llu, grad_accum %llu, %s, %s, checkpointing %s, attention %s, loss %s\n",
+    add("recipe: batch %llu × seq %llu, grad_accum %llu, %s, %s, checkpointing %s, attention %s, loss %s%s\n",
         static_cast<unsigned long long>(r.batch), static_cast<unsigned long long>(r.seq),
         static_cast<unsigned long long>(r.grad_accum), std::string(to_string(r.precision)).c_str(),
         std::string(to_string(r.optimizer)).c_str(), std::string(to_string(r.checkpointing)).c_str(),
-        std::string(to_string(r.attention)).c_str(), std::string(to_string(r.loss)).c_str());
+        std::string(to_string(r.attention)).c_str(), std::string(to_string(r.loss)).c_str(),
+        mask_words(r).c_str());
   }
   if (r.lora.enabled()) {
     std::string targets;
@@ -513,10 +523,13 @@ std::string to_text(const Estimate& e) {
       dp.append(" x data parallel ").append(to_string(r.parallel)).append(" over ").append(std::to_string(r.gpus));
       dp.append(" replicas (").append(std::to_string(r.pp * r.gpus * r.tp)).append(" GPUs)");
     }
-    add("pipeline parallel: %s over %llu stages (%llu per GPU on %llu GPUs)%s, %llu micro-batches; the figures "
+    // Under PP x TP a pipeline rank is a tensor-parallel group of GPUs.
+    const char* unit = r.tp > 1 ? "pipeline rank" : "GPU";
+    add("pipeline parallel: %s over %llu stages (%llu per %s on %llu %ss)%s, %llu micro-batches; the figures "
         "below are one GPU's, rank %llu (stages %s)%s\n",
         std::string(to_string(r.pp_schedule)).c_str(), static_cast<unsigned long long>(r.pp * r.pp_stages_per_rank),
-        static_cast<unsigned long long>(r.pp_stages_per_rank), static_cast<unsigned long long>(r.pp), dp.c_str(),
+        static_cast<unsigned long long>(r.pp_stages_per_rank), unit, static_cast<unsigned long long>(r.pp), unit,
+        dp.c_str(),
         static_cast<unsigned long long>(r.grad_accum), static_cast<unsigned long long>(e.rank), stages.c_str(),
         rank_words(e).c_str());
   } else if (r.pp > 1 && r.tp > 1) {  // PP x TP (x FSDP2): a stage's tp ranks hold the same (Note [Pipeline with tensor parallelism])

@@ -163,6 +163,7 @@ def test_attention_mask_keyword(run):
     plain = trainmem.estimate("llama-3.2-1b", **kw)
     ones = trainmem.estimate("llama-3.2-1b", attention_mask="ones", **kw)
     assert "attention_mask" not in plain.recipe
+    assert ", attention_mask padded" in str(padded) and "attention_mask" not in str(plain)
     # The batch's [4, 1024] int64 mask is all that ones adds at the peak; padding adds 16 layers'
     # bf16 [4, 1, 1024, 1024] masks at least.
     assert ones.peak_allocated_bytes - plain.peak_allocated_bytes <= 4 * 1024 * 8

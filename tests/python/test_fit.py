@@ -304,6 +304,10 @@ def test_a_held_wrapper_holds_for_tensor_parallel_groups(run):
     assert lora["recipe"]["parallel"] == "zero2" and lora["recipe"]["lora_rank"] == 16
     fsdp = json.loads(run(*base, "--parallel", "fsdp", timeout=300).stdout)
     assert fsdp["plans"] and all(p["recipe"].get("parallel") == "fsdp" for p in fsdp["plans"])
+    # A held none: the tensor-parallel groups over all the GPUs, never TP x FSDP2.
+    none = json.loads(run(*base, "--parallel", "none", "--top", "40", timeout=300).stdout)
+    tp = [p["recipe"] for p in none["plans"] if p["recipe"].get("tp", 1) > 1]
+    assert tp and all(r["tp"] == 4 and "parallel" not in r for r in tp), tp
 
 
 def test_plans_timed_alike_come_smaller_first_and_a_floor_lists_resolved_targets(run):

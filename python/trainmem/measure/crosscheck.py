@@ -19,7 +19,7 @@ import torch
 from .models import ModelSpec, build_real_model
 from .recipe import Recipe
 from .tracker import MemoryTracker
-from .training import hf_loss_fn, run_steps
+from .training import hf_loss_fn, run_steps, training_batch
 
 
 def profiler_category_bytes(spec: ModelSpec, recipe: Recipe, *, steps: int = 2, seed: int = 0) -> dict[str, int]:
@@ -34,8 +34,7 @@ def profiler_category_bytes(spec: ModelSpec, recipe: Recipe, *, steps: int = 2, 
     vocab = model.get_input_embeddings().weight.shape[0]
 
     def make_batch():
-        ids = torch.randint(vocab, (recipe.batch, recipe.seq))
-        return ids, ids.clone()
+        return training_batch(recipe, vocab, "cpu")
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
                  with_stack=True) as prof:

@@ -446,6 +446,12 @@ def _sequence_parallelize(model: torch.nn.Module, layers, mesh, loss_parallel: b
         missing = [n for n in ("input_layernorm", "post_attention_layernorm") if not hasattr(layer, n)]
         if missing:
             raise RecipeError(f"sequence_parallel: {type(layer).__name__} has no {', '.join(missing)}")
+        # Gemma-2's feedforward norms are outside the plan: torch would add their replicated output
+        # to the Shard(1) residual ("got mixed torch.Tensor and DTensor").
+        extra = [n for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm") if hasattr(layer, n)]
+        if extra:
+            raise RecipeError(f"sequence_parallel: {type(layer).__name__}'s {', '.join(extra)} are not in the "
+                              "sequence-parallel plan")
         parallelize_module(layer, mesh, plan)
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     # A pipeline stage (pipeline.py make_stage) has pruned the embedding, the final norm and

@@ -26,8 +26,8 @@ FSDP_REDUCE_DTYPES = ("none", "fp32", "bf16")
 FSDP_DTYPE_NAMES = {"bf16": "bfloat16", "fp32": "float32"}
 MAX_GPUS = 4096
 # Tensor parallelism (docs/parallelism.md "Tensor parallelism"): `tp` is the degree, a knob of its
-# own beside the data-parallel `gpus` so that the two can compose as a 2-D mesh later
-# (world = gpus x tp); today tp > 1 runs with gpus 1 and parallel none, on `tp` processes.
+# own beside the data-parallel `gpus`: tp > 1 runs with gpus 1 and parallel none on `tp` processes,
+# or as TP x DP, FSDP2 over a 2-D mesh (world = gpus x tp).
 MAX_TP = 64
 # Pipeline parallelism (docs/parallelism.md "Pipeline parallelism"): `pp` stages, one process
 # each, torch.distributed.pipelining with `pp_schedule`; grad_accum is the schedule's n_microbatches.
@@ -292,6 +292,9 @@ class Recipe:
 
     def _check_tp(self) -> None:
         """What the measuring side can run under tensor parallelism (docs/parallelism.md)."""
+        if self.tp > 1 and self.parallel == "fsdp" and self.precision not in ("fp32", "bf16-mixed", "bf16-true"):
+            raise RecipeError(f"tp={self.tp} with parallel=fsdp and precision={self.precision!r} is not measured; "
+                              "use fp32, bf16-mixed or bf16-true")
         # TP x DP: FSDP2 over the data-parallel dimension of a 2-D mesh (dp, tp), torch's FSDP + TP
         # recipe (parallel.py _tp_fsdp); FSDP2's default knobs only.
         fsdp_default = (self.fsdp_replicate == 1 and self.fsdp_param_dtype == "none"

@@ -17,7 +17,7 @@ from .recipe import Recipe, RecipeError
 from .tracker import CATEGORIES, MemoryTracker
 from .generation import run_generation
 from . import parallel as _parallel
-from .training import hf_loss_fn, run_steps
+from .training import hf_loss_fn, run_steps, training_batch
 
 SEED = 0
 
@@ -159,14 +159,7 @@ def measure(model: str | ModelSpec, recipe: Recipe, *, device: str = "cpu", fake
         return input_ids, torch.ones(recipe.batch, recipe.seq, dtype=torch.int64, device=device)
 
     def make_batch():
-        input_ids = torch.randint(vocab, (recipe.batch, recipe.seq), device=device)
-        if recipe.attention_mask == "none":
-            return input_ids, input_ids.clone()
-        labels = input_ids.clone()
-        mask = torch.ones(recipe.batch, recipe.seq, dtype=torch.int64, device=device)
-        if recipe.attention_mask == "padded":
-            mask[-1, max(1, recipe.seq // 2):].zero_()  # right padding; in place, so nothing is allocated
-        return input_ids, labels, mask
+        return training_batch(recipe, vocab, device)
 
     step_hooks = {}
     if is_cuda:

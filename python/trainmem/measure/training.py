@@ -142,6 +142,19 @@ def _unique_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+def training_batch(recipe: Recipe, vocab: int, device) -> tuple:
+    """The reference step's inputs: (input_ids, labels), and the attention_mask the recipe passes
+    (all ones, or the last row's second half zeroed in place, so that nothing more is allocated)."""
+    input_ids = torch.randint(vocab, (recipe.batch, recipe.seq), device=device)
+    if recipe.attention_mask == "none":
+        return input_ids, input_ids.clone()
+    labels = input_ids.clone()
+    mask = torch.ones(recipe.batch, recipe.seq, dtype=torch.int64, device=device)
+    if recipe.attention_mask == "padded":
+        mask[-1, max(1, recipe.seq // 2):].zero_()  # right padding
+    return input_ids, labels, mask
+
+
 def hf_loss_fn(model, recipe: Recipe, tracker: MemoryTracker):
     """The per-micro-batch forward + loss for a Hugging Face causal LM."""
     # Through a PeftModel: its forward calls the Hugging Face model's, which calls that model's
