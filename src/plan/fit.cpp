@@ -1206,7 +1206,8 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
   }
 
   // Found fastest first; recipes the step-time model times alike (autocast or not, say) are
-  // listed by the memory they reserve, the smaller first.
+  // listed by the memory they reserve, the smaller first (among the plans found: the walk stops
+  // at `top`, so an equally fast recipe just past it is not looked at).
   std::stable_sort(out.plans.begin(), out.plans.end(), [](const Plan& a, const Plan& b) {
     if (a.time.seconds != b.time.seconds) return a.time.seconds < b.time.seconds;
     return a.peak_reserved_bytes < b.peak_reserved_bytes;
