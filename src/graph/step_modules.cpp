@@ -693,9 +693,9 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
   // SDPA / flash-attention: q, k, v (as passed), the output and the fp32 log-sum-exp are
   // saved; scores never exist. Without a mask HF passes native GQA (enable_gqa). With one (a
   // sliding window reached, or padding: Notes [Training masks], [Padding masks] in step.cpp) it
-  // repeats K and V first, and
-  // SDPA turns the bool mask into a float one of q's dtype (where with two 0-dim scalars) that
-  // the kernel saves; the repeated K and V live until sdpa_attention_forward returns.
+  // repeats K and V first, and SDPA turns the bool mask into a float one of q's dtype (where
+  // with two 0-dim scalars) that the kernel saves; the repeated K and V live until
+  // sdpa_attention_forward returns.
   const bool masked = mask_.id != kNone;
   const bool gpt2 = a_.family == Family::kGpt2;
   const bool math = !cuda_ && a_.attn_dropout > 0 && attention_ == Attention::kSdpa;
