@@ -545,8 +545,8 @@ void Recipe::validate() const {
       throw Error("attention_mask: " + m + " with attention flash is not modelled (flash-attention unpads the "
                   "batch); use sdpa or eager");
     }
-    if (tp > 1 || pp > 1 || cp > 1) {
-      throw Error("attention_mask: " + m + " with tensor, pipeline or context parallelism is not modelled");
+    if (pp > 1 || cp > 1) {
+      throw Error("attention_mask: " + m + " with pipeline or context parallelism is not modelled");
     }
     if (attention_mask == AttentionMask::kPadded && seq < 2) {
       throw Error("attention_mask: padded needs seq >= 2 (a row's first token is never padding)");

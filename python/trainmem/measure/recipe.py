@@ -208,9 +208,9 @@ class Recipe:
                               "(flash-attention unpads the batch); use sdpa or eager")
         if self.attention_mask == "padded" and self.seq < 2:
             raise RecipeError("attention_mask='padded' needs seq >= 2 (the first token is never padding)")
-        if self.tp > 1 or self.pp > 1:
-            raise RecipeError(f"attention_mask={self.attention_mask!r} with tensor or pipeline parallelism is not "
-                              "measured")
+        if self.pp > 1:
+            raise RecipeError(f"attention_mask={self.attention_mask!r} with pipeline parallelism is not measured (the "
+                              "stages build their own masks)")
 
     def _check_parallel(self) -> None:
         """What the measuring side can run under data parallelism (docs/parallelism.md)."""
