@@ -1050,6 +1050,10 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
       // Either with and without sequence and loss parallelism (docs/parallelism.md "TP × DP").
       const std::uint64_t groups = q.gpus / tp;
       if (tp > 1 && out.global_batch % groups != 0) continue;
+      // A held wrapper holds for tensor-parallel groups too: one group has none, several run under
+      // FSDP2 (the user's wrapper: base turns a held none on several GPUs into ddp).
+      const Parallel tp_wrapper = groups == 1 ? Parallel::kNone : Parallel::kFsdp;
+      if (tp > 1 && fixed(q, "parallel") && q.base.parallel != tp_wrapper) continue;
       const std::uint64_t per_rank = tp > 1 ? out.global_batch / groups : per_gpu;
       std::vector<std::uint64_t> tp_batches = tp > 1 ? batches_for(per_rank) : batches;
       // A pipeline stage runs the whole global batch (below), so its micro-batches reach past the
@@ -1062,12 +1066,7 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
           if (std::find(tp_batches.begin(), tp_batches.end(), b) == tp_batches.end()) tp_batches.push_back(b);
         }
       }
-      std::vector<Parallel> tp_parallels = tp == 1 ? parallels
-                                           : groups == 1 ? std::vector<Parallel>{Parallel::kNone}
-                                                         : std::vector<Parallel>{Parallel::kFsdp};
-      // A held wrapper holds for tensor-parallel groups too: TP x FSDP2 under a held fsdp only.
-      // (The user's wrapper: base turns a held none on several GPUs into ddp.)
-      if (tp > 1 && fixed(q, "parallel")) std::erase_if(tp_parallels, [&](Parallel p) { return p != q.base.parallel; });
+      const std::vector<Parallel> tp_parallels = tp == 1 ? parallels : std::vector<Parallel>{tp_wrapper};
       const std::vector<bool> sps =
           tp > 1 && sp_modelled(model, tp) ? std::vector<bool>{false, true} : std::vector<bool>{false};
       // Loss parallelism where the model takes it (See Note [Loss parallel]); kept on when asked.

@@ -292,9 +292,6 @@ class Recipe:
 
     def _check_tp(self) -> None:
         """What the measuring side can run under tensor parallelism (docs/parallelism.md)."""
-        if self.tp > 1 and self.parallel == "fsdp" and self.precision not in ("fp32", "bf16-mixed", "bf16-true"):
-            raise RecipeError(f"tp={self.tp} with parallel=fsdp and precision={self.precision!r} is not measured; "
-                              "use fp32, bf16-mixed or bf16-true")
         # TP x DP: FSDP2 over the data-parallel dimension of a 2-D mesh (dp, tp), torch's FSDP + TP
         # recipe (parallel.py _tp_fsdp); FSDP2's default knobs only.
         fsdp_default = (self.fsdp_replicate == 1 and self.fsdp_param_dtype == "none"
@@ -305,6 +302,9 @@ class Recipe:
                               "tensor parallelism combined with data parallelism is measured only as FSDP2 over "
                               "a 2-D mesh (parallel fsdp, gpus 2 or more, FSDP2's default knobs); use gpus 1 "
                               "and parallel none otherwise")
+        if self.parallel == "fsdp" and self.precision not in ("fp32", "bf16-mixed", "bf16-true"):
+            raise RecipeError(f"tp={self.tp} with parallel=fsdp and precision={self.precision!r} is not measured; "
+                              "use fp32, bf16-mixed or bf16-true")
         if self.is_inference:
             raise RecipeError(f"tp={self.tp} is a training knob: inference runs on one process")
         if self.uses_lora or self.load_in_4bit:

@@ -146,9 +146,9 @@ def training_batch(recipe: Recipe, vocab: int, device) -> tuple:
     """The reference step's inputs: (input_ids, labels), and the attention_mask the recipe passes
     (all ones, or the last row's second half zeroed in place, so that nothing more is allocated)."""
     input_ids = torch.randint(vocab, (recipe.batch, recipe.seq), device=device)
-    if recipe.attention_mask == "none":
-        return input_ids, input_ids.clone()
     labels = input_ids.clone()
+    if recipe.attention_mask == "none":
+        return input_ids, labels
     mask = torch.ones(recipe.batch, recipe.seq, dtype=torch.int64, device=device)
     if recipe.attention_mask == "padded":
         mask[-1, max(1, recipe.seq // 2):].zero_()  # right padding
