@@ -22,10 +22,10 @@ Model tensor_parallel_model(const Model& model, std::uint64_t tp, bool loss_para
   const Architecture& a = model.arch;
   const std::string prefix = "tp: " + std::to_string(tp) + " with " + std::string(family_name(a.family));
   if (a.family != Family::kLlama && a.family != Family::kMistral && a.family != Family::kQwen2 &&
-      a.family != Family::kGemma2) {
-    throw Error(prefix + " is not modelled: the Megatron plan here is measured on Llama, Qwen2 and Gemma-2 "
-                         "(Mistral's layer is Llama's); GPT-2's c_attn and Phi-3's qkv_proj / gate_up_proj are "
-                         "fused, Qwen3's q_norm/k_norm need their gradients all-reduced");
+      a.family != Family::kQwen3 && a.family != Family::kGemma2) {
+    throw Error(prefix + " is not modelled: the Megatron plan here is measured on Llama, Qwen2, Qwen3 and "
+                         "Gemma-2 (Mistral's layer is Llama's); GPT-2's c_attn and Phi-3's qkv_proj / "
+                         "gate_up_proj are fused");
   }
   if (sequence_parallel && a.family == Family::kGemma2) {
     // The plan shards input_layernorm and post_attention_layernorm only; Gemma-2's

@@ -42,10 +42,14 @@ namespace trainmem::graph {
 // has no memory of its own. On CUDA, NCCL's all-reduce runs on its own stream and the caching
 // allocator keeps the freed partial buffers until the collective's event (record_stream):
 // unmeasured, not modelled (Note [Collectives on CUDA] in parallel.cpp says the same for FSDP2).
+// Qwen3's q_norm / k_norm (RMSNorm over head_dim, between q/k_proj and the attention) run on the
+// rank's heads with the whole [head_dim] weight: transformers' own plan calls them
+// "replicated_with_grad_allreduce", and the measuring side declares their input Shard(2) of the
+// heads, so their weight gradient is a Partial DTensor (measured: parallel/cpu-*tp2*-qwen3w512l2-*,
+// the engine unchanged: the local model has heads / tp heads).
 // Not modelled (refused): degrees that do not divide the heads, key/value heads or the MLP's
-// width; families other than Llama and Mistral (GPT-2's fused c_attn, Phi-3's qkv_proj /
-// gate_up_proj are not split by this plan; Qwen3's q_norm/k_norm would need their gradients
-// all-reduced; Qwen2's and Gemma-2's variants are unmeasured); a sharded embedding or lm_head
+// width; GPT-2 and Phi-3 (their fused c_attn, qkv_proj / gate_up_proj are not split by this
+// plan); a sharded embedding or lm_head
 // (a sharded lm_head is recipe loss_parallel: See Note [Loss parallel]), and tensor parallelism
 // combined with data parallelism.
 

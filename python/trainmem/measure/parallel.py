@@ -309,6 +309,33 @@ TP_COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.g
 TP_ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 
 
+# Qwen3's q_norm / k_norm normalise each head over head_dim, between a colwise projection and the
+# attention: on a rank they see only its heads. transformers' own plan marks them
+# "replicated_with_grad_allreduce" (a replicated weight whose gradient is summed over the group).
+# The same in DTensor terms (_head_shard_norms): the weight is a Replicate DTensor, the input
+# ([b, s, heads / tp, head_dim], a local tensor after ColwiseParallel) is declared Shard(2) of the
+# global heads, so the norm is the local op on the local heads and the weight's gradient is
+# Partial (summed when the optimizer's DTensor ops redistribute it); the output goes back to a
+# local tensor for the attention.
+TP_HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
+
+
+def _head_shard_norms(layer: torch.nn.Module, mesh) -> None:
+    from torch.distributed.tensor import distribute_module
+
+    names = dict(layer.named_modules())
+    for name in TP_HEAD_NORMS:
+        if name in names:
+            distribute_module(names[name], mesh, input_fn=_head_sharded_inputs, output_fn=_local_outputs)
+
+
+def _head_sharded_inputs(module, inputs, mesh):
+    from torch.distributed.tensor import DTensor, Shard
+
+    return tuple(DTensor.from_local(x, mesh, [Shard(x.dim() - 2)], run_check=False)
+                 if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+
 def _tp_fsdp(model: torch.nn.Module, recipe: Recipe, device: str) -> torch.nn.Module:
     """TP x DP, torch's FSDP + TP recipe: a 2-D mesh (dp, tp), the plan over mesh["tp"], then
     fully_shard over mesh["dp"] on every (tensor-parallelized) decoder layer and the root. The
@@ -353,12 +380,14 @@ def tensor_parallelize(model: torch.nn.Module, recipe: Recipe, device: str, mesh
                               "(the Megatron plan needs q/k/v/o and gate/up/down projections; GPT-2's fused "
                               "c_attn and Phi-3's qkv_proj / gate_up_proj are not split)")
         extra = [n for n, m in layer.named_modules() if n.startswith("self_attn.") and n not in TP_COLWISE + TP_ROWWISE
-                 and any(True for _ in m.parameters(recurse=False))]
-        if extra:  # e.g. Qwen3's q_norm / k_norm: over the local heads, their gradient would need an all-reduce
+                 + TP_HEAD_NORMS and any(True for _ in m.parameters(recurse=False))]
+        if extra:
             raise RecipeError(f"tp={tp}: {type(layer).__name__} has parameters inside the attention besides the "
                               f"projections ({', '.join(extra)}), which the Megatron plan here does not split")
     if mesh is None:
         mesh = init_device_mesh(torch.device(device).type, (tp,))
+    for layer in layers:
+        _head_shard_norms(layer, mesh)
     # A pipeline stage other than the last has no lm_head (pipeline.py make_stage prunes it).
     loss_parallel = recipe.loss_parallel and model.get_output_embeddings() is not None
     if loss_parallel:
