@@ -173,6 +173,13 @@ std::string rank_words(const Estimate& e) {
          detail::format_bytes(least) + " reserved)";
 }
 
+// How a tensor-parallel group splits the step: " with sequence and loss parallel" and the like.
+std::string tp_style_words(const Recipe& r) {
+  if (!r.sequence_parallel && !r.loss_parallel) return "";
+  if (r.sequence_parallel && r.loss_parallel) return " with sequence and loss parallel";
+  return r.sequence_parallel ? " with sequence parallel" : " with loss parallel";
+}
+
 std::string signed_bytes(std::int64_t d) {
   const std::string mag = detail::format_bytes(static_cast<std::uint64_t>(d < 0 ? -d : d));
   return (d < 0 ? "-" : "+") + mag;
@@ -497,7 +504,7 @@ std::string to_text(const Estimate& e) {
     // TP x DP: `gpus` is the data-parallel degree, each rank a tensor-parallel group of `tp` GPUs.
     // CP x FSDP2: each data-parallel rank a context-parallel ring of `cp` GPUs (Note [Context
     // parallelism under FSDP2]).
-    const std::string tp = r.tp > 1   ? " x tensor parallel " + std::to_string(r.tp) + " (" +
+    const std::string tp = r.tp > 1   ? " x tensor parallel " + std::to_string(r.tp) + tp_style_words(r) + " (" +
                                           std::to_string(r.gpus * r.tp) + " GPUs)"
                            : r.cp > 1 ? " x context parallel " + std::to_string(r.cp) + " (" +
                                           std::to_string(r.gpus * r.cp) + " GPUs, sharded over all; unmeasured)"
@@ -505,6 +512,15 @@ std::string to_text(const Estimate& e) {
     add("data parallel: %s over %llu GPUs%s; the figures below are one GPU's, rank %llu%s\n",
         std::string(to_string(r.parallel)).c_str(), static_cast<unsigned long long>(r.gpus), tp.c_str(),
         static_cast<unsigned long long>(e.rank), rank_words(e).c_str());
+  }
+  if (r.parallel == Parallel::kNone && r.pp == 1 && r.tp > 1) {
+    add("tensor parallel: one group of %llu GPUs%s; the figures below are one GPU's, rank %llu%s\n",
+        static_cast<unsigned long long>(r.tp), tp_style_words(r).c_str(), static_cast<unsigned long long>(e.rank),
+        rank_words(e).c_str());
+  } else if (r.parallel == Parallel::kNone && r.pp == 1 && r.cp > 1) {
+    add("context parallel: a ring of %llu GPUs, the sequence sharded over them; the figures below are one GPU's, "
+        "rank %llu%s\n",
+        static_cast<unsigned long long>(r.cp), static_cast<unsigned long long>(e.rank), rank_words(e).c_str());
   }
   if (r.pp > 1 && r.pp_stages_per_rank > 1) {  // Note [Interleaved pipeline schedules]
     // Under PP x DP the rank is pipeline rank x gpus + dp rank, each local stage with its own
@@ -516,7 +532,7 @@ std::string to_text(const Estimate& e) {
     }
     std::string dp;
     if (r.tp > 1) {  // each stage a tensor-parallel group (Note [Pipeline with tensor parallelism])
-      dp.append(" x tensor parallel ").append(std::to_string(r.tp));
+      dp.append(" x tensor parallel ").append(std::to_string(r.tp)).append(tp_style_words(r));
       if (r.parallel == Parallel::kNone) dp.append(" (").append(std::to_string(r.pp * r.tp)).append(" GPUs)");
     }
     if (r.parallel != Parallel::kNone) {
@@ -536,10 +552,11 @@ std::string to_text(const Estimate& e) {
     const std::string dp = r.parallel != Parallel::kNone ? " x data parallel " + std::string(to_string(r.parallel)) +
                                                                " over " + std::to_string(r.gpus) + " replicas"
                                                          : "";
-    add("pipeline parallel: %s over %llu stages%s x tensor parallel %llu (%llu GPUs), %llu micro-batches; the figures "
-        "below are one GPU's, rank %llu (stage %llu)%s\n",
+    add("pipeline parallel: %s over %llu stages%s x tensor parallel %llu%s (%llu GPUs), %llu micro-batches; the "
+        "figures below are one GPU's, rank %llu (stage %llu)%s\n",
         std::string(to_string(r.pp_schedule)).c_str(), static_cast<unsigned long long>(r.pp), dp.c_str(),
-        static_cast<unsigned long long>(r.tp), static_cast<unsigned long long>(r.pp * r.gpus * r.tp),
+        static_cast<unsigned long long>(r.tp), tp_style_words(r).c_str(),
+        static_cast<unsigned long long>(r.pp * r.gpus * r.tp),
         static_cast<unsigned long long>(r.grad_accum), static_cast<unsigned long long>(e.rank),
         static_cast<unsigned long long>(e.rank / r.gpus), rank_words(e).c_str());
   } else if (r.pp > 1 && r.parallel == Parallel::kNone) {

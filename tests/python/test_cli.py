@@ -214,6 +214,21 @@ def test_pipeline_with_tensor_parallelism_replays_each_stage_once(run):
     assert "1f1b over 2 stages x tensor parallel 2 (4 GPUs), 4 micro-batches" in text and "rank 0 (stage 0)" in text
 
 
+def test_text_names_the_parallel_layout(run):
+    # Every parallel recipe says under the recipe line how the GPUs are used and whose figures
+    # follow; tensor and context parallelism alone once printed nothing there.
+    def layout(*args):
+        return run("estimate", "llama-3.2-1b", "--seq", "1024", *args).stdout.splitlines()[2]
+
+    assert layout("--tp", "2", "--sequence-parallel").startswith(
+        "tensor parallel: one group of 2 GPUs with sequence parallel; the figures below are one GPU's, rank 0")
+    assert layout("--cp", "2", "--precision", "bf16-true").startswith(
+        "context parallel: a ring of 2 GPUs, the sequence sharded over them; the figures below are one GPU's")
+    assert layout("--tp", "2", "--gpus", "2", "--parallel", "fsdp").startswith(
+        "data parallel: fsdp over 2 GPUs x tensor parallel 2 (4 GPUs)")
+    assert layout().startswith("gpu: ")  # one GPU: no layout line
+
+
 def test_pipeline_with_ddp_replays_each_stage_once(run):
     # --pp 2 --gpus 2 --parallel ddp: four GPUs, rank = stage x 2 + dp rank (Note [Pipeline with DDP]).
     # Each stage is replayed once (its dp rank 0), and it holds the Reducer's buckets besides its
