@@ -36,7 +36,7 @@ std::pair<std::string, nb::bytes> run_fit(const nb::bytes& model_bytes, const tr
                                             std::uint64_t host_memory_bytes) {
   const std::string model = source_of(model_bytes);
   trainmem::FitRequest q;
-  q.base = trainmem::parse_recipe(spelling);
+  q.base = trainmem::parse_fit_recipe(spelling);
   q.gpus = gpus;
   q.global_batch = global_batch;
   q.fixed = fixed;

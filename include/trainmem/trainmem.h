@@ -590,6 +590,9 @@ struct FitResult {
 // global batch, precision, optimizer, checkpointing, loss, allocator (knobs in `fixed` held).
 // Throws Error on a request that cannot be planned (e.g. a global batch the GPUs cannot split).
 FitResult fit(const Model& model, const FitRequest& request);
+// parse_recipe for fit's base recipe: the knobs the planner chooses itself (pp, cp) are refused
+// first, before the recipe's own checks would ask for what their values need.
+Recipe parse_fit_recipe(const RecipeSpelling& spelling);
 // The knob names FitRequest::fixed may hold (the recipe spellings of the knobs fit() searches).
 const std::vector<std::string>& fit_knobs();
 

@@ -202,7 +202,8 @@ def fit(model: str, *, gpus: int = 1, global_batch: int | None = None, top: int 
     """Recipes that fit `gpu` (a recipe knob, default h100-80gb), fastest first, plus what each
     single change of the given recipe saves; when nothing fits, what it takes (`fits_on`) and,
     for full fine-tuning, whether LoRA or QLoRA adapters would fit instead (`adapter_plans`). Of the knobs the planner searches (_core.fit_knobs():
-    batch, precision, optimizer, checkpointing, loss, allocator), those passed here are held and
+    batch, precision, optimizer, checkpointing, attention, loss, allocator, parallel, offload, tp),
+    those passed here are held and
     the others searched, as with `trainmem fit`. `host_memory_gib` is the host RAM each GPU's rank
     may use under CPU offload (`--host-memory`; None: the default, 128 GiB). Raises ValueError on
     bad input."""

@@ -328,9 +328,14 @@ def _trainer_optimizer(args: Any) -> str:
 def _fsdp_knobs(args: Any) -> dict[str, Any]:
     """The Trainer's `fsdp` / `fsdp_config` as the parallel knobs: FSDP2, full sharding or
     shard_grad_op (transformers' _apply_legacy_fsdp_to_config turns it into
-    reshard_after_forward=False for FSDP2)."""
+    reshard_after_forward=False for FSDP2). `fsdp` is the legacy string of words (or a list of
+    them), or True with everything in `fsdp_config`: a TrainingArguments of transformers 5 holds
+    the latter whatever it was given (the words moved into the config)."""
     option = _get(args, "fsdp")
-    words = option.split() if isinstance(option, str) else [str(getattr(w, "value", w)) for w in option]
+    if option is True:
+        words = ["full_shard"]  # reshard_after_forward, FSDP2's default True, may say otherwise below
+    else:
+        words = option.split() if isinstance(option, str) else [str(getattr(w, "value", w)) for w in option]
     config = _get(args, "fsdp_config") or {}
     version = int(config.get("fsdp_version", config.get("version", 1)))
     if version != 2:

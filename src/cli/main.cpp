@@ -530,8 +530,9 @@ int main(int argc, char** argv) {
   fitc->add_flag("--json", fit_json,
                  "Print capacity_bytes, plans, baseline, changes, closest_miss, fits_on and adapter_plans as JSON");
   fitc->footer(
-      "Knobs you pass (--precision, --optimizer, --checkpointing, --loss, --allocator, --batch) are held;\n"
-      "the others are searched. Your recipe is also replayed as given, with each single change.");
+      "Knobs the planner searches that you pass (--batch, --precision, --optimizer, --checkpointing,\n"
+      "--attention, --loss, --allocator, --parallel, --offload, --tp) are held; the others are searched.\n"
+      "Your recipe is also replayed as given, with each single change.");
 
   auto* cmp = app.add_subcommand("compare", "Compare a trainmem-measure JSON with the engine's prediction for it");
   std::string measured_path;
@@ -573,6 +574,7 @@ int main(int argc, char** argv) {
       trainmem::Model m = trainmem::load_model(model);
       trainmem::EstimateOptions opt;
       if (timeline && !as_json) throw Error("timeline: the timeline is part of the JSON output; add --json");
+      if (phases && !as_json) throw Error("phases: the phase peaks are part of the JSON output; add --json");
       opt.timeline = timeline;
       opt.phases = phases;
       opt.trace_path = trace_path;
@@ -595,7 +597,7 @@ int main(int argc, char** argv) {
       trainmem::RecipeSpelling sp = fit_flags.spelling();
       q.gpus = sp.gpus;
       if (sp.parallel == "none") sp.gpus = 1;  // the planner decides how the GPUs are used
-      q.base = trainmem::parse_recipe(sp);
+      q.base = trainmem::parse_fit_recipe(sp);
       if (!fit_global.empty()) {  // unset: batch x grad-accum x gpus
         q.global_batch = parse_count(fit_global, "global_batch");
         if (q.global_batch == 0) throw Error("global_batch: must be at least 1 sequence per optimizer step, got 0");

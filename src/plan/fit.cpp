@@ -56,6 +56,12 @@ namespace trainmem {
 namespace {
 
 constexpr std::uint64_t kMaxAccum = 1024;  // Recipe::validate's bound
+constexpr const char* kPpSearched =
+    "pp: fit searches pipeline parallelism itself over --gpus (every degree that divides them, the rest "
+    "data-parallel under DDP, where it is modelled); give the recipe without --pp";
+constexpr const char* kCpSearched =
+    "cp: fit searches context parallelism itself over --gpus (one ring over all of them, where it is modelled); "
+    "give the recipe without --cp";
 
 // Note [Planner threads]
 // The planner's replays are independent and deterministic, so it runs them on a few threads that
@@ -774,22 +780,18 @@ Recipe with_adapters(Recipe r, bool qlora, const Gpu& gpu) {
 // `plans_only`: the walk alone, for the adapter route (Note [The adapter route]): no closest
 // miss, no other GPUs, no single changes.
 FitResult search(const Model& model, const FitRequest& q, bool reference, bool plans_only = false) {
+  // Knobs the search chooses itself are refused before the recipe's own checks, which would
+  // otherwise ask for what their values need (a pipeline's micro-batches, say).
+  if (q.base.pp != 1) throw Error(kPpSearched);
+  if (q.base.cp != 1) throw Error(kCpSearched);
   q.base.validate();
   if (q.base.mode != Mode::kTraining) throw Error("mode: fit plans training recipes; estimate a generation with `estimate --inference`");
   if (q.gpus < 1 || q.gpus > kMaxGpus) {
     throw Error("gpus: must be between 1 and " + std::to_string(kMaxGpus) + ", got " + std::to_string(q.gpus));
   }
-  if (q.base.cp != 1) {
-    throw Error("cp: fit searches context parallelism itself over --gpus (one ring over all of them, where it is "
-                "modelled); give the recipe without --cp");
-  }
   if (q.base.tp > 1 && q.gpus % q.base.tp != 0) {
     throw Error("tp: " + std::to_string(q.base.tp) + " does not divide gpus " + std::to_string(q.gpus) +
                 ": the planner splits the GPUs into tensor-parallel groups of tp, data-parallel over the groups");
-  }
-  if (q.base.pp != 1) {
-    throw Error("pp: fit searches pipeline parallelism itself over --gpus (every degree that divides them, the "
-                "rest data-parallel under DDP, where it is modelled); give the recipe without --pp");
   }
   const Gpu& gpu = find_gpu(q.base.gpu);
   if (gpu.capacity_bytes == 0) throw Error("gpu: 'cpu' has no memory to plan for; name a GPU (trainmem gpus)");
@@ -891,6 +893,13 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
                   std::to_string(base.batch) + (q.gpus > 1 ? " times the GPUs" : ""));
     }
     base.grad_accum = base_per_rank / base.batch;
+    // A micro-batch the user did not give grows until the accumulation fits the cap: the smallest
+    // one dividing the rank's share in at most kMaxAccum micro-batches.
+    while (base.grad_accum > kMaxAccum && !fixed(q, "batch")) {
+      ++base.batch;
+      while (base_per_rank % base.batch != 0) ++base.batch;
+      base.grad_accum = base_per_rank / base.batch;
+    }
     if (base.grad_accum > kMaxAccum) {
       throw Error("global_batch: needs grad_accum " + std::to_string(base.grad_accum) + " at batch " +
                   std::to_string(base.batch) + "; more than " + std::to_string(kMaxAccum));
@@ -1524,6 +1533,12 @@ FitResult with_adapter_route(const Model& model, const FitRequest& q, bool refer
 }  // namespace
 
 FitResult fit(const Model& model, const FitRequest& q) { return with_adapter_route(model, q, false); }
+
+Recipe parse_fit_recipe(const RecipeSpelling& spelling) {
+  if (spelling.pp != 1) throw Error(kPpSearched);
+  if (spelling.cp != 1) throw Error(kCpSearched);
+  return parse_recipe(spelling);
+}
 
 FitResult plan::fit_reference(const Model& model, const FitRequest& q) { return with_adapter_route(model, q, true); }
 

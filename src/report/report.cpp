@@ -125,8 +125,40 @@ ordered_json plan_object(const Plan& p) {
   return j;
 }
 
-// "bf16-true adamw-fused ckpt=none loss=fused" and the micro-batch shape, for one table row.
-std::string recipe_words(const Recipe& r) {
+// Column "parallel" of a table row: the data-parallel wrapper (with its CPU offload), or the
+// tensor-, pipeline- or context-parallel degree; empty for one plain GPU.
+std::string parallel_label(const Recipe& r) {
+  if (r.parallel == Parallel::kNone && r.tp == 1 && r.pp == 1 && r.cp == 1) return "";
+  std::string dp(to_string(r.parallel));
+  if (r.offload != Offload::kNone) dp += "+offload";
+  if (r.tp > 1) {
+    dp = (r.parallel != Parallel::kNone ? dp + "+" : std::string()) + "tp" + std::to_string(r.tp) +
+         (r.sequence_parallel ? "+sp" : "") + (r.loss_parallel ? "+lp" : "");
+  }
+  if (r.pp > 1) {
+    dp = "pp" + std::to_string(r.pp) + (r.pp_stages_per_rank > 1 ? "v" + std::to_string(r.pp_stages_per_rank) : "") +
+         (r.pp_schedule == PipelineSchedule::kGPipe             ? "+gpipe"
+          : r.pp_schedule == PipelineSchedule::kInterleaved1F1B ? "+int"
+          : r.pp_schedule == PipelineSchedule::kLoopedBFS       ? "+bfs"
+                                                                : "") +
+         (r.parallel != Parallel::kNone || r.tp > 1 ? "+" + dp : std::string());  // PP x DP: pp2+ddp; PP x TP: pp2+tp2
+  }
+  if (r.cp > 1) dp = "cp" + std::to_string(r.cp) + (r.parallel == Parallel::kFsdp ? "+fsdp" : "");  // CP x FSDP2
+  return dp;
+}
+
+// The parallel column's width for these recipes: its header, or the longest label.
+template <typename Range, typename RecipeOf>
+std::size_t parallel_width(const Range& rows, RecipeOf recipe_of) {
+  std::size_t w = std::string_view("parallel").size();
+  for (const auto& row : rows) w = std::max(w, parallel_label(recipe_of(row)).size());
+  return w;
+}
+
+// "bf16-true adamw-fused ckpt=none loss=fused" and the micro-batch shape, for one table row;
+// the parallel column `width` wide where the recipe has one, or where the table has one
+// (`column`: blank for a recipe without).
+std::string recipe_words(const Recipe& r, std::size_t width = 13, bool column = false) {
   char buf[200];
   // A precision marked '*': the model loaded half under that autocast (load_dtype; the table's legend).
   const std::string precision = std::string(to_string(r.precision)) + (r.load_dtype != LoadDtype::kAuto ? "*" : "");
@@ -135,28 +167,8 @@ std::string recipe_words(const Recipe& r) {
                 std::string(to_string(r.optimizer)).c_str(), std::string(to_string(r.checkpointing)).c_str(),
                 std::string(to_string(r.loss)).c_str(), std::string(to_string(r.allocator)).c_str());
   std::string words = buf;
-  // Column "parallel": the data-parallel wrapper (with its CPU offload), or the tensor-, pipeline-
-  // or context-parallel degree.
-  if (r.parallel != Parallel::kNone || r.tp > 1 || r.pp > 1 || r.cp > 1) {
-    std::string dp(to_string(r.parallel));
-    if (r.offload != Offload::kNone) dp += "+offload";
-    if (r.tp > 1) {
-      dp = (r.parallel != Parallel::kNone ? dp + "+" : std::string()) + "tp" + std::to_string(r.tp) +
-           (r.sequence_parallel ? "+sp" : "") + (r.loss_parallel ? "+lp" : "");
-    }
-    if (r.pp > 1) {
-      dp = "pp" + std::to_string(r.pp) + (r.pp_stages_per_rank > 1 ? "v" + std::to_string(r.pp_stages_per_rank) : "") +
-           (r.pp_schedule == PipelineSchedule::kGPipe             ? "+gpipe"
-            : r.pp_schedule == PipelineSchedule::kInterleaved1F1B ? "+int"
-            : r.pp_schedule == PipelineSchedule::kLoopedBFS       ? "+bfs"
-                                                                  : "") +
-           (r.parallel != Parallel::kNone || r.tp > 1 ? "+" + dp : std::string());  // PP x DP: pp2+ddp; PP x TP: pp2+tp2
-    }
-    if (r.cp > 1) dp = "cp" + std::to_string(r.cp) + (r.parallel == Parallel::kFsdp ? "+fsdp" : "");  // CP x FSDP2
-    char col[32];
-    std::snprintf(col, sizeof col, " %-13s", dp.c_str());
-    words += col;
-  }
+  const std::string dp = parallel_label(r);
+  if (!dp.empty() || column) words += " " + dp + std::string(width > dp.size() ? width - dp.size() : 0, ' ');
   return words;
 }
 
@@ -178,6 +190,19 @@ std::string tp_style_words(const Recipe& r) {
   if (!r.sequence_parallel && !r.loss_parallel) return "";
   if (r.sequence_parallel && r.loss_parallel) return " with sequence and loss parallel";
   return r.sequence_parallel ? " with sequence parallel" : " with loss parallel";
+}
+
+// "rank N (why that one)" after "the figures below are one GPU's, ". Under context parallelism
+// the engine builds the ring's last rank, whose merges hold the most (Note [Context parallelism]
+// in graph/context_parallel.h); the others are not replayed.
+std::string whose_figures(const Estimate& e) {
+  const Recipe& r = e.recipe;
+  if (r.cp > 1) {
+    const std::string dp = r.parallel != Parallel::kNone ? " of data-parallel rank " + std::to_string(e.rank) : "";
+    return "the last rank of the ring" + dp + " (its merges hold one more fp32 output than the other ranks', which "
+           "are not replayed)";
+  }
+  return "rank " + std::to_string(e.rank) + rank_words(e);
 }
 
 std::string signed_bytes(std::int64_t d) {
@@ -261,8 +286,10 @@ std::string fit_to_text(const std::string& model, const FitResult& f) {
     const bool parallel = f.gpus > 1 || std::any_of(f.plans.begin(), f.plans.end(), [](const Plan& p) {
       return p.recipe.parallel != Parallel::kNone || p.recipe.tp > 1 || p.recipe.pp > 1 || p.recipe.cp > 1;
     });
+    const std::size_t width = parallel_width(f.plans, [](const Plan& p) -> const Recipe& { return p.recipe; });
+    const std::string parallel_header = parallel ? " parallel" + std::string(width - 8, ' ') : "";
     add("%3s %-11s %-11s %-11s %-4s %-8s %-10s%s %12s %12s %10s%s\n", "#", "batch x acc", "precision", "optimizer",
-        "ckpt", "loss", "allocator", parallel ? " parallel     " : "", "reserved", "allocated", "step time",
+        "ckpt", "loss", "allocator", parallel_header.c_str(), "reserved", "allocated", "step time",
         host ? "         host" : "");
     for (std::size_t i = 0; i < f.plans.size(); ++i) {
       const Plan& p = f.plans[i];
@@ -271,7 +298,7 @@ std::string fit_to_text(const std::string& model, const FitResult& f) {
         std::snprintf(h, sizeof h, " %12s",
                       p.recipe.offload == Offload::kNone ? "-" : detail::format_bytes(p.host_bytes).c_str());
       }
-      add("%3zu %s %12s %12s %9.3gs%s\n", i + 1, recipe_words(p.recipe).c_str(),
+      add("%3zu %s %12s %12s %9.3gs%s\n", i + 1, recipe_words(p.recipe, width, parallel).c_str(),
           detail::format_bytes(p.peak_reserved_bytes).c_str(), detail::format_bytes(p.peak_allocated_bytes).c_str(),
           p.time.seconds, h);
     }
@@ -509,18 +536,17 @@ std::string to_text(const Estimate& e) {
                            : r.cp > 1 ? " x context parallel " + std::to_string(r.cp) + " (" +
                                           std::to_string(r.gpus * r.cp) + " GPUs, sharded over all; unmeasured)"
                                       : "";
-    add("data parallel: %s over %llu GPUs%s; the figures below are one GPU's, rank %llu%s\n",
+    add("data parallel: %s over %llu GPUs%s; the figures below are one GPU's, %s\n",
         std::string(to_string(r.parallel)).c_str(), static_cast<unsigned long long>(r.gpus), tp.c_str(),
-        static_cast<unsigned long long>(e.rank), rank_words(e).c_str());
+        whose_figures(e).c_str());
   }
   if (r.parallel == Parallel::kNone && r.pp == 1 && r.tp > 1) {
-    add("tensor parallel: one group of %llu GPUs%s; the figures below are one GPU's, rank %llu%s\n",
-        static_cast<unsigned long long>(r.tp), tp_style_words(r).c_str(), static_cast<unsigned long long>(e.rank),
-        rank_words(e).c_str());
+    add("tensor parallel: one group of %llu GPUs%s; the figures below are one GPU's, %s\n",
+        static_cast<unsigned long long>(r.tp), tp_style_words(r).c_str(), whose_figures(e).c_str());
   } else if (r.parallel == Parallel::kNone && r.pp == 1 && r.cp > 1) {
     add("context parallel: a ring of %llu GPUs, the sequence sharded over them; the figures below are one GPU's, "
-        "rank %llu%s\n",
-        static_cast<unsigned long long>(r.cp), static_cast<unsigned long long>(e.rank), rank_words(e).c_str());
+        "%s\n",
+        static_cast<unsigned long long>(r.cp), whose_figures(e).c_str());
   }
   if (r.pp > 1 && r.pp_stages_per_rank > 1) {  // Note [Interleaved pipeline schedules]
     // Under PP x DP the rank is pipeline rank x gpus + dp rank, each local stage with its own
@@ -575,8 +601,10 @@ std::string to_text(const Estimate& e) {
   }
   if (r.offload != Offload::kNone) {
     // FSDP2's CPUOffloadPolicy or DeepSpeed's offload (Note [FSDP2 CPU offload], Note [ZeRO-Offload]).
-    const char* what = r.parallel == Parallel::kFsdp ? "FSDP2 CPUOffloadPolicy: sharded parameters, gradients and the optimizer step"
-                                                     : "DeepSpeed offload_optimizer / offload_param";
+    const char* what = r.parallel == Parallel::kFsdp        ? "FSDP2 CPUOffloadPolicy: sharded parameters, gradients and the optimizer step"
+                       : r.offload == Offload::kOptimizer ? "DeepSpeed offload_optimizer"
+                       : r.offload == Offload::kParams    ? "DeepSpeed offload_param"
+                                                          : "DeepSpeed offload_optimizer and offload_param";
     add("cpu offload: %s (%s, pinned); host memory of this rank %s: %s pinned (%s "
         "requested), %s pageable; mirrored from the source, unmeasured\n",
         std::string(to_string(r.offload)).c_str(), what, detail::format_bytes(e.host.total_bytes()).c_str(),

@@ -730,7 +730,14 @@ TEST(Fit, BadRequestsAreErrors) {
   EXPECT_NE(error_of([&] { fit(m, q); }).find("not a multiple of batch 3"), std::string::npos);
   q.base.batch = 1;
   q.global_batch = 1 << 20;
+  q.fixed = {"batch"};  // a micro-batch the user gave stays; one they did not grows (below)
   EXPECT_NE(error_of([&] { fit(m, q); }).find("more than 1024"), std::string::npos);
+  q.fixed.clear();
+  q.global_batch = 3 * 1025;  // 3 x 5^2 x 41: micro-batches of 1 and 3 need more than 1024 of them
+  q.top = 1;
+  const Plan base = fit(m, q).baseline;
+  EXPECT_EQ(base.recipe.batch, 5u);
+  EXPECT_EQ(base.recipe.grad_accum, 615u);
   q.global_batch = 8;
   q.fixed = {"seq"};
   EXPECT_NE(error_of([&] { fit(m, q); }).find("'seq' is not a knob the planner searches"), std::string::npos);

@@ -223,7 +223,7 @@ def test_text_names_the_parallel_layout(run):
     assert layout("--tp", "2", "--sequence-parallel").startswith(
         "tensor parallel: one group of 2 GPUs with sequence parallel; the figures below are one GPU's, rank 0")
     assert layout("--cp", "2", "--precision", "bf16-true").startswith(
-        "context parallel: a ring of 2 GPUs, the sequence sharded over them; the figures below are one GPU's")
+        "context parallel: a ring of 2 GPUs, the sequence sharded over them; the figures below are one GPU's, the last rank of the ring")
     assert layout("--tp", "2", "--gpus", "2", "--parallel", "fsdp").startswith(
         "data parallel: fsdp over 2 GPUs x tensor parallel 2 (4 GPUs)")
     assert layout().startswith("gpu: ")  # one GPU: no layout line
@@ -258,6 +258,9 @@ def test_pipeline_with_ddp_replays_each_stage_once(run):
     (["estimate", "qwen3-4b", "--lora", "8", "--qlora", "--bnb-4bit-quant-type", "fp4"],
      "--qlora is an nf4 base with double quant"),
     (["estimate", "qwen3-4b", "--timeline"], "timeline: the timeline is part of the JSON output; add --json"),
+    (["estimate", "qwen3-4b", "--phases"], "phases: the phase peaks are part of the JSON output; add --json"),
+    # refused for what it is, not for the micro-batches a pipeline of 2 would need
+    (["fit", "qwen3-8b", "--gpus", "2", "--pp", "2"], "pp: fit searches pipeline parallelism itself"),
     (["estimate", "qwen3-4b", "--lora", "-4"], "lora_rank: must be a whole number (0 or more), got '-4'"),
     (["estimate", "qwen3-4b", "--lora", "100000"], "lora_rank: must be between 0 (no adapters) and 65536"),
     (["estimate", "qwen3-4b", "--batch", "0"], "batch: must be between 1 and"),
@@ -625,3 +628,12 @@ def test_zero_alias_is_parallel_zero_n(run):
     n = by_name["parameters"]
     assert by_name["breakdown_at_peak"]["optimizer_states"] == zero2["breakdown_at_peak"]["optimizer_states"]
     assert by_name["breakdown_at_peak"]["weights"] >= 2 * n + (2 + 4) * n // 4
+
+
+def test_fit_grows_an_unheld_micro_batch_to_reach_a_large_global_batch(run):
+    # 2048 sequences at the default micro-batch of 1 would take 2048 micro-batches (the cap is
+    # 1024): "your recipe" runs 2 x 1024 instead; a --batch given is kept, and then refused.
+    out = json.loads(run("fit", "qwen3-0.6b", "--global-batch", "2048", "--top", "1", "--json").stdout)
+    assert (out["baseline"]["recipe"]["batch"], out["baseline"]["recipe"]["grad_accum"]) == (2, 1024)
+    held = run("fit", "qwen3-0.6b", "--global-batch", "2048", "--batch", "1")
+    assert held.returncode == 2 and "needs grad_accum 2048 at batch 1; more than 1024" in held.stderr

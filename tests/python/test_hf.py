@@ -74,6 +74,23 @@ def test_a_half_model_trained_whole_under_autocast():
         trainmem.hf.recipe_from_training_arguments(d, model_dtype="float16")
 
 
+@pytest.mark.parametrize("fsdp,expected", [
+    ("full_shard auto_wrap", {"parallel": "fsdp"}),
+    ("shard_grad_op auto_wrap", {"parallel": "fsdp", "fsdp_reshard_after_forward": False}),
+    ("full_shard offload auto_wrap", {"parallel": "fsdp", "offload": "both"}),
+    (True, {"parallel": "fsdp"}),
+])
+def test_fsdp_of_real_training_arguments(fsdp, expected):
+    """transformers 5 keeps `fsdp` as True and moves the words into `fsdp_config` (version,
+    reshard_after_forward, cpu_offload) whatever it was given; the mapping reads both forms."""
+    a = args(fsdp=fsdp, fsdp_config={"fsdp_version": 2}, use_cpu=True)
+    for given in (a, a.to_dict()):
+        knobs = trainmem.hf.recipe_from_training_arguments(given, gpus=2)
+        assert {k: knobs[k] for k in expected} == expected
+        assert ("fsdp_reshard_after_forward" in knobs) == ("fsdp_reshard_after_forward" in expected)
+        assert ("offload" in knobs) == ("offload" in expected)
+
+
 @pytest.mark.parametrize("kw,message", [
     ({"optim": "lion_8bit"}, "not modelled"),
     ({"optim": "sgd"}, "no momentum"),
