@@ -33,7 +33,8 @@ std::string describe(const json& v) {
   return s;
 }
 
-std::uint64_t get_dim(const json& c, const char* key, std::uint64_t max = kMaxDimension) {
+// A whole number between `min` (1 for sizes; 0 where a count may be none) and `max`.
+std::uint64_t get_dim(const json& c, const char* key, std::uint64_t max = kMaxDimension, std::uint64_t min = 1) {
   auto it = c.find(key);
   if (it == c.end() || it->is_null()) {
     throw Error(std::string("config.json: missing field '") + key + "'");
@@ -44,31 +45,32 @@ std::uint64_t get_dim(const json& c, const char* key, std::uint64_t max = kMaxDi
     if (!std::isfinite(d) || d != std::floor(d)) {
       throw Error(std::string("config.json: field '") + key + "' must be a whole number, got " + describe(v));
     }
-    if (d < 1 || d > static_cast<double>(max)) {
-      throw Error(std::string("config.json: field '") + key + "' must be between 1 and " +
+    if (d < static_cast<double>(min) || d > static_cast<double>(max)) {
+      throw Error(std::string("config.json: field '") + key + "' must be between " + std::to_string(min) + " and " +
                   std::to_string(max) + ", got " + describe(v));
     }
     return static_cast<std::uint64_t>(d);
   }
   if (v.is_number_unsigned() || v.is_number_integer()) {
-    if (v.is_number_integer() && !v.is_number_unsigned() && v.get<std::int64_t>() < 1) {
-      throw Error(std::string("config.json: field '") + key + "' must be at least 1, got " + describe(v));
+    if (v.is_number_integer() && !v.is_number_unsigned() && v.get<std::int64_t>() < static_cast<std::int64_t>(min)) {
+      throw Error(std::string("config.json: field '") + key + "' must be at least " + std::to_string(min) + ", got " +
+                  describe(v));
     }
     std::uint64_t x = v.get<std::uint64_t>();
-    if (x < 1 || x > max) {
-      throw Error(std::string("config.json: field '") + key + "' must be between 1 and " +
+    if (x < min || x > max) {
+      throw Error(std::string("config.json: field '") + key + "' must be between " + std::to_string(min) + " and " +
                   std::to_string(max) + ", got " + describe(v));
     }
     return x;
   }
-  throw Error(std::string("config.json: field '") + key + "' must be a positive integer, got " + describe(v));
+  throw Error(std::string("config.json: field '") + key + (min ? "' must be a positive integer, got " : "' must be a whole number, got ") + describe(v));
 }
 
 std::uint64_t get_dim_or(const json& c, const char* key, std::uint64_t fallback,
-                         std::uint64_t max = kMaxDimension) {
+                         std::uint64_t max = kMaxDimension, std::uint64_t min = 1) {
   auto it = c.find(key);
   if (it == c.end() || it->is_null()) return fallback;
-  return get_dim(c, key, max);
+  return get_dim(c, key, max, min);
 }
 
 bool get_bool_or(const json& c, const char* key, bool fallback) {
@@ -273,7 +275,8 @@ void parse_generation_keys(const json& c, Architecture& a) {
     case Family::kQwen2:
     case Family::kQwen3:
       a.sliding_window = get_bool_or(c, "use_sliding_window", false) ? get_dim_or(c, "sliding_window", 4096) : 0;
-      a.max_window_layers = get_dim_or(c, "max_window_layers", 28, kMaxLayers);
+      // 0: every layer slides (transformers takes it; layer l slides from max_window_layers on).
+      a.max_window_layers = get_dim_or(c, "max_window_layers", 28, kMaxLayers, /*min=*/0);
       break;
     case Family::kLlama:
     case Family::kGpt2: return;

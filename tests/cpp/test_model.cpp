@@ -668,6 +668,9 @@ TEST(ModelConfig, AttentionWindowsFollowEachConfigClass) {
   EXPECT_EQ(windows(""), (W{0, 0, 0, 0}));  // Qwen3 slides only with use_sliding_window
   EXPECT_EQ(windows(R"(, "use_sliding_window": true, "sliding_window": 256, "max_window_layers": 2)"),
             (W{0, 0, 256, 256}));
+  // 0 is a count, not a size: every layer slides (transformers takes it).
+  EXPECT_EQ(windows(R"(, "use_sliding_window": true, "sliding_window": 256, "max_window_layers": 0)"),
+            (W{256, 256, 256, 256}));
   EXPECT_EQ(windows("", "gemma2"), (W{4096, 0, 4096, 0}));
   EXPECT_EQ(windows(R"(, "sliding_window": null)", "mistral"), (W{0, 0, 0, 0}));
   EXPECT_EQ(windows("", "mistral"), (W{4096, 4096, 4096, 4096}));
