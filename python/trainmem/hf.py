@@ -336,7 +336,9 @@ def _fsdp_knobs(args: Any) -> dict[str, Any]:
         words = ["full_shard"]  # reshard_after_forward, FSDP2's default True, may say otherwise below
     else:
         words = option.split() if isinstance(option, str) else [str(getattr(w, "value", w)) for w in option]
-    config = _get(args, "fsdp_config") or {}
+    # Keys with transformers' "fsdp_" prefix mean the same as without (TrainingArguments strips it).
+    config = {k.removeprefix("fsdp_") if k != "fsdp_version" else k: v
+              for k, v in (_get(args, "fsdp_config") or {}).items()}
     version = int(config.get("fsdp_version", config.get("version", 1)))
     if version != 2:
         raise ValueError(f"fsdp_config fsdp_version={version}: FSDP1 (flat parameters) is not modelled; "

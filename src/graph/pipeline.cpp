@@ -215,8 +215,8 @@ namespace trainmem::graph {
 // replayed once, as its rank (Note [The worst rank] in estimate.cpp: rank = stage x gpus + dp
 // rank, the tp ranks folded in as under TP alone); `trainmem compare` replays process p as p / T.
 // Not modelled (refused in recipe validation): whatever TP alone or TP x DP refuses (DDP or ZeRO
-// over a tensor-parallel model, FSDP2's non-default knobs and HSDP, precisions with autocast or
-// master copies, families other than Llama and Mistral).
+// over a tensor-parallel model, FSDP2's non-default knobs and HSDP, fp16-mixed (the pipeline's
+// own rule), GPT-2 and Phi-3).
 
 StageLayers pipeline_stage_layers(std::uint64_t num_layers, std::uint64_t stages, std::uint64_t stage) {
   const std::uint64_t base = num_layers / stages, extra = num_layers % stages;

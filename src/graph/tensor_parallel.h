@@ -51,7 +51,7 @@ namespace trainmem::graph {
 // width; GPT-2 and Phi-3 (their fused c_attn, qkv_proj / gate_up_proj are not split by this
 // plan); a sharded embedding or lm_head
 // (a sharded lm_head is recipe loss_parallel: See Note [Loss parallel]), and tensor parallelism
-// combined with data parallelism.
+// combined with data parallelism other than FSDP2 (DDP, ZeRO, HSDP).
 
 // Note [Sequence parallelism]
 // Recipe `sequence_parallel` with tp > 1 (python/trainmem/measure/parallel.py

@@ -55,10 +55,11 @@
 namespace trainmem {
 namespace {
 
-constexpr std::uint64_t kMaxAccum = 1024;  // Recipe::validate's bound
+constexpr std::uint64_t kMaxAccum = 1024;           // Recipe::validate's bounds
+constexpr std::uint64_t kMaxBatch = std::uint64_t{1} << 24;
 constexpr const char* kPpSearched =
-    "pp: fit searches pipeline parallelism itself over --gpus (every degree that divides them, the rest "
-    "data-parallel under DDP, where it is modelled); give the recipe without --pp";
+    "pp: fit searches pipeline parallelism itself over --gpus (every degree that divides them, with data or "
+    "tensor parallelism over the rest, where it is modelled); give the recipe without --pp";
 constexpr const char* kCpSearched =
     "cp: fit searches context parallelism itself over --gpus (one ring over all of them, where it is modelled); "
     "give the recipe without --cp";
@@ -422,6 +423,18 @@ class Planner {
 Plan judged(Plan p, std::uint64_t usable, std::uint64_t host) {
   p.fits = p.complete && p.peak_reserved_bytes <= usable && p.host_bytes <= host;
   return p;
+}
+
+// The micro-batch "your recipe" runs `share` sequences in: `batch` when that takes at most kMaxAccum
+// micro-batches, else the smallest larger one that divides `share` within the cap (a micro-batch
+// the user did not give grows rather than the request failing); none when no micro-batch does.
+std::optional<std::uint64_t> batch_within_accum(std::uint64_t share, std::uint64_t batch) {
+  if (share % batch == 0 && share / batch <= kMaxAccum) return batch;
+  const std::uint64_t hi = std::min(share, kMaxBatch);
+  for (std::uint64_t b = std::max(batch + 1, share / kMaxAccum + (share % kMaxAccum != 0)); b <= hi; ++b) {
+    if (share % b == 0) return b;
+  }
+  return std::nullopt;
 }
 
 bool fixed(const FitRequest& q, std::string_view knob) {
@@ -859,6 +872,9 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
                    std::to_string(q.gpus) + " data-parallel GPUs, and " + why);
     };
     if (fixed(q, "parallel")) throw no_split("the --parallel given keeps the data-parallel wrapper");
+    if (!fixed(q, "batch")) {  // a pipeline or tensor-parallel group over them runs the whole global batch
+      base.batch = batch_within_accum(out.global_batch, base.batch).value_or(base.batch);
+    }
     if (out.global_batch % base.batch != 0) {
       throw no_split("a pipeline or tensor-parallel group over them runs it in micro-batches of " +
                      std::to_string(base.batch) + ", which do not divide it either");
@@ -892,17 +908,14 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
       throw Error("global_batch: " + std::to_string(out.global_batch) + " is not a multiple of batch " +
                   std::to_string(base.batch) + (q.gpus > 1 ? " times the GPUs" : ""));
     }
+    if (!fixed(q, "batch")) base.batch = batch_within_accum(base_per_rank, base.batch).value_or(base.batch);
     base.grad_accum = base_per_rank / base.batch;
-    // A micro-batch the user did not give grows until the accumulation fits the cap: the smallest
-    // one dividing the rank's share in at most kMaxAccum micro-batches.
-    while (base.grad_accum > kMaxAccum && !fixed(q, "batch")) {
-      ++base.batch;
-      while (base_per_rank % base.batch != 0) ++base.batch;
-      base.grad_accum = base_per_rank / base.batch;
-    }
     if (base.grad_accum > kMaxAccum) {
       throw Error("global_batch: needs grad_accum " + std::to_string(base.grad_accum) + " at batch " +
-                  std::to_string(base.batch) + "; more than " + std::to_string(kMaxAccum));
+                  std::to_string(base.batch) + "; more than " + std::to_string(kMaxAccum) +
+                  (fixed(q, "batch") ? std::string()
+                                     : ", and no micro-batch up to " + std::to_string(kMaxBatch) +
+                                           " splits it into " + std::to_string(kMaxAccum) + " or fewer"));
     }
   }
   out.baseline = judged(planner.replay(base), out.capacity_bytes, host);

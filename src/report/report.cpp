@@ -193,13 +193,13 @@ std::string tp_style_words(const Recipe& r) {
 }
 
 // "rank N (why that one)" after "the figures below are one GPU's, ". Under context parallelism
-// the engine builds the ring's last rank, whose merges hold the most (Note [Context parallelism]
-// in graph/context_parallel.h); the others are not replayed.
+// the engine builds the ring's last rank, taken as the worst (Note [Context parallelism] in
+// graph/context_parallel.h); the others are not replayed.
 std::string whose_figures(const Estimate& e) {
   const Recipe& r = e.recipe;
   if (r.cp > 1) {
     const std::string dp = r.parallel != Parallel::kNone ? " of data-parallel rank " + std::to_string(e.rank) : "";
-    return "the last rank of the ring" + dp + " (its merges hold one more fp32 output than the other ranks', which "
+    return "the last rank of the ring" + dp + " (taken as the worst: its merges hold the most; the other ranks "
            "are not replayed)";
   }
   return "rank " + std::to_string(e.rank) + rank_words(e);

@@ -738,6 +738,16 @@ TEST(Fit, BadRequestsAreErrors) {
   const Plan base = fit(m, q).baseline;
   EXPECT_EQ(base.recipe.batch, 5u);
   EXPECT_EQ(base.recipe.grad_accum, 615u);
+  // A prime past what any micro-batch splits within the cap is refused at once.
+  q.global_batch = 1099511627791ull;
+  EXPECT_NE(error_of([&] { fit(m, q); }).find("no micro-batch up to 16777216 splits it"), std::string::npos);
+  // Over GPUs it does not split across, the pipeline or tensor-parallel baseline's micro-batch grows too.
+  FitRequest t = q;
+  t.gpus = 2;
+  t.global_batch = 3 * 1025;
+  const Plan moved = fit(load_model("llama-3.2-1b"), t).baseline;  // GPT-2 takes neither
+  EXPECT_EQ(moved.recipe.tp, 2u);
+  EXPECT_EQ(moved.recipe.batch, 5u);
   q.global_batch = 8;
   q.fixed = {"seq"};
   EXPECT_NE(error_of([&] { fit(m, q); }).find("'seq' is not a knob the planner searches"), std::string::npos);

@@ -91,6 +91,14 @@ def test_fsdp_of_real_training_arguments(fsdp, expected):
         assert ("offload" in knobs) == ("offload" in expected)
 
 
+def test_fsdp_config_keys_with_the_prefix():
+    # A hand-written dict as a Trainer config file spells it: "fsdp_" prefixes mean the same.
+    d = {"fsdp": True, "fsdp_config": {"fsdp_version": 2, "fsdp_reshard_after_forward": False,
+                                       "fsdp_cpu_offload": True}}
+    knobs = trainmem.hf.recipe_from_training_arguments(d, gpus=2)
+    assert (knobs["fsdp_reshard_after_forward"], knobs["offload"]) == (False, "both")
+
+
 @pytest.mark.parametrize("kw,message", [
     ({"optim": "lion_8bit"}, "not modelled"),
     ({"optim": "sgd"}, "no momentum"),
