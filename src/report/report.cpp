@@ -158,7 +158,7 @@ std::size_t parallel_width(const Range& rows, RecipeOf recipe_of) {
 // "bf16-true adamw-fused ckpt=none loss=fused" and the micro-batch shape, for one table row;
 // the parallel column `width` wide where the recipe has one, or where the table has one
 // (`column`: blank for a recipe without).
-std::string recipe_words(const Recipe& r, std::size_t width = 13, bool column = false) {
+std::string recipe_words(const Recipe& r, std::size_t width = 0, bool column = false) {
   char buf[200];
   // A precision marked '*': the model loaded half under that autocast (load_dtype; the table's legend).
   const std::string precision = std::string(to_string(r.precision)) + (r.load_dtype != LoadDtype::kAuto ? "*" : "");
@@ -332,8 +332,11 @@ std::string fit_to_text(const std::string& model, const FitResult& f) {
     }
     if (!f.fits_on.empty()) {
       add("\nwhat it takes: a GPU with more memory (the fastest recipe that fits there):\n");
+      const std::size_t width = parallel_width(f.fits_on, [](const auto& o) -> const Recipe& { return o.plan.recipe; });
+      const bool column = std::any_of(f.fits_on.begin(), f.fits_on.end(),
+                                      [](const auto& o) { return !parallel_label(o.plan.recipe).empty(); });
       for (const auto& o : f.fits_on) {
-        add("  %-11s %s %12s %9.3gs\n", o.gpu.c_str(), recipe_words(o.plan.recipe).c_str(),
+        add("  %-11s %s %12s %9.3gs\n", o.gpu.c_str(), recipe_words(o.plan.recipe, width, column).c_str(),
             detail::format_bytes(o.plan.peak_reserved_bytes).c_str(), o.plan.time.seconds);
       }
     } else if (f.has_closest_miss && f.closest_miss.host_bytes > f.host_capacity_bytes &&
@@ -354,8 +357,11 @@ std::string fit_to_text(const std::string& model, const FitResult& f) {
                       [](const Plan& p) { return p.recipe.offload != Offload::kNone; })
               ? ", host memory per rank"
               : "");
+      const std::size_t width = parallel_width(f.adapter_plans, [](const Plan& p) -> const Recipe& { return p.recipe; });
+      const bool column = std::any_of(f.adapter_plans.begin(), f.adapter_plans.end(),
+                                      [](const Plan& p) { return !parallel_label(p.recipe).empty(); });
       for (const Plan& p : f.adapter_plans) {
-        add("    %s %12s %12s %9.3gs%s\n", recipe_words(p.recipe).c_str(),
+        add("    %s %12s %12s %9.3gs%s\n", recipe_words(p.recipe, width, column).c_str(),
             detail::format_bytes(p.peak_reserved_bytes).c_str(), detail::format_bytes(p.peak_allocated_bytes).c_str(),
             p.time.seconds,
             p.recipe.offload == Offload::kNone ? "" : ("  " + detail::format_bytes(p.host_bytes)).c_str());

@@ -637,3 +637,11 @@ def test_fit_grows_an_unheld_micro_batch_to_reach_a_large_global_batch(run):
     assert (out["baseline"]["recipe"]["batch"], out["baseline"]["recipe"]["grad_accum"]) == (2, 1024)
     held = run("fit", "qwen3-0.6b", "--global-batch", "2048", "--batch", "1")
     assert held.returncode == 2 and "needs grad_accum 2048 at batch 1; more than 1024" in held.stderr
+
+
+def test_fit_searches_tensor_parallelism_for_qwen3(run):
+    # Qwen3's q/k norms run on the local heads under the Megatron plan (measured): its recipes
+    # over several GPUs include tensor-parallel groups.
+    out = json.loads(run("fit", "qwen3-0.6b", "--gpus", "2", "--seq", "1024", "--global-batch", "8", "--top", "200",
+                         "--json").stdout)
+    assert any(p["recipe"].get("tp", 1) == 2 for p in out["plans"])
