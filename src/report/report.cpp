@@ -147,18 +147,18 @@ std::string parallel_label(const Recipe& r) {
   return dp;
 }
 
-// The parallel column's width for these recipes: its header, or the longest label.
+// The parallel column's width for these recipes: its header or the longest label, 0 when no
+// recipe has one (no column).
 template <typename Range, typename RecipeOf>
 std::size_t parallel_width(const Range& rows, RecipeOf recipe_of) {
-  std::size_t w = std::string_view("parallel").size();
-  for (const auto& row : rows) w = std::max(w, parallel_label(recipe_of(row)).size());
-  return w;
+  std::size_t longest = 0;
+  for (const auto& row : rows) longest = std::max(longest, parallel_label(recipe_of(row)).size());
+  return longest ? std::max(longest, std::string_view("parallel").size()) : 0;
 }
 
 // "bf16-true adamw-fused ckpt=none loss=fused" and the micro-batch shape, for one table row;
-// the parallel column `width` wide where the recipe has one, or where the table has one
-// (`column`: blank for a recipe without).
-std::string recipe_words(const Recipe& r, std::size_t width = 0, bool column = false) {
+// the parallel column `width` wide (0: a lone recipe's label, unpadded, where it has one).
+std::string recipe_words(const Recipe& r, std::size_t width = 0) {
   char buf[200];
   // A precision marked '*': the model loaded half under that autocast (load_dtype; the table's legend).
   const std::string precision = std::string(to_string(r.precision)) + (r.load_dtype != LoadDtype::kAuto ? "*" : "");
@@ -168,7 +168,7 @@ std::string recipe_words(const Recipe& r, std::size_t width = 0, bool column = f
                 std::string(to_string(r.loss)).c_str(), std::string(to_string(r.allocator)).c_str());
   std::string words = buf;
   const std::string dp = parallel_label(r);
-  if (!dp.empty() || column) words += " " + dp + std::string(width > dp.size() ? width - dp.size() : 0, ' ');
+  if (!dp.empty() || width > 0) words += " " + dp + std::string(width > dp.size() ? width - dp.size() : 0, ' ');
   return words;
 }
 
@@ -283,11 +283,8 @@ std::string fit_to_text(const std::string& model, const FitResult& f) {
     const bool host = std::any_of(f.plans.begin(), f.plans.end(),
                                   [](const Plan& p) { return p.recipe.offload != Offload::kNone; });
     // recipe_words adds the parallel column wherever a plan has one (one GPU under ZeRO too).
-    const bool parallel = f.gpus > 1 || std::any_of(f.plans.begin(), f.plans.end(), [](const Plan& p) {
-      return p.recipe.parallel != Parallel::kNone || p.recipe.tp > 1 || p.recipe.pp > 1 || p.recipe.cp > 1;
-    });
     const std::size_t width = parallel_width(f.plans, [](const Plan& p) -> const Recipe& { return p.recipe; });
-    const std::string parallel_header = parallel ? " parallel" + std::string(width - 8, ' ') : "";
+    const std::string parallel_header = width ? " parallel" + std::string(width - 8, ' ') : "";
     add("%3s %-11s %-11s %-11s %-4s %-8s %-10s%s %12s %12s %10s%s\n", "#", "batch x acc", "precision", "optimizer",
         "ckpt", "loss", "allocator", parallel_header.c_str(), "reserved", "allocated", "step time",
         host ? "         host" : "");
@@ -298,7 +295,7 @@ std::string fit_to_text(const std::string& model, const FitResult& f) {
         std::snprintf(h, sizeof h, " %12s",
                       p.recipe.offload == Offload::kNone ? "-" : detail::format_bytes(p.host_bytes).c_str());
       }
-      add("%3zu %s %12s %12s %9.3gs%s\n", i + 1, recipe_words(p.recipe, width, parallel).c_str(),
+      add("%3zu %s %12s %12s %9.3gs%s\n", i + 1, recipe_words(p.recipe, width).c_str(),
           detail::format_bytes(p.peak_reserved_bytes).c_str(), detail::format_bytes(p.peak_allocated_bytes).c_str(),
           p.time.seconds, h);
     }
@@ -333,10 +330,8 @@ std::string fit_to_text(const std::string& model, const FitResult& f) {
     if (!f.fits_on.empty()) {
       add("\nwhat it takes: a GPU with more memory (the fastest recipe that fits there):\n");
       const std::size_t width = parallel_width(f.fits_on, [](const auto& o) -> const Recipe& { return o.plan.recipe; });
-      const bool column = std::any_of(f.fits_on.begin(), f.fits_on.end(),
-                                      [](const auto& o) { return !parallel_label(o.plan.recipe).empty(); });
       for (const auto& o : f.fits_on) {
-        add("  %-11s %s %12s %9.3gs\n", o.gpu.c_str(), recipe_words(o.plan.recipe, width, column).c_str(),
+        add("  %-11s %s %12s %9.3gs\n", o.gpu.c_str(), recipe_words(o.plan.recipe, width).c_str(),
             detail::format_bytes(o.plan.peak_reserved_bytes).c_str(), o.plan.time.seconds);
       }
     } else if (f.has_closest_miss && f.closest_miss.host_bytes > f.host_capacity_bytes &&
@@ -358,10 +353,8 @@ std::string fit_to_text(const std::string& model, const FitResult& f) {
               ? ", host memory per rank"
               : "");
       const std::size_t width = parallel_width(f.adapter_plans, [](const Plan& p) -> const Recipe& { return p.recipe; });
-      const bool column = std::any_of(f.adapter_plans.begin(), f.adapter_plans.end(),
-                                      [](const Plan& p) { return !parallel_label(p.recipe).empty(); });
       for (const Plan& p : f.adapter_plans) {
-        add("    %s %12s %12s %9.3gs%s\n", recipe_words(p.recipe, width, column).c_str(),
+        add("    %s %12s %12s %9.3gs%s\n", recipe_words(p.recipe, width).c_str(),
             detail::format_bytes(p.peak_reserved_bytes).c_str(), detail::format_bytes(p.peak_allocated_bytes).c_str(),
             p.time.seconds,
             p.recipe.offload == Offload::kNone ? "" : ("  " + detail::format_bytes(p.host_bytes)).c_str());
