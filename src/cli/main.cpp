@@ -521,6 +521,14 @@ int main(int argc, char** argv) {
   bool fit_json = false;
   fitc->add_option("model", fit_model, "Catalog name, Hugging Face id, config.json path or model directory")->required();
   fit_flags.add_to(fitc);
+  // What the planner picks itself, or does not plan: parsed (so that fit says why it refuses them)
+  // but left out of fit's help.
+  for (const auto& [knob, option] : fit_flags.options) {
+    if (knob == "pp" || knob == "cp" || knob == "pp_schedule" || knob == "pp_stages_per_rank" || knob == "mode" ||
+        knob == "new_tokens" || knob == "beams") {
+      option->group("");
+    }
+  }
   fitc->add_option("--global-batch", fit_global,
                    "Sequences per optimizer step over all GPUs (default: batch x grad-accum x gpus)");
   fitc->add_option("--top", fit_top, "How many fitting recipes to list")->capture_default_str();
