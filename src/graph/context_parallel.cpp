@@ -26,6 +26,10 @@ void check_context_parallel(const Model& model, const Recipe& r) {
   if (r.pp > 1) throw Error(cp + " with pp " + std::to_string(r.pp) + ": context and pipeline parallelism together are not modelled");
   if (r.tp > 1) throw Error(cp + " with tp " + std::to_string(r.tp) + ": context and tensor parallelism together are not modelled");
   if (r.mode == Mode::kInference) throw Error(cp + " is a training knob; inference runs on one GPU");
+  if (find_gpu(r.gpu).name == "cpu") {  // docs/parallelism.md, "Why it is not measured"
+    throw Error(cp + " needs a CUDA GPU: the ring dispatches SDPA's CUDA kernels only, and DTensor has no rule for "
+                "the CPU's flash kernel; name a GPU (trainmem gpus)");
+  }
   if (model.arch.family == Family::kGpt2 || model.arch.family == Family::kGemma2) {
     throw Error(cp + " with " + std::string(family_name(model.arch.family)) +
                 " is not modelled: context parallelism replaces SDPA, and " +

@@ -378,6 +378,7 @@ TEST(Estimate, RequestedBytesBoundTheReplay) {
   r.grad_accum = 3;
   add("pp 2", r);
   r = base;
+  r.gpu = "h100-80gb";  // the ring needs a CUDA GPU
   r.precision = Precision::kFp32;
   r.cp = 2;
   r.gpus = 2;

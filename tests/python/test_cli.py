@@ -318,6 +318,7 @@ def test_pipeline_with_ddp_replays_each_stage_once(run):
      "context and tensor parallelism together are not modelled"),
     (["estimate", "llama-3.2-1b", "--cp", "2"], "cp: 2 with precision bf16-mixed is not modelled"),
     (["estimate", "llama-3.2-1b", "--cp", "65"], "cp: must be between 1 and 64"),
+    (["estimate", "llama-3.2-1b", "--cp", "2", "--precision", "fp32", "--gpu", "cpu"], "cp: 2 needs a CUDA GPU"),
     (["fit", "llama-3.2-1b", "--cp", "2", "--precision", "fp32"], "cp: fit searches context parallelism itself"),
     (["estimate", "mistral-7b-v0.3", "--pp", "2", "--precision", "fp32"],
      "pp: 2 with pp_schedule 1f1b needs grad_accum (the schedule's n_microbatches) of at least 2, got 1"),
