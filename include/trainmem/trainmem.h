@@ -540,6 +540,10 @@ constexpr std::uint64_t kDefaultHostMemoryBytes = 128ull << 30;
 
 // The most GPUs a recipe or a plan may span (the measuring side's MAX_GPUS).
 constexpr std::uint64_t kMaxGpus = 4096;
+// The largest micro-batch, and the most micro-batches a step may accumulate, Recipe::validate
+// accepts (the planner grows a micro-batch within them).
+constexpr std::uint64_t kMaxBatch = std::uint64_t{1} << 24;
+constexpr std::uint64_t kMaxAccum = 1024;
 
 struct FitRequest {
   Recipe base;                       // the user's recipe; the planner starts from it

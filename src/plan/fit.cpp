@@ -55,8 +55,6 @@
 namespace trainmem {
 namespace {
 
-constexpr std::uint64_t kMaxAccum = 1024;           // Recipe::validate's bounds
-constexpr std::uint64_t kMaxBatch = std::uint64_t{1} << 24;
 constexpr const char* kPpSearched =
     "pp: fit searches pipeline parallelism itself over --gpus (every degree that divides them, with data or "
     "tensor parallelism over the rest, where it is modelled); give the recipe without --pp";

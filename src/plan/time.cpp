@@ -178,7 +178,10 @@ MatmulCounts count(const Model& m, const Recipe& r) {
 
 StepTime step_time(const Model& full, const Recipe& spelled) {
   // A tensor-parallel rank computes on its local model (See Note [Tensor parallelism]).
-  const Model model = spelled.tp > 1 ? graph::tensor_parallel_model(full, spelled.tp, spelled.loss_parallel, spelled.sequence_parallel) : full;
+  const Model model =
+      spelled.tp > 1
+          ? graph::tensor_parallel_model(full, spelled.tp, spelled.loss_parallel, spelled.sequence_parallel)
+          : full;
   const Recipe recipe = detail::with_resolved_targets(model, spelled);
   const Gpu& gpu = find_gpu(recipe.gpu);
   const Architecture& a = model.arch;

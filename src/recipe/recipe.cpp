@@ -76,13 +76,11 @@ E parse(const Spellings<E, N>& table, std::string_view s, std::string_view field
   throw Error(std::string(field) + ": unknown value '" + std::string(s) + "'; expected one of " + valid);
 }
 
-// Largest micro-batch, sequence length or accumulation count we accept. Larger values are not
-// training recipes, and keeping them bounded keeps b*s*s*heads products checkable.
-constexpr std::uint64_t kMaxBatch = std::uint64_t{1} << 24;
+// Largest micro-batch (kMaxBatch, trainmem.h), sequence length or accumulation count we accept.
+// Larger values are not training recipes, and keeping them bounded keeps b*s*s*heads products
+// checkable. Every micro-batch is simulated (about as long as one forward and backward), so the
+// count (kMaxAccum, trainmem.h) is capped where an estimate still takes seconds, not hours.
 constexpr std::uint64_t kMaxSeq = std::uint64_t{1} << 24;
-// Every micro-batch is simulated (about as long as one forward and backward), so the count is
-// capped where an estimate still takes seconds, not hours.
-constexpr std::uint64_t kMaxAccum = 1024;
 constexpr std::uint64_t kMaxCp = 64;  // as many as tensor parallelism's
 constexpr std::uint64_t kMaxPp = 64;  // the measuring side's MAX_PP
 constexpr std::uint64_t kMaxPpStagesPerRank = 64;  // the measuring side's MAX_PP_STAGES_PER_RANK

@@ -4,8 +4,8 @@ Both run the reference step (training.run_steps) with a tracker that does nothin
 under `torch.profiler`, which records the CPU allocator's every allocation and free through
 RecordFunction callbacks: nothing is wrapped and no reference is taken.
 
-Categories (profiler_category_bytes): `torch.profiler` with `profile_memory=True, record_shapes=True, with_stack=True` records every
-allocation, and `torch.profiler._memory_profiler.MemoryProfile` (a private module, used by
+Categories (profiler_category_bytes): with `record_shapes=True, with_stack=True` too,
+`torch.profiler._memory_profiler.MemoryProfile` (a private module, used by
 `profile.export_memory_timeline`) gives each tensor version a category from the data flow of
 the ops and the Python tracer: PARAMETER, GRADIENT, OPTIMIZER_STATE, ACTIVATION, INPUT,
 TEMPORARY, AUTOGRAD_DETAIL. Its rules differ from ours (a category per version, ACTIVATION for
@@ -40,6 +40,7 @@ from .phases import block_bytes
 from .recipe import Recipe, RecipeError
 from .run import SEED, _import_step_modules
 from .training import hf_loss_fn, run_steps, training_batch
+
 
 class NullTracker:
     """What run_steps and hf_loss_fn ask of a tracker, doing nothing and holding nothing;
