@@ -240,7 +240,13 @@ T StepBuilder::linear_module(const T& x_in, std::uint32_t w, std::uint32_t b, st
     // addmm(bias, x, W): the bias is the first input, so its gradient is made and its
     // AccumulateGrad runs first (what DDP's gradient-ready order shows: Note [DDP buckets]).
     if (bt && !bcast) n.params.push_back(param_grad(b, cd));
-    if (wt && !wcast) n.params.push_back(param_grad(w, cd));
+    if (wt && !wcast) {
+      // F.linear multiplies by W.t(), so W's gradient is the transpose of mm's output, a view
+      // (ZeRO-3's LinearFunctionForZeroStage3 computes it fresh); addmm(b, x, W) uses W as it is.
+      ParamGrad pg = param_grad(w, cd);
+      pg.view = !addmm && !dp_->zero3();
+      n.params.push_back(pg);
+    }
     // mm makes the weight's gradient first, addmm the input's and the bias's last (See Note
     // [Gradient order of a node] in tape.h).
     n.grad_order = wcast || bcast           ? GradOrder::kInputsFirst

@@ -248,24 +248,37 @@ void Tape::deliver(ValueId v, TensorId g) {
 }
 
 // AccumulateGrad for a parameter. Its node runs once per backward pass, after every node that
-// uses the parameter has delivered a gradient into its input buffer; several gradients (a tied
-// embedding: lm_head and the embedding) are summed out of place first (measured with torch
-// 2.13: `add`, both parts freed). Then the gradient is stolen into an empty .grad, or added in
-// place (`add_`) into the existing one and freed.
+// uses the parameter has delivered a gradient into its input buffer. A second gradient (a tied
+// embedding: lm_head's, then the embedding's) is summed there as it arrives, by the rule of
+// `deliver`, and out of place into a view (a plain nn.Linear's weight gradient: measured with
+// torch 2.13 untracked, `add`; through autocast's cast or the fused loss the head's gradient is
+// fresh, `add_`). Then the gradient is stolen into an empty .grad, or added in place (`add_`)
+// into the existing one and freed.
 void Tape::accumulate_param(const ParamGrad& pg, TensorId g) {
-  std::vector<TensorId>& pending = param_pending_[pg.param];
-  pending.push_back(g);
-  if (pending.size() < std::max<std::uint32_t>(1, param_uses_[pg.param])) return;
-  TensorId& slot = param_grads_[pg.param];
-  if (pending.size() > 1) {
-    TensorId sum = alloc_bytes(trace_.storages[g].bytes, Category::kTemporaries);
-    for (TensorId part : pending) {
-      recategorize(part, Category::kTemporaries);
-      release(part);
+  PendingGrad& pending = param_pending_[pg.param];
+  ++pending.arrived;
+  if (pending.sum == kNone) {
+    pending.sum = g;
+    pending.view = pg.view;
+  } else {
+    TensorId& sum = pending.sum;
+    recategorize(g, Category::kTemporaries);
+    if (!pending.view && trace_.storages[sum].refs == 1 && !is_subclass(sum) && !is_subclass(g)) {
+      release(g);
+    } else {
+      recategorize(sum, Category::kTemporaries);
+      TensorId out = alloc_bytes(trace_.storages[g].bytes, Category::kTemporaries);
+      if (is_subclass(sum) || is_subclass(g)) mark_subclass(out);
+      release(sum);
+      release(g);
+      sum = out;
+      pending.view = false;
     }
-    g = sum;
   }
-  pending.clear();
+  if (pending.arrived < std::max<std::uint32_t>(1, param_uses_[pg.param])) return;
+  g = pending.sum;
+  pending = PendingGrad{};
+  TensorId& slot = param_grads_[pg.param];
   if (slot == kNone) {
     recategorize(g, Category::kGradients);  // stolen into .grad
     slot = g;

@@ -16,6 +16,9 @@
 //    when that one is exclusively owned (InputBuffer::accumulate), otherwise into a new tensor
 //    (never into the arriving one: until 2026-12-06 the engine did that too, which no measured
 //    peak told apart; the reentrant checkpoint's held gradient shows the new tensor in traces);
+//    so are a tied parameter's, unless the buffered one is a view (ParamGrad::view). The
+//    measuring side's dispatch mode would make every sum out of place; its tracker puts autograd's
+//    own decision back (Note [Summing gradients] in python/trainmem/measure/tracker.py);
 //  * a parameter's first gradient is stolen into .grad, later ones are added in place
 //    (AccumulateGrad).
 // Categories are final per storage: a temporary that a node saves becomes an activation for
@@ -238,6 +241,9 @@ struct ParamGrad {
   std::uint64_t scratch_bytes = 0;  // e.g. the full-size product before a broadcast reduction
   std::uint64_t param_bytes = 0;    // after the cast to the parameter dtype; 0 when no cast
   TensorId reuse = kNone;           // the gradient is this existing storage (made in the forward)
+  // Handed over as a view whose base stays alive (F.linear's weight: mm's output transposed back),
+  // which autograd's input buffer never adds into in place (Tape::accumulate_param).
+  bool view = false;
 };
 
 // Note [Gradient order of a node]
@@ -706,7 +712,13 @@ class Tape {
   // A parameter used by several nodes (a tied embedding) has one AccumulateGrad node whose
   // input buffer collects every gradient of the pass before it runs.
   std::vector<std::uint32_t> param_uses_;
-  std::vector<std::vector<TensorId>> param_pending_;
+  struct PendingGrad {
+    TensorId sum = kNone;  // what the buffer holds
+    std::uint32_t arrived = 0;
+    bool view = false;  // `sum` is a ParamGrad::view
+    bool empty() const { return arrived == 0; }
+  };
+  std::vector<PendingGrad> param_pending_;
   // Modules whose forward is running (module, first node), and per node the modules whose
   // backward begins before it (its last node; inner ones first) and ends after it (first node).
   std::vector<std::pair<std::uint32_t, std::size_t>> open_modules_;

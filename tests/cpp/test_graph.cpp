@@ -737,6 +737,33 @@ TEST(GraphLossHead, TenBsvInsideTheLoss) {
   EXPECT_EQ(most - (before.raw[kActs] + before.raw[kTemps]), 8 * x.bsV() + labels + 2 * 4);
 }
 
+// A tied embedding gets two gradients in step 1's backward, lm_head's first. A plain nn.Linear
+// hands its weight gradient over as a view, which autograd's input buffer adds the embedding's
+// into out of place: one more [V, h] fp32 tensor. Through the fused loss (or autocast's cast) it
+// arrives fresh and the sum is in place (measured: the untracked and tracked runs of
+// tests/python/test_measure_untracked.py).
+TEST(GraphLossHead, TiedGradientSumInPlaceUnlessTheHeadsIsAView) {
+  json c = {{"model_type", "llama"},  {"hidden_size", 64},           {"intermediate_size", 172},
+            {"num_hidden_layers", 1}, {"num_attention_heads", 4},    {"num_key_value_heads", 2},
+            {"vocab_size", 32000},    {"tie_word_embeddings", true}};
+  const Model m = model_from_config_json(c.dump());
+  const std::uint64_t vh = 32000u * 64 * 4;
+  auto head_sized = [&](Loss loss) {
+    Recipe r = cpu_recipe(Precision::kFp32, Attention::kSdpa, 1, 8);
+    r.optimizer = Optimizer::kSgd;
+    r.loss = loss;
+    const Trace t = trace_of(m, r);
+    std::uint32_t n = 0;  // [V, h] fp32 tensors made in step 1's backward
+    for (const graph::Event& e : t.events) {
+      const MomentTag& at = t.moments[e.moment];
+      n += e.alloc && at.step == 1 && at.phase == Phase::kBackward && t.storages[e.tensor].bytes == vh;
+    }
+    return n;
+  };
+  EXPECT_EQ(head_sized(Loss::kStandard), 3u);  // lm_head's, the embedding's, their sum
+  EXPECT_EQ(head_sized(Loss::kFused), 1u);     // the embedding's (lm_head's is made in the forward)
+}
+
 // ---- buffers -------------------------------------------------------------------------------
 
 // After setup the weights are the parameters plus the non-persistent buffers that

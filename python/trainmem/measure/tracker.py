@@ -73,6 +73,23 @@ Note [Labels]
     forward; generate()'s own ops outside the model (input preparation, the logits' float32
     copy, token selection, beam bookkeeping, the cache reordering) are `generate.<aten op>`.
 
+Note [Summing gradients]
+    When a tensor feeds several ops, autograd sums its gradients in the consumer node's input
+    buffer (InputBuffer::accumulate): in place into the buffered gradient (`add_`) when grad mode
+    is off, that gradient is a plain dense tensor and the buffer holds its last reference and its
+    storage's, and out of place (`add`) otherwise: a view whose base is alive (nn.Linear's weight
+    gradient is mm's output transposed), a tensor handed to two buffers (an addition's), a
+    subclass. While any TorchDispatchMode is active ATen treats every tensor as a subclass
+    (isTensorSubclassLike), so under ours every sum would be out of place: one more tensor than a
+    real run holds at that moment, the step's peak where a tied embedding's two [vocab, hidden]
+    gradients meet. The tracker puts the real decision back: a post hook on every backward node
+    (but AccumulateGrad) marks that autograd is routing what the node made, a pre hook on every
+    node marks the end; an `add` in between whose second operand is one of those gradients is the
+    buffer's sum, and it runs as `add_` when autograd, untracked, would add in place. Autograd's
+    own test of the last reference (use counts) is read from inside the mode, where the dispatch
+    adds references of its own: the counts of an exclusively held gradient are measured once on a
+    probe (`_exclusive_counts`). Checked against untracked runs: tools/untracked_check.py.
+
 Note [Block size]
     Each storage is charged `max(512, ceil(nbytes / 512) * 512)` bytes: the CUDA caching
     allocator's rounding. The live sum of these blocks is what `torch.cuda.memory_allocated()`
@@ -93,6 +110,7 @@ from collections import Counter
 from typing import Any, Iterator, NamedTuple
 
 import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false as _non_overlapping_and_dense
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
@@ -105,6 +123,8 @@ PHASES = ("setup", "forward", "loss", "backward", "optimizer", "prefill", "decod
 ALLOC, FREE = 0, 1
 _NO_SEQUENCE_NR = 2**64 - 1  # what AccumulateGrad nodes report
 _TO_COPY = torch.ops.aten._to_copy.default
+_ADD = torch.ops.aten.add.Tensor
+_ADD_INPLACE = torch.ops.aten.add_.Tensor
 
 
 class Label(NamedTuple):
@@ -232,13 +252,44 @@ class StorageRecord:
         return "temporaries"
 
 
+def _use_counts(t: torch.Tensor) -> tuple[int, int]:
+    return t._use_count(), torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+@functools.cache
+def _exclusive_counts() -> tuple[int, int]:
+    """What `_use_counts` reads, inside a dispatch mode, for a gradient only an input buffer holds.
+
+    The mode's own bookkeeping (the boxed arguments, the Python objects) adds references, so the
+    counts are measured once on a probe: `y = x.exp()` used twice, whose two gradients (MulBackward0's
+    and SinBackward0's outputs) are fresh tensors; the only `add` of its backward is their sum."""
+    seen = []
+
+    class Probe(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is _ADD:
+                seen.append(_use_counts(args[0]))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.ones(4, requires_grad=True)
+    y = x.exp()
+    loss = (y * 2 + y.sin()).sum()
+    with Probe():
+        loss.backward()
+    assert len(seen) == 1, f"the probe's backward made {len(seen)} sums"
+    return seen[0]
+
+
 class _DispatchMode(TorchDispatchMode):
     def __init__(self, tracker: "MemoryTracker") -> None:
         super().__init__()
         self.tracker = tracker
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return self.tracker._dispatch(func, args, kwargs or {})
+        tracker = self.tracker
+        if func is _ADD and tracker._routing is not None and not kwargs and tracker._sums_in_place(args):
+            return tracker._dispatch(_ADD_INPLACE, args, {})
+        return tracker._dispatch(func, args, kwargs or {})
 
 
 class MemoryTracker:
@@ -286,6 +337,10 @@ class MemoryTracker:
         self._untracked_live = 0
         self._cuda_index = torch.cuda.current_device() if self._cuda_probe else None
         self._exit_stack: contextlib.ExitStack | None = None
+        # Between a backward node's function and the next node's: weak references to the
+        # gradients the node made, which autograd is routing into input buffers (Note
+        # [Summing gradients]); None elsewhere.
+        self._routing: list[weakref.ref] | None = None
         # Set by the driver when the recipe runs the forward under autocast. Inside the dispatch
         # mode torch.is_autocast_enabled() reads False (autocast has already run), so the driver says.
         self.autocast = False
@@ -415,6 +470,7 @@ class MemoryTracker:
 
     def __enter__(self) -> "MemoryTracker":
         self._thread = threading.get_ident()
+        _exclusive_counts()  # before any tracking
         stack = contextlib.ExitStack()
         self._gc_was_enabled = gc.isenabled()
         gc.collect()
@@ -422,6 +478,7 @@ class MemoryTracker:
         stack.callback(lambda: gc.enable() if self._gc_was_enabled else None)
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
         self._patch_recomputation_hook(stack)
+        self._patch_backward(stack)
         stack.enter_context(_DispatchMode(self))
         self._exit_stack = stack
         return self
@@ -486,6 +543,71 @@ class MemoryTracker:
 
         checkpoint_module._recomputation_hook = _TrackedRecomputationHook
         stack.callback(setattr, checkpoint_module, "_recomputation_hook", original)
+
+    def _patch_backward(self, stack: contextlib.ExitStack) -> None:
+        # Every backward (loss.backward(), a reentrant checkpoint's inner one, a pipeline stage's)
+        # reaches the C++ engine through torch.autograd's _engine_run_backward: hook its graph
+        # there (Note [Summing gradients]).
+        import torch.autograd as autograd_module
+
+        original = autograd_module._engine_run_backward
+        tracker = self
+
+        def run_backward(t_outputs, *args, **kwargs):
+            handles = tracker._hook_graph(t_outputs)
+            outer = tracker._routing  # a reentrant backward runs inside a node's function
+            try:
+                return original(t_outputs, *args, **kwargs)
+            finally:
+                tracker._routing = outer
+                for handle in handles:
+                    handle.remove()
+
+        autograd_module._engine_run_backward = run_backward
+        stack.callback(setattr, autograd_module, "_engine_run_backward", original)
+
+    def _hook_graph(self, t_outputs) -> list:
+        """A pre hook on every node of the graph behind `t_outputs` (routing over), and a post hook
+        on every node but AccumulateGrad (routing begins). AccumulateGrad routes nothing, and a post
+        hook would keep its incoming gradient referenced while it runs, which stops it stealing
+        the gradient into `.grad`."""
+        roots = [t.node if isinstance(t, torch.autograd.graph.GradientEdge) else t.grad_fn
+                 for t in t_outputs]
+        seen = {node for node in roots if node is not None}
+        queue = list(seen)
+        handles = []
+
+        def routing_over(grad_outputs):
+            self._routing = None
+
+        def routing_begins(grad_inputs, grad_outputs):
+            self._routing = [weakref.ref(g) for g in grad_inputs if isinstance(g, torch.Tensor)]
+
+        while queue:
+            node = queue.pop()
+            handles.append(node.register_prehook(routing_over))
+            if type(node).__name__ != "AccumulateGrad":
+                handles.append(node.register_hook(routing_begins))
+            for next_node, _ in node.next_functions:
+                if next_node is not None and next_node not in seen:
+                    seen.add(next_node)
+                    queue.append(next_node)
+        return handles
+
+    def _sums_in_place(self, args) -> bool:
+        """Whether autograd, with no dispatch mode active, would add `args[1]` (a gradient the node
+        just made) into `args[0]` (the one already in the input buffer) in place: the sum of
+        InputBuffer::accumulate with grad mode off, `old` a plain dense tensor whose last
+        reference and storage the buffer holds, `new` a plain tensor."""
+        old, new = args
+        if not any(new is ref() for ref in self._routing):
+            return False  # an op of a hook, not the buffer's sum
+        plain = FakeTensor if self.fake else torch.Tensor  # a fake run stands for a real one
+        if torch.is_grad_enabled() or type(old) is not plain or type(new) is not plain:
+            return False
+        if old.is_sparse or old.is_nested or old._is_zerotensor() or not _non_overlapping_and_dense(old):
+            return False
+        return _use_counts(old) == _exclusive_counts()
 
     # ------------------------------------------------------------------ hooks
 
