@@ -234,15 +234,21 @@ T StepBuilder::linear_module(const T& x_in, std::uint32_t w, std::uint32_t b, st
     // weight casts]): an input of this node, made in the same order as a parameter's.
     const bool wcast = wt && wc.value != kNone, bcast = bt && bc.value != kNone;
     if (wcast && b == kNone) n.inputs.push_back(grad_of(wc));
-    if (x.requires_grad()) n.inputs.push_back(grad_of(x));
+    if (x.requires_grad()) {
+      // Its input is folded to [tokens, in_features] for the product, so the gradient is mm's
+      // output viewed back (ZeRO-3's function makes it with one matmul, no view).
+      GradIn gx = grad_of(x);
+      gx.view = !dp_->zero3();
+      n.inputs.push_back(gx);
+    }
     if (wcast && b != kNone) n.inputs.push_back(grad_of(wc));
     if (bcast) n.inputs.push_back(grad_of(bc));
     // addmm(bias, x, W): the bias is the first input, so its gradient is made and its
     // AccumulateGrad runs first (what DDP's gradient-ready order shows: Note [DDP buckets]).
     if (bt && !bcast) n.params.push_back(param_grad(b, cd));
     if (wt && !wcast) {
-      // F.linear multiplies by W.t(), so W's gradient is the transpose of mm's output, a view
-      // (ZeRO-3's LinearFunctionForZeroStage3 computes it fresh); addmm(b, x, W) uses W as it is.
+      // F.linear multiplies by W.t(), so W's gradient is mm's output transposed back, a view
+      // (ZeRO-3's LinearFunctionForZeroStage3 makes it fresh); addmm(b, x, W) uses W as it is.
       ParamGrad pg = param_grad(w, cd);
       pg.view = !addmm && !dp_->zero3();
       n.params.push_back(pg);

@@ -57,7 +57,7 @@ void Tape::set_category(TensorId id, Category c) { recategorize(id, c); }
 
 TensorId Tape::reserve(std::uint64_t bytes, Category category) {
   TensorId id = static_cast<TensorId>(trace_.storages.size());
-  trace_.storages.push_back({bytes, category, 1});
+  trace_.storages.push_back({bytes, category, false, 1});
   return id;
 }
 
@@ -236,8 +236,9 @@ void Tape::deliver(ValueId v, TensorId g) {
     mark_subclass(sum);
     return;
   }
-  // See Note [Mirroring autograd]: in place into the buffered one when it is exclusively owned.
-  if (trace_.storages[buf].refs == 1) {
+  // See Note [Mirroring autograd]: in place into the buffered one when it is exclusively owned
+  // and not a view.
+  if (trace_.storages[buf].refs == 1 && !trace_.storages[buf].view) {
     release(g);
   } else {
     TensorId sum = alloc_bytes(value_bytes_[v], Category::kTemporaries);
@@ -250,20 +251,19 @@ void Tape::deliver(ValueId v, TensorId g) {
 // AccumulateGrad for a parameter. Its node runs once per backward pass, after every node that
 // uses the parameter has delivered a gradient into its input buffer. A second gradient (a tied
 // embedding: lm_head's, then the embedding's) is summed there as it arrives, by the rule of
-// `deliver`, and out of place into a view (a plain nn.Linear's weight gradient: measured with
-// torch 2.13 untracked, `add`; through autocast's cast or the fused loss the head's gradient is
-// fresh, `add_`). Then the gradient is stolen into an empty .grad, or added in place (`add_`)
-// into the existing one and freed.
+// `deliver`: out of place into a plain nn.Linear's weight gradient, a view (`add`, measured with
+// torch 2.13), in place into one that arrives fresh through autocast's cast or the fused loss
+// (`add_`). Then the gradient is stolen into an empty .grad, or added in place (`add_`) into the
+// existing one and freed.
 void Tape::accumulate_param(const ParamGrad& pg, TensorId g) {
   PendingGrad& pending = param_pending_[pg.param];
   ++pending.arrived;
   if (pending.sum == kNone) {
     pending.sum = g;
-    pending.view = pg.view;
   } else {
     TensorId& sum = pending.sum;
     recategorize(g, Category::kTemporaries);
-    if (!pending.view && trace_.storages[sum].refs == 1 && !is_subclass(sum) && !is_subclass(g)) {
+    if (trace_.storages[sum].refs == 1 && !trace_.storages[sum].view && !is_subclass(sum) && !is_subclass(g)) {
       release(g);
     } else {
       recategorize(sum, Category::kTemporaries);
@@ -272,7 +272,6 @@ void Tape::accumulate_param(const ParamGrad& pg, TensorId g) {
       release(sum);
       release(g);
       sum = out;
-      pending.view = false;
     }
   }
   if (pending.arrived < std::max<std::uint32_t>(1, param_uses_[pg.param])) return;
@@ -366,6 +365,7 @@ void Tape::run_node(Node& n) {
     } else {
       grads[k] = alloc_bytes(in.bytes, Category::kTemporaries);
       if (in.subclass) mark_subclass(grads[k]);
+      trace_.storages[grads[k]].view = in.view;
     }
   };
   auto param_grad = [&](std::size_t k) {
@@ -379,6 +379,7 @@ void Tape::run_node(Node& n) {
     bool cast = pg.param_bytes != 0;
     Category c = (!cast && param_grads_[pg.param] == kNone) ? Category::kGradients : Category::kTemporaries;
     pgrads[k] = alloc_bytes(pg.compute_bytes, c);
+    trace_.storages[pgrads[k]].view = pg.view;
     if (sc != kNone) release(sc);
   };
   // See Note [Gradient order of a node] in tape.h.

@@ -16,7 +16,7 @@
 //    when that one is exclusively owned (InputBuffer::accumulate), otherwise into a new tensor
 //    (never into the arriving one: until 2026-12-06 the engine did that too, which no measured
 //    peak told apart; the reentrant checkpoint's held gradient shows the new tensor in traces);
-//    so are a tied parameter's, unless the buffered one is a view (ParamGrad::view). The
+//    never into a view whose base lives on (Storage::view); a tied parameter's too. The
 //    measuring side's dispatch mode would make every sum out of place; its tracker puts autograd's
 //    own decision back (Note [Summing gradients] in python/trainmem/measure/tracker.py);
 //  * a parameter's first gradient is stolen into .grad, later ones are added in place
@@ -167,6 +167,9 @@ class SmallVec {
 struct Storage {
   std::uint64_t bytes = 0;
   Category category = Category::kTemporaries;
+  // A gradient handed over as a view of what its op computed, whose base lives on with it:
+  // autograd's input buffer never sums into it in place (GradIn::view, ParamGrad::view).
+  bool view = false;
   std::uint32_t refs = 0;
 };
 
@@ -233,6 +236,9 @@ struct GradIn {
   // The gradient is a tensor subclass (a functional collective's AsyncCollectiveTensor: Note
   // [Tensor parallelism] in tensor_parallel.h): never accumulated into in place.
   bool subclass = false;
+  // The gradient is a view whose base lives on (Storage::view): a linear's input gradient,
+  // mm's output reshaped back to the input's shape.
+  bool view = false;
 };
 
 struct ParamGrad {
@@ -241,8 +247,8 @@ struct ParamGrad {
   std::uint64_t scratch_bytes = 0;  // e.g. the full-size product before a broadcast reduction
   std::uint64_t param_bytes = 0;    // after the cast to the parameter dtype; 0 when no cast
   TensorId reuse = kNone;           // the gradient is this existing storage (made in the forward)
-  // Handed over as a view whose base stays alive (F.linear's weight: mm's output transposed back),
-  // which autograd's input buffer never adds into in place (Tape::accumulate_param).
+  // Handed over as a view whose base lives on (Storage::view): F.linear's weight gradient, mm's
+  // output transposed back.
   bool view = false;
 };
 
@@ -392,9 +398,9 @@ struct Graph {
 // the nodes themselves (the template's, renamed), only on this state when it starts:
 //  * which of the layer's values hold a gradient, and which storage: at least the layer's
 //    output, whose incoming gradient was made by the layer above (or the final norm);
-//  * the references and category of every storage older than the range that its nodes name
-//    or its values hold (the layer's saved activations, the rotary tables and the mask it
-//    saved, its input, its parameters' storages, the incoming gradient). run_node reads a
+//  * the references, category and view flag of every storage older than the range that its
+//    nodes name or its values hold (the layer's saved activations, the rotary tables and the
+//    mask it saved, its input, its parameters' storages, the incoming gradient). run_node reads a
 //    storage's references only to see them reach zero (release) or be 1 (deliver's in-place
 //    sums), and within a node it retains before it releases, so if the lowest count a storage
 //    reaches at a node boundary is 2 or more, every such test fails for any count at least as
@@ -424,6 +430,7 @@ struct TapeBackward {
     std::int32_t refs_delta = 0;
     std::uint64_t bytes = 0;
     Category before = Category::kTemporaries, after = Category::kTemporaries;
+    bool view = false;  // Storage::view: decides the sums into it
   };
   std::vector<Older> older;
   std::vector<std::uint32_t> held;  // the older ones named kHeld
@@ -715,7 +722,6 @@ class Tape {
   struct PendingGrad {
     TensorId sum = kNone;  // what the buffer holds
     std::uint32_t arrived = 0;
-    bool view = false;  // `sum` is a ParamGrad::view
     bool empty() const { return arrived == 0; }
   };
   std::vector<PendingGrad> param_pending_;
@@ -737,7 +743,7 @@ inline void Tape::at(Phase phase, std::int32_t layer, std::string_view op) {
 
 inline TensorId Tape::alloc_bytes(std::uint64_t bytes, Category category) {
   TensorId id = static_cast<TensorId>(trace_.storages.size());
-  trace_.storages.push_back({bytes, category, 1});
+  trace_.storages.push_back({bytes, category, false, 1});
   trace_.events.push_back({id, moment_, true});
   return id;
 }

@@ -400,7 +400,7 @@ bool Tape::stamp_range(const LayerRange& r) {
       }
       const Storage& s = trace_.storages[id];
       // See Note [Stamped layer backwards]: a count that never came down to 1 only needs to stay above it.
-      ok = s.category == o.before && s.bytes == o.bytes &&
+      ok = s.category == o.before && s.bytes == o.bytes && s.view == o.view &&
            (o.lowest < 2 ? s.refs == o.refs_before : s.refs >= o.refs_before - o.lowest + 2);
       older_ids_[j] = id;
     }
@@ -530,7 +530,7 @@ bool Tape::capture_range(const LayerRange& r, std::size_t begin, std::size_t end
       older_index_[id] = static_cast<std::uint32_t>(older_ids_.size());
       older_ids_.push_back(id);
       const Storage& s = trace_.storages[id];
-      b.older.push_back({name, s.refs, s.refs, 0, s.bytes, s.category, s.category});
+      b.older.push_back({name, s.refs, s.refs, 0, s.bytes, s.category, s.category, s.view});
     }
     return older_index_[id];
   };

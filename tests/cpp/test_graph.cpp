@@ -764,6 +764,29 @@ TEST(GraphLossHead, TiedGradientSumInPlaceUnlessTheHeadsIsAView) {
   EXPECT_EQ(head_sized(Loss::kFused), 1u);     // the embedding's (lm_head's is made in the forward)
 }
 
+// Projections that share an input (gate/up, q/k/v) hand their input gradients over as views of
+// mm's output, so autograd's input buffer adds the second into a new tensor, and the third in
+// place into that sum (measured, torch 2.13: `add` at gate_proj and k_proj, an in-place `add_`
+// at q_proj; tools/trace_allocs.py over cpu-llamaw512l4-fp32-adamw-pad-b2s128).
+TEST(GraphBackwardSums, SharedLinearInputsSumOutOfPlaceOnce) {
+  const Model m = small_llama(1);
+  const Trace t = trace_of(m, cpu_recipe(Precision::kFp32, Attention::kSdpa, 1, 8));
+  auto hidden_sized = [&](const char* op) {
+    int n = 0;
+    for (const graph::Event& e : t.events) {
+      const MomentTag& mt = t.moments[e.moment];
+      n += e.alloc && mt.step == 1 && mt.phase == Phase::kBackward && mt.op == op &&
+           t.storages[e.tensor].bytes == 8u * 256 * 4;
+    }
+    return n;
+  };
+  EXPECT_EQ(hidden_sized("mlp.up_proj"), 1);    // its input's gradient, buffered first
+  EXPECT_EQ(hidden_sized("mlp.gate_proj"), 2);  // its input's gradient and the sum
+  EXPECT_EQ(hidden_sized("self_attn.v_proj"), 1);
+  EXPECT_EQ(hidden_sized("self_attn.k_proj"), 2);
+  EXPECT_EQ(hidden_sized("self_attn.q_proj"), 1);  // added in place into k_proj's sum
+}
+
 // ---- buffers -------------------------------------------------------------------------------
 
 // After setup the weights are the parameters plus the non-persistent buffers that
