@@ -1,5 +1,6 @@
 // Recipe knobs: their spellings (shared by the CLI, the Python API and the JSON output) and the
 // checks on their ranges.
+#include <algorithm>
 #include <array>
 #include <string>
 #include <vector>
@@ -70,6 +71,14 @@ template <typename E, std::size_t N>
 E parse(const Spellings<E, N>& table, std::string_view s, std::string_view field) {
   for (const auto& [v, name] : table) {
     if (name == s) return v;
+  }
+  // Spellings are lowercase: name the one a differently cased value meant.
+  auto lower = [](char c) { return c >= 'A' && c <= 'Z' ? static_cast<char>(c - 'A' + 'a') : c; };
+  for (const auto& [v, name] : table) {
+    if (name.size() == s.size() && std::equal(s.begin(), s.end(), name.begin(), [&](char a, char b) { return lower(a) == b; })) {
+      throw Error(std::string(field) + ": unknown value '" + std::string(s) + "'; values are lowercase: '" +
+                  std::string(name) + "'");
+    }
   }
   std::string valid;
   for (const auto& [v, name] : table) valid += (valid.empty() ? "" : ", ") + std::string(name);

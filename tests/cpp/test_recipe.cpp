@@ -114,11 +114,12 @@ TEST(RecipeSpellings, EmptyValueIsRejected) {
   EXPECT_EQ(error_of([] { parse_loss(""); }), "loss: unknown value ''; expected one of standard, fused");
 }
 
-// Spellings are matched exactly: no case folding, no surrounding blanks.
+// Spellings are matched exactly: no case folding (the JSON output and the Python API use the
+// same lowercase ones; a value that differs only in case is refused with the spelling it meant),
+// no surrounding blanks.
 TEST(RecipeSpellings, MatchingIsExact) {
-  EXPECT_EQ(error_of([] { parse_precision("FP32"); }),
-            "precision: unknown value 'FP32'; expected one of fp32, bf16-mixed, fp16-mixed, "
-            "bf16-master, bf16-true, fp16-true");
+  EXPECT_EQ(error_of([] { parse_precision("FP32"); }), "precision: unknown value 'FP32'; values are lowercase: 'fp32'");
+  EXPECT_EQ(error_of([] { parse_optimizer("AdamW"); }), "optimizer: unknown value 'AdamW'; values are lowercase: 'adamw'");
   EXPECT_EQ(error_of([] { parse_attention(" sdpa"); }),
             "attention: unknown value ' sdpa'; expected one of eager, sdpa, flash");
 }
