@@ -576,6 +576,9 @@ struct FitResult {
   // The global batch does not split over the GPUs, so the baseline is the base recipe as a
   // pipeline (or tensor-parallel group) over all of them instead of data-parallel.
   bool baseline_moved = false;
+  // The baseline's micro-batch is not the one asked for (no --batch: the default of 1 grew to the
+  // smallest that reaches the global batch in at most kMaxAccum micro-batches).
+  bool batch_grown = false;
   std::vector<Change> changes;       // single changes from the baseline, biggest saving first
   bool has_closest_miss = false;     // no plan fits: the recipe that came closest
   Plan closest_miss;

@@ -190,6 +190,7 @@ class FitResult:
     # When no full fine-tuning recipe fits: plans with LoRA 16, or QLoRA 16 where LoRA does not fit
     adapter_plans: list[dict[str, Any]] = field(default_factory=list)
     baseline_moved: bool = False  # the global batch does not split over the GPUs: baseline as pp or tp
+    batch_grown: bool = False  # no batch given: the baseline's micro-batch grew to reach the global batch
     source: str = "engine"
     _text: str = field(default="", repr=False, compare=False)
 

@@ -916,6 +916,7 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
                                            " splits it into " + std::to_string(kMaxAccum) + " or fewer"));
     }
   }
+  out.batch_grown = base.batch != q.base.batch;
   out.baseline = judged(planner.replay(base), out.capacity_bytes, host);
 
   // ---- the search space (Note [Search order])

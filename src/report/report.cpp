@@ -230,6 +230,7 @@ std::string fit_to_json(const std::string& model, const FitResult& f, bool prett
   j["plans"] = plans;
   j["baseline"] = plan_object(f.baseline);
   j["baseline_moved"] = f.baseline_moved;
+  j["batch_grown"] = f.batch_grown;
   ordered_json changes = ordered_json::array();
   for (const Change& c : f.changes) {
     ordered_json x = plan_object(c.plan);
@@ -362,6 +363,11 @@ std::string fit_to_text(const std::string& model, const FitResult& f) {
     }
   }
   add("\nyour recipe: %s\n", recipe_words(b).c_str());
+  if (f.batch_grown) {
+    add("  (micro-batch %llu: the smallest that reaches the global batch in at most %llu micro-batches; --batch "
+        "holds one)\n",
+        static_cast<unsigned long long>(b.batch), static_cast<unsigned long long>(kMaxAccum));
+  }
   if (f.baseline_moved) {
     add("  (%llu sequences do not split over %llu data-parallel GPUs: your recipe as %s over all of them)\n",
         static_cast<unsigned long long>(f.global_batch), static_cast<unsigned long long>(f.gpus),

@@ -636,6 +636,12 @@ def test_fit_grows_an_unheld_micro_batch_to_reach_a_large_global_batch(run):
     # 1024): "your recipe" runs 2 x 1024 instead; a --batch given is kept, and then refused.
     out = json.loads(run("fit", "qwen3-0.6b", "--global-batch", "2048", "--top", "1", "--json").stdout)
     assert (out["baseline"]["recipe"]["batch"], out["baseline"]["recipe"]["grad_accum"]) == (2, 1024)
+    assert out["batch_grown"] is True
+    text = run("fit", "qwen3-0.6b", "--global-batch", "2048", "--top", "1").stdout
+    assert "(micro-batch 2: the smallest that reaches the global batch in at most 1024 micro-batches" in text
+    small = run("fit", "qwen3-0.6b", "--global-batch", "64", "--top", "1")
+    assert json.loads(run("fit", "qwen3-0.6b", "--global-batch", "64", "--top", "1", "--json").stdout)["batch_grown"] is False
+    assert "(micro-batch" not in small.stdout
     held = run("fit", "qwen3-0.6b", "--global-batch", "2048", "--batch", "1")
     assert held.returncode == 2 and "needs grad_accum 2048 at batch 1; more than 1024" in held.stderr
 
