@@ -19,6 +19,7 @@ load_measure()
 from trainmem.measure import Recipe, block_bytes, measure  # noqa: E402
 from trainmem.measure.models import ModelSpec  # noqa: E402
 from trainmem.measure.crosscheck import untracked_peak  # noqa: E402
+from trainmem.measure.tracker import MemoryTracker  # noqa: E402
 
 # What the CPU allocator holds that is not a tensor the dispatch mode returns, and that a GPU
 # would not hold in its memory: kernel-internal CPU scalars (AdamW's bias corrections, say), and
@@ -84,6 +85,75 @@ def test_in_place_sums_are_the_ones_autograd_makes_untracked():
     finally:
         tracker_module.MemoryTracker._sums_in_place = original
     assert block_bytes(8192 * 64 * 4) - 32 * 1024 <= out_of_place - in_place <= block_bytes(8192 * 64 * 4)
+
+
+def _sums(make, tracked):
+    """The top-level `add` and `add_` calls of a fresh `make()()`, in order: untracked from the
+    profiler's records (no dispatch mode), or as the tracker's mode runs them."""
+    run = make()
+    if not tracked:
+        with torch.profiler.profile() as prof:
+            run()
+        return [e.name[len("aten::"):] for e in prof.events() if e.name in ("aten::add", "aten::add_")
+                and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
+    tracker, seen = MemoryTracker("cpu"), []
+    dispatch = tracker._dispatch
+
+    def spy(func, args, kwargs):
+        if func in (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor):
+            seen.append(func.overloadpacket.__name__)
+        return dispatch(func, args, kwargs)
+
+    tracker._dispatch = spy
+    tracker.set_phase("backward")
+    with tracker:
+        run()
+    tracker.close()
+    return seen
+
+
+def _three_projections():
+    # One input, three linears (q, k, v): their input gradients are views, so the second is added
+    # out of place and the third in place into that sum.
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    ws = [torch.randn(8, 8, requires_grad=True) for _ in range(3)]
+    h = x * 2
+    return lambda: sum(torch.nn.functional.linear(h, w).sum() for w in ws).backward()
+
+
+def _retained_gradient():
+    # retain_grad's hook adds the second pass's gradient into .grad out of place; it runs while
+    # the previous node's gradients are still being routed, and must not be taken for a buffer sum.
+    x = torch.randn(8, requires_grad=True)
+
+    def run():
+        y = x.exp()
+        y.retain_grad()
+        loss = (y.sin() * 3 + y * 2).sum()
+        loss.backward(retain_graph=True)
+        first, kept = y.grad, y.grad.clone()
+        loss.backward()
+        assert torch.equal(first, kept)  # the first pass's .grad was not added into
+
+    return run
+
+
+def _hooked_sum():
+    # A tensor hook that adds: its `+` is no buffer's sum.
+    x = torch.randn(8, requires_grad=True)
+
+    def run():
+        y = x.exp()
+        y.register_hook(lambda g: g + 1)
+        (y * 2 + y.sin()).sum().backward()
+
+    return run
+
+
+@pytest.mark.parametrize("make", [_three_projections, _retained_gradient, _hooked_sum])
+def test_the_tracker_sums_where_autograd_does_untracked(make):
+    untracked = _sums(make, tracked=False)
+    assert "add_" in untracked and untracked == _sums(make, tracked=True)
 
 
 @pytest.mark.parametrize("knobs", [dict(parallel="ddp", gpus=2), dict(mode="inference"),

@@ -85,10 +85,15 @@ Note [Summing gradients]
     gradients meet. The tracker puts the real decision back: a post hook on every backward node
     (but AccumulateGrad) marks that autograd is routing what the node made, a pre hook on every
     node marks the end; an `add` in between whose second operand is one of those gradients is the
-    buffer's sum, and it runs as `add_` when autograd, untracked, would add in place. Autograd's
-    own test of the last reference (use counts) is read from inside the mode, where the dispatch
-    adds references of its own: the counts of an exclusively held gradient are measured once on a
-    probe (`_exclusive_counts`). Checked against untracked runs: tools/untracked_check.py.
+    buffer's sum (the producing node still current: the consumer's tensor hooks, retain_grad's
+    sum among them, run in between), and it runs as `add_` when autograd, untracked, would add in
+    place. Autograd's own test of the last reference (use counts) is read from inside the mode,
+    where the dispatch adds references of its own: the counts of an exclusively held gradient are
+    measured once on a probe (`_exclusive_counts`). Not told apart: a gradient that Python code
+    keeps a reference to (a custom Function that also stores what its backward returns, a hook
+    that keeps it) reads as held by the buffer alone, so the tracker would add into it in place
+    where autograd would not; nothing the measuring side runs does that. Checked against
+    untracked runs: tools/untracked_check.py and tests/python/test_measure_untracked.py.
 
 Note [Block size]
     Each storage is charged `max(512, ceil(nbytes / 512) * 512)` bytes: the CUDA caching
@@ -271,11 +276,12 @@ def _exclusive_counts() -> tuple[int, int]:
                 seen.append(_use_counts(args[0]))
             return func(*args, **(kwargs or {}))
 
-    x = torch.ones(4, requires_grad=True)
-    y = x.exp()
-    loss = (y * 2 + y.sin()).sum()
-    with Probe():
-        loss.backward()
+    with torch.enable_grad():
+        x = torch.ones(4, requires_grad=True)
+        y = x.exp()
+        loss = (y * 2 + y.sin()).sum()
+        with Probe():
+            loss.backward()
     assert len(seen) == 1, f"the probe's backward made {len(seen)} sums"
     return seen[0]
 
@@ -337,10 +343,10 @@ class MemoryTracker:
         self._untracked_live = 0
         self._cuda_index = torch.cuda.current_device() if self._cuda_probe else None
         self._exit_stack: contextlib.ExitStack | None = None
-        # Between a backward node's function and the next node's: weak references to the
-        # gradients the node made, which autograd is routing into input buffers (Note
-        # [Summing gradients]); None elsewhere.
-        self._routing: list[weakref.ref] | None = None
+        # Between a backward node's function and the next node's: the node, and weak references
+        # to the gradients it made, which autograd is routing into input buffers (Note [Summing
+        # gradients]); None elsewhere.
+        self._routing: tuple[Any, list[weakref.ref]] | None = None
         # Set by the driver when the recipe runs the forward under autocast. Inside the dispatch
         # mode torch.is_autocast_enabled() reads False (autocast has already run), so the driver says.
         self.autocast = False
@@ -568,9 +574,7 @@ class MemoryTracker:
 
     def _hook_graph(self, t_outputs) -> list:
         """A pre hook on every node of the graph behind `t_outputs` (routing over), and a post hook
-        on every node but AccumulateGrad (routing begins). AccumulateGrad routes nothing, and a post
-        hook would keep its incoming gradient referenced while it runs, which stops it stealing
-        the gradient into `.grad`."""
+        on every node but AccumulateGrad, which routes nothing (routing begins)."""
         roots = [t.node if isinstance(t, torch.autograd.graph.GradientEdge) else t.grad_fn
                  for t in t_outputs]
         seen = {node for node in roots if node is not None}
@@ -581,7 +585,8 @@ class MemoryTracker:
             self._routing = None
 
         def routing_begins(grad_inputs, grad_outputs):
-            self._routing = [weakref.ref(g) for g in grad_inputs if isinstance(g, torch.Tensor)]
+            made = [weakref.ref(g) for g in grad_inputs if isinstance(g, torch.Tensor)]
+            self._routing = (torch._C._current_autograd_node(), made)
 
         while queue:
             node = queue.pop()
@@ -600,12 +605,16 @@ class MemoryTracker:
         InputBuffer::accumulate with grad mode off, `old` a plain dense tensor whose last
         reference and storage the buffer holds, `new` a plain tensor."""
         old, new = args
-        if not any(new is ref() for ref in self._routing):
+        node, made = self._routing
+        # The engine keeps the producing node current while it routes, and makes the consumer
+        # current for its tensor hooks (retain_grad's sum, say), which run before our pre hook.
+        if torch._C._current_autograd_node() is not node or not any(new is ref() for ref in made):
             return False  # an op of a hook, not the buffer's sum
         plain = FakeTensor if self.fake else torch.Tensor  # a fake run stands for a real one
         if torch.is_grad_enabled() or type(old) is not plain or type(new) is not plain:
             return False
-        if old.is_sparse or old.is_nested or old._is_zerotensor() or not _non_overlapping_and_dense(old):
+        if (old.layout != torch.strided or new.layout != torch.strided or old.is_nested or old._is_zerotensor()
+                or not _non_overlapping_and_dense(old)):
             return False
         return _use_counts(old) == _exclusive_counts()
 
