@@ -236,9 +236,9 @@ T StepBuilder::linear_module(const T& x_in, std::uint32_t w, std::uint32_t b, st
     if (wcast && b == kNone) n.inputs.push_back(grad_of(wc));
     if (x.requires_grad()) {
       // Its input is folded to [tokens, in_features] for the product, so the gradient is mm's
-      // output viewed back (ZeRO-3's function makes it with one matmul, no view).
+      // output viewed back (ZeRO-3's function for F.linear makes it with one matmul, no view).
       GradIn gx = grad_of(x);
-      gx.view = !dp_->zero3();
+      gx.view = !(dp_->zero3() && functional_linear(w));
       n.inputs.push_back(gx);
     }
     if (wcast && b != kNone) n.inputs.push_back(grad_of(wc));
@@ -613,22 +613,8 @@ T StepBuilder::dropout(const T& x, double p) {
 T StepBuilder::rope(const T& q) {
   DType d = promote(q.dtype, cos_.dtype);
   T a = elementwise({&q}, q.numel, d, {cos_.id});
-  auto half = [&] {
-    T h;
-    h.id = q.id;
-    t_.retain(h.id);
-    h.dtype = q.dtype;
-    h.numel = q.numel / 2;
-    if (q.requires_grad()) {
-      requires_grad(h);
-      Node nd = node(h);
-      nd.inputs.push_back(grad_of(q));
-      t_.record(std::move(nd));
-    }
-    return h;
-  };
-  T x1 = half();
-  T x2 = half();
+  T x1 = view_of(q, q.numel / 2);
+  T x2 = view_of(q, q.numel / 2);
   T neg = elementwise({&x2}, x2.numel, q.dtype, {});
   T rot = fresh(q.numel, q.dtype);
   if (q.requires_grad()) {
@@ -989,9 +975,27 @@ T StepBuilder::attention_module(const T& x, const LayerParams& lp) {
       t_.drop(p);
       return n;
     };
-    q = normed(proj(x, "self_attn.q_proj", lp.q, lp.q_b, qw), lp.q_norm, tok_ * heads, "self_attn.q_norm");
-    k = normed(proj(x, "self_attn.k_proj", lp.k, lp.k_b, kvw), lp.k_norm, tok_ * kvh, "self_attn.k_norm");
-    v = proj(x, "self_attn.v_proj", lp.v, lp.v_b, kvw);
+    // proj(x).view(b, s, heads, d): reshaping its gradient back copies it (clone) when that
+    // gradient is laid out [b, heads, s, d] (Note [Attention layouts]): q's and k's always, made by
+    // the rotary embedding's backward (slice_backward's zeros); v's where K and V are repeated
+    // for the heads (eager attention, SDPA with a mask) or eager's bmm makes it. Measured on the
+    // CPU: SDPA without a mask hands v's gradient back in v's own layout, no copy; the math
+    // kernel's, flash's and the ring's are not measured (no copy modelled).
+    auto heads_view = [&](T p, bool copies) {
+      if (!copies) return p;
+      op("self_attn.clone");  // the copy's name in measured traces
+      T h = view_of(p, p.numel);
+      t_.drop(p);
+      return h;
+    };
+    const bool math = !cuda_ && a_.attn_dropout > 0 && attention_ == Attention::kSdpa;
+    const bool v_copies = r_.cp == 1 && (attention_ == Attention::kEager ||
+                                         (attention_ == Attention::kSdpa && mask_.id != kNone && !math));
+    q = normed(heads_view(proj(x, "self_attn.q_proj", lp.q, lp.q_b, qw), true), lp.q_norm, tok_ * heads,
+               "self_attn.q_norm");
+    k = normed(heads_view(proj(x, "self_attn.k_proj", lp.k, lp.k_b, kvw), true), lp.k_norm, tok_ * kvh,
+               "self_attn.k_norm");
+    v = heads_view(proj(x, "self_attn.v_proj", lp.v, lp.v_b, kvw), v_copies);
   }
   // Note [Attention layouts]: q, k, v are views (view + transpose) of the projection outputs
   // (q and k normalised over head_dim before the transpose, Qwen3), laid out as [b, s, heads, d];
@@ -1038,18 +1042,20 @@ T StepBuilder::attention_module(const T& x, const LayerParams& lp) {
   return y;
 }
 
-T StepBuilder::slice(const T& fused, std::uint64_t width) {
-  T s;
-  s.id = fused.id;
-  t_.retain(s.id);
-  s.dtype = fused.dtype;
-  s.numel = tok_ * width;
-  if (!fused.requires_grad()) return s;
-  requires_grad(s);
-  Node nd = node(s);
-  nd.inputs.push_back(GradIn{fused.value, fused.bytes(), false});
+T StepBuilder::slice(const T& fused, std::uint64_t width) { return view_of(fused, tok_ * width); }
+
+T StepBuilder::view_of(const T& base, std::uint64_t numel) {
+  T v;
+  v.id = base.id;
+  t_.retain(v.id);
+  v.dtype = base.dtype;
+  v.numel = numel;
+  if (!base.requires_grad()) return v;
+  requires_grad(v);
+  Node nd = node(v);
+  nd.inputs.push_back(GradIn{base.value, base.bytes(), false});
   t_.record(std::move(nd));
-  return s;
+  return v;
 }
 
 T StepBuilder::mlp(const T& x, const LayerParams& lp) {
