@@ -554,7 +554,13 @@ T StepBuilder::rms_norm_module(const T& x, std::uint32_t w, std::uint64_t rows) 
   requires_grad(out);
   Node& nd = open_node(out);
   if (trainable(w)) nd.saved = {hc.id};
-  if (hc.requires_grad()) nd.inputs.push_back(GradIn{hc.value, hc.bytes(), false});
+  if (hc.requires_grad()) {
+    // mul's formula makes it in the product's dtype; validate_outputs casts it to x's after the
+    // weight's reduction (measured: Qwen3's k_norm under bf16-mixed).
+    GradIn g{hc.value, hc.bytes(), false};
+    if (od != hc.dtype) g.compute_bytes = n * dtype_bytes(od);
+    nd.inputs.push_back(g);
+  }
   if (trainable(w)) nd.params.push_back(param_grad(w, od, n * dtype_bytes(od)));
   t_.close_node();
   t_.drop(hc);
@@ -751,7 +757,13 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
     nd.saved = {qc.id, kc.id, vc.id, o.id};
     if (lse.id != kNone) nd.saved.push_back(lse.id);
     if (fmask.id != kNone) nd.saved.push_back(fmask.id);
-    for (const T* x : {&qc, &kc, &vc}) nd.inputs.push_back(fused_grad_of(*x));
+    // The CPU kernel with native GQA makes dk and dv before dq (measured: cpu-qwen3l2-... and
+    // cpu-llama1bl2-lora8-... traces); with as many K and V heads as q's, dq first.
+    if (gqa_native && !cuda_) {
+      for (const T* x : {&kc, &vc, &qc}) nd.inputs.push_back(fused_grad_of(*x));
+    } else {
+      for (const T* x : {&qc, &kc, &vc}) nd.inputs.push_back(fused_grad_of(*x));
+    }
     // Flash backward (flash_api.cpp mha_bwd): a contiguous copy of grad_out, fp32 dq_accum,
     // fp32 softmax_d, and with GQA dk/dv at the query head count before the group sum. On the
     // CPU (_scaled_dot_product_flash_attention_for_cpu_backward) the tracker sees dq, dk and dv

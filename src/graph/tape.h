@@ -239,6 +239,9 @@ struct GradIn {
   // The gradient is a view whose base lives on (Storage::view): a linear's input gradient,
   // mm's output reshaped back to the input's shape.
   bool view = false;
+  // Nonzero: the formula computes the gradient in another dtype, this size, and the engine's
+  // validate_outputs casts it to the input's (`bytes`) once the node's gradients are all made.
+  std::uint64_t compute_bytes = 0;
 };
 
 struct ParamGrad {

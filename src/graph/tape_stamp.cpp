@@ -507,13 +507,14 @@ bool Tape::capture_range(const LayerRange& r, std::size_t begin, std::size_t end
     for (std::size_t k = 0; same && k < n.inputs.size(); ++k) {
       const GradIn &x = n.inputs[k], &y = c.inputs[k];
       same = x.value == names.node_value(y.value) && x.bytes == y.bytes && x.passthrough == y.passthrough &&
-             x.reuse == names.node_storage(y.reuse) && x.discard == y.discard && x.subclass == y.subclass;
+             x.reuse == names.node_storage(y.reuse) && x.discard == y.discard && x.subclass == y.subclass &&
+             x.view == y.view && x.compute_bytes == y.compute_bytes;
     }
     for (std::size_t k = 0; same && k < n.params.size(); ++k) {
       const ParamGrad &x = n.params[k], &y = c.params[k];
       same = x.param == names.slots[y.param] && x.compute_bytes == y.compute_bytes &&
              x.scratch_bytes == y.scratch_bytes && x.param_bytes == y.param_bytes &&
-             x.reuse == names.node_storage(y.reuse);
+             x.reuse == names.node_storage(y.reuse) && x.view == y.view;
     }
     if (!same) return plain();
   }
