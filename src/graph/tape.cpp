@@ -221,31 +221,24 @@ void Tape::mark_subclass(TensorId id) {
 
 void Tape::deliver(ValueId v, TensorId g) {
   TensorId& buf = value_grad_[v];
-  if (buf == kNone) {
-    buf = g;
-    return;
-  }
-  // InputBuffer::accumulate adds in place only into a plain tensor: a sum with a tensor
-  // subclass on either side is a new tensor, and (measured, Note [Tensor parallelism]) so is
-  // the next sum into that result.
-  if (is_subclass(buf) || is_subclass(g)) {
-    TensorId sum = alloc_bytes(value_bytes_[v], Category::kTemporaries);
-    release(buf);
+  buf = buf == kNone ? g : buffer_sum(buf, g, value_bytes_[v]);
+}
+
+// InputBuffer::accumulate, `g` arriving where `buf` is buffered (See Note [Mirroring autograd]):
+// added in place into `buf` when that one is exclusively owned and not a view; otherwise into a
+// new tensor. A sum with a tensor subclass on either side is always a new tensor, and (measured,
+// Note [Tensor parallelism]) so is the next sum into that result. Returns what the buffer holds.
+TensorId Tape::buffer_sum(TensorId buf, TensorId g, std::uint64_t bytes) {
+  const bool subclass = is_subclass(buf) || is_subclass(g);
+  if (!subclass && trace_.storages[buf].refs == 1 && !trace_.storages[buf].view) {
     release(g);
-    buf = sum;
-    mark_subclass(sum);
-    return;
+    return buf;
   }
-  // See Note [Mirroring autograd]: in place into the buffered one when it is exclusively owned
-  // and not a view.
-  if (trace_.storages[buf].refs == 1 && !trace_.storages[buf].view) {
-    release(g);
-  } else {
-    TensorId sum = alloc_bytes(value_bytes_[v], Category::kTemporaries);
-    release(buf);
-    release(g);
-    buf = sum;
-  }
+  const TensorId sum = alloc_bytes(bytes, Category::kTemporaries);
+  release(buf);
+  release(g);
+  if (subclass) mark_subclass(sum);
+  return sum;
 }
 
 // AccumulateGrad for a parameter. Its node runs once per backward pass, after every node that
@@ -261,18 +254,10 @@ void Tape::accumulate_param(const ParamGrad& pg, TensorId g) {
   if (pending.sum == kNone) {
     pending.sum = g;
   } else {
-    TensorId& sum = pending.sum;
+    // Neither part is a .grad unless the sum is in place; the end below names what it becomes.
+    recategorize(pending.sum, Category::kTemporaries);
     recategorize(g, Category::kTemporaries);
-    if (trace_.storages[sum].refs == 1 && !trace_.storages[sum].view && !is_subclass(sum) && !is_subclass(g)) {
-      release(g);
-    } else {
-      recategorize(sum, Category::kTemporaries);
-      TensorId out = alloc_bytes(trace_.storages[g].bytes, Category::kTemporaries);
-      if (is_subclass(sum) || is_subclass(g)) mark_subclass(out);
-      release(sum);
-      release(g);
-      sum = out;
-    }
+    pending.sum = buffer_sum(pending.sum, g, trace_.storages[g].bytes);
   }
   if (pending.arrived < std::max<std::uint32_t>(1, param_uses_[pg.param])) return;
   g = pending.sum;

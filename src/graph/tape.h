@@ -692,6 +692,7 @@ class Tape {
   T recompute_segment(const std::function<T()>& recompute, const MomentTag& tag, std::size_t stop_node);
   T rerun(const std::function<T()>& recompute, std::size_t stop_node);
   void deliver(ValueId v, TensorId g);
+  TensorId buffer_sum(TensorId buf, TensorId g, std::uint64_t bytes);
   void accumulate_param(const ParamGrad& pg, TensorId g);
 
   void recategorize(TensorId id, Category c);
