@@ -989,10 +989,10 @@ T StepBuilder::attention_module(const T& x, const LayerParams& lp) {
     };
     // proj(x).view(b, s, heads, d): reshaping its gradient back copies it (clone) when that
     // gradient is laid out [b, heads, s, d] (Note [Attention layouts]): q's and k's always, made by
-    // the rotary embedding's backward (slice_backward's zeros); v's where K and V are repeated
-    // for the heads (eager attention, SDPA with a mask) or eager's bmm makes it. Measured on the
-    // CPU: SDPA without a mask hands v's gradient back in v's own layout, no copy; the math
-    // kernel's, flash's and the ring's are not measured (no copy modelled).
+    // the rotary embedding's backward (slice_backward's zeros); v's where a bmm makes it (eager
+    // attention, the CPU's math kernel) or the sum over K and V's repetition (SDPA with a mask
+    // and fewer K/V heads than q's). Measured on the CPU: the flash kernel hands v's gradient back
+    // in v's own layout, no copy; the ring's is not measured (no copy modelled).
     auto heads_view = [&](T p, bool copies) {
       if (!copies) return p;
       op("self_attn.clone");  // the copy's name in measured traces
@@ -1001,8 +1001,9 @@ T StepBuilder::attention_module(const T& x, const LayerParams& lp) {
       return h;
     };
     const bool math = !cuda_ && a_.attn_dropout > 0 && attention_ == Attention::kSdpa;
-    const bool v_copies = r_.cp == 1 && (attention_ == Attention::kEager ||
-                                         (attention_ == Attention::kSdpa && mask_.id != kNone && !math));
+    const bool repeated = mask_.id != kNone && kvh != heads;
+    const bool v_copies = r_.cp == 1 && (attention_ == Attention::kEager || math ||
+                                         (attention_ == Attention::kSdpa && repeated));
     q = normed(heads_view(proj(x, "self_attn.q_proj", lp.q, lp.q_b, qw), true), lp.q_norm, tok_ * heads,
                "self_attn.q_norm");
     k = normed(heads_view(proj(x, "self_attn.k_proj", lp.k, lp.k_b, kvw), true), lp.k_norm, tok_ * kvh,

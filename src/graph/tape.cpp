@@ -379,15 +379,17 @@ void Tape::run_node(Node& n) {
       for (std::size_t k = 0; k < n.params.size(); ++k) param_grad(k);
     }
   }
-  // validate_outputs: a gradient made in another dtype than its input's is cast to it.
+  for (TensorId id : scratch) release(id);
+  // validate_outputs, once the node's function has returned (its incoming gradient is still
+  // held): a gradient made in another dtype than its input's is cast to it.
   for (std::size_t k = 0; k < n.inputs.size(); ++k) {
     const GradIn& in = n.inputs[k];
     if (in.compute_bytes == 0 || grads[k] == kNone || in.passthrough || in.reuse != kNone || in.discard) continue;
     const TensorId cast = alloc_bytes(in.bytes, Category::kTemporaries);
+    if (in.subclass) mark_subclass(cast);
     release(grads[k]);
     grads[k] = cast;
   }
-  for (TensorId id : scratch) release(id);
   release(incoming);
   for (TensorId id : n.saved) release(id);
   for (TensorId id : n.kept) release(id);
@@ -397,7 +399,9 @@ void Tape::run_node(Node& n) {
   // before any other node runs; then the weight's cast back to its parameter dtype and
   // AccumulateGrad run: they have the highest priority in the ready queue (measured: a shared
   // input's sum at gate_proj while gate_proj's weight gradient is alive, in a second micro-batch
-  // where AccumulateGrad adds it into .grad and frees it).
+  // where AccumulateGrad adds it into .grad and frees it). ParamGrad::param_bytes is such a cast
+  // node (Gemma's weight.float()); a cast that validate_outputs makes inside the node would come
+  // before the routing, which no node here tells apart (none of them sums what it delivers).
   for (std::size_t k = 0; k < n.inputs.size(); ++k) {
     if (grads[k] != kNone) deliver(n.inputs[k].value, grads[k]);
   }

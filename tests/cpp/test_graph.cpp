@@ -787,6 +787,75 @@ TEST(GraphBackwardSums, SharedLinearInputsSumOutOfPlaceOnce) {
   EXPECT_EQ(hidden_sized("self_attn.q_proj"), 1);  // added in place into k_proj's sum
 }
 
+// Events of step 1's backward, micro-batch `micro`, under `op` in layer 0: +bytes for an
+// allocation, -bytes for a free.
+std::vector<std::int64_t> backward_events(const Trace& t, const char* op, std::uint32_t micro = 1) {
+  std::vector<std::int64_t> out;
+  for (const graph::Event& e : t.events) {
+    const MomentTag& mt = t.moments[e.moment];
+    if (mt.step == 1 && mt.micro == micro && mt.phase == Phase::kBackward && mt.layer == 0 && mt.op == op) {
+      const auto b = static_cast<std::int64_t>(t.storages[e.tensor].bytes);
+      out.push_back(e.alloc ? b : -b);
+    }
+  }
+  return out;
+}
+
+// view + transpose of a projection's output: reshape's backward copies a gradient laid out
+// [b, heads, s, d]. q's and k's always (the rotary embedding's backward makes them so); v's
+// under eager attention (bmm) but not from SDPA's flash kernel without a mask (measured: the
+// cpu-llama1bl2-lora8-... and cpu-qwen3l2-... traces).
+TEST(GraphBackwardOrder, HeadTransposedGradientsAreCopied) {
+  const Model m = small_llama(1);  // 8 heads, 2 K/V heads of 32
+  auto copies = [&](Attention a) {
+    const Trace t = trace_of(m, cpu_recipe(Precision::kFp32, a, 1, 8));
+    std::vector<std::int64_t> made;
+    for (std::int64_t b : backward_events(t, "self_attn.clone")) {
+      if (b > 0) made.push_back(b);
+    }
+    return made;
+  };
+  EXPECT_EQ(copies(Attention::kSdpa), (std::vector<std::int64_t>{8 * 64 * 4, 8 * 256 * 4}));  // k, q
+  EXPECT_EQ(copies(Attention::kEager), (std::vector<std::int64_t>{8 * 64 * 4, 8 * 64 * 4, 8 * 256 * 4}));
+}
+
+// An RMSNorm's `weight * x.to(input_dtype)` under autocast: mul makes x's gradient in fp32, then
+// (the weight's full-size product and reduction made) validate_outputs casts it to bf16
+// (measured: Qwen3's k_norm under bf16-mixed).
+TEST(GraphBackwardOrder, NormInputGradientIsCastAfterTheWeightsReduction) {
+  json c = {{"model_type", "qwen3"}, {"hidden_size", 256}, {"intermediate_size", 688}, {"num_hidden_layers", 1},
+            {"num_attention_heads", 8}, {"num_key_value_heads", 2}, {"head_dim", 32}, {"vocab_size", 1000}};
+  const Model m = model_from_config_json(c.dump());
+  const Trace t = trace_of(m, cpu_recipe(Precision::kBf16Mixed, Attention::kSdpa, 1, 8));
+  const std::int64_t f32 = 8 * 2 * 32 * 4, bf16 = f32 / 2, weight = 32 * 4;  // k: 8 tokens x 2 heads x 32
+  const std::vector<std::int64_t> ev = backward_events(t, "self_attn.k_norm");
+  ASSERT_GE(ev.size(), 6u);
+  // x's product, the weight's, the weight's reduction; the weight's product freed, x's cast, x's
+  // product freed.
+  EXPECT_EQ((std::vector<std::int64_t>(ev.begin(), ev.begin() + 6)),
+            (std::vector<std::int64_t>{f32, f32, weight, -f32, bf16, -f32}));
+}
+
+// The engine routes a node's gradients (the sums into shared inputs) before the parameter's
+// AccumulateGrad runs; in a second micro-batch AccumulateGrad adds the weight's gradient into
+// .grad and frees it, so gate_proj's input sum is made while it is alive (measured: the
+// cpu-llama1bl2-fp32-adamw8bit-fusedloss-ga2-b1s32 trace).
+TEST(GraphBackwardOrder, SumsBeforeAccumulateGrad) {
+  Recipe r = cpu_recipe(Precision::kFp32, Attention::kSdpa, 1, 8);
+  r.grad_accum = 2;
+  const Trace t = trace_of(small_llama(1), r);
+  const std::int64_t weight = 688 * 256 * 4, input = 8 * 256 * 4;
+  const std::vector<std::int64_t> ev = backward_events(t, "mlp.gate_proj", 2);
+  ASSERT_GE(ev.size(), 2u);
+  EXPECT_EQ(ev[0], weight);
+  EXPECT_EQ(ev[1], input);
+  const auto sum = std::find(ev.begin() + 2, ev.end(), input);
+  const auto accumulated = std::find(ev.begin(), ev.end(), -weight);
+  ASSERT_NE(sum, ev.end());
+  ASSERT_NE(accumulated, ev.end());
+  EXPECT_LT(sum - ev.begin(), accumulated - ev.begin());
+}
+
 // ---- buffers -------------------------------------------------------------------------------
 
 // After setup the weights are the parameters plus the non-persistent buffers that
