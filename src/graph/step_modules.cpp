@@ -757,13 +757,9 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
     nd.saved = {qc.id, kc.id, vc.id, o.id};
     if (lse.id != kNone) nd.saved.push_back(lse.id);
     if (fmask.id != kNone) nd.saved.push_back(fmask.id);
-    // The CPU kernel with native GQA makes dk and dv before dq (measured: cpu-qwen3l2-... and
-    // cpu-llama1bl2-lora8-... traces); with as many K and V heads as q's, dq first.
-    if (gqa_native && !cuda_) {
-      for (const T* x : {&kc, &vc, &qc}) nd.inputs.push_back(fused_grad_of(*x));
-    } else {
-      for (const T* x : {&qc, &kc, &vc}) nd.inputs.push_back(fused_grad_of(*x));
-    }
+    // dq, dk, dv in that order (the profiler's allocation records of the CPU kernel, untracked;
+    // the tracker records an op's outputs last to first, so its traces show dv and dk first).
+    for (const T* x : {&qc, &kc, &vc}) nd.inputs.push_back(fused_grad_of(*x));
     // Flash backward (flash_api.cpp mha_bwd): a contiguous copy of grad_out, fp32 dq_accum,
     // fp32 softmax_d, and with GQA dk/dv at the query head count before the group sum. On the
     // CPU (_scaled_dot_product_flash_attention_for_cpu_backward) the tracker sees dq, dk and dv
