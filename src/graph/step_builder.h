@@ -430,6 +430,9 @@ class StepBuilder {
   std::pair<T, T> sdpa_outputs(std::uint64_t out_numel, std::uint64_t lse_numel, DType c, bool grad_mode) {
     const bool makes_lse = sdpa_makes_lse(c, grad_mode);
     T o, lse;
+    // On the CPU the log-sum-exp first: the order the measuring side's tracker records the two
+    // outputs in (last to first); the kernel itself allocates the output first (the profiler's
+    // records, data/ground_truth/README.md "Within one op"). No block sum differs.
     if (makes_lse && !cuda_) lse = fresh(lse_numel, DType::kF32);
     o = fresh(out_numel, c);
     if (makes_lse && cuda_) lse = fresh(lse_numel, DType::kF32);
