@@ -35,16 +35,16 @@ SMALL = 128 * 1024
 
 def candidates(matrix: dict, measure_pkg) -> list[tuple[dict, object]]:
     """Single-process CPU training entries the untracked run takes, with their recipes."""
+    from trainmem.measure.crosscheck import untracked_refusal
+
     out = []
     defaults = matrix.get("defaults", {})
     for c in matrix["configurations"]:
         if c["mode"] != "cpu" or not (CORPUS / f"{c['id']}.json").exists():
             continue
         recipe = measure_pkg.Recipe(**{**defaults, **c["recipe"]})
-        if (recipe.is_parallel or recipe.is_pp or recipe.is_inference or recipe.is_quantized
-                or recipe.optimizer == "adamw-8bit"):
-            continue
-        out.append((c, recipe))
+        if untracked_refusal(recipe) is None:
+            out.append((c, recipe))
     return out
 
 

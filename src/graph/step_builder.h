@@ -336,6 +336,9 @@ class StepBuilder {
   // A sequence all-gather's result is a view of the stacked buffer, no cat (Note [Gathering a
   // batch of one] in tensor_parallel.h).
   bool gather_is_view() const { return r_.batch == 1; }
+  // SDPA runs torch's math kernel: no CPU kernel but that one takes dropout (with a padding mask,
+  // or none; a reached window's mask is refused in step.cpp).
+  bool sdpa_math_kernel() const { return !cuda_ && a_.attn_dropout > 0 && attention_ == Attention::kSdpa; }
   // `lora_module`, `sub`: the lora.Linear4bit's ZeRO-3 module and adapter index (See container_enter).
   T lora_4bit(const T& x, T& base, const Adapter& ad, const LoraLabels& labels, std::uint32_t lora_module,
               std::uint32_t sub);

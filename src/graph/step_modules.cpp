@@ -725,9 +725,7 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
   // sdpa_attention_forward returns.
   const bool masked = mask_.id != kNone;
   const bool gpt2 = a_.family == Family::kGpt2;
-  const bool math = !cuda_ && a_.attn_dropout > 0 && attention_ == Attention::kSdpa;
-  // No CPU kernel but the math one takes dropout (with a padding mask, or none; a reached
-  // window's mask is refused in step.cpp).
+  const bool math = sdpa_math_kernel();
   op(gpt2 ? (math ? "attn.sdpa_math" : "attn.sdpa") : (math ? "self_attn.sdpa_math" : "self_attn.sdpa"));
   const bool gqa_native = !masked && a_.num_kv_heads != a_.num_heads;
   T kr = masked ? repeat_kv(k) : T{};
@@ -996,9 +994,8 @@ T StepBuilder::attention_module(const T& x, const LayerParams& lp) {
       t_.drop(p);
       return h;
     };
-    const bool math = !cuda_ && a_.attn_dropout > 0 && attention_ == Attention::kSdpa;
     const bool repeated = mask_.id != kNone && kvh != heads;
-    const bool v_copies = r_.cp == 1 && (attention_ == Attention::kEager || math ||
+    const bool v_copies = r_.cp == 1 && (attention_ == Attention::kEager || sdpa_math_kernel() ||
                                          (attention_ == Attention::kSdpa && repeated));
     q = normed(heads_view(proj(x, "self_attn.q_proj", lp.q, lp.q_b, qw), true), lp.q_norm, tok_ * heads,
                "self_attn.q_norm");

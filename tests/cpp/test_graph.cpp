@@ -737,6 +737,20 @@ TEST(GraphLossHead, TenBsvInsideTheLoss) {
   EXPECT_EQ(most - (before.raw[kActs] + before.raw[kTemps]), 8 * x.bsV() + labels + 2 * 4);
 }
 
+// Events of step 1's backward, micro-batch `micro`, under `op` in layer 0: +bytes for an
+// allocation, -bytes for a free.
+std::vector<std::int64_t> backward_events(const Trace& t, const char* op, std::uint32_t micro = 1) {
+  std::vector<std::int64_t> out;
+  for (const graph::Event& e : t.events) {
+    const MomentTag& mt = t.moments[e.moment];
+    if (mt.step == 1 && mt.micro == micro && mt.phase == Phase::kBackward && mt.layer == 0 && mt.op == op) {
+      const auto b = static_cast<std::int64_t>(t.storages[e.tensor].bytes);
+      out.push_back(e.alloc ? b : -b);
+    }
+  }
+  return out;
+}
+
 // A tied embedding gets two gradients in step 1's backward, lm_head's first. A plain nn.Linear
 // hands its weight gradient over as a view, which autograd's input buffer adds the embedding's
 // into out of place: one more [V, h] fp32 tensor. Through the fused loss (or autocast's cast) it
@@ -772,33 +786,14 @@ TEST(GraphBackwardSums, SharedLinearInputsSumOutOfPlaceOnce) {
   const Model m = small_llama(1);
   const Trace t = trace_of(m, cpu_recipe(Precision::kFp32, Attention::kSdpa, 1, 8));
   auto hidden_sized = [&](const char* op) {
-    int n = 0;
-    for (const graph::Event& e : t.events) {
-      const MomentTag& mt = t.moments[e.moment];
-      n += e.alloc && mt.step == 1 && mt.phase == Phase::kBackward && mt.op == op &&
-           t.storages[e.tensor].bytes == 8u * 256 * 4;
-    }
-    return n;
+    const std::vector<std::int64_t> ev = backward_events(t, op);
+    return std::count(ev.begin(), ev.end(), 8 * 256 * 4);
   };
   EXPECT_EQ(hidden_sized("mlp.up_proj"), 1);    // its input's gradient, buffered first
   EXPECT_EQ(hidden_sized("mlp.gate_proj"), 2);  // its input's gradient and the sum
   EXPECT_EQ(hidden_sized("self_attn.v_proj"), 1);
   EXPECT_EQ(hidden_sized("self_attn.k_proj"), 2);
   EXPECT_EQ(hidden_sized("self_attn.q_proj"), 1);  // added in place into k_proj's sum
-}
-
-// Events of step 1's backward, micro-batch `micro`, under `op` in layer 0: +bytes for an
-// allocation, -bytes for a free.
-std::vector<std::int64_t> backward_events(const Trace& t, const char* op, std::uint32_t micro = 1) {
-  std::vector<std::int64_t> out;
-  for (const graph::Event& e : t.events) {
-    const MomentTag& mt = t.moments[e.moment];
-    if (mt.step == 1 && mt.micro == micro && mt.phase == Phase::kBackward && mt.layer == 0 && mt.op == op) {
-      const auto b = static_cast<std::int64_t>(t.storages[e.tensor].bytes);
-      out.push_back(e.alloc ? b : -b);
-    }
-  }
-  return out;
 }
 
 // view + transpose of a projection's output: reshape's backward copies a gradient laid out

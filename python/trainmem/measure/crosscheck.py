@@ -127,12 +127,20 @@ def _allocations(prof) -> list[tuple[int, int, int]]:
     return out
 
 
+def untracked_refusal(recipe: Recipe) -> str | None:
+    """Why untracked_peak does not run `recipe`, or None."""
+    if recipe.is_parallel or recipe.is_pp or recipe.is_inference or recipe.is_quantized:
+        return "the untracked check runs single-process training without a 4-bit or 8-bit base"
+    if recipe.optimizer == "adamw-8bit":
+        return "the untracked check does not run bitsandbytes' optimizer"
+    return None
+
+
 def untracked_peak(model: str | ModelSpec, recipe: Recipe, steps: int = 2) -> dict:
     """The peak allocated bytes of `steps` reference steps on the CPU, untracked."""
-    if recipe.is_parallel or recipe.is_pp or recipe.is_inference or recipe.is_quantized:
-        raise RecipeError("the untracked check runs single-process training without a 4-bit or 8-bit base")
-    if recipe.optimizer == "adamw-8bit":
-        raise RecipeError("the untracked check does not run bitsandbytes' optimizer")
+    refusal = untracked_refusal(recipe)
+    if refusal is not None:
+        raise RecipeError(refusal)
     spec = resolve_model(model) if isinstance(model, str) else model
     torch.manual_seed(SEED)
     model_obj = build_real_model(spec, recipe, "cpu")
