@@ -11,6 +11,12 @@ so a tensor kept too long shows in every group until it goes: the first group li
 in the measured trace's order) is where the two part ways. Both traces are JSON lines as for
 trace_phases.py; live bytes count each request rounded up to 512 B.
 
+Within one op the measured order says little: the tracker sees an op's outputs only once it has
+returned, and records them in the order it returns them, while the kernel may allocate them in
+another (data/ground_truth/README.md, "Within one op"). So the allocations the measured trace
+marks with one `call` are compared as a set: both sides' allocations at those places are put in
+the same order (by size) before live bytes are compared.
+
 Usage:
     .venv/bin/python tools/trace_allocs.py MEASURED.jsonl PREDICTED.jsonl [--phases forward,loss]
         [--show N]
@@ -36,10 +42,13 @@ _LAYER = re.compile(r"layer (\d+)")
 Group = tuple[int, int, str, int]  # (step, micro_batch, phase, layer or -1)
 
 
-def allocations(path: Path) -> dict[Group, list[tuple[int, str]]]:
-    """Each group's allocations, groups in the order of their first: (live bytes after it, what it is)."""
+Allocation = tuple[int, int, str, int]  # (live bytes after it, its size, what it is, its call or 0)
+
+
+def allocations(path: Path) -> dict[Group, list[Allocation]]:
+    """Each group's allocations, groups in the order of their first."""
     live = 0
-    groups: dict[Group, list[tuple[int, str]]] = {}
+    groups: dict[Group, list[Allocation]] = {}
     try:
         for (step, micro, phase), delta, e in trace_records(path):
             live += delta
@@ -48,10 +57,30 @@ def allocations(path: Path) -> dict[Group, list[tuple[int, str]]]:
             op = str(e.get("op") or "")
             m = _LAYER.match(op)
             what = " ".join(str(x) for x in (delta, op, e.get("aten_op"), e.get("dtype"), e.get("shape")) if x)
-            groups.setdefault((step, micro, phase, int(m.group(1)) if m else -1), []).append((live, what))
+            groups.setdefault((step, micro, phase, int(m.group(1)) if m else -1), []).append(
+                (live, delta, what, int(e.get("call") or 0)))
     except ValueError as err:
         raise SystemExit(str(err)) from None
     return groups
+
+
+def as_sets(measured: list[Allocation], predicted: list[Allocation]) -> None:
+    """Sorts each run of the measured side's allocations that share a call, and the predicted side's
+    allocations at the same places, by size, recomputing live bytes within the run (in place)."""
+    i = 0
+    while i < len(measured):
+        j = i + 1
+        while j < len(measured) and measured[i][3] and measured[j][3] == measured[i][3]:
+            j += 1
+        for side in (measured, predicted):
+            run = side[i:min(j, len(side))]
+            if len(run) < 2:
+                continue
+            live = run[0][0] - run[0][1]
+            for k, (_, size, what, call) in enumerate(sorted(run, key=lambda a: a[1])):
+                live += size
+                side[i + k] = (live, size, what, call)
+        i = j
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         compared += 1
         m, p = measured.get(key, []), predicted.get(key, [])
+        as_sets(m, p)
         if [x[0] for x in m] == [x[0] for x in p]:
             continue
         differing += 1
@@ -80,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"step {step} micro-batch {micro} {phase}, {where}: {len(m)} allocations measured, {len(p)} "
               f"predicted; first difference at allocation {i}")
         for j in range(i, min(i + a.show, max(len(m), len(p)))):
-            left = f"{m[j][0]:>14,} {m[j][1]}" if j < len(m) else ""
-            right = f"{p[j][0]:>14,} {p[j][1]}" if j < len(p) else ""
+            left = f"{m[j][0]:>14,} {m[j][2]}" if j < len(m) else ""
+            right = f"{p[j][0]:>14,} {p[j][2]}" if j < len(p) else ""
             print(f"    {left:<70} | {right}")
     print(f"{compared} groups compared, {differing} differ")
     return 1 if differing else 0

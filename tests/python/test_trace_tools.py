@@ -84,3 +84,20 @@ def test_trace_allocs_rejects_an_event_without_its_size(tmp_path):
     out = run("trace_allocs.py", m, m)
     assert out.returncode != 0 and "m.jsonl:1: not a trace event" in out.stderr
 
+
+
+def test_trace_allocs_compares_one_ops_allocations_as_a_set(tmp_path):
+    """An op's outputs, which the measured side marks with one `call`, may come in either order;
+    allocations of two different calls may not."""
+    def trace(name, sizes, calls):
+        path = write_trace(tmp_path / name, [("alloc", n, "forward", "layer 0 ln") for n in sizes])
+        if calls:
+            rows = [json.loads(line) for line in path.read_text().splitlines()]
+            path.write_text("".join(json.dumps({**r, "call": c}) + "\n" for r, c in zip(rows, calls)))
+        return path
+    engine = trace("p.jsonl", [512, 512, 4096], None)  # the same three sizes, the small ones first
+    one_call = trace("m1.jsonl", [4096, 512, 512], [7, 7, 7])
+    assert run("trace_allocs.py", one_call, engine).returncode == 0
+    two_calls = trace("m2.jsonl", [4096, 512, 512], [7, 8, 8])
+    out = run("trace_allocs.py", two_calls, engine)
+    assert out.returncode == 1 and "first difference at allocation 0" in out.stdout

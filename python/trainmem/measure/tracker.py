@@ -224,15 +224,18 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """The tensors in `obj`, first to last: an op's outputs are recorded in the order it returns
+    them, which for most kernels is the order they allocate them (data/ground_truth/README.md,
+    "Within one op"); a trace marks each op's allocations with its `call` all the same."""
     stack = [obj]
     while stack:
         item = stack.pop()
         if isinstance(item, torch.Tensor):
             yield _local(item)
         elif isinstance(item, (list, tuple)):
-            stack.extend(item)
+            stack.extend(reversed(item))
         elif isinstance(item, dict):
-            stack.extend(item.values())
+            stack.extend(reversed(list(item.values())))
 
 
 class StorageRecord:
@@ -327,7 +330,10 @@ class MemoryTracker:
         self._node_labels: dict[int, Label] = {}  # autograd sequence_nr -> label
         self._last_backward_label = LOSS
         self._forced: str | None = None
-        self._ctx: tuple = ("setup", 0, 0, "setup", "", "")
+        # (phase, step, micro-batch, op, aten op, module, call): `call` counts the dispatched ops,
+        # so that a trace tells one op's allocations apart from the next one's (0: none).
+        self._ctx: tuple = ("setup", 0, 0, "setup", "", "", 0)
+        self._calls = 0
         self._hooks: list = []
         self._restore: list = []
         # OpOverloadPacket -> fn(func, args, kwargs) that runs the op in the tracker's place (the
@@ -407,7 +413,7 @@ class MemoryTracker:
                  "prefill": GENERATE, "decode": GENERATE}[phase]
         if phase == "backward":
             self._last_backward_label = LOSS  # the ops before the first labelled node seed the loss gradient
-        self._ctx = (phase, self.step, self.micro_batch, label.display, "", "")
+        self._ctx = (phase, self.step, self.micro_batch, label.display, "", "", 0)
 
     @contextlib.contextmanager
     def forced(self, flag: str):
@@ -723,7 +729,8 @@ class MemoryTracker:
         packet = getattr(func, "overloadpacket", None)
         aten = packet.__name__ if packet is not None else str(func)
         previous_ctx = self._ctx
-        self._ctx = (self.phase, self.step, self.micro_batch, label.op_name(aten), aten, label.module)
+        self._calls += 1
+        self._ctx = (self.phase, self.step, self.micro_batch, label.op_name(aten), aten, label.module, self._calls)
         if self._cuda_probe:
             peak_before = self._cuda_counters()[1]
         wrapper = self.op_wrappers.get(packet)
@@ -918,7 +925,7 @@ class MemoryTracker:
                 live_requested -= rec.nbytes
                 per_category[category] -= rec.block_bytes
         if peak_index is None:
-            peak_ctx = ("setup", 0, 0, "setup", "", "")
+            peak_ctx = ("setup", 0, 0, "setup", "", "", 0)
             peak = 0
         else:
             peak_ctx = self.events[peak_index][2]
@@ -948,6 +955,8 @@ class MemoryTracker:
                 "phase": ctx[0], "step": ctx[1], "micro_batch": ctx[2], "op": ctx[3],
                 "aten_op": ctx[4], "module": ctx[5], "live_bytes": live,
             }
+            if ctx[6]:
+                row["call"] = ctx[6]
             if rec.name:
                 row["name"] = rec.name
             yield row
