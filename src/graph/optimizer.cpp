@@ -215,6 +215,9 @@ void StepBuilder::step_parameters(const std::vector<const Param*>& opt, bool fir
         // in-place ops; the list is freed at the end of the group's update. HF makes two
         // groups (weight decay / none); torch.optim with one group is the reference here.
         op("optimizer.foreach_sqrt");
+        // With the step counters on the CPU, _foreach_add_(state_steps, torch.tensor(1.0,
+        // device="cpu")) makes a CPU scalar first: on the measured device only on a CPU run.
+        if (!cuda_) t_.release(t_.alloc_bytes(4, Category::kTemporaries));
         std::vector<TensorId> tmp;
         for (const Param* p : opt) {
           alloc_into(tmp, numel_of(*p) * sb_of(*p), Category::kTemporaries);

@@ -319,6 +319,10 @@ class StepBuilder {
     if (computed_in != p.dtype) g.param_bytes = p.numel * dtype_bytes(p.dtype);
     return g;
   }
+  static ParamGrad reduced(ParamGrad g) {
+    g.reduced = true;
+    return g;
+  }
   T linear_4bit(const T& x_in, std::uint32_t w, std::uint32_t b, std::uint64_t out_features);
   T linear_8bit(const T& x, std::uint32_t w, std::uint32_t b, std::uint64_t out_features);
   void recast_bias(std::uint32_t b, DType dtype);
@@ -366,7 +370,8 @@ class StepBuilder {
   }
 
   // A product of two tensors (a @ b, a * b): each operand is saved for the other's gradient, and
-  // each operand that requires grad gets a gradient of its own size.
+  // each operand that requires grad gets a gradient of its own size, b's first (Note [Gradient
+  // order of a node] in tape.h).
   T product(const T& a, const T& b, std::uint64_t out_numel, DType d) {
     T y = fresh(out_numel, d);
     if (!a.requires_grad() && !b.requires_grad()) return y;
@@ -376,6 +381,7 @@ class StepBuilder {
     if (a.requires_grad()) nd.saved.push_back(b.id);
     if (a.requires_grad()) nd.inputs.push_back(grad_of(a));
     if (b.requires_grad()) nd.inputs.push_back(grad_of(b));
+    nd.grad_order = GradOrder::kInputsReversed;
     t_.close_node();
     return y;
   }
@@ -394,14 +400,29 @@ class StepBuilder {
     return p;
   }
 
-  // a + b where the gradient passes through to both (AddBackward saves nothing).
+  // A new tensor of x's size whose node hands its gradient on to x unchanged: x + a Python number
+  // (AddBackward1), a clone (CloneBackward0).
+  T handing_on(const T& x) {
+    T y = fresh(x.numel, x.dtype);
+    if (!x.requires_grad()) return y;
+    requires_grad(y);
+    Node& n = open_node(y);
+    n.inputs.push_back(pass_to(x));
+    t_.close_node();
+    return y;
+  }
+
+  // a + b where the gradient passes through to both (AddBackward saves nothing), but for an
+  // operand of another dtype or a broadcast one: validate_outputs casts (sums) the gradient to
+  // it, a new tensor (measured: GPT-2's position embeddings, [1, s, h] under a batch of 2).
   T add(const T& a, const T& b) {
     T y = fresh(std::max(a.numel, b.numel), promote(a.dtype, b.dtype));
     if (!a.requires_grad() && !b.requires_grad()) return y;
     requires_grad(y);
     Node& n = open_node(y);
-    if (a.requires_grad()) n.inputs.push_back(a.dtype == y.dtype ? pass_to(a) : grad_of(a));
-    if (b.requires_grad()) n.inputs.push_back(b.dtype == y.dtype ? pass_to(b) : grad_of(b));
+    auto grad = [&](const T& x) { return x.dtype == y.dtype && x.numel == y.numel ? pass_to(x) : grad_of(x); };
+    if (a.requires_grad()) n.inputs.push_back(grad(a));
+    if (b.requires_grad()) n.inputs.push_back(grad(b));
     t_.close_node();
     return y;
   }
@@ -428,27 +449,23 @@ class StepBuilder {
   // CUDA's flash kernel (half inputs) always do; CUDA's memory-efficient kernel (fp32) only with
   // grad mode on (should_compute_logsumexp).
   bool sdpa_makes_lse(DType c, bool grad_mode) const { return grad_mode || !cuda_ || c != DType::kF32; }
-  // A fused SDPA kernel's output (dtype c) and log-sum-exp, when it makes one: the CPU's flash
-  // kernel allocates the log-sum-exp first (measured), CUDA's kernels their output (flash_api.cpp).
+  // A fused SDPA kernel's output (dtype c) and log-sum-exp, when it makes one, in the kernels'
+  // order: the output first (flash_api.cpp; the CPU's, by the profiler's allocation records,
+  // data/ground_truth/README.md "Within one op").
   std::pair<T, T> sdpa_outputs(std::uint64_t out_numel, std::uint64_t lse_numel, DType c, bool grad_mode) {
-    const bool makes_lse = sdpa_makes_lse(c, grad_mode);
-    T o, lse;
-    // On the CPU the log-sum-exp first: the order the measuring side's tracker records the two
-    // outputs in (last to first); the kernel itself allocates the output first (the profiler's
-    // records, data/ground_truth/README.md "Within one op"). No block sum differs.
-    if (makes_lse && !cuda_) lse = fresh(lse_numel, DType::kF32);
-    o = fresh(out_numel, c);
-    if (makes_lse && cuda_) lse = fresh(lse_numel, DType::kF32);
+    T o = fresh(out_numel, c);
+    T lse = sdpa_makes_lse(c, grad_mode) ? fresh(lse_numel, DType::kF32) : T{};
     return {o, lse};
   }
   T attention_core(T& q, T& k, T& v);
   T ring_attention_core(const T& q, T& qc, T& kc, T& vc);
   T gpt2_attention_core(T& q, T& k, T& v);
   T math_kernel(T& q, T& k, T& v, const T& attn_mask);
-  T heads_last(T o);
+  T heads_last(T o, bool from_bmm);
   T attention(const T& x, const LayerParams& lp);
   T attention_module(const T& x, const LayerParams& lp);
   T slice(const T& fused, std::uint64_t width);
+  std::tuple<T, T, T> split3(const T& fused, std::uint64_t w0, std::uint64_t w1, std::uint64_t w2);
   // A view of `base` holding `numel` elements whose backward makes a new gradient of base's size
   // (slice_backward's zero-padded one, or reshape's copy of a gradient in another layout).
   T view_of(const T& base, std::uint64_t numel);

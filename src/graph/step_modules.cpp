@@ -245,7 +245,7 @@ T StepBuilder::linear_module(const T& x_in, std::uint32_t w, std::uint32_t b, st
     if (bcast) n.inputs.push_back(grad_of(bc));
     // addmm(bias, x, W): the bias is the first input, so its gradient is made and its
     // AccumulateGrad runs first (what DDP's gradient-ready order shows: Note [DDP buckets]).
-    if (bt && !bcast) n.params.push_back(param_grad(b, cd));
+    if (bt && !bcast) n.params.push_back(reduced(param_grad(b, cd)));
     if (wt && !wcast) {
       // F.linear multiplies by W.t(), so W's gradient is mm's output transposed back, a view
       // (ZeRO-3's LinearFunctionForZeroStage3 makes it fresh); addmm(b, x, W) uses W as it is.
@@ -482,13 +482,7 @@ T StepBuilder::rms_norm_module(const T& x, std::uint32_t w, std::uint64_t rows) 
   T sq = elementwise({&h32}, n, DType::kF32, {h32.id}, {n * 4, n * 4});
   T var = elementwise({&sq}, rows, DType::kF32, {});
   t_.drop(sq);
-  T ve = fresh(rows, DType::kF32);
-  if (var.requires_grad()) {
-    requires_grad(ve);
-    Node& nd = open_node(ve);
-    nd.inputs.push_back(pass_to(var));
-    t_.close_node();
-  }
+  T ve = handing_on(var);  // variance + eps
   const bool gemma = a_.family == Family::kGemma2;
   // LlamaRMSNorm keeps `variance` to its return; Gemma-2's _norm has it in one expression.
   if (gemma) t_.drop(var);
@@ -525,7 +519,7 @@ T StepBuilder::rms_norm_module(const T& x, std::uint32_t w, std::uint64_t rows) 
         nd.saved.push_back(onep.id);
         nd.inputs.push_back(grad_of(hc));
       }
-      if (trainable(w)) nd.params.push_back(param_grad(w, DType::kF32, n * 4));
+      if (trainable(w)) nd.params.push_back(reduced(param_grad(w, DType::kF32, n * 4)));
       t_.record(std::move(nd));
     }
     t_.drop(onep);
@@ -561,7 +555,7 @@ T StepBuilder::rms_norm_module(const T& x, std::uint32_t w, std::uint64_t rows) 
     if (od != hc.dtype) g.compute_bytes = n * dtype_bytes(od);
     nd.inputs.push_back(g);
   }
-  if (trainable(w)) nd.params.push_back(param_grad(w, od, n * dtype_bytes(od)));
+  if (trainable(w)) nd.params.push_back(reduced(param_grad(w, od, n * dtype_bytes(od))));
   t_.close_node();
   t_.drop(hc);
   t_.drop(var);
@@ -576,9 +570,10 @@ T StepBuilder::layer_norm(const T& x, std::uint32_t w, std::uint32_t b, std::uin
   T xin = (pol_.autocast && cuda_) ? to(x, DType::kF32) : t_.ref(x);
   // CUDA keeps mean/rstd in fp32; the CPU kernel in the input dtype.
   const DType stat = cuda_ ? DType::kF32 : xin.dtype;
+  // The kernel's order (layer_norm_cpu, layer_norm_cuda): the output, then mean and rstd.
+  T out = fresh(x.numel, xin.dtype);
   T mean = fresh(rows, stat);
   T rstd = fresh(rows, stat);
-  T out = fresh(x.numel, xin.dtype);
   if (xin.requires_grad() || trainable(w) || trainable(b)) {
     requires_grad(out);
     Node nd = node(out);
@@ -653,10 +648,11 @@ T StepBuilder::repeat_kv(const T& x) {
 // An operand laid out as [b, s, heads, d] (a projection view, or an elementwise result that
 // kept its layout) folds as a view only when b == 1; otherwise reshape copies it, and bmm
 // saves the copy instead of the operand (checked with torch 2.13: expand + view for b = 1,
-// expand + clone + _unsafe_view for b = 2). Returns what bmm takes: the copy, or x itself.
-T StepBuilder::fold_for_bmm(const T& x) {
-  return x.bshd && B_ > 1 ? elementwise({&x}, x.numel, x.dtype, {}) : t_.ref(x);
-}
+// expand + clone + _unsafe_view for b = 2). Returns what bmm takes: the copy, or x itself. In
+// backward the clone hands bmm's gradient on, laid out [b, heads, s, d] (measured: Llama eager at
+// b = 2 makes nothing there); a reshape further up copies it where that layout does not fold
+// back (Note [Attention layouts]).
+T StepBuilder::fold_for_bmm(const T& x) { return x.bshd && B_ > 1 ? handing_on(x) : t_.ref(x); }
 
 // torch.matmul(a, b) of 4-D operands in dtype c: autocast casts the arguments last to first
 // (Note [Autocast's weight casts]), matmul folds each for bmm (fold_for_bmm), and
@@ -712,7 +708,7 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
     op("self_attn.attn_output");
     T o = matmul(p, vr, qn, c);  // probs @ v
     attn_weights_ = p;
-    T oc = heads_last(o);
+    T oc = heads_last(o, /*from_bmm=*/true);
     t_.drop(kr);
     t_.drop(vr);
     return oc;
@@ -741,7 +737,7 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
     for (T* x : {&fmask, &qc, &kc, &vc}) {
       if (x->id != kNone) t_.drop(*x);
     }
-    o = heads_last(o);
+    o = heads_last(o, /*from_bmm=*/true);
     if (masked) {
       t_.drop(kr);
       t_.drop(vr);
@@ -776,7 +772,7 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
   // The flash kernels allocate their output with q's layout. When q is laid out as
   // [b, s, heads, d] (a projection view), HF's transpose(1, 2).contiguous() is a no-op and
   // o_proj saves the very storage SDPA saved; otherwise (Phi-3's cat) it copies.
-  if (!q.bshd) o = heads_last(o);
+  if (!q.bshd) o = heads_last(o, /*from_bmm=*/false);
   if (masked) {
     t_.drop(kr);
     t_.drop(vr);
@@ -818,7 +814,7 @@ T StepBuilder::ring_attention_core(const T& q, T& qc, T& kc, T& vc) {
   t_.drop(kc);
   t_.drop(vc);
   if (q.bshd && !ring.output_contiguous()) return o;
-  return heads_last(o);
+  return heads_last(o, /*from_bmm=*/false);
 }
 
 // Note [GPT-2 attention]
@@ -861,7 +857,7 @@ T StepBuilder::gpt2_attention_core(T& q, T& k, T& v) {
     op("attn.attn_output");
     T o = matmul(pd, v, qn, c);
     attn_weights_ = pd;  // GPT2Block's `_` holds the returned weights to its end
-    return heads_last(o);  // transpose(1, 2).reshape(...).contiguous()
+    return heads_last(o, /*from_bmm=*/true);  // transpose(1, 2).reshape(...).contiguous()
   }
   // SDPA as for the other families: a fused kernel (CUDA's take dropout, the CPU's flash kernel
   // only p = 0), whose output needs no copy (q is laid out as [b, s, heads, d]), or the CPU's
@@ -941,9 +937,13 @@ T StepBuilder::math_kernel(T& q, T& k, T& v, const T& attn_mask) {
 }
 
 // The attention function's transpose(1, 2).contiguous() of the [b, heads, s, d] attention output
-// (after SDPA has returned, its arguments' casts gone).
-T StepBuilder::heads_last(T o) {
-  T out = elementwise({&o}, o.numel, o.dtype, {});
+// (after SDPA has returned, its arguments' casts gone). In backward the copy hands its gradient on,
+// transposed, laid out [b, s, heads, d]; where bmm made the output (eager attention, the math
+// kernel: `from_bmm`), matmul's reshape back to [b·heads, s, d] copies it for b > 1 and views it
+// for b = 1 (measured: GPT-2 and Llama at b = 2 and at b = 1). The fused kernels' backwards take
+// it as it is (the ring's copy is not measured).
+T StepBuilder::heads_last(T o, bool from_bmm) {
+  T out = from_bmm && B_ == 1 ? handing_on(o) : elementwise({&o}, o.numel, o.dtype, {});
   t_.drop(o);
   return out;
 }
@@ -961,12 +961,38 @@ T StepBuilder::attention(const T& x, const LayerParams& lp) {
 T StepBuilder::attention_module(const T& x, const LayerParams& lp) {
   const std::uint64_t heads = a_.num_heads, kvh = a_.num_kv_heads, d = a_.head_dim;
   const std::uint64_t qw = heads * d, kvw = kvh * d;
+  const bool gpt2 = a_.family == Family::kGpt2;
+  // proj(x).view(b, s, heads, d): reshaping its gradient back copies it (clone) when that
+  // gradient is laid out [b, heads, s, d] (Note [Attention layouts]): q's and k's always in the
+  // rotary families, made by the rotary embedding's backward (slice_backward's zeros); v's (and
+  // GPT-2's q) where a bmm makes it (eager attention, the CPU's math kernel) or the sum over K
+  // and V's repetition (SDPA with a mask and fewer K/V heads than q's). GPT-2's k never: bmm makes
+  // k^T's gradient laid out [b, heads, d, s], which folds back. Measured on the CPU: the flash
+  // kernel hands the gradients back in their inputs' layout, no copy; the ring's is not measured
+  // (no copy modelled).
+  auto heads_view = [&](T p, bool copies) {
+    if (!copies) return p;
+    op(gpt2 ? "attn.clone" : "self_attn.clone");  // the copy's name in measured traces
+    T h = view_of(p, p.numel);
+    t_.drop(p);
+    return h;
+  };
+  const bool bmm_grads = r_.cp == 1 && (attention_ == Attention::kEager || sdpa_math_kernel());
   T q, k, v;
-  if (lp.qkv != kNone) {
-    T qkv = proj(x, a_.family == Family::kGpt2 ? "attn.c_attn" : "self_attn.qkv_proj", lp.qkv, lp.qkv_b,
-                 qw + 2 * kvw);
-    // Slices of one output: each slice's backward makes a full-size zero gradient of the
-    // fused output (SliceBackward), summed into one.
+  if (gpt2) {
+    // c_attn(x).split(split_size, dim=2): one SplitBackward, whose backward concatenates the three
+    // gradients. GPT2Attention views key, value, then query, so query's copy runs first in
+    // backward (measured, fp32 with the math kernel: q's copy, v's copy, then the cat).
+    T qkv = proj(x, "attn.c_attn", lp.qkv, lp.qkv_b, qw + 2 * kvw);
+    auto [sq, sk, sv] = split3(qkv, qw, kvw, kvw);
+    t_.drop(qkv);
+    k = heads_view(sk, false);
+    v = heads_view(sv, bmm_grads);
+    q = heads_view(sq, bmm_grads);
+  } else if (lp.qkv != kNone) {
+    // Phi-3 slices qkv_proj's output (qkv[..., :query_pos] and so on): each slice's backward
+    // makes a full-size zero gradient of the fused output (SliceBackward), summed into one.
+    T qkv = proj(x, "self_attn.qkv_proj", lp.qkv, lp.qkv_b, qw + 2 * kvw);
     q = slice(qkv, qw);
     k = slice(qkv, kvw);
     v = slice(qkv, kvw);
@@ -981,22 +1007,8 @@ T StepBuilder::attention_module(const T& x, const LayerParams& lp) {
       t_.drop(p);
       return n;
     };
-    // proj(x).view(b, s, heads, d): reshaping its gradient back copies it (clone) when that
-    // gradient is laid out [b, heads, s, d] (Note [Attention layouts]): q's and k's always, made by
-    // the rotary embedding's backward (slice_backward's zeros); v's where a bmm makes it (eager
-    // attention, the CPU's math kernel) or the sum over K and V's repetition (SDPA with a mask
-    // and fewer K/V heads than q's). Measured on the CPU: the flash kernel hands v's gradient back
-    // in v's own layout, no copy; the ring's is not measured (no copy modelled).
-    auto heads_view = [&](T p, bool copies) {
-      if (!copies) return p;
-      op("self_attn.clone");  // the copy's name in measured traces
-      T h = view_of(p, p.numel);
-      t_.drop(p);
-      return h;
-    };
     const bool repeated = mask_.id != kNone && kvh != heads;
-    const bool v_copies = r_.cp == 1 && (attention_ == Attention::kEager || sdpa_math_kernel() ||
-                                         (attention_ == Attention::kSdpa && repeated));
+    const bool v_copies = bmm_grads || (r_.cp == 1 && attention_ == Attention::kSdpa && repeated);
     q = normed(heads_view(proj(x, "self_attn.q_proj", lp.q, lp.q_b, qw), true), lp.q_norm, tok_ * heads,
                "self_attn.q_norm");
     k = normed(heads_view(proj(x, "self_attn.k_proj", lp.k, lp.k_b, kvw), true), lp.k_norm, tok_ * kvh,
@@ -1050,6 +1062,31 @@ T StepBuilder::attention_module(const T& x, const LayerParams& lp) {
 
 T StepBuilder::slice(const T& fused, std::uint64_t width) { return view_of(fused, tok_ * width); }
 
+// fused.split(...) into pieces of tok_ * width elements (width 0: no third piece): views of
+// `fused` with one SplitBackward node, which runs once all the pieces' gradients have come and
+// concatenates them into a gradient of fused's size (split_backward's cat), then frees them.
+std::tuple<T, T, T> StepBuilder::split3(const T& fused, std::uint64_t w0, std::uint64_t w1, std::uint64_t w2) {
+  T p[3];
+  for (int k = 0; k < 3; ++k) {
+    const std::uint64_t w = k == 0 ? w0 : k == 1 ? w1 : w2;
+    if (w == 0) continue;
+    p[k].id = fused.id;
+    t_.retain(fused.id);
+    p[k].dtype = fused.dtype;
+    p[k].numel = tok_ * w;
+    if (fused.requires_grad()) requires_grad(p[k]);
+  }
+  if (fused.requires_grad()) {
+    Node& nd = open_node(p[0]);
+    for (int k = 1; k < 3; ++k) {
+      if (p[k].value != kNone) nd.co_outputs.push_back(p[k].value);
+    }
+    nd.inputs.push_back(GradIn{fused.value, fused.bytes(), false});
+    t_.close_node();
+  }
+  return {p[0], p[1], p[2]};
+}
+
 T StepBuilder::view_of(const T& base, std::uint64_t numel) {
   T v;
   v.id = base.id;
@@ -1089,9 +1126,9 @@ T StepBuilder::mlp_module(const T& x, const LayerParams& lp) {
   }
   T gate, up;
   if (lp.gate_up != kNone) {
+    // Phi-3's up_states.chunk(2, dim=-1) is a split: one node, whose backward concatenates.
     T gu = proj(x, "mlp.gate_up_proj", lp.gate_up, kNone, 2 * i);
-    gate = slice(gu, i);
-    up = slice(gu, i);
+    std::tie(gate, up, std::ignore) = split3(gu, i, i, 0);
     t_.drop(gu);
   } else {
     gate = proj(x, "mlp.gate_proj", lp.gate, lp.gate_b, i);
@@ -1125,8 +1162,12 @@ T StepBuilder::gelu_tanh(const T& x) {
   if (a_.family == Family::kGpt2) {
     // 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3))), in Python's order: 0.5 * x first
     // (measured with and without saves; Note [Forwards without saves] in tape.h).
+    // The backward as the generated nodes compute it (measured, GPT-2 fp32 traces): pow's
+    // grad * (3 * x.pow(2)) makes two temporaries before the product, `1.0 + tanh` hands its
+    // gradient on, and the final product makes the tanh branch's gradient first.
+    const std::uint64_t nb = x.bytes();
     T hx = elementwise({&x}, x.numel, x.dtype, {});                // 0.5 * x
-    T x3 = elementwise({&x}, x.numel, x.dtype, {x.id});            // pow(x, 3)
+    T x3 = elementwise({&x}, x.numel, x.dtype, {x.id}, {nb, nb});  // pow(x, 3)
     T m1 = elementwise({&x3}, x.numel, x.dtype, {});               // * 0.044715
     t_.drop(x3);
     T s = add(x, m1);
@@ -1135,9 +1176,9 @@ T StepBuilder::gelu_tanh(const T& x) {
     t_.drop(s);
     T th = elementwise({&m2}, x.numel, x.dtype, {}, {}, /*save_output=*/true);  // tanh
     t_.drop(m2);
-    T p1 = elementwise({&th}, x.numel, x.dtype, {});               // 1 + tanh
+    T p1 = handing_on(th);                                         // 1 + tanh
     t_.drop(th);
-    T y = elementwise({&hx, &p1}, x.numel, x.dtype, {hx.id, p1.id});
+    T y = mul(hx, p1, x.numel, x.dtype);
     t_.drop(hx);
     t_.drop(p1);
     return y;

@@ -90,6 +90,7 @@ void Tape::close_node() {
     if (!node.saved.empty()) last_saving_node_ = nodes_.size() - 1;
     node.saved.clear();
   }
+  node.unpacked = recomputing && saving && unpacking_;
   if (recomputing && saving) {
     // Early stop fires in the pack hook of the op's last saved tensor: autograd saves an op's
     // inputs before running it, so the stop is right after the newest saved tensor was made,
@@ -146,7 +147,7 @@ std::shared_ptr<const CheckpointTail> Tape::take_tail(std::size_t first, ValueId
     const Node& n = nodes_[k];
     // A node that holds storages, makes parameter gradients or reuses forward storages would need
     // the recomputed ones: the recomputed tail stands for it then.
-    if (!n.kept.empty() || !n.params.empty() || n.recompute || n.kernel) return nullptr;
+    if (!n.kept.empty() || !n.params.empty() || !n.co_outputs.empty() || n.recompute || n.kernel) return nullptr;
     for (const GradIn& g : n.inputs) {
       if (g.reuse != kNone) return nullptr;
       // The gradients the tail hands on: to its own nodes, the segment's earlier ones or outside it.
@@ -282,7 +283,13 @@ void Tape::run_node(Node& n) {
   at(Phase::kBackward, n.tag.layer, n.tag.op);
   TensorId incoming = n.output == kNone ? kNone : value_grad_[n.output];
   if (n.output != kNone) value_grad_[n.output] = kNone;
-  if (incoming == kNone && n.output != kNone) {
+  std::vector<TensorId>& co = node_co_;
+  co.clear();
+  for (ValueId v : n.co_outputs) {
+    if (value_grad_[v] != kNone) co.push_back(value_grad_[v]);
+    value_grad_[v] = kNone;
+  }
+  if (incoming == kNone && n.output != kNone && co.empty()) {
     for (TensorId id : n.saved) release(id);
     for (TensorId id : n.kept) release(id);
     return;
@@ -353,6 +360,12 @@ void Tape::run_node(Node& n) {
       trace_.storages[grads[k]].view = in.view;
     }
   };
+  // The node's function returns: what it alone held goes (See Node::unpacked).
+  auto function_returns = [&] {
+    if (!n.unpacked) return;
+    for (TensorId id : n.saved) release(id);
+    n.saved.clear();
+  };
   auto param_grad = [&](std::size_t k) {
     const ParamGrad& pg = n.params[k];
     if (pg.reuse != kNone) {
@@ -361,6 +374,7 @@ void Tape::run_node(Node& n) {
       return;
     }
     TensorId sc = pg.scratch_bytes ? alloc_bytes(pg.scratch_bytes, Category::kTemporaries) : kNone;
+    if (pg.reduced) function_returns();
     bool cast = pg.param_bytes != 0;
     Category c = (!cast && param_grads_[pg.param] == kNone) ? Category::kGradients : Category::kTemporaries;
     pgrads[k] = alloc_bytes(pg.compute_bytes, c);
@@ -371,6 +385,9 @@ void Tape::run_node(Node& n) {
   if (n.grad_order == GradOrder::kParamsFirst) {
     for (std::size_t k = 0; k < n.params.size(); ++k) param_grad(k);
     for (std::size_t k = 0; k < n.inputs.size(); ++k) input_grad(k);
+  } else if (n.grad_order == GradOrder::kInputsReversed) {
+    for (std::size_t k = n.inputs.size(); k-- > 0;) input_grad(k);
+    for (std::size_t k = 0; k < n.params.size(); ++k) param_grad(k);
   } else {
     for (std::size_t k = 0; k < n.inputs.size(); ++k) input_grad(k);
     if (n.grad_order == GradOrder::kParamsReversed) {
@@ -380,6 +397,7 @@ void Tape::run_node(Node& n) {
     }
   }
   for (TensorId id : scratch) release(id);
+  function_returns();
   // validate_outputs, once the node's function has returned (its incoming gradient is still
   // held): a gradient made in another dtype than its input's is cast to it.
   for (std::size_t k = 0; k < n.inputs.size(); ++k) {
@@ -390,7 +408,8 @@ void Tape::run_node(Node& n) {
     release(grads[k]);
     grads[k] = cast;
   }
-  release(incoming);
+  if (incoming != kNone) release(incoming);
+  for (TensorId id : co) release(id);
   for (TensorId id : n.saved) release(id);
   for (TensorId id : n.kept) release(id);
   n.saved.clear();
@@ -423,7 +442,9 @@ void Tape::run_node(Node& n) {
 // do after it never runs). The recomputed graph then goes, with what it held (hold_with_graph).
 // `stop_node`: past_recompute_stop's bound (SIZE_MAX: none).
 T Tape::recompute_segment(const std::function<T()>& recompute, const MomentTag& tag, std::size_t stop_node) {
+  unpacking_ = true;
   const T out = rerun(recompute, stop_node);
+  unpacking_ = false;
   at(Phase::kBackward, tag.layer, tag.op);
   release(out.id);
   stop_recompute_at(last_saving_event_);

@@ -253,6 +253,9 @@ struct ParamGrad {
   // Handed over as a view whose base lives on (Storage::view): F.linear's weight gradient, mm's
   // output transposed back.
   bool view = false;
+  // Summed from a broadcast gradient by validate_outputs, once the node's function has returned:
+  // addmm's bias, a norm's weight (its full-size product is `scratch_bytes`).
+  bool reduced = false;
 };
 
 // Note [Gradient order of a node]
@@ -260,6 +263,10 @@ struct ParamGrad {
 // decides where the caching allocator puts them (reserved bytes), not the peak: all of them are
 // made before anything is freed. Measured on CPU traces (trainmem-measure --trace, torch 2.13):
 //  * most nodes: the inputs' gradients, then the parameters' (kInputsFirst);
+//  * a product of two tensors (MulBackward0, BmmBackward0): the second operand's gradient, then
+//    the first's, as the generated Functions.cpp computes them (kInputsReversed; measured:
+//    GPT-2's gelu_new, whose `0.5 * x * (1 + tanh(...))` hands the tanh branch its gradient
+//    first);
 //  * nn.Linear without a bias (matmul folded into mm: Llama's, Mistral's, Qwen3's projections,
 //    lm_head, LoRA's adapters): the weight's gradient, then the input's (kParamsFirst);
 //  * a linear with a bias (addmm: Qwen2's q/k/v, GPT-2's Conv1D): the input's gradient, the
@@ -269,7 +276,9 @@ struct ParamGrad {
 // by autocast is not a parameter of the matmul's node but an input, in the same place in that
 // order: its gradient goes to the cast's own node, which casts and accumulates it (Note
 // [Autocast's weight casts] in step_modules.cpp).
-enum class GradOrder : std::uint8_t { kInputsFirst, kParamsFirst, kParamsReversed };
+// The gradients are delivered to their inputs in the inputs' order whatever the order of making
+// them (the engine's evaluate_function walks the outputs by index).
+enum class GradOrder : std::uint8_t { kInputsFirst, kInputsReversed, kParamsFirst, kParamsReversed };
 
 struct CheckpointTail;
 
@@ -279,12 +288,20 @@ struct Node {
   SmallVec<TensorId, 6> saved;
   SmallVec<TensorId, 4> kept;  // referenced until the node runs, but not saved by autograd
   SmallVec<GradIn, 3> inputs;
+  // A multi-output op's other outputs (split's pieces after the first, `output`): the node runs
+  // once, taking the gradients of all of them, and frees them in that order after making its own.
+  SmallVec<ValueId, 2> co_outputs;
   SmallVec<std::uint64_t, 5> scratch;  // transient buffers alive while the node runs
   // The first this many scratch buffers each die as soon as the next one is made, before the
   // gradients are allocated (bitsandbytes' fp32 absmax, freed once the weight is dequantized,
   // and that weight, freed once its cast to the gradient's dtype is made).
   std::uint32_t scratch_freed_early = 0;
   SmallVec<ParamGrad, 2> params;
+  // Recorded by a non-reentrant checkpoint's recompute: its saved tensors reach it through the
+  // checkpoint's unpack hook, which lets go of each as it hands it over, so the node's function
+  // holds the last references and they go when it returns, before validate_outputs' reductions
+  // and casts (measured: GPT-2's c_proj bias and Gemma-2's norm weights under checkpointing).
+  bool unpacked = false;
   GradOrder grad_order = GradOrder::kInputsFirst;
   // Checkpointed segments: re-runs the forward (recording nodes) and returns the recomputed
   // output whose gradient is the checkpoint's incoming gradient.
@@ -736,7 +753,8 @@ class Tape {
   void resize_nodes(std::size_t n);
   bool node_open_ = false;  // between open_node() and close_node()
   // run_node's working lists, kept for their capacity.
-  std::vector<TensorId> node_scratch_, node_grads_, node_pgrads_;
+  std::vector<TensorId> node_scratch_, node_grads_, node_pgrads_, node_co_;
+  bool unpacking_ = false;  // in a non-reentrant checkpoint's recompute (Node::unpacked)
 };
 
 inline void Tape::at(Phase phase, std::int32_t layer, std::string_view op) {

@@ -142,6 +142,7 @@ bool Tape::capture(const TapeMark& m, const std::vector<TensorId>& outside_stora
     Node& c = span.nodes.emplace_back();
     c.tag = n.tag;
     c.output = value(n.output);
+    for (ValueId v : n.co_outputs) c.co_outputs.push_back(value(v));
     for (TensorId id : n.saved) c.saved.push_back(storage(id));
     for (TensorId id : n.kept) c.kept.push_back(storage(id));
     for (GradIn in : n.inputs) {
@@ -152,6 +153,7 @@ bool Tape::capture(const TapeMark& m, const std::vector<TensorId>& outside_stora
     c.scratch = n.scratch;
     c.scratch_freed_early = n.scratch_freed_early;
     c.grad_order = n.grad_order;
+    c.unpacked = n.unpacked;
     for (ParamGrad pg : n.params) {
       pg.param = slot_in(param_slots, pg.param);
       if (pg.param == kNone) ok = false;
@@ -243,6 +245,7 @@ void Tape::append_nodes(const TapeSpan& span, TensorId sbase, ValueId vbase, con
     n.tag.micro = micro;
     n.tag.layer = layer;
     n.output = value(n.output);
+    for (ValueId& v : n.co_outputs) v = value(v);
     for (TensorId& id : n.saved) id = storage(id);
     for (TensorId& id : n.kept) id = storage(id);
     for (GradIn& in : n.inputs) {
@@ -500,7 +503,11 @@ bool Tape::capture_range(const LayerRange& r, std::size_t begin, std::size_t end
                 n.saved.size() == c.saved.size() && n.kept.size() == c.kept.size() &&
                 n.inputs.size() == c.inputs.size() && n.scratch.size() == c.scratch.size() &&
                 n.params.size() == c.params.size() && n.scratch_freed_early == c.scratch_freed_early &&
-                n.grad_order == c.grad_order;
+                n.grad_order == c.grad_order && n.unpacked == c.unpacked &&
+                n.co_outputs.size() == c.co_outputs.size();
+    for (std::size_t k = 0; same && k < n.co_outputs.size(); ++k) {
+      same = n.co_outputs[k] == names.node_value(c.co_outputs[k]);
+    }
     for (std::size_t k = 0; same && k < n.saved.size(); ++k) same = n.saved[k] == names.node_storage(c.saved[k]);
     for (std::size_t k = 0; same && k < n.kept.size(); ++k) same = n.kept[k] == names.node_storage(c.kept[k]);
     for (std::size_t k = 0; same && k < n.scratch.size(); ++k) same = n.scratch[k] == c.scratch[k];
@@ -514,7 +521,7 @@ bool Tape::capture_range(const LayerRange& r, std::size_t begin, std::size_t end
       const ParamGrad &x = n.params[k], &y = c.params[k];
       same = x.param == names.slots[y.param] && x.compute_bytes == y.compute_bytes &&
              x.scratch_bytes == y.scratch_bytes && x.param_bytes == y.param_bytes &&
-             x.reuse == names.node_storage(y.reuse) && x.view == y.view;
+             x.reuse == names.node_storage(y.reuse) && x.view == y.view && x.reduced == y.reduced;
     }
     if (!same) return plain();
   }

@@ -814,6 +814,91 @@ TEST(GraphBackwardOrder, HeadTransposedGradientsAreCopied) {
   EXPECT_EQ(copies(Attention::kEager), (std::vector<std::int64_t>{8 * 64 * 4, 8 * 64 * 4, 8 * 256 * 4}));
 }
 
+// GPT-2's c_attn(x).split(...): one SplitBackward, which concatenates the three gradients into
+// one of the fused output's size once all have come; before it, reshape's backward copies q's and
+// v's gradients (bmm makes them laid out [b, heads, s, d]), query's first (it is viewed last), and
+// never k's (bmm makes k^T's, which folds back). With the flash kernel nothing is copied
+// (measured: the GPT-2 fp32 traces, tools/trace_allocs.py, every allocation).
+TEST(GraphBackwardOrder, Gpt2SplitConcatenatesItsGradients) {
+  const Model m = testing::gpt2_l2();
+  const std::int64_t piece = 2 * 16 * 768 * 4;  // b 2, s 16, fp32
+  for (Attention a : {Attention::kEager, Attention::kSdpa}) {
+    SCOPED_TRACE(a == Attention::kEager ? "eager" : "sdpa");
+    Recipe r = cpu_recipe(Precision::kFp32, a, 2, 16);
+    r.optimizer = Optimizer::kSgd;
+    const Trace t = trace_of(m, r);
+    std::vector<std::int64_t> made;
+    for (std::int64_t b : backward_events(t, "attn.clone")) {
+      if (b > 0) made.push_back(b);
+    }
+    // SDPA on the CPU with GPT-2's attention dropout runs the math kernel: bmm again.
+    EXPECT_EQ(made, (std::vector<std::int64_t>{piece, piece}));
+    const std::vector<std::int64_t> ev = backward_events(t, "attn.c_attn");
+    ASSERT_GE(ev.size(), 4u);
+    EXPECT_EQ((std::vector<std::int64_t>(ev.begin(), ev.begin() + 4)),
+              (std::vector<std::int64_t>{3 * piece, -piece, -piece, -piece}));
+  }
+  json c = json::parse(std::ifstream(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/gpt2-l2.json"));
+  c["attn_pdrop"] = 0.0;  // the CPU's flash kernel: gradients in their inputs' layout
+  Recipe r = cpu_recipe(Precision::kFp32, Attention::kSdpa, 2, 16);
+  const Trace t = trace_of(model_from_config_json(c.dump()), r);
+  EXPECT_TRUE(backward_events(t, "attn.clone").empty());
+}
+
+// A product's node makes the second operand's gradient first (MulBackward0, BmmBackward0):
+// GPT-2's gelu_new ends in `0.5 * x * (1 + tanh(...))`, whose tanh branch gets its gradient
+// first and frees it at tanh's backward, before the other is used; `1 + tanh` makes none, and
+// pow's backward makes two temporaries before its product (measured, GPT-2 fp32).
+TEST(GraphBackwardOrder, Gpt2GeluAsItsNodesRun) {
+  Recipe r = cpu_recipe(Precision::kFp32, Attention::kSdpa, 2, 16);
+  r.optimizer = Optimizer::kSgd;
+  const Trace t = trace_of(testing::gpt2_l2(), r);
+  const std::int64_t n = 2 * 16 * 3072 * 4;
+  std::vector<std::int64_t> made;
+  for (std::int64_t b : backward_events(t, "mlp.act")) {
+    if (b > 0) made.push_back(b);
+  }
+  // the product's two, tanh's, * sqrt(2/pi), * 0.044715, pow's two temporaries and product, * 0.5
+  EXPECT_EQ(made, std::vector<std::int64_t>(9, n));
+}
+
+// The clone that folds a strided operand for bmm (b > 1) hands bmm's gradient on: eager Llama
+// makes nothing between bmm's gradients and repeat_kv's sums (measured, b = 2).
+TEST(GraphBackwardOrder, FoldForBmmMakesNoGradient) {
+  const Model m = small_llama(1);  // 8 heads, 2 K/V heads of 32
+  Recipe r = cpu_recipe(Precision::kFp32, Attention::kEager, 2, 8);
+  const Trace t = trace_of(m, r);
+  const std::vector<std::int64_t> ev = backward_events(t, "self_attn.attn_weights");
+  const std::int64_t scores = 2 * 8 * 8 * 8 * 4, q = 2 * 8 * 256 * 4, kv = 2 * 8 * 64 * 4;
+  std::vector<std::int64_t> made;
+  for (std::int64_t b : ev) {
+    if (b > 0) made.push_back(b);
+  }
+  // the scaling's gradient, bmm's (k^T's first, then q's), repeat_kv's sums over the groups (V's
+  // and K's, made in the forward before the scores)
+  EXPECT_EQ(made, (std::vector<std::int64_t>{scores, q, q, kv, kv}));
+}
+
+// Under a non-reentrant checkpoint a node's saved tensors come through the unpack hook, which lets
+// go of them: they die when the node's function returns, before validate_outputs sums the bias's
+// broadcast gradient; otherwise the node releases them after it (measured: GPT-2 fp32 with and
+// without checkpointing, c_proj's bias).
+TEST(GraphBackwardOrder, UnpackedSavesGoBeforeTheBiasSum) {
+  const std::int64_t saved = 2 * 16 * 3072 * 4, bias = 768 * 4;
+  for (Checkpointing c : {Checkpointing::kNone, Checkpointing::kFull}) {
+    SCOPED_TRACE(c == Checkpointing::kNone ? "none" : "full");
+    Recipe r = cpu_recipe(Precision::kFp32, Attention::kSdpa, 2, 16);
+    r.optimizer = Optimizer::kSgd;
+    r.checkpointing = c;
+    const std::vector<std::int64_t> ev = backward_events(trace_of(testing::gpt2_l2(), r), "mlp.c_proj");
+    const auto sum = std::find(ev.begin(), ev.end(), bias);
+    const auto gone = std::find(ev.begin(), ev.end(), -saved);
+    ASSERT_NE(sum, ev.end());
+    ASSERT_NE(gone, ev.end());
+    EXPECT_EQ(gone < sum, c == Checkpointing::kFull);
+  }
+}
+
 // An RMSNorm's `weight * x.to(input_dtype)` under autocast: mul makes x's gradient in fp32, then
 // (the weight's full-size product and reduction made) validate_outputs casts it to bf16
 // (measured: Qwen3's k_norm under bf16-mixed).
