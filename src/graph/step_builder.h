@@ -461,7 +461,8 @@ class StepBuilder {
   T ring_attention_core(const T& q, T& qc, T& kc, T& vc);
   T gpt2_attention_core(T& q, T& k, T& v);
   T math_kernel(T& q, T& k, T& v, const T& attn_mask);
-  T heads_last(T o, bool from_bmm);
+  T heads_last(T o, bool copied);
+  T bmm_output(T o);
   T attention(const T& x, const LayerParams& lp);
   T attention_module(const T& x, const LayerParams& lp);
   T slice(const T& fused, std::uint64_t width);

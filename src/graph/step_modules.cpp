@@ -610,10 +610,24 @@ T StepBuilder::dropout(const T& x, double p) {
 // (slice_backward) makes a q-sized gradient, and the cat's hands its gradient on to -x2 and x1 as
 // narrowed views. In backward -x2's negation runs first, then x2's slice_backward (freeing the
 // negation), then x1's (freeing the cat's gradient), whose result is added into x2's in place
-// (measured: tools/trace_allocs.py --phases backward over the Llama cut).
+// (measured: tools/trace_allocs.py --phases backward over the Llama cut). Under autocast both
+// products' gradients are made in fp32 and cast back to q's dtype by validate_outputs (measured:
+// Llama bf16-mixed).
 T StepBuilder::rope(const T& q) {
   DType d = promote(q.dtype, cos_.dtype);
-  T a = elementwise({&q}, q.numel, d, {cos_.id});
+  auto times_table = [&](const T& x, const T& table) {
+    T y = fresh(x.numel, d);
+    if (!x.requires_grad()) return y;
+    requires_grad(y);
+    Node& nd = open_node(y);
+    nd.saved.push_back(table.id);
+    GradIn g = grad_of(x);
+    if (d != x.dtype) g.compute_bytes = x.numel * dtype_bytes(d);
+    nd.inputs.push_back(g);
+    t_.close_node();
+    return y;
+  };
+  T a = times_table(q, cos_);
   T x1 = view_of(q, q.numel / 2);
   T x2 = view_of(q, q.numel / 2);
   T neg = elementwise({&x2}, x2.numel, q.dtype, {});
@@ -628,7 +642,7 @@ T StepBuilder::rope(const T& q) {
   t_.drop(neg);
   t_.drop(x2);
   t_.drop(x1);
-  T b = elementwise({&rot}, q.numel, d, {sin_.id});
+  T b = times_table(rot, sin_);
   t_.drop(rot);
   T y = add(a, b);
   t_.drop(a);
@@ -706,9 +720,9 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
     t_.drop(p);
     p = pd;
     op("self_attn.attn_output");
-    T o = matmul(p, vr, qn, c);  // probs @ v
+    T o = bmm_output(matmul(p, vr, qn, c));  // probs @ v
     attn_weights_ = p;
-    T oc = heads_last(o, /*from_bmm=*/true);
+    T oc = heads_last(o, /*copied=*/false);
     t_.drop(kr);
     t_.drop(vr);
     return oc;
@@ -737,7 +751,7 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
     for (T* x : {&fmask, &qc, &kc, &vc}) {
       if (x->id != kNone) t_.drop(*x);
     }
-    o = heads_last(o, /*from_bmm=*/true);
+    o = heads_last(o, /*copied=*/false);
     if (masked) {
       t_.drop(kr);
       t_.drop(vr);
@@ -772,7 +786,7 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
   // The flash kernels allocate their output with q's layout. When q is laid out as
   // [b, s, heads, d] (a projection view), HF's transpose(1, 2).contiguous() is a no-op and
   // o_proj saves the very storage SDPA saved; otherwise (Phi-3's cat) it copies.
-  if (!q.bshd) o = heads_last(o, /*from_bmm=*/false);
+  if (!q.bshd) o = heads_last(o, /*copied=*/false);
   if (masked) {
     t_.drop(kr);
     t_.drop(vr);
@@ -814,7 +828,7 @@ T StepBuilder::ring_attention_core(const T& q, T& qc, T& kc, T& vc) {
   t_.drop(kc);
   t_.drop(vc);
   if (q.bshd && !ring.output_contiguous()) return o;
-  return heads_last(o, /*from_bmm=*/false);
+  return heads_last(o, /*copied=*/true);
 }
 
 // Note [GPT-2 attention]
@@ -855,9 +869,9 @@ T StepBuilder::gpt2_attention_core(T& q, T& k, T& v) {
     T pd = dropout(pv, a_.attn_dropout);  // attn_dropout, rebinding attn_weights
     t_.drop(pv);
     op("attn.attn_output");
-    T o = matmul(pd, v, qn, c);
+    T o = bmm_output(matmul(pd, v, qn, c));
     attn_weights_ = pd;  // GPT2Block's `_` holds the returned weights to its end
-    return heads_last(o, /*from_bmm=*/true);  // transpose(1, 2).reshape(...).contiguous()
+    return heads_last(o, /*copied=*/false);  // transpose(1, 2).reshape(...).contiguous()
   }
   // SDPA as for the other families: a fused kernel (CUDA's take dropout, the CPU's flash kernel
   // only p = 0), whose output needs no copy (q is laid out as [b, s, heads, d]), or the CPU's
@@ -928,7 +942,7 @@ T StepBuilder::math_kernel(T& q, T& k, T& v, const T& attn_mask) {
   // return make_tuple(matmul(attn, v).to(origin), attn.to(origin)): the second element first.
   T pw = to(pd, c);
   T vc = fold_for_bmm(ve);
-  T o = bmm(pd, vc, qn, md);
+  T o = bmm_output(bmm(pd, vc, qn, md));
   t_.drop(vc);
   T oc = to(o, c);
   // The kernel returns: its locals go, then the caller drops the weights it does not use.
@@ -938,14 +952,25 @@ T StepBuilder::math_kernel(T& q, T& k, T& v, const T& attn_mask) {
 
 // The attention function's transpose(1, 2).contiguous() of the [b, heads, s, d] attention output
 // (after SDPA has returned, its arguments' casts gone). In backward the copy hands its gradient on,
-// transposed, laid out [b, s, heads, d]; where bmm made the output (eager attention, the math
-// kernel: `from_bmm`), matmul's reshape back to [b·heads, s, d] copies it for b > 1 and views it
-// for b = 1 (measured: GPT-2 and Llama at b = 2 and at b = 1). The fused kernels' backwards take
-// it as it is (the ring's copy is not measured).
-T StepBuilder::heads_last(T o, bool from_bmm) {
-  T out = from_bmm && B_ == 1 ? handing_on(o) : elementwise({&o}, o.numel, o.dtype, {});
+// transposed, laid out [b, s, heads, d]: where bmm made the output (eager attention, the math
+// kernel) bmm_output's view copies it, and the fused kernels' backwards take it as it is (measured:
+// Phi-3, whose cat makes q contiguous, with SDPA on the CPU). The ring's backward is not measured:
+// `copied` keeps a copy there.
+T StepBuilder::heads_last(T o, bool copied) {
+  T out = copied ? elementwise({&o}, o.numel, o.dtype, {}) : handing_on(o);
   t_.drop(o);
   return out;
+}
+
+// matmul's view of bmm's [b·heads, s, d] attention output as [b, heads, s, d]. Its backward
+// reshapes the gradient that the output's transpose handed on, laid out [b, s, heads, d]: a copy
+// for b > 1, a view for b = 1, and after the math kernel's cast back to the input dtype, in bmm's
+// dtype (measured: GPT-2 and Llama at b = 2 and b = 1, fp16-mixed GPT-2).
+T StepBuilder::bmm_output(T o) {
+  if (B_ == 1 || !o.requires_grad()) return o;
+  T v = view_of(o, o.numel);
+  t_.drop(o);
+  return v;
 }
 
 T StepBuilder::attention(const T& x, const LayerParams& lp) {
@@ -978,6 +1003,8 @@ T StepBuilder::attention_module(const T& x, const LayerParams& lp) {
     return h;
   };
   const bool bmm_grads = r_.cp == 1 && (attention_ == Attention::kEager || sdpa_math_kernel());
+  const bool repeated = mask_.id != kNone && kvh != heads;
+  const bool v_copies = bmm_grads || (r_.cp == 1 && attention_ == Attention::kSdpa && repeated);
   T q, k, v;
   if (gpt2) {
     // c_attn(x).split(split_size, dim=2): one SplitBackward, whose backward concatenates the three
@@ -991,12 +1018,15 @@ T StepBuilder::attention_module(const T& x, const LayerParams& lp) {
     q = heads_view(sq, bmm_grads);
   } else if (lp.qkv != kNone) {
     // Phi-3 slices qkv_proj's output (qkv[..., :query_pos] and so on): each slice's backward
-    // makes a full-size zero gradient of the fused output (SliceBackward), summed into one.
+    // makes a full-size zero gradient of the fused output (SliceBackward), summed into one. The
+    // three slices come first, then their views (measured: v's, k's and q's copies, then the
+    // slices' gradients).
     T qkv = proj(x, "self_attn.qkv_proj", lp.qkv, lp.qkv_b, qw + 2 * kvw);
-    q = slice(qkv, qw);
-    k = slice(qkv, kvw);
-    v = slice(qkv, kvw);
+    T sq = slice(qkv, qw), sk = slice(qkv, kvw), sv = slice(qkv, kvw);
     t_.drop(qkv);
+    q = heads_view(sq, true);
+    k = heads_view(sk, true);
+    v = heads_view(sv, v_copies);
   } else {
     // Qwen3 normalises each projection over head_dim as soon as it is made (q_norm(q_proj(x)),
     // then k_norm(k_proj(x)), then v_proj(x)): that order of creation is the backward's reverse
@@ -1007,8 +1037,6 @@ T StepBuilder::attention_module(const T& x, const LayerParams& lp) {
       t_.drop(p);
       return n;
     };
-    const bool repeated = mask_.id != kNone && kvh != heads;
-    const bool v_copies = bmm_grads || (r_.cp == 1 && attention_ == Attention::kSdpa && repeated);
     q = normed(heads_view(proj(x, "self_attn.q_proj", lp.q, lp.q_b, qw), true), lp.q_norm, tok_ * heads,
                "self_attn.q_norm");
     k = normed(heads_view(proj(x, "self_attn.k_proj", lp.k, lp.k_b, kvw), true), lp.k_norm, tok_ * kvh,
@@ -1024,16 +1052,22 @@ T StepBuilder::attention_module(const T& x, const LayerParams& lp) {
   if (a_.family != Family::kGpt2) {
     op("self_attn.rotary");
     // Phi-3 rotates the first rotary_dim channels and concatenates the rest (empty with
-    // partial_rotary_factor 1.0): torch.cat copies the rotated q and k once more. The caller's
-    // query_states and key_states hold q and k until apply_rotary_pos_emb returns both.
-    auto rotate = [&](const T& x) {
+    // partial_rotary_factor 1.0): torch.cat copies the rotated q and k once more. q[..., :rotary_dim]
+    // spans q, so indexing returns q itself; q[..., rotary_dim:] is an empty slice, whose backward
+    // still makes a q-sized gradient (slice_backward's zeros), and both q's and k's slices are taken
+    // before either is rotated (measured: their two slice_backwards after both rotations). The
+    // caller's query_states and key_states hold q and k until apply_rotary_pos_emb returns both.
+    const bool phi3 = a_.family == Family::kPhi3;
+    T q_pass = phi3 ? view_of(q, 0) : T{}, k_pass = phi3 ? view_of(k, 0) : T{};
+    auto rotate = [&](const T& x, const T& pass) {
       T r = rope(x);
-      if (a_.family == Family::kPhi3) {
+      if (phi3) {
         T c = fresh(r.numel, r.dtype);
         if (r.requires_grad()) {
           requires_grad(c);
           Node nd = node(c);
           nd.inputs.push_back(pass_to(r));  // CatBackward hands on narrowed views
+          nd.inputs.push_back(pass_to(pass));
           t_.record(std::move(nd));
         }
         t_.drop(r);
@@ -1041,8 +1075,12 @@ T StepBuilder::attention_module(const T& x, const LayerParams& lp) {
       }
       return r;
     };
-    T rq = rotate(q);
-    T rk = rotate(k);
+    T rq = rotate(q, q_pass);
+    T rk = rotate(k, k_pass);
+    if (phi3) {
+      t_.drop(q_pass);
+      t_.drop(k_pass);
+    }
     t_.drop(q);
     t_.drop(k);
     q = rq;

@@ -899,6 +899,46 @@ TEST(GraphBackwardOrder, UnpackedSavesGoBeforeTheBiasSum) {
   }
 }
 
+// Phi-3's qkv_proj slices: their views copy the gradients back (q's and k's always, the rotary
+// embedding makes them [b, heads, s, d]; v's under bmm), and q[..., rotary_dim:], an empty slice,
+// still makes a q-sized gradient (measured: the Phi-3 fp32 traces, every allocation).
+TEST(GraphBackwardOrder, Phi3SlicesAndTheirCopies) {
+  const Model m = load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/phi-3-mini-4k-instruct-w512-l2.json");
+  const std::int64_t piece = 2 * 16 * 512 * 4;  // b 2, s 16, 8 heads of 64, fp32
+  for (Attention a : {Attention::kEager, Attention::kSdpa}) {
+    SCOPED_TRACE(a == Attention::kEager ? "eager" : "sdpa");
+    Recipe r = cpu_recipe(Precision::kFp32, a, 2, 16);
+    r.optimizer = Optimizer::kSgd;
+    const Trace t = trace_of(m, r);
+    const std::vector<std::int64_t> clones = backward_events(t, "self_attn.clone");
+    EXPECT_EQ(std::count(clones.begin(), clones.end(), piece), a == Attention::kEager ? 3 : 2);
+    const std::vector<std::int64_t> rotary = backward_events(t, "self_attn.rotary");
+    // per rotation: rotate_half's negation and two slice_backwards, the two products; then the
+    // two empty slices' zeros
+    EXPECT_EQ(std::count(rotary.begin(), rotary.end(), piece), 2 * 4 + 2);
+  }
+}
+
+// Under autocast the rotary embedding's products are fp32 (cos and sin are): their gradients are
+// made in fp32 and cast back to q's dtype (measured: Llama bf16-mixed), and where bmm made the
+// attention output its gradient's copy is in bmm's dtype, after the math kernel's cast back (fp16-
+// mixed GPT-2 at b = 2).
+TEST(GraphBackwardOrder, AutocastGradientsInTheProductsDtype) {
+  Recipe r = cpu_recipe(Precision::kBf16Mixed, Attention::kSdpa, 1, 8);
+  const std::vector<std::int64_t> rotary = backward_events(trace_of(small_llama(1), r), "self_attn.rotary");
+  const std::int64_t k32 = 8 * 64 * 4;  // k: 8 tokens x 2 heads x 32, fp32
+  ASSERT_GE(rotary.size(), 3u);
+  EXPECT_EQ((std::vector<std::int64_t>(rotary.begin(), rotary.begin() + 3)),
+            (std::vector<std::int64_t>{k32, k32 / 2, -k32}));
+  Recipe g = cpu_recipe(Precision::kFp16Mixed, Attention::kSdpa, 2, 4);
+  g.optimizer = Optimizer::kSgd;
+  const std::vector<std::int64_t> ev = backward_events(trace_of(testing::gpt2_l2(), g), "attn.sdpa_math");
+  const std::int64_t o32 = 2 * 4 * 768 * 4;
+  ASSERT_GE(ev.size(), 2u);
+  EXPECT_EQ(ev[0], o32);  // the cast's gradient back in fp32
+  EXPECT_EQ(ev[2], o32);  // the copy for bmm (after the incoming gradient went)
+}
+
 // An RMSNorm's `weight * x.to(input_dtype)` under autocast: mul makes x's gradient in fp32, then
 // (the weight's full-size product and reduction made) validate_outputs casts it to bf16
 // (measured: Qwen3's k_norm under bf16-mixed).
