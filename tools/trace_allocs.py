@@ -66,7 +66,9 @@ def allocations(path: Path) -> dict[Group, list[Allocation]]:
 
 def as_sets(measured: list[Allocation], predicted: list[Allocation]) -> None:
     """Sorts each run of the measured side's allocations that share a call, and the predicted side's
-    allocations at the same places, by size, recomputing live bytes within the run (in place)."""
+    allocations at the same places, by size, recomputing live bytes within the run (in place). A
+    side that frees something between two of those allocations keeps its order, so the difference
+    shows where it is."""
     i = 0
     while i < len(measured):
         j = i + 1
@@ -74,7 +76,7 @@ def as_sets(measured: list[Allocation], predicted: list[Allocation]) -> None:
             j += 1
         for side in (measured, predicted):
             run = side[i:min(j, len(side))]
-            if len(run) < 2:
+            if len(run) < 2 or any(b[0] - a[0] != b[1] for a, b in zip(run, run[1:])):
                 continue
             live = run[0][0] - run[0][1]
             for k, (_, size, what, call) in enumerate(sorted(run, key=lambda a: a[1])):

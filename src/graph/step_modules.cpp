@@ -245,7 +245,10 @@ T StepBuilder::linear_module(const T& x_in, std::uint32_t w, std::uint32_t b, st
     if (bcast) n.inputs.push_back(grad_of(bc));
     // addmm(bias, x, W): the bias is the first input, so its gradient is made and its
     // AccumulateGrad runs first (what DDP's gradient-ready order shows: Note [DDP buckets]).
-    if (bt && !bcast) n.params.push_back(reduced(param_grad(b, cd)));
+    // addmm's bias gradient is validate_outputs' sum; ZeRO-3's function for F.linear sums it itself.
+    if (bt && !bcast) {
+      n.params.push_back(dp_->zero3() && functional_linear(w) ? param_grad(b, cd) : reduced(param_grad(b, cd)));
+    }
     if (wt && !wcast) {
       // F.linear multiplies by W.t(), so W's gradient is mm's output transposed back, a view
       // (ZeRO-3's LinearFunctionForZeroStage3 makes it fresh); addmm(b, x, W) uses W as it is.
@@ -766,7 +769,7 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
     if (lse.id != kNone) nd.saved.push_back(lse.id);
     if (fmask.id != kNone) nd.saved.push_back(fmask.id);
     // dq, dk, dv in that order (the profiler's allocation records of the CPU kernel, untracked;
-    // the tracker records an op's outputs last to first, so its traces show dv and dk first).
+    // the order it returns them in, which the tracker records).
     for (const T* x : {&qc, &kc, &vc}) nd.inputs.push_back(fused_grad_of(*x));
     // Flash backward (flash_api.cpp mha_bwd): a contiguous copy of grad_out, fp32 dq_accum,
     // fp32 softmax_d, and with GQA dk/dv at the query head count before the group sum. On the

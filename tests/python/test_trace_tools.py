@@ -101,3 +101,17 @@ def test_trace_allocs_compares_one_ops_allocations_as_a_set(tmp_path):
     two_calls = trace("m2.jsonl", [4096, 512, 512], [7, 8, 8])
     out = run("trace_allocs.py", two_calls, engine)
     assert out.returncode == 1 and "first difference at allocation 0" in out.stdout
+    # An engine that frees something between the op's allocations is compared in its own order.
+    freeing = write_trace(tmp_path / "p2.jsonl", [("alloc", 1024, "forward", "layer 0 x"),
+                                                  ("alloc", 4096, "forward", "layer 0 ln"),
+                                                  ("free", 1024, "forward", "layer 0 x"),
+                                                  ("alloc", 512, "forward", "layer 0 ln"),
+                                                  ("alloc", 512, "forward", "layer 0 ln")])
+    kept = write_trace(tmp_path / "m3.jsonl", [("alloc", 1024, "forward", "layer 0 x"),
+                                               ("alloc", 512, "forward", "layer 0 ln"),
+                                               ("alloc", 512, "forward", "layer 0 ln"),
+                                               ("alloc", 4096, "forward", "layer 0 ln")])
+    rows = [json.loads(line) for line in kept.read_text().splitlines()]
+    kept.write_text("".join(json.dumps({**r, "call": c}) + "\n" for r, c in zip(rows, [1, 2, 2, 2])))
+    out = run("trace_allocs.py", kept, freeing)
+    assert out.returncode == 1 and "first difference at allocation 1" in out.stdout

@@ -752,6 +752,7 @@ class MemoryTracker:
         for t in _iter_tensors(out):
             if self._sid_of(t) is None and self._trackable(t):
                 self._new_record(t, set(flags))
+        self._ctx = (*self._ctx[:6], 0)  # what is recorded after the op's outputs is no part of it
         for t in _iter_tensors(args):
             if self._sid_of(t) is None and self._trackable(t) and t.untyped_storage().nbytes() > 0:
                 self.stats["untracked_inputs"] += 1
