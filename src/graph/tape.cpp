@@ -283,6 +283,7 @@ void Tape::run_node(Node& n) {
   at(Phase::kBackward, n.tag.layer, n.tag.op);
   TensorId incoming = n.output == kNone ? kNone : value_grad_[n.output];
   if (n.output != kNone) value_grad_[n.output] = kNone;
+  TRAINMEM_ASSERT(n.co_outputs.empty() || !n.recompute, "a checkpoint node with several outputs");
   std::vector<TensorId>& co = node_co_;
   co.clear();
   for (ValueId v : n.co_outputs) {
@@ -413,7 +414,7 @@ void Tape::run_node(Node& n) {
     release(grads[k]);
     grads[k] = cast;
   }
-  if (incoming != kNone) release(incoming);
+  release(incoming);
   for (TensorId id : co) release(id);
   for (TensorId id : n.saved) release(id);
   for (TensorId id : n.kept) release(id);
