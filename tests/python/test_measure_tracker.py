@@ -238,3 +238,17 @@ def test_cuda_probe_records_transients_and_untracked_memory():
     # The same op again: nothing new is missing and the running peak did not move.
     tracker._probe_cuda(peak_before=peak)
     assert len(tracker.events) == 3
+
+
+def test_trace_marks_each_ops_allocations_and_keeps_their_order(tmp_path):
+    """native_layer_norm returns (out, mean, rstd) and allocates them in that order: the trace lists
+    them so, under one `call`, and the next op's allocations under another."""
+    spec = tiny("gpt2")
+    measure(spec, Recipe(batch=2, seq=8, precision="fp32", optimizer="sgd"), trace=str(tmp_path / "t.jsonl"))
+    rows = [json.loads(line) for line in open(tmp_path / "t.jsonl")]
+    norm = [r for r in rows if r["event"] == "alloc" and r["aten_op"] == "native_layer_norm" and r["step"] == 1]
+    assert norm and len(norm) % 3 == 0
+    first = norm[:3]
+    assert [r["shape"][-1] for r in first] == [spec.config["n_embd"], 1, 1]
+    assert len({r["call"] for r in first}) == 1
+    assert len({r["call"] for r in norm}) == len(norm) // 3
