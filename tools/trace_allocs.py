@@ -19,7 +19,7 @@ the same order (by size) before live bytes are compared.
 
 Usage:
     .venv/bin/python tools/trace_allocs.py MEASURED.jsonl PREDICTED.jsonl [--phases forward,loss]
-        [--show N]
+        [--show N] [--whole-phases]
 
 Prints each differing group with the first allocation where the two differ (`--show N`: the N
 allocations from there, side by side; the measured side names its aten op, dtype and shape).
@@ -45,7 +45,7 @@ Group = tuple[int, int, str, int]  # (step, micro_batch, phase, layer or -1)
 Allocation = tuple[int, int, str, int]  # (live bytes after it, its size, what it is, its call or 0)
 
 
-def allocations(path: Path) -> dict[Group, list[Allocation]]:
+def allocations(path: Path, whole_phases: bool = False) -> dict[Group, list[Allocation]]:
     """Each group's allocations, groups in the order of their first."""
     live = 0
     groups: dict[Group, list[Allocation]] = {}
@@ -57,7 +57,8 @@ def allocations(path: Path) -> dict[Group, list[Allocation]]:
             op = str(e.get("op") or "")
             m = _LAYER.match(op)
             what = " ".join(str(x) for x in (delta, op, e.get("aten_op"), e.get("dtype"), e.get("shape")) if x)
-            groups.setdefault((step, micro, phase, int(m.group(1)) if m else -1), []).append(
+            layer = int(m.group(1)) if m and not whole_phases else -1
+            groups.setdefault((step, micro, phase, layer), []).append(
                 (live, delta, what, int(e.get("call") or 0)))
     except ValueError as err:
         raise SystemExit(str(err)) from None
@@ -92,9 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--phases", default="forward,loss,backward,optimizer",
                     help="comma-separated phases to compare (default: all but setup)")
     ap.add_argument("--show", type=int, default=0, metavar="N", help="print N allocations from the first difference")
+    ap.add_argument("--whole-phases", action="store_true",
+                    help="one group per phase, whatever layer the ops are labelled with (the measuring side "
+                         "labels backward ops by their autograd node, which DTensor's ops can leave behind)")
     a = ap.parse_args(argv)
     phases = set(a.phases.split(","))
-    measured, predicted = allocations(a.measured), allocations(a.predicted)
+    measured, predicted = allocations(a.measured, a.whole_phases), allocations(a.predicted, a.whole_phases)
     keys = list(measured) + [k for k in predicted if k not in measured]  # the engine's extra groups last
     compared = differing = 0
     for key in keys:

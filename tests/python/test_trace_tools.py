@@ -115,3 +115,15 @@ def test_trace_allocs_compares_one_ops_allocations_as_a_set(tmp_path):
     kept.write_text("".join(json.dumps({**r, "call": c}) + "\n" for r, c in zip(rows, [1, 2, 2, 2])))
     out = run("trace_allocs.py", kept, freeing)
     assert out.returncode == 1 and "first difference at allocation 1" in out.stdout
+
+
+def test_trace_allocs_whole_phases_ignores_layer_labels(tmp_path):
+    """The same allocations labelled with other layers differ group by group, not phase by phase."""
+    m = write_trace(tmp_path / "m.jsonl", [("alloc", 1024, "backward", "lm_head"),
+                                           ("alloc", 2048, "backward", "layer 1 mlp")])
+    p = write_trace(tmp_path / "p.jsonl", [("alloc", 1024, "backward", "layer 1 mlp.down_proj"),
+                                           ("alloc", 2048, "backward", "layer 1 mlp")])
+    assert run("trace_allocs.py", m, p).returncode == 1
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "trace_allocs.py"), str(m), str(p), "--whole-phases"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and "1 groups compared, 0 differ" in out.stdout
