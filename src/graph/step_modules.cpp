@@ -1070,7 +1070,10 @@ T StepBuilder::attention_module(const T& x, const LayerParams& lp) {
           requires_grad(c);
           Node nd = node(c);
           nd.inputs.push_back(pass_to(r));  // CatBackward hands on narrowed views
-          nd.inputs.push_back(pass_to(pass));
+          // q_pass's, unless cat promoted it (the fp32 rotation under autocast): validate_outputs
+          // then casts the empty view, a new tensor of no bytes, and lets the gradient go (measured:
+          // Phi-3 bf16-mixed).
+          nd.inputs.push_back(pass.dtype == c.dtype ? pass_to(pass) : GradIn{pass.value, 0, false});
           t_.record(std::move(nd));
         }
         t_.drop(r);

@@ -763,10 +763,12 @@ inline void Tape::at(Phase phase, std::int32_t layer, std::string_view op) {
   moment_ = static_cast<std::uint32_t>(trace_.moments.size() - 1);
 }
 
+// A storage of no bytes holds no memory (both allocators hand out a null pointer for it): no
+// events, and the allocator replay never sees it.
 inline TensorId Tape::alloc_bytes(std::uint64_t bytes, Category category) {
   TensorId id = static_cast<TensorId>(trace_.storages.size());
   trace_.storages.push_back({bytes, category, false, 1});
-  trace_.events.push_back({id, moment_, true});
+  if (bytes != 0) trace_.events.push_back({id, moment_, true});
   return id;
 }
 
@@ -787,7 +789,7 @@ inline void Tape::release(TensorId id) {
   if (id == kNone) return;
   Storage& s = trace_.storages[id];
   TRAINMEM_ASSERT(s.refs > 0, "release of a freed storage");
-  if (--s.refs == 0) trace_.events.push_back({id, moment_, false});
+  if (--s.refs == 0 && s.bytes != 0) trace_.events.push_back({id, moment_, false});
 }
 
 inline ValueId Tape::new_value(std::uint64_t grad_bytes) {

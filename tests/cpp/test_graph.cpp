@@ -919,6 +919,20 @@ TEST(GraphBackwardOrder, Phi3SlicesAndTheirCopies) {
   }
 }
 
+// A storage of no bytes holds no memory (a null pointer from either allocator): no events, so
+// the replay never rounds it to a block. Phi-3's cat hands such a gradient to the empty q_pass
+// under autocast, where validate_outputs casts it (measured: Phi-3 bf16-mixed traces).
+TEST(GraphBackwardOrder, EmptyStoragesHoldNoMemory) {
+  graph::Tape t;
+  const graph::TensorId empty = t.alloc_bytes(0, Category::kTemporaries);
+  const graph::TensorId one = t.alloc_bytes(4, Category::kTemporaries);
+  t.release(empty);
+  t.release(one);
+  ASSERT_EQ(t.trace().events.size(), 2u);
+  EXPECT_EQ(t.trace().events[0].tensor, one);
+  EXPECT_EQ(t.trace().events[1].tensor, one);
+}
+
 // Under autocast the rotary embedding's products are fp32 (cos and sin are): their gradients are
 // made in fp32 and cast back to q's dtype (measured: Llama bf16-mixed), and where bmm made the
 // attention output its gradient's copy is in bmm's dtype, after the math kernel's cast back (fp16-
