@@ -417,7 +417,6 @@ void DataParallel::post_forward() {
 
 void DataParallel::backward_begin() {
   post_forward();  // a no-op where the step builder has called it
-  root_pre_backward();
 }
 
 void DataParallel::root_pre_backward() {

@@ -55,7 +55,7 @@ class DataParallel {
   void post_forward();                   // the wrapped module returns (after the model's loss)
   void layer_pre_forward(std::uint32_t layer);
   void layer_post_forward(std::uint32_t layer);
-  void backward_begin();                 // the loss' gradient exists
+  void backward_begin();                 // backward() is called
   void root_pre_backward();              // FSDP2's root pre-backward hook (on the root's outputs)
   void layer_change(std::int32_t from, std::int32_t to);  // backward moves between layers
   void param_ready(std::uint32_t slot);  // AccumulateGrad has run for this parameter

@@ -637,6 +637,7 @@ ValueId StepBuilder::scale_loss(T& loss) {
   module_exit(causal_lm_module_);  // the model's forward returns with the loss
   causal_lm_module_ = kNone;
   dp_->post_forward();  // the model's forward has returned (FSDP2's root post-forward)
+  root_output_ = loss.value;
   exit_autocast();  // the autocast context ends with the forward, before the loss is scaled
   // (loss / grad_accum).backward(); fp16-mixed goes through GradScaler.scale(), which makes
   // its scale and growth tracker on first use and multiplies the loss by the scale.
@@ -674,6 +675,15 @@ ValueId StepBuilder::scale_loss(T& loss) {
 void StepBuilder::backward(ValueId loss) {
   phase_ = Phase::kBackward;
   dp_->backward_begin();
+  // FSDP2's root pre-backward hook sits on the model's output, the loss: it runs once the seed and
+  // the loss's scaling have made the loss's gradient (measured: the FSDP traces, the root's
+  // all-gather after ones_like and div).
+  if (root_output_ != kNone) {
+    t_.hooked_value = root_output_;
+    t_.on_hooked_value = [this] { dp_->root_pre_backward(); };
+  } else {
+    dp_->root_pre_backward();
+  }
   t_.at(Phase::kBackward, kNoLayer, "loss");
   ensure_workspace(true);
   t_.backward(loss);

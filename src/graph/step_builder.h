@@ -628,6 +628,7 @@ class StepBuilder {
   std::vector<std::uint32_t> casts_;
   std::vector<TensorId> states_;
   T input_ids_, labels_, padding_mask_, mask_, cos_, sin_, position_ids_, pending_loss_;
+  ValueId root_output_ = kNone;  // the model's output, the loss (FSDP2's root pre-backward hook)
   std::array<T, 2> masks_;  // a training forward's masks by kind (causal, sliding); mask_ is the layer's
   T cp_positions_;  // context parallelism's position_ids buffer (Note [Context parallelism])
   std::vector<T> zero_losses_;  // ZeRO: the loss and gas_scaled_loss, held through backward

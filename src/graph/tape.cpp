@@ -281,6 +281,11 @@ void Tape::run_node(Node& n) {
     on_layer_change(from, n.tag.layer);
   }
   at(Phase::kBackward, n.tag.layer, n.tag.op);
+  if (n.output != kNone && n.output == hooked_value && value_grad_[n.output] != kNone) {
+    hooked_value = kNone;
+    if (on_hooked_value) on_hooked_value();
+    at(Phase::kBackward, n.tag.layer, n.tag.op);
+  }
   TensorId incoming = n.output == kNone ? kNone : value_grad_[n.output];
   if (n.output != kNone) value_grad_[n.output] = kNone;
   TRAINMEM_ASSERT(n.co_outputs.empty() || !n.recompute, "a checkpoint node with several outputs");

@@ -585,6 +585,10 @@ class Tape {
   // The engine's final callbacks (Variable._execution_engine.queue_callback): after every node,
   // while torch.autograd.backward still holds the seed gradient.
   std::function<void()> on_final_callbacks;
+  // A hook on one value's gradient (Tensor.register_hook): runs once, when the gradient has come
+  // and before the node that takes it runs.
+  ValueId hooked_value = kNone;
+  std::function<void()> on_hooked_value;
   // A module's forward (nested calls nest): the nodes recorded in between are its backward.
   // on_module_backward runs before the first and after the last of them in backward, outer
   // modules first and last: DeepSpeed's pre- and post-backward module hooks, Functions on the

@@ -135,6 +135,19 @@ TEST(Fsdp, TheRootGathersOnceAndEachLayerTwicePerStep) {
   EXPECT_EQ(flats, want);
 }
 
+// FSDP2's root pre-backward hook sits on the model's output, the loss: the first layer's
+// all-gather of the backward comes once the seed (ones_like) and the loss's scaling (div) have made
+// the loss's gradient (measured: the FSDP traces, tools/trace_allocs.py --whole-phases).
+TEST(Fsdp, TheRootPreBackwardWaitsForTheLossGradient) {
+  const graph::Trace t = graph::build_training_trace(gpt2_l2(), dp_recipe(Parallel::kFsdp, 2, Precision::kFp32), find_gpu("cpu"));
+  std::vector<std::uint64_t> first;  // step 1's first three backward allocations
+  for (const graph::Event& e : t.events) {
+    const graph::MomentTag& at = t.moments[e.moment];
+    if (e.alloc && at.step == 1 && at.phase == Phase::kBackward && first.size() < 3) first.push_back(t.storages[e.tensor].bytes);
+  }
+  EXPECT_EQ(first, (std::vector<std::uint64_t>{4, 4, 7'087'872 * 4}));
+}
+
 TEST(Fsdp, StatesShrinkWithTheWorldAndRankZeroHoldsTheCeiling) {
   const Model m = gpt2_l2();
   const Estimate one = estimate(m, dp_recipe(Parallel::kNone, 1, Precision::kFp32));
