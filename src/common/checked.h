@@ -45,5 +45,7 @@ inline std::uint64_t mul(std::initializer_list<std::uint64_t> xs, std::string_vi
 // "12.50 GiB": binary units, as torch prints memory.
 std::string format_bytes(std::uint64_t bytes);
 std::string format_count(std::uint64_t n);
+// ASCII lowercase (catalog names, recipe spellings).
+std::string lower(std::string_view s);
 
 }  // namespace trainmem::detail

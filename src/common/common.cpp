@@ -1,3 +1,4 @@
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 
@@ -92,6 +93,12 @@ std::string format_bytes(std::uint64_t bytes) {
 }
 
 // 8030261248 → "8.03 B", 20971520 → "20.97 M" (decimal, as parameter counts are quoted).
+std::string lower(std::string_view s) {
+  std::string r(s);
+  for (char& c : r) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return r;
+}
+
 std::string format_count(std::uint64_t n) {
   char buf[32];
   const double v = static_cast<double>(n);

@@ -677,12 +677,10 @@ void StepBuilder::backward(ValueId loss) {
   dp_->backward_begin();
   // FSDP2's root pre-backward hook sits on the model's output, the loss: it runs once the seed and
   // the loss's scaling have made the loss's gradient (measured: the FSDP traces, the root's
-  // all-gather after ones_like and div).
-  if (root_output_ != kNone) {
+  // all-gather after ones_like and div). No other wrapper has one.
+  if (r_.parallel == Parallel::kFsdp) {
     t_.hooked_value = root_output_;
     t_.on_hooked_value = [this] { dp_->root_pre_backward(); };
-  } else {
-    dp_->root_pre_backward();
   }
   t_.at(Phase::kBackward, kNoLayer, "loss");
   ensure_workspace(true);

@@ -1110,14 +1110,11 @@ T StepBuilder::slice(const T& fused, std::uint64_t width) { return view_of(fused
 // `fused` with one SplitBackward node, which runs once all the pieces' gradients have come and
 // concatenates them into a gradient of fused's size (split_backward's cat), then frees them.
 std::tuple<T, T, T> StepBuilder::split3(const T& fused, std::uint64_t w0, std::uint64_t w1, std::uint64_t w2) {
+  const std::uint64_t widths[3] = {w0, w1, w2};
   T p[3];
   for (int k = 0; k < 3; ++k) {
-    const std::uint64_t w = k == 0 ? w0 : k == 1 ? w1 : w2;
-    if (w == 0) continue;
-    p[k].id = fused.id;
-    t_.retain(fused.id);
-    p[k].dtype = fused.dtype;
-    p[k].numel = tok_ * w;
+    if (widths[k] == 0) continue;
+    p[k] = alias(fused, tok_ * widths[k]);
     if (fused.requires_grad()) requires_grad(p[k]);
   }
   if (fused.requires_grad()) {
@@ -1131,12 +1128,18 @@ std::tuple<T, T, T> StepBuilder::split3(const T& fused, std::uint64_t w0, std::u
   return {p[0], p[1], p[2]};
 }
 
-T StepBuilder::view_of(const T& base, std::uint64_t numel) {
+// `numel` elements of base's storage, with no gradient of its own.
+T StepBuilder::alias(const T& base, std::uint64_t numel) {
   T v;
   v.id = base.id;
   t_.retain(v.id);
   v.dtype = base.dtype;
   v.numel = numel;
+  return v;
+}
+
+T StepBuilder::view_of(const T& base, std::uint64_t numel) {
+  T v = alias(base, numel);
   if (!base.requires_grad()) return v;
   requires_grad(v);
   Node nd = node(v);

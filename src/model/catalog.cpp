@@ -1,7 +1,6 @@
 // The built-in model and GPU catalogs, and load_model's resolution order:
 // catalog name or alias → Hugging Face id → config.json path → model directory.
 #include <algorithm>
-#include <cctype>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
@@ -16,12 +15,7 @@ namespace trainmem {
 namespace {
 
 using nlohmann::json;
-
-std::string lower(std::string_view s) {
-  std::string r(s);
-  for (char& c : r) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return r;
-}
+using detail::lower;
 
 std::string_view data_file(std::string_view path) {
   for (const auto& f : data::files()) {

@@ -73,9 +73,9 @@ E parse(const Spellings<E, N>& table, std::string_view s, std::string_view field
     if (name == s) return v;
   }
   // Spellings are lowercase: name the one a differently cased value meant.
-  auto lower = [](char c) { return c >= 'A' && c <= 'Z' ? static_cast<char>(c - 'A' + 'a') : c; };
+  const std::string folded = detail::lower(s);
   for (const auto& [v, name] : table) {
-    if (name.size() == s.size() && std::equal(s.begin(), s.end(), name.begin(), [&](char a, char b) { return lower(a) == b; })) {
+    if (name == folded) {
       throw Error(std::string(field) + ": unknown value '" + std::string(s) + "'; values are lowercase: '" +
                   std::string(name) + "'");
     }
