@@ -317,8 +317,8 @@ T StepBuilder::proj(const T& x, std::string_view path, std::uint32_t w, std::uin
 }
 
 // ColwiseParallel around nn.Linear (Note [Tensor parallelism]): DTensor.from_local(x, Replicate)
-// is a view, whose backward all-reduces the linear's Partial input gradient into a new tensor (an
-// AsyncCollectiveTensor) and frees the partial one.
+// is a view, whose backward all-reduces the linear's Partial input gradient into a new tensor,
+// waits for it (a plain tensor, summed in place like any other) and frees the partial one.
 T StepBuilder::colwise_linear(const T& x_in, std::uint32_t w, std::uint32_t b, std::uint64_t out_features) {
   if (sp_ > 1) {  // ColwiseParallel(input_layouts=Shard(1)): See Note [Sequence parallelism]
     T full = seq_all_gather(x_in, /*partial_grad=*/true);
@@ -330,9 +330,7 @@ T StepBuilder::colwise_linear(const T& x_in, std::uint32_t w, std::uint32_t b, s
   if (x_in.requires_grad()) {
     requires_grad(x);
     Node n = node(x);
-    GradIn g = grad_of(x_in);
-    g.subclass = true;
-    n.inputs.push_back(g);
+    n.inputs.push_back(grad_of(x_in));
     t_.record(std::move(n));
   }
   T y = linear(x, w, b, out_features);
@@ -458,16 +456,19 @@ T StepBuilder::rms_norm(const T& x, std::uint32_t w, std::uint64_t rows, std::st
   // (distribute_module with DTensor.from_local on its input, python/trainmem/measure/parallel.py
   // _replicate_the_rest): its input is a view of x with a gradient of its own, its ops run on
   // DTensors, whose gradients are never summed in place, and from_local's backward hands the
-  // norm's summed input gradient on to x, where it is added to the residual's out of place
-  // (measured: the TP x DP traces, docs/parallelism.md "TP x DP"). Sequence parallelism has its
-  // DTensors already (See Note [Sequence parallelism]).
+  // local tensor of the norm's summed input gradient on to x, where it is added to the residual's
+  // gradient like any plain tensor: in place when that one is held by the buffer alone (measured:
+  // cpu-tp2-qwen3w512l2-fp32-sgd-b2s256 traced). Sequence parallelism has its DTensors already
+  // (See Note [Sequence parallelism]).
   const bool replicated = r_.tp > 1 && sp_ == 1;
   const bool dtensor = dtensor_;
   T xd = t_.ref(x);
   if (replicated && x.requires_grad()) {
     requires_grad(xd);
     Node& nd = open_node(xd);
-    nd.inputs.push_back(pass_to(x));
+    GradIn g = pass_to(x);
+    g.unwrap = true;
+    nd.inputs.push_back(g);
     t_.close_node();
   }
   if (replicated) dtensor_ = true;

@@ -227,8 +227,8 @@ void Tape::deliver(ValueId v, TensorId g) {
 
 // InputBuffer::accumulate, `g` arriving where `buf` is buffered (See Note [Mirroring autograd]):
 // added in place into `buf` when that one is exclusively owned and not a view; otherwise into a
-// new tensor. A sum with a tensor subclass on either side is always a new tensor, and (measured,
-// Note [Tensor parallelism]) so is the next sum into that result. Returns what the buffer holds.
+// new tensor. A sum with a tensor subclass on either side is always a new tensor, and a subclass
+// itself (DTensor + DTensor). Returns what the buffer holds.
 TensorId Tape::buffer_sum(TensorId buf, TensorId g, std::uint64_t bytes) {
   const bool subclass = is_subclass(buf) || is_subclass(g);
   if (!subclass && trace_.storages[buf].refs == 1 && !trace_.storages[buf].view) {
@@ -362,6 +362,7 @@ void Tape::run_node(Node& n) {
     if (in.passthrough) {
       retain(incoming);
       grads[k] = incoming;
+      if (in.unwrap && is_subclass(incoming)) subclass_[incoming] = false;
     } else if (in.reuse != kNone) {
       retain(in.reuse);
       grads[k] = in.reuse;

@@ -233,9 +233,13 @@ struct GradIn {
   // fused backward with one output per input): allocated with the others, then dropped
   // inside the node (value is kNone).
   bool discard = false;
-  // The gradient is a tensor subclass (a functional collective's AsyncCollectiveTensor: Note
-  // [Tensor parallelism] in tensor_parallel.h): never accumulated into in place.
+  // The gradient is a tensor subclass (a DTensor: Note [Sequence parallelism] in
+  // tensor_parallel.h): never accumulated into in place, nor is a sum with it.
   bool subclass = false;
+  // With `passthrough`: the node hands on its incoming gradient's local tensor (DTensor.from_local's
+  // backward, `to_local()` of a gradient whose placement is already the input's), a plain tensor
+  // however the gradient arrived.
+  bool unwrap = false;
   // The gradient is a view whose base lives on (Storage::view): a linear's input gradient,
   // mm's output reshaped back to the input's shape.
   bool view = false;

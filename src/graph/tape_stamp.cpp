@@ -515,7 +515,7 @@ bool Tape::capture_range(const LayerRange& r, std::size_t begin, std::size_t end
       const GradIn &x = n.inputs[k], &y = c.inputs[k];
       same = x.value == names.node_value(y.value) && x.bytes == y.bytes && x.passthrough == y.passthrough &&
              x.reuse == names.node_storage(y.reuse) && x.discard == y.discard && x.subclass == y.subclass &&
-             x.view == y.view && x.compute_bytes == y.compute_bytes;
+             x.unwrap == y.unwrap && x.view == y.view && x.compute_bytes == y.compute_bytes;
     }
     for (std::size_t k = 0; same && k < n.params.size(); ++k) {
       const ParamGrad &x = n.params[k], &y = c.params[k];

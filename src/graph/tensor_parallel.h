@@ -34,10 +34,11 @@ namespace trainmem::graph {
 //  * backward, ColwiseParallel (_prepare_input_fn: DTensor.from_local(x, Replicate), a view):
 //    the local matmul's input gradient is Partial, and from_local's backward redistributes it to
 //    the input's Replicate placement: one out-of-place all_reduce per colwise linear, after which
-//    the partial gradient dies. Those gradients are AsyncCollectiveTensor wrappers; autograd's
-//    InputBuffer never accumulates into a tensor subclass in place, so the sum of q/k/v's (and of
-//    gate/up's) input gradients is a new tensor each time, and (measured) so is the next sum
-//    into that result.
+//    the partial gradient dies. The redistribution waits for the collective and hands on its plain
+//    result, so autograd's InputBuffer sums q/k/v's (and gate/up's) input gradients in place, as
+//    on one process (re-measured with the tracker's in-place rule, docs/parallelism.md). On the
+//    CPU gloo's worker may hold a collective's output a little longer than the main thread
+//    (a free that lands late; the tracker's freed_off_thread_bytes): not modelled.
 // The measuring side sees the wrappers' inner tensors only (tracker._local): a wrapper subclass
 // has no memory of its own. On CUDA, NCCL's all-reduce runs on its own stream and the caching
 // allocator keeps the freed partial buffers until the collective's event (record_stream):
