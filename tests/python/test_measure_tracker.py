@@ -252,3 +252,21 @@ def test_trace_marks_each_ops_allocations_and_keeps_their_order(tmp_path):
     assert [r["shape"][-1] for r in first] == [spec.config["n_embd"], 1, 1]
     assert len({r["call"] for r in first}) == 1
     assert len({r["call"] for r in norm}) == len(norm) // 3
+
+
+def test_trace_marks_a_free_made_on_another_thread():
+    """The last reference to a tensor dropped by another thread (as gloo's worker does with a
+    collective's output): the free counts in freed_off_thread_bytes and its trace row says so."""
+    import threading
+
+    with MemoryTracker("cpu") as tracker:
+        here = torch.ones(1000)
+        there = [torch.ones(2000)]
+        worker = threading.Thread(target=there.clear)
+        worker.start()
+        worker.join()
+        del here
+    rows = list(tracker.trace_rows())
+    frees = {r["nbytes"]: r.get("off_thread", False) for r in rows if r["event"] == "free"}
+    assert frees == {8000: True, 4000: False}
+    assert tracker.stats["freed_off_thread_bytes"] == block_bytes(8000)

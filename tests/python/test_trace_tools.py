@@ -127,3 +127,19 @@ def test_trace_allocs_whole_phases_ignores_layer_labels(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "tools" / "trace_allocs.py"), str(m), str(p), "--whole-phases"],
                          capture_output=True, text=True)
     assert out.returncode == 0 and "1 groups compared, 0 differ" in out.stdout
+
+
+def test_trace_allocs_says_when_a_difference_follows_a_late_free(tmp_path):
+    """A free the measured side made on another thread (gloo's worker) is named with a differing
+    group that holds it or comes after it."""
+    m = write_trace(tmp_path / "m.jsonl", MEASURED)
+    rows = [json.loads(line) for line in m.read_text().splitlines()]
+    rows[4]["off_thread"] = True  # layer 0 a's free, after the differing allocation
+    m.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = run("trace_allocs.py", m, write_trace(tmp_path / "p.jsonl", PREDICTED))
+    assert out.returncode == 1
+    assert "first difference at allocation 2 (1 free on another thread by the group's end)" in out.stdout
+    assert "2 groups compared, 1 differ, 1 with a free on another thread by their end" in out.stdout
+    # Without the mark the same difference is reported plainly.
+    plain = run("trace_allocs.py", write_trace(tmp_path / "m2.jsonl", MEASURED), tmp_path / "p.jsonl")
+    assert "another thread" not in plain.stdout and plain.stdout.rstrip().endswith("1 differ")
