@@ -323,16 +323,26 @@ void Tape::run_node(Node& n) {
     std::rotate(trace_.events.begin() + static_cast<std::ptrdiff_t>(recompute_events),
                 trace_.events.begin() + static_cast<std::ptrdiff_t>(recomputed_events), trace_.events.end());
     // The checkpoint's frame holds its inputs (the recompute's arguments) while any saved tensor's
-    // unpack hook can still need it: once the segment's first saving node has run, they go, before
-    // the nodes ahead of it that save nothing (measured: a Qwen3 layer's input under bf16-mixed,
-    // freed before input_layernorm's cast back), and with them the recompute closure's keyword
-    // arguments.
+    // unpack hook can still need it: the hooks live in the saving nodes' SavedVariables, so the
+    // frame goes when the segment's first saving node releases its variables, once its function
+    // and validate_outputs are done and before its gradients are summed into their buffers
+    // (measured: a Qwen3 layer's input under bf16-mixed, freed before input_layernorm's cast back;
+    // under TP a Llama layer's fp32 input, freed before the replicated norm's DTensor sum). The
+    // recompute closure's keyword arguments go with it. The frame's tensors join that node's
+    // `kept`, which it releases there.
     std::size_t lead = begin;
     while (lead < first_saving && nodes_[lead].saved.empty() && !nodes_[lead].recompute) ++lead;
-    run(lead, first_saving);
-    at(Phase::kBackward, tag.layer, tag.op);
-    for (TensorId id : saved) release(id);
-    for (TensorId id : kept) release(id);
+    if (lead < first_saving && !nodes_[lead].recompute) {
+      Node& first = nodes_[lead];
+      for (TensorId id : saved) first.kept.push_back(id);
+      for (TensorId id : kept) first.kept.push_back(id);
+      run(lead, first_saving);
+    } else {
+      run(lead, first_saving);
+      at(Phase::kBackward, tag.layer, tag.op);
+      for (TensorId id : saved) release(id);
+      for (TensorId id : kept) release(id);
+    }
     run(begin, lead);
     resize_nodes(begin);
     return;

@@ -418,6 +418,34 @@ std::vector<std::pair<bool, std::uint64_t>> backward_events_from(const graph::Tr
   return out;
 }
 
+TEST(TensorParallel, CheckpointInputGoesBeforeTheReplicatedNormsSum) {
+  // Measured (the trace of cpu-tp2-llamaw512l4-fp32-sgd-ckpt-b2s256, the end of layer 3's
+  // backward in step 1): the checkpoint's frame, which holds the layer's input, goes when the
+  // segment's first saving node (input_layernorm's pow, whose saved input is that same fp32
+  // tensor) releases its variables, before the engine sums the norm's two input gradients
+  // (a DTensor sum, a new tensor) and adds that into the residual's gradient in place.
+  Recipe r = tp_recipe(2);
+  r.seq = 256;
+  r.allocator = AllocatorMode::kDefault;
+  r.checkpointing = Checkpointing::kFull;
+  r.validate();
+  const graph::Trace t = graph::build_training_trace(llama_w512(), r, find_gpu("cpu"));
+  const std::uint64_t x = 2 * 256 * 512 * 4;
+  std::vector<std::pair<bool, std::uint64_t>> tail;
+  for (const graph::Event& e : t.events) {
+    const graph::MomentTag& m = t.moments[e.moment];
+    if (m.step == 1 && m.phase == Phase::kBackward && m.layer == 3) tail.emplace_back(e.alloc, t.storages[e.tensor].bytes);
+  }
+  ASSERT_GE(tail.size(), 11u);
+  tail.erase(tail.begin(), tail.end() - 11);
+  const std::vector<std::pair<bool, std::uint64_t>> want = {
+      {true, x},  {true, x},  {true, x},                // pow's backward
+      {false, x}, {false, x}, {false, x},               // its temporaries
+      {false, x},                                       // the layer's input, with the frame
+      {true, x},  {false, x}, {false, x}, {false, x}};  // the DTensor sum, then add_ into the residual's
+  EXPECT_EQ(tail, want);
+}
+
 TEST(TensorXDataParallel, SequenceParallelNormGradientsAreAllReducedInThePostBackward) {
   // Measured (the trace of tp 2 x dp 2 --sequence-parallel, fp32 SGD b1 s64, layer 3's
   // post-backward in step 1; See Note [Partial gradients under FSDP2]): input_layernorm's and
