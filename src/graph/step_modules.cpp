@@ -998,9 +998,11 @@ T StepBuilder::attention_module(const T& x, const LayerParams& lp) {
   // and V's repetition (SDPA with a mask and fewer K/V heads than q's). GPT-2's k never: bmm makes
   // k^T's gradient laid out [b, heads, d, s], which folds back. Measured on the CPU: the flash
   // kernel hands the gradients back in their inputs' layout, no copy; the ring's is not measured
-  // (no copy modelled).
-  auto heads_view = [&](T p, bool copies) {
-    if (!copies) return p;
+  // (no copy modelled). With one head of `n` (a rank's one key/value head under TP) or one token
+  // the two layouts are the same and the reshape is a view (measured: a TP rank of a 2-KV-head
+  // Llama, tests/python/test_measure_parallel.py).
+  auto heads_view = [&](T p, std::uint64_t n, bool copies) {
+    if (!copies || n == 1 || S_ == 1) return p;
     op(gpt2 ? "attn.clone" : "self_attn.clone");  // the copy's name in measured traces
     T h = view_of(p, p.numel);
     t_.drop(p);
@@ -1017,9 +1019,9 @@ T StepBuilder::attention_module(const T& x, const LayerParams& lp) {
     T qkv = proj(x, "attn.c_attn", lp.qkv, lp.qkv_b, qw + 2 * kvw);
     auto [sq, sk, sv] = split3(qkv, qw, kvw, kvw);
     t_.drop(qkv);
-    k = heads_view(sk, false);
-    v = heads_view(sv, bmm_grads);
-    q = heads_view(sq, bmm_grads);
+    k = heads_view(sk, kvh, false);
+    v = heads_view(sv, kvh, bmm_grads);
+    q = heads_view(sq, heads, bmm_grads);
   } else if (lp.qkv != kNone) {
     // Phi-3 slices qkv_proj's output (qkv[..., :query_pos] and so on): each slice's backward
     // makes a full-size zero gradient of the fused output (SliceBackward), summed into one. The
@@ -1028,9 +1030,9 @@ T StepBuilder::attention_module(const T& x, const LayerParams& lp) {
     T qkv = proj(x, "self_attn.qkv_proj", lp.qkv, lp.qkv_b, qw + 2 * kvw);
     T sq = slice(qkv, qw), sk = slice(qkv, kvw), sv = slice(qkv, kvw);
     t_.drop(qkv);
-    q = heads_view(sq, true);
-    k = heads_view(sk, true);
-    v = heads_view(sv, v_copies);
+    q = heads_view(sq, heads, true);
+    k = heads_view(sk, kvh, true);
+    v = heads_view(sv, kvh, v_copies);
   } else {
     // Qwen3 normalises each projection over head_dim as soon as it is made (q_norm(q_proj(x)),
     // then k_norm(k_proj(x)), then v_proj(x)): that order of creation is the backward's reverse
@@ -1041,11 +1043,11 @@ T StepBuilder::attention_module(const T& x, const LayerParams& lp) {
       t_.drop(p);
       return n;
     };
-    q = normed(heads_view(proj(x, "self_attn.q_proj", lp.q, lp.q_b, qw), true), lp.q_norm, tok_ * heads,
+    q = normed(heads_view(proj(x, "self_attn.q_proj", lp.q, lp.q_b, qw), heads, true), lp.q_norm, tok_ * heads,
                "self_attn.q_norm");
-    k = normed(heads_view(proj(x, "self_attn.k_proj", lp.k, lp.k_b, kvw), true), lp.k_norm, tok_ * kvh,
+    k = normed(heads_view(proj(x, "self_attn.k_proj", lp.k, lp.k_b, kvw), kvh, true), lp.k_norm, tok_ * kvh,
                "self_attn.k_norm");
-    v = heads_view(proj(x, "self_attn.v_proj", lp.v, lp.v_b, kvw), v_copies);
+    v = heads_view(proj(x, "self_attn.v_proj", lp.v, lp.v_b, kvw), kvh, v_copies);
   }
   // Note [Attention layouts]: q, k, v are views (view + transpose) of the projection outputs
   // (q and k normalised over head_dim before the transpose, Qwen3), laid out as [b, s, heads, d];

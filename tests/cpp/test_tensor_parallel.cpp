@@ -418,6 +418,21 @@ std::vector<std::pair<bool, std::uint64_t>> backward_events_from(const graph::Tr
   return out;
 }
 
+TEST(TensorParallel, OneLocalKeyValueHeadReshapesItsGradientAsAView) {
+  // proj(x).view(b, s, heads, d).transpose(1, 2): the rotary embedding's backward makes q's and
+  // k's gradients laid out [b, heads, s, d], and reshaping them back copies them, unless a rank
+  // holds one head, where both layouts are the same (measured: a 2-KV-head Llama on 2 ranks,
+  // tests/python/test_measure_parallel.py). Here 4 KV heads: 2 per rank at tp 2, 1 at tp 4.
+  Recipe r = tp_recipe(2);
+  const graph::Trace two = graph::build_training_trace(llama_w512(), r, find_gpu("cpu"));
+  const std::uint64_t tok = 2 * 512, d = 64;
+  EXPECT_EQ(allocs(two, Phase::kBackward, 3, "self_attn.clone"), (std::vector<std::uint64_t>{tok * 2 * d * 4, tok * 4 * d * 4}));
+  r.tp = 4;
+  r.validate();
+  const graph::Trace four = graph::build_training_trace(llama_w512(), r, find_gpu("cpu"));
+  EXPECT_EQ(allocs(four, Phase::kBackward, 3, "self_attn.clone"), (std::vector<std::uint64_t>{tok * 2 * d * 4}));
+}
+
 TEST(TensorParallel, CheckpointInputGoesBeforeTheReplicatedNormsSum) {
   // Measured (the trace of cpu-tp2-llamaw512l4-fp32-sgd-ckpt-b2s256, the end of layer 3's
   // backward in step 1): the checkpoint's frame, which holds the layer's input, goes when the

@@ -1,6 +1,7 @@
 """Data-parallel measurements (recipe gpus / parallel, python/trainmem/measure/parallel.py)."""
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -303,6 +304,25 @@ def test_tp_world_size_2(tiny_llama):
     assert single["diagnostics"]["live_bytes_at_end"]["weights"] - end == 4 * L * layer // 2
     assert tp["diagnostics"]["untracked_inputs"] == 0
 
+
+
+def test_tp_trace_matches_the_engine_allocation_by_allocation(tiny_llama, tmp_path, run):
+    """Plain TP on 2 gloo ranks: no free lands late on gloo's worker thread (Note [Settled
+    functional collectives] in parallel.py waits until the Work lets go of an all_reduce's clone),
+    so both ranks trace the same events, and every allocation of every phase is where the engine
+    puts it: the all-reduced activations freed at the residual add, the colwise input gradients
+    summed in place (tools/trace_allocs.py --whole-phases)."""
+    trace = tmp_path / "tp.jsonl"
+    out = measure(str(tiny_llama), Recipe(batch=2, seq=16, precision="fp32", optimizer="sgd", tp=2), trace=str(trace))
+    assert [r["freed_off_thread_bytes"] for r in out["diagnostics"]["parallel"]["ranks"]] == [0, 0]
+    predicted = tmp_path / "engine.jsonl"
+    r = run("estimate", tiny_llama, "--batch", 2, "--seq", 16, "--precision", "fp32", "--optimizer", "sgd",
+            "--tp", 2, "--gpu", "cpu", "--trace", predicted)
+    assert r.returncode == 0, r.stderr
+    for measured in (trace, tmp_path / "tp.jsonl.rank1"):
+        c = subprocess.run([sys.executable, str(ROOT / "tools" / "trace_allocs.py"), str(measured), str(predicted),
+                            "--whole-phases"], capture_output=True, text=True)
+        assert c.returncode == 0 and c.stdout.rstrip().endswith(" 0 differ"), c.stdout
 
 
 def test_sp_batch_one_saves_the_stacked_gather(tiny_llama, tmp_path, run):

@@ -539,7 +539,11 @@ def attach(tracker, runner: torch.nn.Module, recipe: Recipe) -> None:
 # next projection's matmul). NCCL's Work holds no caching-allocator block past the stream's order.
 # So, on gloo, each functional collective waits for its Work at once and then until its inputs'
 # storages are back to the reference counts they had before it and its outputs are held by
-# nothing but the tensors it returns (sleeping hands the GIL to the worker thread). Each tensor is
+# nothing but the tensors it returns, and those by nothing but their Python objects (sleeping
+# hands the GIL to the worker thread). The tensors' own counts matter where the Work holds a
+# returned tensor itself, as all_reduce's clone: its storage's count cannot show that (until
+# session 26 only the storages' were read, and now and then an all-reduced activation or
+# gradient was freed late, on the worker thread: traces marked `off_thread`). Each tensor is
 # then freed where its last Python reference goes, deterministically; the caller's own
 # `wait_tensor` finds no Work left and returns. Nothing is allocated by the wait. Checked: twelve
 # runs of cpu-tp2sp-llamaw512l4-fp32-sgd-b2s64 traced the same events in the same order on both
@@ -557,15 +561,20 @@ def _settle_functional_collectives(tracker) -> None:
         # with `inputs` holding one reference each
         settled = [(st, use_count(cdata)) for cdata, st in inputs.items()]
         out = func(*args, **kwargs)
-        outputs = {}
-        for t in _iter_tensors(out):
+        outputs, returned = {}, list(_iter_tensors(out))
+        for t in returned:
             ops.wait_tensor(t)
             st = t.untyped_storage()
             # each returned tensor's reference, and this storage object's
             outputs[st._cdata] = (st, outputs.get(st._cdata, (st, 1))[1] + 1)
         settled += list(outputs.values())
-        _wait_until_settled(lambda: any(use_count(st._cdata) > n for st, n in settled), 0.0002,
-                            "gloo's Work kept a collective's tensors alive", "Settled functional collectives")
+
+        def busy():
+            # The Work holds an output tensor itself (all_reduce's clone): the storage's count does
+            # not show that reference, the tensor's does (1: the Python object alone).
+            return any(use_count(st._cdata) > n for st, n in settled) or any(t._use_count() > 1 for t in returned)
+
+        _wait_until_settled(busy, 0.0002, "gloo's Work kept a collective's tensors alive", "Settled functional collectives")
         return out
 
     for name in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "all_reduce"):
