@@ -655,22 +655,32 @@ T StepBuilder::rope(const T& q) {
   return y;
 }
 
-// repeat_kv: expand + reshape copies K/V up to the query heads (no copy when groups == 1).
+// repeat_kv: expand + reshape copies K/V up to the query heads (no copy when groups == 1). With
+// one key/value head (a TP rank's) the reshape merges that head's dimension of size 1 away and
+// is a view, the heads of stride 0: no copy here, and matmul's fold copies it instead where b > 1
+// (measured: eager attention on a rank of a 2-KV-head Llama, both K's and V's copies made at their
+// matmuls). Backward, expand's sum makes the one head's gradient either way.
 T StepBuilder::repeat_kv(const T& x) {
   const std::uint64_t groups = a_.num_heads / a_.num_kv_heads;
   if (groups == 1) return t_.ref(x);
+  if (a_.num_kv_heads == 1) {
+    T r = view_of(x, x.numel * groups);
+    r.expanded = true;
+    return r;
+  }
   return elementwise({&x}, x.numel * groups, x.dtype, {});
 }
 
 // matmul of 4-D operands folds [b, heads] into one batch dimension with reshape before bmm.
 // An operand laid out as [b, s, heads, d] (a projection view, or an elementwise result that
-// kept its layout) folds as a view only when b == 1; otherwise reshape copies it, and bmm
+// kept its layout), or expanded over the heads (repeat_kv of one head), folds as a view only
+// when b == 1; otherwise reshape copies it, and bmm
 // saves the copy instead of the operand (checked with torch 2.13: expand + view for b = 1,
 // expand + clone + _unsafe_view for b = 2). Returns what bmm takes: the copy, or x itself. In
 // backward the clone hands bmm's gradient on, laid out [b, heads, s, d] (measured: Llama eager at
 // b = 2 makes nothing there); a reshape further up copies it where that layout does not fold
 // back (Note [Attention layouts]).
-T StepBuilder::fold_for_bmm(const T& x) { return x.bshd && B_ > 1 ? handing_on(x) : t_.ref(x); }
+T StepBuilder::fold_for_bmm(const T& x) { return (x.bshd || x.expanded) && B_ > 1 ? handing_on(x) : t_.ref(x); }
 
 // torch.matmul(a, b) of 4-D operands in dtype c: autocast casts the arguments last to first
 // (Note [Autocast's weight casts]), matmul folds each for bmm (fold_for_bmm), and

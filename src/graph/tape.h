@@ -219,6 +219,9 @@ struct T {
   // Attention tensors: logically [b, heads, s, d] but laid out as [b, s, heads, d] (a view of a
   // projection output). See Note [Attention layouts] in step_modules.cpp.
   bool bshd = false;
+  // A broadcast view (repeat_kv of one key/value head: expand gives the heads stride 0), whose
+  // numel is the logical one; it owns no more memory than its base.
+  bool expanded = false;
   std::uint64_t bytes() const { return numel * dtype_bytes(dtype); }
   bool requires_grad() const { return value != kNone; }
 };

@@ -433,6 +433,35 @@ TEST(TensorParallel, OneLocalKeyValueHeadReshapesItsGradientAsAView) {
   EXPECT_EQ(allocs(four, Phase::kBackward, 3, "self_attn.clone"), (std::vector<std::uint64_t>{tok * 2 * d * 4}));
 }
 
+TEST(TensorParallel, OneLocalKeyValueHeadIsRepeatedAsAView) {
+  // Eager attention on a rank with one KV head of four query heads' worth (tp 4): repeat_kv is a
+  // view (expand, then a reshape that merges a dimension of size 1), so K and V are copied by
+  // matmul's fold, at their matmuls, and not by repeat_kv ahead of both (measured: a 2-KV-head
+  // Llama on 2 ranks, eager, b = 2, fp32 and bf16-mixed, every allocation).
+  Recipe r = tp_recipe(2);
+  r.attention = Attention::kEager;
+  r.validate();
+  const std::uint64_t tok = 2 * 512, d = 64, scores = 2 * 512 * 512 * 4;
+  const graph::Trace two = graph::build_training_trace(llama_w512(), r, find_gpu("cpu"));
+  // tp 2: 4 query heads, 2 KV heads: repeat_kv copies K and V, then q's fold, then the scores.
+  const std::vector<std::uint64_t> repeated = allocs(two, Phase::kForward, 0, "self_attn.attn_weights");
+  ASSERT_GE(repeated.size(), 4u);
+  EXPECT_EQ(std::vector<std::uint64_t>(repeated.begin(), repeated.begin() + 4),
+            (std::vector<std::uint64_t>{tok * 4 * d * 4, tok * 4 * d * 4, tok * 4 * d * 4, 4 * scores}));
+  r.tp = 4;
+  r.validate();
+  const graph::Trace four = graph::build_training_trace(llama_w512(), r, find_gpu("cpu"));
+  const std::vector<std::uint64_t> weights = allocs(four, Phase::kForward, 0, "self_attn.attn_weights");
+  // tp 4: 2 query heads, 1 KV head: q's fold and K's fold (at the repeated size), then the scores.
+  ASSERT_GE(weights.size(), 3u);
+  EXPECT_EQ(std::vector<std::uint64_t>(weights.begin(), weights.begin() + 3),
+            (std::vector<std::uint64_t>{tok * 2 * d * 4, tok * 2 * d * 4, 2 * scores}));
+  // V's fold copy comes at the second matmul.
+  const std::vector<std::uint64_t> output = allocs(four, Phase::kForward, 0, "self_attn.attn_output");
+  ASSERT_FALSE(output.empty());
+  EXPECT_EQ(output.front(), tok * 2 * d * 4);
+}
+
 TEST(TensorParallel, CheckpointInputGoesBeforeTheReplicatedNormsSum) {
   // Measured (the trace of cpu-tp2-llamaw512l4-fp32-sgd-ckpt-b2s256, the end of layer 3's
   // backward in step 1): the checkpoint's frame, which holds the layer's input, goes when the

@@ -306,18 +306,21 @@ def test_tp_world_size_2(tiny_llama):
 
 
 
-def test_tp_trace_matches_the_engine_allocation_by_allocation(tiny_llama, tmp_path, run):
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_tp_trace_matches_the_engine_allocation_by_allocation(tiny_llama, tmp_path, run, attention):
     """Plain TP on 2 gloo ranks: no free lands late on gloo's worker thread (Note [Settled
     functional collectives] in parallel.py waits until the Work lets go of an all_reduce's clone),
     so both ranks trace the same events, and every allocation of every phase is where the engine
     puts it: the all-reduced activations freed at the residual add, the colwise input gradients
-    summed in place (tools/trace_allocs.py --whole-phases)."""
+    summed in place, a rank's one KV head reshaped and (eager) repeated as views
+    (tools/trace_allocs.py --whole-phases)."""
     trace = tmp_path / "tp.jsonl"
-    out = measure(str(tiny_llama), Recipe(batch=2, seq=16, precision="fp32", optimizer="sgd", tp=2), trace=str(trace))
+    out = measure(str(tiny_llama), Recipe(batch=2, seq=16, precision="fp32", optimizer="sgd", tp=2, attention=attention),
+                  trace=str(trace))
     assert [r["freed_off_thread_bytes"] for r in out["diagnostics"]["parallel"]["ranks"]] == [0, 0]
     predicted = tmp_path / "engine.jsonl"
     r = run("estimate", tiny_llama, "--batch", 2, "--seq", 16, "--precision", "fp32", "--optimizer", "sgd",
-            "--tp", 2, "--gpu", "cpu", "--trace", predicted)
+            "--tp", 2, "--attention", attention, "--gpu", "cpu", "--trace", predicted)
     assert r.returncode == 0, r.stderr
     for measured in (trace, tmp_path / "tp.jsonl.rank1"):
         c = subprocess.run([sys.executable, str(ROOT / "tools" / "trace_allocs.py"), str(measured), str(predicted),
