@@ -165,7 +165,7 @@ T StepBuilder::vocab_parallel_nll_loss(const T& target, T& total_weight) {
 
 // _MaskPartial._partition_value (torch/distributed/tensor/_ops/_embedding_ops.py) on `n`
 // targets: the mask (t < start) | (t >= end), the two comparisons freed once or'd; then
-// t.clone() - start, whose clone dies at once, into `local_target`; then
+// t.clone() - start into `local_target`, after which the clone (its operand) dies; then
 // masked_tensor[mask] = 0, whose one-element index value dies with it. Returns the mask.
 T StepBuilder::partition_targets(std::uint64_t n, T& local_target) {
   T lt = fresh(n, DType::kU8);
@@ -174,8 +174,8 @@ T StepBuilder::partition_targets(std::uint64_t n, T& local_target) {
   t_.drop(lt);
   t_.drop(ge);
   T copy = fresh(n, DType::kI64);
-  t_.drop(copy);
   local_target = fresh(n, DType::kI64);
+  t_.drop(copy);
   T lifted = fresh(1, DType::kI64);
   t_.drop(lifted);
   return mask;

@@ -317,6 +317,19 @@ TEST(LossParallel, LocalLogitsAndOneLogitsGradient) {
   EXPECT_EQ(head_allocs(t, Phase::kBackward, {"loss"}),
             (std::vector<std::uint64_t>{4, 4, 4, n, n * 8, logits, n, n, n, n * 8, n * 8, 8, n * 4, n * 4,
                                         n * 8, n, n * 4, logits, logits, logits}));
+  // The partition's t.clone() - start: the clone is the subtraction's operand and dies after
+  // its result is made (measured, loss and backward alike), right after the mask's comparisons.
+  for (Phase phase : {Phase::kLoss, Phase::kBackward}) {
+    std::vector<std::pair<bool, std::uint64_t>> events;
+    for (const graph::Event& e : t.events) {
+      const graph::MomentTag& m = t.moments[e.moment];
+      if (m.step == 1 && m.phase == phase && m.op == "loss") events.emplace_back(e.alloc, t.storages[e.tensor].bytes);
+    }
+    const std::vector<std::pair<bool, std::uint64_t>> partition = {
+        {true, n}, {false, n}, {false, n}, {true, n * 8}, {true, n * 8}, {false, n * 8}};
+    EXPECT_NE(std::search(events.begin(), events.end(), partition.begin(), partition.end()), events.end())
+        << static_cast<int>(phase);
+  }
   std::vector<std::uint64_t> head = head_allocs(t, Phase::kBackward, {"lm_head"});
   std::sort(head.begin(), head.end());
   EXPECT_EQ(head, (std::vector<std::uint64_t>{128 * 512 * 4, 128 * 512 * 4, 500 * 512 * 4}));
