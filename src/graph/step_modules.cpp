@@ -458,9 +458,11 @@ T StepBuilder::rms_norm(const T& x, std::uint32_t w, std::uint64_t rows, std::st
   // DTensors, whose gradients are never summed in place, and from_local's backward hands the
   // local tensor of the norm's summed input gradient on to x, where it is added to the residual's
   // gradient like any plain tensor: in place when that one is held by the buffer alone (measured:
-  // cpu-tp2-qwen3w512l2-fp32-sgd-b2s256 traced). Sequence parallelism has its DTensors already
-  // (See Note [Sequence parallelism]).
-  const bool replicated = r_.tp > 1 && sp_ == 1;
+  // cpu-tp2-qwen3w512l2-fp32-sgd-b2s256 traced). Qwen3's q_norm and k_norm are such modules too
+  // (Shard on the heads, _head_shard_norms), under sequence parallelism as well, where the other
+  // norms' inputs are DTensors already (See Note [Sequence parallelism]) and are not wrapped
+  // again (measured: cpu-tp2sp-qwen3w512l2-fp32-adamw-b2s128 traced).
+  const bool replicated = r_.tp > 1 && !dtensor_;
   const bool dtensor = dtensor_;
   T xd = t_.ref(x);
   if (replicated && x.requires_grad()) {

@@ -475,6 +475,27 @@ TEST(TensorParallel, OneLocalKeyValueHeadIsRepeatedAsAView) {
   EXPECT_EQ(output.front(), tok * 2 * d * 4);
 }
 
+TEST(TensorParallel, Qwen3HeadNormsAreDTensorModulesUnderSequenceParallelismToo) {
+  // q_norm and k_norm take their input as a head Shard DTensor (from_local) with or without
+  // sequence parallelism, so their two input gradients are summed out of place in both
+  // (measured: cpu-tp2sp-qwen3w512l2-fp32-adamw-b2s128 and cpu-tp2-qwen3w512l2-fp32-sgd-b2s256,
+  // every allocation): the same allocations, where sequence parallelism changes only the norms
+  // of the residual stream.
+  const Model m = load_model("qwen3-0.6b");
+  Recipe r = tp_recipe(2);
+  r.seq = 128;
+  r.validate();
+  const graph::Trace plain = graph::build_training_trace(m, r, find_gpu("cpu"));
+  r.sequence_parallel = true;
+  r.validate();
+  const graph::Trace sp = graph::build_training_trace(m, r, find_gpu("cpu"));
+  for (const char* op : {"self_attn.q_norm", "self_attn.k_norm"}) {
+    const std::vector<std::uint64_t> want = allocs(plain, Phase::kBackward, 1, op);
+    ASSERT_FALSE(want.empty()) << op;
+    EXPECT_EQ(allocs(sp, Phase::kBackward, 1, op), want) << op;
+  }
+}
+
 TEST(TensorParallel, CheckpointInputGoesBeforeTheReplicatedNormsSum) {
   // Measured (the trace of cpu-tp2-llamaw512l4-fp32-sgd-ckpt-b2s256, the end of layer 3's
   // backward in step 1): the checkpoint's frame, which holds the layer's input, goes when the
