@@ -730,7 +730,10 @@ void DataParallel::reshard(Unit& u) {
 // before the reshard; the all-reduced tensors (the tracker counts them as temporaries: nothing
 // marks them as gradients) then go into the reduce-scatter's copy-in like any gradient, the last
 // one of the unit held to the end of foreach_reduce as always. Measured:
-// data/ground_truth/parallel/cpu-tp2dp2sp-* (docs/parallelism.md "TP x DP").
+// data/ground_truth/parallel/cpu-tp2dp2sp-* (docs/parallelism.md "TP x DP"). Qwen3's q_norm and
+// k_norm weights are Replicate with a Partial gradient under any tensor parallelism (their input
+// is a head Shard: Note [Tensor parallelism] in tensor_parallel.h), all-reduced the same way
+// (measured: cpu-tp2dp2-qwen3w512l2-fp32-adamw-b1s64 traced, every rank).
 
 // A unit's post-backward with reduce_grads off, in a pipeline's schedule (See Note [Pipeline with
 // FSDP2]): no reshard, no reduction; with a reduce_dtype the unsharded .grads are accumulated in it.

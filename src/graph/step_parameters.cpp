@@ -86,8 +86,10 @@ void StepBuilder::wrap_data_parallel() {
   bool in_layers_done = false;
   const auto& groups = m_.parameters;
   auto is_layer = [](const ParameterGroup& g) { return g.name.find(".N.") != std::string::npos; };
-  // The SequenceParallel norms' weights get Partial gradients (See Note [Partial gradients under FSDP2]).
+  // The SequenceParallel norms' weights get Partial gradients, and so do Qwen3's head norms' under
+  // any tensor parallelism (See Note [Partial gradients under FSDP2]).
   auto partial = [&](const std::string& name) {
+    if (r_.tp > 1 && (ends_with(name, ".q_norm.weight") || ends_with(name, ".k_norm.weight"))) return true;
     return r_.sequence_parallel && (ends_with(name, ".input_layernorm.weight") ||
                                     ends_with(name, ".post_attention_layernorm.weight") || name == "model.norm.weight");
   };

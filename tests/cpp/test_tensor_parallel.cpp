@@ -418,6 +418,19 @@ TEST(TensorXDataParallel, ReplicatedNormSumsItsOwnGradientsOutOfPlace) {
   EXPECT_EQ(allocs(u, Phase::kBackward, 1, "input_layernorm").size(), want.size() - 1);
 }
 
+TEST(TensorXDataParallel, Qwen3HeadNormGradientsAreAllReducedInThePostBackward) {
+  // q_norm's and k_norm's weights are Replicate on the tp mesh with Partial gradients (their input
+  // is a head Shard), so FSDP2's post-backward all-reduces each, [head_dim] fp32, once per layer
+  // and step (measured: cpu-tp2dp2-qwen3w512l2-fp32-adamw-b1s64 traced, every rank). Without
+  // head norms (Llama) nothing is redistributed.
+  const Model m = load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/qwen3-0.6b-w512-l2.json");
+  const graph::Trace t = graph::build_training_trace(m, tpdp_recipe(), find_gpu("cpu"));
+  const std::vector<std::uint64_t> want(2 * 2 * 2, 64 * 4);  // 2 norms x 2 layers x 2 steps
+  EXPECT_EQ(allocs_at(t, "fsdp.redistribute_grad"), want);
+  const graph::Trace llama = graph::build_training_trace(llama_w512(), tpdp_recipe(), find_gpu("cpu"));
+  EXPECT_TRUE(allocs_at(llama, "fsdp.redistribute_grad").empty());
+}
+
 // The events (alloc or free, bytes) of step 1's backward from the first `from` moment on.
 std::vector<std::pair<bool, std::uint64_t>> backward_events_from(const graph::Trace& t, std::string_view from,
                                                                  std::size_t n) {
