@@ -443,9 +443,12 @@ void Tape::run_node(Node& n) {
   // where AccumulateGrad adds it into .grad and frees it). ParamGrad::param_bytes is such a cast
   // node (Gemma's weight.float()); a cast that validate_outputs makes inside the node would come
   // before the routing, which no node here tells apart (none of them sums what it delivers).
-  for (std::size_t k = 0; k < n.inputs.size(); ++k) {
-    if (grads[k] != kNone) deliver(n.inputs[k].value, grads[k]);
-  }
+  auto route_inputs = [&] {
+    for (std::size_t k = 0; k < n.inputs.size(); ++k) {
+      if (grads[k] != kNone) deliver(n.inputs[k].value, grads[k]);
+    }
+  };
+  if (!n.params_routed_first) route_inputs();
   for (std::size_t k = 0; k < n.params.size(); ++k) {
     const ParamGrad& pg = n.params[k];
     TensorId g = pgrads[k];
@@ -457,6 +460,7 @@ void Tape::run_node(Node& n) {
     }
     accumulate_param(pg, g);
   }
+  if (n.params_routed_first) route_inputs();
 }
 
 // A checkpoint's recompute with saving on, up to its early stop (set_checkpoint_early_stop, on by

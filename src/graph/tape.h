@@ -310,6 +310,12 @@ struct Node {
   // and casts (measured: GPT-2's c_proj bias and Gemma-2's norm weights under checkpointing).
   bool unpacked = false;
   GradOrder grad_order = GradOrder::kInputsFirst;
+  // The parameters' AccumulateGrad run before the inputs' gradients reach their consumers' buffers
+  // (where they may be summed): F.linear with a bias on a 3-D input reshapes the input before it
+  // transposes the weight (_flatten_nd_linear), so the weight's TBackward outranks the input's
+  // view in the ready queue, and the bias's AccumulateGrad outranks both (measured: Qwen2's q/k/v
+  // in a second micro-batch, both .grad sums before k's and v's input gradients are summed).
+  bool params_routed_first = false;
   // Checkpointed segments: re-runs the forward (recording nodes) and returns the recomputed
   // output whose gradient is the checkpoint's incoming gradient.
   std::function<T()> recompute;

@@ -139,26 +139,21 @@ bool Tape::capture(const TapeMark& m, const std::vector<TensorId>& outside_stora
         n.tag.recompute) {
       return false;
     }
-    Node& c = span.nodes.emplace_back();
-    c.tag = n.tag;
+    // Copied whole (no closures: refused above), then its ids made relative, as append_nodes
+    // makes them absolute again: a flag added to Node travels without being listed here.
+    Node& c = span.nodes.emplace_back(n);
     c.output = value(n.output);
-    for (ValueId v : n.co_outputs) c.co_outputs.push_back(value(v));
-    for (TensorId id : n.saved) c.saved.push_back(storage(id));
-    for (TensorId id : n.kept) c.kept.push_back(storage(id));
-    for (GradIn in : n.inputs) {
+    for (ValueId& v : c.co_outputs) v = value(v);
+    for (TensorId& id : c.saved) id = storage(id);
+    for (TensorId& id : c.kept) id = storage(id);
+    for (GradIn& in : c.inputs) {
       in.value = value(in.value);
       in.reuse = storage(in.reuse);
-      c.inputs.push_back(in);
     }
-    c.scratch = n.scratch;
-    c.scratch_freed_early = n.scratch_freed_early;
-    c.grad_order = n.grad_order;
-    c.unpacked = n.unpacked;
-    for (ParamGrad pg : n.params) {
+    for (ParamGrad& pg : c.params) {
       pg.param = slot_in(param_slots, pg.param);
       if (pg.param == kNone) ok = false;
       pg.reuse = storage(pg.reuse);
-      c.params.push_back(pg);
     }
   }
   if (!ok) return false;
@@ -504,6 +499,7 @@ bool Tape::capture_range(const LayerRange& r, std::size_t begin, std::size_t end
                 n.inputs.size() == c.inputs.size() && n.scratch.size() == c.scratch.size() &&
                 n.params.size() == c.params.size() && n.scratch_freed_early == c.scratch_freed_early &&
                 n.grad_order == c.grad_order && n.unpacked == c.unpacked &&
+                n.params_routed_first == c.params_routed_first &&
                 n.co_outputs.size() == c.co_outputs.size();
     for (std::size_t k = 0; same && k < n.co_outputs.size(); ++k) {
       same = n.co_outputs[k] == names.node_value(c.co_outputs[k]);

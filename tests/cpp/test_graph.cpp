@@ -990,6 +990,28 @@ TEST(GraphBackwardOrder, SumsBeforeAccumulateGrad) {
   EXPECT_LT(sum - ev.begin(), accumulated - ev.begin());
 }
 
+// With a bias it is the other way round: F.linear reshapes the input before it transposes the
+// weight, so the weight's AccumulateGrad (and the bias's, ahead of everything) add into .grad
+// before the input's view hands its gradient to the shared buffer where k's and v's are summed
+// (measured: Qwen2.5 w512 l2, fp32 SGD, seq 64, 2 micro-batches, every allocation).
+TEST(GraphBackwardOrder, AccumulateGradBeforeSumsWithABias) {
+  const Model m = load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/qwen2.5-0.5b-w512-l2.json");
+  Recipe r = cpu_recipe(Precision::kFp32, Attention::kSdpa, 1, 64);
+  r.grad_accum = 2;
+  r.optimizer = Optimizer::kSgd;
+  const Trace t = trace_of(m, r);
+  const std::int64_t input = 64 * 512 * 4, weight = 256 * 512 * 4, bias = 256 * 4;  // 4 KV heads of 64
+  const std::vector<std::int64_t> ev = backward_events(t, "self_attn.k_proj", 2);
+  const auto added = std::find(ev.begin(), ev.end(), -weight);
+  const auto bias_added = std::find(ev.begin(), ev.end(), -bias);
+  const auto sum = std::find(ev.begin() + 1, ev.end(), input);  // the first is mm's input gradient
+  ASSERT_NE(added, ev.end());
+  ASSERT_NE(bias_added, ev.end());
+  ASSERT_NE(sum, ev.end());
+  EXPECT_LT(bias_added - ev.begin(), added - ev.begin());
+  EXPECT_LT(added - ev.begin(), sum - ev.begin());
+}
+
 // ---- buffers -------------------------------------------------------------------------------
 
 // After setup the weights are the parameters plus the non-persistent buffers that
