@@ -221,6 +221,10 @@ class DataParallel {
   void zero_epilogue();
   void zero_pad(const std::vector<std::uint64_t>& slices);
   void zero_before_optimizer();
+  void clip_factor(std::uint64_t bytes, bool checks_norm);
+  TensorId isfinite_of(std::uint64_t bytes);
+  TensorId invalid_norm(std::uint64_t bytes);
+  void mask_invalid_norm();
   void zero_to_bucket(std::uint32_t pi);
   void zero_reduce_ipg();
   std::uint64_t zero_item_bytes() const;

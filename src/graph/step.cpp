@@ -684,12 +684,17 @@ void StepBuilder::backward(ValueId loss) {
   }
   t_.at(Phase::kBackward, kNoLayer, "loss");
   ensure_workspace(true);
-  t_.backward(loss);
+  // The input leaf's gradient (LoRA with checkpointing) is stolen into its .grad, which goes with
+  // the leaf, after the wrapper's end of backward (measured: ZeRO-1 QLoRA, the final norm's cast
+  // gradient that the residual stream carried down to the embeddings, freed just before them).
+  TensorId leaf_grad = kNone;
+  t_.backward(loss, kNone, input_leaf_.value, &leaf_grad);
   dp_->backward_end();
   t_.free_graph_held();  // `del loss`: the graph goes (See Tape::hold_with_graph)
   t_.drop(pending_loss_);
   for (T& l : zero_losses_) t_.drop(l);
   zero_losses_.clear();
+  if (leaf_grad != kNone) t_.release(leaf_grad);
   if (input_leaf_.id != kNone) t_.drop(input_leaf_);
 }
 

@@ -59,17 +59,19 @@ constexpr std::int32_t kNoLayer = -1;
 //    the loss scale is kept as the optimizer's _global_grad_norm until the next step's, and as the
 //    DeepSpeedEngine's (_take_model_step copies it after step() returns): the previous step's
 //    norm lives through the next step() (measured: step 2's optimizer phase, 512 B on the CPU,
-//    every ZeRO stage; set_global_grad_norm). gradient_clipping is 0
-//    and the loss scale 1, so unscale_and_clip_grads does nothing. Then the slices are flattened (a view for
+//    every ZeRO stage; set_global_grad_norm). The norm's own 0-dim bookkeeping: the -1 mask of
+//    an invalid norm, combine_grad_norm_groups' and step()'s validity checks (is_invalid_grad_norm
+//    for a 32-bit model), and unscale_and_clip_grads at DeepSpeed's default gradient_clipping 1.0
+//    (clip_factor; measured: every allocation of cpu-zero1-gpt2l2-fp32-sgd-b2s32 and the ZeRO
+//    LoRA entries, session 26). Then the slices are flattened (a view for
 //    one slice) and .to(fp32) (single_grad_partition: a copy for a 16-bit model, the flat itself
 //    for fp32), averaged_gradients dropped (grads_in_partition goes), the torch optimizer steps
 //    the fp32 partition (its states are sized by it), the fp32 gradient is dropped, the partition
 //    is copied into this rank's slice of the flat buffer and all_gather_dp_groups gathers the
 //    other slices into it in place.
 // Gradient accumulation (both stages) is modelled this way but unmeasured. Not modelled: gloo's
-// or NCCL's own buffers (none go through PyTorch's allocator that the CPU measurements see), the
-// 0-dim tensors of the overflow check and other scalar bookkeeping in step() (512 B blocks that
-// come and go), and the transient second copy of the parameters while deepspeed.initialize
+// or NCCL's own buffers (none go through PyTorch's allocator that the CPU measurements see) and
+// the transient second copy of the parameters while deepspeed.initialize
 // flattens them (before tracking starts, as the measurements do). On CUDA the reduction runs on
 // the current stream (overlap_comm off, so reduction_stream is unused) and get_norm_dtype() is
 // float64 too: the order is the CPU one; unmeasured there.
@@ -294,8 +296,36 @@ void DataParallel::zero_before_optimizer() {
   }
   if (offload_) return offload_before_optimizer();  // See Note [ZeRO-Offload]
   if (zero_pad_ == kNone) zero_pad(slices);  // the boundary epilogue was skipped by the replay
-  t_.at(Phase::kOptimizer, kNoLayer, "zero.grad_norm");
   auto scalar = [&](std::uint64_t bytes) { return t_.alloc_bytes(bytes, Category::kTemporaries); };
+  if (item == 2) {
+    // DeepSpeed's bf16 mode checks for overflow first (bf16.check_grad_overflow, on by default):
+    // has_overflow_partitioned_grads_serial adds has_inf_or_nan of every averaged gradient (the
+    // padding's too) into a float count: isfinite of its amax and of its amin, and, not. Then the
+    // count's .bool() and .byte(), gone when has_overflow returns.
+    t_.at(Phase::kOptimizer, kNoLayer, "zero.check_overflow");
+    const TensorId count = scalar(4);
+    const std::size_t grads = slices.size() + (zero_pad_ != kNoPad ? 1 : 0);
+    for (std::size_t g = 0; g < grads; ++g) {
+      TensorId finite[2];
+      for (TensorId& f : finite) {
+        const TensorId extreme = scalar(item);  // amax, then amin
+        f = isfinite_of(item);
+        t_.release(extreme);
+      }
+      const TensorId both = scalar(1);
+      t_.release(finite[0]);
+      t_.release(finite[1]);
+      const TensorId either = scalar(1);  // logical_not
+      t_.release(both);
+      t_.release(either);  // added into the count in place
+    }
+    const TensorId as_bool = scalar(1);
+    t_.release(count);
+    const TensorId as_byte = scalar(1);
+    t_.release(as_bool);
+    t_.release(as_byte);
+  }
+  t_.at(Phase::kOptimizer, kNoLayer, "zero.grad_norm");
   // get_grad_norm_direct: one float64 copy at a time, a 0-dim norm per slice.
   std::vector<TensorId> norms;
   for (std::uint64_t n : slices) {
@@ -312,23 +342,21 @@ void DataParallel::zero_before_optimizer() {
   t_.release(sum);
   TensorId root = scalar(4);  // total_norm.pow(1 / 2)
   t_.release(total);
-  for (TensorId id : norms) t_.release(id);
-  // combine_grad_norm_groups (runtime/utils.py) over the one group's norm.
+  mask_invalid_norm();
+  for (auto it = norms.rbegin(); it != norms.rend(); ++it) t_.release(*it);  // all_norms goes, last first
+  // combine_grad_norm_groups (runtime/utils.py) over the one group's norm, in norm_groups until
+  // scaled_global_norm returns.
   TensorId group = scalar(4);  // torch.stack
-  t_.release(root);
-  TensorId finite = scalar(1), inverted = scalar(1);  // ~torch.isfinite(stacked)
-  t_.release(finite);
-  TensorId negative = scalar(1), either = scalar(1);  // | (stacked < 0)
-  t_.release(inverted);
-  t_.release(negative);
-  TensorId invalid = scalar(1);  // .any()
-  t_.release(either);
+  TensorId invalid = invalid_norm(4);
   TensorId combined = scalar(4), inf = scalar(4);  // vector_norm, full_like(combined, inf)
   scaled_norm_ = scalar(4);                        // torch.where: step's scaled_global_grad_norm
   t_.release(inf);
   t_.release(group);
   t_.release(invalid);
   t_.release(combined);
+  t_.release(root);
+  // step(): is_invalid_grad_norm (a 32-bit model, or bf16 with check_grad_overflow).
+  t_.release(invalid_norm(4));
   // self._global_grad_norm = scaled_global_grad_norm / prev_scale, kept until the next step's.
   TensorId norm = scalar(4);
   set_global_grad_norm(norm);
@@ -352,6 +380,63 @@ void DataParallel::zero_before_optimizer() {
   accumulated_ = kNone;
   if (padded) t_.release(zero_pad_);
   zero_pad_ = kNone;
+  t_.at(Phase::kOptimizer, kNoLayer, "zero.unscale_and_clip_grads");
+  clip_factor(4, /*checks_norm=*/true);
+}
+
+// DeepSpeed's gradient clipping at its default (gradient_clipping 1.0) with the loss scale 1:
+// unscale_and_clip_grads (stages 1/2 first check the norm: is_invalid_grad_norm) makes
+// clip = ((norm / loss_scale) + 1e-6) / clip_grad, clamps it, multiplies it by the loss scale, and
+// multiplies the fp32 gradient in place by 1. / that (a reciprocal, then 1.0 times it); its locals
+// go when it returns. `bytes`: the norm's element size (fp32 in stages 1/2, float64 in stage 3).
+void DataParallel::clip_factor(std::uint64_t bytes, bool checks_norm) {
+  auto scalar = [&](std::uint64_t b) { return t_.alloc_bytes(b, Category::kTemporaries); };
+  if (checks_norm) t_.release(invalid_norm(bytes));
+  TensorId div = scalar(bytes), add = scalar(bytes);
+  t_.release(div);
+  TensorId div2 = scalar(bytes);
+  t_.release(add);
+  TensorId clamp = scalar(bytes);
+  t_.release(div2);
+  TensorId combined = scalar(bytes), reciprocal = scalar(bytes), inverse = scalar(bytes);
+  t_.release(reciprocal);
+  t_.release(inverse);
+  t_.release(combined);
+  t_.release(clamp);
+}
+
+// torch.isfinite of a 0-dim tensor of `bytes` per element: it decomposes into abs, !=, == and a
+// product, whose temporaries go last first. Returns the product.
+TensorId DataParallel::isfinite_of(std::uint64_t bytes) {
+  auto scalar = [&](std::uint64_t b) { return t_.alloc_bytes(b, Category::kTemporaries); };
+  TensorId abs = scalar(bytes), ne = scalar(1), eq = scalar(1), finite = scalar(1);
+  t_.release(eq);
+  t_.release(ne);
+  t_.release(abs);
+  return finite;
+}
+
+// (~torch.isfinite(x) | (x < 0)).any() of a 0-dim norm of `bytes` per element (runtime/utils.py
+// is_invalid_grad_norm and combine_grad_norm_groups). Returns the .any().
+TensorId DataParallel::invalid_norm(std::uint64_t bytes) {
+  auto scalar = [&](std::uint64_t b) { return t_.alloc_bytes(b, Category::kTemporaries); };
+  const TensorId finite = isfinite_of(bytes);
+  TensorId inverted = scalar(1);
+  t_.release(finite);
+  TensorId negative = scalar(1), either = scalar(1);
+  t_.release(inverted);
+  t_.release(negative);
+  TensorId any = scalar(1);
+  t_.release(either);
+  return any;
+}
+
+// mask_nan_or_inf_with_val_inplace (runtime/utils.py) on a norm: isinf, isnan, their logical_or
+// and the -1.0 it fills in, all gone when it returns.
+void DataParallel::mask_invalid_norm() {
+  auto scalar = [&](std::uint64_t b) { return t_.alloc_bytes(b, Category::kTemporaries); };
+  const TensorId inf = scalar(1), nan = scalar(1), either = scalar(1), err = scalar(4);
+  for (TensorId id : {inf, nan, either, err}) t_.release(id);
 }
 
 void DataParallel::zero_after_optimizer() {

@@ -634,24 +634,12 @@ void DataParallel::zero3_before_optimizer() {
   for (TensorId id : norms) t_.release(id);
   drop({inf, nan, either, err});
   // combine_grad_norm_groups (runtime/utils.py): stack, ~isfinite | < 0, any, vector_norm, where.
-  auto invalid = [&](TensorId of) {  // (~torch.isfinite(x) | (x < 0)).any()
-    (void)of;
-    TensorId abs = scalar(8), ne = scalar(1), eq = scalar(1), fin = scalar(1);
-    drop({eq, ne, abs});
-    TensorId inv = scalar(1);
-    drop({fin});
-    TensorId lt = scalar(1), either_ = scalar(1);
-    drop({inv, lt});
-    TensorId any = scalar(1);
-    drop({either_});
-    return any;
-  };
   TensorId stack1 = scalar(8);
-  TensorId bad = invalid(stack1);
+  TensorId bad = invalid_norm(8);
   TensorId combined = scalar(8), full = scalar(8), where = scalar(8);
   drop({full, stack1, bad, combined});
   scaled_norm_ = where;  // scaled_global_grad_norm, a local of step()
-  drop({invalid(where)});  // is_invalid_grad_norm
+  drop({invalid_norm(8)});  // is_invalid_grad_norm
   // self._global_grad_norm = scaled_global_grad_norm / loss_scale, kept until the next step's
   // (and the previous one by the DeepSpeedEngine until step() returns: set_global_grad_norm).
   TensorId global = scalar(8);
@@ -673,21 +661,8 @@ void DataParallel::zero3_before_sub_group(std::size_t i) {
     t_.set_category(flat, Category::kGradients);  // .to(fp32) of an fp32 flat is the flat
     z3_fp32_grad_ = flat;
   }
-  // unscale_and_clip_grads: clip = ((norm / loss_scale) + 1e-6) / clip_grad, clamp(min=1), times
-  // the loss scale; the fp32 gradient is multiplied in place by its reciprocal.
   t_.at(Phase::kOptimizer, kNoLayer, "zero3.unscale_and_clip_grads");
-  auto scalar = [&](std::uint64_t bytes) { return t_.alloc_bytes(bytes, Category::kTemporaries); };
-  TensorId div = scalar(8), add = scalar(8);
-  t_.release(div);
-  TensorId div2 = scalar(8);
-  t_.release(add);
-  TensorId clamp = scalar(8);
-  t_.release(div2);
-  TensorId combined = scalar(8), reciprocal = scalar(8), inverse = scalar(8);
-  t_.release(reciprocal);
-  t_.release(inverse);
-  t_.release(combined);
-  t_.release(clamp);
+  clip_factor(8, /*checks_norm=*/false);
 }
 
 void DataParallel::zero3_after_sub_group(std::size_t) {

@@ -1332,6 +1332,17 @@ TEST(GraphLora, CheckpointingKeepsTheEmbeddingOutputLeaf) {
     EXPECT_EQ(freed_in[e.tensor], Phase::kBackward);
   }
   EXPECT_EQ(embeddings, 2);  // one per step
+  // The leaf's gradient (AccumulateGrad steals it into .grad) goes with it, just before it, after
+  // the loss (measured: the ZeRO-1 QLoRA trace with checkpointing, the last two frees of backward).
+  std::vector<std::pair<bool, std::uint64_t>> backward;
+  for (const graph::Event& e : t.events) {
+    const MomentTag& mt = t.moments[e.moment];
+    if (mt.step == 1 && mt.phase == Phase::kBackward) backward.emplace_back(e.alloc, t.storages[e.tensor].bytes);
+  }
+  const std::uint64_t hidden = 4 * r.batch * r.seq * m.arch.hidden_size;
+  ASSERT_GE(backward.size(), 3u);
+  EXPECT_EQ((std::vector<std::pair<bool, std::uint64_t>>(backward.end() - 2, backward.end())),
+            (std::vector<std::pair<bool, std::uint64_t>>{{false, hidden}, {false, hidden}}));
 }
 
 // ---- QLoRA (Note [QLoRA] in src/graph/quant.h) -----------------------------------------

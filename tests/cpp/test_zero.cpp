@@ -107,6 +107,50 @@ TEST(ZeroBuckets, ReductionFlattensTheBucketAndKeepsThisPartitionsGradients) {
             (std::vector<std::uint64_t>{kGpt2L2Params * 2, kGpt2Wte * 2, kGpt2L2Params * 2, kGpt2Wte * 2}));
 }
 
+TEST(ZeroOptimizer, TheNormIsMaskedCheckedAndClipsAtTheDefault) {
+  // DeepSpeed 0.19.8's step, fp32 (measured: cpu-zero1-gpt2l2-fp32-sgd-b2s32 traced, every
+  // allocation): get_grad_norm_direct (the slice's float64 copy and norm, stack, pow, sum, float,
+  // the root, then mask_nan_or_inf_with_val_inplace's isinf, isnan, or and -1.0),
+  // combine_grad_norm_groups (stack, isfinite's abs, !=, == and product, ~, < 0, |, any,
+  // vector_norm, full_like, where), step()'s is_invalid_grad_norm (the same nine), the norm over
+  // the loss scale; then unscale_and_clip_grads at gradient_clipping 1.0: the check again, /, +,
+  // /, clamp, *, the reciprocal and 1.0 times it. 0-dim tensors, as the engine sizes them.
+  const graph::Trace t = graph::build_training_trace(gpt2_l2(), dp_recipe(Parallel::kZero1, 2, Precision::kFp32), find_gpu("cpu"));
+  const std::vector<std::uint64_t> invalid = {4, 1, 1, 1, 1, 1, 1, 1};
+  // One slice: rank 0's half of the flat group, inside wte (26,780,544 elements, measured).
+  std::vector<std::uint64_t> norm = {26'780'544 * 8, 8, 8, 8, 8, 4, 4, 1, 1, 1, 4, 4};
+  norm.insert(norm.end(), invalid.begin(), invalid.end());
+  for (std::uint64_t b : {4, 4, 4}) norm.push_back(b);  // vector_norm, full_like, where
+  norm.insert(norm.end(), invalid.begin(), invalid.end());
+  norm.push_back(4);  // _global_grad_norm
+  std::vector<std::uint64_t> clip = invalid;
+  for (std::uint64_t b : {4, 4, 4, 4, 4, 4, 4}) clip.push_back(b);
+  const std::vector<std::uint64_t> step1 = allocs_at(t, "zero.grad_norm");
+  ASSERT_GE(step1.size(), norm.size());
+  EXPECT_EQ(std::vector<std::uint64_t>(step1.begin(), step1.begin() + static_cast<std::ptrdiff_t>(norm.size())), norm);
+  const std::vector<std::uint64_t> clipped = allocs_at(t, "zero.unscale_and_clip_grads");
+  ASSERT_GE(clipped.size(), clip.size());
+  EXPECT_EQ(std::vector<std::uint64_t>(clipped.begin(), clipped.begin() + static_cast<std::ptrdiff_t>(clip.size())), clip);
+}
+
+TEST(ZeroOptimizer, Bf16ModeChecksEveryGradientForOverflowFirst) {
+  // DeepSpeed's bf16 mode (bf16.check_grad_overflow, on by default) starts step() with
+  // has_overflow_partitioned_grads_serial: a float count, then per averaged gradient isfinite of
+  // its amax and of its amin (bf16 0-dim tensors), and, not; the count's bool and byte (measured:
+  // cpu-zero2-qwen2.5w512l2-4bitfp4-lora8-bf16master-adamw-drop-b2s32 traced). An fp32 run has none.
+  const graph::Trace t = graph::build_training_trace(gpt2_l2(), dp_recipe(Parallel::kZero1, 2, Precision::kBf16Master), find_gpu("cpu"));
+  const std::vector<std::uint64_t> extreme = {2, 2, 1, 1, 1};  // amax (amin), isfinite: abs, !=, ==, product
+  std::vector<std::uint64_t> want = {4};
+  for (int k = 0; k < 2; ++k) want.insert(want.end(), extreme.begin(), extreme.end());
+  for (std::uint64_t b : {1, 1, 1, 1}) want.push_back(b);  // and, not; then bool, byte (one slice: wte)
+  std::vector<std::uint64_t> step1 = allocs_at(t, "zero.check_overflow");
+  ASSERT_GE(step1.size(), want.size());
+  step1.resize(want.size());
+  EXPECT_EQ(step1, want);
+  const graph::Trace fp32 = graph::build_training_trace(gpt2_l2(), dp_recipe(Parallel::kZero1, 2, Precision::kFp32), find_gpu("cpu"));
+  EXPECT_TRUE(allocs_at(fp32, "zero.check_overflow").empty());
+}
+
 TEST(ZeroOptimizer, StatesAreSizedByThePartition) {
   const Model m = gpt2_l2();
   const graph::Trace t = graph::build_training_trace(m, dp_recipe(Parallel::kZero2, 4, Precision::kBf16Master), find_gpu("cpu"));
