@@ -275,6 +275,7 @@ void DataParallel::wrap(std::vector<WrappedParam>& params, const std::vector<std
     param_of_slot_[slot] = i;
   }
   if (zero3()) {
+    registration_ = registration;
     zero3_wrap();
     return;
   }

@@ -277,6 +277,8 @@ class DataParallel {
   void zero3_param_ready(std::uint32_t pi);
   void zero3_backward_end();
   void zero3_before_optimizer();
+  void zero3_same_on_all_ranks(std::uint64_t n);
+  std::vector<std::uint32_t> registration_;  // ZeRO-3: the parameters in module.parameters() order
   void zero3_before_sub_group(std::size_t i);  // the fp32 gradient of sub-group i
   void zero3_after_sub_group(std::size_t i);
   void zero3_reset_step();

@@ -470,6 +470,7 @@ class StepBuilder {
   // A view of `base` holding `numel` elements whose backward makes a new gradient of base's size
   // (slice_backward's zero-padded one, or reshape's copy of a gradient in another layout).
   T view_of(const T& base, std::uint64_t numel);
+  T module_input(const T& x, bool unwrap);
   T alias(const T& base, std::uint64_t numel);
   T mlp(const T& x, const LayerParams& lp);
   T mlp_module(const T& x, const LayerParams& lp);

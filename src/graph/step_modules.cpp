@@ -257,10 +257,11 @@ T StepBuilder::linear_module(const T& x_in, std::uint32_t w, std::uint32_t b, st
       n.params.push_back(pg);
     }
     // mm makes the weight's gradient first, addmm the input's and the bias's last (See Note
-    // [Gradient order of a node] in tape.h).
-    n.grad_order = wcast || bcast           ? GradOrder::kInputsFirst
-                   : b != kNone             ? GradOrder::kParamsReversed
-                                            : GradOrder::kParamsFirst;
+    // [Gradient order of a node] in tape.h); ZeRO-3's LinearFunctionForZeroStage3 the input's,
+    // then the weight's, then the bias's (measured: ZeRO-3 traces, lm_head's backward).
+    n.grad_order = wcast || bcast || save_all ? GradOrder::kInputsFirst
+                   : b != kNone               ? GradOrder::kParamsReversed
+                                              : GradOrder::kParamsFirst;
     // With a bias the input's gradient goes through a view made before the weight's transpose
     // (F.linear) or before a weight with no transpose (Conv1D's addmm): the parameters' nodes
     // outrank it (Node::params_routed_first). ZeRO-3's function hands the input its gradient
@@ -466,18 +467,11 @@ T StepBuilder::rms_norm(const T& x, std::uint32_t w, std::uint64_t rows, std::st
   // cpu-tp2-qwen3w512l2-fp32-sgd-b2s256 traced). Qwen3's q_norm and k_norm are such modules too
   // (Shard on the heads, _head_shard_norms), under sequence parallelism as well, where the other
   // norms' inputs are DTensors already (See Note [Sequence parallelism]) and are not wrapped
-  // again (measured: cpu-tp2sp-qwen3w512l2-fp32-adamw-b2s128 traced).
+  // again (measured: cpu-tp2sp-qwen3w512l2-fp32-adamw-b2s128 traced). Under ZeRO-3 the module's
+  // input is a detached alias too (See StepBuilder::module_input).
   const bool replicated = r_.tp > 1 && !dtensor_;
   const bool dtensor = dtensor_;
-  T xd = t_.ref(x);
-  if (replicated && x.requires_grad()) {
-    requires_grad(xd);
-    Node& nd = open_node(xd);
-    GradIn g = pass_to(x);
-    g.unwrap = true;
-    nd.inputs.push_back(g);
-    t_.close_node();
-  }
+  T xd = replicated || dp_->zero3() ? module_input(x, /*unwrap=*/replicated) : t_.ref(x);
   if (replicated) dtensor_ = true;
   T out = rms_norm_module(xd, w, rows);
   dtensor_ = dtensor;
@@ -1156,6 +1150,25 @@ T StepBuilder::alias(const T& base, std::uint64_t numel) {
   v.dtype = base.dtype;
   v.numel = numel;
   return v;
+}
+
+// A module's input as its forward sees it when something wraps it on the way in: an alias of x with
+// a gradient of its own, handed on to x by a node that does nothing else. DTensor.from_local
+// under TP (`unwrap`: the local tensor goes on, a plain one), and DeepSpeed ZeRO-3's
+// PostBackwardFunctionModule on every module's inputs, whose backward runs the module's
+// post-backward hook (Tape::route_after_module_ends). The uses inside the module sum their
+// gradients in that buffer, apart from the uses outside (measured: a ZeRO-3 Llama in fp32, the
+// norm's pow and product summed before the residual's).
+T StepBuilder::module_input(const T& x, bool unwrap) {
+  T xd = t_.ref(x);
+  if (!x.requires_grad()) return xd;
+  requires_grad(xd);
+  Node& nd = open_node(xd);
+  GradIn g = pass_to(x);
+  g.unwrap = unwrap;
+  nd.inputs.push_back(g);
+  t_.close_node();
+  return xd;
 }
 
 T StepBuilder::view_of(const T& base, std::uint64_t numel) {

@@ -156,7 +156,10 @@ void StepBuilder::wrap_data_parallel() {
   t_.on_final_callbacks = [this] { dp_->final_callback(); };
   // ZeRO-3's module hooks; under a pipeline, FSDP2's root hooks on the stage module (See Note
   // [Pipeline with FSDP2] in pipeline.cpp).
-  if (dp_->zero3()) t_.on_module_backward = [this](std::uint32_t m, bool begin) { dp_->module_backward(m, begin); };
+  if (dp_->zero3()) {
+    t_.on_module_backward = [this](std::uint32_t m, bool begin) { dp_->module_backward(m, begin); };
+    t_.route_after_module_ends = true;
+  }
   if (r_.pp > 1 && r_.parallel == Parallel::kFsdp) {
     t_.on_module_backward = [this](std::uint32_t, bool begin) {
       if (begin) dp_->root_pre_backward();

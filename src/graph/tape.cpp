@@ -275,6 +275,8 @@ void Tape::accumulate_param(const ParamGrad& pg, TensorId g) {
 }
 
 void Tape::run_node(Node& n) {
+  const bool defer = defer_routing_;  // a recompute below runs nodes of its own
+  defer_routing_ = false;
   if (on_layer_change && n.tag.layer != backward_layer_) {
     const std::int32_t from = backward_layer_;
     backward_layer_ = n.tag.layer;
@@ -445,7 +447,12 @@ void Tape::run_node(Node& n) {
   // before the routing, which no node here tells apart (none of them sums what it delivers).
   auto route_inputs = [&] {
     for (std::size_t k = 0; k < n.inputs.size(); ++k) {
-      if (grads[k] != kNone) deliver(n.inputs[k].value, grads[k]);
+      if (grads[k] == kNone) continue;
+      if (defer) {
+        deferred_routes_.emplace_back(n.inputs[k].value, grads[k]);
+      } else {
+        deliver(n.inputs[k].value, grads[k]);
+      }
     }
   };
   if (!n.params_routed_first) route_inputs();
@@ -570,8 +577,12 @@ void Tape::run(std::size_t begin, std::size_t end) {
     // run_node may grow nodes_ and the module lists (a recompute) and shrink them again.
     std::vector<std::uint32_t> ends;
     if (i < module_ends_at_.size()) ends = module_ends_at_[i];
+    const std::size_t routes = deferred_routes_.size();
+    defer_routing_ = route_after_module_ends && !ends.empty();
     run_node(nodes_[i]);
     for (std::uint32_t m : ends) on_module_backward(m, false);
+    for (std::size_t k = routes; k < deferred_routes_.size(); ++k) deliver(deferred_routes_[k].first, deferred_routes_[k].second);
+    deferred_routes_.resize(routes);
   }
 }
 

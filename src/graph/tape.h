@@ -608,6 +608,11 @@ class Tape {
   // module's outputs and inputs (Note [DeepSpeed ZeRO-3] in zero3.cpp). A module that recorded
   // no node has no backward hooks.
   std::function<void(std::uint32_t module, bool begin)> on_module_backward;
+  // The modules' post-backward hooks sit on autograd Functions applied to their inputs
+  // (DeepSpeed ZeRO-3's PostBackwardFunctionModule): a gradient leaving a module reaches its
+  // consumers' buffers (and the sums there) only after on_module_backward(m, false) ran, which
+  // in turn runs after the module's parameters' AccumulateGrad.
+  bool route_after_module_ends = false;
   void module_begin(std::uint32_t module) { open_modules_.push_back({module, nodes_.size()}); }
   void module_end();
   // A checkpointed segment's backward unpacks at its last node that saves; the pre-backward hooks
@@ -710,6 +715,10 @@ class Tape {
  private:
   void run(std::size_t begin, std::size_t end);
   void run_node(Node& n);
+  // With route_after_module_ends: run_node leaves the input gradients of a node that ends a module
+  // here, for run to route once the module's hooks have run.
+  bool defer_routing_ = false;
+  std::vector<std::pair<ValueId, TensorId>> deferred_routes_;
   void run_checkpoint_with_tail(Node& n, TensorId incoming);
   void run_reentrant_checkpoint(Node& n, TensorId incoming);
   // A checkpoint node's recompute, saved and kept storages and tag, taken out of it before the

@@ -260,9 +260,13 @@ std::uint32_t DataParallel::zero3_module(const std::vector<std::uint32_t>& param
 }
 
 // reset_step, in the model's forward pre-hook (parameter_offload.py _start_of_forward_hook).
+// Until the trace is complete it checks that the ranks recorded the same orders
+// (assert_ints_same_as_other_ranks): the module order, and once recorded the parameter order's
+// ds_ids and step ids (measured: ZeRO-3 traces, the int64 tensors at each forward's start).
 void DataParallel::zero3_reset_step() {
   zero3_clean_inflight();
   if (z3_trace_ != Z3Trace::kComplete) {
+    zero3_same_on_all_ranks(z3_order_.size());
     if (z3_trace_ == Z3Trace::kRecord) {
       // construct_parameter_trace_from_module_trace: every module's parameters, by ds_id, with
       // the step the module was fetched at.
@@ -272,6 +276,8 @@ void DataParallel::zero3_reset_step() {
         const std::int64_t step = z3_fetched_for_[m][next[m]++];
         for (std::uint32_t p : z3_modules_[m].params) z3_param_order_.push_back({p, step});
       }
+      zero3_same_on_all_ranks(z3_param_order_.size());  // their ds_ids
+      zero3_same_on_all_ranks(z3_param_order_.size());  // the steps they were used at
       z3_trace_ = Z3Trace::kComplete;
     } else {
       z3_trace_ = Z3Trace::kRecord;
@@ -281,6 +287,14 @@ void DataParallel::zero3_reset_step() {
   std::fill(z3_most_recent_.begin(), z3_most_recent_.end(), kNeverFetched);
   z3_step_id_ = 0;
   z3_available_ = 0;
+}
+
+// assert_ints_same_as_other_ranks on a list of n ints (runtime/zero/utils.py): rank 0's length as
+// a 0-dim int64 tensor, broadcast and read; then the list as an int64 tensor (none of no bytes),
+// broadcast and read into Python ints; each goes when its function returns.
+void DataParallel::zero3_same_on_all_ranks(std::uint64_t n) {
+  t_.release(t_.alloc_bytes(8, Category::kTemporaries));
+  if (n > 0) t_.release(t_.alloc_bytes(detail::mul(n, 8, "ZeRO-3 trace bytes"), Category::kTemporaries));
 }
 
 void DataParallel::zero3_invalidate_trace() {
@@ -617,9 +631,15 @@ void DataParallel::zero3_before_optimizer() {
   };
   // get_grad_norm_direct: each gradient partition .to(float64).norm(2), one at a time, then
   // sum(pow(stack(norms), 2)) ** (1 / 2) and torch.where(isnan | isinf, -1.0, norm).
+  // The optimizer's groups hold the trainable parameters in module.parameters() order (measured:
+  // a Llama layer's q_proj first, its norms last).
+  std::vector<std::uint32_t> order = registration_;
+  if (order.empty()) {
+    for (std::uint32_t p = 0; p < params_.size(); ++p) order.push_back(p);
+  }
   std::vector<TensorId> norms;
-  for (std::uint32_t p = 0; p < params_.size(); ++p) {
-    if (!params_[p].trainable) continue;  // the optimizer's groups: the trainable parameters
+  for (std::uint32_t p : order) {
+    if (!params_[p].trainable) continue;
     TensorId wide = t_.alloc_bytes(detail::mul(z3_partition_[p], 8, "grad norm bytes"), Category::kTemporaries);
     norms.push_back(scalar(8));
     t_.release(wide);

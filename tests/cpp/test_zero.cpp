@@ -369,6 +369,73 @@ TEST(Zero3Partition, CeilPerParameterAndThePersistenceThreshold) {
   EXPECT_EQ(gpt2_l2_partition(5) * 5 - kGpt2L2Params, 67u);
 }
 
+// The narrow 4-layer Llama of cpu-zero3-llamaw512l4-fp32-sgd-b1s256, whose trace the engine
+// matches allocation by allocation on both ranks.
+graph::Trace zero3_llama_trace() {
+  Recipe r = dp_recipe(Parallel::kZero3, 2, Precision::kFp32);
+  r.optimizer = Optimizer::kSgd;
+  r.batch = 1;
+  r.seq = 256;
+  r.validate();
+  return graph::build_training_trace(testing::llama_w512(), r, find_gpu("cpu"));
+}
+
+// (alloc, bytes) of every event of `step` and `phase` from the first one at `op` on.
+std::vector<std::pair<bool, std::uint64_t>> events_from(const graph::Trace& t, std::uint32_t step, Phase phase,
+                                                        std::string_view op, std::size_t n) {
+  std::vector<std::pair<bool, std::uint64_t>> out;
+  for (const graph::Event& e : t.events) {
+    const graph::MomentTag& m = t.moments[e.moment];
+    if (m.step != step || m.phase != phase || (out.empty() && m.op != op)) continue;
+    if (out.size() == n) break;
+    out.emplace_back(e.alloc, t.storages[e.tensor].bytes);
+  }
+  return out;
+}
+
+TEST(Zero3Trace, TheRanksCompareTheRecordedOrdersAtTheForwardsStart) {
+  // reset_step: step 1 compares the (empty) module order's length; step 2, with the trace
+  // recorded, the module order (115 module calls, forward and backward) and the parameter
+  // order's ds_ids and step ids (78 uses): a 0-dim int64 length, then the list (measured).
+  const graph::Trace t = zero3_llama_trace();
+  std::vector<std::uint64_t> first[3];
+  for (const graph::Event& e : t.events) {
+    const graph::MomentTag& m = t.moments[e.moment];
+    if (m.phase != Phase::kForward || !e.alloc || m.step > 2) continue;
+    if (first[m.step].size() < 6) first[m.step].push_back(t.storages[e.tensor].bytes);
+  }
+  EXPECT_EQ(first[1].front(), 8u);
+  EXPECT_NE(first[1][1], 8u);  // the embedding's gather: no list of no bytes
+  EXPECT_EQ(first[2], (std::vector<std::uint64_t>{8, 115 * 8, 8, 78 * 8, 8, 78 * 8}));
+}
+
+TEST(Zero3Trace, ALinearsInputGradientLeavesAfterItsModulesPostBackward) {
+  // LinearFunctionForZeroStage3 makes the input's gradient first, then the weight's; the weight's
+  // AccumulateGrad hook copies it into its partition; the module's post-backward hook, on a
+  // Function over the module's input, releases the gathered weight; only then is the input's
+  // gradient summed into up_proj's (measured: layer 3's gate_proj in step 1's backward).
+  const graph::Trace t = zero3_llama_trace();
+  const std::uint64_t w = 2048 * 512 * 4, x = 256 * 512 * 4, h = 256 * 2048 * 4;  // w: the whole gathered weight
+  const std::vector<std::pair<bool, std::uint64_t>> want = {
+      {true, w},  {true, x},  {true, w},    // the gather, the input's gradient, the weight's
+      {false, h}, {false, x},               // silu's gradient, the saved input
+      {false, w}, {false, w}, {false, x}};  // copied into the partition, released, summed
+  EXPECT_EQ(events_from(t, 1, Phase::kBackward, "mlp.gate_proj", want.size()), want);
+}
+
+TEST(Zero3Trace, TheGradientNormGoesInModuleParametersOrder) {
+  // The optimizer's group is module.parameters(): per layer q, k, v, o, gate, up, down, then the
+  // two norms (each gradient partition's float64 copy, half of it on each rank).
+  const graph::Trace t = zero3_llama_trace();
+  std::vector<std::uint64_t> wide;
+  for (std::uint64_t b : allocs_at(t, "zero3.grad_norm")) {
+    if (b > 8 * 64) wide.push_back(b / 8);
+  }
+  ASSERT_GE(wide.size(), 10u);
+  EXPECT_EQ(std::vector<std::uint64_t>(wide.begin(), wide.begin() + 10),
+            (std::vector<std::uint64_t>{256000, 131072, 65536, 65536, 131072, 524288, 524288, 524288, 256, 256}));
+}
+
 TEST(Zero3Setup, PartitionsBucketAndGradientPartitionsAreMadeOnce) {
   const Model m = gpt2_l2();
   for (std::uint64_t world : {2u, 3u}) {
