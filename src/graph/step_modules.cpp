@@ -286,11 +286,16 @@ T StepBuilder::proj(const T& x, std::string_view path, std::uint32_t w, std::uin
   // ZeRO-3 hooks the lora.Linear around the projection and its lora_dropout as modules too.
   const std::uint32_t sub = ad == nullptr ? 0 : static_cast<std::uint32_t>(ad - adapters_[layer_].data()) + 1;
   const std::uint32_t lora_module = ad != nullptr ? container_enter(Container::kLora, x.requires_grad(), sub) : kNone;
-  T result = linear(x, w, b, out_features);
-  if (ad == nullptr) return result;
+  if (ad == nullptr) return linear(x, w, b, out_features);
+  // Under ZeRO-3 the lora.Linear's input is its own (See StepBuilder::module_input): the base
+  // layer's and the adapter's gradients are summed there before they leave for x's (measured:
+  // lora_A's input gradient kept until the base layer's comes).
+  T xm = dp_->zero3() ? module_input(x, /*unwrap=*/false) : t_.ref(x);
+  T result = linear(xm, w, b, out_features);
   const LoraLabels& labels = lora_labels(path);
   if (params_[w].quantized) {
-    T out = lora_4bit(x, result, *ad, labels, lora_module, sub);
+    T out = lora_4bit(xm, result, *ad, labels, lora_module, sub);
+    t_.drop(xm);
     module_exit(lora_module);
     return out;
   }
@@ -299,7 +304,7 @@ T StepBuilder::proj(const T& x, std::string_view path, std::uint32_t w, std::uin
     dp_->zero3_external_param(lora_module, ad->a);  // lora_A.weight.dtype, through ZeRO-3's getter
     op(path);
   }
-  T xa = to(x, params_[ad->a].dtype);  // _cast_input_dtype: x is rebound, kept to the end
+  T xa = to(xm, params_[ad->a].dtype);  // _cast_input_dtype: x is rebound, kept to the end
   const std::uint32_t dropout_module = container_enter(Container::kLoraDropout, xa.requires_grad(), sub);
   T xd = dropout(xa, r_.lora.dropout);
   module_exit(dropout_module);
@@ -318,6 +323,7 @@ T StepBuilder::proj(const T& x, std::string_view path, std::uint32_t w, std::uin
   T out = to(sum, result_dtype);
   t_.drop(sum);
   t_.drop(xa);
+  t_.drop(xm);
   module_exit(lora_module);
   return out;
 }

@@ -436,6 +436,22 @@ TEST(Zero3Trace, TheGradientNormGoesInModuleParametersOrder) {
             (std::vector<std::uint64_t>{256000, 131072, 65536, 65536, 131072, 524288, 524288, 524288, 256, 256}));
 }
 
+TEST(Zero3Trace, ALoraLinearsInputGathersBothGradientsFirst) {
+  // The lora.Linear's input passes DeepSpeed's PostBackwardFunction too: lora_A's input gradient
+  // waits there for the base layer's (measured: cpu-zero3-llamaw512l4-lora8-fp32-adamw-b1s64,
+  // layer 3's q_proj: lora_A's input gradient, its weight's (copied into the partition), then
+  // the base weight's gather and the base input gradient, and only then the frees).
+  Recipe r = testing::dp_lora_recipe(testing::llama_w512(), Parallel::kZero3, Precision::kFp32);
+  r.batch = 1;
+  r.seq = 64;
+  r.validate();
+  const graph::Trace t = graph::build_training_trace(testing::llama_w512(), r, find_gpu("cpu"));
+  const std::uint64_t x = 64 * 512 * 4, a = 8 * 512 * 4;
+  const std::vector<std::pair<bool, std::uint64_t>> want = {
+      {true, x}, {true, a}, {false, 64 * 8 * 4}, {false, a}, {true, 512 * 512 * 4}, {true, x}};
+  EXPECT_EQ(events_from(t, 1, Phase::kBackward, "self_attn.q_proj.lora_A.default", want.size()), want);
+}
+
 TEST(Zero3Setup, PartitionsBucketAndGradientPartitionsAreMadeOnce) {
   const Model m = gpt2_l2();
   for (std::uint64_t world : {2u, 3u}) {
