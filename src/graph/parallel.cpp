@@ -262,6 +262,14 @@ DataParallel::DataParallel(Tape& tape, const Recipe& recipe, bool cuda, std::uin
   }
 }
 
+// `registration` (module.parameters() order), or the table's order when the caller gave none.
+static std::vector<std::uint32_t> registration_or_table(const std::vector<std::uint32_t>& registration, std::size_t n) {
+  if (!registration.empty()) return registration;
+  std::vector<std::uint32_t> order(n);
+  for (std::uint32_t i = 0; i < n; ++i) order[i] = i;
+  return order;
+}
+
 void DataParallel::wrap(std::vector<WrappedParam>& params, const std::vector<std::vector<std::uint32_t>>& layers,
                         const std::vector<std::uint32_t>& root,
                         const std::vector<std::pair<DType, std::uint64_t>>& buffers,
@@ -275,26 +283,25 @@ void DataParallel::wrap(std::vector<WrappedParam>& params, const std::vector<std
     param_of_slot_[slot] = i;
   }
   if (zero3()) {
-    registration_ = registration;
+    registration_ = registration_or_table(registration, params.size());
     zero3_wrap();
     return;
   }
   if (zero()) {
     // The ZeRO optimizer's flat group holds what the client optimizer was handed: the trainable
     // parameters (LoRA: the adapters, whose own storages go once they are views of it; See Note
-    // [DeepSpeed ZeRO-1/2]). The frozen base keeps its storages.
+    // [DeepSpeed ZeRO-1/2]), in its order, module.parameters() (measured: rank 1 of a ZeRO-1
+    // Qwen3, whose partition begins with a q_proj). The frozen base keeps its storages.
     std::vector<std::uint32_t> kept;
-    for (std::uint32_t i = 0; i < params.size(); ++i) {
+    for (std::uint32_t i : registration_or_table(registration, params.size())) {
       if (params[i].trainable) kept.push_back(i);
     }
     const bool frozen = kept.size() < params.size();
-    if (frozen) {
-      params_.clear();
-      param_of_slot_.assign(param_of_slot_.size(), kNone);
-      for (std::uint32_t i : kept) {
-        param_of_slot_[params[i].slot] = static_cast<std::uint32_t>(params_.size());
-        params_.push_back(params[i]);
-      }
+    params_.clear();
+    param_of_slot_.assign(param_of_slot_.size(), kNone);
+    for (std::uint32_t i : kept) {
+      param_of_slot_[params[i].slot] = static_cast<std::uint32_t>(params_.size());
+      params_.push_back(params[i]);
     }
     zero_wrap();
     for (std::size_t k = 0; k < kept.size(); ++k) {

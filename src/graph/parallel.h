@@ -279,7 +279,6 @@ class DataParallel {
   void zero3_before_optimizer();
   void zero3_same_on_all_ranks(std::uint64_t n);
   std::vector<std::uint32_t> registration_;  // ZeRO-3: the parameters in module.parameters() order
-  std::vector<std::uint32_t> zero3_parameter_order() const;
   void zero3_before_sub_group(std::size_t i);  // the fp32 gradient of sub-group i
   void zero3_after_sub_group(std::size_t i);
   void zero3_reset_step();

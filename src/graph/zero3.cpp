@@ -289,14 +289,6 @@ void DataParallel::zero3_reset_step() {
   z3_available_ = 0;
 }
 
-// The parameters in module.parameters() order (the table's when the caller gave none).
-std::vector<std::uint32_t> DataParallel::zero3_parameter_order() const {
-  if (!registration_.empty()) return registration_;
-  std::vector<std::uint32_t> order(params_.size());
-  for (std::uint32_t p = 0; p < params_.size(); ++p) order[p] = p;
-  return order;
-}
-
 // assert_ints_same_as_other_ranks on a list of n ints (runtime/zero/utils.py): rank 0's length as
 // a 0-dim int64 tensor, broadcast and read; then the list as an int64 tensor (none of no bytes),
 // broadcast and read into Python ints; each goes when its function returns.
@@ -642,7 +634,7 @@ void DataParallel::zero3_before_optimizer() {
   // The optimizer's groups hold the trainable parameters in module.parameters() order (measured:
   // a Llama layer's q_proj first, its norms last).
   std::vector<TensorId> norms;
-  for (std::uint32_t p : zero3_parameter_order()) {
+  for (std::uint32_t p : registration_) {
     if (!params_[p].trainable) continue;
     TensorId wide = t_.alloc_bytes(detail::mul(z3_partition_[p], 8, "grad norm bytes"), Category::kTemporaries);
     norms.push_back(scalar(8));
@@ -698,7 +690,7 @@ void DataParallel::zero3_after_sub_group(std::size_t) {
 void DataParallel::zero3_gather_persistent() {
   if (offload_) offload_after_optimizer();  // reset_cpu_buffers: norm_for_param_grads goes
   t_.at(Phase::kOptimizer, kNoLayer, "zero3.gather_persistent");
-  for (std::uint32_t p : zero3_parameter_order()) {  // persistent_parameters: module.parameters()
+  for (std::uint32_t p : registration_) {  // persistent_parameters: module.parameters()
     if (!z3_persist_[p] || z3_status_[p] != Z3Status::kNotAvailable) continue;
     z3_data_[p] = t_.alloc_bytes(z3_gathered_bytes(p), Category::kWeights);
     const TensorId in = zero3_copy_in(p);  // offload_param: the host partition's GPU copy

@@ -151,6 +151,26 @@ TEST(ZeroOptimizer, Bf16ModeChecksEveryGradientForOverflowFirst) {
   EXPECT_TRUE(allocs_at(fp32, "zero.check_overflow").empty());
 }
 
+TEST(ZeroFlatGroup, ParametersInModuleOrder) {
+  // The flat group follows the client optimizer's parameters, module.parameters(): in a decoder
+  // layer q_proj comes first and the norms last, so rank 1's partition of a 2-layer Qwen3-0.6B under ZeRO-1
+  // has the rest of the embedding and then layer 0's q_proj [2048, 1024] (measured: its gradient
+  // norm's float64 copies, cpu-zero1-qwen3l2-fp32-sgd-ckpt-b1s32 traced; the table's order put
+  // input_layernorm's [1024] there).
+  const Model m = load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/qwen3-0.6b-l2.json");
+  Recipe r = dp_recipe(Parallel::kZero1, 2, Precision::kFp32);
+  r.optimizer = Optimizer::kSgd;
+  r.batch = 1;
+  r.seq = 32;
+  r.checkpointing = Checkpointing::kFull;
+  r.validate();
+  const graph::Trace t = graph::build_training_trace(m, r, find_gpu("cpu"), {}, /*rank=*/1);
+  const std::vector<std::uint64_t> norm = allocs_at(t, "zero.grad_norm");
+  ASSERT_GE(norm.size(), 3u);
+  EXPECT_EQ(norm[1], 8u);  // the embedding slice's 0-dim norm
+  EXPECT_EQ(norm[2], 2048u * 1024 * 8);
+}
+
 TEST(ZeroOptimizer, StatesAreSizedByThePartition) {
   const Model m = gpt2_l2();
   const graph::Trace t = graph::build_training_trace(m, dp_recipe(Parallel::kZero2, 4, Precision::kBf16Master), find_gpu("cpu"));
