@@ -266,7 +266,8 @@ T StepBuilder::linear_module(const T& x_in, std::uint32_t w, std::uint32_t b, st
     // (F.linear) or before a weight with no transpose (Conv1D's addmm): the parameters' nodes
     // outrank it (Node::params_routed_first). ZeRO-3's function hands the input its gradient
     // directly; a weight cast by autocast goes through the cast's node (not examined).
-    n.params_routed_first = b != kNone && !wcast && !bcast && !(dp_->zero3() && functional_linear(w));
+    n.params_routed_first = b != kNone && !wcast && !bcast && !save_all;
+    n.saves_after_forward = save_all;
     t_.close_node();
   }
   t_.drop(x);

@@ -96,8 +96,8 @@ void Tape::close_node() {
     // inputs before running it, so the stop is right after the newest saved tensor was made,
     // but not before this op began (after the previous node was recorded).
     if (!node.saved.empty()) {
-      std::size_t stop = op_begin_event_;
-      for (std::size_t i = trace_.events.size(); i-- > op_begin_event_;) {
+      std::size_t stop = node.saves_after_forward ? trace_.events.size() : op_begin_event_;
+      for (std::size_t i = trace_.events.size(); i-- > op_begin_event_ && !node.saves_after_forward;) {
         const Event& e = trace_.events[i];
         if (e.alloc && std::find(node.saved.begin(), node.saved.end(), e.tensor) != node.saved.end()) {
           stop = i + 1;

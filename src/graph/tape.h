@@ -316,6 +316,11 @@ struct Node {
   // view in the ready queue, and the bias's AccumulateGrad outranks both (measured: Qwen2's q/k/v
   // in a second micro-batch, both .grad sums before k's and v's input gradients are summed).
   bool params_routed_first = false;
+  // A custom autograd Function (ZeRO-3's LinearFunctionForZeroStage3): what its forward saves is
+  // packed when the forward has returned, so a recompute's early stop there comes after the
+  // op's outputs were made (measured: ZeRO-3 with checkpointing, down_proj's output made and
+  // dropped in the recompute).
+  bool saves_after_forward = false;
   // Checkpointed segments: re-runs the forward (recording nodes) and returns the recomputed
   // output whose gradient is the checkpoint's incoming gradient.
   std::function<T()> recompute;

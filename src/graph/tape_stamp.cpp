@@ -499,7 +499,7 @@ bool Tape::capture_range(const LayerRange& r, std::size_t begin, std::size_t end
                 n.inputs.size() == c.inputs.size() && n.scratch.size() == c.scratch.size() &&
                 n.params.size() == c.params.size() && n.scratch_freed_early == c.scratch_freed_early &&
                 n.grad_order == c.grad_order && n.unpacked == c.unpacked &&
-                n.params_routed_first == c.params_routed_first &&
+                n.params_routed_first == c.params_routed_first && n.saves_after_forward == c.saves_after_forward &&
                 n.co_outputs.size() == c.co_outputs.size();
     for (std::size_t k = 0; same && k < n.co_outputs.size(); ++k) {
       same = n.co_outputs[k] == names.node_value(c.co_outputs[k]);

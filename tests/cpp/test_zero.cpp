@@ -472,6 +472,28 @@ TEST(Zero3Trace, ALoraLinearsInputGathersBothGradientsFirst) {
   EXPECT_EQ(events_from(t, 1, Phase::kBackward, "self_attn.q_proj.lora_A.default", want.size()), want);
 }
 
+TEST(Zero3Trace, TheRecomputeStopsAfterTheLastCustomFunctionsOutput) {
+  // LinearFunctionForZeroStage3 saves its input when its forward has returned, so the
+  // checkpoint's early stop at down_proj (the segment's last saving op) comes after down_proj's
+  // output is made, which the recompute then drops (measured:
+  // cpu-zero3-llamaw512l4-lora8-fp32-adamw-ckpt-b1s128, layer 3's recompute in step 1).
+  Recipe r = testing::dp_lora_recipe(testing::llama_w512(), Parallel::kZero3, Precision::kFp32);
+  r.batch = 1;
+  r.seq = 128;
+  r.checkpointing = Checkpointing::kFull;
+  r.validate();
+  const graph::Trace t = graph::build_training_trace(testing::llama_w512(), r, find_gpu("cpu"));
+  std::vector<std::pair<bool, std::uint64_t>> down;
+  for (const graph::Event& e : t.events) {
+    const graph::MomentTag& m = t.moments[e.moment];
+    if (m.step == 1 && m.layer == 3 && m.recompute && m.op == "mlp.down_proj") {
+      down.emplace_back(e.alloc, t.storages[e.tensor].bytes);
+    }
+  }
+  const std::uint64_t out = 128 * 512 * 4;
+  EXPECT_NE(std::find(down.begin(), down.end(), std::make_pair(true, out)), down.end());
+}
+
 TEST(Zero3Setup, PartitionsBucketAndGradientPartitionsAreMadeOnce) {
   const Model m = gpt2_l2();
   for (std::uint64_t world : {2u, 3u}) {
