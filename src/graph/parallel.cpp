@@ -264,7 +264,15 @@ DataParallel::DataParallel(Tape& tape, const Recipe& recipe, bool cuda, std::uin
 
 // `registration` (module.parameters() order), or the table's order when the caller gave none.
 static std::vector<std::uint32_t> registration_or_table(const std::vector<std::uint32_t>& registration, std::size_t n) {
-  if (!registration.empty()) return registration;
+  if (!registration.empty()) {
+    std::vector<bool> seen(n, false);
+    for (std::uint32_t i : registration) {
+      TRAINMEM_ASSERT(i < n && !seen[i], "the registration order is not a permutation of the parameters");
+      seen[i] = true;
+    }
+    TRAINMEM_ASSERT(registration.size() == n, "the registration order misses parameters");
+    return registration;
+  }
   std::vector<std::uint32_t> order(n);
   for (std::uint32_t i = 0; i < n; ++i) order[i] = i;
   return order;
@@ -313,11 +321,7 @@ void DataParallel::wrap(std::vector<WrappedParam>& params, const std::vector<std
   if (kind_ == Parallel::kDdp) {  // See Note [DDP buckets]
     t_.at(Phase::kSetup, kNoLayer, "ddp.reducer");
     if (find_unused_) {  // See Note [DDP find_unused_parameters]
-      std::vector<std::uint32_t> order = registration;
-      if (order.empty()) {
-        for (std::uint32_t i = 0; i < params.size(); ++i) order.push_back(i);
-      }
-      std::vector<std::uint64_t> sizes = bucket_sizes(order);
+      std::vector<std::uint64_t> sizes = bucket_sizes(registration_or_table(registration, params.size()));
       for (std::size_t b = sizes.size(); b-- > 0;) buckets_.push_back(t_.alloc_bytes(sizes[b], Category::kGradients));
       // initialize_local_used_map: an int32 per trainable parameter on the host (never pinned),
       // and its copy on the parameters' device; on the CPU both are.

@@ -258,10 +258,12 @@ T StepBuilder::linear_module(const T& x_in, std::uint32_t w, std::uint32_t b, st
     }
     // mm makes the weight's gradient first, addmm the input's and the bias's last (See Note
     // [Gradient order of a node] in tape.h); ZeRO-3's LinearFunctionForZeroStage3 the input's,
-    // then the weight's, then the bias's (measured: ZeRO-3 traces, lm_head's backward).
-    n.grad_order = wcast || bcast || save_all ? GradOrder::kInputsFirst
-                   : b != kNone               ? GradOrder::kParamsReversed
-                                              : GradOrder::kParamsFirst;
+    // then the weight's, then the bias's (measured: ZeRO-3 traces, lm_head's backward; read in
+    // deepspeed/runtime/zero/linear.py for the bias): the params list holds the bias first.
+    n.grad_order = wcast || bcast ? GradOrder::kInputsFirst
+                   : b != kNone   ? GradOrder::kParamsReversed
+                   : save_all     ? GradOrder::kInputsFirst
+                                  : GradOrder::kParamsFirst;
     // With a bias the input's gradient goes through a view made before the weight's transpose
     // (F.linear) or before a weight with no transpose (Conv1D's addmm): the parameters' nodes
     // outrank it (Node::params_routed_first). ZeRO-3's function hands the input its gradient

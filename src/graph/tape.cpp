@@ -95,9 +95,11 @@ void Tape::close_node() {
     // Early stop fires in the pack hook of the op's last saved tensor: autograd saves an op's
     // inputs before running it, so the stop is right after the newest saved tensor was made,
     // but not before this op began (after the previous node was recorded).
-    if (!node.saved.empty()) {
-      std::size_t stop = node.saves_after_forward ? trace_.events.size() : op_begin_event_;
-      for (std::size_t i = trace_.events.size(); i-- > op_begin_event_ && !node.saves_after_forward;) {
+    if (!node.saved.empty() && node.saves_after_forward) {
+      last_saving_event_ = trace_.events.size();  // packed once the op's forward has returned
+    } else if (!node.saved.empty()) {
+      std::size_t stop = op_begin_event_;
+      for (std::size_t i = trace_.events.size(); i-- > op_begin_event_;) {
         const Event& e = trace_.events[i];
         if (e.alloc && std::find(node.saved.begin(), node.saved.end(), e.tensor) != node.saved.end()) {
           stop = i + 1;
@@ -302,6 +304,7 @@ void Tape::run_node(Node& n) {
     for (TensorId id : n.kept) release(id);
     return;
   }
+  TRAINMEM_ASSERT(!defer || !n.recompute, "a checkpoint node ends a module whose hook must route its gradients");
   if (n.recompute && n.reentrant) return run_reentrant_checkpoint(n, incoming);
   if (n.recompute && n.tail) return run_checkpoint_with_tail(n, incoming);
   if (n.recompute) {
@@ -334,13 +337,13 @@ void Tape::run_node(Node& n) {
     // `kept`, which it releases there.
     std::size_t lead = begin;
     while (lead < first_saving && nodes_[lead].saved.empty() && !nodes_[lead].recompute) ++lead;
-    if (lead < first_saving && !nodes_[lead].recompute) {
-      Node& first = nodes_[lead];
-      for (TensorId id : saved) first.kept.push_back(id);
-      for (TensorId id : kept) first.kept.push_back(id);
-      run(lead, first_saving);
-    } else {
-      run(lead, first_saving);
+    const bool on_lead = lead < first_saving && !nodes_[lead].recompute;
+    if (on_lead) {
+      for (TensorId id : saved) nodes_[lead].kept.push_back(id);
+      for (TensorId id : kept) nodes_[lead].kept.push_back(id);
+    }
+    run(lead, first_saving);
+    if (!on_lead) {  // no saving node of its own (a nested checkpoint first): after the run
       at(Phase::kBackward, tag.layer, tag.op);
       for (TensorId id : saved) release(id);
       for (TensorId id : kept) release(id);

@@ -494,6 +494,24 @@ TEST(Zero3Trace, TheRecomputeStopsAfterTheLastCustomFunctionsOutput) {
   EXPECT_NE(std::find(down.begin(), down.end(), std::make_pair(true, out)), down.end());
 }
 
+TEST(Zero3Trace, ALinearWithABiasMakesInputWeightThenBias) {
+  // LinearFunctionForZeroStage3's backward: the input's gradient, the weight's, then the bias's
+  // sum (measured: cpu-zero3-qwen2.5w512l2-fp32-sgd-b1s64, layer 1's k_proj in step 1, after the
+  // weight and bias are gathered: one flat buffer, then a cat per parameter).
+  const Model m = load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/qwen2.5-0.5b-w512-l2.json");
+  Recipe r = dp_recipe(Parallel::kZero3, 2, Precision::kFp32);
+  r.optimizer = Optimizer::kSgd;
+  r.batch = 1;
+  r.seq = 64;
+  r.allocator = AllocatorMode::kDefault;
+  r.validate();
+  const graph::Trace t = graph::build_training_trace(m, r, find_gpu("cpu"));
+  const std::uint64_t w = 256 * 512 * 4, b = 256 * 4, x = 64 * 512 * 4;
+  const std::vector<std::pair<bool, std::uint64_t>> want = {{true, w + b}, {true, w}, {true, b}, {false, w + b},
+                                                            {true, x},     {true, w}, {true, b}};
+  EXPECT_EQ(events_from(t, 1, Phase::kBackward, "self_attn.k_proj", want.size()), want);
+}
+
 TEST(Zero3Setup, PartitionsBucketAndGradientPartitionsAreMadeOnce) {
   const Model m = gpt2_l2();
   for (std::uint64_t world : {2u, 3u}) {

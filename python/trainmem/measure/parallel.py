@@ -574,7 +574,9 @@ def _settle_functional_collectives(tracker) -> None:
             # not show that reference, the tensor's does (1: the Python object alone).
             return any(use_count(st._cdata) > n for st, n in settled) or any(t._use_count() > 1 for t in returned)
 
-        _wait_until_settled(busy, 0.0002, "gloo's Work kept a collective's tensors alive", "Settled functional collectives")
+        what = (f"gloo's Work kept {func} tensors alive (storage counts "
+                f"{[(use_count(st._cdata), n) for st, n in settled]}, returned tensors' {[t._use_count() for t in returned]})")
+        _wait_until_settled(busy, 0.0002, what, "Settled functional collectives")
         return out
 
     for name in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "all_reduce"):

@@ -316,7 +316,7 @@ class MemoryTracker:
         self.device_type = self.device.type
         self.records: list[StorageRecord] = []
         self.events: list[tuple[int, int, tuple]] = []  # (ALLOC | FREE, sid, context)
-        self._off_thread: set[int] = set()  # indices of the frees made on another thread
+        self._off_thread: set[int] = set()  # sids freed on another thread (a storage is freed once)
         self.stats: Counter = Counter()
         self.phase = "setup"
         self.step = 0
@@ -869,7 +869,7 @@ class MemoryTracker:
             # free lands later than usual. (On CUDA the autograd engine's device threads run the
             # backward, so most of its frees count here.)
             self.stats["freed_off_thread_bytes"] += rec.block_bytes
-            self._off_thread.add(len(self.events) - 1)
+            self._off_thread.add(sid)  # its event index could race with the tracking thread's appends
 
     def storage_resized(self, tensor: torch.Tensor, flag: str | None = None, name: str = "") -> None:
         """The storage of `tensor` was resized in place (`untyped_storage().resize_`, which no aten
@@ -960,7 +960,7 @@ class MemoryTracker:
             }
             if ctx[6]:
                 row["call"] = ctx[6]
-            if index in self._off_thread:
+            if kind == FREE and sid in self._off_thread:
                 row["off_thread"] = True
             if rec.name:
                 row["name"] = rec.name
