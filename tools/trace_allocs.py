@@ -23,7 +23,7 @@ Usage:
 
 Prints each differing group with the first allocation where the two differ (`--show N`: the N
 allocations from there, side by side; the measured side names its aten op, dtype and shape), and
-how many frees the measured trace made on another thread up to the group's end (`off_thread`: on the CPU,
+how many frees the measured trace made on another thread in that group or the next (`off_thread`: on the CPU,
 gloo's worker letting go of a collective's tensor after the main thread has, a race whose outcome
 changes from run to run). Exits 1 when a group differs.
 """
@@ -49,10 +49,10 @@ Allocation = tuple[int, int, str, int]  # (live bytes after it, its size, what i
 
 def allocations(path: Path, whole_phases: bool = False) -> tuple[dict[Group, list[Allocation]], dict[Group, int]]:
     """Each group's allocations, groups in the order of their first; and for each group the frees
-    made on another thread (`off_thread`) in the trace up to the group's last event."""
-    live = late = 0
+    made on another thread (`off_thread`) among its events."""
+    live = 0
     groups: dict[Group, list[Allocation]] = {}
-    late_by: dict[Group, int] = {}
+    late_in: dict[Group, int] = {}
     try:
         for (step, micro, phase), delta, e in trace_records(path):
             live += delta
@@ -60,14 +60,13 @@ def allocations(path: Path, whole_phases: bool = False) -> tuple[dict[Group, lis
             m = _LAYER.match(op)
             key = (step, micro, phase, int(m.group(1)) if m and not whole_phases else -1)
             if delta < 0:
-                late += bool(e.get("off_thread"))
+                late_in[key] = late_in.get(key, 0) + bool(e.get("off_thread"))
             else:
                 what = " ".join(str(x) for x in (delta, op, e.get("aten_op"), e.get("dtype"), e.get("shape")) if x)
                 groups.setdefault(key, []).append((live, delta, what, int(e.get("call") or 0)))
-            late_by[key] = late
     except ValueError as err:
         raise SystemExit(str(err)) from None
-    return groups, late_by
+    return groups, late_in
 
 
 def as_sets(measured: list[Allocation], predicted: list[Allocation]) -> None:
@@ -103,10 +102,10 @@ def main(argv: list[str] | None = None) -> int:
                          "labels backward ops by their autograd node, which DTensor's ops can leave behind)")
     a = ap.parse_args(argv)
     phases = set(a.phases.split(","))
-    (measured, late_by), (predicted, _) = allocations(a.measured, a.whole_phases), allocations(a.predicted, a.whole_phases)
+    (measured, late_in), (predicted, _) = allocations(a.measured, a.whole_phases), allocations(a.predicted, a.whole_phases)
     keys = list(measured) + [k for k in predicted if k not in measured]  # the engine's extra groups last
     compared = differing = raced = 0
-    for key in keys:
+    for n, key in enumerate(keys):
         if key[2] not in phases:
             continue
         compared += 1
@@ -119,18 +118,19 @@ def main(argv: list[str] | None = None) -> int:
         step, micro, phase, layer = key
         where = f"layer {layer}" if layer >= 0 else "outside the layers"
         # A free made on another thread (gloo's worker letting go of a collective's tensor) lands
-        # when that thread gets to it, after the allocations it should have come before: a group
-        # that differs with such a free in it or before it may show one outcome of that race.
-        late = late_by.get(key, 0)
+        # when that thread gets to it, after the allocations it should have come before, in the
+        # same group or the next: a group that differs with such a free in it or in the next one
+        # may show one outcome of that race (live bytes are right again once the free has landed).
+        late = late_in.get(key, 0) + (late_in.get(keys[n + 1], 0) if n + 1 < len(keys) else 0)
         raced += late > 0
-        after = f" ({late} free{'s' if late > 1 else ''} on another thread by the group's end)" if late else ""
+        after = f" ({late} free{'s' if late > 1 else ''} on another thread in it or the next group)" if late else ""
         print(f"step {step} micro-batch {micro} {phase}, {where}: {len(m)} allocations measured, {len(p)} "
               f"predicted; first difference at allocation {i}{after}")
         for j in range(i, min(i + a.show, max(len(m), len(p)))):
             left = f"{m[j][0]:>14,} {m[j][2]}" if j < len(m) else ""
             right = f"{p[j][0]:>14,} {p[j][2]}" if j < len(p) else ""
             print(f"    {left:<70} | {right}")
-    print(f"{compared} groups compared, {differing} differ" + (f", {raced} with a free on another thread by their end" if raced else ""))
+    print(f"{compared} groups compared, {differing} differ" + (f", {raced} with a free on another thread in or after them" if raced else ""))
     return 1 if differing else 0
 
 
