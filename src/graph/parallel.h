@@ -221,6 +221,8 @@ class DataParallel {
   void zero_epilogue();
   void zero_pad(const std::vector<std::uint64_t>& slices);
   void zero_before_optimizer();
+  // A temporary of `bytes` (DeepSpeed's step makes many 0-dim ones).
+  TensorId scalar(std::uint64_t bytes) { return t_.alloc_bytes(bytes, Category::kTemporaries); }
   void clip_factor(std::uint64_t bytes, bool checks_norm);
   TensorId isfinite_of(std::uint64_t bytes);
   TensorId invalid_norm(std::uint64_t bytes);

@@ -296,7 +296,6 @@ void DataParallel::zero_before_optimizer() {
   }
   if (offload_) return offload_before_optimizer();  // See Note [ZeRO-Offload]
   if (zero_pad_ == kNone) zero_pad(slices);  // the boundary epilogue was skipped by the replay
-  auto scalar = [&](std::uint64_t bytes) { return t_.alloc_bytes(bytes, Category::kTemporaries); };
   if (item == 2) {
     // DeepSpeed's bf16 mode checks for overflow first (bf16.check_grad_overflow, on by default):
     // has_overflow_partitioned_grads_serial adds has_inf_or_nan of every averaged gradient (the
@@ -390,7 +389,6 @@ void DataParallel::zero_before_optimizer() {
 // multiplies the fp32 gradient in place by 1. / that (a reciprocal, then 1.0 times it); its locals
 // go when it returns. `bytes`: the norm's element size (fp32 in stages 1/2, float64 in stage 3).
 void DataParallel::clip_factor(std::uint64_t bytes, bool checks_norm) {
-  auto scalar = [&](std::uint64_t b) { return t_.alloc_bytes(b, Category::kTemporaries); };
   if (checks_norm) t_.release(invalid_norm(bytes));
   TensorId div = scalar(bytes), add = scalar(bytes);
   t_.release(div);
@@ -408,7 +406,6 @@ void DataParallel::clip_factor(std::uint64_t bytes, bool checks_norm) {
 // torch.isfinite of a 0-dim tensor of `bytes` per element: it decomposes into abs, !=, == and a
 // product, whose temporaries go last first. Returns the product.
 TensorId DataParallel::isfinite_of(std::uint64_t bytes) {
-  auto scalar = [&](std::uint64_t b) { return t_.alloc_bytes(b, Category::kTemporaries); };
   TensorId abs = scalar(bytes), ne = scalar(1), eq = scalar(1), finite = scalar(1);
   t_.release(eq);
   t_.release(ne);
@@ -419,7 +416,6 @@ TensorId DataParallel::isfinite_of(std::uint64_t bytes) {
 // (~torch.isfinite(x) | (x < 0)).any() of a 0-dim norm of `bytes` per element (runtime/utils.py
 // is_invalid_grad_norm and combine_grad_norm_groups). Returns the .any().
 TensorId DataParallel::invalid_norm(std::uint64_t bytes) {
-  auto scalar = [&](std::uint64_t b) { return t_.alloc_bytes(b, Category::kTemporaries); };
   const TensorId finite = isfinite_of(bytes);
   TensorId inverted = scalar(1);
   t_.release(finite);
@@ -434,7 +430,6 @@ TensorId DataParallel::invalid_norm(std::uint64_t bytes) {
 // mask_nan_or_inf_with_val_inplace (runtime/utils.py) on a norm: isinf, isnan, their logical_or
 // and the -1.0 it fills in, all gone when it returns.
 void DataParallel::mask_invalid_norm() {
-  auto scalar = [&](std::uint64_t b) { return t_.alloc_bytes(b, Category::kTemporaries); };
   const TensorId inf = scalar(1), nan = scalar(1), either = scalar(1), err = scalar(4);
   for (TensorId id : {inf, nan, either, err}) t_.release(id);
 }

@@ -625,7 +625,6 @@ void DataParallel::zero3_before_optimizer() {
   micro_ = 0;  // _pre_step: micro_step_id 0
   if (offload_) return zero3_offload_grad_norm();  // the rest of step() runs on the host
   t_.at(Phase::kOptimizer, kNoLayer, "zero3.grad_norm");
-  auto scalar = [&](std::uint64_t bytes) { return t_.alloc_bytes(bytes, Category::kTemporaries); };
   auto drop = [&](std::initializer_list<TensorId> ids) {
     for (TensorId id : ids) t_.release(id);
   };

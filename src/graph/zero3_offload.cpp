@@ -151,7 +151,6 @@ void DataParallel::zero3_offload_partition_grads() {
 // Every parameter's norm is in one sub-group's list; the engine sums them over the first.
 void DataParallel::zero3_offload_grad_norm() {
   t_.at(Phase::kOptimizer, kNoLayer, "zero3.offload_grad_norm");
-  auto scalar = [&](std::uint64_t bytes) { return t_.alloc_bytes(bytes, Category::kTemporaries); };
   for (std::size_t g = 0; g < sub_group_numel_.size(); ++g) {
     TensorId total = kNone;  // 0.0 + the first norm ** 2, then += in place
     if (g == 0) {
