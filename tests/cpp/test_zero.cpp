@@ -151,6 +151,16 @@ TEST(ZeroOptimizer, Bf16ModeChecksEveryGradientForOverflowFirst) {
   EXPECT_TRUE(allocs_at(fp32, "zero.check_overflow").empty());
 }
 
+// dp_recipe at world 2, fp32 SGD, batch x seq: the quick measured entries' recipe.
+Recipe fp32_sgd(Parallel parallel, std::uint64_t batch, std::uint64_t seq) {
+  Recipe r = dp_recipe(parallel, 2, Precision::kFp32);
+  r.optimizer = Optimizer::kSgd;
+  r.batch = batch;
+  r.seq = seq;
+  r.validate();
+  return r;
+}
+
 TEST(ZeroFlatGroup, ParametersInModuleOrder) {
   // The flat group follows the client optimizer's parameters, module.parameters(): in a decoder
   // layer q_proj comes first and the norms last, so rank 1's partition of a 2-layer Qwen3-0.6B under ZeRO-1
@@ -158,10 +168,7 @@ TEST(ZeroFlatGroup, ParametersInModuleOrder) {
   // norm's float64 copies, cpu-zero1-qwen3l2-fp32-sgd-ckpt-b1s32 traced; the table's order put
   // input_layernorm's [1024] there).
   const Model m = load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/qwen3-0.6b-l2.json");
-  Recipe r = dp_recipe(Parallel::kZero1, 2, Precision::kFp32);
-  r.optimizer = Optimizer::kSgd;
-  r.batch = 1;
-  r.seq = 32;
+  Recipe r = fp32_sgd(Parallel::kZero1, 1, 32);
   r.checkpointing = Checkpointing::kFull;
   r.validate();
   const graph::Trace t = graph::build_training_trace(m, r, find_gpu("cpu"), {}, /*rank=*/1);
@@ -392,12 +399,7 @@ TEST(Zero3Partition, CeilPerParameterAndThePersistenceThreshold) {
 // The narrow 4-layer Llama of cpu-zero3-llamaw512l4-fp32-sgd-b1s256, whose trace the engine
 // matches allocation by allocation on both ranks.
 graph::Trace zero3_llama_trace() {
-  Recipe r = dp_recipe(Parallel::kZero3, 2, Precision::kFp32);
-  r.optimizer = Optimizer::kSgd;
-  r.batch = 1;
-  r.seq = 256;
-  r.validate();
-  return graph::build_training_trace(testing::llama_w512(), r, find_gpu("cpu"));
+  return graph::build_training_trace(testing::llama_w512(), fp32_sgd(Parallel::kZero3, 1, 256), find_gpu("cpu"));
 }
 
 // (alloc, bytes) of every event of `step` and `phase` from the first one at `op` on.
@@ -499,10 +501,7 @@ TEST(Zero3Trace, ALinearWithABiasMakesInputWeightThenBias) {
   // sum (measured: cpu-zero3-qwen2.5w512l2-fp32-sgd-b1s64, layer 1's k_proj in step 1, after the
   // weight and bias are gathered: one flat buffer, then a cat per parameter).
   const Model m = load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/qwen2.5-0.5b-w512-l2.json");
-  Recipe r = dp_recipe(Parallel::kZero3, 2, Precision::kFp32);
-  r.optimizer = Optimizer::kSgd;
-  r.batch = 1;
-  r.seq = 64;
+  Recipe r = fp32_sgd(Parallel::kZero3, 1, 64);
   r.allocator = AllocatorMode::kDefault;
   r.validate();
   const graph::Trace t = graph::build_training_trace(m, r, find_gpu("cpu"));
