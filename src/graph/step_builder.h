@@ -471,6 +471,9 @@ class StepBuilder {
   // (slice_backward's zero-padded one, or reshape's copy of a gradient in another layout).
   T view_of(const T& base, std::uint64_t numel);
   T module_input(const T& x, bool unwrap);
+  // Whether [b, heads, s, d] and [b, s, heads, d] are different memory layouts for `heads` heads:
+  // not with one head or one token, where a transpose between them is contiguous as it stands.
+  bool heads_layout_differs(std::uint64_t heads) const { return heads > 1 && S_ > 1; }
   T alias(const T& base, std::uint64_t numel);
   T mlp(const T& x, const LayerParams& lp);
   T mlp_module(const T& x, const LayerParams& lp);

@@ -979,8 +979,10 @@ T StepBuilder::math_kernel(T& q, T& k, T& v, const T& attn_mask) {
 // transposed, laid out [b, s, heads, d]: where bmm made the output (eager attention, the math
 // kernel) bmm_output's view copies it, and the fused kernels' backwards take it as it is (measured:
 // Phi-3, whose cat makes q contiguous, with SDPA on the CPU). The ring's backward is not measured:
-// `copied` keeps a copy there.
+// `copied` keeps a copy there. With one head (a rank's) or one token the transpose is contiguous
+// already and .contiguous() returns it (measured: a 2-head Llama on 2 ranks, eager).
 T StepBuilder::heads_last(T o, bool copied) {
+  if (!copied && !heads_layout_differs(a_.num_heads)) return o;
   T out = copied ? elementwise({&o}, o.numel, o.dtype, {}) : handing_on(o);
   t_.drop(o);
   return out;
@@ -989,9 +991,10 @@ T StepBuilder::heads_last(T o, bool copied) {
 // matmul's view of bmm's [b·heads, s, d] attention output as [b, heads, s, d]. Its backward
 // reshapes the gradient that the output's transpose handed on, laid out [b, s, heads, d]: a copy
 // for b > 1, a view for b = 1, and after the math kernel's cast back to the input dtype, in bmm's
-// dtype (measured: GPT-2 and Llama at b = 2 and b = 1, fp16-mixed GPT-2).
+// dtype (measured: GPT-2 and Llama at b = 2 and b = 1, fp16-mixed GPT-2). One head or one token:
+// a view too.
 T StepBuilder::bmm_output(T o) {
-  if (B_ == 1 || !o.requires_grad()) return o;
+  if (B_ == 1 || !heads_layout_differs(a_.num_heads) || !o.requires_grad()) return o;
   T v = view_of(o, o.numel);
   t_.drop(o);
   return v;
@@ -1022,7 +1025,7 @@ T StepBuilder::attention_module(const T& x, const LayerParams& lp) {
   // the two layouts are the same and the reshape is a view (measured: a TP rank of a 2-KV-head
   // Llama, tests/python/test_measure_parallel.py).
   auto heads_view = [&](T p, std::uint64_t n, bool copies) {
-    if (!copies || n == 1 || S_ == 1) return p;
+    if (!copies || !heads_layout_differs(n)) return p;
     op(gpt2 ? "attn.clone" : "self_attn.clone");  // the copy's name in measured traces
     T h = view_of(p, p.numel);
     t_.drop(p);
@@ -1074,7 +1077,8 @@ T StepBuilder::attention_module(const T& x, const LayerParams& lp) {
   // rope keeps that layout, Phi-3's cat and repeat_kv make contiguous [b, heads, s, d] tensors.
   // Whether eager matmul copies an operand, and whether the attention output needs a copy,
   // follows from it.
-  q.bshd = k.bshd = v.bshd = true;
+  q.bshd = heads_layout_differs(heads);
+  k.bshd = v.bshd = heads_layout_differs(kvh);
   if (a_.family != Family::kGpt2) {
     op("self_attn.rotary");
     // Phi-3 rotates the first rotary_dim channels and concatenates the rest (empty with

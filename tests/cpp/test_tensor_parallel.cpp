@@ -509,6 +509,26 @@ TEST(TensorParallel, Qwen3HeadNormsAreDTensorModulesUnderSequenceParallelismToo)
   }
 }
 
+TEST(TensorParallel, OneLocalHeadFoldsAndTransposesAsViews) {
+  // Two heads on two ranks: one query and one KV head each, for which [b, heads, s, d] and
+  // [b, s, heads, d] are the same memory. Eager attention copies nothing for matmul's folds or for
+  // transpose(1, 2).contiguous(): the scores, their scaling and the mask's sum, then bmm's output
+  // alone (measured: tools/trace_allocs.py on 2 ranks, eager and SDPA, every allocation).
+  const Model m = model_from_config_json(
+      R"({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+          "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 256,
+          "max_position_embeddings": 64, "tie_word_embeddings": false})");
+  Recipe r = tp_recipe(2);
+  r.seq = 16;
+  r.allocator = AllocatorMode::kDefault;
+  r.attention = Attention::kEager;
+  r.validate();
+  const graph::Trace t = graph::build_training_trace(m, r, find_gpu("cpu"));
+  const std::uint64_t scores = 2 * 16 * 16 * 4, out = 2 * 16 * 32 * 4;
+  EXPECT_EQ(allocs(t, Phase::kForward, 0, "self_attn.attn_weights"), (std::vector<std::uint64_t>{scores, scores, scores}));
+  EXPECT_EQ(allocs(t, Phase::kForward, 0, "self_attn.attn_output"), (std::vector<std::uint64_t>{out}));
+}
+
 TEST(TensorParallel, CheckpointInputGoesBeforeTheReplicatedNormsSum) {
   // Measured (the trace of cpu-tp2-llamaw512l4-fp32-sgd-ckpt-b2s256, the end of layer 3's
   // backward in step 1): the checkpoint's frame, which holds the layer's input, goes when the
