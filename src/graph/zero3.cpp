@@ -562,11 +562,12 @@ void DataParallel::zero3_reduce_ipg() {
   std::uint64_t flat = 0;
   for (std::uint32_t p : z3_bucket_params_) flat += z3_partition_[p] * world_;
   TensorId cat = kNone;
+  std::vector<TensorId> pads;
   if (!one_divides) {
-    std::vector<TensorId> pads;
-    for (std::uint32_t p : z3_bucket_params_) {
-      // torch.empty(padding) beside the last rank's short chunk (and any rank past the end)
-      for (std::uint64_t r = 0; r < world_; ++r) {
+    // reduce_scatter_coalesced interleaves rank by rank, tensor by tensor: a torch.empty(padding)
+    // beside each short chunk (the last rank's, and any rank past the end of a small tensor).
+    for (std::uint64_t r = 0; r < world_; ++r) {
+      for (std::uint32_t p : z3_bucket_params_) {
         const std::uint64_t begin = std::min(params_[p].numel, r * z3_partition_[p]);
         const std::uint64_t end = std::min(params_[p].numel, begin + z3_partition_[p]);
         if (end - begin < z3_partition_[p]) {
@@ -575,12 +576,14 @@ void DataParallel::zero3_reduce_ipg() {
       }
     }
     cat = t_.alloc_bytes(detail::mul(flat, z3_item_, "reduce-scatter bytes"), Category::kGradients);
-    for (TensorId pad : pads) t_.release(pad);
   }
   // gloo's reduce_scatter_tensor hands back a world x output temporary, freed once this rank's
   // chunks are copied out (the measured trace: at the copy_); NCCL makes none. See Note [gloo's
   // reduce-scatter temporary] in parallel.cpp.
   if (!cuda_) t_.release(t_.alloc_bytes(detail::mul(flat, z3_item_, "reduce-scatter bytes"), Category::kGradients));
+  // reduce_scatter_coalesced returns: its list of chunks and pads goes, last first (measured:
+  // world 3, the pads freed after gloo's temporary).
+  for (auto it = pads.rbegin(); it != pads.rend(); ++it) t_.release(*it);
   if (offload_) zero3_offload_partition_grads();  // to the pinned host partitions: See Note [ZeRO-3 offload]
   if (cat != kNone) t_.release(cat);  // the partitions are in grad_partitions_flat_buffer, the list goes
   for (TensorId g : z3_kept_grads_) t_.release(g);

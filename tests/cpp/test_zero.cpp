@@ -511,6 +511,32 @@ TEST(Zero3Trace, ALinearWithABiasMakesInputWeightThenBias) {
   EXPECT_EQ(events_from(t, 1, Phase::kBackward, "self_attn.k_proj", want.size()), want);
 }
 
+TEST(Zero3Trace, ReduceScatterPadsGoWhenTheCoalescedCallReturns) {
+  // World 3: reduce_scatter_coalesced pads every short chunk with a torch.empty, cats the list
+  // into the flat buffer, and gloo hands back a temporary of the same size; the pads go with the
+  // list when the call returns, after that temporary, last first (measured:
+  // cpu-zero3x3-qwen2.5w512l2-4bitfp4-lora8-bf16master-adamw-qsbf16-b2s32, every rank).
+  Recipe r = dp_recipe(Parallel::kZero3, 3, Precision::kFp32);
+  r.optimizer = Optimizer::kSgd;
+  r.validate();
+  const graph::Trace t = graph::build_training_trace(testing::llama_w512(), r, find_gpu("cpu"));
+  std::vector<std::pair<bool, std::uint64_t>> ev;
+  for (const graph::Event& e : t.events) {
+    const graph::MomentTag& m = t.moments[e.moment];
+    if (m.step == 1 && m.op == "zero3.reduce_ipg_grads") ev.emplace_back(e.alloc, t.storages[e.tensor].bytes);
+  }
+  std::size_t pads = 0;
+  while (pads < ev.size() && ev[pads].first && ev[pads].second < 512) ++pads;
+  ASSERT_GT(pads, 0u);
+  ASSERT_GE(ev.size(), 2 * pads + 3);
+  const std::uint64_t flat = ev[pads].second;
+  EXPECT_EQ(ev[pads + 1], std::make_pair(true, flat));   // gloo's temporary
+  EXPECT_EQ(ev[pads + 2], std::make_pair(false, flat));  // copied out and freed
+  for (std::size_t k = 0; k < pads; ++k) {
+    EXPECT_EQ(ev[pads + 3 + k], std::make_pair(false, ev[pads - 1 - k].second)) << k;  // last first
+  }
+}
+
 TEST(Zero3Setup, PartitionsBucketAndGradientPartitionsAreMadeOnce) {
   const Model m = gpt2_l2();
   for (std::uint64_t world : {2u, 3u}) {
