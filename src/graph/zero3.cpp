@@ -407,7 +407,11 @@ void DataParallel::zero3_fetch(std::uint32_t m, bool forward) {
       }
     }
     if (!prefetch.empty()) {
-      std::sort(prefetch.begin(), prefetch.end());
+      // ds_id order: module.parameters() (measured: Phi-3's o_proj, registered before qkv_proj,
+      // first in the prefetch's flat buffer).
+      std::vector<std::uint32_t> position(params_.size());
+      for (std::uint32_t k = 0; k < registration_.size(); ++k) position[registration_[k]] = k;
+      std::sort(prefetch.begin(), prefetch.end(), [&](std::uint32_t a, std::uint32_t b) { return position[a] < position[b]; });
       zero3_all_gather(prefetch);
     }
   }

@@ -537,6 +537,25 @@ TEST(Zero3Trace, ReduceScatterPadsGoWhenTheCoalescedCallReturns) {
   }
 }
 
+TEST(Zero3Trace, APrefetchGathersInDsIdOrder) {
+  // The prefetch's flat buffer takes the parameters by ds_id, module.parameters() order: Phi-3
+  // registers o_proj before qkv_proj, so layer 0's o_proj (1 MiB in fp32) comes before its
+  // qkv_proj (3 MiB) in step 2's first gather, after the embedding (measured: the traces of
+  // cpu-zero3-phi3w512l2-qlora8-fp32-sgd-eager-qkvo-b1s64, packed 4-bit weights in that order).
+  const Model m = load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/phi-3-mini-4k-instruct-w512-l2.json");
+  const graph::Trace t = graph::build_training_trace(m, fp32_sgd(Parallel::kZero3, 1, 64), find_gpu("cpu"));
+  std::vector<std::uint64_t> gathered;
+  for (const graph::Event& e : t.events) {
+    const graph::MomentTag& mt = t.moments[e.moment];
+    if (mt.step == 2 && mt.phase == Phase::kForward && e.alloc && mt.op == "embed_tokens") {
+      gathered.push_back(t.storages[e.tensor].bytes);
+    }
+  }
+  ASSERT_GE(gathered.size(), 3u);
+  EXPECT_EQ((std::vector<std::uint64_t>(gathered.begin(), gathered.begin() + 3)),
+            (std::vector<std::uint64_t>{1000 * 512 * 4, 512 * 512 * 4, 1536 * 512 * 4}));
+}
+
 TEST(Zero3Setup, PartitionsBucketAndGradientPartitionsAreMadeOnce) {
   const Model m = gpt2_l2();
   for (std::uint64_t world : {2u, 3u}) {
