@@ -327,27 +327,7 @@ void Tape::run_node(Node& n) {
     run(first_saving, nodes_.size());
     std::rotate(trace_.events.begin() + static_cast<std::ptrdiff_t>(recompute_events),
                 trace_.events.begin() + static_cast<std::ptrdiff_t>(recomputed_events), trace_.events.end());
-    // The checkpoint's frame holds its inputs (the recompute's arguments) while any saved tensor's
-    // unpack hook can still need it: the hooks live in the saving nodes' SavedVariables, so the
-    // frame goes when the segment's first saving node releases its variables, once its function
-    // and validate_outputs are done and before its gradients are summed into their buffers
-    // (measured: a Qwen3 layer's input under bf16-mixed, freed before input_layernorm's cast back;
-    // under TP a Llama layer's fp32 input, freed before the replicated norm's DTensor sum). The
-    // recompute closure's keyword arguments go with it. The frame's tensors join that node's
-    // `kept`, which it releases there.
-    std::size_t lead = begin;
-    while (lead < first_saving && nodes_[lead].saved.empty() && !nodes_[lead].recompute) ++lead;
-    const bool on_lead = lead < first_saving && !nodes_[lead].recompute;
-    if (on_lead) {
-      for (TensorId id : saved) nodes_[lead].kept.push_back(id);
-      for (TensorId id : kept) nodes_[lead].kept.push_back(id);
-    }
-    run(lead, first_saving);
-    if (!on_lead) {  // no saving node of its own (a nested checkpoint first): after the run
-      at(Phase::kBackward, tag.layer, tag.op);
-      for (TensorId id : saved) release(id);
-      for (TensorId id : kept) release(id);
-    }
+    const std::size_t lead = run_releasing_frame(begin, first_saving, saved, kept, tag);
     run(begin, lead);
     resize_nodes(begin);
     return;
@@ -555,11 +535,40 @@ void Tape::run_checkpoint_with_tail(Node& n, TensorId incoming) {
     nodes_[k].saved.clear();
     nodes_[k].kept.clear();
   }
-  run(begin, begin + tail->saving_nodes);
+  // The frame goes as without a tail (measured: ZeRO-3 QLoRA under checkpointing, a layer's bf16
+  // input freed at input_layernorm's pow).
+  const std::size_t end = begin + tail->saving_nodes;
+  const std::size_t lead = run_releasing_frame(begin, end, saved, kept, tag);
+  run(begin, lead);
   resize_nodes(begin);
-  at(Phase::kBackward, tag.layer, tag.op);
-  for (TensorId id : saved) release(id);
-  for (TensorId id : kept) release(id);
+}
+
+// Runs a checkpointed segment's nodes [lead, end) in backward, lead being the first that saves.
+// The checkpoint's frame holds its inputs (the recompute's arguments) while any saved tensor's
+// unpack hook can still need it: the hooks live in the saving nodes' SavedVariables, so the frame
+// goes when the segment's first saving node releases its variables, once its function and
+// validate_outputs are done and before its gradients are summed into their buffers (measured: a
+// Qwen3 layer's input under bf16-mixed, freed before input_layernorm's cast back; under TP a
+// Llama layer's fp32 input, freed before the replicated norm's DTensor sum). The recompute
+// closure's keyword arguments go with it: the frame's tensors join that node's `kept`, which it
+// releases there. Returns lead; the nodes before it, which save nothing, are the caller's to run.
+template <class Saved, class Kept>
+std::size_t Tape::run_releasing_frame(std::size_t begin, std::size_t end, const Saved& saved, const Kept& kept,
+                                      const MomentTag& tag) {
+  std::size_t lead = begin;
+  while (lead < end && nodes_[lead].saved.empty() && !nodes_[lead].recompute) ++lead;
+  const bool on_lead = lead < end && !nodes_[lead].recompute;
+  if (on_lead) {
+    for (TensorId id : saved) nodes_[lead].kept.push_back(id);
+    for (TensorId id : kept) nodes_[lead].kept.push_back(id);
+  }
+  run(lead, end);
+  if (!on_lead) {  // no saving node of its own (a nested checkpoint first): after the run
+    at(Phase::kBackward, tag.layer, tag.op);
+    for (TensorId id : saved) release(id);
+    for (TensorId id : kept) release(id);
+  }
+  return lead;
 }
 
 void Tape::run(std::size_t begin, std::size_t end) {

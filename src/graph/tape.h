@@ -738,6 +738,9 @@ class Tape {
     return {std::move(n.recompute), std::move(n.saved), std::move(n.kept), n.tag};
   }
   T recompute_segment(const std::function<T()>& recompute, const MomentTag& tag, std::size_t stop_node);
+  template <class Saved, class Kept>
+  std::size_t run_releasing_frame(std::size_t begin, std::size_t end, const Saved& saved, const Kept& kept,
+                                  const MomentTag& tag);
   T rerun(const std::function<T()>& recompute, std::size_t stop_node);
   void deliver(ValueId v, TensorId g);
   TensorId buffer_sum(TensorId buf, TensorId g, std::uint64_t bytes);

@@ -556,6 +556,32 @@ TEST(Zero3Trace, APrefetchGathersInDsIdOrder) {
             (std::vector<std::uint64_t>{1000 * 512 * 4, 512 * 512 * 4, 1536 * 512 * 4}));
 }
 
+TEST(Zero3Trace, ACheckpointsFrameGoesWithItsFirstSavingNodeBehindATail) {
+  // Under ZeRO-3 a checkpoint has a tail (its module hooks' nodes), and still its frame, which
+  // holds the layer's bf16 input, goes when the segment's first saving node (input_layernorm's
+  // pow of the fp32 copy) releases its variables: before the norm's input gradient is cast back
+  // to bf16 (measured: cpu-zero3-llamaw512l4-qlora16-bf16master-sgd-alllinear-qsbf16-ckpt-b1s128,
+  // layer 3 in step 1; the frame used to go after the whole segment).
+  Recipe r = testing::dp_lora_recipe(testing::llama_w512(), Parallel::kZero3, Precision::kBf16Master);
+  r.batch = 1;
+  r.seq = 128;
+  r.checkpointing = Checkpointing::kFull;
+  r.validate();
+  const graph::Trace t = graph::build_training_trace(testing::llama_w512(), r, find_gpu("cpu"));
+  std::vector<std::pair<bool, std::uint64_t>> norm;
+  for (const graph::Event& e : t.events) {
+    const graph::MomentTag& m = t.moments[e.moment];
+    if (m.step == 1 && m.phase == Phase::kBackward && m.layer == 3 && !m.recompute && m.op == "input_layernorm") {
+      norm.emplace_back(e.alloc, t.storages[e.tensor].bytes);
+    }
+  }
+  const std::uint64_t x = 128 * 512 * 2;
+  const auto cast = std::find(norm.rbegin(), norm.rend(), std::make_pair(true, x)).base() - 1;  // the cast back
+  ASSERT_GE(cast - norm.begin(), 2);
+  EXPECT_EQ(*(cast - 2), std::make_pair(false, x));      // the frame's input, with pow's variables
+  EXPECT_EQ(*(cast - 1), std::make_pair(false, 2 * x));  // the fp32 gradient added in place
+}
+
 TEST(Zero3Setup, PartitionsBucketAndGradientPartitionsAreMadeOnce) {
   const Model m = gpt2_l2();
   for (std::uint64_t world : {2u, 3u}) {
