@@ -415,6 +415,27 @@ std::vector<std::pair<bool, std::uint64_t>> events_from(const graph::Trace& t, s
   return out;
 }
 
+// (alloc, bytes) of the events of step 1, decoder layer `layer`, at `op`, in or out of a recompute.
+std::vector<std::pair<bool, std::uint64_t>> layer_events(const graph::Trace& t, std::int32_t layer, std::string_view op,
+                                                         bool recompute) {
+  std::vector<std::pair<bool, std::uint64_t>> out;
+  for (const graph::Event& e : t.events) {
+    const graph::MomentTag& m = t.moments[e.moment];
+    if (m.step == 1 && m.layer == layer && m.recompute == recompute && m.op == op) out.emplace_back(e.alloc, t.storages[e.tensor].bytes);
+  }
+  return out;
+}
+
+// The llama_w512 LoRA recipe under ZeRO-3 at batch 1, `seq` tokens, with full checkpointing.
+Recipe zero3_lora_ckpt(Precision p, std::uint64_t seq) {
+  Recipe r = testing::dp_lora_recipe(testing::llama_w512(), Parallel::kZero3, p);
+  r.batch = 1;
+  r.seq = seq;
+  r.checkpointing = Checkpointing::kFull;
+  r.validate();
+  return r;
+}
+
 TEST(Zero3Trace, TheRanksCompareTheRecordedOrdersAtTheForwardsStart) {
   // reset_step: step 1 compares the (empty) module order's length; step 2, with the trace
   // recorded, the module order (115 module calls, forward and backward) and the parameter
@@ -479,19 +500,9 @@ TEST(Zero3Trace, TheRecomputeStopsAfterTheLastCustomFunctionsOutput) {
   // checkpoint's early stop at down_proj (the segment's last saving op) comes after down_proj's
   // output is made, which the recompute then drops (measured:
   // cpu-zero3-llamaw512l4-lora8-fp32-adamw-ckpt-b1s128, layer 3's recompute in step 1).
-  Recipe r = testing::dp_lora_recipe(testing::llama_w512(), Parallel::kZero3, Precision::kFp32);
-  r.batch = 1;
-  r.seq = 128;
-  r.checkpointing = Checkpointing::kFull;
-  r.validate();
-  const graph::Trace t = graph::build_training_trace(testing::llama_w512(), r, find_gpu("cpu"));
-  std::vector<std::pair<bool, std::uint64_t>> down;
-  for (const graph::Event& e : t.events) {
-    const graph::MomentTag& m = t.moments[e.moment];
-    if (m.step == 1 && m.layer == 3 && m.recompute && m.op == "mlp.down_proj") {
-      down.emplace_back(e.alloc, t.storages[e.tensor].bytes);
-    }
-  }
+  const graph::Trace t =
+      graph::build_training_trace(testing::llama_w512(), zero3_lora_ckpt(Precision::kFp32, 128), find_gpu("cpu"));
+  const std::vector<std::pair<bool, std::uint64_t>> down = layer_events(t, 3, "mlp.down_proj", /*recompute=*/true);
   const std::uint64_t out = 128 * 512 * 4;
   EXPECT_NE(std::find(down.begin(), down.end(), std::make_pair(true, out)), down.end());
 }
@@ -562,19 +573,9 @@ TEST(Zero3Trace, ACheckpointsFrameGoesWithItsFirstSavingNodeBehindATail) {
   // pow of the fp32 copy) releases its variables: before the norm's input gradient is cast back
   // to bf16 (measured: cpu-zero3-llamaw512l4-qlora16-bf16master-sgd-alllinear-qsbf16-ckpt-b1s128,
   // layer 3 in step 1; the frame used to go after the whole segment).
-  Recipe r = testing::dp_lora_recipe(testing::llama_w512(), Parallel::kZero3, Precision::kBf16Master);
-  r.batch = 1;
-  r.seq = 128;
-  r.checkpointing = Checkpointing::kFull;
-  r.validate();
-  const graph::Trace t = graph::build_training_trace(testing::llama_w512(), r, find_gpu("cpu"));
-  std::vector<std::pair<bool, std::uint64_t>> norm;
-  for (const graph::Event& e : t.events) {
-    const graph::MomentTag& m = t.moments[e.moment];
-    if (m.step == 1 && m.phase == Phase::kBackward && m.layer == 3 && !m.recompute && m.op == "input_layernorm") {
-      norm.emplace_back(e.alloc, t.storages[e.tensor].bytes);
-    }
-  }
+  const graph::Trace t =
+      graph::build_training_trace(testing::llama_w512(), zero3_lora_ckpt(Precision::kBf16Master, 128), find_gpu("cpu"));
+  const std::vector<std::pair<bool, std::uint64_t>> norm = layer_events(t, 3, "input_layernorm", /*recompute=*/false);
   const std::uint64_t x = 128 * 512 * 2;
   const auto cast = std::find(norm.rbegin(), norm.rend(), std::make_pair(true, x)).base() - 1;  // the cast back
   ASSERT_GE(cast - norm.begin(), 2);
