@@ -292,6 +292,8 @@ void DataParallel::wrap(std::vector<WrappedParam>& params, const std::vector<std
   }
   if (zero3()) {
     registration_ = registration_or_table(registration, params.size());
+    z3_ds_id_.assign(params.size(), 0);
+    for (std::uint32_t k = 0; k < registration_.size(); ++k) z3_ds_id_[registration_[k]] = k;
     zero3_wrap();
     return;
   }

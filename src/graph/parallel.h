@@ -281,6 +281,7 @@ class DataParallel {
   void zero3_before_optimizer();
   void zero3_same_on_all_ranks(std::uint64_t n);
   std::vector<std::uint32_t> registration_;  // ZeRO-3: the parameters in module.parameters() order
+  std::vector<std::uint32_t> z3_ds_id_;      // ZeRO-3: each parameter's place in it, DeepSpeed's ds_id
   void zero3_before_sub_group(std::size_t i);  // the fp32 gradient of sub-group i
   void zero3_after_sub_group(std::size_t i);
   void zero3_reset_step();

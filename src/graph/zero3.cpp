@@ -293,8 +293,8 @@ void DataParallel::zero3_reset_step() {
 // a 0-dim int64 tensor, broadcast and read; then the list as an int64 tensor (none of no bytes),
 // broadcast and read into Python ints; each goes when its function returns.
 void DataParallel::zero3_same_on_all_ranks(std::uint64_t n) {
-  t_.release(t_.alloc_bytes(8, Category::kTemporaries));
-  if (n > 0) t_.release(t_.alloc_bytes(detail::mul(n, 8, "ZeRO-3 trace bytes"), Category::kTemporaries));
+  t_.release(scalar(8));
+  if (n > 0) t_.release(scalar(detail::mul(n, 8, "ZeRO-3 trace bytes")));
 }
 
 void DataParallel::zero3_invalidate_trace() {
@@ -409,9 +409,7 @@ void DataParallel::zero3_fetch(std::uint32_t m, bool forward) {
     if (!prefetch.empty()) {
       // ds_id order: module.parameters() (measured: Phi-3's o_proj, registered before qkv_proj,
       // first in the prefetch's flat buffer).
-      std::vector<std::uint32_t> position(params_.size());
-      for (std::uint32_t k = 0; k < registration_.size(); ++k) position[registration_[k]] = k;
-      std::sort(prefetch.begin(), prefetch.end(), [&](std::uint32_t a, std::uint32_t b) { return position[a] < position[b]; });
+      std::sort(prefetch.begin(), prefetch.end(), [&](std::uint32_t a, std::uint32_t b) { return z3_ds_id_[a] < z3_ds_id_[b]; });
       zero3_all_gather(prefetch);
     }
   }

@@ -574,8 +574,10 @@ def _settle_functional_collectives(tracker) -> None:
             # not show that reference, the tensor's does (1: the Python object alone).
             return any(use_count(st._cdata) > n for st, n in settled) or any(t._use_count() > 1 for t in returned)
 
-        what = (f"gloo's Work kept {func} tensors alive (storage counts "
-                f"{[(use_count(st._cdata), n) for st, n in settled]}, returned tensors' {[t._use_count() for t in returned]})")
+        def what():  # only on a timeout: the counts it was still waiting on
+            return (f"gloo's Work kept {func} tensors alive (storage counts "
+                    f"{[(use_count(st._cdata), n) for st, n in settled]}, returned tensors' {[t._use_count() for t in returned]})")
+
         _wait_until_settled(busy, 0.0002, what, "Settled functional collectives")
         return out
 
@@ -827,13 +829,15 @@ def _attach_ddp(tracker, ddp) -> None:
 _SETTLE_TIMEOUT_S = 60.0
 
 
-def _wait_until_settled(busy, interval_s: float, what: str, note: str) -> None:
+def _wait_until_settled(busy, interval_s: float, what, note: str) -> None:
     """Sleep `interval_s` at a time (releasing the GIL, so gloo's worker thread can drop its Work)
-    while `busy()`; an error after _SETTLE_TIMEOUT_S."""
+    while `busy()`; an error after _SETTLE_TIMEOUT_S, saying `what` (a string, or a function that
+    describes the state then)."""
     deadline = time.monotonic() + _SETTLE_TIMEOUT_S
     while busy():
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{what} for {_SETTLE_TIMEOUT_S:.0f} s (Note [{note}])")
+            text = what() if callable(what) else what
+            raise RuntimeError(f"{text} for {_SETTLE_TIMEOUT_S:.0f} s (Note [{note}])")
         time.sleep(interval_s)
 
 
