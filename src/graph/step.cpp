@@ -322,9 +322,7 @@ ValueId StepBuilder::forward_and_loss() {
     position_embeds = pe;
     training_masks(sum.dtype, /*causal_only=*/false);
     op("drop");
-    const std::uint32_t drop = container_enter(Container::kEmbedDropout);
-    hs = dropout(sum, a_.embd_dropout);
-    module_exit(drop);
+    hs = dropout_module(sum, a_.embd_dropout, Container::kEmbedDropout);
     t_.drop(sum);
   }
   if (!gpt2 && r_.cp > 1) {

@@ -482,6 +482,7 @@ class StepBuilder {
   T decoder_layer_module(const T& x, std::uint32_t l);
   T post_norm(T y, std::uint32_t norm, std::string_view name);
   T residual_dropout(T y, Container module);
+  T dropout_module(const T& x, double p, Container kind, bool input_requires_grad = true, std::uint32_t sub = 0);
   T residual_add(const T& residual, T& branch);
   T checkpointed_layer(const T& x, std::uint32_t l);
   void drop_nodes_since(std::size_t n);

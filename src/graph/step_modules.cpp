@@ -308,9 +308,7 @@ T StepBuilder::proj(const T& x, std::string_view path, std::uint32_t w, std::uin
     op(path);
   }
   T xa = to(xm, params_[ad->a].dtype);  // _cast_input_dtype: x is rebound, kept to the end
-  const std::uint32_t dropout_module = container_enter(Container::kLoraDropout, xa.requires_grad(), sub);
-  T xd = dropout(xa, r_.lora.dropout);
-  module_exit(dropout_module);
+  T xd = dropout_module(xa, r_.lora.dropout, Container::kLoraDropout, xa.requires_grad(), sub);
   op(labels.a);
   T down = linear(xd, ad->a, kNone, r_.lora.rank);
   t_.drop(xd);
@@ -441,9 +439,7 @@ T StepBuilder::lora_4bit(const T& x, T& base, const Adapter& ad, const LoraLabel
     op(labels.path);
   }
   T xa = convert ? to(x, params_[ad.a].dtype) : t_.ref(x);  // _cast_input_dtype
-  const std::uint32_t dropout_module = container_enter(Container::kLoraDropout, xa.requires_grad(), sub);
-  T xd = dropout(xa, r_.lora.dropout);
-  module_exit(dropout_module);
+  T xd = dropout_module(xa, r_.lora.dropout, Container::kLoraDropout, xa.requires_grad(), sub);
   op(labels.a);
   T down = linear(xd, ad.a, kNone, r_.lora.rank);
   t_.drop(xd);
@@ -1341,11 +1337,23 @@ T StepBuilder::post_norm(T y, std::uint32_t norm, std::string_view name) {
 // The nn.Dropout on a sub-layer's output: inside GPT-2's attention and MLP modules, in Phi-3's
 // decoder layer (resid_attn_dropout, resid_mlp_dropout).
 T StepBuilder::residual_dropout(T y, Container module) {
-  const std::uint32_t m = container_enter(module);
-  T dr = dropout(y, a_.resid_dropout);
-  module_exit(m);
+  T dr = dropout_module(y, a_.resid_dropout, module);
   t_.drop(y);
   return dr;
+}
+
+// An nn.Dropout module (or LoRA's nn.Identity, p = 0). Under ZeRO-3 its input is wrapped as every
+// module's is (PostBackwardFunctionModule, StepBuilder::module_input), so the module has a node
+// even where the dropout is a no-op and returns its input: DeepSpeed's two autograd Functions
+// around it run its backward hooks all the same (measured: every lora_dropout Identity whose
+// input requires grad is fetched, and recorded in the module order, in the backward).
+T StepBuilder::dropout_module(const T& x, double p, Container kind, bool input_requires_grad, std::uint32_t sub) {
+  const std::uint32_t m = container_enter(kind, input_requires_grad, sub);
+  T xi = m != kNone ? module_input(x, /*unwrap=*/false) : t_.ref(x);
+  T y = dropout(xi, p);
+  t_.drop(xi);
+  module_exit(m);
+  return y;
 }
 
 // residual + branch; the branch output is dropped, the residual stays with the caller.

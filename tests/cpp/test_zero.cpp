@@ -452,6 +452,28 @@ TEST(Zero3Trace, TheRanksCompareTheRecordedOrdersAtTheForwardsStart) {
   EXPECT_EQ(first[2], (std::vector<std::uint64_t>{8, 115 * 8, 8, 78 * 8, 8, 78 * 8}));
 }
 
+TEST(Zero3Trace, ALoraDropoutIdentityIsFetchedInTheBackwardToo) {
+  // All-linear LoRA: each lora.Linear calls its lora_dropout (an nn.Identity at p = 0), which
+  // makes no node, yet DeepSpeed's Functions around it run its backward hooks wherever its input
+  // requires grad (not in layer 0's q/k/v). Step 2's module order: 171 forward module calls and
+  // 162 backward ones, 25 of them Identities (measured: rank 1 of
+  // cpu-zero3-llamaw512l4-lora16-bf16master-sgd-alllinear-b1s128, a 3 KiB list).
+  Recipe r = testing::dp_lora_recipe(testing::llama_w512(), Parallel::kZero3, Precision::kBf16Master);
+  r.lora.rank = 16;
+  r.lora.targets = resolve_lora_targets(testing::llama_w512().arch, {"all-linear"});
+  r.optimizer = Optimizer::kSgd;
+  r.batch = 1;
+  r.seq = 128;
+  r.validate();
+  const graph::Trace t = graph::build_training_trace(testing::llama_w512(), r, find_gpu("cpu"));
+  std::vector<std::uint64_t> first;
+  for (const graph::Event& e : t.events) {
+    const graph::MomentTag& m = t.moments[e.moment];
+    if (m.step == 2 && m.phase == Phase::kForward && e.alloc && first.size() < 2) first.push_back(t.storages[e.tensor].bytes);
+  }
+  EXPECT_EQ(first, (std::vector<std::uint64_t>{8, 333 * 8}));
+}
+
 TEST(Zero3Trace, ALinearsInputGradientLeavesAfterItsModulesPostBackward) {
   // LinearFunctionForZeroStage3 makes the input's gradient first, then the weight's; the weight's
   // AccumulateGrad hook copies it into its partition; the module's post-backward hook, on a
