@@ -439,6 +439,36 @@ def test_zero3_world_size_2(tiny_gpt2):
     assert result["diagnostics"]["untracked_inputs"] == 0
 
 
+def test_zero3_trace_matches_the_engine_allocation_by_allocation(tiny_llama, tmp_path, run):
+    """ZeRO-3 on 2 gloo ranks: DeepSpeed's own collectives are settled (Note [Settled c10d
+    collectives] in parallel.py), so nothing is freed late on gloo's worker thread: reset_step's
+    broadcast lists go where DeepSpeed drops them, and gloo's reduce-scatter temporary (a rank's
+    share, seen at a `split`) by the very next event, inside the call. Both ranks then trace every allocation of
+    every phase where the engine puts it (tools/trace_allocs.py --whole-phases)."""
+    pytest.importorskip("deepspeed")
+    trace = tmp_path / "z3.jsonl"
+    out = measure(str(tiny_llama), Recipe(batch=2, seq=16, precision="fp32", optimizer="sgd", gpus=2,
+                                          parallel="zero3"), trace=str(trace))
+    assert out["diagnostics"]["parallel"]["world_size"] == 2
+    predicted = tmp_path / "engine.jsonl"
+    r = run("estimate", tiny_llama, "--batch", 2, "--seq", 16, "--precision", "fp32", "--optimizer", "sgd",
+            "--gpus", 2, "--zero", 3, "--gpu", "cpu", "--trace", predicted)
+    assert r.returncode == 0, r.stderr
+    for measured in (trace, tmp_path / "z3.jsonl.rank1"):
+        events = [json.loads(line) for line in measured.read_text().splitlines()]
+        temps = [e for e in events if e["event"] == "alloc" and e["aten_op"] == "split" and e["phase"] == "backward"]
+        assert temps, measured
+        for e in temps:
+            after = events[e["i"] + 1]
+            assert after["event"] == "free" and after["sid"] == e["sid"], (measured, e["i"])
+        # The worker thread may free the temporary itself, but nothing else, and nothing late.
+        late = [e["i"] for e in events if e.get("off_thread") and events[e["i"] - 1]["sid"] != e["sid"]]
+        assert not late, (measured, late)
+        c = subprocess.run([sys.executable, str(ROOT / "tools" / "trace_allocs.py"), str(measured), str(predicted),
+                            "--whole-phases"], capture_output=True, text=True)
+        assert c.returncode == 0 and c.stdout.rstrip().endswith(" 0 differ"), c.stdout
+
+
 # ---------------------------------------------------------------------------------- pipeline
 
 

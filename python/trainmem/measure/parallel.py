@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import json
 import os
 import socket
@@ -524,6 +525,8 @@ def attach(tracker, runner: torch.nn.Module, recipe: Recipe) -> None:
         _attach_zero(tracker, runner)
     if torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo":
         _settle_functional_collectives(tracker)
+        if recipe.is_zero:
+            _settle_c10d_collectives(tracker)  # See Note [Settled c10d collectives]
 
 
 # Note [Settled functional collectives]
@@ -583,6 +586,73 @@ def _settle_functional_collectives(tracker) -> None:
 
     for name in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "all_reduce"):
         tracker.op_wrappers[getattr(ops, name)] = collective
+
+
+# Note [Settled c10d collectives]
+# DeepSpeed calls torch.distributed's own collectives: broadcast and all_reduce (synchronous), and
+# through its comm backend all_gather_into_tensor (ZeRO-3's gathers, async: the caller waits on
+# the Work later) and reduce_scatter_tensor. gloo's Work holds the tensors it was given until the
+# Work itself goes, and gloo's worker thread holds the Work for a moment after it completes. So a
+# tensor whose last holder let go of it right after the wait (assert_ints_same_as_other_ranks'
+# broadcast lists, the gradient norm's all-reduced sum, a gathered flat buffer) was now and then
+# freed on the worker thread, wherever the main thread was by then (31 late frees in the 23 ZeRO
+# entries re-measured in session 26). A tensor's use count cannot tell the worker's reference to
+# the Work from the caller's, so on gloo each of these calls is made async here, its Work waited
+# on at once and let go of, and then the call waits until every tensor it was given is held by
+# nothing the call added (its TensorImpl's use count as before the call): the Work is gone, and
+# each tensor is freed where its caller lets go of it. An async caller gets a completed stand-in
+# Work. Nothing is allocated by the wait; the main thread's allocations keep their order (the
+# traces and every entry's peaks are unchanged). gloo's reduce-scatter makes a temporary of its
+# own and frees it on the worker thread, so that call also waits until what it made is freed, as
+# FSDP2's does (Note [Settled reduce-scatter]).
+def _settled_collective(fn, temporaries=None):
+    """`fn` waited on and settled (Note [Settled c10d collectives]); with `temporaries` (the tracker)
+    also until the tensors the call itself made are freed (gloo's reduce-scatter temporary)."""
+    from torch._C._distributed_c10d import _create_work_from_future
+
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        async_op = bound.arguments.get("async_op", False)
+        given = list(_iter_tensors((args, kwargs)))
+        before = [t._use_count() for t in given]
+        bound.arguments["async_op"] = True
+        first = len(temporaries.records) if temporaries is not None else 0
+        work = fn(*bound.args, **bound.kwargs)
+        if work is None:
+            return None  # a rank outside the group
+        work.wait()
+        del work
+
+        def what():  # only on a timeout
+            return f"gloo's Work kept {fn.__name__}'s tensors alive (use counts {[(t._use_count(), n) for t, n in zip(given, before)]})"
+
+        def busy():
+            made = temporaries.records[first:] if temporaries is not None else ()
+            return any(t._use_count() > n for t, n in zip(given, before)) or any(rec.free_index is None for rec in made)
+
+        _wait_until_settled(busy, 0.0002, what, "Settled c10d collectives")
+        if not async_op:
+            return None
+        done = torch.futures.Future()
+        done.set_result(None)
+        return _create_work_from_future(done)
+    return wrapper
+
+
+def _settle_c10d_collectives(tracker) -> None:
+    from deepspeed.comm import comm
+
+    patches = [(torch.distributed, "broadcast", None), (torch.distributed, "all_reduce", None),
+               (comm.cdb, "all_gather_function", None), (comm.cdb, "reduce_scatter_function", tracker)]
+    for owner, name, temporaries in patches:
+        fn = getattr(owner, name, None)
+        if fn is None:
+            continue
+        setattr(owner, name, _settled_collective(fn, temporaries))
+        tracker._restore.append(functools.partial(setattr, owner, name, fn))
 
 
 # ------------------------------------------------------------------------------------- DeepSpeed
