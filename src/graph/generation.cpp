@@ -898,9 +898,10 @@ T StepBuilder::g_attention_core(const T& q, std::uint32_t l, bool q_bshd) {
   return o;
 }
 
-// eager_attention_forward (Llama family): repeat_kv copies K and V up to the query heads,
-// q @ k^T (matmul folds [b, heads]: a copy of q when it is laid out [b, s, heads, d] with
-// b > 1 and more than one token), * scaling, Gemma-2's soft-capping (/ cap, tanh, * cap),
+// eager_attention_forward (Llama family): repeat_kv copies K and V up to the query heads (one
+// head: an expanded view, copied by matmul's folds where b > 1), q @ k^T (matmul folds
+// [b, heads]: a copy of q when it is laid out [b, s, heads, d] with b > 1 and more than one
+// token), * scaling, Gemma-2's soft-capping (/ cap, tanh, * cap),
 // + the mask, softmax in fp32 (a half input is upcast first) cast back, @ v, and
 // transpose(1, 2).contiguous() (a copy unless one token). The probabilities are returned and
 // held by the decoder layer until it returns.
@@ -910,12 +911,19 @@ T StepBuilder::g_eager_core(const T& q, std::uint32_t l, bool q_bshd) {
   const std::uint64_t scores = detail::mul({Bg_, H, q_, kv}, "attention scores");
   const DType c = q.dtype;
   op("self_attn.attn_weights");
-  T kr = groups > 1 ? fresh(Bg_ * H * kv * d, kc_[l].dtype) : t_.ref(kc_[l]);
-  T vr = groups > 1 ? fresh(Bg_ * H * kv * d, vc_[l].dtype) : t_.ref(vc_[l]);
+  // One key/value head: repeat_kv is a view with the heads of stride 0 (as in training,
+  // StepBuilder::repeat_kv), which matmul's fold copies where b > 1, K's copy going before q's.
+  const bool expanded = groups > 1 && a_.num_kv_heads == 1;
+  const bool copies = groups > 1 && !expanded;
+  T kr = copies ? fresh(Bg_ * H * kv * d, kc_[l].dtype) : t_.ref(kc_[l]);
+  T vr = copies ? fresh(Bg_ * H * kv * d, vc_[l].dtype) : t_.ref(vc_[l]);
   T qc = (q_bshd && Bg_ > 1 && q_ > 1) ? fresh(q.numel, c) : T{};
+  T kf = expanded && Bg_ > 1 ? fresh(Bg_ * H * kv * d, kc_[l].dtype) : T{};
   ensure_workspace(false);
   T s = fresh(scores, c);
-  if (qc.id != kNone) t_.drop(qc);
+  for (T* x : {&kf, &qc}) {
+    if (x->id != kNone) t_.drop(*x);
+  }
   T s1 = fresh(scores, c);  // * scaling
   t_.drop(s);
   if (a_.attn_logit_softcap > 0) {
@@ -945,7 +953,9 @@ T StepBuilder::g_eager_core(const T& q, std::uint32_t l, bool q_bshd) {
   }
   t_.drop(s2);
   op("self_attn.attn_output");
+  T vf = expanded && Bg_ > 1 ? fresh(Bg_ * H * kv * d, vc_[l].dtype) : T{};
   T o = fresh(Bg_ * H * q_ * d, c);
+  if (vf.id != kNone) t_.drop(vf);
   if (q_ > 1) {
     T oc = fresh(o.numel, c);
     t_.drop(o);
