@@ -151,6 +151,39 @@ TEST(Generation, SlidingWindowLayersKeepTheWindow) {
   std::remove(path.c_str());
 }
 
+TEST(Generation, OneKeyValueHeadRepeatsAsAView) {
+  // repeat_kv of a single key/value head is an expanded view: under SDPA with a sliding-window
+  // mask nothing is copied; under eager attention matmul's folds copy K and V at b = 2 only
+  // (measured: cpu-gen-llamaw512l2mqa-*, and a Mistral window with one KV head, b2 s256).
+  const std::string path = ::testing::TempDir() + "trainmem_mqa_config.json";
+  {
+    std::ofstream out(path);
+    out << R"({"model_type": "mistral", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16, "vocab_size": 256,
+               "max_position_embeddings": 512, "sliding_window": 16, "tie_word_embeddings": false})";
+  }
+  const Model m = load_model(path);
+  // The prefill's allocations at layer 0's attention op `op` of [b, 4 heads, 24 tokens, 16] fp32.
+  auto repeated = [&](std::uint64_t batch, Attention attention, std::string_view op) {
+    const graph::Trace t = trace_of(m, generation(batch, 24, 2, 1, Precision::kFp32, attention));
+    std::size_t n = 0;
+    for (const graph::Event& e : t.events) {
+      const graph::MomentTag& mt = t.moments[e.moment];
+      if (e.alloc && mt.phase == Phase::kPrefill && mt.layer == 0 && mt.op == op &&
+          t.storages[e.tensor].bytes == batch * 4 * 24 * 16 * 4) {
+        ++n;
+      }
+    }
+    return n;
+  };
+  EXPECT_EQ(repeated(2, Attention::kSdpa, "self_attn.sdpa"), 1u);           // the kernel's output only
+  EXPECT_EQ(repeated(1, Attention::kEager, "self_attn.attn_weights"), 0u);
+  EXPECT_EQ(repeated(2, Attention::kEager, "self_attn.attn_weights"), 2u);  // q's fold copy and K's
+  EXPECT_EQ(repeated(1, Attention::kEager, "self_attn.attn_output"), 2u);   // bmm's output, transpose's copy
+  EXPECT_EQ(repeated(2, Attention::kEager, "self_attn.attn_output"), 3u);   // and V's fold copy first
+  std::remove(path.c_str());
+}
+
 TEST(Generation, ReportsSayWhatWasGenerated) {
   const Model m = model::with_layers(load_model("qwen3-0.6b"), 2);
   const Estimate est = estimate(m, generation(2, 16, 8, 4));
