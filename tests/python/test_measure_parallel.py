@@ -450,11 +450,11 @@ def test_zero3_trace_matches_the_engine_allocation_by_allocation(tiny_llama, tmp
     out = measure(str(tiny_llama), Recipe(batch=2, seq=16, precision="fp32", optimizer="sgd", gpus=2,
                                           parallel="zero3"), trace=str(trace))
     assert out["diagnostics"]["parallel"]["world_size"] == 2
-    predicted = tmp_path / "engine.jsonl"
-    r = run("estimate", tiny_llama, "--batch", 2, "--seq", 16, "--precision", "fp32", "--optimizer", "sgd",
-            "--gpus", 2, "--zero", 3, "--gpu", "cpu", "--trace", predicted)
-    assert r.returncode == 0, r.stderr
-    for measured in (trace, tmp_path / "z3.jsonl.rank1"):
+    for rank, measured in enumerate((trace, tmp_path / "z3.jsonl.rank1")):
+        predicted = tmp_path / f"engine{rank}.jsonl"
+        r = run("estimate", tiny_llama, "--batch", 2, "--seq", 16, "--precision", "fp32", "--optimizer", "sgd",
+                "--gpus", 2, "--zero", 3, "--gpu", "cpu", "--rank", rank, "--trace", predicted)
+        assert r.returncode == 0, r.stderr
         events = [json.loads(line) for line in measured.read_text().splitlines()]
         temps = [e for e in events if e["event"] == "alloc" and e["aten_op"] == "split" and e["phase"] == "backward"]
         assert temps, measured
@@ -467,6 +467,34 @@ def test_zero3_trace_matches_the_engine_allocation_by_allocation(tiny_llama, tmp
         c = subprocess.run([sys.executable, str(ROOT / "tools" / "trace_allocs.py"), str(measured), str(predicted),
                             "--whole-phases"], capture_output=True, text=True)
         assert c.returncode == 0 and c.stdout.rstrip().endswith(" 0 differ"), c.stdout
+
+
+def test_settled_collective_keeps_the_call_contract():
+    """The settled collectives (Note [Settled c10d collectives]) on a one-rank gloo group: a
+    synchronous call returns None, an async one (async_op by name or by position) a completed
+    Work, and when either returns the tensor it was given is held by nothing the call added."""
+    import torch
+    import torch.distributed as dist
+
+    from trainmem.measure.parallel import _settled_collective
+
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("torch.distributed with gloo is not available")
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        broadcast, all_reduce = _settled_collective(dist.broadcast), _settled_collective(dist.all_reduce)
+        assert (broadcast.__name__, all_reduce.__name__) == ("broadcast", "all_reduce")
+        t = torch.arange(4.0)
+        held = t._use_count()
+        assert broadcast(t, 0) is None and t._use_count() == held
+        assert all_reduce(t) is None and t._use_count() == held
+        for work in (broadcast(t, 0, None, True), all_reduce(t, async_op=True)):
+            assert work.is_completed() and work.wait() and t._use_count() == held
+        assert torch.equal(t, torch.arange(4.0))
+    finally:
+        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------------- pipeline

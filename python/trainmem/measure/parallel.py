@@ -601,14 +601,20 @@ def _settle_functional_collectives(tracker) -> None:
 # on at once and let go of, and then the call waits until every tensor it was given is held by
 # nothing the call added (its TensorImpl's use count as before the call): the Work is gone, and
 # each tensor is freed where its caller lets go of it. An async caller gets a completed stand-in
-# Work. Nothing is allocated by the wait; the main thread's allocations keep their order (the
-# traces and every entry's peaks are unchanged). gloo's reduce-scatter makes a temporary of its
-# own and frees it on the worker thread, so that call also waits until what it made is freed, as
-# FSDP2's does (Note [Settled reduce-scatter]).
+# Work, so its collectives now complete in the order they are issued (DeepSpeed issues them in the
+# same order on every rank); a call queued inside a `_coalescing_manager` is left to it. Nothing
+# is allocated by the wait; the main thread's allocations keep their order (the traces and every
+# entry's peaks are unchanged). gloo's reduce-scatter makes a temporary of its own and frees it on
+# the worker thread, so that call also waits until what it made is freed, as FSDP2's does (Note
+# [Settled reduce-scatter]). Not settled: the list-based all_gather (DeepSpeed's
+# `_allgather_params_coalesced`), all_reduce_coalesced and all_gather_coalesced, which left no
+# late free in the 23 re-measured ZeRO entries; a gathered parameter's release still waits for its
+# storage as well (Note [Settled release]).
 def _settled_collective(fn, temporaries=None):
     """`fn` waited on and settled (Note [Settled c10d collectives]); with `temporaries` (the tracker)
     also until the tensors the call itself made are freed (gloo's reduce-scatter temporary)."""
     from torch._C._distributed_c10d import _create_work_from_future
+    from torch.distributed import distributed_c10d
 
     signature = inspect.signature(fn)
 
@@ -623,6 +629,8 @@ def _settled_collective(fn, temporaries=None):
         work = fn(*bound.args, **bound.kwargs)
         if work is None:
             return None  # a rank outside the group
+        if isinstance(work, distributed_c10d._IllegalWork):  # queued inside a _coalescing_manager
+            return work if async_op else None
         work.wait()
         del work
 
@@ -630,8 +638,8 @@ def _settled_collective(fn, temporaries=None):
             return f"gloo's Work kept {fn.__name__}'s tensors alive (use counts {[(t._use_count(), n) for t, n in zip(given, before)]})"
 
         def busy():
-            made = temporaries.records[first:] if temporaries is not None else ()
-            return any(t._use_count() > n for t, n in zip(given, before)) or any(rec.free_index is None for rec in made)
+            return (any(t._use_count() > n for t, n in zip(given, before))
+                    or (temporaries is not None and _unfreed_since(temporaries, first)))
 
         _wait_until_settled(busy, 0.0002, what, "Settled c10d collectives")
         if not async_op:
@@ -820,7 +828,9 @@ def _attach_zero3(tracker, zero) -> None:
     # its worker thread lets go of it, so a released parameter's storage is freed wherever the
     # main thread is then: at once, or at the next collective. NCCL's work holds nothing of the
     # caching allocator's past the stream's order. The release waits (at most 50 ms) until only
-    # it still holds the storage, so the free lands inside the release, deterministically.
+    # it still holds the storage, so the free lands inside the release, deterministically. Since
+    # the gathers are settled (Note [Settled c10d collectives]) it finds that at once; it stays
+    # for the gathers that are not.
     from deepspeed.runtime.zero import partition_parameters
 
     original_free = partition_parameters.free_param
@@ -911,6 +921,11 @@ def _wait_until_settled(busy, interval_s: float, what, note: str) -> None:
         time.sleep(interval_s)
 
 
+def _unfreed_since(tracker, first: int) -> bool:
+    """Whether a tensor the tracker recorded from record `first` on is still alive."""
+    return any(rec.free_index is None for rec in tracker.records[first:])
+
+
 def _settled_reduce_scatter(tracker, fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -918,7 +933,7 @@ def _settled_reduce_scatter(tracker, fn):
         out = fn(*args, **kwargs)
         if isinstance(out, torch.distributed.Work):
             out.wait()  # an async caller; FSDP2 calls it synchronously
-        _wait_until_settled(lambda: any(rec.free_index is None for rec in tracker.records[first:]), 0.001,
+        _wait_until_settled(lambda: _unfreed_since(tracker, first), 0.001,
                             "gloo's reduce-scatter kept a temporary alive", "Settled reduce-scatter")
         return out
     return wrapper
