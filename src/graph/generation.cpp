@@ -913,7 +913,8 @@ T StepBuilder::g_eager_core(const T& q, std::uint32_t l, bool q_bshd) {
   const DType c = q.dtype;
   op("self_attn.attn_weights");
   // One key/value head: repeat_kv is a view with the heads of stride 0 (as in training,
-  // StepBuilder::repeat_kv), which matmul's fold copies where b > 1, K's copy going before q's.
+  // StepBuilder::repeat_kv), which matmul's folds copy where b > 1: K's copy made after q's and
+  // freed before it, V's around its bmm.
   const bool expanded = groups > 1 && a_.num_kv_heads == 1;
   const bool copies = groups > 1 && !expanded;
   T kr = copies ? fresh(Bg_ * H * kv * d, kc_[l].dtype) : t_.ref(kc_[l]);

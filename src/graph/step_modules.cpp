@@ -1342,11 +1342,12 @@ T StepBuilder::residual_dropout(T y, Container module) {
   return dr;
 }
 
-// An nn.Dropout module (or LoRA's nn.Identity, p = 0). Under ZeRO-3 its input is wrapped as every
-// module's is (PostBackwardFunctionModule, StepBuilder::module_input), so the module has a node
-// even where the dropout is a no-op and returns its input: DeepSpeed's two autograd Functions
-// around it run its backward hooks all the same (measured: every lora_dropout Identity whose
-// input requires grad is fetched, and recorded in the module order, in the backward).
+// An nn.Dropout module (or LoRA's nn.Identity, p = 0). Under ZeRO-3 its input goes through the
+// Function DeepSpeed puts on every module's inputs (PostBackwardFunctionModule,
+// StepBuilder::module_input), so the module has a node even where the dropout is a no-op that
+// returns its input: DeepSpeed's Functions around it run its backward hooks all the same
+// (measured: every lora_dropout Identity whose input requires grad is fetched, and recorded in
+// the module order, in the backward).
 T StepBuilder::dropout_module(const T& x, double p, Container kind, bool input_requires_grad, std::uint32_t sub) {
   const std::uint32_t m = container_enter(kind, input_requires_grad, sub);
   T xi = m != kNone ? module_input(x, /*unwrap=*/false) : t_.ref(x);
