@@ -635,7 +635,8 @@ def _settled_collective(fn, temporaries=None):
         del work
 
         def what():  # only on a timeout
-            return f"gloo's Work kept {fn.__name__}'s tensors alive (use counts {[(t._use_count(), n) for t, n in zip(given, before)]})"
+            counts = [(t._use_count(), n) for t, n in zip(given, before)]
+            return f"gloo's Work kept {fn.__name__}'s tensors alive (use counts {counts})"
 
         def busy():
             return (any(t._use_count() > n for t, n in zip(given, before))
