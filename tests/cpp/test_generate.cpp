@@ -132,37 +132,38 @@ TEST(Generation, LabelsFollowTheForwards) {
   EXPECT_EQ(est.breakdown_at_peak[static_cast<std::size_t>(Category::kOptimizerStates)], 0u);
 }
 
-TEST(Generation, SlidingWindowLayersKeepTheWindow) {
-  // A Mistral config with a 16-token window: after the last forward each layer's storage holds
-  // the window - 1 positions it kept plus the one it added.
-  const std::string path = ::testing::TempDir() + "trainmem_sliding_config.json";
+// A two-layer Mistral config with four query heads, `kv_heads` key/value heads and a 16-token
+// window, loaded from a config.json written for it.
+Model windowed_mistral(std::uint64_t kv_heads) {
+  const std::string path = ::testing::TempDir() + "trainmem_windowed_config.json";
   {
     std::ofstream out(path);
     out << R"({"model_type": "mistral", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256,
-               "max_position_embeddings": 512, "sliding_window": 16, "tie_word_embeddings": false})";
+               "num_attention_heads": 4, "num_key_value_heads": )"
+        << kv_heads << R"(, "head_dim": 16, "vocab_size": 256, "max_position_embeddings": 512,
+               "sliding_window": 16, "tie_word_embeddings": false})";
   }
-  const Model m = load_model(path);
+  Model m = load_model(path);
+  std::remove(path.c_str());
+  return m;
+}
+
+TEST(Generation, SlidingWindowLayersKeepTheWindow) {
+  // With a 16-token window: after the last forward each layer's storage holds the window - 1
+  // positions it kept plus the one it added.
+  const Model m = windowed_mistral(2);
   const Recipe r = generation(1, 24, 10, 1, Precision::kFp32);
   const graph::Trace t = trace_of(m, r);
   const Breakdown live = live_before(t, "generate.return");
   const std::uint64_t per = 1 * 2 * (16 - 1 + 1) * 16 * 4;
   EXPECT_EQ(live[static_cast<std::size_t>(kActs)], 2 * 2 * round512(per));
-  std::remove(path.c_str());
 }
 
 TEST(Generation, OneKeyValueHeadRepeatsAsAView) {
   // repeat_kv of a single key/value head is an expanded view: under SDPA with a sliding-window
   // mask nothing is copied; under eager attention matmul's folds copy K and V at b = 2 only
-  // (measured: cpu-gen-llamaw512l2mqa-*, and a Mistral window with one KV head, b2 s256).
-  const std::string path = ::testing::TempDir() + "trainmem_mqa_config.json";
-  {
-    std::ofstream out(path);
-    out << R"({"model_type": "mistral", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-               "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16, "vocab_size": 256,
-               "max_position_embeddings": 512, "sliding_window": 16, "tie_word_embeddings": false})";
-  }
-  const Model m = load_model(path);
+  // (measured: cpu-gen-llamaw512l2mqa-*, cpu-gen-mistralw512l2win128mqa-*).
+  const Model m = windowed_mistral(1);
   // The prefill's allocations at layer 0's attention op `op` of [b, 4 heads, 24 tokens, 16] fp32.
   auto repeated = [&](std::uint64_t batch, Attention attention, std::string_view op) {
     const graph::Trace t = trace_of(m, generation(batch, 24, 2, 1, Precision::kFp32, attention));
@@ -181,7 +182,6 @@ TEST(Generation, OneKeyValueHeadRepeatsAsAView) {
   EXPECT_EQ(repeated(2, Attention::kEager, "self_attn.attn_weights"), 2u);  // q's fold copy and K's
   EXPECT_EQ(repeated(1, Attention::kEager, "self_attn.attn_output"), 2u);   // bmm's output, transpose's copy
   EXPECT_EQ(repeated(2, Attention::kEager, "self_attn.attn_output"), 3u);   // and V's fold copy first
-  std::remove(path.c_str());
 }
 
 TEST(Generation, ReportsSayWhatWasGenerated) {
