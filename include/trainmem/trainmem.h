@@ -312,6 +312,10 @@ struct Recipe {
   // construction and never rebuilt; the module's outputs cloned by _DDPSink (Note [DDP
   // find_unused_parameters] in graph/parallel.cpp).
   bool ddp_find_unused_parameters = false;
+  // DistributedDataParallel(gradient_as_bucket_view=True), parallel kDdp only: each .grad becomes a
+  // view of its bucket at the Reducer's hook, so a trainable parameter's gradient is held once
+  // (Note [DDP gradient_as_bucket_view] in graph/parallel.cpp).
+  bool ddp_gradient_as_bucket_view = false;
   Offload offload = Offload::kNone;
 
   void validate() const;  // throws Error naming the field
@@ -378,6 +382,7 @@ struct RecipeSpelling {
   std::string fsdp_param_dtype = "none";   // none | bf16
   std::string fsdp_reduce_dtype = "none";  // none | fp32 | bf16
   bool ddp_find_unused_parameters = false;  // parallel ddp: find_unused_parameters=True (HF Trainer's default)
+  bool ddp_gradient_as_bucket_view = false;  // parallel ddp: gradient_as_bucket_view=True
   std::string offload = "none";   // none | optimizer (zero1 / zero2 / zero3) | params | both (zero3)
 };
 // Parses and validates every knob; throws Error naming the first bad field.

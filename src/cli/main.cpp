@@ -72,6 +72,7 @@ struct RecipeFlags {
   bool sequence_parallel = false;
   bool loss_parallel = false;
   bool ddp_find_unused_parameters = false;
+  bool ddp_gradient_as_bucket_view = false;
   std::string quant_type = "";
   std::string load_dtype = "auto";
   std::string quant_storage = "uint8";
@@ -148,6 +149,10 @@ struct RecipeFlags {
                          app->add_flag("--ddp-find-unused-parameters", ddp_find_unused_parameters,
                                        "With --parallel ddp: DistributedDataParallel(find_unused_parameters=True), "
                                        "what Hugging Face's Trainer passes for a peft model or without checkpointing"));
+    options.emplace_back("ddp_gradient_as_bucket_view",
+                         app->add_flag("--ddp-gradient-as-bucket-view", ddp_gradient_as_bucket_view,
+                                       "With --parallel ddp: DistributedDataParallel(gradient_as_bucket_view=True), "
+                                       "the .grads views of the buckets (one copy of the gradients, not two)"));
     options.emplace_back("loss_parallel",
                          app->add_flag("--loss-parallel", loss_parallel,
                                        "With --tp: vocab-parallel lm_head (ColwiseParallel, Shard(-1) logits) and "
@@ -227,6 +232,7 @@ struct RecipeFlags {
     sp.pp_stages_per_rank = parse_count(pp_stages_per_rank, "pp_stages_per_rank");
     sp.fsdp_reshard_after_forward = parse_bool(fsdp_reshard_after_forward, "fsdp_reshard_after_forward");
     sp.ddp_find_unused_parameters = ddp_find_unused_parameters;
+    sp.ddp_gradient_as_bucket_view = ddp_gradient_as_bucket_view;
     sp.fsdp_replicate = parse_count(fsdp_replicate, "fsdp_replicate");
     sp.fsdp_param_dtype = fsdp_param_dtype;
     sp.fsdp_reduce_dtype = fsdp_reduce_dtype;
@@ -328,6 +334,7 @@ std::string compare(const std::string& path, bool as_json) {
   sp.load_in_4bit = flag("load_in_4bit", false);
   sp.fsdp_reshard_after_forward = flag("fsdp_reshard_after_forward", true);
   sp.ddp_find_unused_parameters = flag("ddp_find_unused_parameters", false);
+  sp.ddp_gradient_as_bucket_view = flag("ddp_gradient_as_bucket_view", false);
   sp.fsdp_replicate = count("fsdp_replicate", sp.fsdp_replicate);
   sp.fsdp_param_dtype = text("fsdp_param_dtype", sp.fsdp_param_dtype.c_str());
   sp.fsdp_reduce_dtype = text("fsdp_reduce_dtype", sp.fsdp_reduce_dtype.c_str());

@@ -239,6 +239,7 @@ DataParallel::DataParallel(Tape& tape, const Recipe& recipe, bool cuda, std::uin
   offload_params_ = recipe.offload == Offload::kParams || recipe.offload == Offload::kBoth;
   forward_no_sync_ = recipe.pp > 1;  // See Note [Pipeline with DDP] in pipeline.cpp
   find_unused_ = recipe.ddp_find_unused_parameters;  // See Note [DDP find_unused_parameters]
+  bucket_view_ = recipe.ddp_gradient_as_bucket_view;  // See Note [DDP gradient_as_bucket_view]
   if (kind_ != Parallel::kFsdp) return;
   fsdp_offload_ = recipe.offload == Offload::kBoth;  // See Note [FSDP2 CPU offload]
   optimizer_ = recipe.optimizer;
@@ -338,6 +339,7 @@ void DataParallel::wrap(std::vector<WrappedParam>& params, const std::vector<std
       bytes = detail::add(bytes, p.numel * dtype_bytes(p.dtype), "bucket bytes");
     }
     buckets_.push_back(t_.alloc_bytes(bytes, Category::kGradients));
+    bucket_of_.assign(params_.size(), 0);
     return;
   }
   // See Note [FSDP2 units]: the layers are wrapped first, then the root.
@@ -478,10 +480,36 @@ void DataParallel::param_ready(std::uint32_t slot) {
     return;
   }
   if (zero()) return zero_param_ready(slot);
-  if (kind_ != Parallel::kDdp || backward_seen_) return;
+  if (kind_ != Parallel::kDdp) return;
   const std::uint32_t pi = slot < param_of_slot_.size() ? param_of_slot_[slot] : kNone;
   if (pi == kNone) return;
+  if (bucket_view_) grad_to_bucket_view(slot, pi);
+  if (backward_seen_) return;
   if (std::find(ready_order_.begin(), ready_order_.end(), pi) == ready_order_.end()) ready_order_.push_back(pi);
+}
+
+// Note [DDP gradient_as_bucket_view]
+// DistributedDataParallel(gradient_as_bucket_view=True) (torch 2.13, the c10d Reducer; measured on
+// gloo ranks: data/ground_truth/parallel/cpu-ddp-*-gradview-*). What changes against Note [DDP
+// buckets]:
+//  * the Reducer's hook after a parameter's AccumulateGrad copies the .grad into its slot of the
+//    bucket and, unless the .grad is that slot already, makes it the slot (a view), so the
+//    gradient autograd made goes there and then: it was never a .grad for long (temporaries). From
+//    then on the next micro-batch's gradient is added into the view in place, and the optimizer
+//    reads the views; zero_grad(set_to_none=True) drops them and the next step starts over;
+//  * nothing is copied back into the .grads at the end of the backward (in place either way);
+//  * the rebuild (the first forward after a backward) drops the old buckets, makes the new ones and
+//    points each .grad at its new slot: where .grads are views of the old bucket (a second
+//    micro-batch's forward), it goes after the last new bucket is made, not before the first.
+// So a rank holds one copy of its gradients, the buckets, where the default holds two.
+void DataParallel::grad_to_bucket_view(std::uint32_t slot, std::uint32_t pi) {
+  const TensorId bucket = buckets_[bucket_of_[pi]];
+  const TensorId g = t_.param_grad(slot);
+  if (g == kNone || g == bucket) return;
+  t_.set_category(g, Category::kTemporaries);
+  t_.release(g);
+  t_.retain(bucket);
+  t_.set_param_grad(slot, bucket);
 }
 
 void DataParallel::backward_end() {
@@ -626,7 +654,8 @@ void DataParallel::rebuild_buckets() {
   for (std::uint32_t pi = static_cast<std::uint32_t>(params_.size()); pi-- > 0;) {
     if (std::find(order.begin(), order.end(), pi) == order.end()) order.push_back(pi);  // never ready
   }
-  const std::vector<std::uint64_t> sizes = bucket_sizes(order);
+  std::vector<std::uint32_t> of;
+  const std::vector<std::uint64_t> sizes = bucket_sizes(order, &of);
   // Reducer::sync_bucket_indices broadcasts the assignment from rank 0 first: the parameter
   // indices (one int32 each, and the bucket count) and the bucket sizes, each made on the host
   // and copied to the device, all gone before the buckets are rebuilt (measured on the CPU, where
@@ -637,19 +666,33 @@ void DataParallel::rebuild_buckets() {
     assignment.push_back(t_.alloc_bytes(n * 4, Category::kTemporaries));
   }
   for (auto it = assignment.rbegin(); it != assignment.rend(); ++it) t_.release(*it);
-  for (TensorId b : buckets_) t_.release(b);
+  for (TensorId b : buckets_) t_.release(b);  // .grads that are views of it keep it
   buckets_.clear();
   for (std::uint64_t bytes : sizes) buckets_.push_back(t_.alloc_bytes(bytes, Category::kGradients));
+  bucket_of_ = std::move(of);
+  if (bucket_view_) {  // See Note [DDP gradient_as_bucket_view]: the .grads move to the new slots
+    for (std::uint32_t pi = 0; pi < params_.size(); ++pi) {
+      const std::uint32_t slot = params_[pi].slot;
+      const TensorId g = t_.param_grad(slot);
+      if (params_[pi].storage == kNone || !params_[pi].trainable || g == kNone) continue;
+      t_.retain(buckets_[bucket_of_[pi]]);
+      t_.set_param_grad(slot, buckets_[bucket_of_[pi]]);
+      t_.release(g);  // an old view: the old bucket goes with the last of them
+    }
+  }
   rebuilt_ = true;
 }
 
 // compute_bucket_assignment_by_size over the parameters in `order` (the trainable ones of this
 // stage): a bucket closes after the parameter that takes it to 1 MiB (the first) or 25 MiB.
-std::vector<std::uint64_t> DataParallel::bucket_sizes(const std::vector<std::uint32_t>& order) const {
+std::vector<std::uint64_t> DataParallel::bucket_sizes(const std::vector<std::uint32_t>& order,
+                                                      std::vector<std::uint32_t>* of) const {
   std::vector<std::uint64_t> out;
   std::uint64_t limit = kFirstBucketBytes, bytes = 0;
+  if (of != nullptr) of->assign(params_.size(), 0);
   for (std::uint32_t pi : order) {
     if (params_[pi].storage == kNone || !params_[pi].trainable) continue;  // another stage's, or frozen
+    if (of != nullptr) (*of)[pi] = static_cast<std::uint32_t>(out.size());
     bytes = detail::add(bytes, params_[pi].numel * dtype_bytes(params_[pi].dtype), "bucket bytes");
     if (bytes >= limit) {
       out.push_back(bytes);

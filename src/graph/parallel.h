@@ -162,7 +162,10 @@ class DataParallel {
   };
 
   void rebuild_buckets();
-  std::vector<std::uint64_t> bucket_sizes(const std::vector<std::uint32_t>& order) const;
+  // compute_bucket_assignment_by_size; `of`, when given, gets each parameter's bucket.
+  std::vector<std::uint64_t> bucket_sizes(const std::vector<std::uint32_t>& order,
+                                          std::vector<std::uint32_t>* of = nullptr) const;
+  void grad_to_bucket_view(std::uint32_t slot, std::uint32_t pi);
   void all_gather(Unit& u);
   void copy_out(Unit& u, bool waited_by_schedule = false);
   void reshard(Unit& u);
@@ -190,6 +193,8 @@ class DataParallel {
   bool forward_no_sync_ = false;     // a pipeline stage: every forward runs under no_sync
   bool forward_param_sync_ = true;   // require_forward_param_sync: broadcast the buffers
   bool find_unused_ = false;         // find_unused_parameters: size-limited buckets, never rebuilt
+  bool bucket_view_ = false;         // gradient_as_bucket_view: the .grads are views of the buckets
+  std::vector<std::uint32_t> bucket_of_;  // parameter index -> its bucket in buckets_
   bool pp_no_sync_ = false;  // FSDP2 in a pipeline stage: no gradient sync, no reshard after backward
   // FSDP2
   std::vector<Unit> units_;  // decoder layers, then the root

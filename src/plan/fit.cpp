@@ -520,10 +520,14 @@ std::uint64_t rank_floor(const Model& m, const Recipe& r) {
 }
 
 // The knobs of one wrapper dropped where the candidate runs another: FSDP2's outside fsdp, DDP's
-// find_unused_parameters outside a plain DDP (recipe validation refuses them there).
+// find_unused_parameters and gradient_as_bucket_view outside a plain DDP (recipe validation refuses
+// them there).
 void keep_own_wrapper_knobs(Recipe& r) {
   if (r.parallel != Parallel::kFsdp) r.fsdp = Fsdp{};
-  if (r.parallel != Parallel::kDdp || r.pp > 1) r.ddp_find_unused_parameters = false;
+  if (r.parallel != Parallel::kDdp || r.pp > 1) {
+    r.ddp_find_unused_parameters = false;
+    r.ddp_gradient_as_bucket_view = false;
+  }
   // A half load dtype goes with its autocast; any other precision loads the model in its own dtype
   // (bf16-true: bf16 again, without the autocast).
   if (r.load_dtype != LoadDtype::kAuto && r.precision != autocast_of(r.load_dtype)) r.load_dtype = LoadDtype::kAuto;
@@ -1359,6 +1363,13 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
   if (base.grad_accum % 2 == 0) {
     Recipe r = base; r.batch *= 2; r.grad_accum /= 2;
     change("batch " + std::to_string(r.batch) + " x grad_accum " + std::to_string(r.grad_accum), r);
+  }
+  if (base.parallel == Parallel::kDdp && base.pp == 1 && !base.ddp_find_unused_parameters) {
+    // DDP's .grads as views of its buckets: one copy of the gradients instead of two (Note [DDP
+    // gradient_as_bucket_view] in graph/parallel.cpp); the same work.
+    Recipe r = base;
+    r.ddp_gradient_as_bucket_view = !base.ddp_gradient_as_bucket_view;
+    change(std::string("ddp_gradient_as_bucket_view ") + (r.ddp_gradient_as_bucket_view ? "true" : "false"), r);
   }
   if (base.gpus > 1) {
     for (Parallel dp : {Parallel::kDdp, Parallel::kFsdp, Parallel::kZero1, Parallel::kZero2, Parallel::kZero3}) {

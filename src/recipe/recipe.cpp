@@ -288,6 +288,14 @@ void validate_parallel(const Recipe& r) {
     throw Error("ddp_find_unused_parameters: a DistributedDataParallel knob, it needs parallel ddp (without a "
                 "pipeline)");
   }
+  if (r.ddp_gradient_as_bucket_view && (r.parallel != Parallel::kDdp || r.pp > 1)) {
+    throw Error("ddp_gradient_as_bucket_view: a DistributedDataParallel knob, it needs parallel ddp (without a "
+                "pipeline)");
+  }
+  if (r.ddp_gradient_as_bucket_view && r.ddp_find_unused_parameters) {
+    throw Error("ddp_gradient_as_bucket_view with ddp_find_unused_parameters is not modelled (unmeasured); "
+                "use one of them");
+  }
   if (r.ddp_find_unused_parameters && r.loss == Loss::kFused) {
     throw Error("ddp_find_unused_parameters with loss fused is not modelled (unmeasured: _DDPSink clones what the "
                 "module returns, which the fused loss changes); use standard");
@@ -511,6 +519,7 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   r.pp_stages_per_rank = in.pp_stages_per_rank;
   r.fsdp.reshard_after_forward = in.fsdp_reshard_after_forward;
   r.ddp_find_unused_parameters = in.ddp_find_unused_parameters;
+  r.ddp_gradient_as_bucket_view = in.ddp_gradient_as_bucket_view;
   r.fsdp.replicate = in.fsdp_replicate;
   r.fsdp.param_dtype = parse_fsdp_dtype(in.fsdp_param_dtype, "fsdp_param_dtype");
   r.fsdp.reduce_dtype = parse_fsdp_dtype(in.fsdp_reduce_dtype, "fsdp_reduce_dtype");

@@ -81,6 +81,7 @@ ordered_json recipe_object(const Recipe& r) {
     j["fsdp_reduce_dtype"] = to_string(r.fsdp.reduce_dtype);
   }
   if (r.ddp_find_unused_parameters) j["ddp_find_unused_parameters"] = true;  // only when on (as trainmem-measure)
+  if (r.ddp_gradient_as_bucket_view) j["ddp_gradient_as_bucket_view"] = true;
   if (r.offload != Offload::kNone) j["offload"] = to_string(r.offload);  // only when offloading
   if (r.mode == Mode::kInference) {
     j["new_tokens"] = r.new_tokens;

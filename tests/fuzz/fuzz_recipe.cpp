@@ -220,7 +220,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         sp.gpus = count(p, 4);
         sp.parallel = "zero3";
         break;
-      case 1: sp.ddp_find_unused_parameters = true; break;
+      case 1:
+        sp.ddp_find_unused_parameters = p.ConsumeBool();
+        sp.ddp_gradient_as_bucket_view = p.ConsumeBool();
+        break;
       case 2: sp.offload = pick(p, kOffload); break;
       case 7:  // PP x TP: both groups
       case 3:
