@@ -269,7 +269,8 @@ def wrap_model(model: torch.nn.Module, recipe: Recipe, device: str) -> torch.nn.
 
         capture = _Capture()
         with capture:  # the Reducer's buckets are made here, in C++, through aten
-            runner = DistributedDataParallel(model, find_unused_parameters=recipe.ddp_find_unused_parameters)
+            runner = DistributedDataParallel(model, find_unused_parameters=recipe.ddp_find_unused_parameters,
+                                             gradient_as_bucket_view=recipe.ddp_gradient_as_bucket_view)
         runner._trainmem_made = capture.made
     elif recipe.parallel == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh

@@ -139,6 +139,9 @@ class Recipe:
     # passes for a peft model; DDP then buckets by size at construction and routes the module's
     # outputs through _DDPSink (docs/parallelism.md "find_unused_parameters").
     ddp_find_unused_parameters: bool = False
+    # DDP's gradient_as_bucket_view (parallel ddp): the .grads become views of the buckets at the
+    # Reducer's hook (docs/parallelism.md "gradient_as_bucket_view").
+    ddp_gradient_as_bucket_view: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -256,6 +259,13 @@ class Recipe:
         if self.ddp_find_unused_parameters and (self.parallel != "ddp" or self.is_pp):
             raise RecipeError("ddp_find_unused_parameters is a DistributedDataParallel knob: it needs parallel ddp "
                               "(without a pipeline)")
+        if not isinstance(self.ddp_gradient_as_bucket_view, bool):
+            raise RecipeError(f"ddp_gradient_as_bucket_view must be true or false, got {self.ddp_gradient_as_bucket_view!r}")
+        if self.ddp_gradient_as_bucket_view and (self.parallel != "ddp" or self.is_pp):
+            raise RecipeError("ddp_gradient_as_bucket_view is a DistributedDataParallel knob: it needs parallel ddp "
+                              "(without a pipeline)")
+        if self.ddp_gradient_as_bucket_view and self.ddp_find_unused_parameters:
+            raise RecipeError("ddp_gradient_as_bucket_view with ddp_find_unused_parameters is not measured: use one")
         if self.parallel == "none":
             return
         if self.is_inference:
@@ -591,8 +601,10 @@ class Recipe:
         if self.parallel != "fsdp":  # FSDP2's knobs with parallel fsdp only, as the engine writes them
             for key in ("fsdp_reshard_after_forward", "fsdp_replicate", "fsdp_param_dtype", "fsdp_reduce_dtype"):
                 del out[key]
-        if not self.ddp_find_unused_parameters:  # and DDP's only when it is on
+        if not self.ddp_find_unused_parameters:  # and DDP's only when they are on
             del out["ddp_find_unused_parameters"]
+        if not self.ddp_gradient_as_bucket_view:
+            del out["ddp_gradient_as_bucket_view"]
         return out
 
     @classmethod

@@ -467,6 +467,8 @@ def default_command(spec: ModelSpec, recipe: Recipe, *, device: str, fake: bool)
         args += ["--fsdp-reshard-after-forward", "false"]
     if recipe.ddp_find_unused_parameters:
         args.append("--ddp-find-unused-parameters")
+    if recipe.ddp_gradient_as_bucket_view:
+        args.append("--ddp-gradient-as-bucket-view")
     for key, flag in (("fsdp_replicate", "--fsdp-replicate"), ("fsdp_param_dtype", "--fsdp-param-dtype"),
                       ("fsdp_reduce_dtype", "--fsdp-reduce-dtype")):
         if getattr(recipe, key) != getattr(defaults, key):
