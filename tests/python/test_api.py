@@ -264,3 +264,24 @@ def test_zero_through_python_matches_cli(trainmem_bin):
     assert trainmem.estimate("gpt2", seq=64, gpus=2, parallel="zero3").recipe["precision"] == "bf16-master"
     with pytest.raises(ValueError, match="precision: bf16-mixed under parallel zero1 is not modelled"):
         trainmem.estimate("gpt2", gpus=2, parallel="zero1", precision="bf16-mixed")
+
+
+def test_ddp_gradient_as_bucket_view(trainmem_bin):
+    """The Python knob is the CLI's flag: the same object, the .grads views of the buckets, so a
+    rank holds its gradients once (the optimizer's peak of a two-micro-batch fp32 AdamW step), and
+    it stays a DDP knob."""
+    kw = dict(seq=256, precision="fp32", grad_accum=2, gpus=2, parallel="ddp", gpu="h100-80gb")
+    plain = trainmem.estimate("qwen3-0.6b", **kw)
+    view = trainmem.estimate("qwen3-0.6b", **kw, ddp_gradient_as_bucket_view=True)
+    assert view.recipe["ddp_gradient_as_bucket_view"] is True and "ddp_gradient_as_bucket_view" not in plain.recipe
+    assert view.breakdown_at_peak["gradients"] < plain.breakdown_at_peak["gradients"]
+    assert view.peak_allocated_bytes < plain.peak_allocated_bytes
+    cli = json.loads(subprocess.run([trainmem_bin, "estimate", "qwen3-0.6b", "--seq", "256", "--precision", "fp32",
+                                     "--grad-accum", "2", "--gpus", "2", "--parallel", "ddp",
+                                     "--ddp-gradient-as-bucket-view", "--json"],
+                                    capture_output=True, text=True, check=True).stdout)
+    assert view.to_dict() == cli
+    with pytest.raises(ValueError, match="needs parallel ddp"):
+        trainmem.estimate("qwen3-0.6b", gpus=2, parallel="fsdp", ddp_gradient_as_bucket_view=True)
+    with pytest.raises(ValueError, match="must be True or False"):
+        trainmem.estimate("qwen3-0.6b", gpus=2, parallel="ddp", ddp_gradient_as_bucket_view="yes")
