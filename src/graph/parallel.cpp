@@ -503,6 +503,7 @@ void DataParallel::param_ready(std::uint32_t slot) {
 //    micro-batch's forward), it goes after the last new bucket is made, not before the first.
 // So a rank holds one copy of its gradients, the buckets, where the default holds two.
 void DataParallel::grad_to_bucket_view(std::uint32_t slot, std::uint32_t pi) {
+  TRAINMEM_ASSERT(pi < bucket_of_.size(), "a parameter without a bucket");
   const TensorId bucket = buckets_[bucket_of_[pi]];
   const TensorId g = t_.param_grad(slot);
   if (g == kNone || g == bucket) return;

@@ -406,6 +406,7 @@ class Planner {
            std::string(to_string(r.quant.storage)) + (r.quant.prepare_kbit_training ? "" : "/unprepared");
     }
     k += "/load" + std::string(to_string(r.load_dtype));
+    k += std::string(r.ddp_find_unused_parameters ? "/unused" : "") + (r.ddp_gradient_as_bucket_view ? "/gradview" : "");
     return k;
   }
 
@@ -701,10 +702,12 @@ std::uint64_t plan::persistent_floor(const Model& m, const Recipe& r) {
     return detail::add(held, std::max(bucket, detail::mul(partition, 4, "ZeRO gradient bytes")), "persistent bytes");
   }
   // DDP: the Reducer's buckets, a second copy of the gradients (Note [DDP buckets] in
-  // graph/parallel.cpp). FSDP2: every rank holds at least 1/gpus of the parameters, gradients and
+  // graph/parallel.cpp), the only one with gradient_as_bucket_view (the .grads are views of them:
+  // Note [DDP gradient_as_bucket_view]). FSDP2: every rank holds at least 1/gpus of the parameters, gradients and
   // states (padded shards are never smaller); HSDP shards over its shard group only. A param_dtype
   // policy keeps fp32 shards, gradients and states (an fp32-loaded model's: fp32 or bf16-mixed).
-  const std::uint64_t buckets = r.parallel == Parallel::kDdp ? detail::mul(n, pb, "bucket bytes") : 0;
+  const std::uint64_t buckets =
+      r.parallel == Parallel::kDdp && !r.ddp_gradient_as_bucket_view ? detail::mul(n, pb, "bucket bytes") : 0;
   // A pipeline's worst stage holds at least the average stage's share (Note [Pipeline split]),
   // its DDP buckets included: they hold the stage's own gradients (Note [Pipeline with DDP]).
   // Under context parallelism FSDP2 shards over gpus x cp ranks (Note [Context parallelism under FSDP2]).

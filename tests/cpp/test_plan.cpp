@@ -579,6 +579,46 @@ TEST(Fit, FindUnusedParametersStaysWithDdp) {
   EXPECT_TRUE(fsdp_change);
 }
 
+// DDP's gradient_as_bucket_view: a single change of a DDP recipe, replayed as its own recipe (it
+// holds the gradients once: a lower peak), dropped by candidates under another wrapper; and its
+// floor counts the buckets once, never above the replayed peak (SGD and fused AdamW make no
+// foreach temporaries to hide a double count).
+TEST(Fit, GradientAsBucketViewIsADdpChangeWithItsOwnFloor) {
+  const Model m = model::with_layers(load_model("llama-3.2-1b"), 2);
+  FitRequest q;
+  q.base = base_recipe("h100-80gb", 512);
+  q.base.gpus = 4;
+  q.base.parallel = Parallel::kDdp;
+  q.base.precision = Precision::kFp32;
+  q.base.validate();
+  q.gpus = 4;
+  q.global_batch = 16;
+  q.top = 40;
+  const FitResult f = fit(m, q);
+  bool found = false;
+  for (const Change& c : f.changes) {
+    if (c.what != "ddp_gradient_as_bucket_view true") continue;
+    found = true;
+    EXPECT_TRUE(c.plan.recipe.ddp_gradient_as_bucket_view);
+    EXPECT_LT(c.plan.peak_allocated_bytes, estimate(m, q.base).peak_allocated_bytes);
+  }
+  EXPECT_TRUE(found);
+  for (Optimizer o : {Optimizer::kSgd, Optimizer::kAdamWFused, Optimizer::kAdamW}) {
+    for (std::uint64_t accum : {1u, 2u}) {
+      Recipe r = base_recipe("cpu", 64);  // few activations and no cuBLAS workspace: the gradients dominate
+      r.batch = 1;
+      r.precision = Precision::kFp32;
+      r.parallel = Parallel::kDdp;
+      r.gpus = 2;
+      r.optimizer = o;
+      r.grad_accum = accum;
+      r.ddp_gradient_as_bucket_view = true;
+      const Model& narrow = testing::llama_w512();  // a small vocabulary: no embedding backward on top
+      EXPECT_LE(plan::persistent_floor(narrow, r), estimate(narrow, r).peak_allocated_bytes) << to_string(o) << " " << accum;
+    }
+  }
+}
+
 // Llama-3.1-70B with LoRA 16 on the default targets, planned over `gpus` GPUs.
 FitResult fit_70b_lora(const char* gpu, std::uint64_t seq, std::uint64_t gpus, std::uint64_t global_batch) {
   FitRequest q;

@@ -585,6 +585,8 @@ def test_fit_offers_flipping_reshard_after_forward(run):
      "ddp_find_unused_parameters with loss fused is not modelled"),
     (["--gpus", "2", "--parallel", "zero2", "--ddp-gradient-as-bucket-view"],
      "ddp_gradient_as_bucket_view: a DistributedDataParallel knob, it needs parallel ddp"),
+    (["--gpus", "2", "--parallel", "ddp", "--pp", "2", "--grad-accum", "2", "--ddp-gradient-as-bucket-view"],
+     "ddp_gradient_as_bucket_view: a DistributedDataParallel knob, it needs parallel ddp (without a pipeline)"),
     (["--gpus", "2", "--parallel", "ddp", "--ddp-gradient-as-bucket-view", "--ddp-find-unused-parameters"],
      "ddp_gradient_as_bucket_view with ddp_find_unused_parameters is not modelled"),
 ])

@@ -10,8 +10,8 @@ breakdown are in `diagnostics.parallel.ranks`, and `ranks_identical` says whethe
 The wrappers, as the recipe knobs say (docs/parallelism.md):
 
 * ddp: `DistributedDataParallel(model)` with PyTorch's defaults (bucket_cap_mb 25, first bucket
-  1 MiB, gradient_as_bucket_view False, find_unused_parameters False, broadcast_buffers True);
-  no device_ids (CPU).
+  1 MiB, broadcast_buffers True), find_unused_parameters and gradient_as_bucket_view as the recipe
+  says (both False by default); no device_ids (CPU).
 * fsdp: FSDP2, `fully_shard(layer, mesh, reshard_after_forward=recipe.fsdp_reshard_after_forward)`
   on every decoder layer (the modules whose class is in the model's `_no_split_modules`, as
   Accelerate's transformer auto-wrap picks them), then `fully_shard(model, mesh)`, both with
