@@ -549,19 +549,26 @@ TEST(Fit, LoraOnSeveralGpusIsPlannedUnderEveryWrapper) {
   }
 }
 
+// A DDP recipe on four GPUs at seq 512, for a global batch of 16: the request the DDP knobs' tests
+// start from (the base to be set further and validated).
+FitRequest ddp_request(const char* gpu) {
+  FitRequest q;
+  q.base = base_recipe(gpu, 512);
+  q.base.gpus = 4;
+  q.base.parallel = Parallel::kDdp;
+  q.gpus = 4;
+  q.global_batch = 16;
+  q.top = 40;
+  return q;
+}
+
 // DDP's find_unused_parameters belongs to DDP: candidates and single changes under another wrapper
 // drop it instead of being refused, and DDP candidates keep it.
 TEST(Fit, FindUnusedParametersStaysWithDdp) {
   const Model m = model::with_layers(load_model("llama-3.2-1b"), 2);
-  FitRequest q;
-  q.base = base_recipe("rtx-4090", 512);
-  q.base.gpus = 4;
-  q.base.parallel = Parallel::kDdp;
+  FitRequest q = ddp_request("rtx-4090");
   q.base.ddp_find_unused_parameters = true;
   q.base.validate();
-  q.gpus = 4;
-  q.global_batch = 16;
-  q.top = 40;
   const FitResult f = fit(m, q);
   ASSERT_FALSE(f.plans.empty());
   bool other_wrapper = false;
@@ -579,28 +586,27 @@ TEST(Fit, FindUnusedParametersStaysWithDdp) {
   EXPECT_TRUE(fsdp_change);
 }
 
-// DDP's gradient_as_bucket_view: a single change of a DDP recipe, replayed as its own recipe (it
-// holds the gradients once: a lower peak), dropped by candidates under another wrapper; and its
+// DDP's gradient_as_bucket_view: DDP candidates keep it and the others drop it; turning it off is a
+// single change replayed as its own recipe (two copies of the gradients: a higher peak); and its
 // floor counts the buckets once, never above the replayed peak (SGD and fused AdamW make no
 // foreach temporaries to hide a double count).
 TEST(Fit, GradientAsBucketViewIsADdpChangeWithItsOwnFloor) {
   const Model m = model::with_layers(load_model("llama-3.2-1b"), 2);
-  FitRequest q;
-  q.base = base_recipe("h100-80gb", 512);
-  q.base.gpus = 4;
-  q.base.parallel = Parallel::kDdp;
+  FitRequest q = ddp_request("h100-80gb");
   q.base.precision = Precision::kFp32;
+  q.base.ddp_gradient_as_bucket_view = true;
   q.base.validate();
-  q.gpus = 4;
-  q.global_batch = 16;
-  q.top = 40;
   const FitResult f = fit(m, q);
+  ASSERT_FALSE(f.plans.empty());
+  for (const Plan& p : f.plans) {
+    EXPECT_EQ(p.recipe.ddp_gradient_as_bucket_view, p.recipe.parallel == Parallel::kDdp && p.recipe.pp == 1);
+  }
   bool found = false;
   for (const Change& c : f.changes) {
-    if (c.what != "ddp_gradient_as_bucket_view true") continue;
+    if (c.what != "ddp_gradient_as_bucket_view false") continue;
     found = true;
-    EXPECT_TRUE(c.plan.recipe.ddp_gradient_as_bucket_view);
-    EXPECT_LT(c.plan.peak_allocated_bytes, estimate(m, q.base).peak_allocated_bytes);
+    EXPECT_FALSE(c.plan.recipe.ddp_gradient_as_bucket_view);
+    EXPECT_GT(c.plan.peak_allocated_bytes, estimate(m, q.base).peak_allocated_bytes);
   }
   EXPECT_TRUE(found);
   for (Optimizer o : {Optimizer::kSgd, Optimizer::kAdamWFused, Optimizer::kAdamW}) {
