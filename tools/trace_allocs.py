@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("measured", type=Path)
     ap.add_argument("predicted", type=Path)
     ap.add_argument("--phases", default="forward,loss,backward,optimizer",
-                    help="comma-separated phases to compare (default: all but setup)")
+                    help="comma-separated phases to compare (default: a training step's; setup and teardown are no part of one)")
     ap.add_argument("--show", type=int, default=0, metavar="N", help="print N allocations from the first difference")
     ap.add_argument("--whole-phases", action="store_true",
                     help="one group per phase, whatever layer the ops are labelled with (the measuring side "

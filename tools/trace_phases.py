@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from measure_common import load_phases  # noqa: E402
 
 _PHASES = load_phases()
-phase_peaks, trace_events = _PHASES.phase_peaks, _PHASES.trace_events
+phase_peaks, trace_events, OUTSIDE_STEPS = _PHASES.phase_peaks, _PHASES.trace_events, _PHASES.OUTSIDE_STEPS
 
 
 def peaks_of(path: Path) -> dict[tuple[int, int, str], int]:
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     measured, predicted = peaks_of(a.measured), peaks_of(a.predicted)
     rows = []
     for key in sorted(set(measured) | set(predicted)):
-        if key[2] == "setup":  # the two sides load the model differently (tracking starts after it)
+        if key[2] in OUTSIDE_STEPS:  # setup and teardown: see phases.as_rows
             continue
         m, p = measured.get(key), predicted.get(key)
         rows.append({"step": key[0], "micro_batch": key[1], "phase": key[2], "measured": m, "predicted": p,

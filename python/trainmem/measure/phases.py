@@ -58,8 +58,13 @@ def trace_events(path: Path) -> Iterable[tuple[PhaseKey, int]]:
         yield key, delta
 
 
+# Phases that are no part of a step: setup (the two sides load the model differently, and tracking
+# starts after it) and teardown (Note [Teardown] in training.py).
+OUTSIDE_STEPS = ("setup", "teardown")
+
+
 def as_rows(peaks: dict[PhaseKey, int]) -> list[dict]:
-    """The peaks as JSON rows, in the order of their first events, without setup (the two sides
-    load the model differently: tracking starts after it)."""
+    """The peaks as JSON rows, in the order of their first events, without the phases outside the
+    steps."""
     return [{"step": k[0], "micro_batch": k[1], "phase": k[2], "peak_allocated_bytes": v}
-            for k, v in peaks.items() if k[2] != "setup" and k[0] >= 1]
+            for k, v in peaks.items() if k[2] not in OUTSIDE_STEPS and k[0] >= 1]

@@ -506,3 +506,4 @@ def run_steps(model, stage, recipe: Recipe, tracker, *, device: str, steps: int 
         tracker.mark_gradients(masters or params)
         optimizer.zero_grad(set_to_none=True)
         tracker.collect_garbage()
+    tracker.set_phase("teardown")  # See Note [Teardown] in training.py

@@ -5,8 +5,8 @@ record with an allocation event and, when its last reference dies, a free event.
 seen with a `TorchDispatchMode` (the outputs of every aten op, forward, backward and optimizer
 alike); frees are seen with a `weakref.finalize` on the storage object, which fires when the C++
 storage dies. Each event carries the context it happened in: phase (setup / forward / loss /
-backward / optimizer; for generation prefill / decode), step, micro-batch, and a label naming the
-module and aten op.
+backward / optimizer; for generation prefill / decode; teardown once the runner returns, Note
+[Teardown] in training.py), step, micro-batch, and a label naming the module and aten op.
 
 A storage's category is decided once, after the run, from what the storage *became* (see
 Note [Categories]); the peak and its breakdown are then computed by replaying the events.
@@ -123,7 +123,7 @@ from .phases import as_rows, block_bytes, phase_peaks  # block_bytes: see Note [
 
 CATEGORIES = ("weights", "optimizer_states", "gradients", "activations", "temporaries", "other")
 _PRIORITY = ("weights", "optimizer_states", "gradients", "other", "activations")
-PHASES = ("setup", "forward", "loss", "backward", "optimizer", "prefill", "decode")
+PHASES = ("setup", "forward", "loss", "backward", "optimizer", "prefill", "decode", "teardown")
 
 ALLOC, FREE = 0, 1
 _NO_SEQUENCE_NR = 2**64 - 1  # what AccumulateGrad nodes report
@@ -152,6 +152,7 @@ ROOT = Label("model", "", True)
 LOSS = Label("loss", "", False)
 OPTIMIZER = Label("optimizer", "", True)
 GENERATE = Label("generate", "", True)  # generate()'s own ops, outside the model: `generate.<aten op>`
+TEARDOWN = Label("teardown", "", True)  # the runner's locals going when it returns: see Note [Teardown]
 
 
 def module_label(qualname: str, module: torch.nn.Module, base_prefix: str) -> Label:
@@ -411,7 +412,7 @@ class MemoryTracker:
         if micro_batch is not None:
             self.micro_batch = micro_batch
         label = {"setup": SETUP, "forward": ROOT, "loss": LOSS, "backward": LOSS, "optimizer": OPTIMIZER,
-                 "prefill": GENERATE, "decode": GENERATE}[phase]
+                 "prefill": GENERATE, "decode": GENERATE, "teardown": TEARDOWN}[phase]
         if phase == "backward":
             self._last_backward_label = LOSS  # the ops before the first labelled node seed the loss gradient
         self._ctx = (phase, self.step, self.micro_batch, label.display, "", "", 0)

@@ -249,6 +249,15 @@ def masters_to_params(params: list[torch.Tensor], masters: list[torch.Tensor]) -
             p.copy_(master)
 
 
+# Note [Teardown]
+# When a runner returns, its locals go: the batch, the optimizer and its states, the masters, the
+# scaler. The tracker is still on (run.py closes it after the runner), so those frees used to land
+# in the last step's optimizer phase. The engine's step ends with the optimizer and frees nothing
+# after it, so where that phase allocates and frees nothing itself (SGD under DDP's
+# gradient_as_bucket_view: the update is in place and zero_grad only drops views of the buckets)
+# the measured side had a phase row the engine has not. Each runner therefore ends in phase
+# "teardown", which like setup is no part of a step: its frees stay in the traces and are left out
+# of the phase rows (phases.as_rows) and of the comparisons.
 def run_steps(model: torch.nn.Module, recipe: Recipe, tracker: MemoryTracker, *, device: str,
               make_batch, forward_and_loss, steps: int = 2, on_step_start=None, on_step_end=None,
               fake_mode=None, engine=None) -> None:
@@ -319,6 +328,7 @@ def run_steps(model: torch.nn.Module, recipe: Recipe, tracker: MemoryTracker, *,
             tracker.collect_garbage()
             if on_step_end is not None:
                 on_step_end(step)
+    tracker.set_phase("teardown")  # See Note [Teardown]
 
 
 @contextlib.contextmanager
@@ -370,3 +380,4 @@ def _run_engine_steps(engine, recipe: Recipe, tracker: MemoryTracker, *, make_ba
         tracker.collect_garbage()
         if on_step_end is not None:
             on_step_end(step)
+    tracker.set_phase("teardown")  # See Note [Teardown]
