@@ -155,7 +155,10 @@ constexpr std::array kFitCases{FitCase{"llama-3.1-8b", "h100-80gb", 4096, 64, 1}
                                FitCase{"llama-3.1-8b", "h100-80gb", 4096, 64, 8},
                                FitCase{"qwen3-4b", "t4-16gb", 4096, 8, 1},
                                // issue #4's multi-GPU case: 8 of its 10 plans are pipelines
-                               FitCase{"llama-3.1-8b", "h100-80gb", 4096, 64, 4}};
+                               FitCase{"llama-3.1-8b", "h100-80gb", 4096, 64, 4},
+                               // the heaviest search measured: pipelines x tensor parallelism with
+                               // checkpointing, 64 micro-batches each (bench/README.md)
+                               FitCase{"llama-3.1-70b", "h100-80gb", 4096, 64, 8}};
 
 void fit_case(benchmark::State& state, FitResult (*search)(const Model&, const FitRequest&)) {
   const FitCase& c = kFitCases[state.range(0)];
