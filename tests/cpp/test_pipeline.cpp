@@ -80,6 +80,21 @@ TEST(Pipeline, StagesHoldTheirOwnParameters) {
   EXPECT_EQ(s1.breakdown_at_peak[kWeights], 33'516'544u);
 }
 
+// Phi3Model.forward is Llama's, its fused qkv_proj and gate_up_proj inside the layers a stage
+// calls: the measured cpu-pp2-phi3w512l2-fp32-adamw-ga3-b2s128, each stage's peak and weights.
+TEST(Pipeline, Phi3SplitsLikeTheLlamaFamily) {
+  const Model m = load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/phi-3-mini-4k-instruct-w512-l2.json");
+  const Recipe r = pp_recipe(2, 3);
+  EstimateOptions o0, o1;
+  o0.rank = 0;
+  o1.rank = 1;
+  const Estimate s0 = estimate(m, r, o0), s1 = estimate(m, r, o1);
+  EXPECT_EQ(s0.peak_allocated_bytes, 78'625'280u);
+  EXPECT_EQ(s1.peak_allocated_bytes, 69'025'792u);
+  EXPECT_EQ(s0.breakdown_at_peak[kWeights], 12'538'880u);
+  EXPECT_EQ(s1.breakdown_at_peak[kWeights], 12'540'928u);
+}
+
 TEST(Pipeline, TheWorstStageIsReported) {
   const Model m = llama_w512();
   const Estimate e = estimate(m, pp_recipe(2, 4));

@@ -84,7 +84,7 @@ import torch
 from .recipe import Recipe, RecipeError
 from .tracker import LOSS
 
-PP_FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+PP_FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
 
 
 def split_layers(num_layers: int, stages: int) -> list[range]:
