@@ -435,7 +435,9 @@ std::vector<PipelineLoweredAction> pipeline_add_unshard_reshard(const std::vecto
 void check_pipeline_model(const Architecture& a, const Recipe& r) {
   const std::string pp = "pp: " + std::to_string(r.pp);
   // Phi3Model.forward is Llama's with fused projections inside the layers, which a stage calls
-  // as they are; GPT-2 and Gemma-2 tie lm_head to the embedding (refused below anyway).
+  // as they are, but for its sliding-window mask: a stage builds the causal one, the same below
+  // the window (a reached one is refused: check_sliding_window). GPT-2 and Gemma-2 tie lm_head to
+  // the embedding (refused below anyway).
   if (a.family != Family::kLlama && a.family != Family::kMistral && a.family != Family::kQwen2 &&
       a.family != Family::kQwen3 && a.family != Family::kPhi3) {
     throw Error(pp + " with " + std::string(family_name(a.family)) +

@@ -701,20 +701,36 @@ void StepBuilder::backward(ValueId loss) {
 namespace trainmem::graph {
 namespace {
 
-// The sliding window that a training sequence of the recipe's length reaches under SDPA, making
-// HF materialise the mask (Note [Training masks]); 0 when none does. Gemma-2 runs eager
-// attention whatever the recipe says (its mask is modelled everywhere).
-std::uint64_t reached_window(const Model& model, const Recipe& r) {
-  if (r.mode != Mode::kTraining || r.attention != Attention::kSdpa || model.arch.family == Family::kGemma2) return 0;
+// The model's largest sliding window if a training sequence of the recipe's length reaches it;
+// 0 when none does.
+std::uint64_t window_within_seq(const Model& model, const Recipe& r) {
+  if (r.mode != Mode::kTraining) return 0;
   std::uint64_t window = 0;
   for (std::uint64_t w : model::attention_windows(model.arch)) window = std::max(window, w);
   return window != 0 && r.seq >= window ? window : 0;
+}
+
+// The window reached under SDPA, making HF materialise the mask (Note [Training masks]). Gemma-2
+// runs eager attention whatever the recipe says (its mask is modelled everywhere).
+std::uint64_t reached_window(const Model& model, const Recipe& r) {
+  if (r.attention != Attention::kSdpa || model.arch.family == Family::kGemma2) return 0;
+  return window_within_seq(model, r);
 }
 
 }  // namespace
 
 void check_sliding_window(const Model& model, const Recipe& r) {
   if (r.tp <= 1 && r.cp <= 1 && r.pp <= 1) return;
+  // A pipeline stage builds the causal mask alone (pipeline.cpp's pp_forward, the measuring
+  // side's stage module, as LlamaModel.forward), so a sliding window the sequence reaches would
+  // be attended past under eager attention too: what a stage of Phi-3 or Mistral v0.1 would have
+  // to do there (their forwards build the sliding mask) is not modelled.
+  const std::uint64_t stage_window = r.pp > 1 && r.attention == Attention::kEager ? window_within_seq(model, r) : 0;
+  if (stage_window != 0) {
+    throw Error("attention: eager with a sequence of " + std::to_string(r.seq) + " tokens reaches the model's " +
+                "sliding window (" + std::to_string(stage_window) + "), which a pipeline stage does not build " +
+                "(it builds the causal mask alone); use a sequence shorter than the window");
+  }
   const std::uint64_t window = reached_window(model, r);
   if (window == 0) return;
   // See Note [Training masks]: measured on one process only, and the pipeline's stage module
@@ -722,7 +738,7 @@ void check_sliding_window(const Model& model, const Recipe& r) {
   throw Error("attention: sdpa with a sequence of " + std::to_string(r.seq) + " tokens reaches the model's " +
               "sliding window (" + std::to_string(window) + "), where the mask is materialised; that is " +
               "modelled without tensor, context or pipeline parallelism (use a sequence shorter than the " +
-              "window" + std::string(r.cp > 1 ? "" : ", or flash attention") + ")");
+              "window" + std::string(r.cp > 1 || r.pp > 1 ? "" : ", or flash attention") + ")");
 }
 
 void check_attention_dropout(const Model& model, const Recipe& r, const Gpu& gpu) {

@@ -185,8 +185,9 @@ void validate_tensor_parallel(const Recipe& r) {
 }
 
 // What the engine models of pipeline parallelism: what the measuring side runs
-// (python/trainmem/measure/recipe.py _check_pp); the architecture's part (the Llama family, untied
-// embeddings, at least one layer per stage) is checked with the model (graph/pipeline.cpp).
+// (python/trainmem/measure/recipe.py _check_pp); the architecture's part (the Llama family or
+// Phi-3, untied embeddings, at least one layer per stage) is checked with the model
+// (graph/pipeline.cpp).
 void validate_pipeline_parallel(const Recipe& r) {
   const std::string pp = "pp: " + std::to_string(r.pp);
   // PP x DP: --gpus is the data-parallel degree (as under --tp), DDP or FSDP2 over each stage's

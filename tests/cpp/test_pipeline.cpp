@@ -80,8 +80,9 @@ TEST(Pipeline, StagesHoldTheirOwnParameters) {
   EXPECT_EQ(s1.breakdown_at_peak[kWeights], 33'516'544u);
 }
 
-// Phi3Model.forward is Llama's, its fused qkv_proj and gate_up_proj inside the layers a stage
-// calls: the measured cpu-pp2-phi3w512l2-fp32-adamw-ga3-b2s128, each stage's peak and weights.
+// Phi3Model.forward is Llama's (but for the sliding mask, the causal one below the window), its
+// fused qkv_proj and gate_up_proj inside the layers a stage calls: the measured
+// cpu-pp2-phi3w512l2-fp32-adamw-ga3-b2s128, each stage's peak and weights.
 TEST(Pipeline, Phi3SplitsLikeTheLlamaFamily) {
   const Model m = load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/phi-3-mini-4k-instruct-w512-l2.json");
   const Recipe r = pp_recipe(2, 3);
@@ -367,6 +368,20 @@ TEST(Pipeline, RefusesWhatIsNotModelled) {
   EXPECT_NE(error_of([&] { estimate(llama_w512(), pp_recipe(8, 8)); }).find("fewer than the stages"),
             std::string::npos);
   EXPECT_NE(error_of([&] { estimate(testing::gpt2_l2(), pp_recipe(2, 4)); }).find("not modelled"), std::string::npos);
+  // A stage builds the causal mask alone: a sliding window the sequence reaches is refused under
+  // eager attention as under SDPA (Phi-3 cut to a window of 128).
+  const Model windowed =
+      load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/phi-3-mini-4k-instruct-w512-l2-win128.json");
+  r = pp_recipe(2, 4);
+  r.attention = Attention::kEager;
+  r.seq = 127;
+  EXPECT_NO_THROW(estimate(windowed, r));
+  r.seq = 128;  // reached, by SDPA's rule too
+  EXPECT_NE(error_of([&] { estimate(windowed, r); }).find("which a pipeline stage does not build"), std::string::npos);
+  r.attention = Attention::kSdpa;
+  const std::string sdpa = error_of([&] { estimate(windowed, r); });
+  EXPECT_NE(sdpa.find("reaches the model's sliding window (128)"), std::string::npos);
+  EXPECT_EQ(sdpa.find("flash"), std::string::npos);  // refused in a pipeline anyway
 }
 
 // Several stages per rank (See Note [Interleaved pipeline schedules]): the measured
