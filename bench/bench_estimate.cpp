@@ -206,7 +206,8 @@ BENCHMARK(BM_Replay)->Apply(each_model);
 BENCHMARK(BM_CutModels)->Apply(each_model);
 BENCHMARK(BM_Sweep)->Iterations(1)->Repetitions(3)->ReportAggregatesOnly(true)->Unit(benchmark::kSecond);
 BENCHMARK(BM_Fit)->ArgName("case")->DenseRange(0, kFitCases.size() - 1)->Unit(benchmark::kMillisecond)->UseRealTime()->MeasureProcessCPUTime();
-BENCHMARK(BM_FitReference)->ArgName("case")->DenseRange(0, kFitCases.size() - 1)->Unit(benchmark::kMillisecond)->UseRealTime()->MeasureProcessCPUTime();
+// Not case 6: one estimate() after another over its 8,744 recipes would take minutes.
+BENCHMARK(BM_FitReference)->ArgName("case")->DenseRange(0, kFitCases.size() - 2)->Unit(benchmark::kMillisecond)->UseRealTime()->MeasureProcessCPUTime();
 BENCHMARK(BM_GradAccum)->ArgName("grad_accum")->Arg(1)->Arg(2)->Arg(4)->Arg(64)->Unit(benchmark::kMillisecond);
 
 }  // namespace

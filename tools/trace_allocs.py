@@ -48,7 +48,8 @@ Allocation = tuple[int, int, str, int]  # (live bytes after it, its size, what i
 
 
 def allocations(path: Path, whole_phases: bool = False) -> tuple[dict[Group, list[Allocation]], dict[Group, int]]:
-    """Each group's allocations, groups in the order of their first; and for each group the frees
+    """Each group's allocations, groups in the order of their first; and for each group, in the
+    order of its first event of either kind (a group of frees alone included: teardown), the frees
     made on another thread (`off_thread`) among its events."""
     live = 0
     groups: dict[Group, list[Allocation]] = {}
@@ -59,8 +60,9 @@ def allocations(path: Path, whole_phases: bool = False) -> tuple[dict[Group, lis
             op = str(e.get("op") or "")
             m = _LAYER.match(op)
             key = (step, micro, phase, int(m.group(1)) if m and not whole_phases else -1)
+            late_in.setdefault(key, 0)
             if delta < 0:
-                late_in[key] = late_in.get(key, 0) + bool(e.get("off_thread"))
+                late_in[key] += bool(e.get("off_thread"))
             else:
                 what = " ".join(str(x) for x in (delta, op, e.get("aten_op"), e.get("dtype"), e.get("shape")) if x)
                 groups.setdefault(key, []).append((live, delta, what, int(e.get("call") or 0)))
@@ -104,8 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     phases = set(a.phases.split(","))
     (measured, late_in), (predicted, _) = allocations(a.measured, a.whole_phases), allocations(a.predicted, a.whole_phases)
     keys = list(measured) + [k for k in predicted if k not in measured]  # the engine's extra groups last
+    trace_order = list(late_in)  # the measured groups, those that only free included
+    next_group = {k: trace_order[i + 1] for i, k in enumerate(trace_order[:-1])}
     compared = differing = raced = 0
-    for n, key in enumerate(keys):
+    for key in keys:
         if key[2] not in phases:
             continue
         compared += 1
@@ -121,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         # when that thread gets to it, after the allocations it should have come before, in the
         # same group or the next: a group that differs with such a free in it or in the next one
         # may show one outcome of that race (live bytes are right again once the free has landed).
-        late = late_in.get(key, 0) + (late_in.get(keys[n + 1], 0) if n + 1 < len(keys) else 0)
+        late = late_in.get(key, 0) + late_in.get(next_group.get(key), 0)
         raced += late > 0
         after = f" ({late} free{'s' if late > 1 else ''} on another thread in it or the next group)" if late else ""
         print(f"step {step} micro-batch {micro} {phase}, {where}: {len(m)} allocations measured, {len(p)} "

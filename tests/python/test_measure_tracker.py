@@ -116,7 +116,6 @@ def test_single_linear_adamw_exact_bytes():
     ]
 
 
-
 def test_the_runner_locals_go_in_teardown():
     # See Note [Teardown] in training.py: once the last step is done, the batch (256 KiB, other)
     # and AdamW's two states and step counter go when run_steps returns. They are frees of phase
@@ -130,6 +129,8 @@ def test_the_runner_locals_go_in_teardown():
     assert sorted((r["bytes"], r["category"]) for r in teardown) == [
         (512, "optimizer_states"), (256 * 1024, "other"), (2 * MiB, "optimizer_states"), (2 * MiB, "optimizer_states")]
     assert all(p["phase"] != "teardown" for p in tracker.analyze()["phases"])
+
+
 def test_single_linear_sgd_momentum_buffer():
     # SGD(momentum) clones the gradient into momentum_buffer at step 1 (2 MiB optimizer state); step 2's
     # peak is the new gradient in backward: W + x + momentum + grad + three 512 B scalars (loss / 1,

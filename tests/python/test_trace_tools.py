@@ -143,3 +143,23 @@ def test_trace_allocs_says_when_a_difference_follows_a_late_free(tmp_path):
     # Without the mark the same difference is reported plainly.
     plain = run("trace_allocs.py", write_trace(tmp_path / "m2.jsonl", MEASURED), tmp_path / "p.jsonl")
     assert "another thread" not in plain.stdout and plain.stdout.rstrip().endswith("1 differ")
+
+
+def test_trace_allocs_counts_a_late_free_that_lands_in_teardown(tmp_path):
+    """The last step's last group is followed by teardown's frees alone (Note [Teardown] in
+    python/trainmem/measure/training.py): a late free that lands there still names the group."""
+    measured = [("alloc", 1000, "optimizer", "optimizer.a"), ("alloc", 2048, "optimizer", "optimizer.b"),
+                ("free", 1000, "teardown", "teardown"), ("free", 2048, "teardown", "teardown")]
+    predicted = [("alloc", 1000, "optimizer", "optimizer.a"), ("free", 1000, "optimizer", "optimizer.a"),
+                 ("alloc", 2048, "optimizer", "optimizer.b"), ("free", 2048, "optimizer", "optimizer.b")]
+    m = write_trace(tmp_path / "m.jsonl", measured)
+    rows = [json.loads(line) for line in m.read_text().splitlines()]
+    rows[2]["off_thread"] = True  # optimizer.a's tensor, let go of by gloo's worker after the group
+    m.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = run("trace_allocs.py", m, write_trace(tmp_path / "p.jsonl", predicted))
+    assert out.returncode == 1
+    assert "1 groups compared, 1 differ, 1 with a free on another thread in or after them" in out.stdout
+    # Teardown is no group of its own to compare, nor a phase row.
+    assert "teardown" not in out.stdout
+    phases = run("trace_phases.py", m, tmp_path / "p.jsonl")
+    assert "optimizer" in phases.stdout and "teardown" not in phases.stdout

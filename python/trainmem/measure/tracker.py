@@ -724,7 +724,7 @@ class MemoryTracker:
             self._last_backward_label = label
             return label
         return {"forward": ROOT, "loss": LOSS, "optimizer": OPTIMIZER, "prefill": GENERATE,
-                "decode": GENERATE}.get(phase, SETUP)
+                "decode": GENERATE, "teardown": TEARDOWN}.get(phase, SETUP)
 
     def _dispatch(self, func, args, kwargs):
         label = self._current_label()

@@ -255,9 +255,11 @@ def masters_to_params(params: list[torch.Tensor], masters: list[torch.Tensor]) -
 # in the last step's optimizer phase. The engine's step ends with the optimizer and frees nothing
 # after it, so where that phase allocates and frees nothing itself (SGD under DDP's
 # gradient_as_bucket_view: the update is in place and zero_grad only drops views of the buckets)
-# the measured side had a phase row the engine has not. Each runner therefore ends in phase
-# "teardown", which like setup is no part of a step: its frees stay in the traces and are left out
-# of the phase rows (phases.as_rows) and of the comparisons.
+# the measured side had a phase row the engine has not. Each training runner (run_steps, the
+# DeepSpeed one, the pipeline's) therefore ends in phase "teardown", which like setup is no part
+# of a step: its frees stay in the traces and are left out of the phase rows (phases.as_rows) and
+# of the comparisons. Generation does not: the engine's generate() frees its inputs and cache in
+# decode, as the measured one does.
 def run_steps(model: torch.nn.Module, recipe: Recipe, tracker: MemoryTracker, *, device: str,
               make_batch, forward_and_loss, steps: int = 2, on_step_start=None, on_step_end=None,
               fake_mode=None, engine=None) -> None:
