@@ -434,10 +434,8 @@ std::vector<PipelineLoweredAction> pipeline_add_unshard_reshard(const std::vecto
 
 void check_pipeline_model(const Architecture& a, const Recipe& r) {
   const std::string pp = "pp: " + std::to_string(r.pp);
-  // Phi3Model.forward is Llama's with fused projections inside the layers, which a stage calls
-  // as they are, but for its sliding-window mask: a stage builds the causal one, the same below
-  // the window (a reached one is refused: check_sliding_window). GPT-2 and Gemma-2 tie lm_head to
-  // the embedding (refused below anyway).
+  // Phi3Model.forward is Mistral's, with fused projections inside the layers, which a stage calls
+  // as they are. GPT-2 and Gemma-2 tie lm_head to the embedding (refused below anyway).
   if (a.family != Family::kLlama && a.family != Family::kMistral && a.family != Family::kQwen2 &&
       a.family != Family::kQwen3 && a.family != Family::kPhi3) {
     throw Error(pp + " with " + std::string(family_name(a.family)) +
@@ -530,15 +528,16 @@ void StepBuilder::pp_forward(std::uint64_t k, PipelineMicro& mb) {
     hs = t_.ref(mb.leaf);
     dtensor_ = sp_ > 1;
   }
-  // position_ids = arange(s).unsqueeze(0) (a view), then the stage's own causal mask (eager
-  // attention: [b, 1, s, s] in the hidden states' dtype, as the step's; SDPA: none) and cos/sin.
+  // position_ids = arange(s).unsqueeze(0) (a view), then the masks the model's own forward builds
+  // (Note [Training masks] in step.cpp: a causal one, and Phi-3's, Mistral v0.1's or a sliding
+  // Qwen's sliding one), each layer taking its kind's, and cos/sin.
   op("position_ids");
   position_ids_ = fresh(S_, DType::kI64);
-  training_masks(hs.dtype, /*causal_only=*/true);  // See Note [Training masks] in step.cpp
-  mask_ = masks_[0];
+  training_masks(hs.dtype);
   rotary_embedding(hs.dtype);
   for (std::uint64_t l = layers.begin; l < layers.end; ++l) {
     const auto layer = static_cast<std::uint32_t>(l);
+    mask_ = layer_mask(layer);
     // HF's checkpointing wraps each layer the stage calls (See Note [Pipeline parallelism]).
     dp_->layer_pre_forward(layer);  // FSDP2's unit of the layer (See Note [Pipeline with FSDP2])
     T next = r_.checkpointing != Checkpointing::kNone ? checkpointed_layer(hs, layer) : decoder_layer(hs, layer);

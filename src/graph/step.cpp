@@ -198,12 +198,11 @@ T StepBuilder::embedding(std::uint32_t w, const T& ids, std::uint64_t n) {
 // row's second half: Llama (eager and SDPA, fp32 and bf16-mixed with checkpointing), GPT-2
 // (eager and SDPA), Gemma-2 (eager, both kinds) and Mistral v0.1 (SDPA, window reached); a mask
 // of ones under SDPA and eager.
-void StepBuilder::training_masks(DType dtype, bool causal_only) {
+void StepBuilder::training_masks(DType dtype) {
   masks_ = {};
   const bool eager = attention_ == Attention::kEager;
   const bool given = padding_mask_.id != kNone;
-  const std::vector<MaskKind> kinds = causal_only ? std::vector<MaskKind>{MaskKind::kFull} : mask_kinds();
-  for (MaskKind kind : kinds) {
+  for (MaskKind kind : mask_kinds()) {
     op(kind == MaskKind::kSliding ? "sliding_window_mask" : "causal_mask");
     const std::uint64_t W = kind == MaskKind::kSliding ? window_of_model() : 0;
     const bool window_reached = W > 0 && S_ >= W;
@@ -320,7 +319,7 @@ ValueId StepBuilder::forward_and_loss() {
     T sum = add(hs, pe);
     t_.drop(hs);
     position_embeds = pe;
-    training_masks(sum.dtype, /*causal_only=*/false);
+    training_masks(sum.dtype);
     op("drop");
     hs = dropout_module(sum, a_.embd_dropout, Container::kEmbedDropout);
     t_.drop(sum);
@@ -335,7 +334,7 @@ ValueId StepBuilder::forward_and_loss() {
     t_.drop(ar);
   }
   if (!gpt2) {
-    training_masks(hs.dtype, /*causal_only=*/false);
+    training_masks(hs.dtype);
     rotary_embedding(hs.dtype);
   }
   for (std::uint32_t l = 0; l < a_.num_layers; ++l) {
@@ -701,44 +700,29 @@ void StepBuilder::backward(ValueId loss) {
 namespace trainmem::graph {
 namespace {
 
-// The model's largest sliding window if a training sequence of the recipe's length reaches it;
-// 0 when none does.
-std::uint64_t window_within_seq(const Model& model, const Recipe& r) {
-  if (r.mode != Mode::kTraining) return 0;
+// The sliding window that a training sequence of the recipe's length reaches under SDPA, making
+// HF materialise the mask (Note [Training masks]); 0 when none does. Gemma-2 runs eager
+// attention whatever the recipe says (its mask is modelled everywhere).
+std::uint64_t reached_window(const Model& model, const Recipe& r) {
+  if (r.mode != Mode::kTraining || r.attention != Attention::kSdpa || model.arch.family == Family::kGemma2) return 0;
   std::uint64_t window = 0;
   for (std::uint64_t w : model::attention_windows(model.arch)) window = std::max(window, w);
   return window != 0 && r.seq >= window ? window : 0;
 }
 
-// The window reached under SDPA, making HF materialise the mask (Note [Training masks]). Gemma-2
-// runs eager attention whatever the recipe says (its mask is modelled everywhere).
-std::uint64_t reached_window(const Model& model, const Recipe& r) {
-  if (r.attention != Attention::kSdpa || model.arch.family == Family::kGemma2) return 0;
-  return window_within_seq(model, r);
-}
-
 }  // namespace
 
 void check_sliding_window(const Model& model, const Recipe& r) {
-  if (r.tp <= 1 && r.cp <= 1 && r.pp <= 1) return;
-  // A pipeline stage builds the causal mask alone (pipeline.cpp's pp_forward, the measuring
-  // side's stage module, as LlamaModel.forward), so a sliding window the sequence reaches would
-  // be attended past under eager attention too: what a stage of Phi-3 or Mistral v0.1 would have
-  // to do there (their forwards build the sliding mask) is not modelled.
-  const std::uint64_t stage_window = r.pp > 1 && r.attention == Attention::kEager ? window_within_seq(model, r) : 0;
-  if (stage_window != 0) {
-    throw Error("attention: eager with a sequence of " + std::to_string(r.seq) + " tokens reaches the model's " +
-                "sliding window (" + std::to_string(stage_window) + "), which a pipeline stage does not build " +
-                "(it builds the causal mask alone); use a sequence shorter than the window");
-  }
+  // A pipeline stage builds the masks the model's own forward builds (pipeline.cpp's pp_forward,
+  // the measuring side's stage module): measured with a reached window (cpu-pp2-phi3w512l2win128-*).
+  if (r.tp <= 1 && r.cp <= 1) return;
   const std::uint64_t window = reached_window(model, r);
   if (window == 0) return;
-  // See Note [Training masks]: measured on one process only, and the pipeline's stage module
-  // builds the causal mask alone.
+  // See Note [Training masks]: measured without tensor or context parallelism only.
   throw Error("attention: sdpa with a sequence of " + std::to_string(r.seq) + " tokens reaches the model's " +
               "sliding window (" + std::to_string(window) + "), where the mask is materialised; that is " +
-              "modelled without tensor, context or pipeline parallelism (use a sequence shorter than the " +
-              "window" + std::string(r.cp > 1 || r.pp > 1 ? "" : ", or flash attention") + ")");
+              "modelled without tensor or context parallelism (use a sequence shorter than the window" +
+              std::string(r.cp > 1 || r.pp > 1 ? "" : ", or flash attention") + ")");
 }
 
 void check_attention_dropout(const Model& model, const Recipe& r, const Gpu& gpu) {

@@ -576,7 +576,7 @@ class StepBuilder {
   T attention_mask(MaskKind kind, std::uint64_t batch, std::uint64_t q, std::uint64_t kv, bool eager, DType dtype,
                    bool padding = false);
   // A training forward's masks: Notes [Training masks], [Padding masks] (step.cpp).
-  void training_masks(DType dtype, bool causal_only);
+  void training_masks(DType dtype);
   void packed_sequence_check(std::uint64_t rows, std::uint64_t cols);
   void fast_all();
   void drop_training_masks();

@@ -24,7 +24,8 @@ also keeps the rotary embedding (its `inv_freq` buffer): every stage computes th
 hands its layers, as LlamaModel.forward does (modeling_llama.py).
 
 Each stage is a `PipelineStage` built by hand (`_StageModule`: the stage's part of
-LlamaModel.forward, by the HF modules themselves), with static metadata: `input_args` and
+LlamaModel.forward, by the HF modules themselves, with the attention masks the family's own
+forward builds: `layer_masks`), with static metadata: `input_args` and
 `output_args` as meta tensors of one micro-batch, so the schedule runs no metadata inference (no
 extra forward/backward in the first step: stage.py `InferenceMode.needs_dynamic` is False for plain
 tensors with complete forward metadata).
@@ -115,21 +116,38 @@ class _StageModule(torch.nn.Module):
             return self._forward(x)
 
     def _forward(self, x):
-        from transformers.masking_utils import create_causal_mask
-
         base = self.hf.model
         hidden = base.embed_tokens(x) if self.first else x
         position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        mask = create_causal_mask(config=base.config, inputs_embeds=hidden, attention_mask=None, cache=None,
-                                  position_ids=position_ids)
+        masks = layer_masks(base.config, hidden, position_ids)
         position_embeddings = base.rotary_emb(hidden, position_ids=position_ids)
         for i in self.layer_ids:
-            hidden = base.layers[i](hidden, attention_mask=mask, position_embeddings=position_embeddings,
+            hidden = base.layers[i](hidden, attention_mask=masks[i], position_embeddings=position_embeddings,
                                     position_ids=position_ids, cache=None, use_cache=False)
         if not self.last:
             return hidden
         hidden = base.norm(hidden)
         return self.hf.lm_head(hidden)
+
+
+def layer_masks(config, hidden: torch.Tensor, position_ids: torch.Tensor) -> list:
+    """The attention mask of each decoder layer, made as the family's own model forward makes them
+    (transformers 5): Llama a causal mask; Mistral and Phi-3 a sliding-window one where the config
+    sets a window, else a causal one; Qwen2 and Qwen3 a causal one and, with sliding layers
+    (`layer_types`), a sliding-window one, each layer taking its type's."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    def make(fn):
+        return fn(config=config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=position_ids)
+
+    layers = config.num_hidden_layers
+    if config.model_type in ("qwen2", "qwen3"):
+        by_type = {"full_attention": make(create_causal_mask)}
+        if "sliding_attention" in config.layer_types:
+            by_type["sliding_attention"] = make(create_sliding_window_causal_mask)
+        return [by_type[t] for t in config.layer_types[:layers]]
+    sliding = config.model_type != "llama" and getattr(config, "sliding_window", None) is not None
+    return [make(create_sliding_window_causal_mask if sliding else create_causal_mask)] * layers
 
 
 def check(model: torch.nn.Module, recipe: Recipe) -> None:
