@@ -179,7 +179,9 @@ T StepBuilder::embedding(std::uint32_t w, const T& ids, std::uint64_t n) {
 // holds that one; the model's forward keeps every mask to its end. Under SDPA a mask changes
 // the layer's attention: see attention_core. Measured on the CPU, the masks of every phase and
 // layer: Gemma-2 (both kinds, eager), Phi-3 (sliding, SDPA, no GQA) and Mistral v0.1 (sliding,
-// SDPA, GQA, under autocast), all narrowed, window 128 and seq 256.
+// SDPA, GQA, under autocast), all narrowed, window 128 and seq 256; and so on tensor-parallel
+// ranks and in pipeline stages, which build the same masks (Mistral v0.1, Phi-3, a Qwen2.5 with
+// a full and a sliding layer).
 //
 // Note [Padding masks]
 // With an attention_mask in the batch (Recipe::attention_mask: ones or padded; the measuring side
@@ -713,16 +715,16 @@ std::uint64_t reached_window(const Model& model, const Recipe& r) {
 }  // namespace
 
 void check_sliding_window(const Model& model, const Recipe& r) {
-  // A pipeline stage builds the masks the model's own forward builds (pipeline.cpp's pp_forward,
-  // the measuring side's stage module): measured with a reached window (cpu-pp2-phi3w512l2win128-*).
-  if (r.tp <= 1 && r.cp <= 1) return;
+  // Tensor-parallel ranks and pipeline stages build the masks the model's own forward builds, and
+  // attend over their local heads with them (Note [Training masks]; pipeline.cpp's pp_forward):
+  // measured past a window (cpu-tp2*-*win128-*, cpu-pp2-*win128-*, the -slide128- ones). Context
+  // parallelism's ring is mirrored from the source, not measured, and with a mask not at all.
+  if (r.cp <= 1) return;
   const std::uint64_t window = reached_window(model, r);
   if (window == 0) return;
-  // See Note [Training masks]: measured without tensor or context parallelism only.
   throw Error("attention: sdpa with a sequence of " + std::to_string(r.seq) + " tokens reaches the model's " +
-              "sliding window (" + std::to_string(window) + "), where the mask is materialised; that is " +
-              "modelled without tensor or context parallelism (use a sequence shorter than the window" +
-              std::string(r.cp > 1 || r.pp > 1 ? "" : ", or flash attention") + ")");
+              "sliding window (" + std::to_string(window) + "), where the mask is materialised; that is not " +
+              "modelled under context parallelism (use a sequence shorter than the window)");
 }
 
 void check_attention_dropout(const Model& model, const Recipe& r, const Gpu& gpu) {

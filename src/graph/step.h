@@ -18,9 +18,9 @@ using MicroBatchHook = std::function<MicroBatchNext(const Trace&, std::uint32_t 
 // graph/pipeline.cpp): only kGoOn or kStop comes back.
 constexpr std::uint32_t kMidSchedule = UINT32_MAX;
 
-// Throws Error where a sequence reaches the model's sliding window under SDPA with tensor, context
-// or pipeline parallelism: the materialised mask is modelled without them (Note [Training masks]
-// in step.cpp). The planner asks it before it replays such a recipe.
+// Throws Error where a sequence reaches the model's sliding window under SDPA with context
+// parallelism: the materialised mask is not modelled in its ring (Note [Training masks] in
+// step.cpp). The planner asks it before it replays such a recipe.
 void check_sliding_window(const Model& model, const Recipe& recipe);
 
 // Throws Error for SDPA with attention dropout on the CPU where a reached sliding window hands

@@ -473,15 +473,15 @@ bool accepted(F&& check) {
   }
 }
 
-// Whether a sequence that reaches the model's sliding window under SDPA lets `r`'s tensor,
-// context or pipeline parallelism through (graph/step.h).
+// Whether a sequence that reaches the model's sliding window under SDPA lets `r`'s context
+// parallelism through (graph/step.h).
 bool window_modelled(const Model& m, const Recipe& r) {
   return accepted([&] { graph::check_sliding_window(m, r); });
 }
 
 // The model-dependent part of what the engine splits into stages (graph/pipeline.h).
 bool pipeline_modelled(const Model& m, const Recipe& r) {
-  return accepted([&] { graph::check_pipeline_model(m.arch, r); }) && window_modelled(m, r);
+  return accepted([&] { graph::check_pipeline_model(m.arch, r); });
 }
 
 bool valid(const Recipe& r) {
@@ -893,14 +893,8 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
     }
     if (valid(pr) && pipeline_modelled(model, pr)) {
       base = pr;
-    } else if (q.gpus <= 64 && tp_modelled(model, q.gpus) && valid(tr) && window_modelled(model, tr)) {
+    } else if (q.gpus <= 64 && tp_modelled(model, q.gpus) && valid(tr)) {
       base = tr;
-    } else if (!window_modelled(model, pr)) {
-      try {
-        graph::check_sliding_window(model, pr);
-      } catch (const Error& e) {
-        throw no_split(std::string("a pipeline or tensor-parallel group over them is refused: ") + e.what());
-      }
     } else {
       throw no_split("the engine models this recipe neither as a pipeline nor as tensor parallelism over " +
                      std::to_string(q.gpus) + " GPUs (docs/parallelism.md)");
@@ -949,9 +943,7 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
   // parallelism), t below it gpus / t groups data-parallel under FSDP2 (TP x DP, docs/parallelism.md).
   std::vector<std::uint64_t> tp_degrees;  // above 1: also the single changes' (below)
   for (std::uint64_t t = 2; t <= std::min<std::uint64_t>(q.gpus, 64); ++t) {
-    Recipe at_t = base;
-    at_t.tp = t;
-    if (q.gpus % t == 0 && tp_modelled(model, t) && window_modelled(model, at_t)) tp_degrees.push_back(t);
+    if (q.gpus % t == 0 && tp_modelled(model, t)) tp_degrees.push_back(t);
   }
   // Pipeline degrees: every divisor P > 1 of the GPUs the model has layers for, P = --gpus one
   // pipeline over all of them, P below it --gpus / P replicas of it under DDP or FSDP2 (PP x DP),

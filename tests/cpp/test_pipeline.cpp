@@ -98,8 +98,8 @@ TEST(Pipeline, Phi3SplitsLikeTheLlamaFamily) {
 // A stage builds the masks the model's own forward builds, each layer taking its kind's: Phi-3 cut
 // to a window of 128 at seq 256 under eager attention, a sliding float mask per micro-batch
 // forward; the measured cpu-pp2-phi3w512l2win128-fp32-sgd-eager-ga2-b1s256, each stage's peak. A
-// reached window under SDPA is modelled in a pipeline too, not with tensor parallelism (Mistral
-// v0.1 cut the same way).
+// reached window under SDPA is modelled in a pipeline too, also of tensor-parallel stages
+// (Mistral v0.1 cut the same way).
 TEST(Pipeline, StagesBuildTheModelsOwnMasks) {
   const Model m =
       load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/phi-3-mini-4k-instruct-w512-l2-win128.json");
@@ -124,8 +124,8 @@ TEST(Pipeline, StagesBuildTheModelsOwnMasks) {
   const Model mistral =
       load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/mistral-7b-v0.1-w512-l2-win128.json");
   EXPECT_NO_THROW(estimate(mistral, r));
-  r.tp = 2;  // Phi-3 takes no tensor parallelism at all
-  EXPECT_NE(error_of([&] { estimate(mistral, r); }).find("without tensor or context parallelism"), std::string::npos);
+  r.tp = 2;  // PP x TP (Phi-3 takes no tensor parallelism at all)
+  EXPECT_NO_THROW(estimate(mistral, r));
 }
 
 TEST(Pipeline, TheWorstStageIsReported) {
