@@ -63,7 +63,7 @@ namespace trainmem::graph {
 // embedding and lm_head replicated, the embedding's output split to Shard(1)
 // (PrepareModuleOutput) and lm_head's input gathered to Replicate (PrepareModuleInput). The
 // residual stream stays a Shard(1) DTensor because transformers' LlamaModel takes the positions
-// and the causal mask from inputs_embeds.shape[1] (a DTensor's global length). What a rank
+// and the attention masks from inputs_embeds.shape[1] (a DTensor's global length). What a rank
 // allocates (measured on 2 gloo ranks, data/ground_truth/parallel/cpu-tp2sp-*):
 //  * the residual stream, the norms and their saved tensors are batch x seq/tp x hidden: a
 //    DTensor op runs the local op on the shard. Every value there is a DTensor, so autograd's

@@ -127,14 +127,19 @@ TEST(TrainingMasks, AReachedWindowIsModelledUnderTensorParallelismNotInARing) {
 
 // The planner does not offer what the engine refuses there: a search at the window's length on
 // several GPUs returns plans, none with context parallelism (it aborted on the first such
-// candidate before).
+// candidate before), and tensor parallelism among them (refused there until session 28).
 TEST(TrainingMasks, ThePlannerSkipsAReachedWindowsRefusals) {
   FitRequest q;
   q.base.seq = 4096;  // Mistral v0.1's window
   q.gpus = 8;
   const FitResult fr = fit(load_model("mistral-7b-v0.1"), q);
   ASSERT_FALSE(fr.plans.empty());
-  for (const Plan& p : fr.plans) EXPECT_EQ(p.recipe.cp, 1u);
+  bool tensor_parallel = false;
+  for (const Plan& p : fr.plans) {
+    EXPECT_EQ(p.recipe.cp, 1u);
+    tensor_parallel = tensor_parallel || p.recipe.tp > 1;
+  }
+  EXPECT_TRUE(tensor_parallel);
 }
 
 // Whether the storage first allocated under op `made` (of `bytes`, unless 0) in layer 0's first

@@ -123,9 +123,44 @@ TEST(Pipeline, StagesBuildTheModelsOwnMasks) {
   EXPECT_EQ(estimate(m, r, o1).peak_allocated_bytes, 81'850'880u);
   const Model mistral =
       load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/mistral-7b-v0.1-w512-l2-win128.json");
-  EXPECT_NO_THROW(estimate(mistral, r));
-  r.tp = 2;  // PP x TP (Phi-3 takes no tensor parallelism at all)
-  EXPECT_NO_THROW(estimate(mistral, r));
+  r.tp = 2;  // PP x TP (Phi-3 takes no tensor parallelism at all): the measured
+  r.batch = 1;  // cpu-pp2tp2-mistralv01w512l2win128-fp32-sgd-ga2-b1s256, its worst stage
+  r.precision = Precision::kFp32;
+  r.optimizer = Optimizer::kSgd;
+  EXPECT_EQ(estimate(mistral, r).peak_allocated_bytes, 34'258'432u);
+  // Each micro-batch forward of a stage makes the model's kinds of mask, whatever its own layers:
+  // Phi-3 the sliding one; the Qwen2.5 cut, whose layer 0 is full and layer 1 sliding, both on
+  // either stage (the measured cpu-pp2-qwen25w512l2slide128-fp32-sgd-ga2-b1s256).
+  const Model qwen =
+      load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/qwen2.5-0.5b-w512-l2-slide128.json");
+  Recipe q = pp_recipe(2, 2);
+  q.batch = 1;
+  q.seq = 256;
+  q.optimizer = Optimizer::kSgd;
+  EXPECT_EQ(estimate(qwen, q, o0).peak_allocated_bytes, 48'258'048u);
+  EXPECT_EQ(estimate(qwen, q, o1).peak_allocated_bytes, 51'576'320u);
+  auto mask_ops = [](const Model& model, const Recipe& rr, std::uint64_t stage) {
+    const graph::Trace t = graph::build_training_trace(model, rr, find_gpu(rr.gpu), {}, stage);
+    std::pair<int, int> n{0, 0};  // causal, sliding: moments of step 1 that allocate under them
+    for (const graph::Event& e : t.events) {
+      const graph::MomentTag& mo = t.moments[e.moment];
+      if (!e.alloc || mo.step != 1) continue;
+      n.first += mo.op == "causal_mask";
+      n.second += mo.op == "sliding_window_mask";
+    }
+    return n;
+  };
+  r = pp_recipe(2, 2);
+  r.seq = 256;
+  r.attention = Attention::kEager;
+  for (std::uint64_t stage : {0, 1}) {
+    const auto [causal, sliding] = mask_ops(m, r, stage);
+    EXPECT_EQ(causal, 0) << stage;
+    EXPECT_GT(sliding, 0) << stage;
+    const auto [q_causal, q_sliding] = mask_ops(qwen, q, stage);
+    EXPECT_GT(q_causal, 0) << stage;
+    EXPECT_GT(q_sliding, 0) << stage;
+  }
 }
 
 TEST(Pipeline, TheWorstStageIsReported) {

@@ -708,3 +708,41 @@ def test_pp_world_size_2(tiny_llama):
     # 1 x 8 x 64 fp32 = 2 KiB, beside the 512 B block of the ids or the labels.
     for x in info["ranks"]:
         assert x["breakdown_at_peak"]["other"] == 2 * 2048 + 512
+
+
+@pytest.mark.parametrize("name", ["llama-3.2-1b-w512-l4", "mistral-7b-v0.1-w512-l2-win128",
+                                  "phi-3-mini-4k-instruct-w512-l2-win128", "qwen2.5-0.5b-w512-l2-slide128",
+                                  "qwen3-0.6b-w512-l2"])
+def test_a_stage_builds_the_masks_the_model_forward_builds(name):
+    """pipeline.layer_masks against what the family's own forward hands each decoder layer (eager
+    attention, so the masks are materialised; seq 256, past the cuts' windows of 128), so that a
+    transformers upgrade that changes a family's masks shows here first."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trainmem.measure.models import hf_config
+    from trainmem.measure.pipeline import layer_masks
+
+    spec = resolve_model(str(ROOT / "data" / "ground_truth" / "configs" / f"{name}.json"))
+    model = AutoModelForCausalLM.from_config(hf_config(spec.config), attn_implementation="eager")
+    seen = {}
+
+    def keep(index):
+        def hook(module, args, kwargs):
+            seen[index] = kwargs["attention_mask"]
+        return hook
+
+    for i, layer in enumerate(model.model.layers):
+        layer.register_forward_pre_hook(keep(i), with_kwargs=True)
+    ids = torch.zeros(1, 256, dtype=torch.long)
+    with torch.no_grad():
+        model(input_ids=ids)
+        hidden = model.model.embed_tokens(ids)
+        position_ids = torch.arange(256).unsqueeze(0)
+        ours = layer_masks(model.config, hidden, position_ids)
+    assert len(ours) == len(seen) == model.config.num_hidden_layers
+    for i, mask in enumerate(ours):
+        assert mask is not None and torch.equal(mask, seen[i]), f"layer {i}"
+    # The windowed cuts: the first layer that slides masks positions more than 128 apart.
+    if "win" in name or "slide" in name:
+        assert any(bool((m[0, 0, 255, :127] != 0).all()) for m in ours)

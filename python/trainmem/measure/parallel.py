@@ -460,7 +460,7 @@ def _replicate_the_rest(model: torch.nn.Module, mesh) -> None:
 # norms run on the sequence shard (SequenceParallel), the colwise projections all-gather their
 # input from Shard(1), the rowwise ones reduce-scatter their output to Shard(1). The residual
 # stream between them stays a Shard(1) DTensor (use_local_output=False): transformers' LlamaModel
-# takes the positions and the causal mask from inputs_embeds.shape[1], the global length of a
+# takes the positions and the attention masks from inputs_embeds.shape[1], the global length of a
 # DTensor (torch's own example model counts the tokens instead and can pass local shards). The
 # embedding and lm_head stay replicated: the embedding's output is split to Shard(1)
 # (PrepareModuleOutput, a local chunk), lm_head's input all-gathered to Replicate

@@ -100,8 +100,9 @@ def split_layers(num_layers: int, stages: int) -> list[range]:
 
 
 class _StageModule(torch.nn.Module):
-    """Stage `index` of LlamaModel.forward + the head: embedding (first), its layers, norm and
-    lm_head (last). Holds the HF model as a child, so parameters and labels are the HF ones."""
+    """Stage `index` of the model's forward + the head: embedding (first), the attention masks
+    (layer_masks), its layers, norm and lm_head (last). Holds the HF model as a child, so
+    parameters and labels are the HF ones."""
 
     def __init__(self, hf_model, index: int, stages: int, layers: range, autocast):
         super().__init__()
