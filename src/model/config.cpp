@@ -261,8 +261,8 @@ Architecture parse_llama_like(const json& c, Family family) {
 // Note [Which config keys matter], generation part: the sliding window, which layers slide and
 // whether there is a bos token, with each config class's defaults (transformers 5.24): Gemma-2
 // and Mistral 4096 when the key is absent, none when it is null (Gemma-2 on even layers); Phi-3 none unless
-// set; Qwen2/Qwen3 only with use_sliding_window (4096, from max_window_layers = 28 on); Llama and
-// GPT-2 never. Qwen2/Qwen3 configs have no bos token unless they name one.
+// set; Qwen2/Qwen3 only with use_sliding_window (then as Mistral's, from max_window_layers = 28 on);
+// Llama and GPT-2 never. Qwen2/Qwen3 configs have no bos token unless they name one.
 void parse_generation_keys(const json& c, Architecture& a) {
   auto it = c.find("bos_token_id");
   a.bos_token = it != c.end() ? !it->is_null() : (a.family != Family::kQwen2 && a.family != Family::kQwen3);
@@ -273,8 +273,10 @@ void parse_generation_keys(const json& c, Architecture& a) {
       break;
     case Family::kPhi3: a.sliding_window = get_dim_or(c, "sliding_window", 0); break;
     case Family::kQwen2:
-    case Family::kQwen3:
-      a.sliding_window = get_bool_or(c, "use_sliding_window", false) ? get_dim_or(c, "sliding_window", 4096) : 0;
+    case Family::kQwen3:  // with use_sliding_window as Mistral's: absent 4096, null no window
+      a.sliding_window = !get_bool_or(c, "use_sliding_window", false) ? 0
+                         : c.contains("sliding_window")             ? get_dim_or(c, "sliding_window", 0)
+                                                                    : 4096;
       // 0: every layer slides (transformers takes it; layer l slides from max_window_layers on).
       a.max_window_layers = get_dim_or(c, "max_window_layers", 28, kMaxLayers, /*min=*/0);
       break;

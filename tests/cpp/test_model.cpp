@@ -671,6 +671,10 @@ TEST(ModelConfig, AttentionWindowsFollowEachConfigClass) {
   // 0 is a count, not a size: every layer slides (transformers takes it).
   EXPECT_EQ(windows(R"(, "use_sliding_window": true, "sliding_window": 256, "max_window_layers": 0)"),
             (W{256, 256, 256, 256}));
+  // Qwen2Config keeps sliding_window only under use_sliding_window, and a null one is none.
+  EXPECT_EQ(windows(R"(, "use_sliding_window": true, "sliding_window": null, "max_window_layers": 0)"),
+            (W{0, 0, 0, 0}));
+  EXPECT_EQ(windows(R"(, "use_sliding_window": true, "max_window_layers": 0)"), (W{4096, 4096, 4096, 4096}));
   EXPECT_EQ(windows("", "gemma2"), (W{4096, 0, 4096, 0}));
   EXPECT_EQ(windows(R"(, "sliding_window": null)", "mistral"), (W{0, 0, 0, 0}));
   EXPECT_EQ(windows("", "mistral"), (W{4096, 4096, 4096, 4096}));
