@@ -6,6 +6,7 @@
 // to num_attention_heads, head_dim to hidden_size / num_attention_heads, GPT-2's n_inner to
 // 4 * n_embd). A key that is present but of the wrong type or out of range is an error: a
 // planner that silently falls back to a default prints a plausible wrong number.
+#include <algorithm>
 #include <cmath>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -295,6 +296,16 @@ void parse_generation_keys(const json& c, Architecture& a) {
                   describe(t));
     }
     a.sliding_layer_types.push_back(t.get<std::string>() == "sliding_attention");
+  }
+  // MistralModel and Phi3Model give every layer the window (attention and mask alike) whatever
+  // layer_types says (transformers warns about it), while their DynamicCache makes its layers
+  // from layer_types: one window per layer cannot stand for both.
+  const bool mixed = std::find(a.sliding_layer_types.begin(), a.sliding_layer_types.end(), false) !=
+                     a.sliding_layer_types.end();
+  if ((a.family == Family::kMistral || a.family == Family::kPhi3) && a.sliding_window != 0 && mixed) {
+    throw Error("config.json: field 'layer_types' has full-attention layers, which a " +
+                std::string(family_name(a.family)) + " model ignores (every layer slides) but its cache " +
+                "follows; that is not modelled");
   }
 }
 

@@ -679,9 +679,16 @@ TEST(ModelConfig, AttentionWindowsFollowEachConfigClass) {
   EXPECT_EQ(windows(R"(, "sliding_window": null)", "mistral"), (W{0, 0, 0, 0}));
   EXPECT_EQ(windows("", "mistral"), (W{4096, 4096, 4096, 4096}));
   EXPECT_EQ(windows("", "llama"), (W{0, 0, 0, 0}));
-  EXPECT_EQ(windows(R"(, "sliding_window": 8, "layer_types": ["full_attention", "sliding_attention",
-                       "sliding_attention", "full_attention"])", "phi3"),
-            (W{0, 8, 8, 0}));
+  // Phi3Model (and MistralModel) slides on every layer whatever layer_types says; its cache
+  // follows layer_types: mixed types are refused.
+  EXPECT_EQ(windows(R"(, "sliding_window": 8, "layer_types": ["sliding_attention", "sliding_attention",
+                       "sliding_attention", "sliding_attention"])", "phi3"),
+            (W{8, 8, 8, 8}));
+  EXPECT_NE(testing::error_of([&] {
+              windows(R"(, "sliding_window": 8, "layer_types": ["full_attention", "sliding_attention",
+                         "sliding_attention", "full_attention"])", "mistral");
+            }).find("which a mistral model ignores"),
+            std::string::npos);
   EXPECT_NE(testing::error_of([&] { windows(R"(, "sliding_window": 8, "layer_types": ["full_attention"])", "phi3"); })
                 .find("'layer_types' must list one type per layer (4)"),
             std::string::npos);
