@@ -17,9 +17,7 @@
 namespace trainmem {
 namespace {
 
-Model derived(const std::string& name) {
-  return load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/" + name + ".json");
-}
+using testing::measured_config;
 
 Recipe cpu(Attention attention, std::uint64_t batch = 2, std::uint64_t seq = 256) {
   Recipe r;
@@ -59,12 +57,13 @@ ForwardAllocs forward_allocs(const Model& m, const Recipe& r, std::uint64_t byte
 TEST(Dropout, GPT2WithoutDropoutTakesTheFlashKernelOnTheCpu) {
   // (At 256 tokens the MLP's [b, s, 4 * hidden] would be as large as the scores.)
   const std::uint64_t B = 2, S = 128, heads = 12, scores = B * heads * S * S * 4;
-  const ForwardAllocs nodrop = forward_allocs(derived("gpt2-l2-nodrop"), cpu(Attention::kSdpa, B, S), scores);
+  const ForwardAllocs nodrop = forward_allocs(measured_config("gpt2-l2-nodrop"), cpu(Attention::kSdpa, B, S), scores);
   const ForwardAllocs drop = forward_allocs(testing::gpt2_l2(), cpu(Attention::kSdpa, B, S), scores);
   EXPECT_EQ(nodrop.of_size, 0);
   EXPECT_GT(drop.of_size, 0);
   // Only the residual dropouts off: the flash kernel again, but the masks stay.
-  const ForwardAllocs attn_only = forward_allocs(derived("gpt2-l2-attnpdrop0"), cpu(Attention::kSdpa, B, S), scores);
+  const ForwardAllocs attn_only =
+      forward_allocs(measured_config("gpt2-l2-attnpdrop0"), cpu(Attention::kSdpa, B, S), scores);
   EXPECT_EQ(attn_only.of_size, 0);
   EXPECT_GT(attn_only.all, nodrop.all);
 }
@@ -77,7 +76,7 @@ TEST(Dropout, AZeroProbabilityKeepsNoNoise) {
   const std::uint64_t B = 2, S = 256, heads = 12, hidden = 768, layers = 2;
   const std::uint64_t scores = B * heads * S * S * 4, act = B * S * hidden * 4;
   const ForwardAllocs on = forward_allocs(testing::gpt2_l2(), cpu(Attention::kEager), scores);
-  const ForwardAllocs off = forward_allocs(derived("gpt2-l2-nodrop"), cpu(Attention::kEager), scores);
+  const ForwardAllocs off = forward_allocs(measured_config("gpt2-l2-nodrop"), cpu(Attention::kEager), scores);
   EXPECT_EQ(on.live_at_end - off.live_at_end, layers * (2 * scores + 2 * act) + act);
 }
 
@@ -87,7 +86,7 @@ TEST(Dropout, AZeroProbabilityKeepsNoNoise) {
 // GQA; the ring of context parallelism is refused.
 TEST(Dropout, LlamaAttentionDropout) {
   const std::uint64_t B = 2, S = 128, heads = 8, layers = 4, scores = B * heads * S * S * 4;
-  const Model on = derived("llama-3.2-1b-w512-l4-attndrop");
+  const Model on = measured_config("llama-3.2-1b-w512-l4-attndrop");
   const ForwardAllocs with = forward_allocs(on, cpu(Attention::kEager, B, S), scores);
   const ForwardAllocs without = forward_allocs(testing::llama_w512(), cpu(Attention::kEager, B, S), scores);
   EXPECT_EQ(with.live_at_end - without.live_at_end, 2 * layers * scores);
@@ -108,7 +107,7 @@ TEST(Dropout, LlamaAttentionDropout) {
 
 // A reached sliding window hands the CPU's math kernel HF's materialised mask: refused.
 TEST(Dropout, TheCpuMathKernelWithAWindowsMaskIsRefused) {
-  Model m = derived("mistral-7b-v0.1-w512-l2-win128");
+  Model m = measured_config("mistral-7b-v0.1-w512-l2-win128");
   m.arch.attn_dropout = 0.1;
   EXPECT_NO_THROW(graph::build_training_trace(m, cpu(Attention::kSdpa, 2, 64), find_gpu("cpu")));
   EXPECT_EQ(testing::error_of([&] { graph::build_training_trace(m, cpu(Attention::kSdpa, 2, 128), find_gpu("cpu")); }),

@@ -903,7 +903,7 @@ TEST(GraphBackwardOrder, UnpackedSavesGoBeforeTheBiasSum) {
 // embedding makes them [b, heads, s, d]; v's under bmm), and q[..., rotary_dim:], an empty slice,
 // still makes a q-sized gradient (measured: the Phi-3 fp32 traces, every allocation).
 TEST(GraphBackwardOrder, Phi3SlicesAndTheirCopies) {
-  const Model m = load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/phi-3-mini-4k-instruct-w512-l2.json");
+  const Model m = testing::measured_config("phi-3-mini-4k-instruct-w512-l2");
   const std::int64_t piece = 2 * 16 * 512 * 4;  // b 2, s 16, 8 heads of 64, fp32
   for (Attention a : {Attention::kEager, Attention::kSdpa}) {
     SCOPED_TRACE(a == Attention::kEager ? "eager" : "sdpa");
@@ -995,7 +995,7 @@ TEST(GraphBackwardOrder, SumsBeforeAccumulateGrad) {
 // before the input's view hands its gradient to the shared buffer where k's and v's are summed
 // (measured: Qwen2.5 w512 l2, fp32 SGD, seq 64, 2 micro-batches, every allocation).
 TEST(GraphBackwardOrder, AccumulateGradBeforeSumsWithABias) {
-  const Model m = load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/qwen2.5-0.5b-w512-l2.json");
+  const Model m = testing::measured_config("qwen2.5-0.5b-w512-l2");
   Recipe r = cpu_recipe(Precision::kFp32, Attention::kSdpa, 1, 64);
   r.grad_accum = 2;
   r.optimizer = Optimizer::kSgd;

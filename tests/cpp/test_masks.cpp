@@ -21,9 +21,7 @@
 namespace trainmem {
 namespace {
 
-Model derived(const std::string& name) {
-  return load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/" + name + ".json");
-}
+using testing::measured_config;
 
 Recipe cpu(Precision precision, Attention attention, std::uint64_t batch = 2, std::uint64_t seq = 256) {
   Recipe r;
@@ -65,13 +63,14 @@ MaskCount masks_of(const Model& m, const Recipe& r, std::uint64_t mask_bytes) {
 // mask exists only where a sliding window is reached, as the bool [1, 1, s, s].
 TEST(TrainingMasks, EachModelBuildsItsKinds) {
   const std::uint64_t B = 2, S = 256;
-  const MaskCount gemma = masks_of(derived("gemma-2-2b-w512-l2"), cpu(Precision::kFp32, Attention::kEager), B * S * S * 4);
+  const MaskCount gemma =
+      masks_of(measured_config("gemma-2-2b-w512-l2"), cpu(Precision::kFp32, Attention::kEager), B * S * S * 4);
   EXPECT_EQ(gemma.causal, 1);
   EXPECT_EQ(gemma.sliding, 1);
   const MaskCount llama = masks_of(testing::llama_w512(), cpu(Precision::kFp32, Attention::kEager), B * S * S * 4);
   EXPECT_EQ(llama.causal, 1);
   EXPECT_EQ(llama.sliding, 0);
-  const Model phi3 = derived("phi-3-mini-4k-instruct-w512-l2-win128");  // window 128
+  const Model phi3 = measured_config("phi-3-mini-4k-instruct-w512-l2-win128");  // window 128
   const MaskCount reached = masks_of(phi3, cpu(Precision::kFp32, Attention::kSdpa), S * S);
   EXPECT_EQ(reached.causal, 0);
   EXPECT_EQ(reached.sliding, 1);
@@ -93,7 +92,7 @@ std::uint64_t phase_peak(const Estimate& e, std::uint64_t step, Phase phase) {
 // that layer's backward: the forward holds one per layer (and the bool mask) more than the same
 // model with its window out of reach.
 TEST(TrainingMasks, AReachedWindowSavesAFloatMaskPerLayer) {
-  const Model phi3 = derived("phi-3-mini-4k-instruct-w512-l2-win128");
+  const Model phi3 = measured_config("phi-3-mini-4k-instruct-w512-l2-win128");
   Model wide = phi3;
   wide.arch.sliding_window = 4096;  // not reached at seq 256
   const Recipe r = cpu(Precision::kFp32, Attention::kSdpa);
@@ -114,7 +113,7 @@ TEST(TrainingMasks, AReachedWindowSavesAFloatMaskPerLayer) {
 TEST(TrainingMasks, AReachedWindowIsModelledUnderTensorParallelismNotInARing) {
   Recipe r = cpu(Precision::kFp32, Attention::kSdpa, 1);
   r.tp = 2;
-  const Model mistral = derived("mistral-7b-v0.1-w512-l2-win128");
+  const Model mistral = measured_config("mistral-7b-v0.1-w512-l2-win128");
   EXPECT_EQ(estimate(mistral, r).peak_allocated_bytes, 45'540'352u);
   r.tp = 1;
   r.cp = 2;
@@ -162,7 +161,7 @@ bool alive_at(const graph::Trace& t, std::string_view made, std::string_view lat
 // fused qkv projection (viewed by q, k, v) lives until o_proj has run, Phi-3's fused gate_up
 // output (its `gate` chunk) until down_proj has. Either variant of checkpointing.
 TEST(ForwardsWithoutSaves, TheModulesLocalsLiveUntilTheyReturn) {
-  const Model phi3 = derived("phi-3-mini-4k-instruct-w512-l2-win128");
+  const Model phi3 = measured_config("phi-3-mini-4k-instruct-w512-l2-win128");
   for (Checkpointing c : {Checkpointing::kFull, Checkpointing::kFullReentrant}) {
     Recipe r = cpu(Precision::kFp32, Attention::kSdpa, 2, 64);
     r.checkpointing = c;

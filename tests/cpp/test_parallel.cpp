@@ -246,7 +246,7 @@ TEST(Fsdp, UnitsFollowTheRegistrationOrder) {
   // (See Note [Parameter registration order]). Measured (the trace of
   // cpu-fsdp-phi3w512l2-fp32-adamw-b1s256, step 1): the root's copy-out (embed_tokens, the final
   // norm, lm_head), then layer 0's: o_proj, qkv_proj, gate_up_proj, down_proj, the two norms.
-  const Model m = load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/phi-3-mini-4k-instruct-w512-l2.json");
+  const Model m = testing::measured_config("phi-3-mini-4k-instruct-w512-l2");
   Recipe r = dp_recipe(Parallel::kFsdp, 2, Precision::kFp32);
   r.batch = 1;
   r.seq = 256;

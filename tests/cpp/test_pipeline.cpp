@@ -83,7 +83,7 @@ TEST(Pipeline, StagesHoldTheirOwnParameters) {
 // Phi3Model.forward is Mistral's, its fused qkv_proj and gate_up_proj inside the layers a stage
 // calls: the measured cpu-pp2-phi3w512l2-fp32-adamw-ga3-b2s128, each stage's peak and weights.
 TEST(Pipeline, Phi3SplitsLikeTheLlamaFamily) {
-  const Model m = load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/phi-3-mini-4k-instruct-w512-l2.json");
+  const Model m = testing::measured_config("phi-3-mini-4k-instruct-w512-l2");
   const Recipe r = pp_recipe(2, 3);
   EstimateOptions o0, o1;
   o0.rank = 0;
@@ -102,11 +102,12 @@ TEST(Pipeline, Phi3SplitsLikeTheLlamaFamily) {
 // (Mistral v0.1 cut the same way).
 TEST(Pipeline, StagesBuildTheModelsOwnMasks) {
   const Model m =
-      load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/phi-3-mini-4k-instruct-w512-l2-win128.json");
-  Recipe r = pp_recipe(2, 2);
-  r.batch = 1;
-  r.seq = 256;
-  r.optimizer = Optimizer::kSgd;
+      testing::measured_config("phi-3-mini-4k-instruct-w512-l2-win128");
+  Recipe past = pp_recipe(2, 2);  // fp32 SGD, two micro-batches of one sequence of 256
+  past.batch = 1;
+  past.seq = 256;
+  past.optimizer = Optimizer::kSgd;
+  Recipe r = past;
   r.attention = Attention::kEager;
   EstimateOptions o0, o1;
   o0.rank = 0;
@@ -122,7 +123,7 @@ TEST(Pipeline, StagesBuildTheModelsOwnMasks) {
   EXPECT_EQ(estimate(m, r, o0).peak_allocated_bytes, 82'493'952u);
   EXPECT_EQ(estimate(m, r, o1).peak_allocated_bytes, 81'850'880u);
   const Model mistral =
-      load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/mistral-7b-v0.1-w512-l2-win128.json");
+      testing::measured_config("mistral-7b-v0.1-w512-l2-win128");
   r.tp = 2;  // PP x TP (Phi-3 takes no tensor parallelism at all): the measured
   r.batch = 1;  // cpu-pp2tp2-mistralv01w512l2win128-fp32-sgd-ga2-b1s256, its worst stage
   r.precision = Precision::kFp32;
@@ -132,13 +133,9 @@ TEST(Pipeline, StagesBuildTheModelsOwnMasks) {
   // Phi-3 the sliding one; the Qwen2.5 cut, whose layer 0 is full and layer 1 sliding, both on
   // either stage (the measured cpu-pp2-qwen25w512l2slide128-fp32-sgd-ga2-b1s256).
   const Model qwen =
-      load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/qwen2.5-0.5b-w512-l2-slide128.json");
-  Recipe q = pp_recipe(2, 2);
-  q.batch = 1;
-  q.seq = 256;
-  q.optimizer = Optimizer::kSgd;
-  EXPECT_EQ(estimate(qwen, q, o0).peak_allocated_bytes, 48'258'048u);
-  EXPECT_EQ(estimate(qwen, q, o1).peak_allocated_bytes, 51'576'320u);
+      testing::measured_config("qwen2.5-0.5b-w512-l2-slide128");
+  EXPECT_EQ(estimate(qwen, past, o0).peak_allocated_bytes, 48'258'048u);
+  EXPECT_EQ(estimate(qwen, past, o1).peak_allocated_bytes, 51'576'320u);
   auto mask_ops = [](const Model& model, const Recipe& rr, std::uint64_t stage) {
     const graph::Trace t = graph::build_training_trace(model, rr, find_gpu(rr.gpu), {}, stage);
     std::pair<int, int> n{0, 0};  // causal, sliding: moments of step 1 that allocate under them
@@ -150,14 +147,13 @@ TEST(Pipeline, StagesBuildTheModelsOwnMasks) {
     }
     return n;
   };
-  r = pp_recipe(2, 2);
-  r.seq = 256;
+  r = past;
   r.attention = Attention::kEager;
   for (std::uint64_t stage : {0, 1}) {
     const auto [causal, sliding] = mask_ops(m, r, stage);
     EXPECT_EQ(causal, 0) << stage;
     EXPECT_GT(sliding, 0) << stage;
-    const auto [q_causal, q_sliding] = mask_ops(qwen, q, stage);
+    const auto [q_causal, q_sliding] = mask_ops(qwen, past, stage);
     EXPECT_GT(q_causal, 0) << stage;
     EXPECT_GT(q_sliding, 0) << stage;
   }

@@ -423,7 +423,7 @@ TEST(TensorXDataParallel, Qwen3HeadNormGradientsAreAllReducedInThePostBackward) 
   // is a head Shard), so FSDP2's post-backward all-reduces each, [head_dim] fp32, once per layer
   // and step (measured: cpu-tp2dp2-qwen3w512l2-fp32-adamw-b1s64 traced, every rank). Without
   // head norms (Llama) nothing is redistributed.
-  const Model m = load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/qwen3-0.6b-w512-l2.json");
+  const Model m = testing::measured_config("qwen3-0.6b-w512-l2");
   const graph::Trace t = graph::build_training_trace(m, tpdp_recipe(), find_gpu("cpu"));
   const std::vector<std::uint64_t> want(2 * 2 * 2, 64 * 4);  // 2 norms x 2 layers x 2 steps
   EXPECT_EQ(allocs_at(t, "fsdp.redistribute_grad"), want);

@@ -40,15 +40,16 @@ inline constexpr std::size_t kGrads = static_cast<std::size_t>(Category::kGradie
 inline constexpr std::size_t kActs = static_cast<std::size_t>(Category::kActivations);
 inline constexpr std::size_t kTemps = static_cast<std::size_t>(Category::kTemporaries);
 
-// The 2-layer GPT-2 cut of the data-parallel measurements (data/ground_truth/configs/) and its
-// parameter count.
+// A cut or narrowed model the measurements ran (data/ground_truth/configs/NAME.json).
+inline Model measured_config(const std::string& name) {
+  return load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/" + name + ".json");
+}
+// The 2-layer GPT-2 cut of the data-parallel measurements and its parameter count.
 inline constexpr std::uint64_t kGpt2L2Params = 53'561'088;
-inline Model gpt2_l2() { return load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/gpt2-l2.json"); }
+inline Model gpt2_l2() { return measured_config("gpt2-l2"); }
 // The narrow 4-layer Llama of the tensor-, pipeline- and context-parallel measurements (hidden 512,
 // 8 heads, 4 KV heads).
-inline Model llama_w512() {
-  return load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/llama-3.2-1b-w512-l4.json");
-}
+inline Model llama_w512() { return measured_config("llama-3.2-1b-w512-l4"); }
 
 // The data-parallel measurements' recipe shape: batch 2 x 32 tokens on the CPU, expandable
 // segments, under `parallel` over `gpus` ranks.

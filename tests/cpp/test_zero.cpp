@@ -167,7 +167,7 @@ TEST(ZeroFlatGroup, ParametersInModuleOrder) {
   // has the rest of the embedding and then layer 0's q_proj [2048, 1024] (measured: its gradient
   // norm's float64 copies, cpu-zero1-qwen3l2-fp32-sgd-ckpt-b1s32 traced; the table's order put
   // input_layernorm's [1024] there).
-  const Model m = load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/qwen3-0.6b-l2.json");
+  const Model m = testing::measured_config("qwen3-0.6b-l2");
   Recipe r = fp32_sgd(Parallel::kZero1, 1, 32);
   r.checkpointing = Checkpointing::kFull;
   r.validate();
@@ -533,7 +533,7 @@ TEST(Zero3Trace, ALinearWithABiasMakesInputWeightThenBias) {
   // LinearFunctionForZeroStage3's backward: the input's gradient, the weight's, then the bias's
   // sum (measured: cpu-zero3-qwen2.5w512l2-fp32-sgd-b1s64, layer 1's k_proj in step 1, after the
   // weight and bias are gathered: one flat buffer, then a cat per parameter).
-  const Model m = load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/qwen2.5-0.5b-w512-l2.json");
+  const Model m = testing::measured_config("qwen2.5-0.5b-w512-l2");
   Recipe r = fp32_sgd(Parallel::kZero3, 1, 64);
   r.allocator = AllocatorMode::kDefault;
   r.validate();
@@ -575,7 +575,7 @@ TEST(Zero3Trace, APrefetchGathersInDsIdOrder) {
   // registers o_proj before qkv_proj, so layer 0's o_proj (1 MiB in fp32) comes before its
   // qkv_proj (3 MiB) in step 2's first gather, after the embedding (measured: the traces of
   // cpu-zero3-phi3w512l2-qlora8-fp32-sgd-eager-qkvo-b1s64, packed 4-bit weights in that order).
-  const Model m = load_model(std::string(TRAINMEM_DATA_DIR) + "/ground_truth/configs/phi-3-mini-4k-instruct-w512-l2.json");
+  const Model m = testing::measured_config("phi-3-mini-4k-instruct-w512-l2");
   const graph::Trace t = graph::build_training_trace(m, fp32_sgd(Parallel::kZero3, 1, 64), find_gpu("cpu"));
   std::vector<std::uint64_t> gathered;
   for (const graph::Event& e : t.events) {
