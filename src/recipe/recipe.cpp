@@ -285,13 +285,11 @@ void validate_parallel(const Recipe& r) {
   if (r.pp == 1 && r.pp_stages_per_rank != 1) {
     throw Error("pp_stages_per_rank: a pipeline knob, it needs pp > 1");
   }
-  if (r.ddp_find_unused_parameters && (r.parallel != Parallel::kDdp || r.pp > 1)) {
-    throw Error("ddp_find_unused_parameters: a DistributedDataParallel knob, it needs parallel ddp (without a "
-                "pipeline)");
-  }
-  if (r.ddp_gradient_as_bucket_view && (r.parallel != Parallel::kDdp || r.pp > 1)) {
-    throw Error("ddp_gradient_as_bucket_view: a DistributedDataParallel knob, it needs parallel ddp (without a "
-                "pipeline)");
+  for (const auto& [knob, on] : {std::pair{"ddp_find_unused_parameters", r.ddp_find_unused_parameters},
+                                  std::pair{"ddp_gradient_as_bucket_view", r.ddp_gradient_as_bucket_view}}) {
+    if (on && (r.parallel != Parallel::kDdp || r.pp > 1)) {
+      throw Error(std::string(knob) + ": a DistributedDataParallel knob, it needs parallel ddp (without a pipeline)");
+    }
   }
   if (r.ddp_gradient_as_bucket_view && r.ddp_find_unused_parameters) {
     throw Error("ddp_gradient_as_bucket_view with ddp_find_unused_parameters is not modelled (unmeasured); "

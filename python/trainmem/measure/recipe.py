@@ -19,6 +19,8 @@ ALLOCATORS = ("default", "expandable")
 # ZeRO stages, over `gpus` processes (world size).
 PARALLELS = ("none", "ddp", "fsdp", "zero1", "zero2", "zero3")
 ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
+# DistributedDataParallel's knobs (parallel ddp, no pipeline), each off by default.
+_DDP_KNOBS = ("ddp_find_unused_parameters", "ddp_gradient_as_bucket_view")
 # FSDP2's knobs (fully_shard and MixedPrecisionPolicy, torch/distributed/fsdp/_fully_shard/): the
 # dtypes of MixedPrecisionPolicy(param_dtype, reduce_dtype), "none" being the policy's None.
 FSDP_PARAM_DTYPES = ("none", "bf16")
@@ -254,16 +256,12 @@ class Recipe:
         if self.parallel == "none" and gpus != 1:
             raise RecipeError(f"gpus={gpus} needs a data-parallel wrapper: parallel ddp, fsdp, zero1, zero2 or zero3")
         self._check_fsdp()
-        if not isinstance(self.ddp_find_unused_parameters, bool):
-            raise RecipeError(f"ddp_find_unused_parameters must be true or false, got {self.ddp_find_unused_parameters!r}")
-        if self.ddp_find_unused_parameters and (self.parallel != "ddp" or self.is_pp):
-            raise RecipeError("ddp_find_unused_parameters is a DistributedDataParallel knob: it needs parallel ddp "
-                              "(without a pipeline)")
-        if not isinstance(self.ddp_gradient_as_bucket_view, bool):
-            raise RecipeError(f"ddp_gradient_as_bucket_view must be true or false, got {self.ddp_gradient_as_bucket_view!r}")
-        if self.ddp_gradient_as_bucket_view and (self.parallel != "ddp" or self.is_pp):
-            raise RecipeError("ddp_gradient_as_bucket_view is a DistributedDataParallel knob: it needs parallel ddp "
-                              "(without a pipeline)")
+        for knob in _DDP_KNOBS:
+            value = getattr(self, knob)
+            if not isinstance(value, bool):
+                raise RecipeError(f"{knob} must be true or false, got {value!r}")
+            if value and (self.parallel != "ddp" or self.is_pp):
+                raise RecipeError(f"{knob} is a DistributedDataParallel knob: it needs parallel ddp (without a pipeline)")
         if self.ddp_gradient_as_bucket_view and self.ddp_find_unused_parameters:
             raise RecipeError("ddp_gradient_as_bucket_view with ddp_find_unused_parameters is not measured: use one")
         if self.parallel == "none":
@@ -601,10 +599,9 @@ class Recipe:
         if self.parallel != "fsdp":  # FSDP2's knobs with parallel fsdp only, as the engine writes them
             for key in ("fsdp_reshard_after_forward", "fsdp_replicate", "fsdp_param_dtype", "fsdp_reduce_dtype"):
                 del out[key]
-        if not self.ddp_find_unused_parameters:  # and DDP's only when they are on
-            del out["ddp_find_unused_parameters"]
-        if not self.ddp_gradient_as_bucket_view:
-            del out["ddp_gradient_as_bucket_view"]
+        for knob in _DDP_KNOBS:  # and DDP's only when they are on
+            if not getattr(self, knob):
+                del out[knob]
         return out
 
     @classmethod

@@ -153,6 +153,11 @@ LOSS = Label("loss", "", False)
 OPTIMIZER = Label("optimizer", "", True)
 GENERATE = Label("generate", "", True)  # generate()'s own ops, outside the model: `generate.<aten op>`
 TEARDOWN = Label("teardown", "", True)  # the runner's locals going when it returns: see Note [Teardown]
+# The label of the ops a phase runs outside any labelled module (a backward's ops are labelled by
+# their autograd node first: _current_label).
+_PHASE_LABELS = {"setup": SETUP, "forward": ROOT, "loss": LOSS, "backward": LOSS, "optimizer": OPTIMIZER,
+                 "prefill": GENERATE, "decode": GENERATE, "teardown": TEARDOWN}
+assert tuple(_PHASE_LABELS) == PHASES
 
 
 def module_label(qualname: str, module: torch.nn.Module, base_prefix: str) -> Label:
@@ -411,8 +416,7 @@ class MemoryTracker:
             self.step = step
         if micro_batch is not None:
             self.micro_batch = micro_batch
-        label = {"setup": SETUP, "forward": ROOT, "loss": LOSS, "backward": LOSS, "optimizer": OPTIMIZER,
-                 "prefill": GENERATE, "decode": GENERATE, "teardown": TEARDOWN}[phase]
+        label = _PHASE_LABELS[phase]
         if phase == "backward":
             self._last_backward_label = LOSS  # the ops before the first labelled node seed the loss gradient
         self._ctx = (phase, self.step, self.micro_batch, label.display, "", "", 0)
@@ -723,8 +727,7 @@ class MemoryTracker:
                 label = self._last_backward_label
             self._last_backward_label = label
             return label
-        return {"forward": ROOT, "loss": LOSS, "optimizer": OPTIMIZER, "prefill": GENERATE,
-                "decode": GENERATE, "teardown": TEARDOWN}.get(phase, SETUP)
+        return _PHASE_LABELS[phase]
 
     def _dispatch(self, func, args, kwargs):
         label = self._current_label()
