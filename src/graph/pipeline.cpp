@@ -642,25 +642,47 @@ bool StepBuilder::pp_peek(std::uint32_t step) {
   return hook_(t_.trace(), step, kMidSchedule) == MicroBatchNext::kStop;
 }
 
+// What a stage sends: the hidden states of a micro-batch, under sequence parallelism this rank's
+// shard of them (See Note [Pipeline with tensor parallelism]).
+std::uint64_t StepBuilder::pp_act_bytes() const { return res_tok_ * a_.hidden_size * dtype_bytes(pol_.param); }
+
+// The step's batch, every micro-batch at once: the input ids on the rank holding the first stage,
+// the labels on the one holding the last.
+void StepBuilder::pp_batch(bool first, bool last) {
+  t_.at(Phase::kSetup, kNoLayer, "batch");
+  if (first) input_ids_ = t_.make(tok_ * r_.grad_accum, DType::kI64, Category::kOther);
+  if (last) labels_ = t_.make(tok_ * r_.grad_accum, DType::kI64, Category::kOther);
+}
+
+void StepBuilder::pp_begin_step(std::uint32_t step) {
+  t_.step = step;
+  t_.micro = 1;
+  phase_ = Phase::kForward;
+  layer_ = kNoLayer;
+}
+
+// After the schedule: every micro-batch is in, the step's categories are sealed, and the hook may
+// stop the replay (true) before the optimizer steps.
+bool StepBuilder::pp_end_step(std::uint32_t step) {
+  t_.micro = static_cast<std::uint32_t>(r_.grad_accum);
+  t_.seal_categories();
+  if (hook_ && hook_(t_.trace(), step, t_.micro) == MicroBatchNext::kStop) return true;
+  optimizer_step(step == 1);
+  return false;
+}
+
 Trace StepBuilder::build_pipeline() {
   check_pipeline_model(a_, r_);
   if (is_multi_stage(r_.pp_schedule)) return build_pipeline_multi();
   pp_stage_ = rank_;
   const bool first = rank_ == 0, last = rank_ == r_.pp - 1;
   const std::uint64_t M = r_.grad_accum;
-  // What a stage sends: the hidden states of a micro-batch, under sequence parallelism this
-  // rank's shard of them (See Note [Pipeline with tensor parallelism]).
-  const std::uint64_t act_bytes = res_tok_ * a_.hidden_size * dtype_bytes(pol_.param);
+  const std::uint64_t act_bytes = pp_act_bytes();
   const bool gpipe = r_.pp_schedule == PipelineSchedule::kGPipe;
   const std::uint64_t warmup = std::min<std::uint64_t>(M, r_.pp - rank_);
-  t_.at(Phase::kSetup, kNoLayer, "batch");
-  if (first) input_ids_ = t_.make(tok_ * M, DType::kI64, Category::kOther);
-  if (last) labels_ = t_.make(tok_ * M, DType::kI64, Category::kOther);
+  pp_batch(first, last);
   for (std::uint32_t step = 1; step <= r_.steps; ++step) {
-    t_.step = step;
-    t_.micro = 1;
-    phase_ = Phase::kForward;
-    layer_ = kNoLayer;
+    pp_begin_step(step);
     if (step == 1) {
       pp_warmup_vote(first, last);
       op("pipeline.recv_buffers");
@@ -722,11 +744,7 @@ Trace StepBuilder::build_pipeline() {
     if (warm_send.id != kNone) t_.drop(warm_send);
     for (T& s : gpipe_sends) t_.drop(s);
     for (TensorId g : grad_sends) t_.release(g);
-    t_.micro = static_cast<std::uint32_t>(M);
-    t_.seal_categories();
-    const MicroBatchNext next = hook_ ? hook_(t_.trace(), step, t_.micro) : MicroBatchNext::kGoOn;
-    if (next == MicroBatchNext::kStop) return finish_trace();
-    optimizer_step(step == 1);
+    if (pp_end_step(step)) break;
   }
   return finish_trace();
 }
@@ -767,7 +785,7 @@ Trace StepBuilder::build_pipeline_multi() {
   const std::uint64_t P = r_.pp, V = r_.pp_stages_per_rank, M = r_.grad_accum;
   const std::uint64_t stages = pp_num_stages();
   const bool first = rank_ == 0, last = rank_ == P - 1;  // holds stage 0 / the last stage
-  const std::uint64_t act_bytes = res_tok_ * a_.hidden_size * dtype_bytes(pol_.param);
+  const std::uint64_t act_bytes = pp_act_bytes();
   const std::vector<PipelineStageAction> order = pipeline_multi_order(r_.pp_schedule, P, V, rank_, M);
   std::vector<PipelineLoweredAction> lowered;
   if (r_.parallel == Parallel::kFsdp) {
@@ -777,14 +795,9 @@ Trace StepBuilder::build_pipeline_multi() {
       lowered.push_back({PipelineLoweredAction::Kind::kCompute, order[i].stage, i});
     }
   }
-  t_.at(Phase::kSetup, kNoLayer, "batch");
-  if (first) input_ids_ = t_.make(tok_ * M, DType::kI64, Category::kOther);
-  if (last) labels_ = t_.make(tok_ * M, DType::kI64, Category::kOther);
+  pp_batch(first, last);
   for (std::uint32_t step = 1; step <= r_.steps; ++step) {
-    t_.step = step;
-    t_.micro = 1;
-    phase_ = Phase::kForward;
-    layer_ = kNoLayer;
+    pp_begin_step(step);
     // The schedule's first actions (FSDP2's unshards) are the step's forward, as the tracker
     // labels them, not the previous step's optimizer.
     t_.at(phase_, layer_, "pipeline.step");
@@ -857,11 +870,7 @@ Trace StepBuilder::build_pipeline_multi() {
     for (PipelineMicro& mb : mbs) {
       if (mb.loss.id != kNone) t_.drop(mb.loss);
     }
-    t_.micro = static_cast<std::uint32_t>(M);
-    t_.seal_categories();
-    const MicroBatchNext next = hook_ ? hook_(t_.trace(), step, t_.micro) : MicroBatchNext::kGoOn;
-    if (next == MicroBatchNext::kStop) return finish_trace();
-    optimizer_step(step == 1);
+    if (pp_end_step(step)) break;
   }
   return finish_trace();
 }

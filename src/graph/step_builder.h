@@ -524,6 +524,10 @@ class StepBuilder {
   bool pp_holds_global(const std::string& name) const;
   bool pp_holds_layer(std::uint64_t layer) const;
   void pp_warmup_vote(bool first, bool last);
+  std::uint64_t pp_act_bytes() const;
+  void pp_batch(bool first, bool last);
+  void pp_begin_step(std::uint32_t step);
+  bool pp_end_step(std::uint32_t step);  // true: the hook stopped the replay
   void pp_forward(std::uint64_t k, PipelineMicro& mb);
   TensorId pp_backward(std::uint64_t k, PipelineMicro& mb);
   // Between two of the schedule's actions: true when the replay stopped (Note [Peeks inside a schedule]).
