@@ -496,8 +496,9 @@ std::uint64_t CachingAllocator::expandable_size(BlockId id) const noexcept {
   return b.size;
 }
 
-// The block keeps its first keep_bytes; the rest becomes a cached free block.
-void CachingAllocator::split_tail(BlockId id, std::uint64_t keep_bytes) {
+// The block keeps its first keep_bytes; the rest becomes a block of its own right after it in
+// the segment, mapped or not as told, and in no index yet.
+CachingAllocator::BlockId CachingAllocator::split_after(BlockId id, std::uint64_t keep_bytes, bool mapped) {
   const BlockId rest = new_block();  // may move blocks_: take references after
   Block& b = blocks_[id];
   Block& r = blocks_[rest];
@@ -505,14 +506,17 @@ void CachingAllocator::split_tail(BlockId id, std::uint64_t keep_bytes) {
   r.size = b.size - keep_bytes;
   r.stream = b.stream;
   r.pool = b.pool;
-  r.mapped = true;
+  r.mapped = mapped;
   r.prev = id;
   r.next = b.next;
   if (b.next != kNoBlock) blocks_[b.next].prev = rest;
   b.next = rest;
   b.size = keep_bytes;
-  insert_free(rest);
+  return rest;
 }
+
+// The block keeps its first keep_bytes; the rest becomes a cached free block.
+void CachingAllocator::split_tail(BlockId id, std::uint64_t keep_bytes) { insert_free(split_after(id, keep_bytes, true)); }
 
 namespace {
 
@@ -633,22 +637,7 @@ CachingAllocator::BlockId CachingAllocator::map_pages(BlockId unmapped, std::uin
   if (mapped > blocks_[unmapped].size) bug("mapping ran past an unmapped range");
 
   erase_unmapped(unmapped);
-  if (mapped < blocks_[unmapped].size) {
-    const BlockId rest = new_block();
-    Block& u = blocks_[unmapped];
-    Block& r = blocks_[rest];
-    r.address = u.address + mapped;
-    r.size = u.size - mapped;
-    r.stream = u.stream;
-    r.pool = u.pool;
-    r.mapped = false;
-    r.prev = unmapped;
-    r.next = u.next;
-    if (u.next != kNoBlock) blocks_[u.next].prev = rest;
-    u.next = rest;
-    u.size = mapped;
-    insert_unmapped(rest);
-  }
+  if (mapped < blocks_[unmapped].size) insert_unmapped(split_after(unmapped, mapped, false));
   blocks_[unmapped].mapped = true;
   try_merge(unmapped, blocks_[unmapped].prev);
   try_merge(unmapped, blocks_[unmapped].next);
@@ -769,20 +758,7 @@ void CachingAllocator::unmap_free_pages(BlockId id) {
     b.prev = before;
     insert_free(before);
   }
-  if (last < end) {
-    const BlockId after = new_block();
-    Block& a = blocks_[after];
-    Block& b = blocks_[id];
-    a.address = last;
-    a.size = end - last;
-    a.stream = b.stream;
-    a.pool = b.pool;
-    a.prev = id;
-    a.next = b.next;
-    if (b.next != kNoBlock) blocks_[b.next].prev = after;
-    b.next = after;
-    insert_free(after);
-  }
+  if (last < end) insert_free(split_after(id, last - start, true));  // the block still starts at `start`
   Block& b = blocks_[id];
   b.address = first;
   b.size = last - first;

@@ -393,6 +393,7 @@ class CachingAllocator {  // hidden symbols: See Note [Engine symbols are hidden
 
   BlockId take_free_block(Pool pool, int stream, std::uint64_t size,
                           FreeIndex::Hint hint = FreeIndex::kNoHint);
+  BlockId split_after(BlockId id, std::uint64_t keep_bytes, bool mapped);
   void split_tail(BlockId id, std::uint64_t keep_bytes);
   void try_merge(BlockId dst, BlockId src) noexcept;
   std::uint64_t claim_address_range(std::uint64_t align, std::uint64_t bytes,
