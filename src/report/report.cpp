@@ -482,10 +482,31 @@ std::string to_json(const Estimate& e, bool pretty) {
                 : j.dump(-1, ' ', false, ordered_json::error_handler_t::replace);
 }
 
+namespace {
+
+// A parameter count in the unit it reads best in: "8.03 B", "124 M", "1.69 M", "950".
+std::string count_text(std::uint64_t n) {
+  std::string out;
+  if (n >= 999'500'000'000) {
+    appendf(out, "%.0f B", static_cast<double>(n) / 1e9);
+  } else if (n >= 999'500'000) {  // what rounds to 1,000 M is 1 B
+    appendf(out, "%.3g B", static_cast<double>(n) / 1e9);
+  } else if (n >= 999'500) {
+    appendf(out, "%.3g M", static_cast<double>(n) / 1e6);
+  } else if (n >= 1'000) {
+    appendf(out, "%.3g K", static_cast<double>(n) / 1e3);
+  } else {
+    appendf(out, "%llu", static_cast<unsigned long long>(n));
+  }
+  return out;
+}
+
+}  // namespace
+
 std::string to_text(const Estimate& e) {
   std::string out;
   auto add = [&](const char* fmt, auto... args) { appendf(out, fmt, args...); };
-  add("%s — %.3g B parameters\n", e.model.c_str(), static_cast<double>(e.parameters) / 1e9);
+  add("%s — %s parameters\n", e.model.c_str(), count_text(e.parameters).c_str());
   const Recipe& r = e.recipe;
   if (r.mode == Mode::kInference) {
     // One generate() call: the prompt, then new_tokens tokens, greedy or beam search.

@@ -35,6 +35,14 @@ def test_text_output_names_every_category_and_the_peak_op(run):
     assert "peak at         step" in r.stdout
 
 
+@pytest.mark.parametrize("model,header", [("llama-3.2-1b", "llama-3.2-1b — 1.24 B parameters"),
+                                          ("gpt2", "gpt2 — 124 M parameters")])
+def test_text_header_counts_parameters_in_a_readable_unit(run, model, header):
+    r = run("estimate", model)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0] == header
+
+
 def test_hf_id_and_catalog_name_agree(run):
     a = json.loads(run("estimate", "Qwen/Qwen3-4B", "--json").stdout)
     b = json.loads(run("estimate", "qwen3-4b", "--json").stdout)
