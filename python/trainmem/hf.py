@@ -15,6 +15,7 @@ not model raises ValueError naming it, rather than answering a different questio
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 # Trainer `optim` values and the optimizer each becomes in trainmem.
@@ -33,6 +34,26 @@ def _get(args: Any, name: str, default: Any = None) -> Any:
     return getattr(args, name, default)
 
 
+def _str_to_bool(value: Any, what: str) -> bool:
+    """A setting's truth as transformers and Accelerate read it (accelerate's str_to_bool):
+    booleans as they are, y/yes/t/true/on/1 and n/no/f/false/off/0 in any case; anything else is
+    an error naming `what`."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).lower()
+    if text in ("y", "yes", "t", "true", "on", "1"):
+        return True
+    if text in ("n", "no", "f", "false", "off", "0"):
+        return False
+    raise ValueError(f"{what}={value!r}: expected true or false")
+
+
+def _positive_int(value: Any, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{what}: expected a positive integer, got {value!r}")
+    return value
+
+
 def _trainer_checkpointing(args: Any) -> str:
     """The checkpointing the Trainer turns on: transformers' activation_checkpointing_enable with
     the arguments' kwargs, every_n_layers and offload taken out, as Trainer._inner_training_loop
@@ -41,7 +62,12 @@ def _trainer_checkpointing(args: Any) -> str:
     default, the reentrant variant."""
     kwargs = _get(args, "activation_checkpointing_kwargs") or _get(args, "gradient_checkpointing_kwargs") or {}
     if isinstance(kwargs, str):  # TrainingArguments takes them as a JSON string too
-        kwargs = json.loads(kwargs)
+        try:
+            kwargs = json.loads(kwargs)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"gradient_checkpointing_kwargs: not JSON: {e.msg}") from None
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"gradient_checkpointing_kwargs: expected a dict, got {type(kwargs).__name__}")
     kwargs = dict(kwargs)
     if kwargs.pop("every_n_layers", 1) != 1:
         raise ValueError("gradient_checkpointing_kwargs every_n_layers: checkpointing every n-th layer is not "
@@ -91,8 +117,8 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
     `gpus` is the number of processes the run is launched with (torchrun / accelerate launch);
     TrainingArguments cannot know it. With more than one, the Trainer wraps the model in
     DistributedDataParallel, or FSDP / DeepSpeed when `fsdp` / `deepspeed` say so: `fsdp` maps to
-    parallel fsdp when it is FSDP2 (`fsdp_config={"fsdp_version": 2}`) with full sharding or
-    shard_grad_op, and its "offload" (or `fsdp_config["cpu_offload"]`) to offload "both" (FSDP2's
+    parallel fsdp when it is FSDP2 (transformers' default; `fsdp_config` version 1 is refused) with
+    full sharding or shard_grad_op, one unit per decoder layer, and its "offload" (or `fsdp_config["cpu_offload"]`) to offload "both" (FSDP2's
     CPUOffloadPolicy); `deepspeed` (a dict or a JSON path) is read by recipe_from_deepspeed_config, with
     its "auto" values filled from these arguments as the Trainer fills them. Under DDP the Trainer
     passes `find_unused_parameters` as `ddp_find_unused_parameters` says, and when that is unset
@@ -117,9 +143,11 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
     use_reentrant=True, or without it: torch's default); every_n_layers other than 1, offload and
     early_stop=False are refused.
 
-    Not modelled, so refused: FSDP1, FSDP2's hybrid sharding options, checkpointing of every
-    n-th layer or offloaded, optimizers other than those of _OPTIMIZERS and SGD with momentum, and what
-    recipe_from_deepspeed_config refuses. The Trainer puts weight-decayed and other parameters in
+    Not modelled, so refused: FSDP1, FSDP2's hybrid sharding options, FSDP's own
+    activation_checkpointing (checkpoint_wrapper) and size-based wrapping, checkpointing of every
+    n-th layer or offloaded, optimizers other than those of _OPTIMIZERS and SGD with momentum,
+    label smoothing, torch_compile, DDP's bucket_cap_mb, broadcast_buffers and static_graph away
+    from their defaults, and what recipe_from_deepspeed_config refuses. The Trainer puts weight-decayed and other parameters in
     two optimizer groups; trainmem models one group, which for foreach AdamW keeps one set of sqrt
     temporaries for all parameters (an upper bound of the two-group figure).
     """
@@ -155,9 +183,23 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
                                      "DDP; set gradient_checkpointing=True (the Trainer's non-reentrant one replaces it)")
                 knobs["checkpointing"] = "full-reentrant"
         return _refuse_reentrant_find_unused(knobs)
+    _refuse_unmodelled_trainer_settings(args)
     if _get(args, "deepspeed"):
-        return recipe_from_deepspeed_config(_get(args, "deepspeed"), seq=seq, gpus=gpus, training_arguments=args,
-                                            gpu=gpu)
+        if _get(args, "fsdp"):
+            raise ValueError("fsdp and deepspeed: the Trainer takes one or the other, not both")
+        if model_dtype != "float32":
+            # DeepSpeed's bf16 mode casts the model itself; its fp32 mode trains what it is given.
+            knobs = recipe_from_deepspeed_config(_get(args, "deepspeed"), seq=seq, gpus=gpus, training_arguments=args,
+                                                 gpu=gpu)
+            if knobs["precision"] != "bf16-master":
+                raise ValueError(f"model_dtype={model_dtype!r} under DeepSpeed without its bf16 mode: a half model "
+                                 "trained without master weights by a ZeRO optimizer is not modelled")
+        else:
+            knobs = recipe_from_deepspeed_config(_get(args, "deepspeed"), seq=seq, gpus=gpus, training_arguments=args,
+                                                 gpu=gpu)
+        if _get(args, "use_liger_kernel", False):
+            knobs["loss"] = "fused"  # Liger's fused linear cross-entropy, which the Trainer applies first
+        return knobs
     knobs: dict[str, Any] = {}
     if _get(args, "fsdp"):
         knobs.update(_fsdp_knobs(args))
@@ -169,8 +211,8 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
             knobs["parallel"] = "ddp"  # the Trainer's DistributedDataParallel (find_unused_parameters below)
     elif "parallel" in knobs:
         raise ValueError("fsdp: pass gpus= (the number of processes the run is launched with)")
-    knobs["batch"] = int(_get(args, "per_device_train_batch_size", 8))
-    knobs["grad_accum"] = int(_get(args, "gradient_accumulation_steps", 1))
+    knobs["batch"] = _positive_int(_get(args, "per_device_train_batch_size", 8), "per_device_train_batch_size")
+    knobs["grad_accum"] = _positive_int(_get(args, "gradient_accumulation_steps", 1), "gradient_accumulation_steps")
     if seq is None:
         seq = _get(args, "max_length") or _get(args, "max_seq_length")
     if seq is not None:
@@ -216,6 +258,11 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
     checkpointed = bool(_get(args, "activation_checkpointing") or _get(args, "gradient_checkpointing", False))
     knobs["checkpointing"] = _trainer_checkpointing(args) if checkpointed else "none"
     if knobs.get("parallel") == "ddp":
+        # Trainer._build_accelerator_args passes these to DistributedDataParallel when they are set.
+        for name, modelled in (("ddp_bucket_cap_mb", 25), ("ddp_broadcast_buffers", True), ("ddp_static_graph", False)):
+            if _get(args, name) not in (None, modelled):
+                raise ValueError(f"{name}={_get(args, name)!r}: DistributedDataParallel's default ({modelled}) is "
+                                 "modelled; remove it to estimate with the default")
         # Trainer._build_accelerator_args: the argument when set, else True for a model that is not a
         # PreTrainedModel (a peft model) and for one that is not checkpointed.
         find_unused = _get(args, "ddp_find_unused_parameters")
@@ -228,6 +275,16 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
     if gpu is not None:
         knobs["gpu"] = gpu
     return _refuse_reentrant_find_unused(knobs)
+
+
+def _refuse_unmodelled_trainer_settings(args: Any) -> None:
+    """Trainer settings that change a step's memory in ways the engine does not model."""
+    if _get(args, "label_smoothing_factor") not in (None, 0, 0.0):
+        # LabelSmoother: a log-softmax of the logits and its negation beside the model's own loss.
+        raise ValueError(f"label_smoothing_factor={_get(args, 'label_smoothing_factor')!r}: the Trainer's "
+                         "LabelSmoother is not modelled (its log-softmax copies of the logits)")
+    if _get(args, "torch_compile"):
+        raise ValueError("torch_compile=True: a compiled model's memory is not modelled (eager PyTorch is)")
 
 
 # The dtype the 4-bit matmuls compute in under each precision a QLoRA run can take (bf16-master: a
@@ -315,8 +372,15 @@ def _trainer_optimizer(args: Any) -> str:
     """The Trainer's `optim` as trainmem's optimizer knob."""
     optim = str(getattr(_get(args, "optim", "adamw_torch_fused"), "value", _get(args, "optim", "adamw_torch_fused")))
     if optim == "sgd":
-        optim_args = str(_get(args, "optim_args") or "")
-        if "momentum" not in optim_args:
+        # The Trainer splits optim_args at commas and each at "=" (Trainer.get_optimizer_cls_and_kwargs).
+        optim_args = dict(kv.split("=", 1) for kv in str(_get(args, "optim_args") or "").replace(" ", "").split(",")
+                          if "=" in kv)
+        try:
+            momentum = float(optim_args.get("momentum", 0))
+        except ValueError:
+            raise ValueError(f"optim_args momentum={optim_args['momentum']!r}: not a number") from None
+        if momentum == 0:
+            # torch's SGD keeps no momentum buffer at momentum 0 (its default).
             raise ValueError("optim=sgd: the Trainer's SGD has no momentum by default; trainmem models SGD "
                              "with momentum (optim_args='momentum=0.9')")
         return "sgd"
@@ -337,12 +401,31 @@ def _fsdp_knobs(args: Any) -> dict[str, Any]:
     else:
         words = option.split() if isinstance(option, str) else [str(getattr(w, "value", w)) for w in option]
     # Keys with transformers' "fsdp_" prefix mean the same as without (TrainingArguments strips it).
-    config = {k.removeprefix("fsdp_") if k != "fsdp_version" else k: v
-              for k, v in (_get(args, "fsdp_config") or {}).items()}
-    version = int(config.get("fsdp_version", config.get("version", 1)))
+    raw = _get(args, "fsdp_config") or {}
+    if isinstance(raw, str):  # a JSON file's path, which TrainingArguments reads
+        try:
+            with open(raw, encoding="utf-8") as f:
+                raw = json.load(f)
+        except OSError as e:
+            raise ValueError(f"fsdp_config {raw!r}: cannot read it: {e.strerror}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"fsdp_config {raw!r}: not JSON: {e.msg} at line {e.lineno}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"fsdp_config: expected a dict or a JSON file's path, got {type(raw).__name__}")
+    config = {k.removeprefix("fsdp_") if k != "fsdp_version" else k: v for k, v in raw.items()}
+    # transformers' _process_fsdp_args: FSDP2 unless the config says version 1.
+    version = int(config.get("fsdp_version", config.get("version", 2)))
     if version != 2:
-        raise ValueError(f"fsdp_config fsdp_version={version}: FSDP1 (flat parameters) is not modelled; "
-                         "FSDP2 (fsdp_version 2) is")
+        raise ValueError(f"fsdp_config version={version}: FSDP1 (flat parameters) is not modelled; "
+                         "FSDP2 (version 2, transformers' default) is")
+    if _str_to_bool(config.get("activation_checkpointing", False), "fsdp_config activation_checkpointing"):
+        # Accelerate's fsdp2_apply_ac wraps each layer in checkpoint_wrapper before fully_shard.
+        raise ValueError("fsdp_config activation_checkpointing: FSDP's own checkpoint_wrapper is not modelled; "
+                         "the Trainer's activation_checkpointing=True (checkpointing inside each decoder layer) is")
+    policy = config.get("auto_wrap_policy", "TRANSFORMER_BASED_WRAP")
+    if policy != "TRANSFORMER_BASED_WRAP":
+        raise ValueError(f"fsdp_config auto_wrap_policy={policy!r}: one FSDP unit per decoder layer "
+                         "(TRANSFORMER_BASED_WRAP, the default) is modelled")
     # "offload" sets fsdp_config["cpu_offload"] (transformers' _apply_legacy_fsdp_to_config); Accelerate
     # turns it into FSDP2's CPUOffloadPolicy() (pin_memory True): recipe offload "both".
     cpu_offload = config.get("cpu_offload", "offload" in words)
@@ -360,11 +443,8 @@ def _fsdp_knobs(args: Any) -> dict[str, Any]:
     if len(strategies) != 1 or unmodelled:
         raise ValueError(f"fsdp={option!r}: 'full_shard' or 'shard_grad_op' (with 'auto_wrap' per decoder layer) "
                          "is modelled")
-    reshard = config.get("reshard_after_forward", strategies[0] == "full_shard")
-    if isinstance(reshard, str):
-        reshard = reshard.lower() in ("true", "1", "yes")
-    if not isinstance(reshard, bool):
-        raise ValueError(f"fsdp_config reshard_after_forward={reshard!r}: FSDP2 takes true or false")
+    reshard = _str_to_bool(config.get("reshard_after_forward", strategies[0] == "full_shard"),
+                           "fsdp_config reshard_after_forward")
     knobs: dict[str, Any] = {"parallel": "fsdp"}
     if not reshard:
         knobs["fsdp_reshard_after_forward"] = False
@@ -373,19 +453,63 @@ def _fsdp_knobs(args: Any) -> dict[str, Any]:
     return knobs
 
 
-# DeepSpeed's ZeRO defaults (deepspeed/runtime/zero/config.py); the engine models these settings,
-# so a config that changes one is refused rather than estimated as if it did not.
+# DeepSpeed's ZeRO settings the engine models at their defaults (deepspeed/runtime/zero/config.py,
+# DeepSpeedZeroConfig), by field name; a config that changes one is refused rather than estimated
+# as if it did not. overlap_comm's default depends on the stage (True under stage 3).
 _ZERO_DEFAULTS = {"reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000,
                   "contiguous_gradients": True, "reduce_scatter": True, "allgather_partitions": True,
-                  "round_robin_gradients": False}
+                  "round_robin_gradients": False, "use_multi_rank_bucket_allreduce": True, "sub_group_size": 1_000_000_000,
+                  "prefetch_bucket_size": 50_000_000, "param_persistence_threshold": 100_000,
+                  "model_persistence_threshold": sys.maxsize, "max_live_parameters": 1_000_000_000,
+                  "max_reuse_distance": 1_000_000_000, "module_granularity_threshold": 0,
+                  "use_all_reduce_for_fetch_params": False, "allgather_sequential": False,
+                  "zero_hpz_partition_size": 1, "zero_quantized_weights": False, "zero_quantized_gradients": False,
+                  "zero_quantized_nontrainable_weights": False, "memory_efficient_linear": True,
+                  "compute_grad_norm": True}
+# Settings that do not touch a training step's memory (saving, loading, checking).
+_ZERO_IGNORED = {"gather_16bit_weights_on_model_save", "gather_fp16_weights_on_model_save", "load_from_fp32_weights",
+                 "elastic_checkpoint", "ignore_unused_parameters", "log_trace_cache_warnings"}
+# The Trainer's "auto" for these is a function of the model's hidden size (deepspeed.py,
+# trainer_config_finalize), not DeepSpeed's default.
+_ZERO_AUTO_FROM_MODEL = {"reduce_bucket_size": "hidden_size²", "prefetch_bucket_size": "0.9 × hidden_size²",
+                         "param_persistence_threshold": "10 × hidden_size"}
+
+
+def _zero_field(key: str) -> str:
+    """A zero_optimization key as DeepSpeed's field: the stage3_ aliases without their prefix."""
+    return key.removeprefix("stage3_")
+
+
+def _check_zero_settings(zero: dict[str, Any], stage: int) -> None:
+    for key, v in zero.items():
+        field = _zero_field(key)
+        if key in ("stage", "offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_param") or \
+                field in _ZERO_IGNORED:
+            continue
+        if v == "auto" and field in _ZERO_AUTO_FROM_MODEL:
+            raise ValueError(f"deepspeed config zero_optimization.{key}='auto': the Trainer fills it with the model's "
+                             f"{_ZERO_AUTO_FROM_MODEL[field]}, where trainmem models DeepSpeed's default "
+                             f"({_ZERO_DEFAULTS[field]}); remove it to estimate with the default")
+        if field == "overlap_comm":
+            default: Any = stage == 3
+        elif field in _ZERO_DEFAULTS:
+            default = _ZERO_DEFAULTS[field]
+        else:
+            raise ValueError(f"deepspeed config zero_optimization.{key}: not modelled; remove it to estimate "
+                             "with DeepSpeed's defaults")
+        if v != default:
+            raise ValueError(f"deepspeed config zero_optimization.{key}={v!r}: trainmem models DeepSpeed's "
+                             f"default ({default}); remove it to estimate with the default")
 
 
 def _load_deepspeed(config: Any) -> dict[str, Any]:
     if isinstance(config, dict):
         return config
-    import json
+    import os
     from pathlib import Path
 
+    if not isinstance(config, (str, os.PathLike)):
+        raise ValueError(f"deepspeed config: expected a dict or a JSON file's path, got {type(config).__name__}")
     path = Path(config)
     try:
         text = path.read_text()
@@ -400,17 +524,96 @@ def _load_deepspeed(config: Any) -> dict[str, Any]:
     return loaded
 
 
+def _deepspeed_batch(ds: dict[str, Any], gpus: int | None, args: Any) -> tuple[int, int, int]:
+    """(micro-batch, accumulation, world size) as DeepSpeed settles them
+    (DeepSpeedConfig._set_batch_related_parameters): any two of train_batch_size,
+    train_micro_batch_size_per_gpu and gradient_accumulation_steps give the third, one alone
+    means no accumulation, all three must agree. With the Trainer's settings (`args`), "auto" and a
+    missing micro-batch or accumulation are its per_device_train_batch_size and
+    gradient_accumulation_steps, and a value that differs from them is the mismatch it refuses."""
+    if gpus is not None:
+        _positive_int(gpus, "gpus")
+    names = {"train_batch_size": None, "train_micro_batch_size_per_gpu": "per_device_train_batch_size",
+             "gradient_accumulation_steps": "gradient_accumulation_steps"}
+    got: dict[str, int | None] = {}
+    for name, arg in names.items():
+        v = ds.get(name)
+        if args is not None and arg is not None:
+            mine = _positive_int(_get(args, arg), arg)
+            if v not in (None, "auto") and v != mine:
+                raise ValueError(f"deepspeed config {name}={v!r} and TrainingArguments {arg}={mine}: the Trainer "
+                                 "refuses the mismatch; set it to 'auto'")
+            v = mine
+        elif v == "auto":
+            if args is None:
+                raise ValueError(f"deepspeed config {name}: 'auto' needs the Trainer's settings (pass training_arguments=)")
+            v = None  # train_batch_size: the Trainer's world size x micro-batch x accumulation
+        got[name] = None if v is None else _positive_int(v, f"deepspeed config {name}")
+    total, micro, accum = got["train_batch_size"], got["train_micro_batch_size_per_gpu"], got["gradient_accumulation_steps"]
+    if gpus is None:
+        if total is None or micro is None or accum is None:
+            raise ValueError("deepspeed config: the world size is not given (train_batch_size = micro-batch x "
+                             "accumulation x GPUs); pass gpus=")
+        if total % (micro * accum):
+            raise ValueError(f"deepspeed config train_batch_size={total} is not a multiple of micro-batch {micro} x "
+                             f"accumulation {accum}")
+        return micro, accum, total // (micro * accum)
+    if micro is None and accum is None:
+        if total is None:
+            raise ValueError("deepspeed config: train_batch_size or train_micro_batch_size_per_gpu is needed")
+        micro, accum = total // gpus, 1
+    elif micro is None:
+        micro = total // gpus // accum if total is not None else None
+    elif accum is None:
+        accum = total // micro // gpus if total is not None else 1
+    if not micro or not accum:
+        raise ValueError(f"deepspeed config: train_batch_size={total} over {gpus} GPUs leaves no micro-batch "
+                         f"(micro-batch {micro}, accumulation {accum})")
+    if total is not None and total != micro * accum * gpus:
+        raise ValueError(f"deepspeed config train_batch_size={total} is not micro-batch {micro} x accumulation "
+                         f"{accum} x {gpus} GPUs; DeepSpeed refuses it")
+    return micro, accum, gpus
+
+
+def _deepspeed_precision(ds: dict[str, Any], name: str, args: Any) -> bool:
+    """Whether DeepSpeed's bf16 (or fp16) mode is on: its section's `enabled` (bf16 also under the
+    old name "bfloat16"). Under the Trainer, "auto" is its bf16 or bf16_full_eval (fp16 likewise),
+    and a run with bf16=True and no section gets one from Accelerate (set_mixed_precision)."""
+    section = ds.get(name)
+    if section is None and name == "bf16":
+        section = ds.get("bfloat16")
+    wanted = None if args is None else bool(_get(args, name, False) or _get(args, f"{name}_full_eval", False))
+    if section is None:
+        return bool(args is not None and _get(args, name, False))
+    if not isinstance(section, dict):
+        raise ValueError(f"deepspeed config {name}: expected an object such as {{\"enabled\": true}}")
+    v = section.get("enabled", False)
+    if v == "auto":
+        if wanted is None:
+            raise ValueError(f"deepspeed config {name}.enabled: 'auto' needs the Trainer's settings "
+                             "(pass training_arguments=)")
+        return wanted
+    enabled = _str_to_bool(v, f"deepspeed config {name}.enabled")
+    if wanted is not None and enabled != wanted:
+        raise ValueError(f"deepspeed config {name}.enabled={v!r} and TrainingArguments {name}={wanted}: the Trainer "
+                         "refuses the mismatch; set it to 'auto'")
+    return enabled
+
+
 def recipe_from_deepspeed_config(config: Any, *, seq: int | None = None, gpus: int | None = None,
                                  training_arguments: Any = None, gpu: str | None = None) -> dict[str, Any]:
     """Keyword arguments for trainmem.estimate / trainmem.fit from a DeepSpeed config (a dict or
     the path of its JSON file): ZeRO stage, micro-batch, accumulation, precision, optimizer.
 
     "auto" values are filled from `training_arguments` (a TrainingArguments or its to_dict()) as
-    the Hugging Face Trainer fills them; without it an "auto" is an error naming the key. `gpus`
-    (the world size) comes from the argument, else from train_batch_size / (micro-batch x
-    accumulation). `bf16.enabled` is DeepSpeed's bf16 mode: a bf16 model whose ZeRO optimizer
-    keeps fp32 master partitions, trainmem's bf16-master; with neither bf16 nor fp16 everything
-    is fp32. An "optimizer" section of type Adam/AdamW with `torch_adam` is torch's AdamW
+    the Hugging Face Trainer fills them, and a value that contradicts them is refused as the
+    Trainer refuses it; without them an "auto" is an error naming the key. The batch settles as
+    DeepSpeed settles it: any two of train_batch_size, train_micro_batch_size_per_gpu and
+    gradient_accumulation_steps give the third over `gpus` (the world size), which without the
+    argument is train_batch_size / (micro-batch x accumulation). `bf16.enabled` (or the old
+    "bfloat16" section) is DeepSpeed's bf16 mode: a bf16 model whose ZeRO optimizer keeps fp32
+    master partitions, trainmem's bf16-master; a Trainer run with bf16=True and no section gets
+    one; with neither bf16 nor fp16 everything is fp32. An "optimizer" section of type Adam/AdamW with `torch_adam` is torch's AdamW
     (foreach); without `torch_adam` it is DeepSpeed's FusedAdam, which updates in place like
     torch's fused AdamW (adamw-fused); without a section the Trainer's `optim` decides.
 
@@ -418,33 +621,39 @@ def recipe_from_deepspeed_config(config: Any, *, seq: int | None = None, gpus: i
     `offload="optimizer"` with the config's Adam/AdamW as DeepSpeedCPUAdam (`optimizer="adamw"`);
     under stage 3 `offload_param {device: cpu}` is `offload="params"`, both together `"both"`.
 
+    The deprecated `cpu_offload` / `cpu_offload_param` booleans mean those sections with device cpu.
+
     Refused (not modelled): ZeRO stage 0 (DeepSpeed's own data parallelism), NVMe offload,
-    fp16 with loss scaling, ZeRO settings other than DeepSpeed's defaults (buckets, overlap,
-    stage-3 prefetch and persistence), other optimizers.
+    fp16 with loss scaling, bf16 without fp32 masters (bf16_master_weights_and_grads), ZeRO
+    settings other than DeepSpeed's defaults (buckets, overlap, stage-3 prefetch and persistence,
+    ZeRO++; the Trainer's model-sized "auto" buckets included) and ZeRO keys trainmem does not
+    know, other optimizers.
     """
     ds = _load_deepspeed(config)
-
-    def value(section: dict, key: str, from_args: str | None, what: str) -> Any:
-        v = section.get(key)
-        if v == "auto":
-            if training_arguments is None or from_args is None:
-                raise ValueError(f"deepspeed config {what}: 'auto' needs the Trainer's settings "
-                                 "(pass training_arguments=)")
-            v = _get(training_arguments, from_args)
-        return v
-
+    args = training_arguments
     zero = ds.get("zero_optimization") or {}
     if not isinstance(zero, dict):
         raise ValueError("deepspeed config zero_optimization: expected an object")
-    stage = value(zero, "stage", None, "zero_optimization.stage")
+    stage = zero.get("stage")
+    if stage == "auto":
+        raise ValueError("deepspeed config zero_optimization.stage: 'auto' is not a value the Trainer fills")
+    if isinstance(stage, float) and stage.is_integer():
+        stage = int(stage)
     if stage in (None, 0):
         raise ValueError("deepspeed config zero_optimization.stage 0: DeepSpeed's data parallelism without ZeRO "
                          "is not modelled; stages 1, 2 and 3 are")
-    if stage not in (1, 2, 3):
+    if stage not in (1, 2, 3) or isinstance(stage, bool):
         raise ValueError(f"deepspeed config zero_optimization.stage: expected 0, 1, 2 or 3, got {stage!r}")
     offloaded = []  # "optimizer", "params": Note [ZeRO-Offload], Note [ZeRO-3 offload]
-    for key in ("offload_optimizer", "offload_param"):
-        section = zero.get(key) or {}
+    for key, legacy in (("offload_optimizer", "cpu_offload"), ("offload_param", "cpu_offload_param")):
+        section = zero.get(key)
+        if section is None and zero.get(legacy) is not None:
+            # The deprecated booleans: true is the section with device cpu (DeepSpeedZeroConfig).
+            section = {"device": "cpu"} if _str_to_bool(zero[legacy], f"zero_optimization.{legacy}") else None
+        section = section or {}
+        if not isinstance(section, dict):
+            raise ValueError(f"deepspeed config zero_optimization.{key}: expected an object such as "
+                             f"{{\"device\": \"cpu\"}}, got {section!r}")
         device = section.get("device", "none")
         if device in (None, "none"):
             continue
@@ -461,48 +670,28 @@ def recipe_from_deepspeed_config(config: Any, *, seq: int | None = None, gpus: i
                                  f"trainmem models DeepSpeed's default ({default})")
         offloaded.append("optimizer" if key == "offload_optimizer" else "params")
     offload = "optimizer" in offloaded
-    for key, default in _ZERO_DEFAULTS.items():
-        if key in zero and zero[key] != default:
-            raise ValueError(f"deepspeed config zero_optimization.{key}={zero[key]!r}: trainmem models DeepSpeed's "
-                             f"default ({default}); remove it to estimate with the default")
-    stage3_keys = sorted(k for k in zero if k.startswith("stage3_") or k in ("sub_group_size", "overlap_comm"))
-    if stage3_keys:
-        raise ValueError(f"deepspeed config zero_optimization.{stage3_keys[0]}: trainmem models DeepSpeed's default; "
-                         "remove it to estimate with the default")
+    _check_zero_settings(zero, stage)
 
     knobs: dict[str, Any] = {"parallel": f"zero{stage}"}
     if offloaded:
         knobs["offload"] = "both" if len(offloaded) == 2 else offloaded[0]
-    micro = value(ds, "train_micro_batch_size_per_gpu", "per_device_train_batch_size",
-                  "train_micro_batch_size_per_gpu")
-    accum = value(ds, "gradient_accumulation_steps", "gradient_accumulation_steps", "gradient_accumulation_steps")
-    if micro is None and training_arguments is not None:
-        micro = _get(training_arguments, "per_device_train_batch_size")
-    accum = 1 if accum is None else accum
-    for name, v in (("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", accum)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"deepspeed config {name}: expected a positive integer, got {v!r}")
-    knobs["batch"], knobs["grad_accum"] = micro, accum
-    if gpus is None:
-        total = ds.get("train_batch_size")
-        if not isinstance(total, int) or isinstance(total, bool) or total < 1 or total % (micro * accum):
-            raise ValueError("deepspeed config: the world size is not given (train_batch_size = micro-batch x "
-                             "accumulation x GPUs); pass gpus=")
-        gpus = total // (micro * accum)
-    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
-        raise ValueError(f"gpus: expected a positive integer, got {gpus!r}")
-    knobs["gpus"] = gpus
+    knobs["batch"], knobs["grad_accum"], knobs["gpus"] = _deepspeed_batch(ds, gpus, args)
 
-    def enabled(name: str, arg: str) -> bool:
-        section = ds.get(name) or {}
-        return bool(value(section, "enabled", arg, f"{name}.enabled")) if isinstance(section, dict) else False
-
-    if enabled("fp16", "fp16"):
+    bf16 = _deepspeed_precision(ds, "bf16", args)
+    if _deepspeed_precision(ds, "fp16", args):
         raise ValueError("deepspeed config fp16.enabled: fp16 with loss scaling over fp32 masters is not modelled; "
                          "bf16 is")
-    knobs["precision"] = "bf16-master" if enabled("bf16", "bf16") else "fp32"
+    if bf16:
+        section = ds.get("bf16", ds.get("bfloat16")) or {}
+        for name in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
+            if section.get(name):
+                raise ValueError(f"deepspeed config bf16.{name}: a ZeRO optimizer without fp32 master weights is "
+                                 "not modelled")
+    knobs["precision"] = "bf16-master" if bf16 else "fp32"
 
     section = ds.get("optimizer")
+    if section is not None and not isinstance(section, dict):
+        raise ValueError(f"deepspeed config optimizer: expected an object such as {{\"type\": \"AdamW\"}}, got {section!r}")
     if offload:
         # The config's Adam/AdamW becomes DeepSpeedCPUAdam on the host (engine.py,
         # get_optimizer_configuration); a Trainer's own optimizer is refused by DeepSpeed

@@ -191,7 +191,12 @@ def test_shard_grad_op_is_reshard_after_forward_false(fsdp, config):
 
 
 @pytest.mark.parametrize("fsdp,config,message", [
-    ("full_shard", {}, "FSDP1 (flat parameters) is not modelled"),
+    ("full_shard", {"version": 1}, "FSDP1 (flat parameters) is not modelled"),
+    ("full_shard", {"fsdp_version": 1}, "FSDP1 (flat parameters) is not modelled"),
+    ("full_shard", {"activation_checkpointing": "true"}, "FSDP's own checkpoint_wrapper is not modelled"),
+    ("full_shard", {"auto_wrap_policy": "SIZE_BASED_WRAP"}, "auto_wrap_policy='SIZE_BASED_WRAP'"),
+    ("full_shard", {"reshard_after_forward": "sometimes"}, "reshard_after_forward='sometimes'"),
+    ("full_shard", [1, 2], "fsdp_config: expected a dict"),
     ("hybrid_shard", {"fsdp_version": 2}, "hybrid sharding is FSDP1-only"),
     ("full_shard shard_grad_op", {"fsdp_version": 2}, "'full_shard' or 'shard_grad_op'"),
     ("full_shard", {"fsdp_version": 2, "cpu_offload": "maybe"}, "cpu_offload='maybe'"),
@@ -298,12 +303,107 @@ def test_deepspeed_auto_values_come_from_the_trainer():
     ({"zero_optimization": {"stage": 2, "overlap_comm": True}}, "overlap_comm"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": False}}, "fp16 with loss scaling"),
     ({"optimizer": {"type": "Lamb"}}, "optimizer.type='Lamb'"),
-    ({"train_batch_size": 63}, "the world size is not given"),
+    ({"train_batch_size": 63}, "train_batch_size=63 is not a multiple of micro-batch 4 x accumulation 2"),
+    ({"train_batch_size": None}, "the world size is not given"),
+    ({"gradient_accumulation_steps": None}, "the world size is not given"),
+    ({"train_micro_batch_size_per_gpu": 2.5}, "expected a positive integer, got 2.5"),
+    ({"zero_optimization": {"stage": 3, "overlap_comm": False}}, "overlap_comm=False"),
+    ({"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}}, "fills it with the model's hidden_size²"),
+    ({"zero_optimization": {"stage": 3, "max_live_parameters": 1e8}}, "max_live_parameters=100000000.0"),
+    ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "zero_quantized_weights=True"),
+    ({"zero_optimization": {"stage": 2, "zenflow": {}}}, "zero_optimization.zenflow: not modelled"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": True}}, "offload_optimizer: expected an object"),
+    ({"zero_optimization": {"stage": "auto"}}, "'auto' is not a value the Trainer fills"),
+    ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}, "without fp32 master weights"),
+    ({"bf16": {"enabled": "maybe"}}, "bf16.enabled='maybe'"),
+    ({"optimizer": "AdamW"}, "optimizer: expected an object"),
     ({"train_micro_batch_size_per_gpu": 0}, "expected a positive integer, got 0"),
 ])
 def test_unmodelled_deepspeed_settings_are_refused(change, message):
     with pytest.raises(ValueError, match=__import__("re").escape(message)):
         trainmem.hf.recipe_from_deepspeed_config(dict(ZERO2, **change))
+
+
+def test_deepspeed_settles_its_batch_as_deepspeed_does():
+    # DeepSpeedConfig._set_batch_related_parameters: two of the three give the third over the world size.
+    base = {"zero_optimization": {"stage": 2}}
+    def batch(gpus=None, **kw):
+        k = trainmem.hf.recipe_from_deepspeed_config({**base, **kw}, gpus=gpus)
+        return k["batch"], k["grad_accum"], k["gpus"]
+    assert batch(2, train_batch_size=64, train_micro_batch_size_per_gpu=4) == (4, 8, 2)
+    assert batch(2, train_batch_size=64, gradient_accumulation_steps=4) == (8, 4, 2)
+    assert batch(2, train_batch_size=64) == (32, 1, 2)
+    assert batch(2, train_micro_batch_size_per_gpu=4) == (4, 1, 2)
+    assert batch(train_batch_size=64, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2) == (4, 2, 8)
+    with pytest.raises(ValueError, match="DeepSpeed refuses it"):  # its _batch_assertion
+        batch(2, train_batch_size=64, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2)
+    with pytest.raises(ValueError, match="leaves no micro-batch"):
+        batch(8, train_batch_size=4)
+
+
+def test_deepspeed_under_the_trainer_fills_and_checks_as_it_does():
+    ta = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4, "bf16": True, "optim": "adamw_torch"}
+    # A section the config leaves out comes from the Trainer: accumulation 4, and bf16 from Accelerate.
+    knobs = trainmem.hf.recipe_from_deepspeed_config({"zero_optimization": {"stage": 2}}, gpus=2,
+                                                     training_arguments=ta)
+    assert (knobs["batch"], knobs["grad_accum"], knobs["precision"]) == (2, 4, "bf16-master")
+    # "auto" is bf16 or bf16_full_eval (transformers' trainer_config_process)
+    full_eval = {**ta, "bf16": False, "bf16_full_eval": True}
+    assert trainmem.hf.recipe_from_deepspeed_config({"zero_optimization": {"stage": 2}, "bf16": {"enabled": "auto"}},
+                                                    gpus=2, training_arguments=full_eval)["precision"] == "bf16-master"
+    assert trainmem.hf.recipe_from_deepspeed_config({"zero_optimization": {"stage": 2}, "bfloat16": {"enabled": True},
+                                                     "train_micro_batch_size_per_gpu": 1}, gpus=2)["precision"] == "bf16-master"
+    for cfg, message in [({"train_micro_batch_size_per_gpu": 4}, "train_micro_batch_size_per_gpu=4 and TrainingArguments"),
+                         ({"bf16": {"enabled": False}}, "bf16.enabled=False and TrainingArguments bf16=True"),
+                         ({"train_batch_size": 64}, "DeepSpeed refuses it")]:
+        with pytest.raises(ValueError, match=__import__("re").escape(message)):
+            trainmem.hf.recipe_from_deepspeed_config({"zero_optimization": {"stage": 2}, **cfg}, gpus=2,
+                                                     training_arguments=ta)
+    with pytest.raises(ValueError, match="fp16 with loss scaling"):  # Accelerate adds the fp16 section
+        trainmem.hf.recipe_from_deepspeed_config({"zero_optimization": {"stage": 2}}, gpus=2,
+                                                 training_arguments={**ta, "bf16": False, "fp16": True})
+
+
+def test_deepspeed_deprecated_offload_booleans_and_settings_it_ignores():
+    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+        "stage": 3, "cpu_offload": True, "cpu_offload_param": "true", "overlap_comm": True,
+        "stage3_gather_16bit_weights_on_model_save": True, "prefetch_bucket_size": 50_000_000},
+        "optimizer": {"type": "AdamW"}}
+    knobs = trainmem.hf.recipe_from_deepspeed_config(cfg, gpus=2)
+    assert knobs["offload"] == "both" and knobs["optimizer"] == "adamw"
+
+
+def test_trainer_settings_the_engine_does_not_model_are_refused():
+    ta = {"per_device_train_batch_size": 2}
+    for extra, message in [({"label_smoothing_factor": 0.1}, "LabelSmoother"),
+                           ({"torch_compile": True}, "torch_compile=True"),
+                           ({"ddp_bucket_cap_mb": 100}, "ddp_bucket_cap_mb=100"),
+                           ({"ddp_broadcast_buffers": False}, "ddp_broadcast_buffers=False"),
+                           ({"ddp_static_graph": True}, "ddp_static_graph=True"),
+                           ({"optim": "sgd", "optim_args": "momentum=0"}, "SGD has no momentum by default"),
+                           ({"per_device_train_batch_size": None}, "per_device_train_batch_size: expected a positive"),
+                           ({"gradient_checkpointing": True, "gradient_checkpointing_kwargs": "{bad"}, "not JSON"),
+                           ({"gradient_checkpointing": True, "gradient_checkpointing_kwargs": [1]}, "expected a dict"),
+                           ({"fsdp": "full_shard", "deepspeed": {"zero_optimization": {"stage": 2}}},
+                            "one or the other")]:
+        with pytest.raises(ValueError, match=__import__("re").escape(message)):
+            trainmem.hf.recipe_from_training_arguments({**ta, **extra}, gpus=2)
+    # at the defaults, and one GPU (no DDP), they pass
+    assert trainmem.hf.recipe_from_training_arguments({**ta, "ddp_bucket_cap_mb": 25, "ddp_static_graph": False},
+                                                      gpus=2)["parallel"] == "ddp"
+    assert "parallel" not in trainmem.hf.recipe_from_training_arguments({**ta, "ddp_bucket_cap_mb": 100})
+    sgd = trainmem.hf.recipe_from_training_arguments({**ta, "optim": "sgd", "optim_args": "momentum=0.9, nesterov=True"})
+    assert sgd["optimizer"] == "sgd"
+
+
+def test_an_fsdp_run_without_a_version_is_fsdp2(tmp_path):
+    # transformers' _process_fsdp_args: version 2 unless the config says 1; the config may be a file.
+    assert trainmem.hf.recipe_from_training_arguments({"fsdp": "full_shard"}, gpus=2)["parallel"] == "fsdp"
+    path = tmp_path / "fsdp.json"
+    path.write_text('{"fsdp_reshard_after_forward": "off"}')
+    knobs = trainmem.hf.recipe_from_training_arguments({"fsdp": True, "fsdp_config": str(path)}, gpus=2)
+    assert knobs == {"parallel": "fsdp", "fsdp_reshard_after_forward": False, "gpus": 2, "batch": 8, "grad_accum": 1,
+                     "precision": "fp32", "optimizer": "adamw-fused", "checkpointing": "none"}
 
 
 def test_unreadable_deepspeed_configs(tmp_path):
@@ -313,6 +413,8 @@ def test_unreadable_deepspeed_configs(tmp_path):
         trainmem.hf.recipe_from_deepspeed_config(str(bad), gpus=2)
     with pytest.raises(ValueError, match="cannot read it"):
         trainmem.hf.recipe_from_deepspeed_config(str(tmp_path / "missing.json"), gpus=2)
+    with pytest.raises(ValueError, match="expected a dict or a JSON file's path, got list"):
+        trainmem.hf.recipe_from_deepspeed_config([{"zero_optimization": {"stage": 2}}], gpus=2)
 
 
 QLORA = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
