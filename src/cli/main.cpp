@@ -83,7 +83,9 @@ struct RecipeFlags {
               fsdp_reduce_dtype = "none";
   std::vector<std::pair<std::string, CLI::Option*>> options;  // knob name → its flag
 
-  void add_to(CLI::App* app) {
+  // `fit`: the planner's help where it reads the flags otherwise (it searches the GPUs' use and
+  // plans training only).
+  void add_to(CLI::App* app, bool fit) {
     auto opt = [&](const char* knob, const char* flag, std::string& v, const char* help) {
       CLI::Option* o = app->add_option(flag, v, help)->capture_default_str();
       options.emplace_back(knob, o);
@@ -92,7 +94,9 @@ struct RecipeFlags {
     opt("grad_accum", "--grad-accum", accum, "Micro-batches per optimizer step");
     opt("seq", "--seq", seq, "Sequence length in tokens");
     opt("precision", "--precision", precision,
-        "fp32 | bf16-mixed | fp16-mixed | bf16-master | bf16-true | fp16-true (default: bf16-mixed; inference bf16-true)");
+        fit ? "fp32 | bf16-mixed | fp16-mixed | bf16-master | bf16-true | fp16-true (default: bf16-mixed)"
+            : "fp32 | bf16-mixed | fp16-mixed | bf16-master | bf16-true | fp16-true (default: bf16-mixed; inference "
+              "bf16-true)");
     opt("optimizer", "--optimizer", optimizer, "adamw | adamw-fused | adamw-8bit | sgd | adafactor");
     opt("checkpointing", "--checkpointing", ckpt,
         "none | full (per decoder layer, use_reentrant=False) | full-reentrant (use_reentrant=True, as peft's "
@@ -109,7 +113,8 @@ struct RecipeFlags {
         "Modules LoRA wraps: default (peft's), all-linear, or names (q_proj,v_proj)");
     opt("lora_dropout", "--lora-dropout", lora_dropout, "lora_dropout (0: no dropout, nothing saved)");
     options.emplace_back("load_in_4bit", app->add_flag("--load-in-4bit", load_in_4bit,
-                                                       "4-bit weights (bitsandbytes); needs --lora or --inference"));
+                                                       fit ? "4-bit weights (bitsandbytes); needs --lora"
+                                                           : "4-bit weights (bitsandbytes); needs --lora or --inference"));
     opt("bnb_4bit_quant_type", "--bnb-4bit-quant-type", quant_type, "With --load-in-4bit: fp4 (transformers' default) | nf4");
     options.emplace_back("bnb_4bit_use_double_quant",
                          app->add_flag("--bnb-4bit-use-double-quant", double_quant,
@@ -136,9 +141,13 @@ struct RecipeFlags {
     opt("new_tokens", "--new-tokens", new_tokens, "Inference: tokens generated after the prompt of --seq tokens");
     opt("beams", "--beams", beams, "Inference: beam-search width (1: greedy)");
     opt("gpus", "--gpus", gpus,
-        "Data-parallel GPUs (ranks); more than 1 needs --parallel (with --tp or --pp: the data-parallel degree)");
+        fit ? "GPUs to plan for; the search picks the wrapper, tensor, pipeline and context parallelism over them "
+              "unless --parallel or --tp holds them"
+            : "Data-parallel GPUs (ranks); more than 1 needs --parallel (with --tp or --pp: the data-parallel degree)");
     opt("parallel", "--parallel", parallel,
-        "none | ddp (DistributedDataParallel) | fsdp (FSDP2 per decoder layer) | zero1 | zero2 | zero3 (DeepSpeed ZeRO)");
+        fit ? "Holds the wrapper: none (plain DDP on several GPUs, or a tensor-parallel group alone) | ddp | fsdp | "
+              "zero1 | zero2 | zero3; left out, the search tries them"
+            : "none | ddp (DistributedDataParallel) | fsdp (FSDP2 per decoder layer) | zero1 | zero2 | zero3 (DeepSpeed ZeRO)");
     opt("parallel", "--zero", zero, "DeepSpeed ZeRO stage 1 | 2 | 3: --zero N is --parallel zeroN");
     opt("tp", "--tp", tp, "Tensor-parallel degree (torch parallelize_module, Megatron plan); 1: none");
     options.emplace_back("sequence_parallel",
@@ -160,7 +169,7 @@ struct RecipeFlags {
     opt("cp", "--cp", cp, "Context-parallel degree (torch context_parallel, ring attention; unmeasured); 1: none");
     opt("pp", "--pp", pp,
         "Pipeline-parallel degree (torch.distributed.pipelining, one stage per GPU; --grad-accum is the number of "
-        "micro-batches; with --gpus D --parallel ddp: D replicas of each stage, pp x D GPUs; with --tp T: each stage "
+        "micro-batches; with --gpus D --parallel ddp or fsdp: D replicas of each stage, pp x D GPUs; with --tp T: each stage "
         "tensor-parallel over T GPUs); 1: none");
     opt("pp_schedule", "--pp-schedule", pp_schedule,
         "With --pp: 1f1b (Schedule1F1B) | gpipe (ScheduleGPipe) | interleaved-1f1b (ScheduleInterleaved1F1B) | "
@@ -510,7 +519,7 @@ int main(int argc, char** argv) {
   est->add_option("model", model,
                   "Catalog name (qwen3-4b), Hugging Face id (Qwen/Qwen3-4B), config.json path or model directory")
       ->required();
-  flags.add_to(est);
+  flags.add_to(est, false);
   est->add_flag("--json", as_json, "Print the JSON object of docs/schema.md");
   est->add_flag("--timeline", timeline, "Include an allocated/reserved timeline in --json");
   est->add_flag("--phases", phases, "Include the peaks of each phase of every micro-batch in --json");
@@ -527,12 +536,12 @@ int main(int argc, char** argv) {
   RecipeFlags fit_flags;
   bool fit_json = false;
   fitc->add_option("model", fit_model, "Catalog name, Hugging Face id, config.json path or model directory")->required();
-  fit_flags.add_to(fitc);
+  fit_flags.add_to(fitc, true);
   // What the planner picks itself, or does not plan: parsed (so that fit says why it refuses them)
   // but left out of fit's help.
   for (const auto& [knob, option] : fit_flags.options) {
     if (knob == "pp" || knob == "cp" || knob == "pp_schedule" || knob == "pp_stages_per_rank" || knob == "mode" ||
-        knob == "new_tokens" || knob == "beams") {
+        knob == "new_tokens" || knob == "beams" || knob == "load_in_8bit") {
       option->group("");
     }
   }

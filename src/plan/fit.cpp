@@ -794,6 +794,17 @@ Recipe with_adapters(Recipe r, bool qlora, const Gpu& gpu) {
   return r;
 }
 
+// The data-parallel wrapper of the user's recipe on several GPUs when --parallel names none:
+// FSDP2 over tensor-parallel groups (docs/parallelism.md "TP x DP"), DeepSpeed where the recipe
+// offloads (ZeRO-3 for the parameters, ZeRO-2 for the optimizer alone: ZeRO-Offload as it is
+// usually run), else DDP. The search itself tries every wrapper the recipe's knobs allow.
+Parallel own_wrapper(const Recipe& r) {
+  if (r.tp > 1) return Parallel::kFsdp;
+  if (r.offload == Offload::kParams || r.offload == Offload::kBoth) return Parallel::kZero3;
+  if (r.offload == Offload::kOptimizer) return Parallel::kZero2;
+  return Parallel::kDdp;
+}
+
 // `reference`: the search as it was before Note [Fewer replays] (plan::fit_reference).
 // `plans_only`: the walk alone, for the adapter route (Note [The adapter route]): no closest
 // miss, no other GPUs, no single changes.
@@ -802,7 +813,11 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
   // otherwise ask for what their values need (a pipeline's micro-batches, say).
   if (q.base.pp != 1) throw Error(kPpSearched);
   if (q.base.cp != 1) throw Error(kCpSearched);
-  q.base.validate();
+  Recipe own = q.base;  // as given: on one GPU, where the wrapper is yet to be picked
+  if (q.gpus > 1 && own.parallel == Parallel::kNone && own.offload != Offload::kNone) {
+    own.parallel = own_wrapper(own);  // offload is checked with its wrapper
+  }
+  own.validate();
   if (q.base.mode != Mode::kTraining) throw Error("mode: fit plans training recipes; estimate a generation with `estimate --inference`");
   if (q.gpus < 1 || q.gpus > kMaxGpus) {
     throw Error("gpus: must be between 1 and " + std::to_string(kMaxGpus) + ", got " + std::to_string(q.gpus));
@@ -862,9 +877,7 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
   // "TP x DP"), each running its share.
   Recipe base = q.base;
   base.gpus = q.gpus / q.base.tp;
-  if (base.gpus > 1 && base.parallel == Parallel::kNone) {
-    base.parallel = q.base.tp > 1 ? Parallel::kFsdp : Parallel::kDdp;
-  }
+  if (base.gpus > 1 && base.parallel == Parallel::kNone) base.parallel = own_wrapper(q.base);
   base.validate();
   if (q.base.tp > 1 && base.gpus > 1 && out.global_batch % base.gpus != 0) {
     throw Error("global_batch: " + std::to_string(out.global_batch) + " sequences do not split over " +
@@ -1079,8 +1092,10 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
       // A pipeline stage runs the whole global batch (below), so its micro-batches reach past the
       // data-parallel ones: those go last, and make pipeline recipes only.
       const std::size_t dp_batches = tp_batches.size();
-      const bool pipelines = tp == 1 && q.gpus > 1 && !fixed(q, "parallel");
-      const bool tp_pipelines = tp > 1 && q.gpus >= 2 * tp && !fixed(q, "parallel");
+      // Pipelines and context-parallel rings offload nothing: a held offload keeps them out.
+      const bool held_offload = fixed(q, "offload") && q.base.offload != Offload::kNone;
+      const bool pipelines = tp == 1 && q.gpus > 1 && !fixed(q, "parallel") && !held_offload;
+      const bool tp_pipelines = tp > 1 && q.gpus >= 2 * tp && !fixed(q, "parallel") && !held_offload;
       if (pipelines) {
         for (std::uint64_t b : batches_for(out.global_batch)) {
           if (std::find(tp_batches.begin(), tp_batches.end(), b) == tp_batches.end()) tp_batches.push_back(b);
@@ -1555,7 +1570,17 @@ FitResult fit(const Model& model, const FitRequest& q) { return with_adapter_rou
 Recipe parse_fit_recipe(const RecipeSpelling& spelling) {
   if (spelling.pp != 1) throw Error(kPpSearched);
   if (spelling.cp != 1) throw Error(kCpSearched);
-  return parse_recipe(spelling);
+  if (spelling.parallel != "none" || spelling.offload == "none") return parse_recipe(spelling);
+  // Offload without a wrapper: on several GPUs the search picks one (own_wrapper), so the spelling
+  // is checked under it and handed on without; search() refuses it on one GPU.
+  RecipeSpelling wrapped = spelling;
+  Recipe r;
+  r.offload = parse_offload(spelling.offload);
+  r.tp = spelling.tp;
+  wrapped.parallel = to_string(own_wrapper(r));
+  r = parse_recipe(wrapped);
+  r.parallel = Parallel::kNone;
+  return r;
 }
 
 FitResult plan::fit_reference(const Model& model, const FitRequest& q) { return with_adapter_route(model, q, true); }

@@ -517,6 +517,22 @@ def test_fit_holds_offloaded_plans_to_the_host_memory(run):
         assert r.returncode == 2 and r.stdout == "" and "host_memory" in r.stderr
 
 
+@pytest.mark.parametrize("offload,wrappers,own", [("optimizer", {"zero1", "zero2", "zero3"}, "zero2"),
+                                                  ("params", {"zero3"}, "zero3"),
+                                                  ("both", {"zero3", "fsdp"}, "zero3")])
+def test_fit_holds_offload_on_several_gpus_without_a_parallel_flag(run, offload, wrappers, own):
+    # --offload alone on --gpus 2: the search keeps the wrappers that offload (no pipelines or
+    # rings, which offload nothing), and the user's own recipe runs under one of them.
+    r = run("fit", "qwen3-0.6b", "--gpus", "2", "--seq", "512", "--offload", offload, "--json")
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)
+    assert j["plans"] and {p["recipe"]["offload"] for p in j["plans"]} == {offload}
+    assert {p["recipe"]["parallel"] for p in j["plans"]} <= wrappers
+    assert j["baseline"]["recipe"]["parallel"] == own and j["baseline"]["recipe"]["offload"] == offload
+    one = run("fit", "qwen3-0.6b", "--offload", offload)  # one GPU: the wrapper must be named
+    assert one.returncode == 2 and one.stdout == "" and "needs parallel zero1" in one.stderr
+
+
 def test_data_parallel_flags_reach_the_recipe(run):
     r = run("estimate", "qwen3-0.6b", "--seq", "256", "--gpus", "4", "--parallel", "fsdp", "--json")
     assert r.returncode == 0, r.stderr
