@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -276,6 +277,22 @@ int fail(const std::string& msg) {
   return 2;
 }
 
+// The model a measurement names: a catalog name or id, or a path. A relative path that does not
+// resolve from the working directory is looked for beside the measurement and in the directories
+// above it: the corpus names its configs from the repository's root (data/ground_truth/configs/...).
+std::string measured_model_source(const std::string& model, const std::string& measurement) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path p(model);
+  if (p.is_absolute() || fs::exists(p, ec)) return model;
+  for (fs::path dir = fs::absolute(fs::path(measurement), ec).parent_path(); !ec && !dir.empty();
+       dir = dir.parent_path()) {
+    if (fs::exists(dir / p, ec)) return (dir / p).string();
+    if (dir == dir.root_path()) break;
+  }
+  return model;
+}
+
 // `trainmem compare`: re-estimates the measured model and recipe and reports the differences.
 // CPU and fake-tensor measurements sum 512-byte blocks with no cuBLAS workspace, so they are
 // compared with `--gpu cpu --allocator expandable`; CUDA measurements with their own recipe.
@@ -289,8 +306,27 @@ std::string compare(const std::string& path, bool as_json) {
   for (const char* key : {"model", "recipe", "peak_allocated_bytes", "breakdown_at_peak", "source"}) {
     if (!m.contains(key)) throw Error(std::string("compare: '") + path + "' has no '" + key + "' (is it trainmem-measure --json output?)");
   }
+  if (!m["model"].is_string() || !m["source"].is_string()) throw Error("compare: 'model' and 'source' must be strings");
+  if (!m["recipe"].is_object()) throw Error("compare: 'recipe' must be an object of knobs");
+  if (!m["peak_allocated_bytes"].is_number_unsigned() || m["peak_allocated_bytes"].get<std::uint64_t>() == 0) {
+    throw Error("compare: 'peak_allocated_bytes' must be a positive integer (bytes)");
+  }
+  if (!m["breakdown_at_peak"].is_object()) throw Error("compare: 'breakdown_at_peak' must be an object of category bytes");
+  for (const auto& [name, bytes] : m["breakdown_at_peak"].items()) {
+    if (!bytes.is_number_unsigned()) throw Error("compare: breakdown_at_peak." + name + " must be a non-negative integer");
+  }
+  if (m.contains("peak")) {
+    const nlohmann::json& pk = m["peak"];
+    if (!pk.is_object() || (pk.contains("phase") && !pk["phase"].is_string()) || (pk.contains("op") && !pk["op"].is_string())) {
+      throw Error("compare: 'peak' must be an object whose phase and op are strings");
+    }
+  }
   const nlohmann::json& jr = m["recipe"];
-  auto text = [&](const char* k, const char* d) { return jr.contains(k) ? jr[k].get<std::string>() : std::string(d); };
+  auto text = [&](const char* k, const char* d) {
+    if (!jr.contains(k)) return std::string(d);
+    if (!jr[k].is_string()) throw Error(std::string("compare: recipe.") + k + " must be a string");
+    return jr[k].get<std::string>();
+  };
   auto count = [&](const char* k, std::uint64_t d) {
     if (!jr.contains(k)) return d;
     if (!jr[k].is_number_unsigned()) throw Error(std::string("compare: recipe.") + k + " must be a positive integer");
@@ -360,7 +396,7 @@ std::string compare(const std::string& path, bool as_json) {
     sp.lora_dropout = jr["lora_dropout"].get<double>();
   }
   const trainmem::Recipe r = trainmem::parse_recipe(sp);
-  const trainmem::Model model = trainmem::load_model(m["model"].get<std::string>());
+  const trainmem::Model model = trainmem::load_model(measured_model_source(m["model"].get<std::string>(), path));
   // A data-parallel measurement is one rank's (trainmem-measure writes rank 0, and every rank's
   // peak and breakdown under diagnostics.parallel.ranks): the engine replays that rank.
   const nlohmann::json* parallel = nullptr;

@@ -91,6 +91,33 @@ def test_compare_rejects_non_measurements(run, tmp_path):
     assert "has no 'recipe' (is it trainmem-measure --json output?)" in r.stderr
 
 
+@pytest.mark.parametrize("change,message", [
+    ({"peak_allocated_bytes": "abc"}, "'peak_allocated_bytes' must be a positive integer"),
+    ({"peak_allocated_bytes": 0}, "'peak_allocated_bytes' must be a positive integer"),
+    ({"breakdown_at_peak": {"weights": -1}}, "breakdown_at_peak.weights must be a non-negative integer"),
+    ({"recipe": {"precision": 16}}, "recipe.precision must be a string"),
+    ({"peak": {"phase": 3}}, "'peak' must be an object whose phase and op are strings"),
+])
+def test_compare_says_which_field_is_wrong(run, tmp_path, change, message):
+    good = json.loads((CORPUS / "cpu-gemma2l2-fp32-sgd-eager-b1s32.json").read_text())
+    bad = tmp_path / "x.json"
+    bad.write_text(json.dumps({**good, **change}))
+    r = run("compare", bad)
+    assert r.returncode == 2 and r.stdout == ""
+    assert message in r.stderr and "unexpected failure" not in r.stderr
+
+
+def test_compare_finds_the_corpus_configs_from_any_directory(trainmem_bin, tmp_path):
+    # The corpus names its derived configs from the repository's root; compare finds them from the
+    # measurement's own directories when the working directory is elsewhere.
+    path = CORPUS / "cpu-gemma2l2-fp32-sgd-eager-b1s32.json"
+    assert json.loads(path.read_text())["model"].startswith("data/ground_truth/configs/")
+    r = subprocess.run([trainmem_bin, "compare", str(path.resolve()), "--json"], capture_output=True, text=True,
+                       cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["peak_error_pct"] == 0
+
+
 def test_tensor_parallel_entries_exact(comparisons):
     """The tensor-parallel measurements (recipe.tp, rank 0 of torch's parallelize_module on gloo
     ranks) are reproduced to the byte, peak and categories: the local shards, the rowwise
