@@ -341,7 +341,11 @@ void validate_parallel(const Recipe& r) {
     }
     const Fsdp& f = r.fsdp;
     check_range("fsdp_replicate", f.replicate, kMaxGpus);
-    if (f.replicate > 1 && (r.gpus % f.replicate != 0 || r.gpus / f.replicate < 2)) {
+    if (f.replicate > 1 && r.gpus % f.replicate != 0) {
+      throw Error("fsdp_replicate: " + std::to_string(f.replicate) + " does not divide gpus " + std::to_string(r.gpus) +
+                  ": HSDP's mesh is (fsdp_replicate, gpus / fsdp_replicate)");
+    }
+    if (f.replicate > 1 && r.gpus / f.replicate < 2) {
       throw Error("fsdp_replicate: " + std::to_string(f.replicate) + " with gpus " + std::to_string(r.gpus) +
                   ": HSDP's mesh is (fsdp_replicate, gpus / fsdp_replicate) and needs a shard group of 2 or more "
                   "GPUs");

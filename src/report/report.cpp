@@ -516,13 +516,30 @@ std::string to_text(const Estimate& e) {
         static_cast<unsigned long long>(r.new_tokens), search.c_str(), std::string(to_string(r.precision)).c_str(),
         std::string(to_string(r.attention)).c_str());
   } else {
-    add("recipe: batch %llu × seq %llu, grad_accum %llu, %s, %s, checkpointing %s, attention %s, loss %s%s\n",
+    add("recipe: batch %llu × seq %llu, grad_accum %llu, %s, %s, checkpointing %s, attention %s, loss %s%s%s\n",
         static_cast<unsigned long long>(r.batch), static_cast<unsigned long long>(r.seq),
         static_cast<unsigned long long>(r.grad_accum), std::string(to_string(r.precision)).c_str(),
         std::string(to_string(r.optimizer)).c_str(), std::string(to_string(r.checkpointing)).c_str(),
         std::string(to_string(r.attention)).c_str(), std::string(to_string(r.loss)).c_str(),
-        mask_words(r).c_str());
+        mask_words(r).c_str(), r.allocator == AllocatorMode::kExpandable ? ", expandable segments" : "");
   }
+  // The wrapper's own settings where they are not its defaults (the JSON recipe has them all).
+  std::string wrapper;
+  if (r.parallel == Parallel::kFsdp && !r.fsdp.is_default()) {
+    if (r.fsdp.replicate > 1) {
+      appendf(wrapper, ", HSDP over %llu replica groups of %llu", static_cast<unsigned long long>(r.fsdp.replicate),
+              static_cast<unsigned long long>(r.gpus / r.fsdp.replicate));
+    }
+    if (!r.fsdp.reshard_after_forward) wrapper += ", reshard_after_forward=False";
+    if (r.fsdp.param_dtype != FsdpDtype::kNone) {
+      wrapper += ", MixedPrecisionPolicy(param_dtype=" + std::string(to_string(r.fsdp.param_dtype)) +
+                 (r.fsdp.reduce_dtype != FsdpDtype::kNone ? ", reduce_dtype=" + std::string(to_string(r.fsdp.reduce_dtype)) : "") +
+                 ")";
+    }
+  }
+  if (r.parallel == Parallel::kDdp && r.ddp_find_unused_parameters) wrapper += ", find_unused_parameters=True";
+  if (r.parallel == Parallel::kDdp && r.ddp_gradient_as_bucket_view) wrapper += ", gradient_as_bucket_view=True";
+  if (!wrapper.empty()) add("%s:%s\n", std::string(to_string(r.parallel)).c_str(), wrapper.c_str() + 1);
   if (r.lora.enabled()) {
     std::string targets;
     for (const auto& t : r.lora.targets) targets += (targets.empty() ? "" : ", ") + t;

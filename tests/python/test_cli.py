@@ -43,6 +43,21 @@ def test_text_header_counts_parameters_in_a_readable_unit(run, model, header):
     assert r.stdout.splitlines()[0] == header
 
 
+def test_text_header_names_the_allocator_and_wrapper_settings_that_are_not_defaults(run):
+    r = run("estimate", "llama-3.2-1b", "--gpus", "8", "--parallel", "fsdp", "--fsdp-replicate", "2",
+            "--fsdp-reshard-after-forward", "false", "--precision", "fp32", "--fsdp-param-dtype", "bf16",
+            "--fsdp-reduce-dtype", "fp32", "--allocator", "expandable")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[1].endswith(", expandable segments")
+    assert lines[2] == ("fsdp: HSDP over 2 replica groups of 4, reshard_after_forward=False, "
+                        "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)")
+    plain = run("estimate", "llama-3.2-1b", "--gpus", "8", "--parallel", "fsdp").stdout.splitlines()
+    assert not plain[1].endswith("segments") and plain[2].startswith("data parallel: fsdp")
+    ddp = run("estimate", "gpt2", "--gpus", "2", "--parallel", "ddp", "--ddp-gradient-as-bucket-view").stdout
+    assert ddp.splitlines()[2] == "ddp: gradient_as_bucket_view=True"
+
+
 def test_hf_id_and_catalog_name_agree(run):
     a = json.loads(run("estimate", "Qwen/Qwen3-4B", "--json").stdout)
     b = json.loads(run("estimate", "qwen3-4b", "--json").stdout)
@@ -587,6 +602,7 @@ def test_fit_offers_flipping_reshard_after_forward(run):
     (["--gpus", "2", "--parallel", "fsdp", "--fsdp-reshard-after-forward", "no"],
      "fsdp_reshard_after_forward: must be true or false, got 'no'"),
     (["--gpus", "4", "--parallel", "fsdp", "--fsdp-replicate", "4"], "needs a shard group of 2 or more GPUs"),
+    (["--gpus", "8", "--parallel", "fsdp", "--fsdp-replicate", "3"], "fsdp_replicate: 3 does not divide gpus 8"),
     (["--gpus", "2", "--parallel", "fsdp", "--fsdp-param-dtype", "fp16"],
      "fsdp_param_dtype: unknown value 'fp16'; expected one of none, fp32, bf16"),
     (["--gpus", "2", "--parallel", "fsdp", "--precision", "bf16-true", "--fsdp-param-dtype", "bf16"],

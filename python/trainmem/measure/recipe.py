@@ -396,7 +396,10 @@ class Recipe:
                 raise RecipeError("fsdp_reshard_after_forward / fsdp_replicate / fsdp_param_dtype / fsdp_reduce_dtype "
                                   "are FSDP2 knobs: they need parallel fsdp")
             return
-        if replicate > 1 and (self.gpus % replicate != 0 or self.gpus // replicate < 2):
+        if replicate > 1 and self.gpus % replicate != 0:
+            raise RecipeError(f"fsdp_replicate={replicate} does not divide gpus={self.gpus}: HSDP's mesh is "
+                              "(replicate, shard) = (fsdp_replicate, gpus / fsdp_replicate)")
+        if replicate > 1 and self.gpus // replicate < 2:
             raise RecipeError(f"fsdp_replicate={replicate}: HSDP's mesh is (replicate, shard) = (fsdp_replicate, "
                               f"gpus / fsdp_replicate) and needs a shard group of 2 or more ranks; gpus={self.gpus}")
         autocast_over_policy = (self.fsdp_param_dtype == "bf16" and self.precision == "bf16-mixed"
