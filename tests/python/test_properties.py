@@ -164,9 +164,10 @@ _BATCH_COUNTEREXAMPLE = (
 _SEQ_COUNTEREXAMPLE = (
     {"model_type": "mistral", "num_attention_heads": 8, "num_key_value_heads": 1, "num_hidden_layers": 2,
      "intermediate_size": 1, "vocab_size": 1, "hidden_size": 1024, "torch_dtype": "float32"},
-    {"batch": 2, "seq": 142, "grad_accum": 1, "precision": "fp32", "optimizer": "adamw-fused",
+    {"batch": 2, "seq": 129, "grad_accum": 1, "precision": "fp32", "optimizer": "adamw-fused",
      "checkpointing": "none", "attention": "sdpa", "loss": "standard", "gpu": "h100-80gb"},
-    1)  # seq 142 -> 143: 154809344 -> 154247168 bytes
+    1)  # seq 129 -> 130: 153199104 -> 153198080 bytes (found by a scan in session 29: an earlier
+# engine change made seq 142 -> 143 grow, and the search alone did not find a case every run)
 _DEFAULT_NOT_MONOTONE = pytest.mark.xfail(
     strict=True, reason="finding: the default caching allocator charges unsplit blocks whole, so "
                         "peak_allocated_bytes is not monotone in batch/seq (see the counterexamples)")
