@@ -34,6 +34,8 @@ class Estimate:
     steps: list[dict[str, int]]
     device: dict[str, Any]
     recipe: dict[str, Any]
+    # Peak reserved bytes plus the CUDA context within the GPU's memory; None on the CPU.
+    fits: bool | None = None
     timeline: list[dict[str, Any]] = field(default_factory=list)
     phases: list[dict[str, Any]] = field(default_factory=list)  # with phases=True
     source: str = "engine"
@@ -54,6 +56,8 @@ class Estimate:
             del d["rank"], d["ranks"]
         if not d["host_bytes"]:
             del d["host_bytes"]
+        if d["fits"] is None:
+            del d["fits"]
         return json.loads(json.dumps(d))
 
     def __str__(self) -> str:  # the terminal picture, as the CLI prints it

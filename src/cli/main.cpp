@@ -557,6 +557,9 @@ int main(int argc, char** argv) {
       ->required();
   flags.add_to(est, false);
   est->add_flag("--json", as_json, "Print the JSON object of docs/schema.md");
+  bool est_exit_code = false;
+  est->add_flag("--exit-code", est_exit_code,
+                "Exit with 1 when the estimate does not fit the GPU (peak reserved plus the CUDA context), 0 when it does");
   est->add_flag("--timeline", timeline, "Include an allocated/reserved timeline in --json");
   est->add_flag("--phases", phases, "Include the peaks of each phase of every micro-batch in --json");
   est->add_option("--trace", trace_path, "Write every simulated alloc/free event to FILE as JSON lines");
@@ -589,6 +592,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   fitc->add_flag("--json", fit_json,
                  "Print capacity_bytes, plans, baseline, changes, closest_miss, fits_on and adapter_plans as JSON");
+  bool fit_exit_code = false;
+  fitc->add_flag("--exit-code", fit_exit_code, "Exit with 1 when no recipe fits, 0 when one does");
   fitc->footer(
       "Knobs the planner searches that you pass (--batch, --precision, --optimizer, --checkpointing,\n"
       "--attention, --loss, --allocator, --parallel, --offload, --tp) are held; the others are searched.\n"
@@ -629,6 +634,7 @@ int main(int argc, char** argv) {
 
   try {
     std::string out;
+    int rc = 0;  // 1: --exit-code and it does not fit
     if (*est) {
       const trainmem::Recipe r = trainmem::parse_recipe(flags.spelling());
       trainmem::Model m = trainmem::load_model(model);
@@ -652,6 +658,7 @@ int main(int argc, char** argv) {
       }
       trainmem::Estimate e = trainmem::estimate(m, r, opt);
       out = as_json ? trainmem::report::to_json(e) + "\n" : trainmem::report::to_text(e);
+      if (est_exit_code && !trainmem::report::fits_gpu(e)) rc = 1;
     } else if (*fitc) {
       trainmem::FitRequest q;
       trainmem::RecipeSpelling sp = fit_flags.spelling();
@@ -671,6 +678,7 @@ int main(int argc, char** argv) {
       const trainmem::Model m = trainmem::load_model(fit_model);
       const trainmem::FitResult f = trainmem::fit(m, q);
       out = fit_json ? trainmem::report::fit_to_json(m.name, f) + "\n" : trainmem::report::fit_to_text(m.name, f);
+      if (fit_exit_code && f.plans.empty()) rc = 1;
     } else if (*cmp) {
       out = compare(measured_path, cmp_json);
     } else if (*models) {
@@ -733,7 +741,7 @@ int main(int argc, char** argv) {
       }
     }
     std::fwrite(out.data(), 1, out.size(), stdout);
-    return 0;
+    return rc;
   } catch (const Error& e) {
     return fail(e.what());
   } catch (const std::overflow_error& e) {

@@ -407,6 +407,11 @@ std::string fit_to_text(const std::string& model, const FitResult& f) {
   return out;
 }
 
+bool fits_gpu(const Estimate& e) {
+  if (e.gpu.capacity_bytes == 0) return true;
+  return e.peak_reserved_bytes <= e.gpu.capacity_bytes && e.gpu.context_bytes <= e.gpu.capacity_bytes - e.peak_reserved_bytes;
+}
+
 std::string recipe_json(const Recipe& r) {
   return recipe_object(r).dump(-1, ' ', false, ordered_json::error_handler_t::replace);
 }
@@ -434,6 +439,7 @@ std::string to_json(const Estimate& e, bool pretty) {
   j["device"] = {{"name", e.gpu.name},
                  {"capacity_bytes", e.gpu.capacity_bytes},
                  {"context_bytes", e.gpu.context_bytes}};
+  if (e.gpu.capacity_bytes) j["fits"] = fits_gpu(e);
   j["recipe"] = recipe_object(e.recipe);
   if (e.recipe.gpus > 1 || e.recipe.pp > 1) {  // a pipeline's ranks are its stages
     j["rank"] = e.rank;
@@ -677,8 +683,8 @@ std::string to_text(const Estimate& e) {
         detail::format_bytes(b).c_str(), share * 100, bar.c_str());
   }
   if (e.gpu.capacity_bytes) {
-    std::uint64_t need = e.peak_reserved_bytes + e.gpu.context_bytes;
-    if (need <= e.gpu.capacity_bytes) {
+    const std::uint64_t need = e.peak_reserved_bytes + e.gpu.context_bytes;
+    if (fits_gpu(e)) {
       add("\nfits: %s of %s used with the context; %s headroom\n", detail::format_bytes(need).c_str(),
           detail::format_bytes(e.gpu.capacity_bytes).c_str(),
           detail::format_bytes(e.gpu.capacity_bytes - need).c_str());

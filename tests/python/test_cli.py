@@ -58,6 +58,18 @@ def test_text_header_names_the_allocator_and_wrapper_settings_that_are_not_defau
     assert ddp.splitlines()[2] == "ddp: gradient_as_bucket_view=True"
 
 
+def test_exit_code_says_whether_it_fits(run):
+    big = run("estimate", "llama-3.1-70b", "--json", "--exit-code")
+    assert big.returncode == 1 and json.loads(big.stdout)["fits"] is False
+    small = run("estimate", "gpt2", "--json", "--exit-code")
+    assert small.returncode == 0 and json.loads(small.stdout)["fits"] is True
+    assert run("estimate", "llama-3.1-70b").returncode == 0  # without the flag, printing is success
+    assert "fits" not in json.loads(run("estimate", "gpt2", "--gpu", "cpu", "--json").stdout)
+    assert run("fit", "llama-3.1-70b", "--gpu", "rtx-4090", "--exit-code").returncode == 1
+    assert run("fit", "gpt2", "--seq", "512", "--exit-code").returncode == 0
+    assert run("estimate", "gpt2", "--batch", "0", "--exit-code").returncode == 2
+
+
 def test_hf_id_and_catalog_name_agree(run):
     a = json.loads(run("estimate", "Qwen/Qwen3-4B", "--json").stdout)
     b = json.loads(run("estimate", "qwen3-4b", "--json").stdout)
