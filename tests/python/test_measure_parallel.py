@@ -501,6 +501,43 @@ def test_settled_collective_keeps_the_call_contract():
         dist.destroy_process_group()
 
 
+def test_ddp_broadcasts_wait_for_what_gloo_still_holds():
+    """Note [Settled DDP collectives]: the coalesced buffer broadcast returns once everything it
+    made is freed, the bucket rebuild once the integer tensors it made are (its buckets stay);
+    here a thread stands in for gloo's worker, freeing a record 50 ms after the call returns."""
+    import contextlib
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from trainmem.measure.parallel import _ReducerProxy, _settled_broadcast_coalesced
+
+    tracker = SimpleNamespace(records=[], forced=lambda flag: contextlib.nullcontext())
+
+    def made(dtype, late_s=None):
+        rec = SimpleNamespace(dtype=dtype, free_index=None)
+        tracker.records.append(rec)
+        if late_s is not None:
+            threading.Timer(late_s, lambda: setattr(rec, "free_index", 1)).start()
+        return rec
+
+    broadcast = _settled_broadcast_coalesced(tracker, lambda tensors, size: made("float32", 0.05))
+    start = time.monotonic()
+    broadcast([], 1)
+    assert time.monotonic() - start >= 0.045 and tracker.records[-1].free_index == 1
+
+    class Reducer:
+        def _rebuild_buckets(self):
+            made("int32", 0.05)
+            made("float32")  # a new bucket: alive after the rebuild
+            return True
+
+    start = time.monotonic()
+    assert _ReducerProxy(Reducer(), tracker, True)._rebuild_buckets() is True
+    assert time.monotonic() - start >= 0.045
+    assert [r.free_index for r in tracker.records[-2:]] == [1, None]
+
+
 # ---------------------------------------------------------------------------------- pipeline
 
 

@@ -850,12 +850,29 @@ def _attach_zero3(tracker, zero) -> None:
     tracker._restore.append(functools.partial(setattr, partition_parameters, "free_param", original_free))
 
 
+# Note [Settled DDP collectives]
+# DDP broadcasts through gloo in two places of every measured step that the Python side can
+# reach: `_sync_buffers` before each forward (broadcast_buffers, DDP's default) flattens the
+# module's buffers (Llama's rotary inv_freq) into a temporary for `dist._broadcast_coalesced`, and
+# the Reducer's one `_rebuild_buckets` (step 2's forward) first broadcasts the bucket assignment
+# as int32 tensors (sync_bucket_indices, C++). gloo's Work holds those tensors, and its worker
+# thread may hold the Work for a moment after the wait, so now and then one was freed on the
+# worker thread inside layer 0's forward: a 512 B late free on one rank in 2 of 6 runs of a
+# 2-rank Llama (session 29, `off_thread` in the traces; the float [64] inv_freq copy, the int32
+# [4] bucket sizes). So, on gloo, the broadcast waits until everything it made is freed, and the
+# rebuild until the integer tensors it made are (its new buckets stay); as the other settles,
+# sleeping hands the GIL to the worker thread. The engine frees both inside their calls. The
+# broadcast's late free went (none in 6 runs after); the rebuild's is made inside C++ before
+# the new buckets, and the wait can only keep it inside the call: 2 of 6 runs still freed it on
+# the worker thread, after some of the buckets, 512 B that no phase peak saw.
 class _ReducerProxy:
-    """DDP's Reducer with `_rebuild_buckets` run under `forced("gradients")`: the new buckets."""
+    """DDP's Reducer with `_rebuild_buckets` run under `forced("gradients")`: the new buckets;
+    on gloo settled (Note [Settled DDP collectives])."""
 
-    def __init__(self, reducer, tracker):
+    def __init__(self, reducer, tracker, settle: bool):
         object.__setattr__(self, "_reducer", reducer)
         object.__setattr__(self, "_tracker", tracker)
+        object.__setattr__(self, "_settle", settle)
 
     def __getattr__(self, name):
         return getattr(self._reducer, name)
@@ -864,8 +881,23 @@ class _ReducerProxy:
         setattr(self._reducer, name, value)
 
     def _rebuild_buckets(self):
+        first = len(self._tracker.records)
         with self._tracker.forced("gradients"):
-            return self._reducer._rebuild_buckets()
+            out = self._reducer._rebuild_buckets()
+        if self._settle:
+            _wait_until_settled(lambda: _unfreed_since(self._tracker, first, integers_only=True), 0.0002,
+                                "gloo kept DDP's bucket assignment broadcast alive", "Settled DDP collectives")
+        return out
+
+
+def _settled_broadcast_coalesced(tracker, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        first = len(tracker.records)
+        fn(*args, **kwargs)
+        _wait_until_settled(lambda: _unfreed_since(tracker, first), 0.0002,
+                            "gloo kept DDP's coalesced broadcast alive", "Settled DDP collectives")
+    return wrapper
 
 
 def _attach_ddp(tracker, ddp) -> None:
@@ -887,8 +919,12 @@ def _attach_ddp(tracker, ddp) -> None:
         n += 1
     del ddp._trainmem_made
     reducer = ddp.reducer
-    ddp.reducer = _ReducerProxy(reducer, tracker)
+    gloo = torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo"
+    ddp.reducer = _ReducerProxy(reducer, tracker, gloo)
     tracker._restore.append(functools.partial(setattr, ddp, "reducer", reducer))
+    if gloo:  # See Note [Settled DDP collectives]
+        ddp._distributed_broadcast_coalesced = _settled_broadcast_coalesced(tracker, ddp._distributed_broadcast_coalesced)
+        tracker._restore.append(functools.partial(delattr, ddp, "_distributed_broadcast_coalesced"))
 
 
 # Note [Settled reduce-scatter]
@@ -923,9 +959,11 @@ def _wait_until_settled(busy, interval_s: float, what, note: str) -> None:
         time.sleep(interval_s)
 
 
-def _unfreed_since(tracker, first: int) -> bool:
-    """Whether a tensor the tracker recorded from record `first` on is still alive."""
-    return any(rec.free_index is None for rec in tracker.records[first:])
+def _unfreed_since(tracker, first: int, integers_only: bool = False) -> bool:
+    """Whether a tensor the tracker recorded from record `first` on (of an integer dtype, with
+    `integers_only`) is still alive."""
+    return any(rec.free_index is None and (not integers_only or "int" in str(rec.dtype))
+               for rec in tracker.records[first:])
 
 
 def _settled_reduce_scatter(tracker, fn):
