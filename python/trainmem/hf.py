@@ -401,17 +401,7 @@ def _fsdp_knobs(args: Any) -> dict[str, Any]:
     else:
         words = option.split() if isinstance(option, str) else [str(getattr(w, "value", w)) for w in option]
     # Keys with transformers' "fsdp_" prefix mean the same as without (TrainingArguments strips it).
-    raw = _get(args, "fsdp_config") or {}
-    if isinstance(raw, str):  # a JSON file's path, which TrainingArguments reads
-        try:
-            with open(raw, encoding="utf-8") as f:
-                raw = json.load(f)
-        except OSError as e:
-            raise ValueError(f"fsdp_config {raw!r}: cannot read it: {e.strerror}") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"fsdp_config {raw!r}: not JSON: {e.msg} at line {e.lineno}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"fsdp_config: expected a dict or a JSON file's path, got {type(raw).__name__}")
+    raw = _json_object(_get(args, "fsdp_config") or {}, "fsdp_config")  # TrainingArguments reads a path too
     config = {k.removeprefix("fsdp_") if k != "fsdp_version" else k: v for k, v in raw.items()}
     # transformers' _process_fsdp_args: FSDP2 unless the config says version 1.
     version = int(config.get("fsdp_version", config.get("version", 2)))
@@ -502,25 +492,27 @@ def _check_zero_settings(zero: dict[str, Any], stage: int) -> None:
                              f"default ({default}); remove it to estimate with the default")
 
 
-def _load_deepspeed(config: Any) -> dict[str, Any]:
-    if isinstance(config, dict):
-        return config
+def _json_object(value: Any, what: str) -> dict[str, Any]:
+    """A config given as a dict or as the path of a JSON file holding one (as the Trainer takes
+    `deepspeed` and `fsdp_config`)."""
+    if isinstance(value, dict):
+        return value
     import os
     from pathlib import Path
 
-    if not isinstance(config, (str, os.PathLike)):
-        raise ValueError(f"deepspeed config: expected a dict or a JSON file's path, got {type(config).__name__}")
-    path = Path(config)
+    if not isinstance(value, (str, os.PathLike)):
+        raise ValueError(f"{what}: expected a dict or a JSON file's path, got {type(value).__name__}")
+    path = Path(value)
     try:
         text = path.read_text()
     except OSError as e:
-        raise ValueError(f"deepspeed config {str(path)!r}: cannot read it: {e.strerror}") from None
+        raise ValueError(f"{what} {str(path)!r}: cannot read it: {e.strerror}") from None
     try:
         loaded = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"deepspeed config {str(path)!r}: not JSON: {e.msg} at line {e.lineno}") from None
+        raise ValueError(f"{what} {str(path)!r}: not JSON: {e.msg} at line {e.lineno}") from None
     if not isinstance(loaded, dict):
-        raise ValueError(f"deepspeed config {str(path)!r}: expected a JSON object")
+        raise ValueError(f"{what} {str(path)!r}: expected a JSON object")
     return loaded
 
 
@@ -629,7 +621,7 @@ def recipe_from_deepspeed_config(config: Any, *, seq: int | None = None, gpus: i
     ZeRO++; the Trainer's model-sized "auto" buckets included) and ZeRO keys trainmem does not
     know, other optimizers.
     """
-    ds = _load_deepspeed(config)
+    ds = _json_object(config, "deepspeed config")
     args = training_arguments
     zero = ds.get("zero_optimization") or {}
     if not isinstance(zero, dict):
