@@ -418,11 +418,9 @@ def _fsdp_knobs(args: Any) -> dict[str, Any]:
                          "(TRANSFORMER_BASED_WRAP, the default) is modelled")
     # "offload" sets fsdp_config["cpu_offload"] (transformers' _apply_legacy_fsdp_to_config); Accelerate
     # turns it into FSDP2's CPUOffloadPolicy() (pin_memory True): recipe offload "both".
-    cpu_offload = config.get("cpu_offload", "offload" in words)
-    if isinstance(cpu_offload, str) and cpu_offload.lower() in ("true", "false"):
-        cpu_offload = cpu_offload.lower() == "true"
-    if not isinstance(cpu_offload, bool):
-        raise ValueError(f"fsdp_config cpu_offload={cpu_offload!r}: FSDP2 takes true or false")
+    # transformers tests the value's truth as Python does (`if fsdp_config.get("cpu_offload")`), so
+    # any non-empty string, "false" included, offloads.
+    cpu_offload = bool(config.get("cpu_offload", "offload" in words))
     words = [w for w in words if w != "offload"]
     if any(w in ("hybrid_shard", "hybrid_shard_zero2") for w in words):
         raise ValueError(f"fsdp={option!r}: hybrid sharding is FSDP1-only in the Trainer (transformers refuses it "
@@ -525,13 +523,15 @@ def _deepspeed_batch(ds: dict[str, Any], gpus: int | None, args: Any) -> tuple[i
     gradient_accumulation_steps, and a value that differs from them is the mismatch it refuses."""
     if gpus is not None:
         _positive_int(gpus, "gpus")
-    names = {"train_batch_size": None, "train_micro_batch_size_per_gpu": "per_device_train_batch_size",
-             "gradient_accumulation_steps": "gradient_accumulation_steps"}
+    # The DeepSpeed key, and the TrainingArguments field that fills it with its default.
+    names = {"train_batch_size": (None, None),
+             "train_micro_batch_size_per_gpu": ("per_device_train_batch_size", 8),
+             "gradient_accumulation_steps": ("gradient_accumulation_steps", 1)}
     got: dict[str, int | None] = {}
-    for name, arg in names.items():
+    for name, (arg, default) in names.items():
         v = ds.get(name)
         if args is not None and arg is not None:
-            mine = _positive_int(_get(args, arg), arg)
+            mine = _positive_int(_get(args, arg, default), arg)
             if v not in (None, "auto") and v != mine:
                 raise ValueError(f"deepspeed config {name}={v!r} and TrainingArguments {arg}={mine}: the Trainer "
                                  "refuses the mismatch; set it to 'auto'")

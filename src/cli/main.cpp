@@ -280,8 +280,12 @@ int fail(const std::string& msg) {
 // The model a measurement names: a catalog name or id, or a path. A relative path that does not
 // resolve from the working directory is looked for beside the measurement and in the directories
 // above it: the corpus names its configs from the repository's root (data/ground_truth/configs/...).
+// Catalog names are never looked for.
 std::string measured_model_source(const std::string& model, const std::string& measurement) {
   namespace fs = std::filesystem;
+  for (const auto& c : trainmem::catalog()) {
+    if (model == c.name || model == c.hf_id) return model;  // never a folder that shares its name
+  }
   std::error_code ec;
   const fs::path p(model);
   if (p.is_absolute() || fs::exists(p, ec)) return model;

@@ -815,6 +815,11 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
   if (q.base.cp != 1) throw Error(kCpSearched);
   Recipe own = q.base;  // as given: on one GPU, where the wrapper is yet to be picked
   if (q.gpus > 1 && own.parallel == Parallel::kNone && own.offload != Offload::kNone) {
+    if (fixed(q, "parallel")) {
+      throw Error("offload: " + std::string(to_string(own.offload)) + " with --parallel none, which holds plain DDP on " +
+                  std::to_string(q.gpus) + " GPUs: DDP offloads nothing; leave --parallel out and the planner "
+                  "searches the wrappers that offload");
+    }
     own.parallel = own_wrapper(own);  // offload is checked with its wrapper
   }
   own.validate();
@@ -1573,10 +1578,13 @@ Recipe parse_fit_recipe(const RecipeSpelling& spelling) {
   if (spelling.parallel != "none" || spelling.offload == "none") return parse_recipe(spelling);
   // Offload without a wrapper: on several GPUs the search picks one (own_wrapper), so the spelling
   // is checked under it and handed on without; search() refuses it on one GPU.
+  if (spelling.tp > 1) {
+    throw Error("offload: " + spelling.offload + " with tensor parallelism (--tp " + std::to_string(spelling.tp) +
+                ") is not modelled; drop one of them");
+  }
   RecipeSpelling wrapped = spelling;
   Recipe r;
   r.offload = parse_offload(spelling.offload);
-  r.tp = spelling.tp;
   wrapped.parallel = to_string(own_wrapper(r));
   r = parse_recipe(wrapped);
   r.parallel = Parallel::kNone;

@@ -118,6 +118,18 @@ def test_compare_finds_the_corpus_configs_from_any_directory(trainmem_bin, tmp_p
     assert json.loads(r.stdout)["peak_error_pct"] == 0
 
 
+def test_compare_takes_a_catalog_name_beside_a_folder_of_that_name(run, tmp_path):
+    # Measurements kept in a folder named after their model: the name is the catalog's.
+    entry = CORPUS / "cpu-gpt2-bf16mixed-adamw-b1s8.json"
+    assert json.loads(entry.read_text())["model"] == "gpt2"
+    (tmp_path / "gpt2").mkdir()
+    path = tmp_path / "gpt2" / "m.json"
+    path.write_text(entry.read_text())
+    r = run("compare", path, "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["model"] == "gpt2"
+
+
 def test_tensor_parallel_entries_exact(comparisons):
     """The tensor-parallel measurements (recipe.tp, rank 0 of torch's parallelize_module on gloo
     ranks) are reproduced to the byte, peak and categories: the local shards, the rowwise

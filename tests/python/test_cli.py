@@ -558,6 +558,10 @@ def test_fit_holds_offload_on_several_gpus_without_a_parallel_flag(run, offload,
     assert j["baseline"]["recipe"]["parallel"] == own and j["baseline"]["recipe"]["offload"] == offload
     one = run("fit", "qwen3-0.6b", "--offload", offload)  # one GPU: the wrapper must be named
     assert one.returncode == 2 and one.stdout == "" and "needs parallel zero1" in one.stderr
+    for extra, message in [(["--parallel", "none"], "DDP offloads nothing"),
+                           (["--tp", "2"], "with tensor parallelism (--tp 2) is not modelled")]:
+        r = run("fit", "qwen3-0.6b", "--gpus", "4", "--offload", offload, *extra)
+        assert r.returncode == 2 and r.stdout == "" and message in r.stderr, r.stderr
 
 
 def test_data_parallel_flags_reach_the_recipe(run):

@@ -199,7 +199,6 @@ def test_shard_grad_op_is_reshard_after_forward_false(fsdp, config):
     ("full_shard", [1, 2], "fsdp_config: expected a dict"),
     ("hybrid_shard", {"fsdp_version": 2}, "hybrid sharding is FSDP1-only"),
     ("full_shard shard_grad_op", {"fsdp_version": 2}, "'full_shard' or 'shard_grad_op'"),
-    ("full_shard", {"fsdp_version": 2, "cpu_offload": "maybe"}, "cpu_offload='maybe'"),
 ])
 def test_unmodelled_fsdp_is_refused(fsdp, config, message):
     with pytest.raises(ValueError, match=__import__("re").escape(message)):
@@ -394,6 +393,22 @@ def test_trainer_settings_the_engine_does_not_model_are_refused():
     assert "parallel" not in trainmem.hf.recipe_from_training_arguments({**ta, "ddp_bucket_cap_mb": 100})
     sgd = trainmem.hf.recipe_from_training_arguments({**ta, "optim": "sgd", "optim_args": "momentum=0.9, nesterov=True"})
     assert sgd["optimizer"] == "sgd"
+
+
+def test_fsdp_cpu_offload_is_any_true_value_as_transformers_reads_it():
+    # training_args.py: `if self.fsdp_config.get("cpu_offload", False)`, a plain truth test
+    for value, offloaded in [(True, True), ("false", True), ("yes", True), (0, False), (False, False), ("", False)]:
+        knobs = trainmem.hf.recipe_from_training_arguments({"fsdp": True, "fsdp_config": {"cpu_offload": value}},
+                                                           gpus=2)
+        assert (knobs.get("offload") == "both") == offloaded, value
+
+
+def test_deepspeed_under_a_partial_trainer_dict_takes_the_trainers_defaults():
+    knobs = trainmem.hf.recipe_from_deepspeed_config({"zero_optimization": {"stage": 2}}, gpus=2,
+                                                     training_arguments={"per_device_train_batch_size": 2})
+    assert (knobs["batch"], knobs["grad_accum"]) == (2, 1)
+    knobs = trainmem.hf.recipe_from_deepspeed_config({"zero_optimization": {"stage": 2}}, gpus=2, training_arguments={})
+    assert (knobs["batch"], knobs["grad_accum"]) == (8, 1)
 
 
 def test_an_fsdp_run_without_a_version_is_fsdp2(tmp_path):
