@@ -152,8 +152,20 @@ Estimate run_ranks(const Model& model, const Recipe& resolved, const Gpu& gpu, c
 // (Note [Requests that do not fit] in plan/fit.cpp). The sum cannot skip a repeated micro-batch
 // (that takes the allocator's state, Note [Repeated micro-batches] in sim/simulator.cpp), so every
 // micro-batch is built. Checked against the replay's peaks: Estimate.RequestedBytesBoundTheReplay.
-Recipe detail::with_resolved_targets(const Model& model, Recipe recipe) {
+// Note [Gemma-2's attention]
+// transformers declares no SDPA for Gemma-2 (`_supports_sdpa = False`: SDPA has no logit
+// softcapping), so a model built without attn_implementation runs eager attention, and one asked
+// for "sdpa" is refused at construction (transformers 5.24 and 5.25; the measuring side measures
+// Gemma-2 eager only). The recipe's sdpa, the default, is therefore resolved to eager, and the
+// estimate says so. flash_attention_2 it does take (softcapping inside the kernel), but the engine
+// models Gemma-2's eager attention only, so flash is refused rather than estimated as eager.
+Recipe detail::resolved_for_model(const Model& model, Recipe recipe) {
   if (recipe.lora.enabled()) recipe.lora.targets = resolve_lora_targets(model.arch, recipe.lora.targets);
+  if (model.arch.family == Family::kGemma2 && recipe.attention == Attention::kSdpa) recipe.attention = Attention::kEager;
+  if (model.arch.family == Family::kGemma2 && recipe.attention == Attention::kFlash) {
+    throw Error("attention: flash (flash_attention_2) for Gemma-2 is not modelled; its eager attention is, which "
+                "transformers runs by default (it has no SDPA for Gemma-2)");
+  }
   return recipe;
 }
 
@@ -161,7 +173,7 @@ std::uint64_t detail::peak_requested_bytes(const Model& model, const Recipe& rec
                                            std::uint64_t stop_above, bool* before_optimizer) {
   recipe.validate();
   const Gpu& gpu = find_gpu(recipe.gpu);
-  const Recipe resolved = with_resolved_targets(model, recipe);
+  const Recipe resolved = resolved_for_model(model, recipe);
   const sim::AllocatorConfig plain;  // 512 B steps: every config rounds to them or coarser
   std::size_t next = 0;
   std::uint64_t live = 0, peak = 0;
@@ -200,7 +212,7 @@ Estimate estimate(const Model& model, const Recipe& recipe, const EstimateOption
   recipe.validate();
   const Gpu& gpu = find_gpu(recipe.gpu);
   try {
-    return run_ranks(model, detail::with_resolved_targets(model, recipe), gpu, options);
+    return run_ranks(model, detail::resolved_for_model(model, recipe), gpu, options);
   } catch (const std::overflow_error& e) {
     too_big(e);
   }

@@ -20,8 +20,9 @@ std::vector<std::uint64_t> replayed_ranks(const Recipe& r);
 // the stop limit no other rank is replayed.
 bool worse_rank(const Estimate& a, const Estimate& b);
 
-// `recipe` with its LoRA targets resolved to the model's module paths, as estimate() builds it.
-Recipe with_resolved_targets(const Model& model, Recipe recipe);
+// `recipe` as estimate() builds it for `model`: its LoRA targets resolved to the model's module
+// paths, Gemma-2's attention to eager (Note [Gemma-2's attention] in estimate.cpp).
+Recipe resolved_for_model(const Model& model, Recipe recipe);
 
 // The most bytes the live tensors of `rank`'s trace request at once, each rounded up to 512 B as
 // the caching allocator rounds a request (Note [Requested bytes] in estimate.cpp): no allocator

@@ -65,7 +65,8 @@ StepBuilder::StepBuilder(const Model& m, const Recipe& r, const Gpu& gpu, const 
   }
   cuda_ = gpu.name != "cpu";
   attention_ = r.attention;
-  // Gemma-2 declares no SDPA/flash support in transformers 5: it always runs eager attention.
+  // Gemma-2 runs eager attention (Note [Gemma-2's attention] in estimate.cpp, which resolves the
+  // recipe before it gets here).
   if (a_.family == Family::kGemma2) attention_ = Attention::kEager;
   window_ = model::attention_windows(a_);
   // See Note [Layer stamp keys] (step_stamp.cpp): the recipes whose layers' forwards depend on

@@ -330,7 +330,7 @@ class Planner {
                                bool before_optimizer) const {
     TRAINMEM_ASSERT(r.offload == Offload::kNone, "a probe stopped by its requests has no host memory");
     Estimate e;
-    e.recipe = detail::with_resolved_targets(m_, r);
+    e.recipe = detail::resolved_for_model(m_, r);
     e.model = m_.name;
     e.parameters = m_.parameter_count;
     e.peak_allocated_bytes = requested;
@@ -1299,7 +1299,7 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
         if (c.floor < lo->floor) lo = &c;
       }
       Plan p;
-      p.recipe = detail::with_resolved_targets(model, lo->r);  // as a replayed plan lists them
+      p.recipe = detail::resolved_for_model(model, lo->r);  // as a replayed plan lists them
       p.time = lo->t;
       p.peak_allocated_bytes = p.peak_reserved_bytes = lo->floor;
       out.closest_miss = p;  // simulated false: a floor, the real peak is higher
@@ -1359,7 +1359,12 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
     if (o != base.optimizer) { Recipe r = base; r.optimizer = o; change("optimizer " + std::string(to_string(o)), r); }
   }
   for (Attention a : {Attention::kSdpa, Attention::kEager}) {
-    if (a != base.attention) { Recipe r = base; r.attention = a; change("attention " + std::string(to_string(a)), r); }
+    Recipe r = base;
+    r.attention = a;
+    // Gemma-2 runs eager either way (Note [Gemma-2's attention] in estimate.cpp): no change.
+    if (detail::resolved_for_model(model, r).attention != detail::resolved_for_model(model, base).attention) {
+      change("attention " + std::string(to_string(a)), r);
+    }
   }
   {
     Recipe r = base;

@@ -182,7 +182,7 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
       spelled.tp > 1
           ? graph::tensor_parallel_model(full, spelled.tp, spelled.loss_parallel, spelled.sequence_parallel)
           : full;
-  const Recipe recipe = detail::with_resolved_targets(model, spelled);
+  const Recipe recipe = detail::resolved_for_model(model, spelled);
   const Gpu& gpu = find_gpu(recipe.gpu);
   const Architecture& a = model.arch;
   StepTime t;

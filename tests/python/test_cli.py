@@ -70,6 +70,17 @@ def test_exit_code_says_whether_it_fits(run):
     assert run("estimate", "gpt2", "--batch", "0", "--exit-code").returncode == 2
 
 
+def test_gemma2_runs_eager_attention_and_refuses_flash(run):
+    # transformers has no SDPA for Gemma-2 (eager by default); flash_attention_2 is not modelled.
+    default = json.loads(run("estimate", "gemma-2-2b", "--seq", "512", "--json").stdout)
+    eager = json.loads(run("estimate", "gemma-2-2b", "--seq", "512", "--attention", "eager", "--json").stdout)
+    assert default["recipe"]["attention"] == "eager" and default == eager
+    r = run("estimate", "gemma-2-2b", "--attention", "flash")
+    assert r.returncode == 2 and r.stdout == "" and "flash (flash_attention_2) for Gemma-2 is not modelled" in r.stderr
+    fit = json.loads(run("fit", "gemma-2-2b", "--seq", "512", "--json").stdout)
+    assert fit["changes"] and not [c for c in fit["changes"] if c["change"].startswith("attention")]
+
+
 def test_hf_id_and_catalog_name_agree(run):
     a = json.loads(run("estimate", "Qwen/Qwen3-4B", "--json").stdout)
     b = json.loads(run("estimate", "qwen3-4b", "--json").stdout)
