@@ -145,8 +145,8 @@ Trace StepBuilder::build_generation() {
   } else {
     greedy(ids, pos);  // ids becomes the output
   }
-  // generate() returns: the generation config's token tensors and generate's model_kwargs go.
-  phase_ = Phase::kDecode;
+  // generate() returns: the generation config's token tensors and generate's model_kwargs go, in
+  // the phase of the last forward (prefill when one new token made no decode forward).
   op("generate.return");
   if (bos.id != kNone) t_.drop(bos);
   t_.drop(pad);
