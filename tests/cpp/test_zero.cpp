@@ -275,6 +275,8 @@ TEST(ZeroRanks, EveryRankOfTheMeasurements) {
     sp.parallel = rj["parallel"];
     sp.checkpointing = rj.value("checkpointing", "none");
     sp.attention = rj.value("attention", "sdpa");
+    sp.attention_mask = rj.value("attention_mask", "none");
+    sp.loss = rj.value("loss", "standard");
     sp.lora_rank = rj.value("lora_rank", std::uint64_t{0});
     sp.lora_dropout = rj.value("lora_dropout", 0.0);
     sp.load_in_4bit = rj.value("load_in_4bit", false);  // QLoRA under ZeRO
