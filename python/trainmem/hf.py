@@ -586,7 +586,7 @@ def _deepspeed_precision(ds: dict[str, Any], name: str, args: Any) -> bool:
                              "(pass training_arguments=)")
         return wanted
     enabled = _str_to_bool(v, f"deepspeed config {name}.enabled")
-    if wanted is not None and enabled != wanted:
+    if wanted is not None and "enabled" in section and enabled != wanted:  # fill_match skips a missing key
         raise ValueError(f"deepspeed config {name}.enabled={v!r} and TrainingArguments {name}={wanted}: the Trainer "
                          "refuses the mismatch; set it to 'auto'")
     return enabled
