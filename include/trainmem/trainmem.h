@@ -115,6 +115,8 @@ struct Model {
 // directory holding config.json (and optionally *.safetensors). Throws Error with close names
 // when nothing matches.
 Model load_model(std::string_view source);
+// Whether load_model takes `source` from the built-in catalog (a name, id or alias, any case).
+bool is_catalog_name(std::string_view source);
 Model model_from_config_json(std::string_view json_text, std::string name = "config.json");
 
 struct CatalogEntry {

@@ -518,21 +518,23 @@ def _deepspeed_batch(ds: dict[str, Any], gpus: int | None, args: Any) -> tuple[i
     """(micro-batch, accumulation, world size) as DeepSpeed settles them
     (DeepSpeedConfig._set_batch_related_parameters): any two of train_batch_size,
     train_micro_batch_size_per_gpu and gradient_accumulation_steps give the third, one alone
-    means no accumulation, all three must agree. With the Trainer's settings (`args`), "auto" and a
-    missing micro-batch or accumulation are its per_device_train_batch_size and
-    gradient_accumulation_steps, and a value that differs from them is the mismatch it refuses."""
+    means no accumulation, all three must agree. With the Trainer's settings (`args`), "auto" is
+    its per_device_train_batch_size or gradient_accumulation_steps (transformers'
+    trainer_config_process), a value that differs from them is the mismatch it refuses, a missing
+    accumulation is 1 (Accelerate's DeepSpeedPlugin sets it) and a missing micro-batch stays missing
+    (only "auto" values are filled)."""
     if gpus is not None:
         _positive_int(gpus, "gpus")
-    # The DeepSpeed key, and the TrainingArguments field that fills it with its default.
+    # The DeepSpeed key, and the TrainingArguments field that fills its "auto", with its default.
     names = {"train_batch_size": (None, None),
              "train_micro_batch_size_per_gpu": ("per_device_train_batch_size", 8),
              "gradient_accumulation_steps": ("gradient_accumulation_steps", 1)}
     got: dict[str, int | None] = {}
     for name, (arg, default) in names.items():
         v = ds.get(name)
-        if args is not None and arg is not None:
+        if args is not None and arg is not None and v is not None:
             mine = _positive_int(_get(args, arg, default), arg)
-            if v not in (None, "auto") and v != mine:
+            if v != "auto" and v != mine:
                 raise ValueError(f"deepspeed config {name}={v!r} and TrainingArguments {arg}={mine}: the Trainer "
                                  "refuses the mismatch; set it to 'auto'")
             v = mine
@@ -540,6 +542,8 @@ def _deepspeed_batch(ds: dict[str, Any], gpus: int | None, args: Any) -> tuple[i
             if args is None:
                 raise ValueError(f"deepspeed config {name}: 'auto' needs the Trainer's settings (pass training_arguments=)")
             v = None  # train_batch_size: the Trainer's world size x micro-batch x accumulation
+        elif v is None and args is not None and name == "gradient_accumulation_steps":
+            v = 1  # DeepSpeedPlugin.__post_init__
         got[name] = None if v is None else _positive_int(v, f"deepspeed config {name}")
     total, micro, accum = got["train_batch_size"], got["train_micro_batch_size_per_gpu"], got["gradient_accumulation_steps"]
     if gpus is None:
@@ -550,9 +554,9 @@ def _deepspeed_batch(ds: dict[str, Any], gpus: int | None, args: Any) -> tuple[i
             raise ValueError(f"deepspeed config train_batch_size={total} is not a multiple of micro-batch {micro} x "
                              f"accumulation {accum}")
         return micro, accum, total // (micro * accum)
+    if micro is None and total is None:  # DeepSpeedConfig asserts one of them
+        raise ValueError("deepspeed config: train_batch_size or train_micro_batch_size_per_gpu is needed")
     if micro is None and accum is None:
-        if total is None:
-            raise ValueError("deepspeed config: train_batch_size or train_micro_batch_size_per_gpu is needed")
         micro, accum = total // gpus, 1
     elif micro is None:
         micro = total // gpus // accum if total is not None else None
@@ -572,11 +576,14 @@ def _deepspeed_precision(ds: dict[str, Any], name: str, args: Any) -> bool:
     old name "bfloat16"). Under the Trainer, "auto" is its bf16 or bf16_full_eval (fp16 likewise),
     and a run with bf16=True and no section gets one from Accelerate (set_mixed_precision)."""
     section = ds.get(name)
+    if section is None and args is not None and _get(args, name, False):
+        return True  # Accelerate's set_mixed_precision adds {"enabled": true}, which DeepSpeed reads first
+    wanted = None if args is None else bool(_get(args, name, False) or _get(args, f"{name}_full_eval", False))
     if section is None and name == "bf16":
         section = ds.get("bfloat16")
-    wanted = None if args is None else bool(_get(args, name, False) or _get(args, f"{name}_full_eval", False))
+        wanted = None  # transformers fills and checks "bf16" only
     if section is None:
-        return bool(args is not None and _get(args, name, False))
+        return False
     if not isinstance(section, dict):
         raise ValueError(f"deepspeed config {name}: expected an object such as {{\"enabled\": true}}")
     v = section.get("enabled", False)

@@ -283,9 +283,7 @@ int fail(const std::string& msg) {
 // Catalog names are never looked for.
 std::string measured_model_source(const std::string& model, const std::string& measurement) {
   namespace fs = std::filesystem;
-  for (const auto& c : trainmem::catalog()) {
-    if (model == c.name || model == c.hf_id) return model;  // never a folder that shares its name
-  }
+  if (trainmem::is_catalog_name(model)) return model;  // never a folder that shares its name
   std::error_code ec;
   const fs::path p(model);
   if (p.is_absolute() || fs::exists(p, ec)) return model;

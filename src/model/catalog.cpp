@@ -127,16 +127,28 @@ Model model_from_config_json(std::string_view text, std::string name) {
   return finish(model::parse_config(j), std::move(name), "");
 }
 
-Model load_model(std::string_view source) {
-  if (source.empty()) throw Error("model: empty name; run `trainmem models` for the catalog");
-  std::string key = lower(source);
+namespace {
+
+// The catalog entry `source` names (its name, Hugging Face id or an alias, in any case), or null.
+const IndexEntry* catalog_entry(std::string_view source) {
+  const std::string key = lower(source);
   for (const auto& e : model_index()) {
     bool hit = key == e.name || key == lower(e.hf_id);
     for (const auto& a : e.aliases) hit = hit || key == a;
-    if (hit) {
-      json j = json::parse(data_file("models/" + e.file));
-      return finish(model::parse_config(j), e.name, e.hf_id);
-    }
+    if (hit) return &e;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+bool is_catalog_name(std::string_view source) { return catalog_entry(source) != nullptr; }
+
+Model load_model(std::string_view source) {
+  if (source.empty()) throw Error("model: empty name; run `trainmem models` for the catalog");
+  if (const IndexEntry* e = catalog_entry(source)) {
+    json j = json::parse(data_file("models/" + e->file));
+    return finish(model::parse_config(j), e->name, e->hf_id);
   }
   namespace fs = std::filesystem;
   std::error_code ec;

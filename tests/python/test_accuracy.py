@@ -122,12 +122,14 @@ def test_compare_takes_a_catalog_name_beside_a_folder_of_that_name(run, tmp_path
     # Measurements kept in a folder named after their model: the name is the catalog's.
     entry = CORPUS / "cpu-gpt2-bf16mixed-adamw-b1s8.json"
     assert json.loads(entry.read_text())["model"] == "gpt2"
-    (tmp_path / "gpt2").mkdir()
-    path = tmp_path / "gpt2" / "m.json"
-    path.write_text(entry.read_text())
-    r = run("compare", path, "--json")
-    assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["model"] == "gpt2"
+    for name in ("gpt2", "GPT2", "OpenAI-Community/GPT2"):  # load_model ignores case
+        folder = tmp_path / name.replace("/", "_")
+        (folder / name).mkdir(parents=True)
+        path = folder / "m.json"
+        path.write_text(json.dumps({**json.loads(entry.read_text()), "model": name}))
+        r = run("compare", path, "--json")
+        assert r.returncode == 0, (name, r.stderr)
+        assert json.loads(r.stdout)["model"] == name
 
 
 def test_tensor_parallel_entries_exact(comparisons):

@@ -342,13 +342,19 @@ def test_deepspeed_settles_its_batch_as_deepspeed_does():
 
 def test_deepspeed_under_the_trainer_fills_and_checks_as_it_does():
     ta = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4, "bf16": True, "optim": "adamw_torch"}
-    # A section the config leaves out comes from the Trainer: accumulation 4, and bf16 from Accelerate.
-    knobs = trainmem.hf.recipe_from_deepspeed_config({"zero_optimization": {"stage": 2}}, gpus=2,
-                                                     training_arguments=ta)
-    assert (knobs["batch"], knobs["grad_accum"], knobs["precision"]) == (2, 4, "bf16-master")
+    # Only "auto" is filled: a missing accumulation is Accelerate's 1, a missing micro-batch leaves
+    # DeepSpeed without a batch; bf16 comes from Accelerate, which adds the section (even beside an
+    # old "bfloat16" one, which DeepSpeed reads second).
+    knobs = trainmem.hf.recipe_from_deepspeed_config(
+        {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto", "bfloat16": {}}, gpus=2,
+        training_arguments=ta)
+    assert (knobs["batch"], knobs["grad_accum"], knobs["precision"]) == (2, 1, "bf16-master")
+    with pytest.raises(ValueError, match="train_batch_size or train_micro_batch_size_per_gpu is needed"):
+        trainmem.hf.recipe_from_deepspeed_config({"zero_optimization": {"stage": 2}}, gpus=2, training_arguments=ta)
     # "auto" is bf16 or bf16_full_eval (transformers' trainer_config_process)
     full_eval = {**ta, "bf16": False, "bf16_full_eval": True}
-    assert trainmem.hf.recipe_from_deepspeed_config({"zero_optimization": {"stage": 2}, "bf16": {"enabled": "auto"}},
+    base = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto"}
+    assert trainmem.hf.recipe_from_deepspeed_config({**base, "bf16": {"enabled": "auto"}},
                                                     gpus=2, training_arguments=full_eval)["precision"] == "bf16-master"
     assert trainmem.hf.recipe_from_deepspeed_config({"zero_optimization": {"stage": 2}, "bfloat16": {"enabled": True},
                                                      "train_micro_batch_size_per_gpu": 1}, gpus=2)["precision"] == "bf16-master"
@@ -356,11 +362,9 @@ def test_deepspeed_under_the_trainer_fills_and_checks_as_it_does():
                          ({"bf16": {"enabled": False}}, "bf16.enabled=False and TrainingArguments bf16=True"),
                          ({"train_batch_size": 64}, "DeepSpeed refuses it")]:
         with pytest.raises(ValueError, match=__import__("re").escape(message)):
-            trainmem.hf.recipe_from_deepspeed_config({"zero_optimization": {"stage": 2}, **cfg}, gpus=2,
-                                                     training_arguments=ta)
+            trainmem.hf.recipe_from_deepspeed_config({**base, **cfg}, gpus=2, training_arguments=ta)
     with pytest.raises(ValueError, match="fp16 with loss scaling"):  # Accelerate adds the fp16 section
-        trainmem.hf.recipe_from_deepspeed_config({"zero_optimization": {"stage": 2}}, gpus=2,
-                                                 training_arguments={**ta, "bf16": False, "fp16": True})
+        trainmem.hf.recipe_from_deepspeed_config(base, gpus=2, training_arguments={**ta, "bf16": False, "fp16": True})
 
 
 def test_deepspeed_deprecated_offload_booleans_and_settings_it_ignores():
@@ -404,10 +408,11 @@ def test_fsdp_cpu_offload_is_any_true_value_as_transformers_reads_it():
 
 
 def test_deepspeed_under_a_partial_trainer_dict_takes_the_trainers_defaults():
-    knobs = trainmem.hf.recipe_from_deepspeed_config({"zero_optimization": {"stage": 2}}, gpus=2,
-                                                     training_arguments={"per_device_train_batch_size": 2})
+    auto = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto"}
+    knobs = trainmem.hf.recipe_from_deepspeed_config(auto, gpus=2, training_arguments={"per_device_train_batch_size": 2})
     assert (knobs["batch"], knobs["grad_accum"]) == (2, 1)
-    knobs = trainmem.hf.recipe_from_deepspeed_config({"zero_optimization": {"stage": 2}}, gpus=2, training_arguments={})
+    knobs = trainmem.hf.recipe_from_deepspeed_config(auto, gpus=2, training_arguments={})
     assert (knobs["batch"], knobs["grad_accum"]) == (8, 1)
 
 
