@@ -413,7 +413,10 @@ def test_zero_ranks_differ_and_the_estimate_reports_the_worst(trainmem_bin, comp
         args = [trainmem_bin, "estimate", json.loads(path.read_text())["model"], "--json", "--gpu", "cpu",
                 "--allocator", "expandable", "--batch", str(r["batch"]), "--seq", str(r["seq"]),
                 "--grad-accum", str(r["grad_accum"]), "--precision", r["precision"], "--optimizer", r["optimizer"],
-                "--checkpointing", r["checkpointing"], "--gpus", str(r["gpus"]), "--parallel", r["parallel"]]
+                "--checkpointing", r["checkpointing"], "--gpus", str(r["gpus"]), "--parallel", r["parallel"],
+                "--attention", r.get("attention", "sdpa"), "--attention-mask", r.get("attention_mask", "none"),
+                "--loss", r.get("loss", "standard")]
+        assert not r.get("lora_rank") and not r.get("load_in_4bit"), name  # not spelled above
         out = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=120)
         assert out.returncode == 0, out.stderr
         e = json.loads(out.stdout)
