@@ -97,3 +97,23 @@ def test_python_dash_m_runs_when_the_package_is_installed(tiny_config):
     run = subprocess.run([sys.executable, "-m", "trainmem.measure", "nope"], capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 2 and "unknown model 'nope'" in run.stderr
+
+
+def test_what_libraries_print_during_the_measurement_goes_to_stderr(monkeypatch, capfd):
+    """A library printing to standard output while the step runs (DeepSpeed's "Setting accelerator
+    to CPU" on import, also from spawned ranks) must not spoil --json: descriptor 1 is standard
+    error until the result is printed."""
+    import os
+
+    from trainmem.measure import run
+
+    def noisy_measure(*args, **kwargs):
+        print("[WARNING] a library talking")
+        os.write(1, b"a child process talking\n")
+        return {"model": "x", "peak_allocated_bytes": 1}
+
+    monkeypatch.setattr(run, "measure", noisy_measure)
+    assert main(["gpt2", "--json"]) == 0
+    out, err = capfd.readouterr()
+    assert json.loads(out) == {"model": "x", "peak_allocated_bytes": 1}, (out, err)
+    assert "a library talking" in err and "a child process talking" in err

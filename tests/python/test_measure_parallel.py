@@ -51,6 +51,8 @@ from trainmem.measure.models import resolve_model  # noqa: E402
     ({"gpus": 2, "parallel": "fsdp", "fsdp_reshard_after_forward": 0}, "must be true or false"),
     ({"gpus": 4, "parallel": "fsdp", "fsdp_replicate": 4}, "needs a shard group of 2 or more ranks"),
     ({"gpus": 4, "parallel": "fsdp", "fsdp_replicate": 3}, "fsdp_replicate=3 does not divide gpus=4"),
+    ({"gpus": 2, "parallel": "ddp", "ddp_find_unused_parameters": True, "checkpointing": "full-reentrant"},
+     "Expected to mark a variable ready only once"),
     ({"gpus": 2, "parallel": "fsdp", "fsdp_param_dtype": "fp16"}, "fsdp_param_dtype='fp16' is not one of"),
     ({"gpus": 2, "parallel": "fsdp", "precision": "bf16-true", "fsdp_param_dtype": "bf16"}, "use precision fp32"),
     ({"gpus": 2, "parallel": "fsdp", "load_dtype": "bf16", "fsdp_param_dtype": "bf16"}, "over an fp32-loaded model"),

@@ -14,6 +14,7 @@ Exit codes: 0 success, 2 bad input (one line on stderr), 1 the measurement itsel
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -191,6 +192,27 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as e:
             return _error(f"cannot write the trace file {args.trace}: {e.strerror}", 2)
 
+    # Libraries print to standard output on their own (DeepSpeed's "Setting accelerator to CPU"
+    # when bitsandbytes brings it in, also from spawned ranks, which inherit the descriptor): while
+    # the measurement runs, descriptor 1 is standard error, so the JSON alone reaches stdout.
+    sys.stdout.flush()
+    real_stdout = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # and Python's own stdout object
+            status = _measure(args, argv)
+    finally:
+        sys.stdout.flush()
+        os.dup2(real_stdout, 1)
+        os.close(real_stdout)
+    if isinstance(status, int):
+        return status
+    print(json.dumps(status, indent=2) if args.json else render_text(status))
+    return 0
+
+
+def _measure(args, argv: list[str]):
+    """The measurement's result, or the exit status of a failure (its message printed)."""
     from .models import ModelError
     from .run import DeviceError, measure, quiet_libraries
 
@@ -207,18 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         recipe = recipe_from_args(args, gpu)
         command = shlex.join([PROG, *argv])
-        result = measure(args.model, recipe, device=args.device, fake=args.fake, trace=args.trace,
-                         command=command)
+        return measure(args.model, recipe, device=args.device, fake=args.fake, trace=args.trace, command=command)
     except (RecipeError, ModelError, DeviceError) as e:
         return _error(str(e), 2)
     except Exception as e:  # the measurement failed (out of memory, an unsupported model...)
         first_line = (str(e).strip().splitlines() or [""])[0]
         return _error(f"measurement failed: {type(e).__name__}: {first_line}", 1)
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print(render_text(result))
-    return 0
 
 
 def format_bytes(n: int | None) -> str:

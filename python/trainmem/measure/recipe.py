@@ -264,6 +264,11 @@ class Recipe:
                 raise RecipeError(f"{knob} is a DistributedDataParallel knob: it needs parallel ddp (without a pipeline)")
         if self.ddp_gradient_as_bucket_view and self.ddp_find_unused_parameters:
             raise RecipeError("ddp_gradient_as_bucket_view with ddp_find_unused_parameters is not measured: use one")
+        if self.ddp_find_unused_parameters and self.checkpointing == "full-reentrant":
+            # As the engine refuses it: DDP's forward marks the parameters the reentrant no_grad
+            # forward left out of the graph ready, and their hooks fire again in the backward.
+            raise RecipeError("checkpointing=full-reentrant under DDP with ddp_find_unused_parameters fails in torch "
+                              "(\"Expected to mark a variable ready only once\"): use checkpointing full")
         if self.parallel == "none":
             return
         if self.is_inference:
