@@ -512,7 +512,7 @@ def test_ddp_broadcasts_wait_for_what_gloo_still_holds():
     import time
     from types import SimpleNamespace
 
-    from trainmem.measure.parallel import _ReducerProxy, _settled_broadcast_coalesced
+    from trainmem.measure.parallel import _ReducerProxy, _settled_call
 
     tracker = SimpleNamespace(records=[], forced=lambda flag: contextlib.nullcontext())
 
@@ -523,7 +523,7 @@ def test_ddp_broadcasts_wait_for_what_gloo_still_holds():
             threading.Timer(late_s, lambda: setattr(rec, "free_index", 1)).start()
         return rec
 
-    broadcast = _settled_broadcast_coalesced(tracker, lambda tensors, size: made("float32", 0.05))
+    broadcast = _settled_call(tracker, lambda tensors, size: made("float32", 0.05), 0.0002, "held", "Settled DDP collectives")
     start = time.monotonic()
     broadcast([], 1)
     assert time.monotonic() - start >= 0.045 and tracker.records[-1].free_index == 1

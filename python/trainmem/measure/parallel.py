@@ -516,15 +516,16 @@ def _local_outputs(module, outputs, mesh):
 def attach(tracker, runner: torch.nn.Module, recipe: Recipe) -> None:
     """Register what the wrapper made before tracking, and patch what tracking must see;
     undone by tracker.close()."""
+    gloo = torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo"
     if recipe.parallel == "ddp":
         # PP x DP: the stage's DDP; several stages per rank: each stage's own, in stage order.
         for stage in (runner if isinstance(runner, list) else [runner]):
-            _attach_ddp(tracker, stage.submod if recipe.is_pp else stage)
+            _attach_ddp(tracker, stage.submod if recipe.is_pp else stage, gloo)
     elif recipe.parallel == "fsdp":
         _attach_fsdp(tracker)
     elif recipe.is_zero:
         _attach_zero(tracker, runner)
-    if torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo":
+    if gloo:
         _settle_functional_collectives(tracker)
         if recipe.is_zero:
             _settle_c10d_collectives(tracker)  # See Note [Settled c10d collectives]
@@ -890,17 +891,7 @@ class _ReducerProxy:
         return out
 
 
-def _settled_broadcast_coalesced(tracker, fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        first = len(tracker.records)
-        fn(*args, **kwargs)
-        _wait_until_settled(lambda: _unfreed_since(tracker, first), 0.0002,
-                            "gloo kept DDP's coalesced broadcast alive", "Settled DDP collectives")
-    return wrapper
-
-
-def _attach_ddp(tracker, ddp) -> None:
+def _attach_ddp(tracker, ddp, gloo: bool) -> None:
     params = {p.untyped_storage()._cdata for p in ddp.parameters()}
     seen = set()
     n = 0
@@ -919,11 +910,12 @@ def _attach_ddp(tracker, ddp) -> None:
         n += 1
     del ddp._trainmem_made
     reducer = ddp.reducer
-    gloo = torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo"
     ddp.reducer = _ReducerProxy(reducer, tracker, gloo)
     tracker._restore.append(functools.partial(setattr, ddp, "reducer", reducer))
     if gloo:  # See Note [Settled DDP collectives]
-        ddp._distributed_broadcast_coalesced = _settled_broadcast_coalesced(tracker, ddp._distributed_broadcast_coalesced)
+        ddp._distributed_broadcast_coalesced = _settled_call(tracker, ddp._distributed_broadcast_coalesced, 0.0002,
+                                                             "gloo kept DDP's coalesced broadcast alive",
+                                                             "Settled DDP collectives")
         tracker._restore.append(functools.partial(delattr, ddp, "_distributed_broadcast_coalesced"))
 
 
@@ -966,15 +958,17 @@ def _unfreed_since(tracker, first: int, integers_only: bool = False) -> bool:
                for rec in tracker.records[first:])
 
 
-def _settled_reduce_scatter(tracker, fn):
+def _settled_call(tracker, fn, interval_s: float, what: str, note: str):
+    """`fn` that returns only once every tensor it made is freed (waited on first, if it hands back
+    a Work): gloo's reduce-scatter temporary (Note [Settled reduce-scatter]), DDP's coalesced
+    broadcast (Note [Settled DDP collectives])."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         first = len(tracker.records)
         out = fn(*args, **kwargs)
         if isinstance(out, torch.distributed.Work):
             out.wait()  # an async caller; FSDP2 calls it synchronously
-        _wait_until_settled(lambda: _unfreed_since(tracker, first), 0.001,
-                            "gloo's reduce-scatter kept a temporary alive", "Settled reduce-scatter")
+        _wait_until_settled(lambda: _unfreed_since(tracker, first), interval_s, what, note)
         return out
     return wrapper
 
@@ -1031,7 +1025,9 @@ def _attach_fsdp(tracker) -> None:
         (group_cls, "post_backward", post_backward),
     ]
     comm = _fsdp_collectives.DefaultReduceScatter  # See Note [Settled reduce-scatter]
-    patches.append((comm, "__call__", _settled_reduce_scatter(tracker, comm.__dict__["__call__"])))
+    patches.append((comm, "__call__", _settled_call(tracker, comm.__dict__["__call__"], 0.001,
+                                                    "gloo's reduce-scatter kept a temporary alive",
+                                                    "Settled reduce-scatter")))
     for owner, name, new in patches:
         old = owner.__dict__[name]
         setattr(owner, name, new)
