@@ -407,10 +407,7 @@ std::string fit_to_text(const std::string& model, const FitResult& f) {
   return out;
 }
 
-bool fits_gpu(const Estimate& e) {
-  if (e.gpu.capacity_bytes == 0) return true;
-  return e.peak_reserved_bytes <= e.gpu.capacity_bytes && e.gpu.context_bytes <= e.gpu.capacity_bytes - e.peak_reserved_bytes;
-}
+bool fits_gpu(const Estimate& e) { return e.gpu.capacity_bytes == 0 || e.peak_reserved_bytes <= e.gpu.usable_bytes(); }
 
 std::string recipe_json(const Recipe& r) {
   return recipe_object(r).dump(-1, ' ', false, ordered_json::error_handler_t::replace);
@@ -488,31 +485,10 @@ std::string to_json(const Estimate& e, bool pretty) {
                 : j.dump(-1, ' ', false, ordered_json::error_handler_t::replace);
 }
 
-namespace {
-
-// A parameter count in the unit it reads best in: "8.03 B", "124 M", "1.69 M", "950".
-std::string count_text(std::uint64_t n) {
-  std::string out;
-  if (n >= 999'500'000'000) {
-    appendf(out, "%.0f B", static_cast<double>(n) / 1e9);
-  } else if (n >= 999'500'000) {  // what rounds to 1,000 M is 1 B
-    appendf(out, "%.3g B", static_cast<double>(n) / 1e9);
-  } else if (n >= 999'500) {
-    appendf(out, "%.3g M", static_cast<double>(n) / 1e6);
-  } else if (n >= 1'000) {
-    appendf(out, "%.3g K", static_cast<double>(n) / 1e3);
-  } else {
-    appendf(out, "%llu", static_cast<unsigned long long>(n));
-  }
-  return out;
-}
-
-}  // namespace
-
 std::string to_text(const Estimate& e) {
   std::string out;
   auto add = [&](const char* fmt, auto... args) { appendf(out, fmt, args...); };
-  add("%s — %s parameters\n", e.model.c_str(), count_text(e.parameters).c_str());
+  add("%s — %s parameters\n", e.model.c_str(), detail::format_count(e.parameters).c_str());
   const Recipe& r = e.recipe;
   if (r.mode == Mode::kInference) {
     // One generate() call: the prompt, then new_tokens tokens, greedy or beam search.

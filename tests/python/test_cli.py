@@ -36,7 +36,7 @@ def test_text_output_names_every_category_and_the_peak_op(run):
 
 
 @pytest.mark.parametrize("model,header", [("llama-3.2-1b", "llama-3.2-1b — 1.24 B parameters"),
-                                          ("gpt2", "gpt2 — 124 M parameters")])
+                                          ("gpt2", "gpt2 — 124.44 M parameters")])
 def test_text_header_counts_parameters_in_a_readable_unit(run, model, header):
     r = run("estimate", model)
     assert r.returncode == 0, r.stderr
