@@ -187,16 +187,12 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
     if _get(args, "deepspeed"):
         if _get(args, "fsdp"):
             raise ValueError("fsdp and deepspeed: the Trainer takes one or the other, not both")
-        if model_dtype != "float32":
-            # DeepSpeed's bf16 mode casts the model itself; its fp32 mode trains what it is given.
-            knobs = recipe_from_deepspeed_config(_get(args, "deepspeed"), seq=seq, gpus=gpus, training_arguments=args,
-                                                 gpu=gpu)
-            if knobs["precision"] != "bf16-master":
-                raise ValueError(f"model_dtype={model_dtype!r} under DeepSpeed without its bf16 mode: a half model "
-                                 "trained without master weights by a ZeRO optimizer is not modelled")
-        else:
-            knobs = recipe_from_deepspeed_config(_get(args, "deepspeed"), seq=seq, gpus=gpus, training_arguments=args,
-                                                 gpu=gpu)
+        knobs = recipe_from_deepspeed_config(_get(args, "deepspeed"), seq=seq, gpus=gpus, training_arguments=args,
+                                             gpu=gpu)
+        # DeepSpeed's bf16 mode casts the model itself; its fp32 mode trains what it is given.
+        if model_dtype != "float32" and knobs["precision"] != "bf16-master":
+            raise ValueError(f"model_dtype={model_dtype!r} under DeepSpeed without its bf16 mode: a half model "
+                             "trained without master weights by a ZeRO optimizer is not modelled")
         if _get(args, "use_liger_kernel", False):
             knobs["loss"] = "fused"  # Liger's fused linear cross-entropy, which the Trainer applies first
         return knobs
