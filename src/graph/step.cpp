@@ -76,6 +76,7 @@ StepBuilder::StepBuilder(const Model& m, const Recipe& r, const Gpu& gpu, const 
   // See Note [Stamped layer backwards] (tape.h): without a data-parallel wrapper (stamps_ implies
   // Parallel::kNone) the backward hooks the tape calls do nothing.
   t_.stamp_backward = stamps_ && backward_stamping();
+  t_.dtensor_params = r.tp > 1;  // See Note [Tied parameters of DTensors] (tape.cpp)
 }
 
 Trace StepBuilder::build() {

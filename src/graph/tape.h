@@ -618,6 +618,9 @@ class Tape {
   // consumers' buffers (and the sums there) only after on_module_backward(m, false) ran, which
   // in turn runs after the module's parameters' AccumulateGrad.
   bool route_after_module_ends = false;
+  // The parameters are DTensors (tensor parallelism: Note [Tied parameters of DTensors] in
+  // tape.cpp): two gradients of one parameter are summed into a new tensor.
+  bool dtensor_params = false;
   void module_begin(std::uint32_t module) { open_modules_.push_back({module, nodes_.size()}); }
   void module_end();
   // A checkpointed segment's backward unpacks at its last node that saves; the pre-backward hooks
@@ -743,7 +746,7 @@ class Tape {
                                   const MomentTag& tag);
   T rerun(const std::function<T()>& recompute, std::size_t stop_node);
   void deliver(ValueId v, TensorId g);
-  TensorId buffer_sum(TensorId buf, TensorId g, std::uint64_t bytes);
+  TensorId buffer_sum(TensorId buf, TensorId g, std::uint64_t bytes, bool subclass = false);
   void accumulate_param(const ParamGrad& pg, TensorId g);
 
   void recategorize(TensorId id, Category c);
