@@ -536,7 +536,18 @@ void Recipe::validate() const {
   check_range("seq", seq, kMaxSeq);
   check_range("grad_accum", grad_accum, kMaxAccum);
   check_range("steps", steps, 100);
-  find_gpu(gpu);
+  if (const Gpu& g = find_gpu(gpu); attention == Attention::kFlash) {
+    // transformers refuses flash_attention_2 without a CUDA device, so no CPU run measures it; and
+    // flash-attn 2 runs on Ampere or newer (sm80+), the GPUs the catalog marks bf16.
+    if (g.name == "cpu") {
+      throw Error("attention: flash needs a CUDA GPU (flash-attn's kernels); gpu cpu replays what a CPU run "
+                  "measures, and a CPU run cannot take flash_attention_2; use sdpa or eager, or name a GPU");
+    }
+    if (!g.bf16) {
+      throw Error("attention: flash needs an Ampere or newer GPU (flash-attn 2 runs on sm80+), and " + g.name +
+                  " is older; use sdpa or eager");
+    }
+  }
   if (mode == Mode::kInference) {
     // Generation: weights in one dtype, no optimizer, no accumulation, no adapters (merge them).
     if (!one_dtype(precision)) {

@@ -245,6 +245,23 @@ TEST(RecipeValidate, CpuDeviceHasNoWorkspaceAndNoContext) {
   EXPECT_EQ(find_gpu("h100-80gb").cublas_workspace_bytes, 32ull << 20);
 }
 
+// flash-attn 2 needs a CUDA GPU of sm80 or newer; the CPU replay cannot check it either.
+TEST(RecipeValidate, FlashNeedsAnAmpereOrNewerGpu) {
+  Recipe r;
+  r.attention = Attention::kFlash;
+  EXPECT_NO_THROW(r.validate());
+  r.gpu = "rtx-3090";
+  EXPECT_NO_THROW(r.validate());
+  r.gpu = "cpu";
+  EXPECT_NE(error_of([&] { r.validate(); }).find("attention: flash needs a CUDA GPU"), std::string::npos);
+  r.gpu = "t4-16gb";
+  EXPECT_NE(error_of([&] { r.validate(); }).find("sm80+), and t4-16gb is older"), std::string::npos);
+  r.gpu = "v100-32gb";
+  EXPECT_THROW(r.validate(), Error);
+  r.attention = Attention::kSdpa;
+  EXPECT_NO_THROW(r.validate());
+}
+
 // estimate() validates before simulating, so a bad recipe never reaches the graph builder.
 TEST(RecipeValidate, EstimateValidatesTheRecipe) {
   const Model m = load_model("gpt2");
