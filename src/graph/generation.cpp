@@ -13,7 +13,7 @@ namespace trainmem::graph::step {
 // bos_token_id, which generate() turns into a 0-dim device tensor.
 
 // Note [Generation]
-// Mode::kInference mirrors one call of transformers 5.24's model.generate() with the reference
+// Mode::kInference mirrors one call of transformers 5.25's model.generate() with the reference
 // arguments of docs/schema.md (greedy or beam search, max_new_tokens, eos_token_id=None,
 // pad_token_id=0, use_cache=True, the default DynamicCache), model in eval mode, under
 // torch.no_grad(). Nothing requires grad, so no op records a node and nothing is saved: a
