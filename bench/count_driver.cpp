@@ -1,10 +1,11 @@
 // The driver for counting instructions per estimate under callgrind (bench/README.md, "Cost per
-// event"): loads a catalog model once, then runs the default recipe at seq 4096 `n` times, the
+// event"): loads a catalog model once, then runs the default recipe at seq 4096 (GPT-2: 1024) `n` times, the
 // whole estimate or the graph stage alone, with layer stamping on or off. Run it with n = 1 and
 // n = 6; (Ir(6) - Ir(1)) / 5 is one run without the loading.
 //
 //   valgrind --tool=callgrind --callgrind-out-file=/dev/null build-bench/bench/trainmem_count
 //     llama-3.1-70b 6 [estimate|graph] [stamping 1|0]
+#include <algorithm>
 #include <cstdio>
 #include <string>
 
@@ -22,7 +23,7 @@ int main(int argc, char** argv) {
   const bool graph_only = argc > 3 && std::string(argv[3]) == "graph";
   graph::set_layer_stamping(argc <= 4 || std::string(argv[4]) != "0");
   Recipe r;
-  r.seq = 4096;
+  r.seq = std::min<std::uint64_t>(4096, m.arch.family == Family::kGpt2 ? m.arch.max_positions : 4096);
   const Gpu gpu = find_gpu(r.gpu);
   unsigned long long sum = 0;  // printed, so that nothing is optimised away
   for (int i = 0; i < n; ++i) {

@@ -10,6 +10,7 @@
 //
 //   trainmem_depth_study [seq ...]      (default: 128 1024 4096; batch 1)
 #include <cmath>
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -135,7 +136,8 @@ int main(int argc, char** argv) {
               for (AllocatorMode al : {AllocatorMode::kDefault, AllocatorMode::kExpandable})
                 for (const char* gpu : {"h100-80gb", "cpu"}) {
                   Recipe r;
-                  r.seq = seq;
+                  // GPT-2 has n_positions (1,024) positions; a longer seq is refused.
+                  r.seq = m.arch.family == Family::kGpt2 ? std::min<std::uint64_t>(seq, m.arch.max_positions) : seq;
                   r.precision = p;
                   r.optimizer = o;
                   r.checkpointing = ck;

@@ -19,21 +19,23 @@ namespace {
 std::string source_of(const nb::bytes& model) { return std::string(model.c_str(), model.size()); }
 
 trainmem::Estimate run_estimate(const nb::bytes& model_bytes, const trainmem::RecipeSpelling& spelling,
-                                bool timeline, bool phases, std::int64_t rank) {
+                                bool timeline, bool phases, std::int64_t rank, bool seq_given) {
   const std::string model = source_of(model_bytes);
-  const trainmem::Recipe r = trainmem::parse_recipe(spelling);
+  trainmem::Recipe r = trainmem::parse_recipe(spelling);
   trainmem::EstimateOptions opt;
   opt.timeline = timeline;
   opt.phases = phases;
   opt.rank = rank;  // -1: the worst rank
-  return trainmem::estimate(trainmem::load_model(model), r, opt);
+  const trainmem::Model m = trainmem::load_model(model);
+  if (!seq_given) r.seq = trainmem::default_seq(m, r);
+  return trainmem::estimate(m, r, opt);
 }
 
 // Returns (json, text) of trainmem::fit.
 std::pair<std::string, nb::bytes> run_fit(const nb::bytes& model_bytes, const trainmem::RecipeSpelling& spelling,
                                             std::uint64_t gpus, std::uint64_t global_batch,
                                             const std::vector<std::string>& fixed, std::uint64_t top,
-                                            std::uint64_t host_memory_bytes) {
+                                            std::uint64_t host_memory_bytes, bool seq_given) {
   const std::string model = source_of(model_bytes);
   trainmem::FitRequest q;
   q.base = trainmem::parse_fit_recipe(spelling);
@@ -43,6 +45,7 @@ std::pair<std::string, nb::bytes> run_fit(const nb::bytes& model_bytes, const tr
   q.top = static_cast<std::size_t>(top);
   q.host_memory_bytes = host_memory_bytes;
   const trainmem::Model m = trainmem::load_model(model);
+  if (!seq_given) q.base.seq = trainmem::default_seq(m, q.base);
   const trainmem::FitResult f = trainmem::fit(m, q);
   const std::string text = trainmem::report::fit_to_text(m.name, f);
   return {trainmem::report::fit_to_json(m.name, f), nb::bytes(text.data(), text.size())};
@@ -111,9 +114,10 @@ NB_MODULE(_core, m) {
         return nb::bytes(t.data(), t.size());
       });
 
-  m.def("estimate", &run_estimate, "model"_a, "recipe"_a, "timeline"_a, "phases"_a, "rank"_a);
+  m.def("estimate", &run_estimate, "model"_a, "recipe"_a, "timeline"_a, "phases"_a, "rank"_a, "seq_given"_a);
   m.def("fit_knobs", &trainmem::fit_knobs);
-  m.def("fit", &run_fit, "model"_a, "recipe"_a, "gpus"_a, "global_batch"_a, "fixed"_a, "top"_a, "host_memory_bytes"_a);
+  m.def("fit", &run_fit, "model"_a, "recipe"_a, "gpus"_a, "global_batch"_a, "fixed"_a, "top"_a, "host_memory_bytes"_a,
+        "seq_given"_a);
   m.attr("DEFAULT_HOST_MEMORY_BYTES") = trainmem::kDefaultHostMemoryBytes;
   m.def("catalog_json", []() {
     std::string out = "[";

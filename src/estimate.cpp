@@ -166,7 +166,32 @@ Recipe detail::resolved_for_model(const Model& model, Recipe recipe) {
     throw Error("attention: flash (flash_attention_2) for Gemma-2 is not modelled; its eager attention is, which "
                 "transformers runs by default (it has no SDPA for Gemma-2)");
   }
+  // GPT-2's learned position embedding (wpe) has n_positions rows, and a position past them is an
+  // IndexError in transformers (generate() does not check it either); rotary models have no table.
+  // A generation feeds the prompt, then each new token but the last.
+  if (model.arch.family == Family::kGpt2) {
+    const std::uint64_t positions = recipe.mode == Mode::kInference ? recipe.seq + recipe.new_tokens - 1 : recipe.seq;
+    if (positions > model.arch.max_positions) {
+      const std::string limit = std::to_string(model.arch.max_positions);
+      throw Error(recipe.mode == Mode::kInference
+                      ? "seq + new_tokens: a " + std::to_string(recipe.seq) + "-token prompt and " +
+                            std::to_string(recipe.new_tokens) + " new tokens feed " + std::to_string(positions) +
+                            " positions, past the model's " + limit +
+                            " (n_positions: GPT-2's position embedding has no row past them)"
+                      : "seq: " + std::to_string(recipe.seq) + " is past the model's " + limit +
+                            " positions (n_positions: GPT-2's position embedding has no row past them); use seq " +
+                            limit + " or less");
+    }
+  }
   return recipe;
+}
+
+std::uint64_t default_seq(const Model& model, const Recipe& recipe) {
+  const std::uint64_t seq = Recipe{}.seq;
+  if (model.arch.family != Family::kGpt2) return seq;
+  const std::uint64_t after = recipe.mode == Mode::kInference ? recipe.new_tokens - 1 : 0;
+  const std::uint64_t room = model.arch.max_positions > after ? model.arch.max_positions - after : 1;
+  return std::min(seq, room);
 }
 
 std::uint64_t detail::peak_requested_bytes(const Model& model, const Recipe& recipe, std::uint64_t rank,

@@ -513,6 +513,11 @@ struct EstimateOptions {
 
 Estimate estimate(const Model& model, const Recipe& recipe, const EstimateOptions& = {});
 
+// The seq a front end takes when none is given: Recipe's 2048, or fewer where the model's
+// learned positions end sooner (GPT-2's n_positions, 1,024 in the catalog; a generation also
+// feeds new_tokens - 1 positions after the prompt). At least 1.
+std::uint64_t default_seq(const Model& model, const Recipe& recipe);
+
 // ---- Planning -----------------------------------------------------------------------------
 
 // Estimated time of one optimizer step on one GPU (Note [Step time] in src/plan/time.cpp;

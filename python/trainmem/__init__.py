@@ -69,7 +69,7 @@ class Estimate:
 # Every recipe knob with its default, as docs/schema.md spells it.
 RECIPE_DEFAULTS: dict[str, Any] = {
     "batch": 1,
-    "seq": 2048,
+    "seq": 2048,  # fewer where the model's learned positions end sooner (GPT-2: 1024): default_seq
     "grad_accum": 1,
     "precision": "",  # bf16-mixed for training, bf16-true for inference
     "optimizer": "adamw",
@@ -168,7 +168,7 @@ def estimate(model: str, *, timeline: bool = False, phases: bool = False, rank: 
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
         raise ValueError(f"rank: must be a rank number 0 .. gpus - 1 or None (the worst rank), got {rank!r}")
     core = _core.estimate(_source(model), _spelling(recipe), bool(timeline), bool(phases),
-                          -1 if rank is None else rank)
+                          -1 if rank is None else rank, "seq" in recipe)
     data = json.loads(core.to_json())
     data["_text"] = core.to_text().decode("utf-8", "replace")
     return Estimate(**data)
@@ -226,7 +226,7 @@ def fit(model: str, *, gpus: int = 1, global_batch: int | None = None, top: int 
     spelling = _spelling(recipe)
     if spelling.parallel != "none":  # a data-parallel base recipe runs on all the GPUs
         spelling.gpus = gpus
-    out, text = _core.fit(_source(model), spelling, gpus, global_batch or 0, fixed, top, host)
+    out, text = _core.fit(_source(model), spelling, gpus, global_batch or 0, fixed, top, host, "seq" in recipe)
     data = json.loads(out)
     data["_text"] = text.decode("utf-8", "replace")
     return FitResult(**data)

@@ -93,7 +93,7 @@ struct RecipeFlags {
     };
     opt("batch", "--batch", batch, "Micro-batch size");
     opt("grad_accum", "--grad-accum", accum, "Micro-batches per optimizer step");
-    opt("seq", "--seq", seq, "Sequence length in tokens");
+    opt("seq", "--seq", seq, "Sequence length in tokens (unset: 2048, or the model's positions where fewer: GPT-2 1024)");
     opt("precision", "--precision", precision,
         fit ? "fp32 | bf16-mixed | fp16-mixed | bf16-master | bf16-true | fp16-true (default: bf16-mixed)"
             : "fp32 | bf16-mixed | fp16-mixed | bf16-master | bf16-true | fp16-true (default: bf16-mixed; inference "
@@ -192,6 +192,12 @@ struct RecipeFlags {
         "(offload_param {device: cpu}: zero3) | both (zero3; fsdp: FSDP2's CPUOffloadPolicy)");
   }
 
+  bool was_given(std::string_view knob) const {
+    for (const auto& [k, o] : options) {
+      if (k == knob && o->count() > 0) return true;
+    }
+    return false;
+  }
   // Knobs the user typed on the command line.
   std::vector<std::string> given() const {
     std::vector<std::string> out;
@@ -638,8 +644,9 @@ int main(int argc, char** argv) {
     std::string out;
     int rc = 0;  // 1: --exit-code and it does not fit
     if (*est) {
-      const trainmem::Recipe r = trainmem::parse_recipe(flags.spelling());
+      trainmem::Recipe r = trainmem::parse_recipe(flags.spelling());
       trainmem::Model m = trainmem::load_model(model);
+      if (!flags.was_given("seq")) r.seq = trainmem::default_seq(m, r);
       trainmem::EstimateOptions opt;
       if (timeline && !as_json) throw Error("timeline: the timeline is part of the JSON output; add --json");
       if (phases && !as_json) throw Error("phases: the phase peaks are part of the JSON output; add --json");
@@ -678,6 +685,7 @@ int main(int argc, char** argv) {
         if (std::find(knobs.begin(), knobs.end(), k) != knobs.end()) q.fixed.push_back(k);
       }
       const trainmem::Model m = trainmem::load_model(fit_model);
+      if (!fit_flags.was_given("seq")) q.base.seq = trainmem::default_seq(m, q.base);
       const trainmem::FitResult f = trainmem::fit(m, q);
       out = fit_json ? trainmem::report::fit_to_json(m.name, f) + "\n" : trainmem::report::fit_to_text(m.name, f);
       if (fit_exit_code && f.plans.empty()) rc = 1;

@@ -275,6 +275,29 @@ TEST(RecipeValidate, EstimateValidatesTheRecipe) {
             "a100-40gb, l40s-48gb, a10g-24gb, l4-24gb, rtx-4090, rtx-3090, v100-32gb, t4-16gb, cpu");
 }
 
+// GPT-2's position embedding has n_positions rows: a front end's unset seq stays within them, and
+// a seq past them is refused (transformers fails with an IndexError there).
+TEST(RecipeValidate, Gpt2PositionsBoundTheSeq) {
+  const Model gpt2 = load_model("gpt2");
+  Recipe r;
+  EXPECT_EQ(default_seq(gpt2, r), 1024u);
+  EXPECT_EQ(default_seq(load_model("qwen3-0.6b"), r), 2048u);
+  EXPECT_EQ(error_of([&] { estimate(gpt2, r); }),
+            "seq: 2048 is past the model's 1024 positions (n_positions: GPT-2's position embedding has no row "
+            "past them); use seq 1024 or less");
+  r.seq = 1024;
+  EXPECT_NO_THROW(estimate(gpt2, r));
+  r.mode = Mode::kInference;
+  r.precision = Precision::kBf16True;
+  r.new_tokens = 10;
+  EXPECT_EQ(default_seq(gpt2, r), 1015u);
+  EXPECT_NE(error_of([&] { estimate(gpt2, r); }).find("feed 1033 positions"), std::string::npos);
+  r.seq = 1015;  // positions 0 .. 1023: the tenth new token is never fed back
+  EXPECT_NO_THROW(estimate(gpt2, r));
+  r.new_tokens = 5000;
+  EXPECT_EQ(default_seq(gpt2, r), 1u);
+}
+
 // ---- data parallelism (gpus, parallel) -----------------------------------------------------
 
 TEST(RecipeSpellings, ParallelRoundTrips) {

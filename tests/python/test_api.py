@@ -29,6 +29,18 @@ def test_phases_match_the_cli(run):
     assert "phases" not in trainmem.estimate("qwen3-0.6b", seq=256).to_dict()
 
 
+def test_an_unset_seq_stays_within_gpt2s_positions(run):
+    """Without seq, GPT-2 takes its 1,024 positions (a generation leaves room for new_tokens - 1),
+    a rotary model 2048; the CLI and fit do the same. A seq given past them is refused."""
+    assert trainmem.estimate("gpt2").recipe["seq"] == 1024
+    assert json.loads(run("estimate", "gpt2", "--json").stdout)["recipe"]["seq"] == 1024
+    assert trainmem.estimate("gpt2", mode="inference", new_tokens=100).recipe["seq"] == 925
+    assert trainmem.estimate("qwen3-0.6b").recipe["seq"] == 2048
+    assert "seq 1024," in str(trainmem.fit("gpt2", gpu="t4-16gb", top=1))
+    with pytest.raises(ValueError, match="seq: 2048 is past the model's 1024 positions"):
+        trainmem.estimate("gpt2", seq=2048)
+
+
 def test_load_in_8bit_keyword_matches_the_cli(run):
     est = trainmem.estimate("llama-3.2-1b", mode="inference", seq=64, new_tokens=4, load_in_8bit=True)
     cli = json.loads(run("estimate", "llama-3.2-1b", "--inference", "--load-in-8bit", "--seq", "64",
