@@ -547,6 +547,12 @@ void Recipe::validate() const {
       throw Error("attention: flash needs an Ampere or newer GPU (flash-attn 2 runs on sm80+), and " + g.name +
                   " is older; use sdpa or eager");
     }
+    // Without autocast transformers hands flash-attn the Linear weights' dtype
+    // (integrations/flash_attention.py, get_target_dtype), and flash-attn takes fp16 and bf16 only.
+    if (precision == Precision::kFp32) {
+      throw Error("attention: flash takes fp16 or bf16 tensors only, and precision fp32 runs attention in fp32; "
+                  "use a half precision (bf16-mixed, bf16-true, ...) or sdpa or eager");
+    }
   }
   if (mode == Mode::kInference) {
     // Generation: weights in one dtype, no optimizer, no accumulation, no adapters (merge them).

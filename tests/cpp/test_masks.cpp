@@ -261,7 +261,8 @@ TEST(PaddingMasks, PaddingUnderSdpaSavesAFloatMaskPerLayer) {
 TEST(PaddingMasks, WhereTheMaskIsNotModelledItIsRefused) {
   const Model llama = testing::llama_w512();
   Recipe r = cpu(Precision::kFp32, Attention::kFlash);
-  r.gpu = "h100-80gb";  // flash needs a CUDA GPU
+  r.gpu = "h100-80gb";  // flash needs a CUDA GPU and half tensors
+  r.precision = Precision::kBf16Mixed;
   r.attention_mask = AttentionMask::kPadded;
   EXPECT_NE(testing::error_of([&] { r.validate(); }).find("flash-attention unpads"), std::string::npos);
   r.attention = Attention::kSdpa;

@@ -417,7 +417,8 @@ TEST(Pipeline, RefusesWhatIsNotModelled) {
   EXPECT_NE(error_of([&] { r.validate(); }).find("fp16-mixed"), std::string::npos);
   r = pp_recipe(2, 4);
   r.attention = Attention::kFlash;
-  r.gpu = "h100-80gb";  // on the CPU flash is refused for a reason of its own
+  r.gpu = "h100-80gb";  // on the CPU and in fp32 flash is refused for reasons of its own
+  r.precision = Precision::kBf16Mixed;
   EXPECT_NE(error_of([&] { r.validate(); }).find("attention flash"), std::string::npos);
   r = pp_recipe(2, 4);
   r.checkpointing = Checkpointing::kFull;

@@ -258,7 +258,13 @@ TEST(RecipeValidate, FlashNeedsAnAmpereOrNewerGpu) {
   EXPECT_NE(error_of([&] { r.validate(); }).find("sm80+), and t4-16gb is older"), std::string::npos);
   r.gpu = "v100-32gb";
   EXPECT_THROW(r.validate(), Error);
+  r.gpu = "h100-80gb";
+  r.precision = Precision::kFp32;  // flash-attn takes fp16 and bf16 only
+  EXPECT_NE(error_of([&] { r.validate(); }).find("flash takes fp16 or bf16 tensors only"), std::string::npos);
+  r.precision = Precision::kBf16True;
+  EXPECT_NO_THROW(r.validate());
   r.attention = Attention::kSdpa;
+  r.precision = Precision::kFp32;
   EXPECT_NO_THROW(r.validate());
 }
 

@@ -118,8 +118,9 @@ def recipes(draw) -> dict:
 
 def for_model(cfg: dict, recipe: dict) -> dict:
     """The drawn recipe as the model takes it: Gemma-2 refuses flash (Note [Gemma-2's attention]),
-    and so do the CPU replay and GPUs older than Ampere (flash-attn 2 needs sm80+)."""
-    no_flash = cfg.get("model_type") == "gemma2" or recipe.get("gpu") in ("cpu", "t4-16gb")
+    and so do the CPU replay, GPUs older than Ampere (flash-attn 2 needs sm80+) and fp32."""
+    no_flash = (cfg.get("model_type") == "gemma2" or recipe.get("gpu") in ("cpu", "t4-16gb")
+                or recipe.get("precision") == "fp32")
     if recipe.get("attention") == "flash" and no_flash:
         return {**recipe, "attention": "eager" if cfg.get("model_type") == "gemma2" else "sdpa"}
     return recipe
