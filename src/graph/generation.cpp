@@ -870,12 +870,13 @@ T StepBuilder::g_attention_core(const T& q, std::uint32_t l, bool q_bshd) {
   }
   op(a_.family == Family::kGpt2 ? "attn.sdpa" : "self_attn.sdpa");
   ensure_workspace(false);
-  // sdpa_attention_forward: without a mask GQA is native (enable_gqa); with one (a sliding
-  // window reached), one query token packs the heads (a view) and more repeat K/V (a view too
-  // of a single key/value head, which the CPU kernel takes as it is).
+  // sdpa_attention_forward: without a mask GQA is native (enable_gqa) where the head dim is at
+  // most 256 (use_gqa_in_sdpa); with one (a sliding window reached), or a wider head, one query
+  // token packs the heads (a view) and more repeat K/V (a view too of a single key/value head,
+  // which the CPU kernel takes as it is).
   T kr, vr;
   const std::uint64_t groups = a_.num_heads / a_.num_kv_heads;
-  if (layer_has_mask(l) && groups > 1 && a_.num_kv_heads > 1 && q_ > 1) {
+  if ((layer_has_mask(l) || d > 256) && groups > 1 && a_.num_kv_heads > 1 && q_ > 1) {
     kr = fresh(Bg_ * H * stored_[l] * d, kc_[l].dtype);
     vr = fresh(Bg_ * H * stored_[l] * d, vc_[l].dtype);
   }

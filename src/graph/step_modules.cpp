@@ -748,20 +748,22 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
     return oc;
   }
   // SDPA / flash-attention: q, k, v (as passed), the output and the fp32 log-sum-exp are
-  // saved; scores never exist. Without a mask HF passes native GQA (enable_gqa). With one (a
-  // sliding window reached, or padding: Notes [Training masks], [Padding masks] in step.cpp) it
-  // repeats K and V first, and SDPA turns the bool mask into a float one of q's dtype (where
-  // with two 0-dim scalars) that the kernel saves; the repeated K and V live until
-  // sdpa_attention_forward returns.
+  // saved; scores never exist. Without a mask HF passes native GQA (enable_gqa) where the head
+  // dim is at most 256 (use_gqa_in_sdpa). With one (a sliding window reached, or padding: Notes
+  // [Training masks], [Padding masks] in step.cpp), or a wider head, it repeats K and V first (a
+  // single query token packs the heads instead: views), and SDPA turns a bool mask into a float
+  // one of q's dtype (where with two 0-dim scalars) that the kernel saves; the repeated K and V
+  // live until sdpa_attention_forward returns.
   const bool masked = mask_.id != kNone;
+  const bool repeated = masked || (a_.head_dim > 256 && S_ > 1);
   const bool gpt2 = a_.family == Family::kGpt2;
   const bool math = sdpa_math_kernel();
   op(gpt2 ? (math ? "attn.sdpa_math" : "attn.sdpa") : (math ? "self_attn.sdpa_math" : "self_attn.sdpa"));
-  const bool gqa_native = !masked && a_.num_kv_heads != a_.num_heads;
-  T kr = masked ? repeat_kv(k) : T{};
-  T vr = masked ? repeat_kv(v) : T{};
-  const T& kin = masked ? kr : k;
-  const T& vin = masked ? vr : v;
+  const bool gqa_native = !repeated && a_.num_kv_heads != a_.num_heads;
+  T kr = repeated ? repeat_kv(k) : T{};
+  T vr = repeated ? repeat_kv(v) : T{};
+  const T& kin = repeated ? kr : k;
+  const T& vin = repeated ? vr : v;
   // autocast casts the arguments last to first (Note [Autocast's weight casts]).
   T vc = autocast_arg(vin, c), kc = autocast_arg(kin, c), qc = autocast_arg(q, c);
   if (r_.cp > 1) return ring_attention_core(q, qc, kc, vc);  // never masked (step.cpp refuses it)
@@ -772,7 +774,7 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
       if (x->id != kNone) t_.drop(*x);
     }
     o = heads_last(o, /*copied=*/false);
-    if (masked) {
+    if (repeated) {
       t_.drop(kr);
       t_.drop(vr);
     }
@@ -807,7 +809,7 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
   // [b, s, heads, d] (a projection view), HF's transpose(1, 2).contiguous() is a no-op and
   // o_proj saves the very storage SDPA saved; otherwise (Phi-3's cat) it copies.
   if (!q.bshd) o = heads_last(o, /*copied=*/false);
-  if (masked) {
+  if (repeated) {
     t_.drop(kr);
     t_.drop(vr);
   }
