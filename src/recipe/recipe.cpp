@@ -487,7 +487,7 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   r.quant.prepare_kbit_training = in.prepare_kbit_training;
   if (!in.precision.empty()) {
     r.precision = parse_precision(in.precision);
-  } else if (r.load_dtype != LoadDtype::kAuto) {
+  } else if (r.load_dtype != LoadDtype::kAuto && r.mode == Mode::kTraining) {
     r.precision = autocast_of(r.load_dtype);
   } else if (r.mode == Mode::kInference || (quantized && !is_zero(parse_parallel(in.parallel)))) {
     r.precision = Precision::kBf16True;
@@ -629,7 +629,7 @@ void Recipe::validate() const {
     }
     // A model trained whole from a half load: only bf16 (Note [A half model trained whole] in
     // graph/step_parameters.cpp); fp16's GradScaler refuses fp16 gradients.
-    if (load_dtype == LoadDtype::kFp16 && !lora.enabled()) {
+    if (load_dtype == LoadDtype::kFp16 && !lora.enabled() && mode == Mode::kTraining) {
       throw Error("load_dtype: fp16 without LoRA trains fp16 parameters under fp16 autocast, whose GradScaler "
                   "refuses fp16 gradients (\"Attempting to unscale FP16 gradients\"); use fp16-true, or bf16");
     }
@@ -657,7 +657,13 @@ void Recipe::validate() const {
   }
   // A half-loaded model under the same autocast (Notes [The load dtype of a 4-bit base], [A half
   // model under autocast]); other combinations are not measured.
-  if (load_dtype != LoadDtype::kAuto && (precision != autocast_of(load_dtype) || mode != Mode::kTraining)) {
+  if (load_dtype != LoadDtype::kAuto && mode == Mode::kInference) {
+    const std::string d(to_string(load_dtype));
+    throw Error("load_dtype: " + d + " is a training knob (a model loaded in " + d +
+                " and trained under autocast); a generation loads the weights in its precision's dtype: use "
+                "precision " + d + "-true");
+  }
+  if (load_dtype != LoadDtype::kAuto && precision != autocast_of(load_dtype)) {
     const std::string d(to_string(load_dtype));
     throw Error("load_dtype: " + d + " is a model loaded in " + d + " and trained under " + d +
                 " autocast (precision " + d + "-mixed); with " + std::string(to_string(precision)) +
