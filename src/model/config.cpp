@@ -8,6 +8,7 @@
 // planner that silently falls back to a default prints a plausible wrong number.
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -214,6 +215,22 @@ Architecture parse_llama_like(const json& c, Family family) {
   check_heads(a);
   a.activation = parse_activation(c, "hidden_act", Activation::kSilu);
   a.attn_dropout = get_probability_or(c, "attention_dropout", 0);
+  // A rotary embedding over part of each head (Phi-4-mini's 0.75): transformers 5 reads the factor
+  // from rope_parameters (the legacy rope_scaling becomes it), and Phi3Config also takes it at the
+  // top level. Its slices and concatenations are not modelled.
+  auto check_rotary_factor = [&](const json& holder, const std::string& where) {
+    const double f = get_number_or(holder, "partial_rotary_factor", 1.0);
+    if (f != 1.0) {
+      char text[32];
+      std::snprintf(text, sizeof text, "%g", f);
+      throw Error("config.json: " + where + "partial_rotary_factor " + text +
+                  " (a rotary embedding over part of each head) is not modelled; only 1.0 is");
+    }
+  };
+  for (const char* key : {"rope_parameters", "rope_scaling"}) {
+    if (auto it = c.find(key); it != c.end() && it->is_object()) check_rotary_factor(*it, std::string(key) + ".");
+  }
+  if (family == Family::kPhi3) check_rotary_factor(c, "");
   switch (family) {
     case Family::kLlama: {
       bool bias = get_bool_or(c, "attention_bias", false);

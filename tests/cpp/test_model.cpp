@@ -477,6 +477,23 @@ TEST(ModelConfig, DimensionsOverTheLimit) {
             "config.json: field 'max_position_embeddings' must be between 1 and 4294967296, got 4294967297");
 }
 
+// Rotary embeddings over part of each head are refused where transformers would read the factor:
+// rope_parameters (and the legacy rope_scaling) for every family, the top level for Phi-3.
+TEST(ModelConfig, PartialRotaryFactorIsRefused) {
+  json j = llama_config();
+  j["rope_parameters"] = {{"rope_type", "default"}, {"partial_rotary_factor", 0.5}};
+  EXPECT_EQ(error_from(j), "config.json: rope_parameters.partial_rotary_factor 0.5 (a rotary embedding over part "
+                           "of each head) is not modelled; only 1.0 is");
+  j["rope_parameters"]["partial_rotary_factor"] = 1.0;
+  EXPECT_NO_THROW(from(j));
+  j["partial_rotary_factor"] = 0.75;  // a key LlamaConfig does not read
+  EXPECT_NO_THROW(from(j));
+  j["model_type"] = "phi3";
+  EXPECT_NE(error_from(j).find("config.json: partial_rotary_factor 0.75"), std::string::npos);
+  j["partial_rotary_factor"] = "half";
+  EXPECT_EQ(error_from(j), "config.json: field 'partial_rotary_factor' must be a number, got \"half\"");
+}
+
 TEST(ModelConfig, ParameterCountOverflowIsAnError) {
   // Every dimension within its limit, but 100000 layers of 2^48-element projections overflow.
   json j = llama_config();
