@@ -540,8 +540,11 @@ std::uint64_t CachingAllocator::claim_address_range(std::uint64_t align, std::ui
 }
 
 // The one place where reserved memory grows (cudaMalloc or cuMemMap). A device
-// capacity belongs here: on failure PyTorch frees oversize cached blocks, then
-// every unsplit cached block, retries, and only then raises OutOfMemoryError.
+// capacity belongs here: on failure PyTorch runs its free-memory callbacks, frees
+// oversize cached blocks (only with max_split_size set; never expandable ones),
+// then every wholly free segment (release_cached_blocks; with expandable segments
+// every free page), retries, and only then raises OutOfMemoryError
+// (docs/planner.md, "What fits means").
 void CachingAllocator::reserve_device_bytes(std::uint64_t bytes) noexcept {
   reserved_bytes_ += bytes;
   peak_reserved_bytes_ = std::max(peak_reserved_bytes_, reserved_bytes_);

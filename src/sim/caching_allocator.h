@@ -6,7 +6,8 @@
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Source: pytorch/pytorch c10/cuda/CUDACachingAllocator.cpp (DeviceCachingAllocator)
 // and c10/core/AllocatorConfig.cpp (the PYTORCH_CUDA_ALLOC_CONF parser). The rules
-// are summarised in design/MEMORY_MECHANICS.md §1.
+// are summarised in ../shared/design/MEMORY_MECHANICS.md §1 (beside the repository;
+// docs/mechanics_notes.md keeps this project's corrections to it).
 //
 // Replayed the way PyTorch does it:
 //   * request rounding (round_size): 512 B multiples, minimum 512 B, and the
