@@ -593,9 +593,12 @@ void Recipe::validate() const {
     // stage's backward is not the loss's: not modelled. DDP is (its hooks fire as the inner
     // backward accumulates each parameter), but not with find_unused_parameters, where torch
     // fails: its forward marks the parameters the no_grad forward left out of the graph ready.
-    if ((parallel != Parallel::kNone && parallel != Parallel::kDdp) || tp > 1 || pp > 1 || cp > 1) {
-      throw Error("checkpointing: full-reentrant is modelled on one GPU or under DDP, without tensor, pipeline "
-                  "or context parallelism; use full (use_reentrant=False)");
+    // Tensor parallelism alone is (its layers recompute like any other: measured, with sequence
+    // parallelism too, parallel/cpu-tp2*-ckptre-*), not under a data-parallel wrapper.
+    if ((parallel != Parallel::kNone && parallel != Parallel::kDdp) || (tp > 1 && parallel != Parallel::kNone) ||
+        pp > 1 || cp > 1) {
+      throw Error("checkpointing: full-reentrant is modelled on one GPU, under DDP, or with tensor parallelism "
+                  "alone, without pipeline or context parallelism; use full (use_reentrant=False)");
     }
     if (parallel == Parallel::kDdp && ddp_find_unused_parameters) {
       throw Error("checkpointing: full-reentrant under DDP with find_unused_parameters fails in torch (\"Expected "

@@ -503,7 +503,16 @@ TEST(GraphCheckpointing, ReentrantOutsideWhatIsModelledIsRefused) {
   EXPECT_NE(testing::error_of([&] { ddp.validate(); }).find("ready only once"), std::string::npos);
   Recipe fsdp = ddp;
   fsdp.parallel = Parallel::kFsdp;
-  EXPECT_NE(testing::error_of([&] { fsdp.validate(); }).find("on one GPU or under DDP"), std::string::npos);
+  EXPECT_NE(testing::error_of([&] { fsdp.validate(); }).find("on one GPU, under DDP, or with tensor parallelism"),
+            std::string::npos);
+  Recipe tp = r;  // measured: parallel/cpu-tp2*-ckptre-*
+  tp.tp = 2;
+  EXPECT_NO_THROW(estimate(small_llama(2), tp));
+  tp.sequence_parallel = true;
+  EXPECT_NO_THROW(estimate(small_llama(2), tp));
+  tp.gpus = 4;
+  tp.parallel = Parallel::kFsdp;
+  EXPECT_NE(testing::error_of([&] { tp.validate(); }).find("with tensor parallelism alone"), std::string::npos);
 }
 
 // When activations decide the peak, checkpointing lowers it and moves it out of the forward.
