@@ -501,18 +501,32 @@ TEST(GraphCheckpointing, ReentrantOutsideWhatIsModelledIsRefused) {
   EXPECT_NO_THROW(ddp.validate());
   ddp.ddp_find_unused_parameters = true;
   EXPECT_NE(testing::error_of([&] { ddp.validate(); }).find("ready only once"), std::string::npos);
-  Recipe fsdp = ddp;
-  fsdp.parallel = Parallel::kFsdp;
-  EXPECT_NE(testing::error_of([&] { fsdp.validate(); }).find("on one GPU, under DDP, or with tensor parallelism"),
+  Recipe wrapped = r;  // measured: parallel/cpu-zero*-*-ckptre-*, cpu-fsdp-*-ckptre-*, cpu-tp2*-ckptre-*
+  wrapped.gpus = 2;
+  for (Parallel p : {Parallel::kZero1, Parallel::kZero2, Parallel::kZero3, Parallel::kFsdp}) {
+    wrapped.parallel = p;
+    EXPECT_NO_THROW(estimate(small_llama(2), wrapped)) << to_string(p);
+  }
+  wrapped.tp = 2;
+  EXPECT_NO_THROW(estimate(small_llama(2), wrapped));
+  Recipe qlora = r;  // over a 4-bit base only on one GPU or under DDP (step 1 differs under ZeRO-3)
+  qlora.gpus = 2;
+  qlora.parallel = Parallel::kZero3;
+  qlora.lora.rank = 8;
+  qlora.quant.load_in_4bit = true;
+  EXPECT_NE(testing::error_of([&] { qlora.validate(); }).find("full-reentrant over a quantized base under parallel zero3"),
             std::string::npos);
-  Recipe tp = r;  // measured: parallel/cpu-tp2*-ckptre-*
+  qlora.parallel = Parallel::kDdp;
+  EXPECT_NO_THROW(qlora.validate());
+  Recipe tp = r;
   tp.tp = 2;
-  EXPECT_NO_THROW(estimate(small_llama(2), tp));
   tp.sequence_parallel = true;
   EXPECT_NO_THROW(estimate(small_llama(2), tp));
-  tp.gpus = 4;
-  tp.parallel = Parallel::kFsdp;
-  EXPECT_NE(testing::error_of([&] { tp.validate(); }).find("with tensor parallelism alone"), std::string::npos);
+  Recipe pp = r;
+  pp.pp = 2;
+  pp.grad_accum = 2;
+  EXPECT_NE(testing::error_of([&] { pp.validate(); }).find("full-reentrant with pipeline or context parallelism"),
+            std::string::npos);
 }
 
 // When activations decide the peak, checkpointing lowers it and moves it out of the forward.
