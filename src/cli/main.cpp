@@ -674,7 +674,7 @@ int main(int argc, char** argv) {
       q.gpus = sp.gpus;
       if (sp.parallel == "none") sp.gpus = 1;  // the planner decides how the GPUs are used
       q.base = trainmem::parse_fit_recipe(sp);
-      if (!fit_global.empty()) {  // unset: batch x grad-accum x gpus
+      if (fitc->get_option("--global-batch")->count() > 0) {  // unset: batch x grad-accum x gpus
         q.global_batch = parse_count(fit_global, "global_batch");
         if (q.global_batch == 0) throw Error("global_batch: must be at least 1 sequence per optimizer step, got 0");
       }

@@ -1107,8 +1107,10 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
         }
       }
       const std::vector<Parallel> tp_parallels = tp == 1 ? parallels : std::vector<Parallel>{tp_wrapper};
-      const std::vector<bool> sps =
-          tp > 1 && sp_modelled(model, tp) ? std::vector<bool>{false, true} : std::vector<bool>{false};
+      // Sequence parallelism likewise: searched where modelled, kept on when asked.
+      std::vector<bool> sps{false};
+      if (tp > 1 && base.sequence_parallel) sps = {true};
+      else if (tp > 1 && sp_modelled(model, tp)) sps = {false, true};
       // Loss parallelism where the model takes it (See Note [Loss parallel]); kept on when asked.
       std::vector<bool> lps{false};
       if (tp > 1 && base.loss_parallel) lps = {true};
@@ -1293,11 +1295,24 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
         }
       }
     }
-    if (!out.has_closest_miss && !space.empty()) {
-      const Candidate* lo = &space.front();
-      for (const Candidate& c : space) {
-        if (c.floor < lo->floor) lo = &c;
+    // The recipes that hold the least: by floor, or by what the activations take (the smallest
+    // micro-batch, checkpointing and the fused loss where they are searched), each with the other
+    // order breaking ties. Neither order decides which is lower, so both are kept.
+    auto floor_first = [](const Candidate& x) {
+      return std::tuple(x.floor, x.r.batch, x.r.checkpointing == Checkpointing::kNone, x.r.loss != Loss::kFused);
+    };
+    auto activations_first = [](const Candidate& x) {
+      return std::tuple(x.r.batch, x.r.checkpointing == Checkpointing::kNone, x.r.loss != Loss::kFused, x.floor);
+    };
+    auto least = [](const std::vector<Candidate>& cs, auto rank) {
+      const Candidate* lo = nullptr;
+      for (const Candidate& c : cs) {
+        if (!lo || rank(c) < rank(*lo)) lo = &c;
       }
+      return lo;
+    };
+    if (!out.has_closest_miss && !space.empty()) {
+      const Candidate* lo = least(space, floor_first);
       Plan p;
       p.recipe = detail::resolved_for_model(model, lo->r);  // as a replayed plan lists them
       p.time = lo->t;
@@ -1306,22 +1321,17 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
       out.has_closest_miss = true;
     }
     // What it takes: on each catalog GPU with more memory, the fastest recipe of the space (timed
-    // and with the precisions of that GPU) that fits there. The GPU is tried only if its
-    // lowest-memory recipe fits (the smallest micro-batch, checkpointing and the fused loss when
-    // they are searched, the smallest floor, either allocator); then the walk, fastest first,
-    // ends at that recipe at the latest.
+    // and with the precisions of that GPU) that fits there. The GPU is tried only if one of its
+    // two least-holding recipes fits (above; either allocator); then the walk, fastest first, ends
+    // at that recipe at the latest. (With the activations-first one alone, a wrapper that alone
+    // takes the fused loss, DDP, was the gate and hid GPUs where FSDP2 fits.)
     for (const Gpu& g : gpus()) {
       if (g.capacity_bytes == 0 || g.usable_bytes() <= usable) continue;
       const std::uint64_t room = g.usable_bytes();
       const std::vector<Candidate> there = space_on(g);
-      const Candidate* lowest = nullptr;
-      for (const Candidate& c : there) {
-        auto rank = [](const Candidate& x) {
-          return std::tuple(x.r.batch, x.r.checkpointing == Checkpointing::kNone, x.r.loss != Loss::kFused, x.floor);
-        };
-        if (!lowest || rank(c) < rank(*lowest)) lowest = &c;
-      }
-      if (!lowest || lowest->bound > room) continue;
+      const Candidate* by_activations = least(there, activations_first);
+      const Candidate* by_floor = least(there, floor_first);
+      if (!by_activations) continue;
       auto fits_there = [&](const Candidate& c) -> std::optional<Plan> {
         if (c.bound > room) return std::nullopt;
         for (AllocatorMode a : allocators) {
@@ -1332,7 +1342,7 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
         }
         return std::nullopt;
       };
-      if (!fits_there(*lowest)) continue;
+      if (!fits_there(*by_activations) && (by_floor == by_activations || !fits_there(*by_floor))) continue;
       for (const Candidate& c : there) {
         if (auto p = fits_there(c)) {
           out.fits_on.push_back({g.name, *p});
@@ -1345,6 +1355,10 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
   // ---- single changes of the user's recipe, gathered first and then replayed all at once
   std::vector<std::pair<std::string, Recipe>> changes;
   auto change = [&](std::string what, Recipe r) {
+    // Pipelines, tensor-parallel groups and rings offload nothing: the label says what is dropped.
+    if (base.offload != Offload::kNone && r.offload == Offload::kNone && what.find("offload") == std::string::npos) {
+      what += ", offload none";
+    }
     if (valid(r)) changes.emplace_back(std::move(what), std::move(r));
   };
   for (Checkpointing c : {Checkpointing::kNone, Checkpointing::kFull}) {
@@ -1382,7 +1396,12 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
   }
   if (base.grad_accum % 2 == 0) {
     Recipe r = base; r.batch *= 2; r.grad_accum /= 2;
-    change("batch " + std::to_string(r.batch) + " x grad_accum " + std::to_string(r.grad_accum), r);
+    std::string what = "batch " + std::to_string(r.batch) + " x grad_accum " + std::to_string(r.grad_accum);
+    if (r.pp > 1 && r.pp_schedule == PipelineSchedule::k1F1B && r.grad_accum < r.pp) {
+      r.pp_schedule = PipelineSchedule::kGPipe;  // as as_pipeline picks it: 1F1B needs pp micro-batches
+      what += ", pp_schedule gpipe";
+    }
+    change(what, r);
   }
   if (base.parallel == Parallel::kDdp && base.pp == 1 && !base.ddp_find_unused_parameters) {
     // DDP's .grads as views of its buckets: one copy of the gradients instead of two (Note [DDP

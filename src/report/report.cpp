@@ -341,8 +341,9 @@ std::string fit_to_text(const std::string& model, const FitResult& f) {
       add("\nwhat it takes: more host memory per GPU (--host-memory), or more GPUs to share the offloaded\n"
           "states (--gpus N: each rank holds its partition's).\n");
     } else {
-      add("no larger GPU of the catalog fits even the search's lowest-memory recipe (smallest micro-batch,\n"
-          "checkpointing, fused loss, smallest floor); more GPUs (--gpus N, DDP or FSDP2) may.\n");
+      add("no larger GPU of the catalog fits even the search's lowest-memory recipes (smallest micro-batch,\n"
+          "checkpointing, fused loss; or smallest floor); more GPUs that share the model (--gpus N: FSDP2,\n"
+          "ZeRO-3, tensor or pipeline parallelism) may.\n");
     }
     if (!f.adapter_plans.empty()) {  // See Note [The adapter route] in plan/fit.cpp
       const Recipe& a = f.adapter_plans.front().recipe;

@@ -385,3 +385,44 @@ def test_python_fit_takes_the_host_memory(run):
     for bad in (0, -1, 2**21, 1.5, True):
         with pytest.raises(ValueError, match="host_memory"):
             trainmem.fit("gpt2", host_memory_gib=bad, **kw)
+
+
+def test_what_it_takes_and_the_closest_miss_hold_the_least(run):
+    """Neither `fits_on`'s gate nor a floor-only closest miss picks the recipe that holds more: on
+    two RTX 4090s an A100-40GB fits Llama-3.1-8B under FSDP2 or TP (the gate was a DDP recipe,
+    the one wrapper that takes the fused loss, whose floor holds every weight), and the closest
+    miss among equal floors is the smallest micro-batch with checkpointing (the fastest one,
+    no checkpointing, needs seven times the memory)."""
+    j = json.loads(run("fit", "llama-3.1-8b", "--gpu", "rtx-4090", "--gpus", "2", "--offload", "none", "--json",
+                       timeout=120).stdout)
+    assert not j["plans"]
+    there = {f["gpu"]: f for f in j["fits_on"]}
+    assert "a100-40gb" in there and there["a100-40gb"]["recipe"].get("parallel", "none") != "ddp"
+    j = json.loads(run("fit", "llama-3.1-8b", "--gpu", "rtx-4090", "--seq", "4096", "--global-batch", "8", "--json",
+                       timeout=120).stdout)
+    miss = j["closest_miss"]
+    assert miss["lower_bound"] and (miss["recipe"]["batch"], miss["recipe"]["checkpointing"]) == (1, "full")
+
+
+def test_typed_sequence_parallelism_is_held(run):
+    j = json.loads(run("fit", "llama-3.2-1b", "--gpus", "2", "--tp", "2", "--sequence-parallel", "--global-batch", "8",
+                       "--top", "1000", "--json", timeout=120).stdout)
+    assert j["plans"] and all(p["recipe"]["sequence_parallel"] for p in j["plans"])
+
+
+def test_single_changes_say_what_they_drop(run):
+    """A change to a pipeline, a tensor-parallel group or a ring drops a held offload and says so;
+    a moved pipeline baseline's batch change re-picks its schedule as the search does."""
+    j = json.loads(run("fit", "qwen3-0.6b", "--gpus", "4", "--offload", "optimizer", "--global-batch", "16", "--json",
+                       timeout=120).stdout)
+    for c in j["changes"]:
+        if c["recipe"].get("offload", "none") == "none":
+            assert "offload none" in c["change"], c["change"]
+    j = json.loads(run("fit", "mistral-7b-v0.3", "--gpus", "4", "--global-batch", "6", "--json", timeout=120).stdout)
+    assert j["baseline"]["recipe"]["pp"] == 4
+    assert "batch 2 x grad_accum 3, pp_schedule gpipe" in [c["change"] for c in j["changes"]]
+
+
+def test_an_empty_global_batch_is_an_error(run):
+    r = run("fit", "gpt2", "--global-batch", "")
+    assert r.returncode == 2 and "global_batch: must be a positive integer, got ''" in r.stderr
