@@ -923,7 +923,11 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
   if (base.batch * base.grad_accum != base_per_rank) {
     if (base_per_rank % base.batch != 0) {
       throw Error("global_batch: " + std::to_string(out.global_batch) + " is not a multiple of batch " +
-                  std::to_string(base.batch) + (q.gpus > 1 ? " times the GPUs" : ""));
+                  std::to_string(base.batch) +
+                  (base.pp == 1 && base.gpus > 1
+                       ? " times the " + std::to_string(base.gpus) + " data-parallel ranks (" +
+                             std::to_string(base_per_rank) + " each)"
+                       : std::string()));
     }
     if (!fixed(q, "batch")) base.batch = batch_within_accum(base_per_rank, base.batch).value_or(base.batch);
     base.grad_accum = base_per_rank / base.batch;

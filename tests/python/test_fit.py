@@ -426,3 +426,11 @@ def test_single_changes_say_what_they_drop(run):
 def test_an_empty_global_batch_is_an_error(run):
     r = run("fit", "gpt2", "--global-batch", "")
     assert r.returncode == 2 and "global_batch: must be a positive integer, got ''" in r.stderr
+
+
+def test_a_batch_that_does_not_divide_the_share_names_the_ranks(run):
+    r = run("fit", "gpt2", "--gpus", "2", "--batch", "2", "--global-batch", "2")
+    assert r.returncode == 2
+    assert "global_batch: 2 is not a multiple of batch 2 times the 2 data-parallel ranks (1 each)" in r.stderr
+    r = run("fit", "llama-3.2-1b", "--gpus", "4", "--tp", "4", "--batch", "2", "--global-batch", "3")
+    assert r.returncode == 2 and r.stderr.strip().endswith("global_batch: 3 is not a multiple of batch 2")
