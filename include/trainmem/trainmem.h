@@ -132,6 +132,7 @@ std::vector<CatalogEntry> catalog();
 struct Gpu {
   std::string name;                     // "h100-80gb"
   std::string description;
+  unsigned sm = 0;                      // compute capability x 10 (sm90: 90); 0 for the CPU replay
   std::uint64_t capacity_bytes = 0;     // total device memory
   std::uint64_t context_bytes = 0;      // CUDA context, outside the allocator
   std::uint64_t cublas_workspace_bytes = 0;  // one cuBLAS workspace (per handle and stream)

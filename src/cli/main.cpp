@@ -724,6 +724,7 @@ int main(int argc, char** argv) {
                        {"cublas_workspace_bytes", g.cublas_workspace_bytes},
                        {"half_tflops", g.half_tflops},
                        {"bf16", g.bf16},
+                       {"sm", g.sm},
                        {"fp32_tflops", g.fp32_tflops},
                        {"memory_gbps", g.memory_gbps},
                        {"interconnect", g.interconnect},

@@ -885,8 +885,12 @@ T StepBuilder::g_attention_core(const T& q, std::uint32_t l, bool q_bshd) {
   // of q's dtype, freed after the kernel.
   T fmask;
   if (layer_has_mask(l)) fmask = where_of_scalars(detail::mul({Bg_, q_, stored_[l]}, "mask size"), c);
-  auto [o, lse] = sdpa_outputs(r * H * d, Bg_ * H * q_, c, /*grad_mode=*/false);
-  if (lse.id != kNone) t_.drop(lse);
+  // No dropout in eval (See Note [SDPA kernels on CUDA] in step_builder.h).
+  auto [o, lse, seed, offset] = sdpa_outputs(r * H * d, Bg_ * H * q_, c, /*grad_mode=*/false,
+                                             cudnn_sdpa(c, 0.0, stored_[l]));
+  for (T* x : {&lse, &seed, &offset}) {
+    if (x->id != kNone) t_.drop(*x);
+  }
   if (fmask.id != kNone) t_.drop(fmask);
   if (!(q_bshd || q_ == 1)) {
     T oc = fresh(o.numel, c);  // transpose(1, 2).contiguous()

@@ -64,6 +64,7 @@ StepBuilder::StepBuilder(const Model& m, const Recipe& r, const Gpu& gpu, const 
                 std::to_string(kMaxLayerPasses) + "); use a smaller grad_accum");
   }
   cuda_ = gpu.name != "cpu";
+  gpu_sm_ = gpu.sm;
   attention_ = r.attention;
   // Gemma-2 runs eager attention (Note [Gemma-2's attention] in estimate.cpp, which resolves the
   // recipe before it gets here).

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <deque>
 #include <string>
 #include <string_view>
@@ -445,17 +446,43 @@ class StepBuilder {
   T repeat_kv(const T& x);
   T fold_for_bmm(const T& x);
   T matmul(const T& a, const T& b, std::uint64_t out_numel, DType c);
-  // Whether an SDPA kernel in dtype c returns the fp32 log-sum-exp: the CPU flash kernel and
-  // CUDA's flash kernel (half inputs) always do; CUDA's memory-efficient kernel (fp32) only with
-  // grad mode on (should_compute_logsumexp).
-  bool sdpa_makes_lse(DType c, bool grad_mode) const { return grad_mode || !cuda_ || c != DType::kF32; }
-  // A fused SDPA kernel's output (dtype c) and log-sum-exp, when it makes one, in the kernels'
-  // order: the output first (flash_api.cpp; the CPU's, by the profiler's allocation records,
-  // data/ground_truth/README.md "Within one op").
-  std::pair<T, T> sdpa_outputs(std::uint64_t out_numel, std::uint64_t lse_numel, DType c, bool grad_mode) {
-    T o = fresh(out_numel, c);
-    T lse = sdpa_makes_lse(c, grad_mode) ? fresh(lse_numel, DType::kF32) : T{};
-    return {o, lse};
+  // Note [SDPA kernels on CUDA]
+  // torch picks SDPA's kernel per call (sdp_utils.cpp, priority_order and the can_use_* checks).
+  // From torch 2.11 its wheels ship cuDNN 9.19 or newer, and on sm90 and sm100 (check_prefer_
+  // cudnn_attention: cuDNN newer than 9.15.0) cuDNN attention comes first: fp16 / bf16 inputs, a
+  // head dim of at most 128 and a multiple of 8, a dropout probability that is a multiple of
+  // 1/16, more than one key; masks are taken. Elsewhere a half call without a mask takes flash,
+  // and an fp32 or masked one the memory-efficient kernel. What each allocates (read from the
+  // sources, not measured: no CUDA ground truth yet):
+  //  * flash: the output, the fp32 log-sum-exp [b, heads, q] always; backward a contiguous copy
+  //    of grad_out, fp32 dq_accum and softmax_d, and with GQA dk / dv at the query heads;
+  //  * memory-efficient: the log-sum-exp only with grad mode on; backward as flash's here;
+  //  * cuDNN (_cudnn_attention_forward): the output, the fp32 log-sum-exp only with grad mode
+  //    on, and two 0-dim int64 tensors (the philox seed and offset) that backward keeps;
+  //    backward (run_cudnn_SDP_bprop) dq, dk, dv at their inputs' sizes and one workspace block,
+  //    fp32 dq_accum and softmax_sum: no grad_out copy (HF's arrives with a unit inner stride)
+  //    and no GQA expansion. Its forward's own workspace (closed source) is not counted.
+  // The CPU's flash kernel makes the log-sum-exp always.
+  bool cudnn_sdpa(DType c, double dropout, std::uint64_t keys) const {
+    return cuda_ && (gpu_sm_ / 10 == 9 || gpu_sm_ / 10 == 10) && (c == DType::kBF16 || c == DType::kF16) &&
+           a_.head_dim <= 128 && a_.head_dim % 8 == 0 && dropout * 16 == std::floor(dropout * 16) && keys != 1;
+  }
+  // A fused SDPA kernel's output (dtype c), its log-sum-exp when it makes one, and cuDNN's seed and
+  // offset, in the kernels' order: the output first (flash_api.cpp; the CPU's, by the profiler's
+  // allocation records, data/ground_truth/README.md "Within one op").
+  struct SdpaOutputs {
+    T out, lse, seed, offset;
+  };
+  SdpaOutputs sdpa_outputs(std::uint64_t out_numel, std::uint64_t lse_numel, DType c, bool grad_mode, bool cudnn) {
+    SdpaOutputs s;
+    s.out = fresh(out_numel, c);
+    const bool lse = cudnn || (cuda_ && c == DType::kF32) ? grad_mode : true;
+    if (lse) s.lse = fresh(lse_numel, DType::kF32);
+    if (cudnn) {
+      s.seed = fresh(1, DType::kI64);
+      s.offset = fresh(1, DType::kI64);
+    }
+    return s;
   }
   T attention_core(T& q, T& k, T& v);
   T ring_attention_core(const T& q, T& qc, T& kc, T& vc);
@@ -614,6 +641,7 @@ class StepBuilder {
   std::uint64_t stage_dp_rank_ = 0;  // under pp: the rank's place among its stage's replicas
   Attention attention_;
   bool cuda_ = true;
+  unsigned gpu_sm_ = 0;  // Gpu::sm: which SDPA kernel runs (Note [SDPA kernels on CUDA])
   std::uint64_t B_ = 0, S_ = 0, tok_ = 0;
   // Sequence parallelism: the degree the residual stream is sharded by (tp, else 1), the tokens
   // of that stream on a rank, and whether the values being built are DTensors (Note [Sequence

@@ -780,27 +780,32 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
     }
     return o;
   }
-  auto [o, lse] = sdpa_outputs(qn, B_ * heads * S_, c, !no_grad_);
+  // See Note [SDPA kernels on CUDA] (step_builder.h).
+  const bool cudnn = cudnn_sdpa(c, a_.attn_dropout, S_);
+  auto [o, lse, seed, offset] = sdpa_outputs(qn, B_ * heads * S_, c, !no_grad_, cudnn);
   if (qc.requires_grad() || kc.requires_grad() || vc.requires_grad()) {
     requires_grad(o);
     Node& nd = open_node(o);
     nd.saved = {qc.id, kc.id, vc.id, o.id};
     if (lse.id != kNone) nd.saved.push_back(lse.id);
+    if (seed.id != kNone) nd.saved.insert(nd.saved.end(), {seed.id, offset.id});
     if (fmask.id != kNone) nd.saved.push_back(fmask.id);
     // dq, dk, dv in that order (the profiler's allocation records of the CPU kernel, untracked;
-    // the order it returns them in, which the tracker records).
+    // the order it returns them in, which the tracker records). On the CPU
+    // (_scaled_dot_product_flash_attention_for_cpu_backward) the tracker sees them only
+    // (measured: the SDPA backward of the cpu-tp2dp2sp-*-b2s64 traces, native GQA).
     for (const T* x : {&qc, &kc, &vc}) nd.inputs.push_back(fused_grad_of(*x));
-    // Flash backward (flash_api.cpp mha_bwd): a contiguous copy of grad_out, fp32 dq_accum,
-    // fp32 softmax_d, and with GQA dk/dv at the query head count before the group sum. On the
-    // CPU (_scaled_dot_product_flash_attention_for_cpu_backward) the tracker sees dq, dk and dv
-    // only (measured: the SDPA backward of the cpu-tp2dp2sp-*-b2s64 traces, native GQA).
-    if (cuda_) {
+    if (cudnn) {
+      nd.scratch = {qn * 4 + B_ * heads * S_ * 4};
+    } else if (cuda_) {
       nd.scratch = {qn * dtype_bytes(c), qn * 4, B_ * heads * S_ * 4};
       if (gqa_native) nd.scratch.insert(nd.scratch.end(), {qn * dtype_bytes(c), qn * dtype_bytes(c)});
     }
     t_.close_node();
   }
-  if (lse.id != kNone) t_.drop(lse);
+  for (T* x : {&lse, &seed, &offset}) {  // the kernel's tuple goes in its order
+    if (x->id != kNone) t_.drop(*x);
+  }
   if (fmask.id != kNone) t_.drop(fmask);
   t_.drop(qc);
   t_.drop(kc);

@@ -199,6 +199,7 @@ std::vector<Gpu> gpus() {
       Gpu x;
       x.name = g.at("name").get<std::string>();
       x.description = g.at("description").get<std::string>();
+      x.sm = g.at("sm").get<unsigned>();
       x.capacity_bytes = g.at("capacity_bytes").get<std::uint64_t>();
       x.context_bytes = g.at("context_bytes").get<std::uint64_t>();
       x.cublas_workspace_bytes = g.at("cublas_workspace_bytes").get<std::uint64_t>();

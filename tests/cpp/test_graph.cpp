@@ -529,6 +529,44 @@ TEST(GraphCheckpointing, ReentrantOutsideWhatIsModelledIsRefused) {
             std::string::npos);
 }
 
+// Note [SDPA kernels on CUDA]: cuDNN attention on sm90 / sm100 for half inputs keeps a philox
+// seed and offset (0-dim int64) per layer from its forward to its backward and makes no
+// log-sum-exp without grad; flash (sm80) and the memory-efficient kernel (fp32) keep neither.
+TEST(GraphAttention, CudnnOnHopperKeepsSeedAndOffset) {
+  const Model m = small_llama(3);  // head dim 32
+  auto sdpa_int64s = [&](const Recipe& r) {
+    const Trace t = trace_of(m, r);
+    std::uint64_t n = 0;
+    for (const graph::Event& e : t.events) {
+      const MomentTag& at = t.moments[e.moment];
+      if (e.alloc && t.storages[e.tensor].bytes == 8 && at.op == "self_attn.sdpa" && at.phase == Phase::kForward) ++n;
+    }
+    return n;
+  };
+  Recipe r;
+  r.seq = 256;
+  r.precision = Precision::kBf16True;
+  EXPECT_EQ(sdpa_int64s(r), 2u * 3 * r.steps);  // two per layer and forward
+  r.gpu = "b200-192gb";
+  EXPECT_EQ(sdpa_int64s(r), 2u * 3 * r.steps);
+  r.gpu = "a100-80gb";
+  EXPECT_EQ(sdpa_int64s(r), 0u);
+  r.gpu = "h100-80gb";
+  r.precision = Precision::kFp32;
+  EXPECT_EQ(sdpa_int64s(r), 0u);
+  // The seed and offset live to the layer's backward: one step's forward adds 2 x 512 B a layer.
+  r.precision = Precision::kBf16True;
+  r.optimizer = Optimizer::kSgd;
+  Recipe a100 = r;
+  a100.gpu = "a100-80gb";
+  const auto forward_growth = [&](const Recipe& x) {
+    const Trace t = trace_of(m, x);
+    return live_before_first(t, first_backward_of(2)).total_rounded() -
+           live_before_first(t, in(2, Phase::kForward)).total_rounded();
+  };
+  EXPECT_EQ(forward_growth(r), forward_growth(a100) + 3 * 2 * 512);
+}
+
 // When activations decide the peak, checkpointing lowers it and moves it out of the forward.
 TEST(GraphCheckpointing, ReducesAnActivationPeak) {
   const Model m = small_llama(3);
