@@ -95,13 +95,16 @@ struct RecipeFlags {
     opt("grad_accum", "--grad-accum", accum, "Micro-batches per optimizer step");
     opt("seq", "--seq", seq, "Sequence length in tokens (unset: 2048, or the model's positions where fewer: GPT-2 1024)");
     opt("precision", "--precision", precision,
-        fit ? "fp32 | bf16-mixed | fp16-mixed | bf16-master | bf16-true | fp16-true (default: bf16-mixed)"
-            : "fp32 | bf16-mixed | fp16-mixed | bf16-master | bf16-true | fp16-true (default: bf16-mixed; inference "
-              "bf16-true)");
+        fit ? "fp32 | bf16-mixed | fp16-mixed | bf16-master | bf16-true | fp16-true (default: bf16-mixed; over a "
+              "4-bit or 8-bit base bf16-true; with --load-dtype its autocast)"
+            : "fp32 | bf16-mixed | fp16-mixed | bf16-master | bf16-true | fp16-true (default: bf16-mixed; over a "
+              "4-bit or 8-bit base and in inference bf16-true; with --load-dtype its autocast; under ZeRO "
+              "bf16-master)");
     opt("optimizer", "--optimizer", optimizer, "adamw | adamw-fused | adamw-8bit | sgd | adafactor");
     opt("checkpointing", "--checkpointing", ckpt,
         "none | full (per decoder layer, use_reentrant=False) | full-reentrant (use_reentrant=True, as peft's "
-        "prepare_model_for_kbit_training turns on; one GPU, or DDP without find_unused_parameters)");
+        "prepare_model_for_kbit_training turns on; not with --pp or --cp, DDP's find_unused_parameters, or a "
+        "4-bit base under ZeRO or FSDP2)");
     opt("attention", "--attention", attention, "eager | sdpa | flash");
     opt("loss", "--loss", loss, "standard (fp32 logits) | fused (chunked linear + cross-entropy)");
     opt("attention_mask", "--attention-mask", attention_mask,

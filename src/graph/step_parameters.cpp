@@ -234,6 +234,14 @@ std::uint32_t StepBuilder::add_param(const ParameterGroup& g, bool in_layer, boo
     // parameter, stays whole on every rank (See Note [QLoRA under FSDP2] in parallel.cpp).
     // See Note [The packed weights' storage dtype].
     p.dtype = storage_dtype(r_.quant.storage);
+    // quantize_4bit packs ceil(n / 2) bytes and views them as the storage dtype: bitsandbytes' CPU
+    // path fails where they do not divide it, its CUDA one makes a buffer a byte short.
+    const std::uint64_t packed_bytes = g.numel / 2 + g.numel % 2;
+    if (packed_bytes % dtype_bytes(p.dtype) != 0) {
+      throw Error("bnb_4bit_quant_storage: " + std::string(dtype_name(p.dtype)) + " cannot hold " + g.name +
+                  "'s " + std::to_string(packed_bytes) + " packed bytes (" + std::to_string(g.numel) +
+                  " 4-bit values); use uint8");
+    }
     const Packed4bit q = packed_4bit(g.numel, r_.quant.double_quant, p.dtype);
     p.storage = new_param_storage(q.packed_bytes);
     for (std::uint64_t b : {q.absmax_bytes, q.code_bytes, q.offset_bytes, q.nested_absmax_bytes, q.nested_code_bytes}) {

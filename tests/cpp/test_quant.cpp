@@ -69,6 +69,25 @@ TEST(Packed4bit, Bf16StorageHoldsTheSameBytes) {
   EXPECT_EQ(packed_4bit(4 * 1000 + 1, false).packed_numel, 2001u);
 }
 
+// A half storage dtype must hold the packed bytes whole: bitsandbytes' CPU quantize_4bit fails to
+// view an odd count as bf16 (measured: a Llama with hidden 201 and intermediate 333), its CUDA one
+// makes a buffer a byte short. Refused; uint8 takes any count.
+TEST(Packed4bit, HalfStorageNeedsAnEvenByteCount) {
+  const Model odd = model_from_config_json(
+      R"({"model_type": "llama", "hidden_size": 201, "intermediate_size": 333, "num_hidden_layers": 1,
+          "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 36, "vocab_size": 1001})");
+  Recipe r;
+  r.seq = 16;
+  r.lora.rank = 4;
+  r.quant.load_in_4bit = true;
+  r.precision = Precision::kBf16True;
+  EXPECT_NO_THROW(estimate(odd, r));
+  r.quant.storage = QuantStorage::kBf16;
+  EXPECT_EQ(error_of([&] { estimate(odd, r); }),
+            "bnb_4bit_quant_storage: bfloat16 cannot hold model.layers.N.mlp.gate_proj.weight's 33467 packed bytes "
+            "(66933 4-bit values); use uint8");
+}
+
 // LLM.int8: CB is one int8 per element, SCB one fp32 absmax per output row (Note [LLM.int8]).
 TEST(Int8Weight, CbAndScb) {
   const graph::Int8Weight w = graph::int8_weight(8192ull * 2048, 8192);  // Llama-3.2-1B's up_proj

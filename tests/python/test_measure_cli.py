@@ -45,6 +45,8 @@ def tiny_config(tmp_path):
     (["gpt2", "--lora-targets", "c_attn"], "lora_targets is set without lora_rank"),
     (["gpt2", "--attention-mask", "padded", "--seq", "1"], "attention_mask='padded' needs seq >= 2"),
     (["gpt2", "--attention-mask", "ones", "--inference"], "attention_mask='ones' is a training knob"),
+    (["gpt2", "--qlora", "--bnb-4bit-quant-type", "fp4", "--lora", "8"],
+     "--qlora is an nf4 base with double quant; for fp4 use --load-in-4bit"),  # as trainmem estimate says
     ([], "the following arguments are required: model"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
@@ -117,3 +119,16 @@ def test_what_libraries_print_during_the_measurement_goes_to_stderr(monkeypatch,
     out, err = capfd.readouterr()
     assert json.loads(out) == {"model": "x", "peak_allocated_bytes": 1}, (out, err)
     assert "a library talking" in err and "a child process talking" in err
+
+
+def test_gemma2_takes_sdpa_as_eager_as_the_estimate_does():
+    """transformers refuses attn_implementation="sdpa" for Gemma-2 and loads it eager by default;
+    both sides take sdpa as eager there (Note [Gemma-2's attention] in src/estimate.cpp)."""
+    from trainmem.measure.models import ModelSpec, resolved_for_model
+    from trainmem.measure.recipe import Recipe
+
+    gemma = ModelSpec("g", {"model_type": "gemma2"}, "test")
+    assert resolved_for_model(gemma, Recipe(attention="sdpa")).attention == "eager"
+    assert resolved_for_model(gemma, Recipe(attention="eager")).attention == "eager"
+    llama = ModelSpec("l", {"model_type": "llama"}, "test")
+    assert resolved_for_model(llama, Recipe(attention="sdpa")).attention == "sdpa"

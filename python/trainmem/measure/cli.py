@@ -46,7 +46,8 @@ def _parser() -> _Parser:
     p.add_argument("--grad-accum", type=int, default=defaults.grad_accum,
                    help="micro-batches per optimizer step (default %(default)s)")
     p.add_argument("--precision", choices=PRECISIONS, default="",
-                   help="default bf16-mixed (training), bf16-true (inference: fp32, bf16-true or fp16-true)")
+                   help="default bf16-mixed (training; over a 4-bit or 8-bit base bf16-true, with --load-dtype "
+                        "its autocast), bf16-true (inference: fp32, bf16-true or fp16-true)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=defaults.optimizer)
     p.add_argument("--checkpointing", choices=CHECKPOINTING, default=defaults.checkpointing)
     p.add_argument("--attention", choices=ATTENTIONS, default=defaults.attention)
@@ -155,6 +156,10 @@ def _error(message: str, code: int) -> int:
 
 def recipe_from_args(args: argparse.Namespace, gpu: str) -> Recipe:
     """The Recipe of parsed command-line arguments (`gpu`: the name recorded in it)."""
+    if args.qlora and args.bnb_4bit_quant_type not in (None, "nf4"):  # as trainmem estimate refuses it
+        raise RecipeError(f"bnb_4bit_quant_type: --qlora is an nf4 base with double quant; for "
+                          f"{args.bnb_4bit_quant_type} use --load-in-4bit --bnb-4bit-quant-type "
+                          f"{args.bnb_4bit_quant_type}")
     quant_type = args.bnb_4bit_quant_type or ("nf4" if args.qlora else defaults_quant_type())
     return Recipe(batch=args.batch, seq=args.seq, grad_accum=args.grad_accum, precision=args.precision,
                   optimizer=args.optimizer, checkpointing=args.checkpointing, attention=args.attention,

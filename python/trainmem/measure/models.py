@@ -41,6 +41,15 @@ class ModelSpec:
     source: str        # where it came from (catalog file or path)
 
 
+def resolved_for_model(spec: ModelSpec, recipe: Recipe) -> Recipe:
+    """The recipe as the model runs it: transformers has no SDPA for Gemma-2 (it refuses
+    attn_implementation="sdpa" and loads Gemma-2 eager by default), so sdpa means eager there, as
+    trainmem estimate takes it (Note [Gemma-2's attention] in src/estimate.cpp)."""
+    if spec.config.get("model_type") == "gemma2" and recipe.attention == "sdpa":
+        return dataclasses.replace(recipe, attention="eager")
+    return recipe
+
+
 def data_dir() -> Path:
     """The repository's data/ folder (TRAINMEM_DATA_DIR overrides)."""
     env = os.environ.get("TRAINMEM_DATA_DIR")

@@ -12,7 +12,7 @@ import time
 import torch
 
 from .models import (ModelError, ModelSpec, build_fake_model, build_real_model, enable_checkpointing,
-                     lora_targets_of, quant_state_tensors, resolve_model)
+                     lora_targets_of, quant_state_tensors, resolve_model, resolved_for_model)
 from .recipe import Recipe, RecipeError
 from .tracker import CATEGORIES, MemoryTracker
 from .generation import run_generation
@@ -117,6 +117,7 @@ def measure(model: str | ModelSpec, recipe: Recipe, *, device: str = "cpu", fake
     """Measure `steps` optimizer steps of the reference loop, or with mode inference one generate()
     call (generation.py); returns the schema's JSON dict."""
     spec = resolve_model(model) if isinstance(model, str) else model
+    recipe = resolved_for_model(spec, recipe)
     check_device(device, fake, recipe)
     if recipe.is_parallel and not _parallel.in_worker():  # one process per rank, each back here
         return _parallel.launch(model, recipe, device=device, fake=fake, trace=trace, command=command, steps=steps)
