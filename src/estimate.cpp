@@ -166,6 +166,16 @@ Recipe detail::resolved_for_model(const Model& model, Recipe recipe) {
     throw Error("attention: flash (flash_attention_2) for Gemma-2 is not modelled; its eager attention is, which "
                 "transformers runs by default (it has no SDPA for Gemma-2)");
   }
+  // flash-attn 2 takes head dims up to 256; the ring of context parallelism is not modelled over
+  // the K/V that SDPA repeats for wider heads (Note [SDPA kernels on CUDA] in step_builder.h).
+  if (recipe.attention == Attention::kFlash && model.arch.head_dim > 256) {
+    throw Error("attention: flash takes a head dim of at most 256 (flash-attn 2), got " +
+                std::to_string(model.arch.head_dim) + "; use sdpa or eager");
+  }
+  if (recipe.cp > 1 && model.arch.head_dim > 256 && model.arch.num_kv_heads != model.arch.num_heads) {
+    throw Error("cp: " + std::to_string(recipe.cp) + " with a head dim above 256 and grouped key/value heads is "
+                "not modelled (SDPA repeats K and V there)");
+  }
   // GPT-2's learned position embedding (wpe) has n_positions rows, and a position past them is an
   // IndexError in transformers (generate() does not check it either); rotary models have no table.
   // A generation feeds the prompt, then each new token but the last.

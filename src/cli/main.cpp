@@ -93,10 +93,12 @@ struct RecipeFlags {
     };
     opt("batch", "--batch", batch, "Micro-batch size");
     opt("grad_accum", "--grad-accum", accum, "Micro-batches per optimizer step");
-    opt("seq", "--seq", seq, "Sequence length in tokens (unset: 2048, or the model's positions where fewer: GPT-2 1024)");
+    opt("seq", "--seq", seq,
+        "Sequence length in tokens (unset: 2048, or the model's positions where fewer: GPT-2 1024, less "
+        "--new-tokens - 1 with --inference)");
     opt("precision", "--precision", precision,
         fit ? "fp32 | bf16-mixed | fp16-mixed | bf16-master | bf16-true | fp16-true (default: bf16-mixed; over a "
-              "4-bit or 8-bit base bf16-true; with --load-dtype its autocast)"
+              "4-bit or 8-bit base bf16-true; with --load-dtype its autocast; under ZeRO bf16-master)"
             : "fp32 | bf16-mixed | fp16-mixed | bf16-master | bf16-true | fp16-true (default: bf16-mixed; over a "
               "4-bit or 8-bit base and in inference bf16-true; with --load-dtype its autocast; under ZeRO "
               "bf16-master)");
@@ -196,10 +198,8 @@ struct RecipeFlags {
   }
 
   bool was_given(std::string_view knob) const {
-    for (const auto& [k, o] : options) {
-      if (k == knob && o->count() > 0) return true;
-    }
-    return false;
+    const std::vector<std::string> typed = given();
+    return std::find(typed.begin(), typed.end(), knob) != typed.end();
   }
   // Knobs the user typed on the command line.
   std::vector<std::string> given() const {

@@ -876,7 +876,7 @@ T StepBuilder::g_attention_core(const T& q, std::uint32_t l, bool q_bshd) {
   // which the CPU kernel takes as it is).
   T kr, vr;
   const std::uint64_t groups = a_.num_heads / a_.num_kv_heads;
-  if ((layer_has_mask(l) || d > 256) && groups > 1 && a_.num_kv_heads > 1 && q_ > 1) {
+  if (sdpa_repeats_kv(layer_has_mask(l), q_) && groups > 1 && a_.num_kv_heads > 1 && q_ > 1) {
     kr = fresh(Bg_ * H * stored_[l] * d, kc_[l].dtype);
     vr = fresh(Bg_ * H * stored_[l] * d, vc_[l].dtype);
   }
@@ -887,7 +887,7 @@ T StepBuilder::g_attention_core(const T& q, std::uint32_t l, bool q_bshd) {
   if (layer_has_mask(l)) fmask = where_of_scalars(detail::mul({Bg_, q_, stored_[l]}, "mask size"), c);
   // No dropout in eval (See Note [SDPA kernels on CUDA] in step_builder.h).
   auto [o, lse, seed, offset] = sdpa_outputs(r * H * d, Bg_ * H * q_, c, /*grad_mode=*/false,
-                                             cudnn_sdpa(c, 0.0, stored_[l]));
+                                             sdpa_kernel(c, layer_has_mask(l), 0.0, stored_[l]));
   for (T* x : {&lse, &seed, &offset}) {
     if (x->id != kNone) t_.drop(*x);
   }

@@ -463,9 +463,25 @@ class StepBuilder {
   //    fp32 dq_accum and softmax_sum: no grad_out copy (HF's arrives with a unit inner stride)
   //    and no GQA expansion. Its forward's own workspace (closed source) is not counted.
   // The CPU's flash kernel makes the log-sum-exp always.
-  bool cudnn_sdpa(DType c, double dropout, std::uint64_t keys) const {
-    return cuda_ && (gpu_sm_ / 10 == 9 || gpu_sm_ / 10 == 10) && (c == DType::kBF16 || c == DType::kF16) &&
-           a_.head_dim <= 128 && a_.head_dim % 8 == 0 && dropout * 16 == std::floor(dropout * 16) && keys != 1;
+  enum class SdpaKernel : std::uint8_t { kCpuFlash, kFlash, kEfficient, kCudnn };
+  // The kernel an SDPA call (attention sdpa) or flash_attention_2 (attention flash: flash-attn's
+  // own, which allocates as flash does) runs, with `masked` a mask passed, `keys` the keys
+  // (See Note [SDPA kernels on CUDA]).
+  SdpaKernel sdpa_kernel(DType c, bool masked, double dropout, std::uint64_t keys) const {
+    if (!cuda_) return SdpaKernel::kCpuFlash;
+    if (attention_ == Attention::kFlash) return SdpaKernel::kFlash;
+    const bool half = c == DType::kBF16 || c == DType::kF16;
+    if ((gpu_sm_ / 10 == 9 || gpu_sm_ / 10 == 10) && half && a_.head_dim <= 128 && a_.head_dim % 8 == 0 &&
+        dropout * 16 == std::floor(dropout * 16) && keys != 1) {
+      return SdpaKernel::kCudnn;
+    }
+    return half && !masked && a_.head_dim <= 256 ? SdpaKernel::kFlash : SdpaKernel::kEfficient;
+  }
+  // HF's sdpa_attention_forward repeats K and V (repeat_kv) unless use_gqa_in_sdpa: no mask and a
+  // head dim of at most 256; a single query token packs the heads instead (views). Flash
+  // attention 2 takes GQA itself.
+  bool sdpa_repeats_kv(bool masked, std::uint64_t queries) const {
+    return masked || (attention_ == Attention::kSdpa && a_.head_dim > 256 && queries > 1);
   }
   // A fused SDPA kernel's output (dtype c), its log-sum-exp when it makes one, and cuDNN's seed and
   // offset, in the kernels' order: the output first (flash_api.cpp; the CPU's, by the profiler's
@@ -473,12 +489,12 @@ class StepBuilder {
   struct SdpaOutputs {
     T out, lse, seed, offset;
   };
-  SdpaOutputs sdpa_outputs(std::uint64_t out_numel, std::uint64_t lse_numel, DType c, bool grad_mode, bool cudnn) {
+  SdpaOutputs sdpa_outputs(std::uint64_t out_numel, std::uint64_t lse_numel, DType c, bool grad_mode, SdpaKernel k) {
     SdpaOutputs s;
     s.out = fresh(out_numel, c);
-    const bool lse = cudnn || (cuda_ && c == DType::kF32) ? grad_mode : true;
+    const bool lse = k == SdpaKernel::kCudnn || k == SdpaKernel::kEfficient ? grad_mode : true;
     if (lse) s.lse = fresh(lse_numel, DType::kF32);
-    if (cudnn) {
+    if (k == SdpaKernel::kCudnn) {
       s.seed = fresh(1, DType::kI64);
       s.offset = fresh(1, DType::kI64);
     }

@@ -755,7 +755,7 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
   // one of q's dtype (where with two 0-dim scalars) that the kernel saves; the repeated K and V
   // live until sdpa_attention_forward returns.
   const bool masked = mask_.id != kNone;
-  const bool repeated = masked || (a_.head_dim > 256 && S_ > 1);
+  const bool repeated = sdpa_repeats_kv(masked, S_);
   const bool gpt2 = a_.family == Family::kGpt2;
   const bool math = sdpa_math_kernel();
   op(gpt2 ? (math ? "attn.sdpa_math" : "attn.sdpa") : (math ? "self_attn.sdpa_math" : "self_attn.sdpa"));
@@ -781,8 +781,8 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
     return o;
   }
   // See Note [SDPA kernels on CUDA] (step_builder.h).
-  const bool cudnn = cudnn_sdpa(c, a_.attn_dropout, S_);
-  auto [o, lse, seed, offset] = sdpa_outputs(qn, B_ * heads * S_, c, !no_grad_, cudnn);
+  const SdpaKernel kernel = sdpa_kernel(c, masked, a_.attn_dropout, S_);
+  auto [o, lse, seed, offset] = sdpa_outputs(qn, B_ * heads * S_, c, !no_grad_, kernel);
   if (qc.requires_grad() || kc.requires_grad() || vc.requires_grad()) {
     requires_grad(o);
     Node& nd = open_node(o);
@@ -795,7 +795,7 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
     // (_scaled_dot_product_flash_attention_for_cpu_backward) the tracker sees them only
     // (measured: the SDPA backward of the cpu-tp2dp2sp-*-b2s64 traces, native GQA).
     for (const T* x : {&qc, &kc, &vc}) nd.inputs.push_back(fused_grad_of(*x));
-    if (cudnn) {
+    if (kernel == SdpaKernel::kCudnn) {
       nd.scratch = {qn * 4 + B_ * heads * S_ * 4};
     } else if (cuda_) {
       nd.scratch = {qn * dtype_bytes(c), qn * 4, B_ * heads * S_ * 4};
@@ -1035,7 +1035,7 @@ T StepBuilder::attention_module(const T& x, const LayerParams& lp) {
     return h;
   };
   const bool bmm_grads = r_.cp == 1 && (attention_ == Attention::kEager || sdpa_math_kernel());
-  const bool repeated = mask_.id != kNone && kvh != heads;
+  const bool repeated = sdpa_repeats_kv(mask_.id != kNone, S_) && kvh != heads;
   const bool v_copies = bmm_grads || (r_.cp == 1 && attention_ == Attention::kSdpa && repeated);
   T q, k, v;
   if (gpt2) {

@@ -227,10 +227,14 @@ Architecture parse_llama_like(const json& c, Family family) {
                   " (a rotary embedding over part of each head) is not modelled; only 1.0 is");
     }
   };
+  bool in_rope_parameters = false;  // Phi3Config takes the top-level factor only where these lack one
   for (const char* key : {"rope_parameters", "rope_scaling"}) {
-    if (auto it = c.find(key); it != c.end() && it->is_object()) check_rotary_factor(*it, std::string(key) + ".");
+    if (auto it = c.find(key); it != c.end() && it->is_object()) {
+      check_rotary_factor(*it, std::string(key) + ".");
+      in_rope_parameters = in_rope_parameters || it->contains("partial_rotary_factor");
+    }
   }
-  if (family == Family::kPhi3) check_rotary_factor(c, "");
+  if (family == Family::kPhi3 && !in_rope_parameters) check_rotary_factor(c, "");
   switch (family) {
     case Family::kLlama: {
       bool bias = get_bool_or(c, "attention_bias", false);

@@ -1394,18 +1394,24 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
     r.allocator = base.allocator == AllocatorMode::kDefault ? AllocatorMode::kExpandable : AllocatorMode::kDefault;
     change("allocator " + std::string(to_string(r.allocator)), r);
   }
+  // A pipeline's schedule follows its micro-batches as as_pipeline picks it (1F1B needs pp of
+  // them, and with as many GPipe is not searched: Note [Pipeline schedule in the planner]).
+  auto batch_change = [&](Recipe r) {
+    std::string what = "batch " + std::to_string(r.batch) + " x grad_accum " + std::to_string(r.grad_accum);
+    if (r.pp > 1 && (r.pp_schedule == PipelineSchedule::k1F1B || r.pp_schedule == PipelineSchedule::kGPipe)) {
+      const PipelineSchedule s = r.grad_accum >= r.pp ? PipelineSchedule::k1F1B : PipelineSchedule::kGPipe;
+      if (s != r.pp_schedule) what += ", pp_schedule " + std::string(to_string(s));
+      r.pp_schedule = s;
+    }
+    change(what, r);
+  };
   if (base.batch % 2 == 0 && base.grad_accum * 2 <= kMaxAccum) {
     Recipe r = base; r.batch /= 2; r.grad_accum *= 2;
-    change("batch " + std::to_string(r.batch) + " x grad_accum " + std::to_string(r.grad_accum), r);
+    batch_change(r);
   }
   if (base.grad_accum % 2 == 0) {
     Recipe r = base; r.batch *= 2; r.grad_accum /= 2;
-    std::string what = "batch " + std::to_string(r.batch) + " x grad_accum " + std::to_string(r.grad_accum);
-    if (r.pp > 1 && r.pp_schedule == PipelineSchedule::k1F1B && r.grad_accum < r.pp) {
-      r.pp_schedule = PipelineSchedule::kGPipe;  // as as_pipeline picks it: 1F1B needs pp micro-batches
-      what += ", pp_schedule gpipe";
-    }
-    change(what, r);
+    batch_change(r);
   }
   if (base.parallel == Parallel::kDdp && base.pp == 1 && !base.ddp_find_unused_parameters) {
     // DDP's .grads as views of its buckets: one copy of the gradients instead of two (Note [DDP

@@ -538,18 +538,19 @@ void Recipe::validate() const {
   check_range("steps", steps, 100);
   if (const Gpu& g = find_gpu(gpu); attention == Attention::kFlash) {
     // transformers refuses flash_attention_2 without a CUDA device, so no CPU run measures it; and
-    // flash-attn 2 runs on Ampere or newer (sm80+), the GPUs the catalog marks bf16.
-    if (g.name == "cpu") {
+    // flash-attn 2 runs on Ampere or newer (sm80+).
+    if (g.sm == 0) {
       throw Error("attention: flash needs a CUDA GPU (flash-attn's kernels); gpu cpu replays what a CPU run "
                   "measures, and a CPU run cannot take flash_attention_2; use sdpa or eager, or name a GPU");
     }
-    if (!g.bf16) {
+    if (g.sm < 80) {
       throw Error("attention: flash needs an Ampere or newer GPU (flash-attn 2 runs on sm80+), and " + g.name +
                   " is older; use sdpa or eager");
     }
     // Without autocast transformers hands flash-attn the Linear weights' dtype
     // (integrations/flash_attention.py, get_target_dtype), and flash-attn takes fp16 and bf16 only.
-    if (precision == Precision::kFp32) {
+    // (FSDP2's bf16 param_dtype runs an fp32 model's forward in bf16.)
+    if (precision == Precision::kFp32 && !(parallel == Parallel::kFsdp && fsdp.param_dtype == FsdpDtype::kBf16)) {
       throw Error("attention: flash takes fp16 or bf16 tensors only, and precision fp32 runs attention in fp32; "
                   "use a half precision (bf16-mixed, bf16-true, ...) or sdpa or eager");
     }
@@ -669,8 +670,8 @@ void Recipe::validate() const {
   if (load_dtype != LoadDtype::kAuto && mode == Mode::kInference) {
     const std::string d(to_string(load_dtype));
     throw Error("load_dtype: " + d + " is a training knob (a model loaded in " + d +
-                " and trained under autocast); a generation loads the weights in its precision's dtype: use "
-                "precision " + d + "-true");
+                " and trained under autocast); a generation loads the weights in its precision's dtype: drop "
+                "load_dtype (precision " + d + "-true loads them in " + d + ")");
   }
   if (load_dtype != LoadDtype::kAuto && precision != autocast_of(load_dtype)) {
     const std::string d(to_string(load_dtype));

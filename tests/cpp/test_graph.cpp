@@ -552,6 +552,9 @@ TEST(GraphAttention, CudnnOnHopperKeepsSeedAndOffset) {
   r.gpu = "a100-80gb";
   EXPECT_EQ(sdpa_int64s(r), 0u);
   r.gpu = "h100-80gb";
+  r.attention = Attention::kFlash;  // flash_attention_2 is flash-attn's kernel on any GPU
+  EXPECT_EQ(sdpa_int64s(r), 0u);
+  r.attention = Attention::kSdpa;
   r.precision = Precision::kFp32;
   EXPECT_EQ(sdpa_int64s(r), 0u);
   // The seed and offset live to the layer's backward: one step's forward adds 2 x 512 B a layer.

@@ -84,7 +84,7 @@ BAD_ARGS = [
     ("seq-arabic-digits", ["estimate", "gpt2", "--seq", "\u0661\u0662"], ["seq: must be a positive integer"]),
     ("seq-2^24+1", ["estimate", "gpt2", "--seq", "16777217"], ["seq: must be between 1 and 16777216"]),
     ("load-dtype-in-generation", ["estimate", "qwen3-0.6b", "--inference", "--load-in-4bit", "--load-dtype", "bf16"],
-     ["load_dtype: bf16 is a training knob", "use precision bf16-true"]),
+     ["load_dtype: bf16 is a training knob", "drop load_dtype"]),
     ("load-dtype-fp16-in-generation", ["estimate", "qwen3-0.6b", "--inference", "--load-dtype", "fp16",
                                        "--precision", "fp16-true"], ["load_dtype: fp16 is a training knob"]),
     ("seq-past-gpt2-positions", ["estimate", "gpt2", "--seq", "1025"], ["seq: 1025 is past the model's 1024 positions"]),

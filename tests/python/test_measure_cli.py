@@ -132,3 +132,16 @@ def test_gemma2_takes_sdpa_as_eager_as_the_estimate_does():
     assert resolved_for_model(gemma, Recipe(attention="eager")).attention == "eager"
     llama = ModelSpec("l", {"model_type": "llama"}, "test")
     assert resolved_for_model(llama, Recipe(attention="sdpa")).attention == "sdpa"
+
+
+def test_gpt2_past_its_positions_is_refused_as_the_estimate_refuses_it():
+    from trainmem.measure.models import ModelSpec, resolved_for_model
+    from trainmem.measure.recipe import Recipe, RecipeError
+
+    gpt2 = ModelSpec("g", {"model_type": "gpt2", "n_positions": 1024}, "test")
+    assert resolved_for_model(gpt2, Recipe(seq=1024)).seq == 1024
+    with pytest.raises(RecipeError, match="1025 positions .* past the model's 1024"):
+        resolved_for_model(gpt2, Recipe(seq=1025))
+    assert resolved_for_model(gpt2, Recipe(mode="inference", precision="fp32", seq=1000, new_tokens=25)).seq == 1000
+    with pytest.raises(RecipeError, match="and 26 new tokens"):
+        resolved_for_model(gpt2, Recipe(mode="inference", precision="fp32", seq=1000, new_tokens=26))

@@ -42,9 +42,16 @@ class ModelSpec:
 
 
 def resolved_for_model(spec: ModelSpec, recipe: Recipe) -> Recipe:
-    """The recipe as the model runs it: transformers has no SDPA for Gemma-2 (it refuses
-    attn_implementation="sdpa" and loads Gemma-2 eager by default), so sdpa means eager there, as
-    trainmem estimate takes it (Note [Gemma-2's attention] in src/estimate.cpp)."""
+    """The recipe as the model runs it, as trainmem estimate takes it (detail::resolved_for_model in
+    src/estimate.cpp): transformers has no SDPA for Gemma-2 (it refuses attn_implementation="sdpa"
+    and loads Gemma-2 eager by default), so sdpa means eager there; GPT-2 fails past its positions."""
+    if spec.config.get("model_type") == "gpt2":  # its learned positions end at n_positions
+        limit = spec.config.get("n_positions", 1024)
+        positions = recipe.seq + (recipe.new_tokens - 1 if recipe.is_inference else 0)
+        if positions > limit:
+            raise RecipeError(f"seq: {positions} positions (seq {recipe.seq}"
+                              f"{f' and {recipe.new_tokens} new tokens' if recipe.is_inference else ''}) are past "
+                              f"the model's {limit} (n_positions: GPT-2's position embedding has no row past them)")
     if spec.config.get("model_type") == "gemma2" and recipe.attention == "sdpa":
         return dataclasses.replace(recipe, attention="eager")
     return recipe

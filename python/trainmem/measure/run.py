@@ -117,8 +117,8 @@ def measure(model: str | ModelSpec, recipe: Recipe, *, device: str = "cpu", fake
     """Measure `steps` optimizer steps of the reference loop, or with mode inference one generate()
     call (generation.py); returns the schema's JSON dict."""
     spec = resolve_model(model) if isinstance(model, str) else model
-    recipe = resolved_for_model(spec, recipe)
     check_device(device, fake, recipe)
+    recipe = resolved_for_model(spec, recipe)
     if recipe.is_parallel and not _parallel.in_worker():  # one process per rank, each back here
         return _parallel.launch(model, recipe, device=device, fake=fake, trace=trace, command=command, steps=steps)
     started = time.perf_counter()
