@@ -118,9 +118,9 @@ def test_command_names_the_flags():
     (["gpt2", "--gpus", "2"], "gpus=2 needs a data-parallel wrapper"),
     (["gpt2", "--gpus", "x", "--parallel", "ddp"], "argument --gpus: invalid int value: 'x'"),
     (["gpt2", "--parallel", "zero"], "argument --parallel: invalid choice: 'zero'"),
-    (["gpt2", "--gpus", "2", "--parallel", "zero2", "--precision", "bf16-master", "--fake"],
+    (["gpt2", "--seq", "64", "--gpus", "2", "--parallel", "zero2", "--precision", "bf16-master", "--fake"],
      "cannot run on fake tensors"),
-    (["gpt2", "--gpus", "2", "--parallel", "ddp", "--fake"], "cannot run on fake tensors"),
+    (["gpt2", "--seq", "64", "--gpus", "2", "--parallel", "ddp", "--fake"], "cannot run on fake tensors"),
 ])
 def test_bad_parallel_flags_exit_2(capsys, argv, message):
     assert main(argv) == 2
