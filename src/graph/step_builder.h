@@ -455,8 +455,10 @@ class StepBuilder {
   // and an fp32 or masked one the memory-efficient kernel. What each allocates (read from the
   // sources, not measured: no CUDA ground truth yet):
   //  * flash: the output, the fp32 log-sum-exp [b, heads, q] always; backward a contiguous copy
-  //    of grad_out, fp32 dq_accum and softmax_d, and with GQA dk / dv at the query heads;
-  //  * memory-efficient: the log-sum-exp only with grad mode on; backward as flash's here;
+  //    of grad_out, fp32 dq_accum and softmax_d (rows rounded to 128, dq_accum's head dim to 32),
+  //    and with GQA dk / dv at the query heads;
+  //  * memory-efficient: the log-sum-exp only with grad mode on, its rows padded to 32;
+  //    backward as flash's here, unrounded (its delta and workspace are not modelled);
   //  * cuDNN (_cudnn_attention_forward): the output, the fp32 log-sum-exp only with grad mode
   //    on, and two 0-dim int64 tensors (the philox seed and offset) that backward keeps;
   //    backward (run_cudnn_SDP_bprop) dq, dk, dv at their inputs' sizes and one workspace block,

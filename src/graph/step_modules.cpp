@@ -782,7 +782,10 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
   }
   // See Note [SDPA kernels on CUDA] (step_builder.h).
   const SdpaKernel kernel = sdpa_kernel(c, masked, a_.attn_dropout, S_);
-  auto [o, lse, seed, offset] = sdpa_outputs(qn, B_ * heads * S_, c, !no_grad_, kernel);
+  auto round_up = [](std::uint64_t n, std::uint64_t m) { return (n + m - 1) / m * m; };
+  // The memory-efficient kernel pads its log-sum-exp's rows to a multiple of 32 (kAlignLSE).
+  const std::uint64_t lse_rows = kernel == SdpaKernel::kEfficient ? round_up(S_, 32) : S_;
+  auto [o, lse, seed, offset] = sdpa_outputs(qn, B_ * heads * lse_rows, c, !no_grad_, kernel);
   if (qc.requires_grad() || kc.requires_grad() || vc.requires_grad()) {
     requires_grad(o);
     Node& nd = open_node(o);
@@ -797,6 +800,12 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
     for (const T* x : {&qc, &kc, &vc}) nd.inputs.push_back(fused_grad_of(*x));
     if (kernel == SdpaKernel::kCudnn) {
       nd.scratch = {qn * 4 + B_ * heads * S_ * 4};
+    } else if (kernel == SdpaKernel::kFlash) {
+      // mha_bwd: dq_accum [b, s rounded to 128, heads, d rounded to 32 (64 past 128)] and softmax_d
+      // [b, heads, s rounded to 128], fp32.
+      const std::uint64_t s128 = round_up(S_, 128), d_acc = round_up(a_.head_dim, a_.head_dim <= 128 ? 32 : 64);
+      nd.scratch = {qn * dtype_bytes(c), B_ * s128 * heads * d_acc * 4, B_ * heads * s128 * 4};
+      if (gqa_native) nd.scratch.insert(nd.scratch.end(), {qn * dtype_bytes(c), qn * dtype_bytes(c)});
     } else if (cuda_) {
       nd.scratch = {qn * dtype_bytes(c), qn * 4, B_ * heads * S_ * 4};
       if (gqa_native) nd.scratch.insert(nd.scratch.end(), {qn * dtype_bytes(c), qn * dtype_bytes(c)});

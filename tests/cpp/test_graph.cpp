@@ -568,6 +568,24 @@ TEST(GraphAttention, CudnnOnHopperKeepsSeedAndOffset) {
            live_before_first(t, in(2, Phase::kForward)).total_rounded();
   };
   EXPECT_EQ(forward_growth(r), forward_growth(a100) + 3 * 2 * 512);
+  // Flash's backward buffers have their rows rounded to 128 (mha_bwd): at seq 200, dq_accum is
+  // [1, 256, 8, 32] fp32 and softmax_d [1, 8, 256] fp32; cuDNN's one workspace is unrounded.
+  auto backward_sdpa_allocs = [&](const Recipe& x) {
+    const Trace t = trace_of(m, x);
+    std::vector<std::uint64_t> sizes;
+    for (const graph::Event& e : t.events) {
+      const MomentTag& at = t.moments[e.moment];
+      if (e.alloc && at.op == "self_attn.sdpa" && at.phase == Phase::kBackward && at.step == 1 && at.layer == 2) {
+        sizes.push_back(t.storages[e.tensor].bytes);
+      }
+    }
+    return sizes;
+  };
+  a100.seq = r.seq = 200;
+  const std::vector<std::uint64_t> flash = backward_sdpa_allocs(a100), cudnn = backward_sdpa_allocs(r);
+  EXPECT_NE(std::find(flash.begin(), flash.end(), 256u * 8 * 32 * 4), flash.end());
+  EXPECT_NE(std::find(flash.begin(), flash.end(), 8u * 256 * 4), flash.end());
+  EXPECT_NE(std::find(cudnn.begin(), cudnn.end(), 200u * 8 * 32 * 4 + 8 * 200 * 4), cudnn.end());
 }
 
 // When activations decide the peak, checkpointing lowers it and moves it out of the forward.
