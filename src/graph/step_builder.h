@@ -451,8 +451,9 @@ class StepBuilder {
   // From torch 2.11 its wheels ship cuDNN 9.19 or newer, and on sm90 and sm100 (check_prefer_
   // cudnn_attention: cuDNN newer than 9.15.0) cuDNN attention comes first: fp16 / bf16 inputs, a
   // head dim of at most 128 and a multiple of 8, a dropout probability that is a multiple of
-  // 1/16, more than one key; masks are taken. Elsewhere a half call without a mask takes flash,
-  // and an fp32 or masked one the memory-efficient kernel. What each allocates (read from the
+  // 1/16, more than one key; masks are taken. Elsewhere a half call without a mask takes flash
+  // on sm80 or newer, and any other the memory-efficient kernel. (So on sm90 a one-token step
+  // takes flash, whose 128-row buffers hold more than cuDNN's at two tokens.) What each allocates (read from the
   // sources, not measured: no CUDA ground truth yet):
   //  * flash: the output, the fp32 log-sum-exp [b, heads, q] always; backward a contiguous copy
   //    of grad_out, fp32 dq_accum and softmax_d (rows rounded to 128, dq_accum's head dim to 32),
@@ -477,7 +478,7 @@ class StepBuilder {
         dropout * 16 == std::floor(dropout * 16) && keys != 1) {
       return SdpaKernel::kCudnn;
     }
-    return half && !masked && a_.head_dim <= 256 ? SdpaKernel::kFlash : SdpaKernel::kEfficient;
+    return gpu_sm_ >= 80 && half && !masked && a_.head_dim <= 256 ? SdpaKernel::kFlash : SdpaKernel::kEfficient;
   }
   // HF's sdpa_attention_forward repeats K and V (repeat_kv) unless use_gqa_in_sdpa: no mask and a
   // head dim of at most 256; a single query token packs the heads instead (views). Flash

@@ -205,6 +205,10 @@ def test_peak_allocated_never_decreases_when_batch_grows(allocator, cfg, recipe,
 @example(*_SEQ_COUNTEREXAMPLE)
 def test_peak_allocated_never_decreases_when_seq_grows(allocator, cfg, recipe, more):
     recipe = {**recipe, "allocator": allocator}
+    if recipe["gpu"] == "h100-80gb" and recipe["seq"] == 1:
+        # cuDNN attention refuses one key, so a one-token step on sm90 takes flash, whose backward
+        # buffers have 128 rows; at two tokens cuDNN's hold less (Note [SDPA kernels on CUDA]).
+        recipe["seq"] = 2
     small = run(cfg, recipe)
     large = run(cfg, recipe, seq=recipe["seq"] + more)
     assert large.peak_allocated_bytes >= small.peak_allocated_bytes, (
