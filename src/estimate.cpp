@@ -102,6 +102,11 @@ bool detail::worse_rank(const Estimate& a, const Estimate& b) {
 
 namespace {
 
+// The positions a step feeds after its seq tokens: a generation's new tokens but the last.
+std::uint64_t positions_after_prompt(const Recipe& recipe) {
+  return recipe.mode == Mode::kInference ? recipe.new_tokens - 1 : 0;
+}
+
 Estimate run_ranks(const Model& model, const Recipe& resolved, const Gpu& gpu, const EstimateOptions& options) {
   const std::uint64_t ranks = rank_count(resolved);
   if (options.rank >= 0 && static_cast<std::uint64_t>(options.rank) >= ranks) {
@@ -155,8 +160,8 @@ Estimate run_ranks(const Model& model, const Recipe& resolved, const Gpu& gpu, c
 // Note [Gemma-2's attention]
 // transformers declares no SDPA for Gemma-2 (`_supports_sdpa = False`: SDPA has no logit
 // softcapping), so a model built without attn_implementation runs eager attention, and one asked
-// for "sdpa" is refused at construction (transformers 5.24 and 5.25; the measuring side measures
-// Gemma-2 eager only). The recipe's sdpa, the default, is therefore resolved to eager, and the
+// for "sdpa" is refused at construction (transformers 5.24 and 5.25; the measuring side resolves
+// sdpa to eager the same way, python/trainmem/measure/models.py resolved_for_model). The recipe's sdpa, the default, is therefore resolved to eager, and the
 // estimate says so. flash_attention_2 it does take (softcapping inside the kernel), but the engine
 // models Gemma-2's eager attention only, so flash is refused rather than estimated as eager.
 Recipe detail::resolved_for_model(const Model& model, Recipe recipe) {
@@ -180,7 +185,7 @@ Recipe detail::resolved_for_model(const Model& model, Recipe recipe) {
   // IndexError in transformers (generate() does not check it either); rotary models have no table.
   // A generation feeds the prompt, then each new token but the last.
   if (model.arch.family == Family::kGpt2) {
-    const std::uint64_t positions = recipe.mode == Mode::kInference ? recipe.seq + recipe.new_tokens - 1 : recipe.seq;
+    const std::uint64_t positions = recipe.seq + positions_after_prompt(recipe);
     if (positions > model.arch.max_positions) {
       const std::string limit = std::to_string(model.arch.max_positions);
       throw Error(recipe.mode == Mode::kInference
@@ -199,7 +204,7 @@ Recipe detail::resolved_for_model(const Model& model, Recipe recipe) {
 std::uint64_t default_seq(const Model& model, const Recipe& recipe) {
   const std::uint64_t seq = Recipe{}.seq;
   if (model.arch.family != Family::kGpt2) return seq;
-  const std::uint64_t after = recipe.mode == Mode::kInference ? recipe.new_tokens - 1 : 0;
+  const std::uint64_t after = positions_after_prompt(recipe);
   const std::uint64_t room = model.arch.max_positions > after ? model.arch.max_positions - after : 1;
   return std::min(seq, room);
 }

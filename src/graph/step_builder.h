@@ -453,8 +453,8 @@ class StepBuilder {
   // head dim of at most 128 and a multiple of 8, a dropout probability that is a multiple of
   // 1/16, more than one key; masks are taken. Elsewhere a half call without a mask takes flash
   // on sm80 or newer, and any other the memory-efficient kernel. (So on sm90 a one-token step
-  // takes flash, whose 128-row buffers hold more than cuDNN's at two tokens.) What each allocates (read from the
-  // sources, not measured: no CUDA ground truth yet):
+  // takes flash, whose 128-row buffers hold more than cuDNN's at two tokens.) What each
+  // allocates (read from the sources, not measured: no CUDA ground truth yet):
   //  * flash: the output, the fp32 log-sum-exp [b, heads, q] always; backward a contiguous copy
   //    of grad_out, fp32 dq_accum and softmax_d (rows rounded to 128, dq_accum's head dim to 32),
   //    and with GQA dk / dv at the query heads;

@@ -800,14 +800,14 @@ T StepBuilder::attention_core(T& q, T& k, T& v) {
     for (const T* x : {&qc, &kc, &vc}) nd.inputs.push_back(fused_grad_of(*x));
     if (kernel == SdpaKernel::kCudnn) {
       nd.scratch = {qn * 4 + B_ * heads * S_ * 4};
-    } else if (kernel == SdpaKernel::kFlash) {
-      // mha_bwd: dq_accum [b, s rounded to 128, heads, d rounded to 32 (64 past 128)] and softmax_d
-      // [b, heads, s rounded to 128], fp32.
-      const std::uint64_t s128 = round_up(S_, 128), d_acc = round_up(a_.head_dim, a_.head_dim <= 128 ? 32 : 64);
-      nd.scratch = {qn * dtype_bytes(c), B_ * s128 * heads * d_acc * 4, B_ * heads * s128 * 4};
-      if (gqa_native) nd.scratch.insert(nd.scratch.end(), {qn * dtype_bytes(c), qn * dtype_bytes(c)});
     } else if (cuda_) {
-      nd.scratch = {qn * dtype_bytes(c), qn * 4, B_ * heads * S_ * 4};
+      // Flash's (mha_bwd): grad_out's copy, fp32 dq_accum [b, s rounded to 128, heads, d rounded
+      // to 32 (64 past 128)] and softmax_d [b, heads, s rounded to 128]; the memory-efficient
+      // kernel's taken as the same buffers, unrounded.
+      const bool flash = kernel == SdpaKernel::kFlash;
+      const std::uint64_t rows = flash ? round_up(S_, 128) : S_;
+      const std::uint64_t dims = flash ? round_up(a_.head_dim, a_.head_dim <= 128 ? 32 : 64) : a_.head_dim;
+      nd.scratch = {qn * dtype_bytes(c), B_ * rows * heads * dims * 4, B_ * heads * rows * 4};
       if (gqa_native) nd.scratch.insert(nd.scratch.end(), {qn * dtype_bytes(c), qn * dtype_bytes(c)});
     }
     t_.close_node();
