@@ -319,6 +319,10 @@ struct Recipe {
   // view of its bucket at the Reducer's hook, so a trainable parameter's gradient is held once
   // (Note [DDP gradient_as_bucket_view] in graph/parallel.cpp).
   bool ddp_gradient_as_bucket_view = false;
+  // Every micro-batch but the step's last runs its forward and backward under
+  // DistributedDataParallel.no_sync(), as Accelerate's accumulate() (and so Hugging Face's Trainer)
+  // does; parallel kDdp only, without a pipeline (Note [DDP no_sync] in graph/parallel.cpp).
+  bool ddp_no_sync = false;
   Offload offload = Offload::kNone;
 
   void validate() const;  // throws Error naming the field
@@ -386,6 +390,7 @@ struct RecipeSpelling {
   std::string fsdp_reduce_dtype = "none";  // none | fp32 | bf16
   bool ddp_find_unused_parameters = false;  // parallel ddp: find_unused_parameters=True (HF Trainer's default)
   bool ddp_gradient_as_bucket_view = false;  // parallel ddp: gradient_as_bucket_view=True
+  bool ddp_no_sync = false;  // parallel ddp: no_sync() on every micro-batch but the step's last
   std::string offload = "none";   // none | optimizer (zero1 / zero2 / zero3) | params | both (zero3)
 };
 // Parses and validates every knob; throws Error naming the first bad field.

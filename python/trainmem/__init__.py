@@ -107,6 +107,7 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     "fsdp_reduce_dtype": "none",  # MixedPrecisionPolicy reduce_dtype, none | fp32 | bf16
     "ddp_find_unused_parameters": False,  # parallel ddp: find_unused_parameters=True (HF Trainer's default)
     "ddp_gradient_as_bucket_view": False,  # parallel ddp: gradient_as_bucket_view=True (one copy of the gradients)
+    "ddp_no_sync": False,  # parallel ddp: no_sync() on every micro-batch but the step's last (Accelerate, HF Trainer)
     "offload": "none",  # none | optimizer (DeepSpeed offload_optimizer, zero1 / zero2)
 }
 _COUNTS = ("batch", "seq", "grad_accum", "new_tokens", "beams", "gpus", "tp", "cp", "pp", "pp_stages_per_rank", "fsdp_replicate")
@@ -143,7 +144,8 @@ def _spelling(knobs: dict[str, Any]):
                 raise ValueError(f"lora_dropout: must be a number, got {value!r}")
             value = float(value)
         elif name in ("load_in_4bit", "bnb_4bit_use_double_quant", "load_in_8bit", "fsdp_reshard_after_forward", "prepare_kbit_training",
-                      "sequence_parallel", "loss_parallel", "ddp_find_unused_parameters", "ddp_gradient_as_bucket_view"):
+                      "sequence_parallel", "loss_parallel", "ddp_find_unused_parameters", "ddp_gradient_as_bucket_view",
+                      "ddp_no_sync"):
             if not isinstance(value, bool):
                 raise ValueError(f"{name}: must be True or False, got {value!r}")
         elif name == "lora_targets" and isinstance(value, (list, tuple)):

@@ -74,6 +74,7 @@ struct RecipeFlags {
   bool loss_parallel = false;
   bool ddp_find_unused_parameters = false;
   bool ddp_gradient_as_bucket_view = false;
+  bool ddp_no_sync = false;
   std::string quant_type = "";
   std::string load_dtype = "auto";
   std::string quant_storage = "uint8";
@@ -168,6 +169,11 @@ struct RecipeFlags {
                          app->add_flag("--ddp-gradient-as-bucket-view", ddp_gradient_as_bucket_view,
                                        "With --parallel ddp: DistributedDataParallel(gradient_as_bucket_view=True), "
                                        "the .grads views of the buckets (one copy of the gradients, not two)"));
+    options.emplace_back("ddp_no_sync",
+                         app->add_flag("--ddp-no-sync", ddp_no_sync,
+                                       "With --parallel ddp: every micro-batch but the step's last under "
+                                       "DistributedDataParallel.no_sync(), as Accelerate and Hugging Face's Trainer "
+                                       "accumulate (one all-reduce per step)"));
     options.emplace_back("loss_parallel",
                          app->add_flag("--loss-parallel", loss_parallel,
                                        "With --tp: vocab-parallel lm_head (ColwiseParallel, Shard(-1) logits) and "
@@ -252,6 +258,7 @@ struct RecipeFlags {
     sp.fsdp_reshard_after_forward = parse_bool(fsdp_reshard_after_forward, "fsdp_reshard_after_forward");
     sp.ddp_find_unused_parameters = ddp_find_unused_parameters;
     sp.ddp_gradient_as_bucket_view = ddp_gradient_as_bucket_view;
+    sp.ddp_no_sync = ddp_no_sync;
     sp.fsdp_replicate = parse_count(fsdp_replicate, "fsdp_replicate");
     sp.fsdp_param_dtype = fsdp_param_dtype;
     sp.fsdp_reduce_dtype = fsdp_reduce_dtype;
@@ -391,6 +398,7 @@ std::string compare(const std::string& path, bool as_json) {
   sp.fsdp_reshard_after_forward = flag("fsdp_reshard_after_forward", true);
   sp.ddp_find_unused_parameters = flag("ddp_find_unused_parameters", false);
   sp.ddp_gradient_as_bucket_view = flag("ddp_gradient_as_bucket_view", false);
+  sp.ddp_no_sync = flag("ddp_no_sync", false);
   sp.fsdp_replicate = count("fsdp_replicate", sp.fsdp_replicate);
   sp.fsdp_param_dtype = text("fsdp_param_dtype", sp.fsdp_param_dtype.c_str());
   sp.fsdp_reduce_dtype = text("fsdp_reduce_dtype", sp.fsdp_reduce_dtype.c_str());

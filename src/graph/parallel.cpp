@@ -240,6 +240,7 @@ DataParallel::DataParallel(Tape& tape, const Recipe& recipe, bool cuda, std::uin
   forward_no_sync_ = recipe.pp > 1;  // See Note [Pipeline with DDP] in pipeline.cpp
   find_unused_ = recipe.ddp_find_unused_parameters;  // See Note [DDP find_unused_parameters]
   bucket_view_ = recipe.ddp_gradient_as_bucket_view;  // See Note [DDP gradient_as_bucket_view]
+  ddp_no_sync_ = kind_ == Parallel::kDdp && recipe.ddp_no_sync;  // See Note [DDP no_sync]
   if (kind_ != Parallel::kFsdp) return;
   fsdp_offload_ = recipe.offload == Offload::kBoth;  // See Note [FSDP2 CPU offload]
   optimizer_ = recipe.optimizer;
@@ -386,10 +387,12 @@ void DataParallel::pre_forward() {
   if (zero3()) return zero3_reset_step();
   if (kind_ == Parallel::kDdp) {
     if (backward_seen_ && !rebuilt_ && !find_unused_) rebuild_buckets();
-    if (buffers_.empty() || !forward_param_sync_) return;
-    // require_forward_param_sync: a forward under no_sync clears it (_post_forward), so a
-    // pipeline's stage broadcasts its buffers in the run's first forward only.
-    if (forward_no_sync_) forward_param_sync_ = false;
+    // require_forward_param_sync: _post_forward sets it after a forward that synchronizes and
+    // clears it after one under no_sync, so a pipeline's stage broadcasts its buffers in the run's
+    // first forward only, and no_sync accumulation in each step's first (Note [DDP no_sync]).
+    const bool broadcast = !buffers_.empty() && forward_param_sync_;
+    forward_param_sync_ = ddp_sync_ && !forward_no_sync_;
+    if (!broadcast) return;
     t_.at(Phase::kForward, kNoLayer, "ddp.broadcast_buffers");
     std::vector<std::pair<DType, std::uint64_t>> flat;  // one flattened tensor per dtype
     for (const auto& buffer : buffers_) {
@@ -480,13 +483,31 @@ void DataParallel::param_ready(std::uint32_t slot) {
     return;
   }
   if (zero()) return zero_param_ready(slot);
-  if (kind_ != Parallel::kDdp) return;
+  if (kind_ != Parallel::kDdp || !ddp_sync_) return;  // under no_sync the Reducer's hooks return at once
   const std::uint32_t pi = slot < param_of_slot_.size() ? param_of_slot_[slot] : kNone;
   if (pi == kNone) return;
   if (bucket_view_) grad_to_bucket_view(slot, pi);
   if (backward_seen_) return;
   if (std::find(ready_order_.begin(), ready_order_.end(), pi) == ready_order_.end()) ready_order_.push_back(pi);
 }
+
+// Note [DDP no_sync]
+// Accelerate's accumulate() (Hugging Face's Trainer steps through it) runs the forward and the
+// backward of every micro-batch but the step's last inside DistributedDataParallel.no_sync(), which
+// clears require_backward_grad_sync (torch 2.13, torch/nn/parallel/distributed.py; measured on gloo
+// ranks: data/ground_truth/parallel/cpu-ddp-*-nosync-*). In those micro-batches:
+//  * _pre_forward neither prepares the Reducer nor, once the buckets are rebuilt, rebuilds them;
+//    _post_forward calls no prepare_for_backward and clears require_forward_param_sync, so the
+//    next forward broadcasts no buffers (the step's first forward does: the last one set it);
+//  * the Reducer's autograd hooks return at once (expect_autograd_hooks_ is false): the .grads
+//    accumulate as on one GPU, and nothing is copied into the buckets or recorded for the rebuild.
+//    With gradient_as_bucket_view the .grads are then tensors of their own beside the buckets
+//    (two copies of the gradients) until the last micro-batch's hooks copy them into their slots;
+//  * the rebuild waits for the first forward after a synchronizing backward: the second step's
+//    first, where without no_sync it is the first step's second micro-batch.
+// The last micro-batch runs as without no_sync. Its .grads are those of every micro-batch, so the
+// step's one all-reduce moves what every micro-batch's used to (the planner's time, plan/time.cpp).
+// The replay skips repeated micro-batches up to the last, which it replays (step.cpp).
 
 // Note [DDP gradient_as_bucket_view]
 // DistributedDataParallel(gradient_as_bucket_view=True) (torch 2.13, the c10d Reducer; measured on
@@ -507,7 +528,9 @@ void DataParallel::grad_to_bucket_view(std::uint32_t slot, std::uint32_t pi) {
   const TensorId bucket = buckets_[bucket_of_[pi]];
   const TensorId g = t_.param_grad(slot);
   if (g == kNone || g == bucket) return;
-  t_.set_category(g, Category::kTemporaries);
+  // The gradient AccumulateGrad has just made is a temporary; under no_sync the .grad the earlier
+  // micro-batches accumulated was a gradient all along (Note [DDP no_sync]).
+  if (!ddp_no_sync_ || grad_accum_ == 1) t_.set_category(g, Category::kTemporaries);
   t_.release(g);
   t_.retain(bucket);
   t_.set_param_grad(slot, bucket);
@@ -516,7 +539,7 @@ void DataParallel::grad_to_bucket_view(std::uint32_t slot, std::uint32_t pi) {
 void DataParallel::backward_end() {
   if (zero3()) return zero3_backward_end();
   if (zero()) return zero_backward_end();
-  if (kind_ == Parallel::kDdp) backward_seen_ = true;
+  if (kind_ == Parallel::kDdp && ddp_sync_) backward_seen_ = true;  // the Reducer saw its ready order
 }
 
 void DataParallel::final_callback() {

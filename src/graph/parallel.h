@@ -143,8 +143,11 @@ class DataParallel {
   bool fsdp_offload() const { return fsdp_offload_; }  // FSDP2's CPUOffloadPolicy: the optimizer steps on the host
   const HostMemory& host_memory() const { return host_; }
   bool boundary_micro_batch_differs() const {
-    return offload_ && (kind_ == Parallel::kZero2 || kind_ == Parallel::kZero3);
+    return (offload_ && (kind_ == Parallel::kZero2 || kind_ == Parallel::kZero3)) || ddp_no_sync_;
   }
+  // Micro-batch `micro` (1-based) of a step outside a pipeline begins: under DDP's no_sync
+  // accumulation only the step's last synchronizes (Note [DDP no_sync]).
+  void begin_micro_batch(std::uint64_t micro) { ddp_sync_ = !ddp_no_sync_ || micro >= grad_accum_; }
   void skip_to_last_micro();
   static std::uint64_t pinned_block_bytes(std::uint64_t bytes);
 
@@ -194,6 +197,8 @@ class DataParallel {
   bool forward_param_sync_ = true;   // require_forward_param_sync: broadcast the buffers
   bool find_unused_ = false;         // find_unused_parameters: size-limited buckets, never rebuilt
   bool bucket_view_ = false;         // gradient_as_bucket_view: the .grads are views of the buckets
+  bool ddp_no_sync_ = false;         // no_sync() on every micro-batch but the step's last
+  bool ddp_sync_ = true;             // this micro-batch synchronizes: require_backward_grad_sync
   std::vector<std::uint32_t> bucket_of_;  // parameter index -> its bucket in buckets_
   bool pp_no_sync_ = false;  // FSDP2 in a pipeline stage: no gradient sync, no reshard after backward
   // FSDP2

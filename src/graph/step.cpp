@@ -110,6 +110,7 @@ Trace StepBuilder::build() {
     t_.step = step;
     for (std::uint32_t micro = 1; micro <= r_.grad_accum; ++micro) {
       t_.micro = micro;
+      dp_->begin_micro_batch(micro);
       std::vector<TensorId> cp_shards;  // what context_parallel's frame keeps (See Note [Context parallelism])
       if (r_.cp > 1) {
         t_.at(Phase::kForward, kNoLayer, "context_parallel");
@@ -121,10 +122,13 @@ Trace StepBuilder::build() {
       t_.seal_categories();  // the replay reads the events so far now
       const MicroBatchNext next = hook_ ? hook_(t_.trace(), step, micro) : MicroBatchNext::kGoOn;
       if (next == MicroBatchNext::kStop) return finish_trace();  // the replay has its answer
-      if (next == MicroBatchNext::kSkipRest && dp_->boundary_micro_batch_differs() && micro + 1 < r_.grad_accum) {
-        // The boundary micro-batch does more than the repeated ones (Note [ZeRO-Offload]): on to it.
-        micro = static_cast<std::uint32_t>(r_.grad_accum) - 1;
-        dp_->skip_to_last_micro();
+      if (next == MicroBatchNext::kSkipRest && dp_->boundary_micro_batch_differs()) {
+        // The boundary micro-batch does more than the repeated ones (Note [ZeRO-Offload], Note
+        // [DDP no_sync]): on to it, whether or not others lie between.
+        if (micro + 1 < r_.grad_accum) {
+          micro = static_cast<std::uint32_t>(r_.grad_accum) - 1;
+          dp_->skip_to_last_micro();
+        }
         continue;
       }
       if (next == MicroBatchNext::kSkipRest) {

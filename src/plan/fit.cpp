@@ -406,7 +406,8 @@ class Planner {
            std::string(to_string(r.quant.storage)) + (r.quant.prepare_kbit_training ? "" : "/unprepared");
     }
     k += "/load" + std::string(to_string(r.load_dtype));
-    k += std::string(r.ddp_find_unused_parameters ? "/unused" : "") + (r.ddp_gradient_as_bucket_view ? "/gradview" : "");
+    k += std::string(r.ddp_find_unused_parameters ? "/unused" : "") + (r.ddp_gradient_as_bucket_view ? "/gradview" : "") +
+         (r.ddp_no_sync ? "/nosync" : "");
     return k;
   }
 
@@ -521,13 +522,14 @@ std::uint64_t rank_floor(const Model& m, const Recipe& r) {
 }
 
 // The knobs of one wrapper dropped where the candidate runs another: FSDP2's outside fsdp, DDP's
-// find_unused_parameters and gradient_as_bucket_view outside a plain DDP (recipe validation refuses
-// them there).
+// find_unused_parameters, gradient_as_bucket_view and no_sync outside a plain DDP (recipe validation
+// refuses them there).
 void keep_own_wrapper_knobs(Recipe& r) {
   if (r.parallel != Parallel::kFsdp) r.fsdp = Fsdp{};
   if (r.parallel != Parallel::kDdp || r.pp > 1) {
     r.ddp_find_unused_parameters = false;
     r.ddp_gradient_as_bucket_view = false;
+    r.ddp_no_sync = false;
   }
   // A half load dtype goes with its autocast; any other precision loads the model in its own dtype
   // (bf16-true: bf16 again, without the autocast).
@@ -1419,6 +1421,13 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
     Recipe r = base;
     r.ddp_gradient_as_bucket_view = !base.ddp_gradient_as_bucket_view;
     change(std::string("ddp_gradient_as_bucket_view ") + (r.ddp_gradient_as_bucket_view ? "true" : "false"), r);
+  }
+  if (base.parallel == Parallel::kDdp && base.pp == 1 && base.grad_accum > 1) {
+    // One all-reduce per step instead of one per micro-batch (Note [DDP no_sync] in
+    // graph/parallel.cpp); with gradient_as_bucket_view the .grads are held twice until the last.
+    Recipe r = base;
+    r.ddp_no_sync = !base.ddp_no_sync;
+    change(std::string("ddp_no_sync ") + (r.ddp_no_sync ? "true" : "false"), r);
   }
   if (base.gpus > 1) {
     for (Parallel dp : {Parallel::kDdp, Parallel::kFsdp, Parallel::kZero1, Parallel::kZero2, Parallel::kZero3}) {

@@ -19,7 +19,8 @@
 //  * data-parallel collectives (gpus N > 1) at the GPU's interconnect bandwidth, ring algorithms
 //    (each GPU sends and receives (N-1)/N of the buffer per all-gather or reduce-scatter, twice
 //    that per all-reduce), not overlapped with compute: DDP all-reduces every gradient in every
-//    micro-batch's backward (the reference step has no no_sync); FSDP2 all-gathers the
+//    micro-batch's backward, or only in the step's last under no_sync (Note [DDP no_sync] in
+//    graph/parallel.cpp); FSDP2 all-gathers the
 //    parameters in the forward and again in the backward and reduce-scatters the gradients, per
 //    micro-batch (the decoder layers' units twice, the root once: it is not resharded after forward;
 //    under LoRA every gather carries the frozen base and the reduce-scatter the adapters). DeepSpeed
@@ -272,7 +273,9 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
       // Under a pipeline each stage all-reduces its own share of the gradients once, in the step's
       // last backward (See Note [Pipeline with DDP] in graph/pipeline.cpp).
       case Parallel::kDdp:
-        moved = recipe.pp > 1 ? 2 * ring * grads / static_cast<double>(recipe.pp) : 2 * ring * grads * micro;
+        moved = recipe.pp > 1       ? 2 * ring * grads / static_cast<double>(recipe.pp)
+                : recipe.ddp_no_sync ? 2 * ring * grads
+                                     : 2 * ring * grads * micro;
         break;
       case Parallel::kFsdp: {
         // All-gathers of the (param_dtype) parameters, two per micro-batch or one with

@@ -286,7 +286,8 @@ void validate_parallel(const Recipe& r) {
     throw Error("pp_stages_per_rank: a pipeline knob, it needs pp > 1");
   }
   for (const auto& [knob, on] : {std::pair{"ddp_find_unused_parameters", r.ddp_find_unused_parameters},
-                                  std::pair{"ddp_gradient_as_bucket_view", r.ddp_gradient_as_bucket_view}}) {
+                                  std::pair{"ddp_gradient_as_bucket_view", r.ddp_gradient_as_bucket_view},
+                                  std::pair{"ddp_no_sync", r.ddp_no_sync}}) {
     if (on && (r.parallel != Parallel::kDdp || r.pp > 1)) {
       throw Error(std::string(knob) + ": a DistributedDataParallel knob, it needs parallel ddp (without a pipeline)");
     }
@@ -523,6 +524,7 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   r.fsdp.reshard_after_forward = in.fsdp_reshard_after_forward;
   r.ddp_find_unused_parameters = in.ddp_find_unused_parameters;
   r.ddp_gradient_as_bucket_view = in.ddp_gradient_as_bucket_view;
+  r.ddp_no_sync = in.ddp_no_sync;
   r.fsdp.replicate = in.fsdp_replicate;
   r.fsdp.param_dtype = parse_fsdp_dtype(in.fsdp_param_dtype, "fsdp_param_dtype");
   r.fsdp.reduce_dtype = parse_fsdp_dtype(in.fsdp_reduce_dtype, "fsdp_reduce_dtype");

@@ -82,6 +82,7 @@ ordered_json recipe_object(const Recipe& r) {
   }
   if (r.ddp_find_unused_parameters) j["ddp_find_unused_parameters"] = true;  // only when on (as trainmem-measure)
   if (r.ddp_gradient_as_bucket_view) j["ddp_gradient_as_bucket_view"] = true;
+  if (r.ddp_no_sync) j["ddp_no_sync"] = true;
   if (r.offload != Offload::kNone) j["offload"] = to_string(r.offload);  // only when offloading
   if (r.mode == Mode::kInference) {
     j["new_tokens"] = r.new_tokens;
@@ -522,6 +523,7 @@ std::string to_text(const Estimate& e) {
   }
   if (r.parallel == Parallel::kDdp && r.ddp_find_unused_parameters) wrapper += ", find_unused_parameters=True";
   if (r.parallel == Parallel::kDdp && r.ddp_gradient_as_bucket_view) wrapper += ", gradient_as_bucket_view=True";
+  if (r.parallel == Parallel::kDdp && r.ddp_no_sync) wrapper += ", no_sync until the last micro-batch";
   if (!wrapper.empty()) add("%s:%s\n", std::string(to_string(r.parallel)).c_str(), wrapper.c_str() + 1);
   if (r.lora.enabled()) {
     std::string targets;

@@ -20,7 +20,7 @@ ALLOCATORS = ("default", "expandable")
 PARALLELS = ("none", "ddp", "fsdp", "zero1", "zero2", "zero3")
 ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
 # DistributedDataParallel's knobs (parallel ddp, no pipeline), each off by default.
-_DDP_KNOBS = ("ddp_find_unused_parameters", "ddp_gradient_as_bucket_view")
+_DDP_KNOBS = ("ddp_find_unused_parameters", "ddp_gradient_as_bucket_view", "ddp_no_sync")
 # FSDP2's knobs (fully_shard and MixedPrecisionPolicy, torch/distributed/fsdp/_fully_shard/): the
 # dtypes of MixedPrecisionPolicy(param_dtype, reduce_dtype), "none" being the policy's None.
 FSDP_PARAM_DTYPES = ("none", "bf16")
@@ -144,6 +144,9 @@ class Recipe:
     # DDP's gradient_as_bucket_view (parallel ddp): the .grads become views of the buckets at the
     # Reducer's hook (docs/parallelism.md "gradient_as_bucket_view").
     ddp_gradient_as_bucket_view: bool = False
+    # Every micro-batch but the step's last runs its forward and backward under DDP's no_sync(), as
+    # Accelerate's accumulate() (and so Hugging Face's Trainer) does (docs/parallelism.md "no_sync").
+    ddp_no_sync: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -470,6 +470,8 @@ def default_command(spec: ModelSpec, recipe: Recipe, *, device: str, fake: bool)
         args.append("--ddp-find-unused-parameters")
     if recipe.ddp_gradient_as_bucket_view:
         args.append("--ddp-gradient-as-bucket-view")
+    if recipe.ddp_no_sync:
+        args.append("--ddp-no-sync")
     for key, flag in (("fsdp_replicate", "--fsdp-replicate"), ("fsdp_param_dtype", "--fsdp-param-dtype"),
                       ("fsdp_reduce_dtype", "--fsdp-reduce-dtype")):
         if getattr(recipe, key) != getattr(defaults, key):

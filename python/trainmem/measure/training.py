@@ -296,20 +296,24 @@ def run_steps(model: torch.nn.Module, recipe: Recipe, tracker: MemoryTracker, *,
             if on_step_start is not None:
                 on_step_start(step)
             for micro in range(1, recipe.grad_accum + 1):
-                tracker.set_phase("forward", step, micro)
-                with autocast():
-                    loss = forward_and_loss(batch)
-                tracker.set_phase("loss")
-                with tracker.scope(LOSS):
-                    scaled = loss / recipe.grad_accum
-                    del loss
-                    if scaler is not None:
-                        with tracker.forced("other"):
-                            scaled = scaler.scale(scaled)
-                tracker.label_graph(scaled, LOSS)
-                tracker.set_phase("backward")
-                scaled.backward()
-                del scaled
+                # Accelerate's accumulate(): DDP's no_sync() around the forward and the backward of
+                # every micro-batch but the last.
+                sync = recipe.grad_accum == micro or not recipe.ddp_no_sync
+                with contextlib.nullcontext() if sync else model.no_sync():
+                    tracker.set_phase("forward", step, micro)
+                    with autocast():
+                        loss = forward_and_loss(batch)
+                    tracker.set_phase("loss")
+                    with tracker.scope(LOSS):
+                        scaled = loss / recipe.grad_accum
+                        del loss
+                        if scaler is not None:
+                            with tracker.forced("other"):
+                                scaled = scaler.scale(scaled)
+                    tracker.label_graph(scaled, LOSS)
+                    tracker.set_phase("backward")
+                    scaled.backward()
+                    del scaled
                 tracker.collect_garbage()
                 tracker.mark_gradients(params)
 
