@@ -48,6 +48,32 @@ def _str_to_bool(value: Any, what: str) -> bool:
     raise ValueError(f"{what}={value!r}: expected true or false")
 
 
+def _half(args: Any, name: str) -> bool:
+    """Whether the Trainer runs under `name` ("bf16" or "fp16") mixed precision: its flag, or, when
+    neither flag is set, ACCELERATE_MIXED_PRECISION as TrainingArguments read it into
+    `mixed_precision` (what the Trainer hands Accelerate)."""
+    return bool(_get(args, name, False)) or _get(args, "mixed_precision") == name
+
+
+def _accelerator_config(args: Any) -> dict[str, Any]:
+    """The Trainer's accelerator_config (an AcceleratorConfig, a dict, or its JSON path) as a dict."""
+    config = _get(args, "accelerator_config")
+    if config is None:
+        return {}
+    if isinstance(config, dict):
+        return config
+    if hasattr(config, "to_dict"):
+        return config.to_dict()
+    return _json_object(config, "accelerator_config")
+
+
+def _sync_each_batch(args: Any) -> bool:
+    """accelerator_config gradient_accumulation_kwargs sync_each_batch: the Trainer then runs no
+    micro-batch under no_sync."""
+    kwargs = _accelerator_config(args).get("gradient_accumulation_kwargs") or {}
+    return bool(kwargs.get("sync_each_batch", False))
+
+
 def _positive_int(value: Any, what: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{what}: expected a positive integer, got {value!r}")
@@ -124,7 +150,13 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
     passes `find_unused_parameters` as `ddp_find_unused_parameters` says, and when that is unset
     True for a model that is not a PreTrainedModel (`peft=True`: a peft model, whose adapters the
     caller gives as lora_rank etc.) and for one that is not checkpointed: the recipe's
-    `ddp_find_unused_parameters` (docs/parallelism.md "find_unused_parameters").
+    `ddp_find_unused_parameters` (docs/parallelism.md "find_unused_parameters"). With
+    accumulation the Trainer runs every micro-batch but the last under accelerator.no_sync (unless
+    accelerator_config's gradient_accumulation_kwargs say sync_each_batch): under DDP the recipe's
+    `ddp_no_sync`; under FSDP2 (unsharded gradients held through the accumulation) it is refused.
+    accelerator_config's num_steps is the accumulation; its split_batches and a
+    parallelism_config are refused. bf16 / fp16 left unset, the precision is
+    ACCELERATE_MIXED_PRECISION's, as TrainingArguments read it into `mixed_precision`.
 
     `quantization_config` is the model's BitsAndBytesConfig (or its to_dict(), as
     `model.config.quantization_config` holds it) for a QLoRA run: a 4-bit base prepared with
@@ -133,8 +165,8 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
     recipe_from_quantization_config for what it maps; `prepare_kbit_training=False` when the base
     was not prepared (TRL's SFTTrainer with a base sharded by FSDP or ZeRO-3). A prepared base
     whose Trainer does not checkpoint needs `kbit_gradient_checkpointing`: whether it was prepared
-    with use_gradient_checkpointing=True (peft's default, which turns on checkpointing with empty
-    kwargs: torch's reentrant variant, recipe checkpointing full-reentrant, one GPU) or False (no
+    with use_gradient_checkpointing=True (peft's default, which turns on checkpointing with no
+    kwargs, which transformers makes use_reentrant=False: recipe checkpointing full) or False (no
     checkpointing). With gradient_checkpointing=True the Trainer's own replaces peft's. (TRL's
     SFTTrainer prepares the base itself and may turn the Trainer's off: say what its call did.)
 
@@ -169,24 +201,24 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
                              "bnb_4bit_quant_storage=torch.bfloat16, which is")
         if prepare_kbit_training and knobs.get("checkpointing", "none") == "none":
             # peft's prepare_model_for_kbit_training(use_gradient_checkpointing=True) calls
-            # gradient_checkpointing_enable with {} as its kwargs, so torch.utils.checkpoint runs with
-            # its default use_reentrant=True; the Trainer does not touch it without gradient_checkpointing.
+            # activation_checkpointing_enable with its activation_checkpointing_kwargs, None by
+            # default, which transformers makes {"use_reentrant": False}: the non-reentrant
+            # checkpoint. The Trainer does not touch it without gradient_checkpointing.
             if kbit_gradient_checkpointing is None:
                 raise ValueError("quantization_config: without the Trainer's gradient_checkpointing, whether the run "
                                  "checkpoints depends on prepare_model_for_kbit_training: pass "
                                  "kbit_gradient_checkpointing=True (use_gradient_checkpointing=True, its default: "
-                                 "reentrant checkpointing) or False (use_gradient_checkpointing=False: none)")
+                                 "non-reentrant checkpointing) or False (use_gradient_checkpointing=False: none)")
             if kbit_gradient_checkpointing:
-                if knobs.get("parallel", "none") not in ("none", "ddp"):
-                    raise ValueError("quantization_config: prepare_model_for_kbit_training(use_gradient_checkpointing="
-                                     "True) turns on reentrant checkpointing, which is modelled on one GPU or under "
-                                     "DDP; set gradient_checkpointing=True (the Trainer's non-reentrant one replaces it)")
-                knobs["checkpointing"] = "full-reentrant"
+                knobs["checkpointing"] = "full"
         return _refuse_reentrant_find_unused(knobs)
     _refuse_unmodelled_trainer_settings(args)
     if _get(args, "deepspeed"):
         if _get(args, "fsdp"):
             raise ValueError("fsdp and deepspeed: the Trainer takes one or the other, not both")
+        if "num_steps" in (_accelerator_config(args).get("gradient_accumulation_kwargs") or {}):
+            raise ValueError("accelerator_config gradient_accumulation_kwargs num_steps under DeepSpeed: not mapped; "
+                             "set gradient_accumulation_steps")
         knobs = recipe_from_deepspeed_config(_get(args, "deepspeed"), seq=seq, gpus=gpus, training_arguments=args,
                                              gpu=gpu)
         # DeepSpeed's bf16 mode casts the model itself; its fp32 mode trains what it is given.
@@ -209,12 +241,19 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
         raise ValueError("fsdp: pass gpus= (the number of processes the run is launched with)")
     knobs["batch"] = _positive_int(_get(args, "per_device_train_batch_size", 8), "per_device_train_batch_size")
     knobs["grad_accum"] = _positive_int(_get(args, "gradient_accumulation_steps", 1), "gradient_accumulation_steps")
+    num_steps = (_accelerator_config(args).get("gradient_accumulation_kwargs") or {}).get("num_steps")
+    if num_steps is not None:
+        # The Trainer takes it as its gradient_accumulation_steps, and refuses both at once.
+        if knobs["grad_accum"] > 1:
+            raise ValueError("accelerator_config gradient_accumulation_kwargs num_steps with "
+                             "gradient_accumulation_steps > 1: the Trainer refuses both")
+        knobs["grad_accum"] = _positive_int(num_steps, "accelerator_config gradient_accumulation_kwargs num_steps")
     if seq is None:
         seq = _get(args, "max_length") or _get(args, "max_seq_length")
     if seq is not None:
         knobs["seq"] = int(seq)
 
-    bf16, fp16 = bool(_get(args, "bf16", False)), bool(_get(args, "fp16", False))
+    bf16, fp16 = _half(args, "bf16"), _half(args, "fp16")
     if model_dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"model_dtype: expected float32, bfloat16 or float16, got {model_dtype!r}")
     if model_dtype == "float32":
@@ -266,6 +305,16 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
             find_unused = peft or not checkpointed
         if find_unused:
             knobs["ddp_find_unused_parameters"] = True
+    if knobs["grad_accum"] > 1 and not _sync_each_batch(args):
+        # The Trainer runs every micro-batch but the last under accelerator.no_sync (unless
+        # sync_each_batch): DDP's no_sync, FSDP2's set_requires_gradient_sync(False).
+        if knobs.get("parallel") == "ddp":
+            knobs["ddp_no_sync"] = True  # Note [DDP no_sync]
+        elif knobs.get("parallel") == "fsdp":
+            raise ValueError("gradient_accumulation_steps > 1 under FSDP: the Trainer accumulates without "
+                             "reduce-scattering (set_requires_gradient_sync(False)), each rank holding unsharded "
+                             "gradients, which is not modelled; accelerator_config gradient_accumulation_kwargs "
+                             "sync_each_batch=True (reduce every micro-batch) is")
     if _get(args, "use_liger_kernel", False):
         knobs["loss"] = "fused"  # Liger's fused linear cross-entropy
     if gpu is not None:
@@ -281,6 +330,13 @@ def _refuse_unmodelled_trainer_settings(args: Any) -> None:
                          "LabelSmoother is not modelled (its log-softmax copies of the logits)")
     if _get(args, "torch_compile"):
         raise ValueError("torch_compile=True: a compiled model's memory is not modelled (eager PyTorch is)")
+    if _get(args, "parallelism_config") is not None:
+        # Handed to Accelerate, which builds its own device mesh (dp_shard, tp, cp) from it.
+        raise ValueError("parallelism_config: Accelerate's device-mesh parallelism is not mapped; describe the run "
+                         "with trainmem's own knobs (parallel, gpus, tp, cp)")
+    if _accelerator_config(args).get("split_batches"):
+        raise ValueError("accelerator_config split_batches=True: each rank takes a slice of the batch; pass the "
+                         "per-rank batch as per_device_train_batch_size instead")
 
 
 # The dtype the 4-bit matmuls compute in under each precision a QLoRA run can take (bf16-master: a
@@ -572,9 +628,11 @@ def _deepspeed_precision(ds: dict[str, Any], name: str, args: Any) -> bool:
     old name "bfloat16"). Under the Trainer, "auto" is its bf16 or bf16_full_eval (fp16 likewise),
     and a run with bf16=True and no section gets one from Accelerate (set_mixed_precision)."""
     section = ds.get(name)
-    if section is None and args is not None and _get(args, name, False):
-        return True  # Accelerate's set_mixed_precision adds {"enabled": true}, which DeepSpeed reads first
-    wanted = None if args is None else bool(_get(args, name, False) or _get(args, f"{name}_full_eval", False))
+    if section is None and args is not None:
+        # Accelerate's set_mixed_precision adds {"enabled": <the Trainer's precision>}, which DeepSpeed
+        # reads before the old "bfloat16" name.
+        return _half(args, name)
+    wanted = None if args is None else bool(_half(args, name) or _get(args, f"{name}_full_eval", False))
     if section is None and name == "bf16":
         section = ds.get("bfloat16")
         wanted = None  # transformers fills and checks "bf16" only
@@ -608,9 +666,13 @@ def recipe_from_deepspeed_config(config: Any, *, seq: int | None = None, gpus: i
     argument is train_batch_size / (micro-batch x accumulation). `bf16.enabled` (or the old
     "bfloat16" section) is DeepSpeed's bf16 mode: a bf16 model whose ZeRO optimizer keeps fp32
     master partitions, trainmem's bf16-master; a Trainer run with bf16=True and no section gets
-    one; with neither bf16 nor fp16 everything is fp32. An "optimizer" section of type Adam/AdamW with `torch_adam` is torch's AdamW
-    (foreach); without `torch_adam` it is DeepSpeed's FusedAdam, which updates in place like
-    torch's fused AdamW (adamw-fused); without a section the Trainer's `optim` decides.
+    one (and one with enabled false without it, which hides an old "bfloat16" section); with
+    neither bf16 nor fp16 everything is fp32. Without gradient_accumulation_steps DeepSpeed takes 1
+    but under the Trainer the run accumulates the Trainer's micro-batches (Accelerate sets the
+    boundary). An "optimizer" section of type Adam/AdamW with `torch_adam` is torch's AdamW
+    (foreach, or fused with "fused": true; a single-tensor one, "foreach": false, is refused);
+    without `torch_adam` it is DeepSpeed's FusedAdam, which updates in place like torch's fused
+    AdamW (adamw-fused); without a section the Trainer's `optim` decides.
 
     `offload_optimizer {device: cpu}` (pin_memory and ratio at their defaults) is
     `offload="optimizer"` with the config's Adam/AdamW as DeepSpeedCPUAdam (`optimizer="adamw"`);
@@ -622,7 +684,8 @@ def recipe_from_deepspeed_config(config: Any, *, seq: int | None = None, gpus: i
     fp16 with loss scaling, bf16 without fp32 masters (bf16_master_weights_and_grads), ZeRO
     settings other than DeepSpeed's defaults (buckets, overlap, stage-3 prefetch and persistence,
     ZeRO++; the Trainer's model-sized "auto" buckets included) and ZeRO keys trainmem does not
-    know, other optimizers.
+    know, other optimizers, a gradient accumulation dtype (data_types), torch_autocast and a
+    communication_data_type.
     """
     ds = _json_object(config, "deepspeed config")
     args = training_arguments
@@ -666,11 +729,23 @@ def recipe_from_deepspeed_config(config: Any, *, seq: int | None = None, gpus: i
         offloaded.append("optimizer" if key == "offload_optimizer" else "params")
     offload = "optimizer" in offloaded
     _check_zero_settings(zero, stage)
+    # Top-level settings that change what the ZeRO optimizer holds or moves.
+    if (ds.get("data_types") or {}).get("grad_accum_dtype") is not None:
+        raise ValueError("deepspeed config data_types.grad_accum_dtype: a gradient accumulation dtype of its own "
+                         "(under bf16, DeepSpeed's BF16_Optimizer in place of ZeRO's) is not modelled")
+    if (ds.get("torch_autocast") or {}).get("enabled"):
+        raise ValueError("deepspeed config torch_autocast: DeepSpeed's autocast over fp32 weights is not modelled")
+    if ds.get("communication_data_type") is not None:
+        raise ValueError("deepspeed config communication_data_type: reducing in another dtype is not modelled")
 
     knobs: dict[str, Any] = {"parallel": f"zero{stage}"}
     if offloaded:
         knobs["offload"] = "both" if len(offloaded) == 2 else offloaded[0]
     knobs["batch"], knobs["grad_accum"], knobs["gpus"] = _deepspeed_batch(ds, gpus, args)
+    if args is not None and "gradient_accumulation_steps" not in ds:
+        # Accelerate gives DeepSpeed an accumulation of 1 but sets the boundary itself from the
+        # Trainer's sync_gradients: the run accumulates the Trainer's micro-batches.
+        knobs["grad_accum"] = _positive_int(_get(args, "gradient_accumulation_steps", 1), "gradient_accumulation_steps")
 
     bf16 = _deepspeed_precision(ds, "bf16", args)
     if _deepspeed_precision(ds, "fp16", args):
@@ -703,8 +778,16 @@ def recipe_from_deepspeed_config(config: Any, *, seq: int | None = None, gpus: i
         params = section.get("params") or {}
         if kind not in ("adam", "adamw"):
             raise ValueError(f"deepspeed config optimizer.type={section.get('type')!r} is not modelled; Adam/AdamW is")
-        knobs["optimizer"] = ("adamw" if params.get("foreach", True) is not False else "adamw-fused") \
-            if params.get("torch_adam") else "adamw-fused"
+        if not params.get("torch_adam"):
+            knobs["optimizer"] = "adamw-fused"  # DeepSpeed's FusedAdam
+        elif params.get("fused"):
+            knobs["optimizer"] = "adamw-fused"  # torch's AdamW(fused=True): the other params go to it
+        elif params.get("foreach") is False:
+            # torch's single-tensor loop over ZeRO's flat partition: partition-sized temporaries.
+            raise ValueError("deepspeed config optimizer.params foreach=false with torch_adam: torch's single-tensor "
+                             "AdamW is not modelled; foreach (the default) and fused are")
+        else:
+            knobs["optimizer"] = "adamw"
     elif training_arguments is not None:
         knobs["optimizer"] = _trainer_optimizer(training_arguments)  # the engine says what ZeRO can take
     else:

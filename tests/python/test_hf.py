@@ -110,11 +110,12 @@ def test_unmodelled_settings_are_refused(kw, message):
         trainmem.hf.recipe_from_training_arguments(args(**kw))
 
 
-def test_the_trainers_checkpointing_and_peft_s_reentrant_one():
+def test_the_trainers_checkpointing_and_peft_s():
     """gradient_checkpointing=True is use_reentrant=False when the kwargs are empty (passed on as
     None) or say so, else torch's default, the reentrant variant; a 4-bit base prepared by
-    prepare_model_for_kbit_training with its defaults is checkpointed with the reentrant variant
-    when the Trainer does not checkpoint it itself, and without the Trainer's the caller must say."""
+    prepare_model_for_kbit_training with its defaults is checkpointed with the non-reentrant
+    variant (peft passes no kwargs, which transformers makes use_reentrant=False) when the Trainer
+    does not checkpoint it itself, and without the Trainer's the caller must say."""
     ckpt = trainmem.hf.recipe_from_training_arguments
     with_kwargs = lambda kw: {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": kw}  # noqa: E731
     assert ckpt(args(gradient_checkpointing=True))["checkpointing"] == "full"
@@ -132,19 +133,52 @@ def test_the_trainers_checkpointing_and_peft_s_reentrant_one():
     plain["bf16"] = checkpointed["bf16"] = True
     with pytest.raises(ValueError, match="pass kbit_gradient_checkpointing"):
         ckpt(plain, **qlora)
-    assert ckpt(plain, kbit_gradient_checkpointing=True, **qlora)["checkpointing"] == "full-reentrant"
+    assert ckpt(plain, kbit_gradient_checkpointing=True, **qlora)["checkpointing"] == "full"
     assert ckpt(plain, kbit_gradient_checkpointing=False, **qlora)["checkpointing"] == "none"
     assert ckpt(plain, prepare_kbit_training=False, **qlora)["checkpointing"] == "none"
     assert ckpt(checkpointed, **qlora)["checkpointing"] == "full"
-    # Under DDP (measured: parallel/cpu-ddp-*-ckptre-*) only without find_unused_parameters, which
-    # the Trainer sets for a peft model unless told otherwise: torch fails with it.
-    with pytest.raises(ValueError, match="ready only once"):
-        ckpt(plain, kbit_gradient_checkpointing=True, gpus=2, **qlora)
-    ddp = ckpt({**plain, "ddp_find_unused_parameters": False}, kbit_gradient_checkpointing=True, gpus=2, **qlora)
-    assert (ddp["parallel"], ddp["checkpointing"]) == ("ddp", "full-reentrant")
+    # Non-reentrant, so also under DDP with the find_unused_parameters the Trainer sets for a peft
+    # model (the reentrant variant fails there: "ready only once").
+    ddp = ckpt(plain, kbit_gradient_checkpointing=True, gpus=2, **qlora)
+    assert (ddp["parallel"], ddp["checkpointing"], ddp["ddp_find_unused_parameters"]) == ("ddp", "full", True)
     assert trainmem.estimate("qwen3-0.6b", lora_rank=8, **ddp).recipe["parallel"] == "ddp"
+    with pytest.raises(ValueError, match="ready only once"):
+        ckpt({**plain, "gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}},
+             gpus=2, **qlora)
     knobs = ckpt(plain, kbit_gradient_checkpointing=True, **qlora)
     assert trainmem.estimate("qwen3-0.6b", lora_rank=8, **knobs).peak_allocated_bytes > 0
+
+
+def test_accumulation_under_the_trainers_no_sync():
+    """The Trainer runs every micro-batch but the last under accelerator.no_sync unless
+    sync_each_batch: DDP's no_sync (ddp_no_sync, measured: parallel/cpu-ddp-*-nosync-*); FSDP2's
+    set_requires_gradient_sync(False) keeps unsharded gradients, which is refused."""
+    ckpt = dict(gradient_checkpointing=True)
+    knobs = trainmem.hf.recipe_from_training_arguments(args(gradient_accumulation_steps=4, **ckpt), gpus=2, seq=64)
+    assert knobs["ddp_no_sync"] is True
+    assert trainmem.estimate("qwen3-0.6b", **knobs).recipe["ddp_no_sync"] is True
+    assert "ddp_no_sync" not in trainmem.hf.recipe_from_training_arguments(args(**ckpt), gpus=2)
+    assert "ddp_no_sync" not in trainmem.hf.recipe_from_training_arguments(args(gradient_accumulation_steps=4), gpus=1)
+    each = args(gradient_accumulation_steps=4, accelerator_config={"gradient_accumulation_kwargs": {"sync_each_batch": True}})
+    assert "ddp_no_sync" not in trainmem.hf.recipe_from_training_arguments(each, gpus=2)
+    fsdp = args(gradient_accumulation_steps=4, fsdp="full_shard auto_wrap", fsdp_config={"fsdp_version": 2}).to_dict()
+    with pytest.raises(ValueError, match="sync_each_batch=True"):
+        trainmem.hf.recipe_from_training_arguments(fsdp, gpus=2)
+    fsdp["accelerator_config"] = {"gradient_accumulation_kwargs": {"sync_each_batch": True}}
+    assert trainmem.hf.recipe_from_training_arguments(fsdp, gpus=2)["parallel"] == "fsdp"
+    # accelerator_config's num_steps is the Trainer's accumulation; split batches are refused.
+    steps = args(accelerator_config={"gradient_accumulation_kwargs": {"num_steps": 3}})
+    assert trainmem.hf.recipe_from_training_arguments(steps)["grad_accum"] == 3
+    with pytest.raises(ValueError, match="split_batches"):
+        trainmem.hf.recipe_from_training_arguments(args(accelerator_config={"split_batches": True}))
+
+
+def test_the_precision_accelerate_reads_from_its_environment(monkeypatch):
+    # TrainingArguments reads ACCELERATE_MIXED_PRECISION into mixed_precision when bf16 / fp16 are unset.
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    a = args()
+    assert a.mixed_precision == "bf16"
+    assert trainmem.hf.recipe_from_training_arguments(a)["precision"] == "bf16-mixed"
 
 
 def test_ddp_find_unused_parameters_as_the_trainer_sets_it():
@@ -342,13 +376,19 @@ def test_deepspeed_settles_its_batch_as_deepspeed_does():
 
 def test_deepspeed_under_the_trainer_fills_and_checks_as_it_does():
     ta = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4, "bf16": True, "optim": "adamw_torch"}
-    # Only "auto" is filled: a missing accumulation is Accelerate's 1, a missing micro-batch leaves
-    # DeepSpeed without a batch; bf16 comes from Accelerate, which adds the section (even beside an
-    # old "bfloat16" one, which DeepSpeed reads second).
+    # Only "auto" is filled: a missing accumulation is 1 for DeepSpeed (Accelerate's) but the run
+    # accumulates the Trainer's micro-batches (Accelerate sets DeepSpeed's boundary from them), a
+    # missing micro-batch leaves DeepSpeed without a batch; bf16 comes from Accelerate, which adds
+    # the section (even beside an old "bfloat16" one, which DeepSpeed reads second).
     knobs = trainmem.hf.recipe_from_deepspeed_config(
         {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto", "bfloat16": {}}, gpus=2,
         training_arguments=ta)
-    assert (knobs["batch"], knobs["grad_accum"], knobs["precision"]) == (2, 1, "bf16-master")
+    assert (knobs["batch"], knobs["grad_accum"], knobs["precision"]) == (2, 4, "bf16-master")
+    # With bf16=False Accelerate's section says enabled false, so an old "bfloat16" one is not read.
+    knobs = trainmem.hf.recipe_from_deepspeed_config(
+        {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto", "bfloat16": {"enabled": True}},
+        gpus=2, training_arguments={**ta, "bf16": False})
+    assert knobs["precision"] == "fp32"
     with pytest.raises(ValueError, match="train_batch_size or train_micro_batch_size_per_gpu is needed"):
         trainmem.hf.recipe_from_deepspeed_config({"zero_optimization": {"stage": 2}}, gpus=2, training_arguments=ta)
     # "auto" is bf16 or bf16_full_eval (transformers' trainer_config_process)
@@ -568,15 +608,45 @@ def test_unmodelled_qlora_settings_are_refused(change, kw, message):
         trainmem.hf.recipe_from_training_arguments(d, quantization_config=config, **kw)
 
 
+@pytest.mark.parametrize("extra,message", [
+    ({"data_types": {"grad_accum_dtype": "fp32"}}, "grad_accum_dtype"),
+    ({"torch_autocast": {"enabled": True}}, "torch_autocast"),
+    ({"communication_data_type": "fp32"}, "communication_data_type"),
+    ({"optimizer": {"type": "AdamW", "params": {"torch_adam": True, "foreach": False}}}, "single-tensor"),
+])
+def test_deepspeed_settings_that_change_the_optimizer_are_refused(extra, message):
+    ds = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 2, **extra}
+    with pytest.raises(ValueError, match=message):
+        trainmem.hf.recipe_from_deepspeed_config(ds, gpus=2)
+
+
+def test_deepspeed_torch_adam_is_torchs_adamw():
+    def optimizer(params):
+        ds = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 2,
+              "optimizer": {"type": "AdamW", "params": params}}
+        return trainmem.hf.recipe_from_deepspeed_config(ds, gpus=2)["optimizer"]
+    assert optimizer({}) == "adamw-fused"  # DeepSpeed's FusedAdam
+    assert optimizer({"torch_adam": True}) == "adamw"
+    assert optimizer({"torch_adam": True, "fused": True}) == "adamw-fused"
+
+
+def test_accelerates_device_mesh_is_refused():
+    d = args().to_dict()
+    d["parallelism_config"] = {"dp_shard_size": 4, "cp_size": 2}
+    with pytest.raises(ValueError, match="parallelism_config"):
+        trainmem.hf.recipe_from_training_arguments(d, gpus=8)
+
+
 def test_a_deepspeed_qlora_run_maps_onto_zero_over_a_4bit_base():
     # DeepSpeed's bf16 mode over a bf16-loaded base (what was measured: cpu-zero*-*qlora*).
     ds = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": "auto",
           "gradient_accumulation_steps": "auto"}
     d = args(per_device_train_batch_size=2, optim="adamw_torch").to_dict()
     d["bf16"], d["deepspeed"] = True, ds
-    with pytest.raises(ValueError, match="reentrant checkpointing, which is modelled on one GPU or under DDP"):
-        trainmem.hf.recipe_from_training_arguments(d, seq=128, model_dtype="bfloat16", peft=True, gpus=2,
-                                                   quantization_config=QLORA, kbit_gradient_checkpointing=True)
+    # peft's own checkpoint is the non-reentrant one, like the Trainer's.
+    knobs = trainmem.hf.recipe_from_training_arguments(d, seq=128, model_dtype="bfloat16", peft=True, gpus=2,
+                                                       quantization_config=QLORA, kbit_gradient_checkpointing=True)
+    assert knobs["checkpointing"] == "full"
     d["gradient_checkpointing"] = True  # the Trainer's own (non-reentrant) replaces peft's
     knobs = trainmem.hf.recipe_from_training_arguments(d, seq=128, model_dtype="bfloat16", peft=True, gpus=2,
                                                        quantization_config=QLORA)
