@@ -323,6 +323,10 @@ struct Recipe {
   // DistributedDataParallel.no_sync(), as Accelerate's accumulate() (and so Hugging Face's Trainer)
   // does; parallel kDdp only, without a pipeline (Note [DDP no_sync] in graph/parallel.cpp).
   bool ddp_no_sync = false;
+  // Under bf16-mixed / fp16-mixed: the model's forward wrapped by Accelerate's prepare() (Hugging
+  // Face's Trainer), whose convert_outputs_to_fp32 copies the half logits to fp32 when the forward
+  // returns (Note [Outputs converted to fp32] in graph/step.cpp).
+  bool fp32_outputs = false;
   Offload offload = Offload::kNone;
 
   void validate() const;  // throws Error naming the field
@@ -391,6 +395,7 @@ struct RecipeSpelling {
   bool ddp_find_unused_parameters = false;  // parallel ddp: find_unused_parameters=True (HF Trainer's default)
   bool ddp_gradient_as_bucket_view = false;  // parallel ddp: gradient_as_bucket_view=True
   bool ddp_no_sync = false;  // parallel ddp: no_sync() on every micro-batch but the step's last
+  bool fp32_outputs = false;  // bf16-mixed / fp16-mixed: Accelerate's convert_outputs_to_fp32
   std::string offload = "none";   // none | optimizer (zero1 / zero2 / zero3) | params | both (zero3)
 };
 // Parses and validates every knob; throws Error naming the first bad field.

@@ -156,7 +156,8 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
     `ddp_no_sync`; under FSDP2 (unsharded gradients held through the accumulation) it is refused.
     accelerator_config's num_steps is the accumulation; its split_batches and a
     parallelism_config are refused. bf16 / fp16 left unset, the precision is
-    ACCELERATE_MIXED_PRECISION's, as TrainingArguments read it into `mixed_precision`.
+    ACCELERATE_MIXED_PRECISION's, as TrainingArguments read it into `mixed_precision`. Under bf16 /
+    fp16 mixed precision Accelerate wraps the forward in convert_outputs_to_fp32 (`fp32_outputs`).
 
     `quantization_config` is the model's BitsAndBytesConfig (or its to_dict(), as
     `model.config.quantization_config` holds it) for a QLoRA run: a 4-bit base prepared with
@@ -285,6 +286,10 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
         # autocast (measured: parallel/cpu-fsdp-*-bf16mixed-*-bf16params-bf16reduce-*, a half-loaded
         # peft model's frozen bf16 shards included).
         knobs["fsdp_param_dtype"], knobs["fsdp_reduce_dtype"] = "bf16", "bf16"
+    if knobs["precision"] in ("bf16-mixed", "fp16-mixed"):
+        # Accelerate's native mixed precision wraps the forward in convert_outputs_to_fp32: the half
+        # logits copied to fp32 as it returns (Note [Outputs converted to fp32] in graph/step.cpp).
+        knobs["fp32_outputs"] = True
 
     knobs["optimizer"] = _trainer_optimizer(args)
 

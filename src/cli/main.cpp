@@ -75,6 +75,7 @@ struct RecipeFlags {
   bool ddp_find_unused_parameters = false;
   bool ddp_gradient_as_bucket_view = false;
   bool ddp_no_sync = false;
+  bool fp32_outputs = false;
   std::string quant_type = "";
   std::string load_dtype = "auto";
   std::string quant_storage = "uint8";
@@ -174,6 +175,11 @@ struct RecipeFlags {
                                        "With --parallel ddp: every micro-batch but the step's last under "
                                        "DistributedDataParallel.no_sync(), as Accelerate and Hugging Face's Trainer "
                                        "accumulate (one all-reduce per step)"));
+    options.emplace_back("fp32_outputs",
+                         app->add_flag("--fp32-outputs", fp32_outputs,
+                                       "With bf16-mixed or fp16-mixed: the model's half logits copied to fp32 when "
+                                       "its forward returns, as Accelerate's prepare() wraps it (convert_outputs_to_fp32; "
+                                       "Hugging Face's Trainer)"));
     options.emplace_back("loss_parallel",
                          app->add_flag("--loss-parallel", loss_parallel,
                                        "With --tp: vocab-parallel lm_head (ColwiseParallel, Shard(-1) logits) and "
@@ -259,6 +265,7 @@ struct RecipeFlags {
     sp.ddp_find_unused_parameters = ddp_find_unused_parameters;
     sp.ddp_gradient_as_bucket_view = ddp_gradient_as_bucket_view;
     sp.ddp_no_sync = ddp_no_sync;
+    sp.fp32_outputs = fp32_outputs;
     sp.fsdp_replicate = parse_count(fsdp_replicate, "fsdp_replicate");
     sp.fsdp_param_dtype = fsdp_param_dtype;
     sp.fsdp_reduce_dtype = fsdp_reduce_dtype;
@@ -399,6 +406,7 @@ std::string compare(const std::string& path, bool as_json) {
   sp.ddp_find_unused_parameters = flag("ddp_find_unused_parameters", false);
   sp.ddp_gradient_as_bucket_view = flag("ddp_gradient_as_bucket_view", false);
   sp.ddp_no_sync = flag("ddp_no_sync", false);
+  sp.fp32_outputs = flag("fp32_outputs", false);
   sp.fsdp_replicate = count("fsdp_replicate", sp.fsdp_replicate);
   sp.fsdp_param_dtype = text("fsdp_param_dtype", sp.fsdp_param_dtype.c_str());
   sp.fsdp_reduce_dtype = text("fsdp_reduce_dtype", sp.fsdp_reduce_dtype.c_str());

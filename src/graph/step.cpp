@@ -431,6 +431,20 @@ ValueId StepBuilder::standard_loss(T& normed, std::uint32_t emb) {
   }
   T loss = causal_lm_loss(logits);
   t_.drop(normed);
+  if (r_.fp32_outputs && logits.dtype != DType::kF32) {
+    // Note [Outputs converted to fp32]
+    // Accelerate's prepare() (Hugging Face's Trainer) wraps the forward of a model trained under
+    // its native mixed precision in convert_outputs_to_fp32 (accelerate/utils/operations.py): when
+    // the forward returns, every half tensor of its output, the logits, is copied with .float()
+    // into a new output object, and the old one goes with its half logits. The loss is fp32
+    // already and kept. The copy is made outside autocast and nothing saves it; it lives as the
+    // logits did, to the output object's end before backward. DDP wraps the converted forward,
+    // so _DDPSink clones the fp32 logits. (Measured: cpu-*-fp32out-*.)
+    op("convert_outputs_to_fp32");
+    T up = fresh(logits.numel, DType::kF32);
+    t_.drop(logits);
+    logits = up;
+  }
   if (r_.ddp_find_unused_parameters) ddp_sink(loss, logits);
   // The model output (logits) is dropped with the output object, before backward.
   t_.drop(logits);

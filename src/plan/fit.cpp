@@ -407,7 +407,7 @@ class Planner {
     }
     k += "/load" + std::string(to_string(r.load_dtype));
     k += std::string(r.ddp_find_unused_parameters ? "/unused" : "") + (r.ddp_gradient_as_bucket_view ? "/gradview" : "") +
-         (r.ddp_no_sync ? "/nosync" : "");
+         (r.ddp_no_sync ? "/nosync" : "") + (r.fp32_outputs ? "/fp32out" : "");
     return k;
   }
 
@@ -522,14 +522,19 @@ std::uint64_t rank_floor(const Model& m, const Recipe& r) {
 }
 
 // The knobs of one wrapper dropped where the candidate runs another: FSDP2's outside fsdp, DDP's
-// find_unused_parameters, gradient_as_bucket_view and no_sync outside a plain DDP (recipe validation
-// refuses them there).
+// find_unused_parameters, gradient_as_bucket_view and no_sync outside a plain DDP, Accelerate's fp32
+// outputs outside its native mixed precision (recipe validation refuses them there).
 void keep_own_wrapper_knobs(Recipe& r) {
   if (r.parallel != Parallel::kFsdp) r.fsdp = Fsdp{};
   if (r.parallel != Parallel::kDdp || r.pp > 1) {
     r.ddp_find_unused_parameters = false;
     r.ddp_gradient_as_bucket_view = false;
     r.ddp_no_sync = false;
+  }
+  // Accelerate's fp32 outputs go with its native mixed precision, on one GPU, DDP or FSDP2.
+  if ((r.precision != Precision::kBf16Mixed && r.precision != Precision::kFp16Mixed) || is_zero(r.parallel) ||
+      r.tp > 1 || r.pp > 1 || r.cp > 1) {
+    r.fp32_outputs = false;
   }
   // A half load dtype goes with its autocast; any other precision loads the model in its own dtype
   // (bf16-true: bf16 again, without the autocast).

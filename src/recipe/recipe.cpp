@@ -525,6 +525,7 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   r.ddp_find_unused_parameters = in.ddp_find_unused_parameters;
   r.ddp_gradient_as_bucket_view = in.ddp_gradient_as_bucket_view;
   r.ddp_no_sync = in.ddp_no_sync;
+  r.fp32_outputs = in.fp32_outputs;
   r.fsdp.replicate = in.fsdp_replicate;
   r.fsdp.param_dtype = parse_fsdp_dtype(in.fsdp_param_dtype, "fsdp_param_dtype");
   r.fsdp.reduce_dtype = parse_fsdp_dtype(in.fsdp_reduce_dtype, "fsdp_reduce_dtype");
@@ -589,6 +590,19 @@ void Recipe::validate() const {
     }
     if (attention_mask == AttentionMask::kPadded && seq < 2) {
       throw Error("attention_mask: padded needs seq >= 2 (a row's first token is never padding)");
+    }
+  }
+  if (fp32_outputs) {
+    // Accelerate wraps the forward this way when its native AMP is on (fp16 / bf16 mixed precision,
+    // not under DeepSpeed), for a training step of the model on one device group.
+    if (precision != Precision::kBf16Mixed && precision != Precision::kFp16Mixed) {
+      throw Error("fp32_outputs: Accelerate converts the outputs under its native mixed precision only; it needs "
+                  "precision bf16-mixed or fp16-mixed, got " + std::string(to_string(precision)));
+    }
+    if (mode == Mode::kInference) throw Error("fp32_outputs: a training knob (Accelerate's prepared model)");
+    if (is_zero(parallel) || tp > 1 || pp > 1 || cp > 1) {
+      throw Error("fp32_outputs: Accelerate's convert_outputs_to_fp32 is modelled on one GPU, under DDP and under "
+                  "FSDP2 (DeepSpeed runs without it; tensor, pipeline and context parallelism are not Accelerate's)");
     }
   }
   if (checkpointing == Checkpointing::kFullReentrant) {

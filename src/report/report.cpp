@@ -83,6 +83,7 @@ ordered_json recipe_object(const Recipe& r) {
   if (r.ddp_find_unused_parameters) j["ddp_find_unused_parameters"] = true;  // only when on (as trainmem-measure)
   if (r.ddp_gradient_as_bucket_view) j["ddp_gradient_as_bucket_view"] = true;
   if (r.ddp_no_sync) j["ddp_no_sync"] = true;
+  if (r.fp32_outputs) j["fp32_outputs"] = true;
   if (r.offload != Offload::kNone) j["offload"] = to_string(r.offload);  // only when offloading
   if (r.mode == Mode::kInference) {
     j["new_tokens"] = r.new_tokens;
@@ -500,9 +501,10 @@ std::string to_text(const Estimate& e) {
         static_cast<unsigned long long>(r.new_tokens), search.c_str(), std::string(to_string(r.precision)).c_str(),
         std::string(to_string(r.attention)).c_str());
   } else {
-    add("recipe: batch %llu × seq %llu, grad_accum %llu, %s, %s, checkpointing %s, attention %s, loss %s%s%s\n",
+    add("recipe: batch %llu × seq %llu, grad_accum %llu, %s%s, %s, checkpointing %s, attention %s, loss %s%s%s\n",
         static_cast<unsigned long long>(r.batch), static_cast<unsigned long long>(r.seq),
         static_cast<unsigned long long>(r.grad_accum), std::string(to_string(r.precision)).c_str(),
+        r.fp32_outputs ? " (outputs to fp32)" : "",
         std::string(to_string(r.optimizer)).c_str(), std::string(to_string(r.checkpointing)).c_str(),
         std::string(to_string(r.attention)).c_str(), std::string(to_string(r.loss)).c_str(),
         mask_words(r).c_str(), r.allocator == AllocatorMode::kExpandable ? ", expandable segments" : "");

@@ -185,6 +185,51 @@ TEST(DdpNoSync, IsADdpKnob) {
   EXPECT_NO_THROW(r.validate());
 }
 
+// Note [Outputs converted to fp32]: Accelerate's convert_outputs_to_fp32 copies the half logits to
+// fp32 as the forward returns. Alone the copy stays under the loss's own peak (the loss's fp32
+// copy of the logits has gone by then); under DDP's find_unused_parameters _DDPSink then clones
+// the fp32 logits, which raises the loss phase (measured:
+// cpu-ddp-gpt2l2-bf16mixed-sgd-findunused-fp32out-b2s128, exact with the conversion only).
+TEST(Fp32Outputs, CopiesTheHalfLogitsAsTheForwardReturns) {
+  Recipe r = dp_recipe(Parallel::kDdp, 2, Precision::kBf16Mixed);
+  r.batch = 2;
+  r.seq = 128;
+  r.optimizer = Optimizer::kSgd;
+  r.ddp_find_unused_parameters = true;
+  EstimateOptions phases;
+  phases.phases = true;
+  auto loss_peak = [&](const Recipe& recipe) {
+    std::uint64_t peak = 0;
+    for (const PhasePeak& p : estimate(gpt2_l2(), recipe, phases).phases) {
+      if (p.phase == Phase::kLoss) peak = std::max(peak, p.peak_allocated_bytes);
+    }
+    return peak;
+  };
+  const std::uint64_t plain = loss_peak(r);
+  r.fp32_outputs = true;
+  r.validate();
+  EXPECT_GT(loss_peak(r), plain);
+  const graph::Trace t = graph::build_training_trace(gpt2_l2(), r, find_gpu("cpu"));
+  std::vector<std::uint64_t> copies;
+  for (const graph::Event& e : t.events) {
+    if (e.alloc && t.moments[e.moment].op == "convert_outputs_to_fp32") copies.push_back(t.storages[e.tensor].bytes);
+  }
+  ASSERT_FALSE(copies.empty());
+  EXPECT_EQ(copies.front(), 2u * 128 * 50'257 * 4);
+}
+
+TEST(Fp32Outputs, IsAnAcceleratePrecisionKnob) {
+  Recipe r;
+  r.fp32_outputs = true;
+  EXPECT_NO_THROW(r.validate());  // bf16-mixed, the default
+  r.precision = Precision::kBf16True;
+  EXPECT_NE(testing::error_of([&] { r.validate(); }).find("needs precision bf16-mixed or fp16-mixed"), std::string::npos);
+  r.precision = Precision::kFp16Mixed;
+  r.gpus = 2;
+  r.parallel = Parallel::kZero2;
+  EXPECT_NE(testing::error_of([&] { r.validate(); }).find("DeepSpeed runs without it"), std::string::npos);
+}
+
 // GPT-2's root unit: wte (50,257 rows, padded to 2 x 25,129), wpe (1,024 rows), ln_f weight and
 // bias, hidden 768.
 constexpr std::uint64_t kRootShardElements = 25'129 * 768 + 512 * 768 + 384 + 384;

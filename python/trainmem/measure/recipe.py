@@ -147,6 +147,10 @@ class Recipe:
     # Every micro-batch but the step's last runs its forward and backward under DDP's no_sync(), as
     # Accelerate's accumulate() (and so Hugging Face's Trainer) does (docs/parallelism.md "no_sync").
     ddp_no_sync: bool = False
+    # Accelerate's prepare() under its native mixed precision (Hugging Face's Trainer): the model's
+    # forward wrapped in convert_outputs_to_fp32, which copies the half logits to fp32 (training.py
+    # convert_outputs_as_accelerate).
+    fp32_outputs: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -267,6 +271,14 @@ class Recipe:
                 raise RecipeError(f"{knob} is a DistributedDataParallel knob: it needs parallel ddp (without a pipeline)")
         if self.ddp_gradient_as_bucket_view and self.ddp_find_unused_parameters:
             raise RecipeError("ddp_gradient_as_bucket_view with ddp_find_unused_parameters is not measured: use one")
+        if not isinstance(self.fp32_outputs, bool):
+            raise RecipeError(f"fp32_outputs must be true or false, got {self.fp32_outputs!r}")
+        if self.fp32_outputs:  # as the engine takes it: Accelerate's native mixed precision, training
+            if self.precision not in ("bf16-mixed", "fp16-mixed") or self.is_inference:
+                raise RecipeError("fp32_outputs is Accelerate's native mixed precision: it needs precision bf16-mixed "
+                                  "or fp16-mixed, in training")
+            if self.is_zero or self.is_tp or self.is_pp:
+                raise RecipeError("fp32_outputs is measured on one process, under DDP and under FSDP2")
         if self.ddp_find_unused_parameters and self.checkpointing == "full-reentrant":
             # As the engine refuses it: DDP's forward marks the parameters the reentrant no_grad
             # forward left out of the graph ready, and their hooks fire again in the backward.
@@ -610,7 +622,7 @@ class Recipe:
         if self.parallel != "fsdp":  # FSDP2's knobs with parallel fsdp only, as the engine writes them
             for key in ("fsdp_reshard_after_forward", "fsdp_replicate", "fsdp_param_dtype", "fsdp_reduce_dtype"):
                 del out[key]
-        for knob in _DDP_KNOBS:  # and DDP's only when they are on
+        for knob in (*_DDP_KNOBS, "fp32_outputs"):  # and DDP's, and the output conversion, only when on
             if not getattr(self, knob):
                 del out[knob]
         return out

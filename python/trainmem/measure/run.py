@@ -17,7 +17,7 @@ from .recipe import Recipe, RecipeError
 from .tracker import CATEGORIES, MemoryTracker
 from .generation import run_generation
 from . import parallel as _parallel
-from .training import hf_loss_fn, run_steps, training_batch
+from .training import convert_outputs_as_accelerate, hf_loss_fn, run_steps, training_batch
 
 SEED = 0
 
@@ -137,6 +137,8 @@ def measure(model: str | ModelSpec, recipe: Recipe, *, device: str = "cpu", fake
         model_obj = build_real_model(spec, recipe, device)
     if recipe.checkpointing != "none":
         enable_checkpointing(model_obj, reentrant=recipe.checkpointing == "full-reentrant")
+    if recipe.fp32_outputs:  # before DDP wraps it, as in Accelerate's prepare_model
+        convert_outputs_as_accelerate(model_obj)
     # What the step calls: the model, or its DDP / FSDP2 wrapping in a rank (parallel.py).
     runner = _parallel.wrap_model(model_obj, recipe, device) if recipe.is_parallel else model_obj
     if recipe.is_inference:
@@ -472,6 +474,8 @@ def default_command(spec: ModelSpec, recipe: Recipe, *, device: str, fake: bool)
         args.append("--ddp-gradient-as-bucket-view")
     if recipe.ddp_no_sync:
         args.append("--ddp-no-sync")
+    if recipe.fp32_outputs:
+        args.append("--fp32-outputs")
     for key, flag in (("fsdp_replicate", "--fsdp-replicate"), ("fsdp_param_dtype", "--fsdp-param-dtype"),
                       ("fsdp_reduce_dtype", "--fsdp-reduce-dtype")):
         if getattr(recipe, key) != getattr(defaults, key):

@@ -155,6 +155,21 @@ def training_batch(recipe: Recipe, vocab: int, device) -> tuple:
     return input_ids, labels, mask
 
 
+def convert_outputs_as_accelerate(model: torch.nn.Module) -> None:
+    """Wrap `model.forward` in Accelerate's own convert_outputs_to_fp32, as Accelerate's
+    prepare_model does under its native mixed precision (accelerate 1.16, accelerator.py): the
+    half tensors of the output (the logits) copied to fp32 when the forward returns. (Its autocast
+    context, which prepare_model wraps inside, is the loop's own here.)"""
+    from types import MethodType
+
+    from accelerate.utils.operations import convert_outputs_to_fp32
+
+    if hasattr(model.forward, "__func__"):
+        model.forward = MethodType(convert_outputs_to_fp32(model.forward.__func__), model)
+    else:
+        model.forward = convert_outputs_to_fp32(model.forward)
+
+
 def hf_loss_fn(model, recipe: Recipe, tracker: MemoryTracker):
     """The per-micro-batch forward + loss for a Hugging Face causal LM."""
     # Through a PeftModel: its forward calls the Hugging Face model's, which calls that model's
