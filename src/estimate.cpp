@@ -181,6 +181,18 @@ Recipe detail::resolved_for_model(const Model& model, Recipe recipe) {
     throw Error("cp: " + std::to_string(recipe.cp) + " with a head dim above 256 and grouped key/value heads is "
                 "not modelled (SDPA repeats K and V there)");
   }
+  // GPT2Attention's _upcast_and_reordered_attn (eager only) computes the scores from fp32 copies of
+  // q and k: the same as the engine's eager attention in fp32, not in half (found by a probe).
+  if (model.arch.reorder_and_upcast_attn && recipe.attention == Attention::kEager &&
+      (recipe.precision != Precision::kFp32 || recipe.fsdp.param_dtype == FsdpDtype::kBf16)) {
+    throw Error("config.json: reorder_and_upcast_attn with eager attention in half precision is not modelled "
+                "(GPT-2 upcasts q and k to fp32 there); use sdpa, fp32, or set it false");
+  }
+  if (model.arch.rope_rescales_past > 0 && recipe.seq + positions_after_prompt(recipe) > model.arch.rope_rescales_past) {
+    throw Error("seq: the rotary embedding's rope_type (dynamic / longrope) replaces inv_freq past " +
+                std::to_string(model.arch.rope_rescales_past) + " positions, which is not modelled; use seq " +
+                std::to_string(model.arch.rope_rescales_past) + " or less");
+  }
   // GPT-2's learned position embedding (wpe) has n_positions rows, and a position past them is an
   // IndexError in transformers (generate() does not check it either); rotary models have no table.
   // A generation feeds the prompt, then each new token but the last.

@@ -51,7 +51,10 @@ enum class Family : std::uint8_t { kGpt2, kLlama, kMistral, kQwen2, kQwen3, kGem
 std::string_view family_name(Family);
 
 enum class NormKind : std::uint8_t { kRmsNorm, kLayerNorm };
-enum class Activation : std::uint8_t { kSilu, kGeluTanh };
+// The MLP's activation as transformers' ACT2CLS implements it: one op that saves its input (silu /
+// swish, gelu, gelu_pytorch_tanh), or NewGELUActivation's Python formula (gelu_new: GPT-2's),
+// whose elementwise ops save more.
+enum class Activation : std::uint8_t { kSilu, kGelu, kGeluNew };
 
 // The shapes that decide memory, read from a Hugging Face config.json.
 struct Architecture {
@@ -76,6 +79,10 @@ struct Architecture {
   bool sandwich_norms = false;  // extra post-attention / post-feedforward norms (Gemma-2)
   bool embedding_scale = false; // embeddings multiplied by sqrt(hidden) (Gemma-2)
   bool learned_positions = false;  // GPT-2 position embedding table
+  bool reorder_and_upcast_attn = false;  // GPT-2: eager attention upcasts q and k (not modelled in half)
+  // A rotary embedding whose inv_freq changes with the sequence (rope_type dynamic or longrope):
+  // the positions past which it does (0: never).
+  std::uint64_t rope_rescales_past = 0;
   NormKind norm = NormKind::kRmsNorm;
   Activation activation = Activation::kSilu;
   double attn_logit_softcap = 0;   // Gemma-2: tanh soft-capping of scores (eager only)

@@ -1054,12 +1054,35 @@ T StepBuilder::g_attend(T& q, T& k, T& v, std::uint32_t l, bool q_bshd, T* fused
   return y;
 }
 
+// The activation under no_grad (See act_fn): n elements of dtype d out; NewGELUActivation's
+// formula, 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3))) left to right, allocates and
+// frees its intermediates on the way.
+T StepBuilder::g_act_fn(std::uint64_t n, DType d) {
+  if (a_.activation != Activation::kGeluNew) return fresh(n, d);
+  T half = fresh(n, d);
+  T p3 = fresh(n, d);
+  T m1 = fresh(n, d);
+  t_.drop(p3);
+  T s = fresh(n, d);
+  t_.drop(m1);
+  T m2 = fresh(n, d);
+  t_.drop(s);
+  T th = fresh(n, d);
+  t_.drop(m2);
+  T p1 = fresh(n, d);
+  t_.drop(th);
+  T act = fresh(n, d);
+  t_.drop(half);
+  t_.drop(p1);
+  return act;
+}
+
 T StepBuilder::g_mlp(const T& x, const LayerParams& lp) {
   const std::uint64_t i = a_.intermediate_size, n = rows() * i;
   if (lp.gate_up != kNone) {  // Phi-3: up * act(gate) on chunks of one projection
     T gu = proj(x, "mlp.gate_up_proj", lp.gate_up, kNone, 2 * i);
     op("mlp.activation_fn");
-    T act = fresh(n, gu.dtype);
+    T act = g_act_fn(n, gu.dtype);
     op("mlp.mul");
     T prod = fresh(n, gu.dtype);
     t_.drop(act);
@@ -1070,7 +1093,7 @@ T StepBuilder::g_mlp(const T& x, const LayerParams& lp) {
   }
   T gate = proj(x, "mlp.gate_proj", lp.gate, lp.gate_b, i);
   op("mlp.act_fn");
-  T act = fresh(n, gate.dtype);
+  T act = g_act_fn(n, gate.dtype);
   t_.drop(gate);
   T up = proj(x, "mlp.up_proj", lp.up, lp.up_b, i);
   op("mlp.act_fn*up");
@@ -1138,23 +1161,7 @@ T StepBuilder::g_gpt2_block(const T& x, std::uint32_t l) {
   T n2 = g_layer_norm(h1, "ln_2");
   T f = proj(n2, "mlp.c_fc", lp.up, lp.up_b, i);
   op("mlp.act");
-  // NewGELUActivation: 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3))), left to right.
-  const std::uint64_t n = f.numel;
-  T half = fresh(n, f.dtype);
-  T p3 = fresh(n, f.dtype);
-  T m1 = fresh(n, f.dtype);
-  t_.drop(p3);
-  T s = fresh(n, f.dtype);
-  t_.drop(m1);
-  T m2 = fresh(n, f.dtype);
-  t_.drop(s);
-  T th = fresh(n, f.dtype);
-  t_.drop(m2);
-  T p1 = fresh(n, f.dtype);
-  t_.drop(th);
-  T act = fresh(n, f.dtype);
-  t_.drop(half);
-  t_.drop(p1);
+  T act = g_act_fn(f.numel, f.dtype);
   t_.drop(f);
   T m = proj(act, "mlp.c_proj", lp.down, lp.down_b, h);
   t_.drop(act);

@@ -523,7 +523,8 @@ class StepBuilder {
   T alias(const T& base, std::uint64_t numel);
   T mlp(const T& x, const LayerParams& lp);
   T mlp_module(const T& x, const LayerParams& lp);
-  T gelu_tanh(const T& x);
+  T act_fn(const T& x);
+  T g_act_fn(std::uint64_t n, DType d);  // generation.cpp
   T decoder_layer(const T& x, std::uint32_t l);
   T decoder_layer_module(const T& x, std::uint32_t l);
   T post_norm(T y, std::uint32_t norm, std::string_view name);

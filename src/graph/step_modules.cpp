@@ -1222,7 +1222,7 @@ T StepBuilder::mlp_module(const T& x, const LayerParams& lp) {
     T h = proj(x, "mlp.c_fc", lp.up, lp.up_b, i);
     op("mlp.act");
     const std::uint32_t act = container_enter(Container::kAct);
-    T g = gelu_tanh(h);
+    T g = act_fn(h);
     module_exit(act);
     t_.drop(h);
     T y = proj(g, "mlp.c_proj", lp.down, lp.down_b, a_.hidden_size);
@@ -1240,8 +1240,7 @@ T StepBuilder::mlp_module(const T& x, const LayerParams& lp) {
   }
   op("mlp.act_fn");
   const std::uint32_t act_module = container_enter(Container::kAct);
-  T act = a_.activation == Activation::kSilu ? elementwise({&gate}, n, gate.dtype, {gate.id})
-                                              : gelu_tanh(gate);
+  T act = act_fn(gate);
   module_exit(act_module);
   // act_fn(gate_proj(x)): nothing but the activation's node holds the gate once it returns (under
   // checkpointing not even that: measured, ZeRO-3 with checkpointing peaks here). Phi-3's `gate`
@@ -1261,10 +1260,12 @@ T StepBuilder::mlp_module(const T& x, const LayerParams& lp) {
   return y;
 }
 
-// gelu(approximate="tanh") saves its input; GPT-2's NewGELUActivation spells the same formula
-// out in elementwise ops that save more (x, x^3 terms, tanh output).
-T StepBuilder::gelu_tanh(const T& x) {
-  if (a_.family == Family::kGpt2) {
+// The config's activation (Activation in trainmem.h): silu and gelu are one op that saves its
+// input; gelu_new, NewGELUActivation (GPT-2's default), spells the tanh approximation out in
+// elementwise ops that save more (x, x^3 terms, tanh output). Found by a probe: a Llama cut with
+// gelu_new was 20 % low and a GPT-2 cut with gelu_pytorch_tanh 20 % high while the family chose.
+T StepBuilder::act_fn(const T& x) {
+  if (a_.activation == Activation::kGeluNew) {
     // 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3))), in Python's order: 0.5 * x first
     // (measured with and without saves; Note [Forwards without saves] in tape.h).
     // The backward as the generated nodes compute it (measured, GPT-2 fp32 traces): pow's

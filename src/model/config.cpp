@@ -150,9 +150,11 @@ Activation parse_activation(const json& c, const char* key, Activation fallback)
   if (!it->is_string()) throw Error(std::string("config.json: field '") + key + "' must be a string");
   std::string s = it->get<std::string>();
   if (s == "silu" || s == "swish") return Activation::kSilu;
-  if (s == "gelu_new" || s == "gelu_pytorch_tanh" || s == "gelu" || s == "gelu_fast")
-    return Activation::kGeluTanh;
-  throw Error(std::string("config.json: field '") + key + "' has unsupported activation '" + s + "'");
+  if (s == "gelu" || s == "gelu_pytorch_tanh") return Activation::kGelu;  // F.gelu, exact or approximate="tanh"
+  if (s == "gelu_new") return Activation::kGeluNew;
+  // gelu_fast (FastGELUActivation) and the others spell their own formulas, which save other tensors.
+  throw Error(std::string("config.json: field '") + key + "' has unsupported activation '" + s +
+              "' (modelled: silu, swish, gelu, gelu_pytorch_tanh, gelu_new)");
 }
 
 void check_heads(Architecture& a) {
@@ -183,7 +185,8 @@ Architecture parse_gpt2(const json& c) {
   a.gated_mlp = false;
   a.learned_positions = true;
   a.norm = NormKind::kLayerNorm;
-  a.activation = parse_activation(c, "activation_function", Activation::kGeluTanh);
+  a.activation = parse_activation(c, "activation_function", Activation::kGeluNew);
+  a.reorder_and_upcast_attn = get_bool_or(c, "reorder_and_upcast_attn", false);
   a.attn_dropout = get_probability_or(c, "attn_pdrop", 0.1);
   a.resid_dropout = get_probability_or(c, "resid_pdrop", 0.1);
   a.embd_dropout = get_probability_or(c, "embd_pdrop", 0.1);
@@ -232,6 +235,19 @@ Architecture parse_llama_like(const json& c, Family family) {
     if (auto it = c.find(key); it != c.end() && it->is_object()) {
       check_rotary_factor(*it, std::string(key) + ".");
       in_rope_parameters = in_rope_parameters || it->contains("partial_rotary_factor");
+      // dynamic_rope_update (transformers' modeling_rope_utils): "dynamic" recomputes inv_freq for
+      // a sequence past max_position_embeddings, "longrope" switches to its long factors past
+      // original_max_position_embeddings. Either replaces a buffer mid-forward, not modelled.
+      const json* type = nullptr;
+      for (const char* name : {"rope_type", "type"}) {
+        if (auto t = it->find(name); t != it->end() && t->is_string()) type = &*t;
+      }
+      if (type != nullptr && (*type == "dynamic" || *type == "longrope")) {
+        a.rope_rescales_past = *type == "dynamic"
+                                   ? a.max_positions
+                                   : get_dim_or(c, "original_max_position_embeddings", a.max_positions,
+                                                std::uint64_t{1} << 32);
+      }
     }
   }
   if (family == Family::kPhi3 && !in_rope_parameters) check_rotary_factor(c, "");
@@ -262,7 +278,7 @@ Architecture parse_llama_like(const json& c, Family family) {
       a.qkv_bias = a.o_bias = bias;
       a.sandwich_norms = true;
       a.embedding_scale = true;
-      a.activation = parse_activation(c, "hidden_activation", Activation::kGeluTanh);
+      a.activation = parse_activation(c, "hidden_activation", Activation::kGelu);
       a.attn_logit_softcap = get_number_or(c, "attn_logit_softcapping", 0);
       a.final_logit_softcap = get_number_or(c, "final_logit_softcapping", 0);
       a.tie_word_embeddings = get_bool_or(c, "tie_word_embeddings", true);

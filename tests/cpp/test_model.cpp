@@ -399,7 +399,60 @@ TEST(ModelConfig, UnsupportedModelType) {
 TEST(ModelConfig, UnsupportedActivation) {
   json j = llama_config();
   j["hidden_act"] = "relu";
-  EXPECT_EQ(error_from(j), "config.json: field 'hidden_act' has unsupported activation 'relu'");
+  EXPECT_EQ(error_from(j), "config.json: field 'hidden_act' has unsupported activation 'relu' (modelled: silu, "
+                          "swish, gelu, gelu_pytorch_tanh, gelu_new)");
+  j["hidden_act"] = "gelu_fast";  // FastGELUActivation's own formula
+  EXPECT_NE(error_from(j).find("unsupported activation 'gelu_fast'"), std::string::npos);
+}
+
+// The activation follows the config's name, as transformers' ACT2CLS does, not the family: a
+// probe measured a Llama cut with gelu_new 20 % above the one-op estimate, and a GPT-2 cut with
+// gelu_pytorch_tanh 20 % below the formula's (corpus: *gelunew*, *gelupt*, *gelu-*).
+TEST(ModelConfig, TheActivationIsTheConfigsNotTheFamilys) {
+  json j = llama_config();
+  EXPECT_EQ(from(j).arch.activation, Activation::kSilu);
+  j["hidden_act"] = "gelu_new";
+  const Model gelu_new = from(j);
+  EXPECT_EQ(gelu_new.arch.activation, Activation::kGeluNew);
+  j["hidden_act"] = "gelu";
+  const Model gelu = from(j);
+  EXPECT_EQ(gelu.arch.activation, Activation::kGelu);
+  json g = gpt2_config();
+  EXPECT_EQ(from(g).arch.activation, Activation::kGeluNew);  // GPT2Config's default
+  g["activation_function"] = "gelu_pytorch_tanh";
+  EXPECT_EQ(from(g).arch.activation, Activation::kGelu);
+  // NewGELUActivation's formula saves more than F.gelu: the peak of a step rises.
+  Recipe r;
+  r.seq = 256;
+  r.precision = Precision::kFp32;
+  r.optimizer = Optimizer::kSgd;
+  EXPECT_GT(estimate(gelu_new, r).breakdown_at_peak[static_cast<std::size_t>(Category::kActivations)],
+            estimate(gelu, r).breakdown_at_peak[static_cast<std::size_t>(Category::kActivations)]);
+}
+
+// Config settings whose memory is not modelled are refused where they take effect.
+TEST(ModelConfig, UpcastAttentionAndRescaledRopeAreRefusedWhereTheyAct) {
+  json g = gpt2_config();
+  g["reorder_and_upcast_attn"] = true;
+  const Model gpt2 = from(g);
+  Recipe r;
+  r.seq = 128;
+  r.attention = Attention::kEager;
+  EXPECT_NE(error_of([&] { estimate(gpt2, r); }).find("reorder_and_upcast_attn"), std::string::npos);
+  r.attention = Attention::kSdpa;  // only eager upcasts
+  EXPECT_NO_THROW(estimate(gpt2, r));
+  r.attention = Attention::kEager;
+  r.precision = Precision::kFp32;  // nothing to upcast
+  EXPECT_NO_THROW(estimate(gpt2, r));
+  json j = llama_config();
+  j["max_position_embeddings"] = 64;
+  j["rope_scaling"] = {{"rope_type", "dynamic"}, {"factor", 2.0}};
+  const Model dynamic = from(j);
+  Recipe d;
+  d.seq = 64;
+  EXPECT_NO_THROW(estimate(dynamic, d));
+  d.seq = 65;
+  EXPECT_NE(error_of([&] { estimate(dynamic, d); }).find("replaces inv_freq past 64 positions"), std::string::npos);
 }
 
 TEST(ModelConfig, NegativeSoftcap) {
