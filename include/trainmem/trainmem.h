@@ -195,8 +195,13 @@ struct Fsdp {
   std::uint64_t replicate = 1;
   FsdpDtype param_dtype = FsdpDtype::kNone;
   FsdpDtype reduce_dtype = FsdpDtype::kNone;
+  // set_requires_gradient_sync(False) on every micro-batch but the step's last, as Accelerate's
+  // no_sync (Hugging Face's Trainer) accumulates: unsharded gradients kept between micro-batches
+  // (Note [FSDP2 no_sync] in graph/parallel.cpp).
+  bool no_sync = false;
   bool is_default() const {
-    return reshard_after_forward && replicate == 1 && param_dtype == FsdpDtype::kNone && reduce_dtype == FsdpDtype::kNone;
+    return reshard_after_forward && replicate == 1 && param_dtype == FsdpDtype::kNone && reduce_dtype == FsdpDtype::kNone &&
+           !no_sync;
   }
 };
 // CPU offload (docs/parallelism.md, "CPU offload"): kOptimizer is DeepSpeed's
@@ -327,8 +332,8 @@ struct Recipe {
   // (Note [DDP gradient_as_bucket_view] in graph/parallel.cpp).
   bool ddp_gradient_as_bucket_view = false;
   // Every micro-batch but the step's last runs its forward and backward under
-  // DistributedDataParallel.no_sync(), as Accelerate's accumulate() (and so Hugging Face's Trainer)
-  // does; parallel kDdp only, without a pipeline (Note [DDP no_sync] in graph/parallel.cpp).
+  // DistributedDataParallel.no_sync(), as Accelerate's accumulate() and Hugging Face's Trainer
+  // (through accelerator.no_sync) do; parallel kDdp only, without a pipeline (Note [DDP no_sync] in graph/parallel.cpp).
   bool ddp_no_sync = false;
   // Under bf16-mixed / fp16-mixed: the model's forward wrapped by Accelerate's prepare() (Hugging
   // Face's Trainer), whose convert_outputs_to_fp32 copies the half logits to fp32 when the forward
@@ -402,11 +407,15 @@ struct RecipeSpelling {
   bool ddp_find_unused_parameters = false;  // parallel ddp: find_unused_parameters=True (HF Trainer's default)
   bool ddp_gradient_as_bucket_view = false;  // parallel ddp: gradient_as_bucket_view=True
   bool ddp_no_sync = false;  // parallel ddp: no_sync() on every micro-batch but the step's last
+  bool fsdp_no_sync = false;  // parallel fsdp: set_requires_gradient_sync(False) likewise
   bool fp32_outputs = false;  // bf16-mixed / fp16-mixed: Accelerate's convert_outputs_to_fp32
   std::string offload = "none";   // none | optimizer (zero1 / zero2 / zero3) | params | both (zero3)
 };
 // Parses and validates every knob; throws Error naming the first bad field.
 Recipe parse_recipe(const RecipeSpelling& spelling);
+// Whether Accelerate's convert_outputs_to_fp32 (Recipe::fp32_outputs) is modelled for `r`: bf16 /
+// fp16 mixed precision on one GPU, under DDP or FSDP2.
+bool fp32_outputs_modelled(const Recipe& r);
 
 // Parse the CLI / JSON spelling; throws Error listing the valid values.
 Precision parse_precision(std::string_view);

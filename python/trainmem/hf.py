@@ -15,6 +15,7 @@ not model raises ValueError naming it, rather than answering a different questio
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
@@ -51,8 +52,12 @@ def _str_to_bool(value: Any, what: str) -> bool:
 def _half(args: Any, name: str) -> bool:
     """Whether the Trainer runs under `name` ("bf16" or "fp16") mixed precision: its flag, or, when
     neither flag is set, ACCELERATE_MIXED_PRECISION as TrainingArguments read it into
-    `mixed_precision` (what the Trainer hands Accelerate)."""
-    return bool(_get(args, name, False)) or _get(args, "mixed_precision") == name
+    `mixed_precision` (what the Trainer hands Accelerate). to_dict() leaves that attribute out, so
+    for a dict without it the variable is read here."""
+    mixed = _get(args, "mixed_precision")
+    if mixed is None and isinstance(args, dict) and not (args.get("bf16") or args.get("fp16")):
+        mixed = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    return bool(_get(args, name, False)) or mixed == name
 
 
 def _accelerator_config(args: Any) -> dict[str, Any]:
@@ -67,11 +72,9 @@ def _accelerator_config(args: Any) -> dict[str, Any]:
     return _json_object(config, "accelerator_config")
 
 
-def _sync_each_batch(args: Any) -> bool:
-    """accelerator_config gradient_accumulation_kwargs sync_each_batch: the Trainer then runs no
-    micro-batch under no_sync."""
-    kwargs = _accelerator_config(args).get("gradient_accumulation_kwargs") or {}
-    return bool(kwargs.get("sync_each_batch", False))
+def _grad_acc_kwargs(args: Any) -> dict[str, Any]:
+    """accelerator_config's gradient_accumulation_kwargs (num_steps, sync_each_batch)."""
+    return _accelerator_config(args).get("gradient_accumulation_kwargs") or {}
 
 
 def _positive_int(value: Any, what: str) -> int:
@@ -153,7 +156,7 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
     `ddp_find_unused_parameters` (docs/parallelism.md "find_unused_parameters"). With
     accumulation the Trainer runs every micro-batch but the last under accelerator.no_sync (unless
     accelerator_config's gradient_accumulation_kwargs say sync_each_batch): under DDP the recipe's
-    `ddp_no_sync`; under FSDP2 (unsharded gradients held through the accumulation) it is refused.
+    `ddp_no_sync`, under FSDP2 `fsdp_no_sync` (unsharded gradients held through the accumulation).
     accelerator_config's num_steps is the accumulation; its split_batches and a
     parallelism_config are refused. bf16 / fp16 left unset, the precision is
     ACCELERATE_MIXED_PRECISION's, as TrainingArguments read it into `mixed_precision`. Under bf16 /
@@ -217,7 +220,7 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
     if _get(args, "deepspeed"):
         if _get(args, "fsdp"):
             raise ValueError("fsdp and deepspeed: the Trainer takes one or the other, not both")
-        if "num_steps" in (_accelerator_config(args).get("gradient_accumulation_kwargs") or {}):
+        if "num_steps" in _grad_acc_kwargs(args):
             raise ValueError("accelerator_config gradient_accumulation_kwargs num_steps under DeepSpeed: not mapped; "
                              "set gradient_accumulation_steps")
         knobs = recipe_from_deepspeed_config(_get(args, "deepspeed"), seq=seq, gpus=gpus, training_arguments=args,
@@ -242,7 +245,7 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
         raise ValueError("fsdp: pass gpus= (the number of processes the run is launched with)")
     knobs["batch"] = _positive_int(_get(args, "per_device_train_batch_size", 8), "per_device_train_batch_size")
     knobs["grad_accum"] = _positive_int(_get(args, "gradient_accumulation_steps", 1), "gradient_accumulation_steps")
-    num_steps = (_accelerator_config(args).get("gradient_accumulation_kwargs") or {}).get("num_steps")
+    num_steps = _grad_acc_kwargs(args).get("num_steps")
     if num_steps is not None:
         # The Trainer takes it as its gradient_accumulation_steps, and refuses both at once.
         if knobs["grad_accum"] > 1:
@@ -310,16 +313,13 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
             find_unused = peft or not checkpointed
         if find_unused:
             knobs["ddp_find_unused_parameters"] = True
-    if knobs["grad_accum"] > 1 and not _sync_each_batch(args):
+    if knobs["grad_accum"] > 1 and not _grad_acc_kwargs(args).get("sync_each_batch", False):
         # The Trainer runs every micro-batch but the last under accelerator.no_sync (unless
         # sync_each_batch): DDP's no_sync, FSDP2's set_requires_gradient_sync(False).
         if knobs.get("parallel") == "ddp":
             knobs["ddp_no_sync"] = True  # Note [DDP no_sync]
         elif knobs.get("parallel") == "fsdp":
-            raise ValueError("gradient_accumulation_steps > 1 under FSDP: the Trainer accumulates without "
-                             "reduce-scattering (set_requires_gradient_sync(False)), each rank holding unsharded "
-                             "gradients, which is not modelled; accelerator_config gradient_accumulation_kwargs "
-                             "sync_each_batch=True (reduce every micro-batch) is")
+            knobs["fsdp_no_sync"] = True  # Note [FSDP2 no_sync]: unsharded gradients held to the last
     if _get(args, "use_liger_kernel", False):
         knobs["loss"] = "fused"  # Liger's fused linear cross-entropy
     if gpu is not None:

@@ -76,6 +76,7 @@ struct RecipeFlags {
   bool ddp_gradient_as_bucket_view = false;
   bool ddp_no_sync = false;
   bool fp32_outputs = false;
+  bool fsdp_no_sync = false;
   std::string quant_type = "";
   std::string load_dtype = "auto";
   std::string quant_storage = "uint8";
@@ -175,6 +176,11 @@ struct RecipeFlags {
                                        "With --parallel ddp: every micro-batch but the step's last under "
                                        "DistributedDataParallel.no_sync(), as Accelerate and Hugging Face's Trainer "
                                        "accumulate (one all-reduce per step)"));
+    options.emplace_back("fsdp_no_sync",
+                         app->add_flag("--fsdp-no-sync", fsdp_no_sync,
+                                       "With --parallel fsdp: every micro-batch but the step's last under "
+                                       "set_requires_gradient_sync(False), as Accelerate and Hugging Face's Trainer "
+                                       "accumulate (each rank holds unsharded gradients until the last)"));
     options.emplace_back("fp32_outputs",
                          app->add_flag("--fp32-outputs", fp32_outputs,
                                        "With bf16-mixed or fp16-mixed: the model's half logits copied to fp32 when "
@@ -266,6 +272,7 @@ struct RecipeFlags {
     sp.ddp_gradient_as_bucket_view = ddp_gradient_as_bucket_view;
     sp.ddp_no_sync = ddp_no_sync;
     sp.fp32_outputs = fp32_outputs;
+    sp.fsdp_no_sync = fsdp_no_sync;
     sp.fsdp_replicate = parse_count(fsdp_replicate, "fsdp_replicate");
     sp.fsdp_param_dtype = fsdp_param_dtype;
     sp.fsdp_reduce_dtype = fsdp_reduce_dtype;
@@ -407,6 +414,7 @@ std::string compare(const std::string& path, bool as_json) {
   sp.ddp_gradient_as_bucket_view = flag("ddp_gradient_as_bucket_view", false);
   sp.ddp_no_sync = flag("ddp_no_sync", false);
   sp.fp32_outputs = flag("fp32_outputs", false);
+  sp.fsdp_no_sync = flag("fsdp_no_sync", false);
   sp.fsdp_replicate = count("fsdp_replicate", sp.fsdp_replicate);
   sp.fsdp_param_dtype = text("fsdp_param_dtype", sp.fsdp_param_dtype.c_str());
   sp.fsdp_reduce_dtype = text("fsdp_reduce_dtype", sp.fsdp_reduce_dtype.c_str());

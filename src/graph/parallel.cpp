@@ -257,6 +257,7 @@ DataParallel::DataParallel(Tape& tape, const Recipe& recipe, bool cuda, std::uin
   // over the dp group, which is what wrap() does with the local model the step builder passes.
   reshard_after_forward_ = f.reshard_after_forward;
   pp_no_sync_ = recipe.pp > 1;  // See Note [Pipeline with FSDP2] in pipeline.cpp
+  fsdp_no_sync_ = f.no_sync;    // See Note [FSDP2 no_sync]
   cast_params_ = f.param_dtype != FsdpDtype::kNone;
   // init_dtype_attrs clamps a reduce_dtype equal to param_dtype to None.
   if (f.reduce_dtype != FsdpDtype::kNone && f.reduce_dtype != f.param_dtype) {
@@ -459,6 +460,8 @@ void DataParallel::layer_change(std::int32_t from, std::int32_t to) {
     Unit& u = units_[static_cast<std::size_t>(from)];
     if (pp_no_sync_) {
       pp_post_backward(u);
+    } else if (!fsdp_sync_) {
+      no_sync_post_backward(u);
     } else {
       reduce(u);
     }
@@ -492,8 +495,9 @@ void DataParallel::param_ready(std::uint32_t slot) {
 }
 
 // Note [DDP no_sync]
-// Accelerate's accumulate() (Hugging Face's Trainer steps through it) runs the forward and the
-// backward of every micro-batch but the step's last inside DistributedDataParallel.no_sync(), which
+// Accelerate's accumulate() and Hugging Face's Trainer (its training loop calls accelerator.no_sync
+// itself, trainer.py) run the forward and the backward of every micro-batch but the step's last
+// inside DistributedDataParallel.no_sync(), which
 // clears require_backward_grad_sync (torch 2.13, torch/nn/parallel/distributed.py; measured on gloo
 // ranks: data/ground_truth/parallel/cpu-ddp-*-nosync-*). In those micro-batches:
 //  * _pre_forward neither prepares the Reducer nor, once the buckets are rebuilt, rebuilds them;
@@ -549,6 +553,15 @@ void DataParallel::final_callback() {
     // the callback (the root's, all_states' first) reduce nothing, and nothing is finalized (See
     // Note [Pipeline with FSDP2]).
     for_all_states([this](Unit& u) { pp_post_backward(u); });
+    return;
+  }
+  if (!fsdp_sync_) {
+    // is_last_backward stays True under set_requires_gradient_sync(False): the post-backwards no
+    // hook ran reduce nothing, then finalize_backward (See Note [FSDP2 no_sync]).
+    for_all_states([this](Unit& u) {
+      if (!u.posted) no_sync_post_backward(u);
+    });
+    drop_reduce_states();
     return;
   }
   // _root_post_backward_final_callback, queued by the root's pre-backward: it runs inside the
@@ -819,6 +832,30 @@ void DataParallel::reshard(Unit& u) {
 // A unit's post-backward with reduce_grads off, in a pipeline's schedule (See Note [Pipeline with
 // FSDP2]): no reshard, no reduction; with a reduce_dtype the unsharded .grads are accumulated in it.
 void DataParallel::pp_post_backward(Unit& u) {
+  accumulate_unsharded_grads(u);
+  to_accumulated_grads(u);
+}
+
+// Note [FSDP2 no_sync]
+// Accelerate's no_sync on an FSDP2 model (run by its accumulate() and by Hugging Face's Trainer on
+// every micro-batch but the step's last) is set_requires_gradient_sync(False): reduce_grads off on every
+// parameter group, reshard_after_backward and is_last_backward as they were (torch 2.13,
+// torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py post_backward). A unit's post-backward
+// then accumulates into a reduce-dtype .grad if it keeps one, reshards the unit's parameters and
+// makes a .grad still there a reduce-dtype copy, and returns before the reduce-scatter: each rank
+// keeps every parameter's unsharded gradient (the whole model's, in the compute dtype) until the
+// last micro-batch reduce-scatters what they accumulated. The root's final callback runs the
+// post-backwards no hook ran, the same way, and finalizes. Measured on gloo ranks:
+// data/ground_truth/parallel/cpu-fsdp-*-nosync-*.
+void DataParallel::no_sync_post_backward(Unit& u) {
+  if (u.params.empty()) return;
+  u.posted = true;
+  accumulate_unsharded_grads(u);
+  reshard(u);
+  to_accumulated_grads(u);
+}
+
+void DataParallel::accumulate_unsharded_grads(Unit& u) {
   if (!reduce_dtype_ || *reduce_dtype_ == u.dtype) return;
   // accumulate_unsharded_grad_if_needed: the new .grad added into the accumulated one in place.
   for (std::uint32_t pi : u.params) {
@@ -828,6 +865,10 @@ void DataParallel::pp_post_backward(Unit& u) {
     t_.release(t_.param_grad(slot));
     t_.set_param_grad(slot, kNone);
   }
+}
+
+void DataParallel::to_accumulated_grads(Unit& u) {
+  if (!reduce_dtype_ || *reduce_dtype_ == u.dtype) return;
   // to_accumulated_grad_if_needed: a .grad still there becomes a reduce-dtype copy.
   for (std::uint32_t pi : u.params) {
     const std::uint32_t slot = params_[pi].slot;
@@ -844,6 +885,10 @@ void DataParallel::pp_post_backward(Unit& u) {
 void DataParallel::reduce(Unit& u) {
   if (u.params.empty()) return;  // a middle pipeline stage's root: no parameter group
   u.posted = true;
+  // post_backward's accumulate_unsharded_grad_if_needed comes first, reducing or not: after
+  // no_sync micro-batches the last one's .grads join the reduce-dtype accumulation (Note [FSDP2
+  // no_sync]); a pipeline's post-backwards did it already.
+  accumulate_unsharded_grads(u);
   std::vector<TensorId> grads;  // in fsdp_params order, the unit's parameter order
   for (std::uint32_t pi : u.params) {
     const std::uint32_t slot = params_[pi].slot;

@@ -143,11 +143,14 @@ class DataParallel {
   bool fsdp_offload() const { return fsdp_offload_; }  // FSDP2's CPUOffloadPolicy: the optimizer steps on the host
   const HostMemory& host_memory() const { return host_; }
   bool boundary_micro_batch_differs() const {
-    return (offload_ && (kind_ == Parallel::kZero2 || kind_ == Parallel::kZero3)) || ddp_no_sync_;
+    return (offload_ && (kind_ == Parallel::kZero2 || kind_ == Parallel::kZero3)) || ddp_no_sync_ || fsdp_no_sync_;
   }
-  // Micro-batch `micro` (1-based) of a step outside a pipeline begins: under DDP's no_sync
-  // accumulation only the step's last synchronizes (Note [DDP no_sync]).
-  void begin_micro_batch(std::uint64_t micro) { ddp_sync_ = !ddp_no_sync_ || micro >= grad_accum_; }
+  // Micro-batch `micro` (1-based) of a step outside a pipeline begins: under no_sync accumulation
+  // only the step's last synchronizes (Note [DDP no_sync], Note [FSDP2 no_sync]).
+  void begin_micro_batch(std::uint64_t micro) {
+    ddp_sync_ = !ddp_no_sync_ || micro >= grad_accum_;
+    fsdp_sync_ = !fsdp_no_sync_ || micro >= grad_accum_;
+  }
   void skip_to_last_micro();
   static std::uint64_t pinned_block_bytes(std::uint64_t bytes);
 
@@ -174,6 +177,9 @@ class DataParallel {
   void reshard(Unit& u);
   void reduce(Unit& u);
   void pp_post_backward(Unit& u);
+  void no_sync_post_backward(Unit& u);
+  void accumulate_unsharded_grads(Unit& u);
+  void to_accumulated_grads(Unit& u);
   void drop_reduce_states();
   // FSDP2's all_states order: the root's param group first, then the layers' in forward order.
   template <typename F>
@@ -201,6 +207,8 @@ class DataParallel {
   bool ddp_sync_ = true;             // this micro-batch synchronizes: require_backward_grad_sync
   std::vector<std::uint32_t> bucket_of_;  // parameter index -> its bucket in buckets_
   bool pp_no_sync_ = false;  // FSDP2 in a pipeline stage: no gradient sync, no reshard after backward
+  bool fsdp_no_sync_ = false;  // set_requires_gradient_sync(False) on every micro-batch but the last
+  bool fsdp_sync_ = true;      // this micro-batch reduce-scatters (reduce_grads)
   // FSDP2
   std::vector<Unit> units_;  // decoder layers, then the root
   std::uint64_t shard_world_ = 1;       // ranks of a shard group: gpus / fsdp_replicate (x cp)

@@ -216,7 +216,8 @@ Architecture parse_llama_like(const json& c, Family family) {
     a.head_dim = a.hidden_size / a.num_heads;
   }
   check_heads(a);
-  a.activation = parse_activation(c, "hidden_act", Activation::kSilu);
+  // Gemma-2 reads hidden_activation alone (below); its hidden_act is never used.
+  if (family != Family::kGemma2) a.activation = parse_activation(c, "hidden_act", Activation::kSilu);
   a.attn_dropout = get_probability_or(c, "attention_dropout", 0);
   // A rotary embedding over part of each head (Phi-4-mini's 0.75): transformers 5 reads the factor
   // from rope_parameters (the legacy rope_scaling becomes it), and Phi3Config also takes it at the
@@ -238,15 +239,20 @@ Architecture parse_llama_like(const json& c, Family family) {
       // dynamic_rope_update (transformers' modeling_rope_utils): "dynamic" recomputes inv_freq for
       // a sequence past max_position_embeddings, "longrope" switches to its long factors past
       // original_max_position_embeddings. Either replaces a buffer mid-forward, not modelled.
+      // rope_type wins over the legacy "type" (standardize_rope_params: setdefault).
       const json* type = nullptr;
-      for (const char* name : {"rope_type", "type"}) {
+      for (const char* name : {"type", "rope_type"}) {
         if (auto t = it->find(name); t != it->end() && t->is_string()) type = &*t;
       }
-      if (type != nullptr && (*type == "dynamic" || *type == "longrope")) {
-        a.rope_rescales_past = *type == "dynamic"
-                                   ? a.max_positions
-                                   : get_dim_or(c, "original_max_position_embeddings", a.max_positions,
-                                                std::uint64_t{1} << 32);
+      if (type != nullptr && *type == "dynamic") a.rope_rescales_past = a.max_positions;
+      if (type != nullptr && *type == "longrope") {
+        // Phi3Config always has a top-level original_max_position_embeddings (4096 by default),
+        // which wins; other configs name it in the rope dict first, then at the top level.
+        const std::uint64_t top = get_dim_or(c, "original_max_position_embeddings",
+                                             family == Family::kPhi3 ? 4096 : a.max_positions, std::uint64_t{1} << 32);
+        a.rope_rescales_past = family == Family::kPhi3
+                                   ? top
+                                   : get_dim_or(*it, "original_max_position_embeddings", top, std::uint64_t{1} << 32);
       }
     }
   }

@@ -399,7 +399,7 @@ class Planner {
     k += "/cp" + std::to_string(r.cp) + "/mask" + std::string(to_string(r.attention_mask));
     k += "/fsdp" + std::string(r.fsdp.reshard_after_forward ? "1" : "0") + std::to_string(r.fsdp.replicate) + "/" +
          std::string(to_string(r.fsdp.param_dtype)) + "/" + std::string(to_string(r.fsdp.reduce_dtype)) + "/" +
-         std::string(to_string(r.offload));
+         std::string(to_string(r.offload)) + (r.fsdp.no_sync ? "/nosync" : "");
     for (const std::string& t : r.lora.targets) k += "/" + t;
     if (r.quant.enabled()) {
       k += "/4bit/" + std::string(to_string(r.quant.quant_type)) + (r.quant.double_quant ? "/dq" : "") + "/" +
@@ -525,17 +525,20 @@ std::uint64_t rank_floor(const Model& m, const Recipe& r) {
 // find_unused_parameters, gradient_as_bucket_view and no_sync outside a plain DDP, Accelerate's fp32
 // outputs outside its native mixed precision (recipe validation refuses them there).
 void keep_own_wrapper_knobs(Recipe& r) {
+  // Accelerate's no_sync accumulation is the training loop's: it goes with whichever of DDP and
+  // FSDP2 the candidate runs (the Trainer calls it for both).
+  const bool no_sync = r.ddp_no_sync || r.fsdp.no_sync;
   if (r.parallel != Parallel::kFsdp) r.fsdp = Fsdp{};
   if (r.parallel != Parallel::kDdp || r.pp > 1) {
     r.ddp_find_unused_parameters = false;
     r.ddp_gradient_as_bucket_view = false;
     r.ddp_no_sync = false;
   }
+  const bool plain = r.pp == 1 && r.cp == 1;  // no_sync is modelled outside pipelines and rings
+  r.ddp_no_sync = no_sync && plain && r.parallel == Parallel::kDdp;
+  r.fsdp.no_sync = no_sync && plain && r.tp == 1 && r.parallel == Parallel::kFsdp;
   // Accelerate's fp32 outputs go with its native mixed precision, on one GPU, DDP or FSDP2.
-  if ((r.precision != Precision::kBf16Mixed && r.precision != Precision::kFp16Mixed) || is_zero(r.parallel) ||
-      r.tp > 1 || r.pp > 1 || r.cp > 1) {
-    r.fp32_outputs = false;
-  }
+  r.fp32_outputs = r.fp32_outputs && fp32_outputs_modelled(r);
   // A half load dtype goes with its autocast; any other precision loads the model in its own dtype
   // (bf16-true: bf16 again, without the autocast).
   if (r.load_dtype != LoadDtype::kAuto && r.precision != autocast_of(r.load_dtype)) r.load_dtype = LoadDtype::kAuto;
@@ -1386,8 +1389,10 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
   for (Attention a : {Attention::kSdpa, Attention::kEager}) {
     Recipe r = base;
     r.attention = a;
-    // Gemma-2 runs eager either way (Note [Gemma-2's attention] in estimate.cpp): no change.
-    if (detail::resolved_for_model(model, r).attention != detail::resolved_for_model(model, base).attention) {
+    // Gemma-2 runs eager either way (Note [Gemma-2's attention] in estimate.cpp): no change; nor
+    // where the model refuses the backend (GPT-2's reorder_and_upcast_attn in half precision).
+    if (accepted([&] { (void)detail::resolved_for_model(model, r); }) &&
+        detail::resolved_for_model(model, r).attention != detail::resolved_for_model(model, base).attention) {
       change("attention " + std::string(to_string(a)), r);
     }
   }
@@ -1433,6 +1438,13 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
     Recipe r = base;
     r.ddp_no_sync = !base.ddp_no_sync;
     change(std::string("ddp_no_sync ") + (r.ddp_no_sync ? "true" : "false"), r);
+  }
+  if (base.parallel == Parallel::kFsdp && base.pp == 1 && base.tp == 1 && base.cp == 1 && base.grad_accum > 1) {
+    // One reduce-scatter per step, for unsharded gradients held through the accumulation (Note
+    // [FSDP2 no_sync] in graph/parallel.cpp).
+    Recipe r = base;
+    r.fsdp.no_sync = !base.fsdp.no_sync;
+    change(std::string("fsdp_no_sync ") + (r.fsdp.no_sync ? "true" : "false"), r);
   }
   if (base.gpus > 1) {
     for (Parallel dp : {Parallel::kDdp, Parallel::kFsdp, Parallel::kZero1, Parallel::kZero2, Parallel::kZero3}) {

@@ -20,7 +20,7 @@
 //    (each GPU sends and receives (N-1)/N of the buffer per all-gather or reduce-scatter, twice
 //    that per all-reduce), not overlapped with compute: DDP all-reduces every gradient in every
 //    micro-batch's backward, or only in the step's last under no_sync (Note [DDP no_sync] in
-//    graph/parallel.cpp); FSDP2 all-gathers the
+//    graph/parallel.cpp; FSDP2's reduce-scatter likewise, Note [FSDP2 no_sync]); FSDP2 all-gathers the
 //    parameters in the forward and again in the backward and reduce-scatters the gradients, per
 //    micro-batch (the decoder layers' units twice, the root once: it is not resharded after forward;
 //    under LoRA every gather carries the frozen base and the reduce-scatter the adapters). DeepSpeed
@@ -316,10 +316,14 @@ StepTime step_time(const Model& full, const Recipe& spelled) {
           }
           break;
         }
-        moved = shard_ring * ((f.reshard_after_forward ? 2 : 1) * layers_gathered + root_gathered + reduced) * micro;
+        // Under no_sync the gradients are reduced once, in the step's last micro-batch (Note [FSDP2
+        // no_sync] in graph/parallel.cpp); the gathers stay per micro-batch.
+        const double reductions = f.no_sync ? 1 : micro;
+        moved = shard_ring * (((f.reshard_after_forward ? 2 : 1) * layers_gathered + root_gathered) * micro +
+                              reduced * reductions);
         if (f.replicate > 1) {
           const double rep = static_cast<double>(f.replicate);
-          moved += 2 * (rep - 1) / rep * reduced / shard * micro;
+          moved += 2 * (rep - 1) / rep * reduced / shard * reductions;
         }
         break;
       }

@@ -145,7 +145,7 @@ void validate_tensor_x_data_parallel(const Recipe& r) {
                        "none for tensor parallelism alone");
   }
   if (!r.fsdp.is_default()) {
-    throw Error(what + ": fsdp_reshard_after_forward / fsdp_replicate / fsdp_param_dtype / fsdp_reduce_dtype are "
+    throw Error(what + ": fsdp_reshard_after_forward / fsdp_replicate / fsdp_param_dtype / fsdp_reduce_dtype / fsdp_no_sync are "
                        "not modelled with tensor parallelism (HSDP + TP and mixed-precision policies over DTensor "
                        "parameters are unmeasured); keep FSDP2's defaults");
   }
@@ -301,7 +301,7 @@ void validate_parallel(const Recipe& r) {
                 "module returns, which the fused loss changes); use standard");
   }
   if (r.parallel != Parallel::kFsdp && !r.fsdp.is_default()) {
-    throw Error("fsdp_reshard_after_forward / fsdp_replicate / fsdp_param_dtype / fsdp_reduce_dtype: FSDP2 knobs, "
+    throw Error("fsdp_reshard_after_forward / fsdp_replicate / fsdp_param_dtype / fsdp_reduce_dtype / fsdp_no_sync: FSDP2 knobs, "
                 "they need parallel fsdp");
   }
   if (r.parallel == Parallel::kNone) {
@@ -436,6 +436,13 @@ void validate_offload(const Recipe& r) {
 
 }  // namespace
 
+// Accelerate wraps the forward in convert_outputs_to_fp32 when its native AMP is on (fp16 / bf16
+// mixed precision, not under DeepSpeed); modelled for a training step on one GPU, DDP or FSDP2.
+bool fp32_outputs_modelled(const Recipe& r) {
+  return (r.precision == Precision::kBf16Mixed || r.precision == Precision::kFp16Mixed) && !is_zero(r.parallel) &&
+         r.tp == 1 && r.pp == 1 && r.cp == 1;
+}
+
 Precision autocast_of(LoadDtype d) { return d == LoadDtype::kBf16 ? Precision::kBf16Mixed : Precision::kFp16Mixed; }
 
 std::string_view to_string(Precision x) { return name_of(kPrecisions, x); }
@@ -522,6 +529,7 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   r.pp_schedule = parse_pipeline_schedule(in.pp_schedule);
   r.pp_stages_per_rank = in.pp_stages_per_rank;
   r.fsdp.reshard_after_forward = in.fsdp_reshard_after_forward;
+  r.fsdp.no_sync = in.fsdp_no_sync;
   r.ddp_find_unused_parameters = in.ddp_find_unused_parameters;
   r.ddp_gradient_as_bucket_view = in.ddp_gradient_as_bucket_view;
   r.ddp_no_sync = in.ddp_no_sync;
@@ -592,18 +600,17 @@ void Recipe::validate() const {
       throw Error("attention_mask: padded needs seq >= 2 (a row's first token is never padding)");
     }
   }
-  if (fp32_outputs) {
-    // Accelerate wraps the forward this way when its native AMP is on (fp16 / bf16 mixed precision,
-    // not under DeepSpeed), for a training step of the model on one device group.
+  if (fsdp.no_sync && (pp > 1 || cp > 1)) {
+    throw Error("fsdp_no_sync: Accelerate's no_sync accumulation is modelled for plain FSDP2 and HSDP (a pipeline "
+                "runs its own, context parallelism is not Accelerate's)");
+  }
+  if (fp32_outputs && !fp32_outputs_modelled(*this)) {
     if (precision != Precision::kBf16Mixed && precision != Precision::kFp16Mixed) {
       throw Error("fp32_outputs: Accelerate converts the outputs under its native mixed precision only; it needs "
                   "precision bf16-mixed or fp16-mixed, got " + std::string(to_string(precision)));
     }
-    if (mode == Mode::kInference) throw Error("fp32_outputs: a training knob (Accelerate's prepared model)");
-    if (is_zero(parallel) || tp > 1 || pp > 1 || cp > 1) {
-      throw Error("fp32_outputs: Accelerate's convert_outputs_to_fp32 is modelled on one GPU, under DDP and under "
-                  "FSDP2 (DeepSpeed runs without it; tensor, pipeline and context parallelism are not Accelerate's)");
-    }
+    throw Error("fp32_outputs: Accelerate's convert_outputs_to_fp32 is modelled on one GPU, under DDP and under "
+                "FSDP2 (DeepSpeed runs without it; with tensor, pipeline or context parallelism it is not modelled)");
   }
   if (checkpointing == Checkpointing::kFullReentrant) {
     // The wrappers' hooks fire inside the inner backward as they do in the outer one (DDP's as

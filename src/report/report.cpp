@@ -79,6 +79,7 @@ ordered_json recipe_object(const Recipe& r) {
     j["fsdp_replicate"] = r.fsdp.replicate;
     j["fsdp_param_dtype"] = to_string(r.fsdp.param_dtype);
     j["fsdp_reduce_dtype"] = to_string(r.fsdp.reduce_dtype);
+    if (r.fsdp.no_sync) j["fsdp_no_sync"] = true;  // only when on, as trainmem-measure writes it
   }
   if (r.ddp_find_unused_parameters) j["ddp_find_unused_parameters"] = true;  // only when on (as trainmem-measure)
   if (r.ddp_gradient_as_bucket_view) j["ddp_gradient_as_bucket_view"] = true;
@@ -517,6 +518,7 @@ std::string to_text(const Estimate& e) {
               static_cast<unsigned long long>(r.gpus / r.fsdp.replicate));
     }
     if (!r.fsdp.reshard_after_forward) wrapper += ", reshard_after_forward=False";
+    if (r.fsdp.no_sync) wrapper += ", no gradient sync until the last micro-batch";
     if (r.fsdp.param_dtype != FsdpDtype::kNone) {
       wrapper += ", MixedPrecisionPolicy(param_dtype=" + std::string(to_string(r.fsdp.param_dtype)) +
                  (r.fsdp.reduce_dtype != FsdpDtype::kNone ? ", reduce_dtype=" + std::string(to_string(r.fsdp.reduce_dtype)) : "") +

@@ -453,6 +453,31 @@ TEST(ModelConfig, UpcastAttentionAndRescaledRopeAreRefusedWhereTheyAct) {
   EXPECT_NO_THROW(estimate(dynamic, d));
   d.seq = 65;
   EXPECT_NE(error_of([&] { estimate(dynamic, d); }).find("replaces inv_freq past 64 positions"), std::string::npos);
+  // rope_type wins over the legacy type; longrope switches past original_max_position_embeddings,
+  // the rope dict's first, and Phi3Config's own top-level one (4096 by default) always.
+  j["rope_scaling"] = {{"rope_type", "default"}, {"type", "dynamic"}};
+  EXPECT_EQ(from(j).arch.rope_rescales_past, 0u);
+  j["max_position_embeddings"] = 131072;
+  j["rope_scaling"] = {{"rope_type", "longrope"}, {"original_max_position_embeddings", 8192}};
+  EXPECT_EQ(from(j).arch.rope_rescales_past, 8192u);
+  j["model_type"] = "phi3";
+  EXPECT_EQ(from(j).arch.rope_rescales_past, 4096u);
+  j["original_max_position_embeddings"] = 2048;
+  EXPECT_EQ(from(j).arch.rope_rescales_past, 2048u);
+  // fit leaves out a backend the model refuses instead of failing.
+  FitRequest q;
+  q.base.seq = 512;
+  q.base.batch = 2;
+  q.global_batch = 2;
+  EXPECT_NO_THROW(fit(gpt2, q));
+}
+
+// Gemma-2 reads hidden_activation; a hidden_act beside it is never used, so never refused.
+TEST(ModelConfig, GemmaTwoIgnoresHiddenAct) {
+  json j = llama_config();
+  j["model_type"] = "gemma2";
+  j["hidden_act"] = "gelu_fast";
+  EXPECT_EQ(from(j).arch.activation, Activation::kGelu);
 }
 
 TEST(ModelConfig, NegativeSoftcap) {

@@ -177,6 +177,25 @@ TEST(DdpNoSync, AccumulatesBesideTheBucketsAndRebuildsInTheSecondStep) {
   EXPECT_EQ(rebuild_at(r), (std::pair{1u, 2u}));
 }
 
+// Note [FSDP2 no_sync]: with reduce_grads off a unit's post-backward reshards and keeps its
+// unsharded gradients, so through the accumulation every rank holds the whole model's gradients
+// (measured: cpu-fsdp-llamaw512l4-fp32-adamw-nosync-ga3-b1s64, 67,028,992 B at the peak, the
+// model's fp32 gradients), where reducing every micro-batch holds a shard and one unit's.
+TEST(FsdpNoSync, HoldsUnshardedGradientsUntilTheLastMicroBatch) {
+  Recipe r = dp_recipe(Parallel::kFsdp, 2, Precision::kFp32);
+  r.grad_accum = 3;
+  r.validate();
+  const Estimate sync = estimate(testing::llama_w512(), r);
+  r.fsdp.no_sync = true;
+  r.validate();
+  const Estimate no_sync = estimate(testing::llama_w512(), r);
+  const std::uint64_t grads = testing::llama_w512().parameter_count * 4;
+  EXPECT_GE(no_sync.breakdown_at_peak[kGrads], grads);
+  EXPECT_LT(sync.breakdown_at_peak[kGrads], grads);
+  r.pp = 2;
+  EXPECT_NE(testing::error_of([&] { r.validate(); }).find("fsdp_no_sync"), std::string::npos);
+}
+
 TEST(DdpNoSync, IsADdpKnob) {
   Recipe r = dp_recipe(Parallel::kFsdp, 2, Precision::kFp32);
   r.ddp_no_sync = true;

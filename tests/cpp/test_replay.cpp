@@ -101,6 +101,13 @@ TEST(Replay, SkippingRepeatedMicroBatchesKeepsADataParallelBoundary) {
     r.ddp_no_sync = true;
     r.ddp_gradient_as_bucket_view = true;
   });
+  add("fsdp no_sync", [](Recipe& r) {
+    r.parallel = Parallel::kFsdp;
+    r.precision = Precision::kFp32;
+    r.fsdp.param_dtype = FsdpDtype::kBf16;
+    r.fsdp.reduce_dtype = FsdpDtype::kFp32;
+    r.fsdp.no_sync = true;
+  });
   for (Parallel p : {Parallel::kZero1, Parallel::kZero2, Parallel::kZero3}) {
     add(std::string(to_string(p)), [p](Recipe& r) { r.parallel = p; });
     add(std::string(to_string(p)) + " offload", [p](Recipe& r) {

@@ -386,7 +386,7 @@ def test_pipeline_with_ddp_replays_each_stage_once(run):
     (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--precision", "fp32", "--tp", "2", "--gpus",
       "4", "--parallel", "fsdp", "--fsdp-replicate", "2"],
      "tp: 2 with gpus 4 / parallel fsdp: fsdp_reshard_after_forward / fsdp_replicate / fsdp_param_dtype / "
-     "fsdp_reduce_dtype are not modelled with tensor parallelism"),
+     "fsdp_reduce_dtype / fsdp_no_sync are not modelled with tensor parallelism"),
     (["estimate", "mistral-7b-v0.3", "--pp", "2", "--grad-accum", "2", "--tp", "2", "--precision", "fp16-mixed"],
      "precision fp16-mixed is not modelled"),
     (["estimate", "mistral-7b-v0.3", "--pp-schedule", "gpipe"], "pp_schedule: a pipeline knob"),

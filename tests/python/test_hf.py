@@ -153,7 +153,7 @@ def test_the_trainers_checkpointing_and_peft_s():
 def test_accumulation_under_the_trainers_no_sync():
     """The Trainer runs every micro-batch but the last under accelerator.no_sync unless
     sync_each_batch: DDP's no_sync (ddp_no_sync, measured: parallel/cpu-ddp-*-nosync-*); FSDP2's
-    set_requires_gradient_sync(False) keeps unsharded gradients, which is refused."""
+    set_requires_gradient_sync(False) (fsdp_no_sync, measured: parallel/cpu-fsdp-*-nosync-*)."""
     ckpt = dict(gradient_checkpointing=True)
     knobs = trainmem.hf.recipe_from_training_arguments(args(gradient_accumulation_steps=4, **ckpt), gpus=2, seq=64)
     assert knobs["ddp_no_sync"] is True
@@ -163,10 +163,11 @@ def test_accumulation_under_the_trainers_no_sync():
     each = args(gradient_accumulation_steps=4, accelerator_config={"gradient_accumulation_kwargs": {"sync_each_batch": True}})
     assert "ddp_no_sync" not in trainmem.hf.recipe_from_training_arguments(each, gpus=2)
     fsdp = args(gradient_accumulation_steps=4, fsdp="full_shard auto_wrap", fsdp_config={"fsdp_version": 2}).to_dict()
-    with pytest.raises(ValueError, match="sync_each_batch=True"):
-        trainmem.hf.recipe_from_training_arguments(fsdp, gpus=2)
+    knobs = trainmem.hf.recipe_from_training_arguments(fsdp, gpus=2, seq=64)
+    assert knobs["fsdp_no_sync"] is True
+    assert trainmem.estimate("qwen3-0.6b", **knobs).recipe["fsdp_no_sync"] is True
     fsdp["accelerator_config"] = {"gradient_accumulation_kwargs": {"sync_each_batch": True}}
-    assert trainmem.hf.recipe_from_training_arguments(fsdp, gpus=2)["parallel"] == "fsdp"
+    assert "fsdp_no_sync" not in trainmem.hf.recipe_from_training_arguments(fsdp, gpus=2)
     # accelerator_config's num_steps is the Trainer's accumulation; split batches are refused.
     steps = args(accelerator_config={"gradient_accumulation_kwargs": {"num_steps": 3}})
     assert trainmem.hf.recipe_from_training_arguments(steps)["grad_accum"] == 3
@@ -180,6 +181,8 @@ def test_the_precision_accelerate_reads_from_its_environment(monkeypatch):
     a = args()
     assert a.mixed_precision == "bf16"
     assert trainmem.hf.recipe_from_training_arguments(a)["precision"] == "bf16-mixed"
+    # to_dict() drops mixed_precision: the variable is read for a dict
+    assert trainmem.hf.recipe_from_training_arguments(a.to_dict())["precision"] == "bf16-mixed"
 
 
 def test_ddp_find_unused_parameters_as_the_trainer_sets_it():

@@ -145,12 +145,16 @@ class Recipe:
     # Reducer's hook (docs/parallelism.md "gradient_as_bucket_view").
     ddp_gradient_as_bucket_view: bool = False
     # Every micro-batch but the step's last runs its forward and backward under DDP's no_sync(), as
-    # Accelerate's accumulate() (and so Hugging Face's Trainer) does (docs/parallelism.md "no_sync").
+    # Accelerate's accumulate() and Hugging Face's Trainer (accelerator.no_sync) do (docs/parallelism.md
+    # "no_sync accumulation").
     ddp_no_sync: bool = False
     # Accelerate's prepare() under its native mixed precision (Hugging Face's Trainer): the model's
     # forward wrapped in convert_outputs_to_fp32, which copies the half logits to fp32 (training.py
     # convert_outputs_as_accelerate).
     fp32_outputs: bool = False
+    # FSDP2's set_requires_gradient_sync(False) on every micro-batch but the step's last, as
+    # Accelerate's no_sync (Hugging Face's Trainer) accumulates (docs/parallelism.md "FSDP2 no_sync").
+    fsdp_no_sync: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -271,6 +275,11 @@ class Recipe:
                 raise RecipeError(f"{knob} is a DistributedDataParallel knob: it needs parallel ddp (without a pipeline)")
         if self.ddp_gradient_as_bucket_view and self.ddp_find_unused_parameters:
             raise RecipeError("ddp_gradient_as_bucket_view with ddp_find_unused_parameters is not measured: use one")
+        if not isinstance(self.fsdp_no_sync, bool):
+            raise RecipeError(f"fsdp_no_sync must be true or false, got {self.fsdp_no_sync!r}")
+        if self.fsdp_no_sync and (self.parallel != "fsdp" or self.is_pp or self.is_tp):
+            raise RecipeError("fsdp_no_sync is FSDP2's no_sync accumulation: it needs parallel fsdp (without a pipeline "
+                              "or tensor parallelism)")
         if not isinstance(self.fp32_outputs, bool):
             raise RecipeError(f"fp32_outputs must be true or false, got {self.fp32_outputs!r}")
         if self.fp32_outputs:  # as the engine takes it: Accelerate's native mixed precision, training
@@ -622,7 +631,8 @@ class Recipe:
         if self.parallel != "fsdp":  # FSDP2's knobs with parallel fsdp only, as the engine writes them
             for key in ("fsdp_reshard_after_forward", "fsdp_replicate", "fsdp_param_dtype", "fsdp_reduce_dtype"):
                 del out[key]
-        for knob in (*_DDP_KNOBS, "fp32_outputs"):  # and DDP's, and the output conversion, only when on
+        for knob in (*_DDP_KNOBS, "fp32_outputs", "fsdp_no_sync"):  # and DDP's, the output conversion and
+            # FSDP2's no_sync, only when on
             if not getattr(self, knob):
                 del out[knob]
         return out

@@ -155,6 +155,21 @@ def training_batch(recipe: Recipe, vocab: int, device) -> tuple:
     return input_ids, labels, mask
 
 
+@contextlib.contextmanager
+def _accelerate_no_sync(model: torch.nn.Module):
+    """Accelerate's Accelerator.no_sync (accelerate 1.16): DDP's no_sync(), or on an FSDP2 module
+    set_requires_gradient_sync(False) until the block ends."""
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        with model.no_sync():
+            yield
+
+
 def convert_outputs_as_accelerate(model: torch.nn.Module) -> None:
     """Wrap `model.forward` in Accelerate's own convert_outputs_to_fp32, as Accelerate's
     prepare_model does under its native mixed precision (accelerate 1.16, accelerator.py): the
@@ -311,10 +326,10 @@ def run_steps(model: torch.nn.Module, recipe: Recipe, tracker: MemoryTracker, *,
             if on_step_start is not None:
                 on_step_start(step)
             for micro in range(1, recipe.grad_accum + 1):
-                # Accelerate's accumulate(): DDP's no_sync() around the forward and the backward of
-                # every micro-batch but the last.
-                sync = recipe.grad_accum == micro or not recipe.ddp_no_sync
-                with contextlib.nullcontext() if sync else model.no_sync():
+                # As Accelerate's accumulate() and Hugging Face's Trainer: accelerator.no_sync around
+                # the forward and the backward of every micro-batch but the last.
+                sync = recipe.grad_accum == micro or not (recipe.ddp_no_sync or recipe.fsdp_no_sync)
+                with contextlib.nullcontext() if sync else _accelerate_no_sync(model):
                     tracker.set_phase("forward", step, micro)
                     with autocast():
                         loss = forward_and_loss(batch)
