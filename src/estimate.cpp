@@ -193,6 +193,17 @@ Recipe detail::resolved_for_model(const Model& model, Recipe recipe) {
                 std::to_string(model.arch.rope_rescales_past) + " positions, which is not modelled; use seq " +
                 std::to_string(model.arch.rope_rescales_past) + " or less");
   }
+  if (recipe.mode == Mode::kInference && !model.arch.generation_unmodelled.empty()) {
+    throw Error("config.json: " + model.arch.generation_unmodelled +
+                " changes what generate() does (its generation settings or its cache), which is not modelled; "
+                "remove it to estimate plain generation");
+  }
+  if (recipe.mode == Mode::kInference && model.arch.generation_refills_past > 0 &&
+      recipe.seq + positions_after_prompt(recipe) > model.arch.generation_refills_past) {
+    throw Error("seq + new_tokens: Phi-3's generate() runs the whole sequence again once it passes "
+                "original_max_position_embeddings " + std::to_string(model.arch.generation_refills_past) +
+                ", which is not modelled");
+  }
   // GPT-2's learned position embedding (wpe) has n_positions rows, and a position past them is an
   // IndexError in transformers (generate() does not check it either); rotary models have no table.
   // A generation feeds the prompt, then each new token but the last.

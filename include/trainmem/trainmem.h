@@ -83,6 +83,12 @@ struct Architecture {
   // A rotary embedding whose inv_freq changes with the sequence (rope_type dynamic or longrope):
   // the positions past which it does (0: never).
   std::uint64_t rope_rescales_past = 0;
+  // Phi-3's generate() drops its cache and runs the whole sequence again once it grows past
+  // original_max_position_embeddings (prepare_inputs_for_generation): the positions (0: never).
+  std::uint64_t generation_refills_past = 0;
+  // A config.json key that changes what generate() does and is not modelled (copied into the
+  // generation config, or read by the cache), refused in inference; empty: none.
+  std::string generation_unmodelled;
   NormKind norm = NormKind::kRmsNorm;
   Activation activation = Activation::kSilu;
   double attn_logit_softcap = 0;   // Gemma-2: tanh soft-capping of scores (eager only)

@@ -187,10 +187,43 @@ Architecture parse_gpt2(const json& c) {
   a.norm = NormKind::kLayerNorm;
   a.activation = parse_activation(c, "activation_function", Activation::kGeluNew);
   a.reorder_and_upcast_attn = get_bool_or(c, "reorder_and_upcast_attn", false);
+  if (get_bool_or(c, "add_cross_attention", false)) {
+    throw Error("config.json: add_cross_attention (GPT-2 with cross-attention layers, an encoder-decoder's "
+                "decoder) is not modelled");
+  }
   a.attn_dropout = get_probability_or(c, "attn_pdrop", 0.1);
   a.resid_dropout = get_probability_or(c, "resid_pdrop", 0.1);
   a.embd_dropout = get_probability_or(c, "embd_pdrop", 0.1);
   return a;
+}
+
+// Note [Config class defaults]
+// A key a config.json leaves out takes its config class's default (transformers 5.25,
+// models/*/configuration_*.py), which differs by family: num_key_value_heads is 8 for Mistral, 32
+// for Qwen2 and Qwen3, 4 for Gemma-2 and the attention heads for Llama and Phi-3; head_dim is 128
+// for Qwen3 and 256 for Gemma-2, hidden_size / heads elsewhere; Gemma-2's soft-caps are 50 and
+// 30; max_position_embeddings 2048, 131072, 32768, 8192 and 4096. A key set to null is None,
+// which the classes turn into the derived value (heads, hidden_size / heads) or "off". (A probe
+// found the parser's one set of fallbacks 13-25 % off on configs that leave these out.)
+std::uint64_t class_default_kv_heads(Family f, std::uint64_t heads) {
+  switch (f) {
+    case Family::kMistral: return 8;
+    case Family::kQwen2:
+    case Family::kQwen3: return 32;
+    case Family::kGemma2: return 4;
+    default: return heads;
+  }
+}
+
+std::uint64_t class_default_positions(Family f) {
+  switch (f) {
+    case Family::kMistral: return 131072;
+    case Family::kQwen2:
+    case Family::kQwen3: return 32768;
+    case Family::kGemma2: return 8192;
+    case Family::kPhi3: return 4096;
+    default: return 2048;
+  }
 }
 
 Architecture parse_llama_like(const json& c, Family family) {
@@ -200,12 +233,17 @@ Architecture parse_llama_like(const json& c, Family family) {
   a.intermediate_size = get_dim(c, "intermediate_size");
   a.num_layers = get_dim(c, "num_hidden_layers", kMaxLayers);
   a.num_heads = get_dim(c, "num_attention_heads");
-  a.num_kv_heads = get_dim_or(c, "num_key_value_heads", a.num_heads);
+  a.num_kv_heads = c.contains("num_key_value_heads") ? get_dim_or(c, "num_key_value_heads", a.num_heads)
+                                                     : class_default_kv_heads(family, a.num_heads);
   a.vocab_size = get_dim(c, "vocab_size");
-  a.max_positions = get_dim_or(c, "max_position_embeddings", 2048, std::uint64_t{1} << 32);
+  a.max_positions = get_dim_or(c, "max_position_embeddings", class_default_positions(family), std::uint64_t{1} << 32);
   // Llama-family configs may set head_dim; then q/k/v widths are heads * head_dim and need not
-  // equal hidden_size. Without it the width must split evenly.
-  if (c.contains("head_dim") && !c["head_dim"].is_null()) {
+  // equal hidden_size. Without it the width must split evenly (Qwen3's and Gemma-2's classes have
+  // a head_dim of their own).
+  const bool class_head_dim = !c.contains("head_dim") && (family == Family::kQwen3 || family == Family::kGemma2);
+  if (class_head_dim) {
+    a.head_dim = family == Family::kQwen3 ? 128 : 256;
+  } else if (c.contains("head_dim") && !c["head_dim"].is_null()) {
     a.head_dim = get_dim(c, "head_dim");
   } else {
     if (a.hidden_size % a.num_heads != 0) {
@@ -216,6 +254,23 @@ Architecture parse_llama_like(const json& c, Family family) {
     a.head_dim = a.hidden_size / a.num_heads;
   }
   check_heads(a);
+  if (a.head_dim > 4 && a.head_dim % 2 != 0) {  // transformers' validate_rope (modeling_rope_utils.py)
+    throw Error("config.json: head_dim " + std::to_string(a.head_dim) +
+                " is odd; a rotary embedding needs an even one (transformers refuses it)");
+  }
+  // nn.Embedding(vocab, hidden, padding_idx=pad_token_id): Phi3Config's default is 32000, Gemma-2's 0.
+  {
+    const std::int64_t default_pad = family == Family::kPhi3 ? 32000 : family == Family::kGemma2 ? 0 : -1;
+    auto it = c.find("pad_token_id");
+    const std::int64_t pad = it == c.end()               ? default_pad
+                             : it->is_number_integer() ? it->get<std::int64_t>()
+                                                       : -1;
+    if (pad >= 0 && static_cast<std::uint64_t>(pad) >= a.vocab_size) {
+      throw Error("config.json: pad_token_id " + std::to_string(pad) + (it == c.end() ? " (the config class's default)" : "") +
+                  " is not below vocab_size " + std::to_string(a.vocab_size) +
+                  ": the embedding's padding_idx must be within it (transformers fails)");
+    }
+  }
   // Gemma-2 reads hidden_activation alone (below); its hidden_act is never used.
   if (family != Family::kGemma2) a.activation = parse_activation(c, "hidden_act", Activation::kSilu);
   a.attn_dropout = get_probability_or(c, "attention_dropout", 0);
@@ -244,8 +299,20 @@ Architecture parse_llama_like(const json& c, Family family) {
       for (const char* name : {"type", "rope_type"}) {
         if (auto t = it->find(name); t != it->end() && t->is_string()) type = &*t;
       }
-      if (type != nullptr && *type == "dynamic") a.rope_rescales_past = a.max_positions;
-      if (type != nullptr && *type == "longrope") {
+      std::string rope = type != nullptr ? type->get<std::string>() : "default";
+      // Phi3Config takes its old names for longrope and refuses the other kinds (validate_rope).
+      if (family == Family::kPhi3 && (rope == "su" || rope == "yarn")) rope = "longrope";
+      const bool known = family == Family::kPhi3
+                             ? (rope == "default" || rope == "longrope")
+                             : (rope == "default" || rope == "linear" || rope == "dynamic" || rope == "yarn" ||
+                                rope == "longrope" || rope == "llama3");
+      if (!known) {
+        throw Error(std::string("config.json: ") + key + " rope_type '" + rope + "' is not one transformers takes for " +
+                    (family == Family::kPhi3 ? "Phi-3 (default, longrope, su, yarn)"
+                                             : "this model (default, linear, dynamic, yarn, longrope, llama3)"));
+      }
+      if (rope == "dynamic") a.rope_rescales_past = a.max_positions;
+      if (rope == "longrope") {
         // Phi3Config always has a top-level original_max_position_embeddings (4096 by default),
         // which wins; other configs name it in the rope dict first, then at the top level.
         const std::uint64_t top = get_dim_or(c, "original_max_position_embeddings",
@@ -285,8 +352,9 @@ Architecture parse_llama_like(const json& c, Family family) {
       a.sandwich_norms = true;
       a.embedding_scale = true;
       a.activation = parse_activation(c, "hidden_activation", Activation::kGelu);
-      a.attn_logit_softcap = get_number_or(c, "attn_logit_softcapping", 0);
-      a.final_logit_softcap = get_number_or(c, "final_logit_softcapping", 0);
+      a.attn_logit_softcap = c.contains("attn_logit_softcapping") ? get_number_or(c, "attn_logit_softcapping", 0) : 50;
+      a.final_logit_softcap =
+          c.contains("final_logit_softcapping") ? get_number_or(c, "final_logit_softcapping", 0) : 30;
       a.tie_word_embeddings = get_bool_or(c, "tie_word_embeddings", true);
       break;
     }
@@ -390,6 +458,37 @@ Architecture parse_config(const json& c) {
   a.model_type = type;
   a.torch_dtype = parse_dtype(c);
   parse_generation_keys(c, a);
+  if (auto it = c.find("return_dict"); it != c.end() && it->is_boolean() && !it->get<bool>()) {
+    throw Error("config.json: return_dict false (the model returns tuples) is not modelled");
+  }
+  if (a.family == Family::kGemma2) {
+    if (auto it = c.find("sliding_window"); it != c.end() && it->is_null()) {
+      throw Error("config.json: Gemma-2 with sliding_window null fails in transformers (its sliding layers need one)");
+    }
+    if (auto it = c.find("final_logit_softcapping"); it != c.end() && it->is_number() && it->get<double>() == 0) {
+      throw Error("config.json: Gemma-2's final_logit_softcapping 0 is refused by transformers; null turns it off");
+    }
+  }
+  if (a.family == Family::kPhi3) {
+    a.generation_refills_past = get_dim_or(c, "original_max_position_embeddings", 4096, std::uint64_t{1} << 32);
+  }
+  // Keys from_model_config copies into generate()'s settings that change its memory, and the
+  // windows a Llama's or GPT-2's DynamicCache reads though the model does not.
+  for (const char* key : {"prefill_chunk_size", "prompt_lookup_num_tokens", "guidance_scale", "output_hidden_states",
+                          "output_attentions", "renormalize_logits"}) {
+    auto it = c.find(key);
+    if (it == c.end() || it->is_null() || (it->is_boolean() && !it->get<bool>())) continue;
+    if (a.generation_unmodelled.empty()) a.generation_unmodelled = key;
+  }
+  if (auto it = c.find("cache_implementation"); it != c.end() && !it->is_null() && *it != "hybrid") {
+    if (a.generation_unmodelled.empty()) a.generation_unmodelled = "cache_implementation";
+  }
+  if (a.family == Family::kLlama || a.family == Family::kGpt2) {
+    for (const char* key : {"sliding_window", "attention_chunk_size", "layer_types"}) {
+      auto it = c.find(key);
+      if (it != c.end() && !it->is_null() && a.generation_unmodelled.empty()) a.generation_unmodelled = key;
+    }
+  }
   return a;
 }
 

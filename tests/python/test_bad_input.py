@@ -320,7 +320,7 @@ ODD_BUT_VALID = [
     ("utf8-bom", lambda t: _cfg_file(t, b"\xef\xbb\xbf" + json.dumps(LLAMA).encode()), []),
     ("all-dims-1", lambda t: _cfg_file(t, with_(LLAMA, hidden_size=1, intermediate_size=1, vocab_size=1,
                                                 num_attention_heads=1)), []),
-    ("head-dim-not-dividing", lambda t: _cfg_file(t, with_(LLAMA, hidden_size=100, num_attention_heads=3, head_dim=7)), []),
+    ("head-dim-not-dividing", lambda t: _cfg_file(t, with_(LLAMA, hidden_size=100, num_attention_heads=3, head_dim=6)), []),
     ("float-whole-dims", lambda t: _cfg_file(t, with_(LLAMA, hidden_size=64.0, num_hidden_layers=2.0)), []),
     ("duplicate-keys", lambda t: _cfg_file(t, json.dumps(LLAMA)[:-1] + ', "vocab_size": 200}'), []),
     ("unknown-keys", lambda t: _cfg_file(t, with_(LLAMA, rope_scaling={"type": "yarn"}, extra=[[[[1]]]])), []),

@@ -68,7 +68,10 @@ def configs(draw) -> dict:
     # ones in the large pool, whose blocks are split (or not) by other rules.
     heads = draw(st.integers(1, 16))
     kv = draw(st.sampled_from([d for d in range(1, heads + 1) if heads % d == 0]))
-    head_dim = draw(st.integers(1, 32) | st.sampled_from([64, 128]))
+    # transformers refuses an odd rotary head_dim above 4 (validate_rope); GPT-2 has no rotary.
+    head_dim = draw(st.integers(1, 16).map(lambda h: 2 * h) | st.sampled_from([1, 3, 64, 128]))
+    if family == "gpt2":
+        head_dim = draw(st.integers(1, 32)) if draw(st.booleans()) else head_dim
     layers = draw(st.integers(1, 3))
     vocab = draw(st.integers(1, 3000) | st.integers(3000, 160000))
     inter = draw(st.integers(1, 256) | st.integers(256, 8192))
@@ -93,7 +96,10 @@ def configs(draw) -> dict:
             cfg["mlp_bias"] = draw(st.booleans())
         if family == "gemma2":
             cfg["attn_logit_softcapping"] = draw(st.sampled_from([None, 0.0, 50.0]))
-            cfg["final_logit_softcapping"] = draw(st.sampled_from([None, 0.0, 30.0]))
+            # (transformers refuses a final soft-cap of 0; None turns it off)
+            cfg["final_logit_softcapping"] = draw(st.sampled_from([None, 30.0]))
+        if family == "phi3":  # Phi3Config's pad_token_id is 32000, which a smaller vocabulary cannot hold
+            cfg["pad_token_id"] = None
     if draw(st.booleans()):
         cfg["tie_word_embeddings"] = draw(st.booleans())
     cfg["torch_dtype"] = draw(st.sampled_from(["float32", "bfloat16", "float16"]))

@@ -38,13 +38,12 @@ Choices made here (the engine mirrors them):
   no input that requires grad, and the recompute stops early once the last saved tensor is
   rebuilt. The checkpoint keeps each decoder layer's positional input (the hidden states),
   saved through the saved-tensor hooks, so those count as activations. `full-reentrant` is the
-  same with `use_reentrant=True` (what peft's prepare_model_for_kbit_training turns on by default):
+  same with `use_reentrant=True` (torch's default for checkpoint kwargs that do not name it):
   the forward under no_grad, the whole layer recomputed when its backward starts.
-* `use_cache` is left at the config's value. For every catalog model that is True, so in
-  training the Hugging Face forward builds a DynamicCache holding every layer's key and value
-  states (after RoPE, kv heads) until the output object is dropped (with SDPA these are the same
-  tensors SDPA saves; with eager and GQA the un-repeated ones are extra). With checkpointing
-  Hugging Face turns the cache off.
+* `use_cache=False` in every training forward: no DynamicCache is built. (A Trainer run without
+  checkpointing keeps the config's use_cache, True for the catalog's models, whose cache holds
+  every layer's key and value states until the output object is dropped: the tensors SDPA saves
+  anyway, but with eager attention and GQA the un-repeated ones are extra. Not modelled.)
 * Loss `standard` = the model's own loss (ForCausalLMLoss: logits.float(), labels padded and
   shifted, cross-entropy). `fused` = `fused_loss.fused_linear_cross_entropy` on the base
   model's last hidden state (base-model output dropped at once): see Note [Fused loss
