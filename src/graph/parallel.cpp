@@ -497,9 +497,9 @@ void DataParallel::param_ready(std::uint32_t slot) {
 // Note [DDP no_sync]
 // Accelerate's accumulate() and Hugging Face's Trainer (its training loop calls accelerator.no_sync
 // itself, trainer.py) run the forward and the backward of every micro-batch but the step's last
-// inside DistributedDataParallel.no_sync(), which
-// clears require_backward_grad_sync (torch 2.13, torch/nn/parallel/distributed.py; measured on gloo
-// ranks: data/ground_truth/parallel/cpu-ddp-*-nosync-*). In those micro-batches:
+// inside DistributedDataParallel.no_sync(), which clears require_backward_grad_sync (torch 2.13,
+// torch/nn/parallel/distributed.py; measured on gloo ranks: data/ground_truth/parallel/
+// cpu-ddp-*-nosync-*). In those micro-batches:
 //  * _pre_forward neither prepares the Reducer nor, once the buckets are rebuilt, rebuilds them;
 //    _post_forward calls no prepare_for_backward and clears require_forward_param_sync, so the
 //    next forward broadcasts no buffers (the step's first forward does: the last one set it);
@@ -838,8 +838,8 @@ void DataParallel::pp_post_backward(Unit& u) {
 
 // Note [FSDP2 no_sync]
 // Accelerate's no_sync on an FSDP2 model (run by its accumulate() and by Hugging Face's Trainer on
-// every micro-batch but the step's last) is set_requires_gradient_sync(False): reduce_grads off on every
-// parameter group, reshard_after_backward and is_last_backward as they were (torch 2.13,
+// every micro-batch but the step's last) is set_requires_gradient_sync(False): reduce_grads off on
+// every parameter group, reshard_after_backward and is_last_backward as they were (torch 2.13,
 // torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py post_backward). A unit's post-backward
 // then accumulates into a reduce-dtype .grad if it keeps one, reshards the unit's parameters and
 // makes a .grad still there a reduce-dtype copy, and returns before the reduce-scatter: each rank
