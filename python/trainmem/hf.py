@@ -179,6 +179,11 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
     use_reentrant=True, or without it: torch's default); every_n_layers other than 1, offload and
     early_stop=False are refused.
 
+    Not mapped: the config's use_cache, which a Trainer run without checkpointing leaves on, so that
+    each training forward copies every layer's keys and values into a DynamicCache held to the
+    loss; trainmem models training forwards with use_cache=False (set model.config.use_cache =
+    False, as many fine-tuning scripts do, for the run it estimates).
+
     Not modelled, so refused: FSDP1, FSDP2's hybrid sharding options, FSDP's own
     activation_checkpointing (checkpoint_wrapper) and size-based wrapping, checkpointing of every
     n-th layer or offloaded, optimizers other than those of _OPTIMIZERS and SGD with momentum,
