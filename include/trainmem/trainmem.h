@@ -345,6 +345,10 @@ struct Recipe {
   // Face's Trainer), whose convert_outputs_to_fp32 copies the half logits to fp32 when the forward
   // returns (Note [Outputs converted to fp32] in graph/step.cpp).
   bool fp32_outputs = false;
+  // The training forward with use_cache true (the config's default, which a Trainer run without
+  // checkpointing keeps): every layer's keys and values copied into a DynamicCache that the output
+  // holds to the loss (Note [A cache in training] in graph/step_modules.cpp).
+  bool use_cache = false;
   Offload offload = Offload::kNone;
 
   void validate() const;  // throws Error naming the field
@@ -415,6 +419,7 @@ struct RecipeSpelling {
   bool ddp_no_sync = false;  // parallel ddp: no_sync() on every micro-batch but the step's last
   bool fsdp_no_sync = false;  // parallel fsdp: set_requires_gradient_sync(False) likewise
   bool fp32_outputs = false;  // bf16-mixed / fp16-mixed: Accelerate's convert_outputs_to_fp32
+  bool use_cache = false;     // training forwards build their DynamicCache
   std::string offload = "none";   // none | optimizer (zero1 / zero2 / zero3) | params | both (zero3)
 };
 // Parses and validates every knob; throws Error naming the first bad field.

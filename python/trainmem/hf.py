@@ -127,7 +127,8 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
                                    gpu: str | None = None, gpus: int | None = None,
                                    peft: bool = False, quantization_config: Any = None,
                                    prepare_kbit_training: bool = True,
-                                   kbit_gradient_checkpointing: bool | None = None) -> dict[str, Any]:
+                                   kbit_gradient_checkpointing: bool | None = None,
+                                   model_use_cache: bool = True) -> dict[str, Any]:
     """Keyword arguments for trainmem.estimate / trainmem.fit from a `TrainingArguments` (or its
     `to_dict()`). `seq` is the tokens per sequence the data collator produces (TrainingArguments
     has none; TRL's `max_length` is used when present). `model_dtype` is the dtype the model was
@@ -179,10 +180,11 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
     use_reentrant=True, or without it: torch's default); every_n_layers other than 1, offload and
     early_stop=False are refused.
 
-    Not mapped: the config's use_cache, which a Trainer run without checkpointing leaves on, so that
-    each training forward copies every layer's keys and values into a DynamicCache held to the
-    loss; trainmem models training forwards with use_cache=False (set model.config.use_cache =
-    False, as many fine-tuning scripts do, for the run it estimates).
+    `model_use_cache` is the model config's use_cache (True for most published configs): a Trainer
+    run without checkpointing keeps it, so each training forward copies every layer's keys and
+    values into a DynamicCache held to the loss (the recipe's `use_cache`; not modelled under
+    DeepSpeed, nor for sliding-window layers, which the estimate refuses: pass False where the
+    run sets model.config.use_cache = False, as many fine-tuning scripts do).
 
     Not modelled, so refused: FSDP1, FSDP2's hybrid sharding options, FSDP's own
     activation_checkpointing (checkpoint_wrapper) and size-based wrapping, checkpointing of every
@@ -198,7 +200,8 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
                              "and the adapters' lora_rank")
         # prepare_model_for_kbit_training makes the rest fp32 whatever the load dtype: the Trainer's
         # precision is that of a float32 model (DeepSpeed's bf16 mode casts it back).
-        knobs = recipe_from_training_arguments(args, seq=seq, model_dtype="float32", gpu=gpu, gpus=gpus, peft=True)
+        knobs = recipe_from_training_arguments(args, seq=seq, model_dtype="float32", gpu=gpu, gpus=gpus, peft=True,
+                                               model_use_cache=model_use_cache)
         knobs.update(recipe_from_quantization_config(quantization_config, model_dtype=model_dtype,
                                                      precision=knobs.get("precision", "fp32"),
                                                      prepare_kbit_training=prepare_kbit_training))
@@ -220,6 +223,7 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
                                  "non-reentrant checkpointing) or False (use_gradient_checkpointing=False: none)")
             if kbit_gradient_checkpointing:
                 knobs["checkpointing"] = "full"
+                knobs.pop("use_cache", None)  # checkpointing turns the cache off
         return _refuse_reentrant_find_unused(knobs)
     _refuse_unmodelled_trainer_settings(args)
     if _get(args, "deepspeed"):
@@ -327,6 +331,9 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
             knobs["fsdp_no_sync"] = True  # Note [FSDP2 no_sync]: unsharded gradients held to the last
     if _get(args, "use_liger_kernel", False):
         knobs["loss"] = "fused"  # Liger's fused linear cross-entropy
+    elif model_use_cache and knobs["checkpointing"] == "none":
+        # transformers turns the cache off only under checkpointing (Note [A cache in training]).
+        knobs["use_cache"] = True
     if gpu is not None:
         knobs["gpu"] = gpu
     return _refuse_reentrant_find_unused(knobs)

@@ -77,6 +77,7 @@ struct RecipeFlags {
   bool ddp_no_sync = false;
   bool fp32_outputs = false;
   bool fsdp_no_sync = false;
+  bool use_cache = false;
   std::string quant_type = "";
   std::string load_dtype = "auto";
   std::string quant_storage = "uint8";
@@ -181,6 +182,11 @@ struct RecipeFlags {
                                        "With --parallel fsdp: every micro-batch but the step's last under "
                                        "set_requires_gradient_sync(False), as Accelerate and Hugging Face's Trainer "
                                        "accumulate (each rank holds unsharded gradients until the last)"));
+    options.emplace_back("use_cache",
+                         app->add_flag("--use-cache", use_cache,
+                                       "Training forwards with use_cache true (the config's default, which a Trainer "
+                                       "run without checkpointing keeps): each layer's keys and values copied into a "
+                                       "DynamicCache held to the loss"));
     options.emplace_back("fp32_outputs",
                          app->add_flag("--fp32-outputs", fp32_outputs,
                                        "With bf16-mixed or fp16-mixed: the model's half logits copied to fp32 when "
@@ -273,6 +279,7 @@ struct RecipeFlags {
     sp.ddp_no_sync = ddp_no_sync;
     sp.fp32_outputs = fp32_outputs;
     sp.fsdp_no_sync = fsdp_no_sync;
+    sp.use_cache = use_cache;
     sp.fsdp_replicate = parse_count(fsdp_replicate, "fsdp_replicate");
     sp.fsdp_param_dtype = fsdp_param_dtype;
     sp.fsdp_reduce_dtype = fsdp_reduce_dtype;
@@ -415,6 +422,7 @@ std::string compare(const std::string& path, bool as_json) {
   sp.ddp_no_sync = flag("ddp_no_sync", false);
   sp.fp32_outputs = flag("fp32_outputs", false);
   sp.fsdp_no_sync = flag("fsdp_no_sync", false);
+  sp.use_cache = flag("use_cache", false);
   sp.fsdp_replicate = count("fsdp_replicate", sp.fsdp_replicate);
   sp.fsdp_param_dtype = text("fsdp_param_dtype", sp.fsdp_param_dtype.c_str());
   sp.fsdp_reduce_dtype = text("fsdp_reduce_dtype", sp.fsdp_reduce_dtype.c_str());

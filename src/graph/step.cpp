@@ -73,7 +73,8 @@ StepBuilder::StepBuilder(const Model& m, const Recipe& r, const Gpu& gpu, const 
   // See Note [Layer stamp keys] (step_stamp.cpp): the recipes whose layers' forwards depend on
   // nothing but what the key holds.
   stamps_ = layer_stamping() && r.mode == Mode::kTraining && r.parallel == Parallel::kNone && r.tp == 1 &&
-            r.cp == 1 && r.pp == 1 && !r.quant.any() && r.checkpointing == Checkpointing::kNone;
+            r.cp == 1 && r.pp == 1 && !r.quant.any() && r.checkpointing == Checkpointing::kNone &&
+            !r.use_cache;  // a training cache holds each layer's keys and values past the layer
   // See Note [Stamped layer backwards] (tape.h): without a data-parallel wrapper (stamps_ implies
   // Parallel::kNone) the backward hooks the tape calls do nothing.
   t_.stamp_backward = stamps_ && backward_stamping();
@@ -446,8 +447,11 @@ ValueId StepBuilder::standard_loss(T& normed, std::uint32_t emb) {
     logits = up;
   }
   if (r_.ddp_find_unused_parameters) ddp_sink(loss, logits);
-  // The model output (logits) is dropped with the output object, before backward.
+  // The model output (logits) is dropped with the output object, before backward, and its
+  // DynamicCache with it (Note [A cache in training]).
   t_.drop(logits);
+  for (TensorId id : cache_) t_.release(id);
+  cache_.clear();
   return scale_loss(loss);
 }
 

@@ -524,6 +524,7 @@ class StepBuilder {
   T mlp(const T& x, const LayerParams& lp);
   T mlp_module(const T& x, const LayerParams& lp);
   T act_fn(const T& x);
+  T cache_update(T x);
   T g_act_fn(std::uint64_t n, DType d);  // generation.cpp
   T decoder_layer(const T& x, std::uint32_t l);
   T decoder_layer_module(const T& x, std::uint32_t l);
@@ -713,6 +714,7 @@ class StepBuilder {
   // The stage pp_forward / pp_backward run (rank_ with one stage per rank) and its receive
   // buffers' offset in pp_recv_act_ / pp_recv_grad_ (local stage x micro-batches).
   std::uint64_t pp_stage_ = 0, pp_slot_ = 0;
+  std::vector<TensorId> cache_;  // a training forward's DynamicCache (Recipe::use_cache): its keys and values
   bool in_lm_head_ = false;  // ZeRO-3: lm_head's nn.Linear (tied: a second module over wte)
   // Layer stamping: whether this recipe may stamp, the templates, the tables of the layer at
   // hand (its parameters by role, its outside storages, values and parameter slots: Tape::stamp)

@@ -1131,6 +1131,11 @@ T StepBuilder::attention_module(const T& x, const LayerParams& lp) {
     q = rq;
     k = rk;
   }
+  if (r_.use_cache) {
+    op(a_.family == Family::kGpt2 ? "attn.cache_update" : "self_attn.cache_update");
+    k = cache_update(k);
+    v = cache_update(v);
+  }
   T o = a_.family == Family::kGpt2 ? gpt2_attention_core(q, k, v) : attention_core(q, k, v);
   T y = proj(o, a_.family == Family::kGpt2 ? "attn.c_proj" : "self_attn.o_proj", lp.o, lp.o_b,
              a_.hidden_size);
@@ -1141,6 +1146,31 @@ T StepBuilder::attention_module(const T& x, const LayerParams& lp) {
   t_.drop(k);
   t_.drop(v);
   return y;
+}
+
+// Note [A cache in training]
+// A training forward with use_cache true (the config's default: transformers turns it off only
+// under checkpointing, utils/generic.py) makes a DynamicCache, and each attention hands its keys
+// and values to DynamicLayer.update (cache_utils.py), whose torch.cat onto an empty tensor copies
+// them, contiguous [b, heads, s, d]; the attention then runs on the copies (CatBackward hands the
+// gradient on as views) and the originals go. The cache, and so the copies, live in the model's
+// output until it is dropped before backward. Under SDPA over the key/value heads the copies are
+// what it saves anyway; where eager attention (or SDPA past head_dim 256) repeats them, they
+// are extra to the loss. Measured: cpu-*-usecache-*. Sliding-window layers' caches
+// (DynamicSlidingWindowLayer) are not modelled (estimate.cpp refuses them).
+T StepBuilder::cache_update(T x) {
+  T c = fresh(x.numel, x.dtype);
+  c.bshd = false;
+  if (x.requires_grad()) {
+    requires_grad(c);
+    Node nd = node(c);
+    nd.inputs.push_back(pass_to(x));
+    t_.record(std::move(nd));
+  }
+  t_.drop(x);
+  t_.retain(c.id);
+  cache_.push_back(c.id);
+  return c;
 }
 
 T StepBuilder::slice(const T& fused, std::uint64_t width) { return view_of(fused, tok_ * width); }

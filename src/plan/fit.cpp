@@ -407,7 +407,7 @@ class Planner {
     }
     k += "/load" + std::string(to_string(r.load_dtype));
     k += std::string(r.ddp_find_unused_parameters ? "/unused" : "") + (r.ddp_gradient_as_bucket_view ? "/gradview" : "") +
-         (r.ddp_no_sync ? "/nosync" : "") + (r.fp32_outputs ? "/fp32out" : "");
+         (r.ddp_no_sync ? "/nosync" : "") + (r.fp32_outputs ? "/fp32out" : "") + (r.use_cache ? "/cache" : "");
     return k;
   }
 
@@ -539,6 +539,10 @@ void keep_own_wrapper_knobs(Recipe& r) {
   r.fsdp.no_sync = no_sync && plain && r.tp == 1 && r.parallel == Parallel::kFsdp;
   // Accelerate's fp32 outputs go with its native mixed precision, on one GPU, DDP or FSDP2.
   r.fp32_outputs = r.fp32_outputs && fp32_outputs_modelled(r);
+  // A training forward's cache goes where transformers keeps it (not under checkpointing) and the
+  // engine models it (Note [A cache in training]).
+  r.use_cache = r.use_cache && r.checkpointing == Checkpointing::kNone && r.loss == Loss::kStandard &&
+                !is_zero(r.parallel) && r.tp == 1 && r.pp == 1 && r.cp == 1;
   // A half load dtype goes with its autocast; any other precision loads the model in its own dtype
   // (bf16-true: bf16 again, without the autocast).
   if (r.load_dtype != LoadDtype::kAuto && r.precision != autocast_of(r.load_dtype)) r.load_dtype = LoadDtype::kAuto;
@@ -1373,6 +1377,7 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
     if (base.offload != Offload::kNone && r.offload == Offload::kNone && what.find("offload") == std::string::npos) {
       what += ", offload none";
     }
+    keep_own_wrapper_knobs(r);
     if (valid(r)) changes.emplace_back(std::move(what), std::move(r));
   };
   for (Checkpointing c : {Checkpointing::kNone, Checkpointing::kFull}) {

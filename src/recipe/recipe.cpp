@@ -534,6 +534,7 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   r.ddp_gradient_as_bucket_view = in.ddp_gradient_as_bucket_view;
   r.ddp_no_sync = in.ddp_no_sync;
   r.fp32_outputs = in.fp32_outputs;
+  r.use_cache = in.use_cache;
   r.fsdp.replicate = in.fsdp_replicate;
   r.fsdp.param_dtype = parse_fsdp_dtype(in.fsdp_param_dtype, "fsdp_param_dtype");
   r.fsdp.reduce_dtype = parse_fsdp_dtype(in.fsdp_reduce_dtype, "fsdp_reduce_dtype");
@@ -599,6 +600,11 @@ void Recipe::validate() const {
     if (attention_mask == AttentionMask::kPadded && seq < 2) {
       throw Error("attention_mask: padded needs seq >= 2 (a row's first token is never padding)");
     }
+  }
+  if (use_cache && (mode == Mode::kInference || checkpointing != Checkpointing::kNone || loss != Loss::kStandard ||
+                    is_zero(parallel) || tp > 1 || pp > 1 || cp > 1)) {
+    throw Error("use_cache: a training forward's DynamicCache is modelled without checkpointing (which turns it "
+                "off), with the standard loss, on one GPU, under DDP or under FSDP2 (generation always caches)");
   }
   if (fsdp.no_sync && (pp > 1 || cp > 1)) {
     throw Error("fsdp_no_sync: Accelerate's no_sync accumulation is modelled for plain FSDP2 and HSDP (a pipeline "

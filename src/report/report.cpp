@@ -85,6 +85,7 @@ ordered_json recipe_object(const Recipe& r) {
   if (r.ddp_gradient_as_bucket_view) j["ddp_gradient_as_bucket_view"] = true;
   if (r.ddp_no_sync) j["ddp_no_sync"] = true;
   if (r.fp32_outputs) j["fp32_outputs"] = true;
+  if (r.use_cache) j["use_cache"] = true;
   if (r.offload != Offload::kNone) j["offload"] = to_string(r.offload);  // only when offloading
   if (r.mode == Mode::kInference) {
     j["new_tokens"] = r.new_tokens;

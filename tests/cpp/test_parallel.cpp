@@ -237,6 +237,34 @@ TEST(Fp32Outputs, CopiesTheHalfLogitsAsTheForwardReturns) {
   EXPECT_EQ(copies.front(), 2u * 128 * 50'257 * 4);
 }
 
+// Note [A cache in training]: with use_cache each attention's keys and values are copied into the
+// DynamicCache and held to the loss; eager attention over one key/value head repeats them, so the
+// copies are extra (measured: cpu-llamaw512l2mqa-fp32-sgd-eager-usecache-b2s128, 262,144 B more in
+// the forward phases). The fit holds the knob only where transformers keeps the cache.
+TEST(TrainingCache, CopiesEachLayersKeysAndValuesToTheLoss) {
+  const Model mqa = testing::measured_config("llama-3.2-1b-w512-l2-mqa");
+  Recipe r;
+  r.batch = 2;
+  r.seq = 128;
+  r.precision = Precision::kFp32;
+  r.optimizer = Optimizer::kSgd;
+  r.attention = Attention::kEager;
+  r.gpu = "cpu";
+  EstimateOptions phases;
+  phases.phases = true;
+  auto forward_peak = [&](const Recipe& recipe) {
+    for (const PhasePeak& p : estimate(mqa, recipe, phases).phases) {
+      if (p.phase == Phase::kForward) return p.peak_allocated_bytes;
+    }
+    return std::uint64_t{0};
+  };
+  const std::uint64_t plain = forward_peak(r);
+  r.use_cache = true;
+  EXPECT_EQ(forward_peak(r) - plain, 2u * 2 * (2 * 128 * 64 * 4));  // two layers' K and V, one head
+  r.checkpointing = Checkpointing::kFull;
+  EXPECT_NE(testing::error_of([&] { r.validate(); }).find("use_cache"), std::string::npos);
+}
+
 TEST(Fp32Outputs, IsAnAcceleratePrecisionKnob) {
   Recipe r;
   r.fp32_outputs = true;

@@ -467,7 +467,20 @@ def test_an_fsdp_run_without_a_version_is_fsdp2(tmp_path):
     path.write_text('{"fsdp_reshard_after_forward": "off"}')
     knobs = trainmem.hf.recipe_from_training_arguments({"fsdp": True, "fsdp_config": str(path)}, gpus=2)
     assert knobs == {"parallel": "fsdp", "fsdp_reshard_after_forward": False, "gpus": 2, "batch": 8, "grad_accum": 1,
-                     "precision": "fp32", "optimizer": "adamw-fused", "checkpointing": "none"}
+                     "precision": "fp32", "optimizer": "adamw-fused", "checkpointing": "none", "use_cache": True}
+
+
+def test_the_training_cache_the_trainer_leaves_on():
+    """Without checkpointing a Trainer run keeps the config's use_cache (Note [A cache in training];
+    measured: cpu-*-usecache-*); checkpointing, a config that turns it off, or Liger's loss do not."""
+    hf = trainmem.hf.recipe_from_training_arguments
+    knobs = hf(args(), seq=64)
+    assert knobs["use_cache"] is True
+    assert trainmem.estimate("qwen3-0.6b", **knobs).recipe["use_cache"] is True
+    assert "use_cache" not in hf(args(), seq=64, model_use_cache=False)
+    assert "use_cache" not in hf(args(gradient_checkpointing=True), seq=64)
+    with pytest.raises(ValueError, match="sliding-window"):  # Gemma-2's layers slide: refused, as said
+        trainmem.estimate("gemma-2-2b", **knobs)
 
 
 def test_unreadable_deepspeed_configs(tmp_path):

@@ -99,6 +99,9 @@ def _parser() -> _Parser:
     p.add_argument("--fsdp-no-sync", action="store_true",
                    help="parallel fsdp: every micro-batch but the step's last under set_requires_gradient_sync(False), "
                         "as Accelerate's no_sync and Hugging Face's Trainer accumulate")
+    p.add_argument("--use-cache", action="store_true",
+                   help="training forwards with use_cache=True, as a Trainer run without checkpointing leaves the "
+                        "config's: each layer's keys and values copied into a DynamicCache")
     p.add_argument("--fp32-outputs", action="store_true",
                    help="bf16-mixed / fp16-mixed: the model's forward wrapped in Accelerate's convert_outputs_to_fp32, "
                         "as Accelerate's prepare() (Hugging Face's Trainer) wraps it")
@@ -183,7 +186,7 @@ def recipe_from_args(args: argparse.Namespace, gpu: str) -> Recipe:
                   fsdp_reduce_dtype=args.fsdp_reduce_dtype,
                   ddp_find_unused_parameters=args.ddp_find_unused_parameters,
                   ddp_gradient_as_bucket_view=args.ddp_gradient_as_bucket_view, ddp_no_sync=args.ddp_no_sync,
-                  fp32_outputs=args.fp32_outputs, fsdp_no_sync=args.fsdp_no_sync,
+                  fp32_outputs=args.fp32_outputs, fsdp_no_sync=args.fsdp_no_sync, use_cache=args.use_cache,
                   load_in_4bit=args.load_in_4bit or args.qlora, bnb_4bit_quant_type=quant_type,
                   bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant or args.qlora,
                   bnb_4bit_quant_storage=args.bnb_4bit_quant_storage,

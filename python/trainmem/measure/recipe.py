@@ -155,6 +155,9 @@ class Recipe:
     # FSDP2's set_requires_gradient_sync(False) on every micro-batch but the step's last, as
     # Accelerate's no_sync (Hugging Face's Trainer) accumulates (docs/parallelism.md "FSDP2 no_sync").
     fsdp_no_sync: bool = False
+    # The training forward with use_cache=True (a Trainer run without checkpointing leaves the
+    # config's, true for the catalog): each layer's keys and values copied into a DynamicCache.
+    use_cache: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -280,6 +283,12 @@ class Recipe:
         if self.fsdp_no_sync and (self.parallel != "fsdp" or self.is_pp or self.is_tp):
             raise RecipeError("fsdp_no_sync is FSDP2's no_sync accumulation: it needs parallel fsdp (without a pipeline "
                               "or tensor parallelism)")
+        if not isinstance(self.use_cache, bool):
+            raise RecipeError(f"use_cache must be true or false, got {self.use_cache!r}")
+        if self.use_cache and (self.is_inference or self.checkpointing != "none" or self.loss != "standard"
+                               or self.is_tp or self.is_pp or self.parallel.startswith("zero")):
+            raise RecipeError("use_cache is measured in training without checkpointing, with the standard loss, on one "
+                              "process, under DDP or under FSDP2")
         if not isinstance(self.fp32_outputs, bool):
             raise RecipeError(f"fp32_outputs must be true or false, got {self.fp32_outputs!r}")
         if self.fp32_outputs:  # as the engine takes it: Accelerate's native mixed precision, training
@@ -631,7 +640,7 @@ class Recipe:
         if self.parallel != "fsdp":  # FSDP2's knobs with parallel fsdp only, as the engine writes them
             for key in ("fsdp_reshard_after_forward", "fsdp_replicate", "fsdp_param_dtype", "fsdp_reduce_dtype"):
                 del out[key]
-        for knob in (*_DDP_KNOBS, "fp32_outputs", "fsdp_no_sync"):  # and DDP's, the output conversion and
+        for knob in (*_DDP_KNOBS, "fp32_outputs", "fsdp_no_sync", "use_cache"):  # and DDP's, the output conversion and
             # FSDP2's no_sync, only when on
             if not getattr(self, knob):
                 del out[knob]

@@ -478,6 +478,8 @@ def default_command(spec: ModelSpec, recipe: Recipe, *, device: str, fake: bool)
         args.append("--fp32-outputs")
     if recipe.fsdp_no_sync:
         args.append("--fsdp-no-sync")
+    if recipe.use_cache:
+        args.append("--use-cache")
     for key, flag in (("fsdp_replicate", "--fsdp-replicate"), ("fsdp_param_dtype", "--fsdp-param-dtype"),
                       ("fsdp_reduce_dtype", "--fsdp-reduce-dtype")):
         if getattr(recipe, key) != getattr(defaults, key):

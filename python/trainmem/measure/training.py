@@ -40,10 +40,10 @@ Choices made here (the engine mirrors them):
   saved through the saved-tensor hooks, so those count as activations. `full-reentrant` is the
   same with `use_reentrant=True` (torch's default for checkpoint kwargs that do not name it):
   the forward under no_grad, the whole layer recomputed when its backward starts.
-* `use_cache=False` in every training forward: no DynamicCache is built. (A Trainer run without
-  checkpointing keeps the config's use_cache, True for the catalog's models, whose cache holds
-  every layer's key and value states until the output object is dropped: the tensors SDPA saves
-  anyway, but with eager attention and GQA the un-repeated ones are extra. Not modelled.)
+* `use_cache=False` in every training forward unless the recipe's `use_cache` says True (what a
+  Trainer run without checkpointing keeps from the config): then each layer's keys and values are
+  copied into a DynamicCache the output object holds to the loss (the engine's Note [A cache in
+  training]).
 * Loss `standard` = the model's own loss (ForCausalLMLoss: logits.float(), labels padded and
   shifted, cross-entropy). `fused` = `fused_loss.fused_linear_cross_entropy` on the base
   model's last hidden state (base-model output dropped at once): see Note [Fused loss
@@ -204,7 +204,7 @@ def hf_loss_fn(model, recipe: Recipe, tracker: MemoryTracker):
         def forward_and_loss(batch):
             input_ids, labels, *mask = batch  # an attention_mask when the recipe passes one
             return model(input_ids=input_ids, labels=labels, attention_mask=mask[0] if mask else None,
-                         use_cache=False).loss
+                         use_cache=recipe.use_cache).loss
 
         return forward_and_loss
 
