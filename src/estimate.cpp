@@ -8,7 +8,6 @@
 #include <string>
 
 #include "estimate.h"
-#include "model/model.h"
 #include "graph/step.h"
 #include "sim/caching_allocator.h"
 #include "sim/simulator.h"
@@ -193,14 +192,6 @@ Recipe detail::resolved_for_model(const Model& model, Recipe recipe) {
     throw Error("seq: the rotary embedding's rope_type (dynamic / longrope) replaces inv_freq past " +
                 std::to_string(model.arch.rope_rescales_past) + " positions, which is not modelled; use seq " +
                 std::to_string(model.arch.rope_rescales_past) + " or less");
-  }
-  if (recipe.use_cache) {
-    for (std::uint64_t w : trainmem::model::attention_windows(model.arch)) {
-      if (w > 0) {
-        throw Error("use_cache: a sliding-window layer's cache (DynamicSlidingWindowLayer) in training is not "
-                    "modelled; set use_cache false");
-      }
-    }
   }
   if (recipe.mode == Mode::kInference && !model.arch.generation_unmodelled.empty()) {
     throw Error("config.json: " + model.arch.generation_unmodelled +

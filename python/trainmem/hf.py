@@ -182,9 +182,9 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
 
     `model_use_cache` is the model config's use_cache (True for most published configs): a Trainer
     run without checkpointing keeps it, so each training forward copies every layer's keys and
-    values into a DynamicCache held to the loss (the recipe's `use_cache`; not modelled under
-    DeepSpeed, nor for sliding-window layers, which the estimate refuses: pass False where the
-    run sets model.config.use_cache = False, as many fine-tuning scripts do).
+    values into a DynamicCache held to the loss (the recipe's `use_cache`; not mapped under
+    DeepSpeed: pass False where the run sets model.config.use_cache = False, as many fine-tuning
+    scripts do).
 
     Not modelled, so refused: FSDP1, FSDP2's hybrid sharding options, FSDP's own
     activation_checkpointing (checkpoint_wrapper) and size-based wrapping, checkpointing of every

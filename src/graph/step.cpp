@@ -286,6 +286,7 @@ ValueId StepBuilder::forward_and_loss() {
     t_.drop(hs);
     hs = scaled;
   }
+  if (r_.use_cache && !cuda_) sliding_window_tensors();  // DynamicCache(config): Note [A cache in training]
   if (sp_ > 1) {  // PrepareModuleOutput's hook: this rank's sequence shard, a DTensor from here on
     T shard = seq_shard(hs);
     t_.drop(hs);

@@ -525,6 +525,7 @@ class StepBuilder {
   T mlp_module(const T& x, const LayerParams& lp);
   T act_fn(const T& x);
   T cache_update(T x);
+  void sliding_window_tensors(std::int32_t layer = -1);  // -1: every sliding layer's
   T g_act_fn(std::uint64_t n, DType d);  // generation.cpp
   T decoder_layer(const T& x, std::uint32_t l);
   T decoder_layer_module(const T& x, std::uint32_t l);

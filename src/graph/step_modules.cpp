@@ -1133,6 +1133,7 @@ T StepBuilder::attention_module(const T& x, const LayerParams& lp) {
   }
   if (r_.use_cache) {
     op(a_.family == Family::kGpt2 ? "attn.cache_update" : "self_attn.cache_update");
+    if (cuda_) sliding_window_tensors(layer_);
     k = cache_update(k);
     v = cache_update(v);
   }
@@ -1156,8 +1157,18 @@ T StepBuilder::attention_module(const T& x, const LayerParams& lp) {
 // gradient on as views) and the originals go. The cache, and so the copies, live in the model's
 // output until it is dropped before backward. Under SDPA over the key/value heads the copies are
 // what it saves anyway; where eager attention (or SDPA past head_dim 256) repeats them, they
-// are extra to the loss. Measured: cpu-*-usecache-*. Sliding-window layers' caches
-// (DynamicSlidingWindowLayer) are not modelled (estimate.cpp refuses them).
+// are extra to the loss. A sliding-window layer's DynamicSlidingWindowLayer makes the same copies
+// and keeps a slice of them, a view that holds them whole. Measured: cpu-*-usecache-*.
+// Each DynamicSlidingWindowLayer makes torch.tensor(sliding_window) when the cache is made (after
+// the embedding): a 0-dim int64 in host memory, which lazy_initialization moves to the device at
+// the layer's first update. Host memory is the device on the CPU; on CUDA the copy comes then.
+void StepBuilder::sliding_window_tensors(std::int32_t layer) {
+  for (std::size_t l = 0; l < window_.size(); ++l) {
+    if (window_[l] == 0 || (layer >= 0 && l != static_cast<std::size_t>(layer))) continue;
+    cache_.push_back(t_.alloc_bytes(8, Category::kTemporaries));
+  }
+}
+
 T StepBuilder::cache_update(T x) {
   T c = fresh(x.numel, x.dtype);
   c.bshd = false;
