@@ -361,13 +361,7 @@ T StepBuilder::rowwise_linear(const T& x, std::uint32_t w, std::uint32_t b, std:
     t_.drop(partial);
     return y;
   }
-  T y = fresh(partial.numel, partial.dtype);
-  if (partial.requires_grad()) {
-    requires_grad(y);
-    Node n = node(y);
-    n.inputs.push_back(pass_to(partial));
-    t_.record(std::move(n));
-  }
+  T y = handing_on(partial);
   t_.drop(partial);
   return y;
 }
@@ -1170,14 +1164,7 @@ void StepBuilder::sliding_window_tensors(std::int32_t layer) {
 }
 
 T StepBuilder::cache_update(T x) {
-  T c = fresh(x.numel, x.dtype);
-  c.bshd = false;
-  if (x.requires_grad()) {
-    requires_grad(c);
-    Node nd = node(c);
-    nd.inputs.push_back(pass_to(x));
-    t_.record(std::move(nd));
-  }
+  T c = handing_on(x);  // contiguous [b, heads, s, d]; CatBackward hands the gradient on
   t_.drop(x);
   t_.retain(c.id);
   cache_.push_back(c.id);

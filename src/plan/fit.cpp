@@ -1386,7 +1386,7 @@ FitResult search(const Model& model, const FitRequest& q, bool reference, bool p
   for (Precision p : {Precision::kBf16Mixed, Precision::kBf16True, Precision::kBf16Master, Precision::kFp16Mixed, Precision::kFp32}) {
     const bool bf16 = p == Precision::kBf16Mixed || p == Precision::kBf16True || p == Precision::kBf16Master;
     if (p == base.precision || (bf16 && !gpu.bf16) || (!bf16 && p != Precision::kFp32 && gpu.bf16)) continue;
-    Recipe r = base; r.precision = p; keep_own_wrapper_knobs(r); change("precision " + std::string(to_string(p)), r);
+    Recipe r = base; r.precision = p; change("precision " + std::string(to_string(p)), r);
   }
   for (Optimizer o : {Optimizer::kAdamW, Optimizer::kAdamWFused, Optimizer::kAdamW8bit, Optimizer::kAdafactor, Optimizer::kSgd}) {
     if (o != base.optimizer) { Recipe r = base; r.optimizer = o; change("optimizer " + std::string(to_string(o)), r); }

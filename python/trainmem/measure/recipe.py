@@ -21,6 +21,8 @@ PARALLELS = ("none", "ddp", "fsdp", "zero1", "zero2", "zero3")
 ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
 # DistributedDataParallel's knobs (parallel ddp, no pipeline), each off by default.
 _DDP_KNOBS = ("ddp_find_unused_parameters", "ddp_gradient_as_bucket_view", "ddp_no_sync")
+# The on/off knobs written (as_dict, and the command's flags) only when on, as the engine writes them.
+FLAGS_WHEN_ON = (*_DDP_KNOBS, "fp32_outputs", "fsdp_no_sync", "use_cache")
 # FSDP2's knobs (fully_shard and MixedPrecisionPolicy, torch/distributed/fsdp/_fully_shard/): the
 # dtypes of MixedPrecisionPolicy(param_dtype, reduce_dtype), "none" being the policy's None.
 FSDP_PARAM_DTYPES = ("none", "bf16")
@@ -640,8 +642,7 @@ class Recipe:
         if self.parallel != "fsdp":  # FSDP2's knobs with parallel fsdp only, as the engine writes them
             for key in ("fsdp_reshard_after_forward", "fsdp_replicate", "fsdp_param_dtype", "fsdp_reduce_dtype"):
                 del out[key]
-        for knob in (*_DDP_KNOBS, "fp32_outputs", "fsdp_no_sync", "use_cache"):  # and DDP's, the output conversion and
-            # FSDP2's no_sync, only when on
+        for knob in FLAGS_WHEN_ON:  # DDP's knobs, the output conversion, FSDP2's no_sync, the cache
             if not getattr(self, knob):
                 del out[knob]
         return out

@@ -13,7 +13,7 @@ import torch
 
 from .models import (ModelError, ModelSpec, build_fake_model, build_real_model, enable_checkpointing,
                      lora_targets_of, quant_state_tensors, resolve_model, resolved_for_model)
-from .recipe import Recipe, RecipeError
+from .recipe import FLAGS_WHEN_ON, Recipe, RecipeError
 from .tracker import CATEGORIES, MemoryTracker
 from .generation import run_generation
 from . import parallel as _parallel
@@ -468,18 +468,7 @@ def default_command(spec: ModelSpec, recipe: Recipe, *, device: str, fake: bool)
         args.append("--loss-parallel")
     if not recipe.fsdp_reshard_after_forward:
         args += ["--fsdp-reshard-after-forward", "false"]
-    if recipe.ddp_find_unused_parameters:
-        args.append("--ddp-find-unused-parameters")
-    if recipe.ddp_gradient_as_bucket_view:
-        args.append("--ddp-gradient-as-bucket-view")
-    if recipe.ddp_no_sync:
-        args.append("--ddp-no-sync")
-    if recipe.fp32_outputs:
-        args.append("--fp32-outputs")
-    if recipe.fsdp_no_sync:
-        args.append("--fsdp-no-sync")
-    if recipe.use_cache:
-        args.append("--use-cache")
+    args += ["--" + knob.replace("_", "-") for knob in FLAGS_WHEN_ON if getattr(recipe, knob)]
     for key, flag in (("fsdp_replicate", "--fsdp-replicate"), ("fsdp_param_dtype", "--fsdp-param-dtype"),
                       ("fsdp_reduce_dtype", "--fsdp-reduce-dtype")):
         if getattr(recipe, key) != getattr(defaults, key):
