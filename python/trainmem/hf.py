@@ -125,7 +125,7 @@ def _refuse_reentrant_find_unused(knobs: dict[str, Any]) -> dict[str, Any]:
 
 def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_dtype: str = "float32",
                                    gpu: str | None = None, gpus: int | None = None,
-                                   peft: bool = False, quantization_config: Any = None,
+                                   peft: Any = False, quantization_config: Any = None,
                                    prepare_kbit_training: bool = True,
                                    kbit_gradient_checkpointing: bool | None = None,
                                    model_use_cache: bool = True) -> dict[str, Any]:
@@ -153,7 +153,8 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
     its "auto" values filled from these arguments as the Trainer fills them. Under DDP the Trainer
     passes `find_unused_parameters` as `ddp_find_unused_parameters` says, and when that is unset
     True for a model that is not a PreTrainedModel (`peft=True`: a peft model, whose adapters the
-    caller gives as lora_rank etc.) and for one that is not checkpointed: the recipe's
+    caller gives as lora_rank etc., or passes its LoraConfig as `peft`, mapped by
+    recipe_from_lora_config) and for one that is not checkpointed: the recipe's
     `ddp_find_unused_parameters` (docs/parallelism.md "find_unused_parameters"). With
     accumulation the Trainer runs every micro-batch but the last under accelerator.no_sync (unless
     accelerator_config's gradient_accumulation_kwargs say sync_each_batch): under DDP the recipe's
@@ -166,7 +167,8 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
     `quantization_config` is the model's BitsAndBytesConfig (or its to_dict(), as
     `model.config.quantization_config` holds it) for a QLoRA run: a 4-bit base prepared with
     peft's `prepare_model_for_kbit_training` (which makes everything but the 4-bit weights fp32)
-    and trained through adapters (`peft=True`; the caller gives lora_rank etc.). See
+    and trained through adapters (`peft=True` and the caller gives lora_rank etc., or `peft=` the
+    LoraConfig). See
     recipe_from_quantization_config for what it maps; `prepare_kbit_training=False` when the base
     was not prepared (TRL's SFTTrainer with a base sharded by FSDP or ZeRO-3). A prepared base
     whose Trainer does not checkpoint needs `kbit_gradient_checkpointing`: whether it was prepared
@@ -194,10 +196,18 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
     two optimizer groups; trainmem models one group, which for foreach AdamW keeps one set of sqrt
     temporaries for all parameters (an upper bound of the two-group figure).
     """
+    if peft is not False and peft is not True:  # a LoraConfig: its knobs join the Trainer's
+        knobs = recipe_from_training_arguments(args, seq=seq, model_dtype=model_dtype, gpu=gpu, gpus=gpus, peft=True,
+                                               quantization_config=quantization_config,
+                                               prepare_kbit_training=prepare_kbit_training,
+                                               kbit_gradient_checkpointing=kbit_gradient_checkpointing,
+                                               model_use_cache=model_use_cache)
+        knobs.update(recipe_from_lora_config(peft))
+        return knobs
     if quantization_config is not None:
         if not peft:
-            raise ValueError("quantization_config: a 4-bit base is trained through adapters (QLoRA); pass peft=True "
-                             "and the adapters' lora_rank")
+            raise ValueError("quantization_config: a 4-bit base is trained through adapters (QLoRA); pass peft= the "
+                             "LoraConfig (or peft=True and the adapters' lora_rank)")
         # prepare_model_for_kbit_training makes the rest fp32 whatever the load dtype: the Trainer's
         # precision is that of a float32 model (DeepSpeed's bf16 mode casts it back).
         knobs = recipe_from_training_arguments(args, seq=seq, model_dtype="float32", gpu=gpu, gpus=gpus, peft=True,
@@ -434,6 +444,88 @@ def recipe_from_quantization_config(config: Any, *, model_dtype: str = "float32"
     # Unprepared, a float32 base is the same model, and DeepSpeed's bf16 mode casts it all anyway.
     if not prepare_kbit_training and "load_dtype" in knobs:
         knobs["prepare_kbit_training"] = False
+    return knobs
+
+
+# LoraConfig fields that do not change what a training step holds: names, the scaling (lora_alpha,
+# use_rslora, alpha_pattern), fan_in_fan_out (peft reads it off GPT-2's Conv1D anyway), the
+# QA-LoRA group size and Megatron module name that matter only with their switches, and
+# ensure_weight_tying (ties adapters of tied embeddings, which no modelled target wraps).
+_LORA_NEUTRAL = {"task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
+                 "lora_alpha", "use_rslora", "alpha_pattern", "fan_in_fan_out", "qalora_group_size",
+                 "megatron_core", "layers_pattern", "ensure_weight_tying"}
+_LORA_MAPPED = {"r", "target_modules", "lora_dropout", "init_lora_weights", "inference_mode"}
+
+
+def _unset(value: Any) -> bool:
+    """A LoraConfig field at its off value: None, False, "none", empty, or a dict of such."""
+    if value is None or value is False or value == "none":
+        return True
+    if isinstance(value, dict):
+        return all(_unset(v) for v in value.values())
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return len(value) == 0
+    to_dict = getattr(value, "to_dict", None)  # LoraRuntimeConfig and the like
+    if callable(to_dict):
+        return _unset(to_dict())
+    return False
+
+
+def recipe_from_lora_config(config: Any) -> dict[str, Any]:
+    """The adapter knobs of a peft LoraConfig (or its to_dict(), as adapter_config.json holds it):
+    `r` is lora_rank, `lora_dropout` lora_dropout, and `target_modules` lora_targets: None is
+    peft's default for the model type ("default"), "all-linear" every linear layer of the decoder
+    layers, a list the module names peft matches by suffix (the engine refuses names it does not
+    model, such as lm_head). The scaling (lora_alpha, use_rslora, alpha_pattern) holds no memory.
+
+    Refused, not being modelled: a target_modules regex (a string other than "all-linear"; give
+    the names), exclude_modules, layers_to_transform, rank_pattern, trainable biases (`bias`,
+    `lora_bias`), modules_to_save, DoRA, QA-LoRA, inference_mode (frozen adapters), an
+    initialization other than the default or "gaussian" (PiSSA, LoftQ, EVA and the rest rewrite the
+    base or need data), and every other LoRA variant switched on (target_parameters,
+    layer_replication, trainable_token_indices, runtime offload and so on)."""
+    if not isinstance(config, dict):
+        to_dict = getattr(config, "to_dict", None)
+        as_dict = to_dict() if callable(to_dict) else None
+        if not isinstance(as_dict, dict):
+            raise ValueError(f"lora_config: expected a peft LoraConfig or its to_dict(), got {type(config).__name__}")
+        config = as_dict
+    peft_type = config.get("peft_type")
+    if peft_type is not None and str(getattr(peft_type, "value", peft_type)) != "LORA":
+        raise ValueError(f"lora_config: peft_type {peft_type!r} is not modelled (LORA is)")
+    if config.get("inference_mode"):
+        raise ValueError("lora_config: inference_mode=True freezes the adapters; nothing would train")
+    init = config.get("init_lora_weights", True)
+    if init not in (True, False, "gaussian"):
+        raise ValueError(f"lora_config: init_lora_weights={init!r} is not modelled (True, False and \"gaussian\" "
+                         "are: the others rewrite the base weights or need data)")
+    for name, value in config.items():
+        if name in _LORA_NEUTRAL or name in _LORA_MAPPED or _unset(value):
+            continue
+        raise ValueError(f"lora_config: {name}={value!r} is not modelled; the engine models plain LoRA adapters "
+                         "(r, target_modules, lora_dropout)")
+    if "r" not in config:
+        raise ValueError("lora_config: no r (the adapters' rank)")
+    knobs: dict[str, Any] = {"lora_rank": _positive_int(config["r"], "lora_config r")}
+    targets = config.get("target_modules")
+    if targets is None:
+        knobs["lora_targets"] = "default"
+    elif isinstance(targets, str):
+        if targets != "all-linear":
+            raise ValueError(f"lora_config: target_modules={targets!r} is a regular expression peft matches against "
+                             "full module paths, which is not mapped; give the module names as a list, or "
+                             "\"all-linear\"")
+        knobs["lora_targets"] = "all-linear"
+    elif isinstance(targets, (list, tuple, set, frozenset)) and targets and all(
+            isinstance(t, str) and t for t in targets):
+        knobs["lora_targets"] = sorted(targets)  # a set has no order; peft's matching has none either
+    else:
+        raise ValueError(f"lora_config: target_modules must be None, \"all-linear\" or module names, got {targets!r}")
+    dropout = config.get("lora_dropout", 0.0)
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise ValueError(f"lora_config: lora_dropout must be a number in [0, 1), got {dropout!r}")
+    if dropout:
+        knobs["lora_dropout"] = float(dropout)
     return knobs
 
 

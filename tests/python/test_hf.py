@@ -613,7 +613,7 @@ def test_an_unprepared_sharded_qlora_base():
     ({"bnb_4bit_quant_storage": "float16"}, {}, "bnb_4bit_quant_storage=float16 is not modelled"),
     ({"load_in_4bit": False, "load_in_8bit": True}, {}, "load_in_8bit training"),
     ({}, {"model_dtype": "float16"}, "float16-loaded 4-bit base trained in bf16-mixed"),
-    ({}, {"peft": False}, "pass peft=True"),
+    ({}, {"peft": False}, "pass peft="),
     (None, {}, r"expected a BitsAndBytesConfig or its to_dict\(\), got list"),
 ])
 def test_unmodelled_qlora_settings_are_refused(change, kw, message):
@@ -680,3 +680,49 @@ def test_a_deepspeed_qlora_run_maps_onto_zero_over_a_4bit_base():
     with pytest.raises(ValueError, match="float32-loaded 4-bit base trained in bf16-master"):
         trainmem.hf.recipe_from_training_arguments(d, model_dtype="float32", peft=True, gpus=2,
                                                    quantization_config=QLORA)
+
+
+def test_a_lora_config_maps_to_the_adapter_knobs():
+    """peft's LoraConfig (or adapter_config.json's dict) gives lora_rank, lora_targets and
+    lora_dropout; its scaling holds no memory. Passed as `peft`, it joins the Trainer's knobs."""
+    peft = pytest.importorskip("peft")
+    cfg = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, use_rslora=True,
+                          target_modules=["v_proj", "q_proj", "o_proj"], task_type="CAUSAL_LM")
+    knobs = trainmem.hf.recipe_from_lora_config(cfg)
+    assert knobs == {"lora_rank": 16, "lora_targets": ["o_proj", "q_proj", "v_proj"], "lora_dropout": 0.05}
+    assert trainmem.hf.recipe_from_lora_config(peft.LoraConfig(r=8)) == {"lora_rank": 8, "lora_targets": "default"}
+    assert trainmem.hf.recipe_from_lora_config({"peft_type": "LORA", "r": 4, "target_modules": "all-linear",
+                                                "bias": "none", "lora_alpha": 8})["lora_targets"] == "all-linear"
+    est = trainmem.estimate("qwen3-0.6b", seq=128, batch=1, **knobs)
+    assert est.recipe["lora_rank"] == 16
+    assert est.recipe["lora_targets"] == ["self_attn.q_proj", "self_attn.v_proj", "self_attn.o_proj"]
+    # A peft model under DDP: the Trainer's find_unused_parameters, and the adapters.
+    d = args(per_device_train_batch_size=2, gradient_checkpointing=True, optim="adamw_torch").to_dict()
+    knobs = trainmem.hf.recipe_from_training_arguments(d, seq=128, gpus=2, peft=cfg)
+    assert knobs["ddp_find_unused_parameters"] is True and knobs["lora_rank"] == 16
+    assert knobs == {**trainmem.hf.recipe_from_training_arguments(d, seq=128, gpus=2, peft=True),
+                     **trainmem.hf.recipe_from_lora_config(cfg)}
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"use_dora": True}, "use_dora"),
+    ({"bias": "all"}, "bias"),
+    ({"lora_bias": True}, "lora_bias"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ({"rank_pattern": {"q_proj": 4}}, "rank_pattern"),
+    ({"layers_to_transform": [0]}, "layers_to_transform"),
+    ({"exclude_modules": ["k_proj"]}, "exclude_modules"),
+    ({"target_modules": r".*\.q_proj"}, "regular expression"),
+    ({"init_lora_weights": "pissa"}, "init_lora_weights"),
+    ({"inference_mode": True}, "inference_mode"),
+    ({"r": 0}, "r"),
+    ({"lora_dropout": 1.5}, "lora_dropout"),
+])
+def test_lora_configs_that_are_not_modelled_are_refused(change, named):
+    peft = pytest.importorskip("peft")
+    d = peft.LoraConfig(r=8).to_dict()
+    d.update(change)
+    with pytest.raises(ValueError, match=named):
+        trainmem.hf.recipe_from_lora_config(d)
+    with pytest.raises(ValueError, match="LoraConfig"):
+        trainmem.hf.recipe_from_lora_config(42)
