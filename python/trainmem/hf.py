@@ -184,9 +184,8 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
 
     `model_use_cache` is the model config's use_cache (True for most published configs): a Trainer
     run without checkpointing keeps it, so each training forward copies every layer's keys and
-    values into a DynamicCache held to the loss (the recipe's `use_cache`; not mapped under
-    DeepSpeed: pass False where the run sets model.config.use_cache = False, as many fine-tuning
-    scripts do).
+    values into a DynamicCache held to the loss (the recipe's `use_cache`): pass False where the run
+    sets model.config.use_cache = False, as many fine-tuning scripts do.
 
     Not modelled, so refused: FSDP1, FSDP2's hybrid sharding options, FSDP's own
     activation_checkpointing (checkpoint_wrapper) and size-based wrapping, checkpointing of every
@@ -248,9 +247,7 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
         if model_dtype != "float32" and knobs["precision"] != "bf16-master":
             raise ValueError(f"model_dtype={model_dtype!r} under DeepSpeed without its bf16 mode: a half model "
                              "trained without master weights by a ZeRO optimizer is not modelled")
-        if _get(args, "use_liger_kernel", False):
-            knobs["loss"] = "fused"  # Liger's fused linear cross-entropy, which the Trainer applies first
-        return knobs
+        return _liger_and_cache(args, knobs, model_use_cache)
     knobs: dict[str, Any] = {}
     if _get(args, "fsdp"):
         knobs.update(_fsdp_knobs(args))
@@ -339,14 +336,21 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
             knobs["ddp_no_sync"] = True  # Note [DDP no_sync]
         elif knobs.get("parallel") == "fsdp":
             knobs["fsdp_no_sync"] = True  # Note [FSDP2 no_sync]: unsharded gradients held to the last
-    if _get(args, "use_liger_kernel", False):
-        knobs["loss"] = "fused"  # Liger's fused linear cross-entropy
-    elif model_use_cache and knobs["checkpointing"] == "none":
-        # transformers turns the cache off only under checkpointing (Note [A cache in training]).
-        knobs["use_cache"] = True
+    _liger_and_cache(args, knobs, model_use_cache)
     if gpu is not None:
         knobs["gpu"] = gpu
     return _refuse_reentrant_find_unused(knobs)
+
+
+def _liger_and_cache(args: Any, knobs: dict[str, Any], model_use_cache: bool) -> dict[str, Any]:
+    """Liger's fused linear cross-entropy, which the Trainer applies first; and the training
+    forward's DynamicCache, which transformers turns off only under checkpointing (Note [A cache in
+    training]; Liger's forward keeps it through its loss too)."""
+    if _get(args, "use_liger_kernel", False):
+        knobs["loss"] = "fused"
+    if model_use_cache and knobs.get("checkpointing", "none") == "none":
+        knobs["use_cache"] = True
+    return knobs
 
 
 def _refuse_unmodelled_trainer_settings(args: Any) -> None:

@@ -653,6 +653,10 @@ ValueId StepBuilder::fused_loss(T& hidden, std::uint32_t emb) {
   t_.drop(safe_t);
   t_.drop(targets);
   t_.drop(hidden);
+  // Liger's forward returns the base model's output, its DynamicCache included, beside the loss;
+  // the Trainer drops it before backward (Note [A cache in training]).
+  for (TensorId id : cache_) t_.release(id);
+  cache_.clear();
   return scale_loss(loss);
 }
 

@@ -1152,7 +1152,10 @@ T StepBuilder::attention_module(const T& x, const LayerParams& lp) {
 // output until it is dropped before backward. Under SDPA over the key/value heads the copies are
 // what it saves anyway; where eager attention (or SDPA past head_dim 256) repeats them, they
 // are extra to the loss. A sliding-window layer's DynamicSlidingWindowLayer makes the same copies
-// and keeps a slice of them, a view that holds them whole. Measured: cpu-*-usecache-*.
+// and keeps a slice of them, a view that holds them whole. Under ZeRO the same (DeepSpeed's hooks
+// gather parameters, not activations). Liger's fused-loss forward keeps the base model's output,
+// the cache in it, through the loss and returns it beside the loss, so the copies live through
+// the loss there too. Measured: cpu-*-usecache-*.
 // Each DynamicSlidingWindowLayer makes torch.tensor(sliding_window) when the cache is made (after
 // the embedding): a 0-dim int64 in host memory, which lazy_initialization moves to the device at
 // the layer's first update. Host memory is the device on the CPU; on CUDA the copy comes then.

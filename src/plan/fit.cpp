@@ -541,8 +541,7 @@ void keep_own_wrapper_knobs(Recipe& r) {
   r.fp32_outputs = r.fp32_outputs && fp32_outputs_modelled(r);
   // A training forward's cache goes where transformers keeps it (not under checkpointing) and the
   // engine models it (Note [A cache in training]).
-  r.use_cache = r.use_cache && r.checkpointing == Checkpointing::kNone && r.loss == Loss::kStandard &&
-                !is_zero(r.parallel) && r.tp == 1 && r.pp == 1 && r.cp == 1;
+  r.use_cache = r.use_cache && r.checkpointing == Checkpointing::kNone && r.tp == 1 && r.pp == 1 && r.cp == 1;
   // A half load dtype goes with its autocast; any other precision loads the model in its own dtype
   // (bf16-true: bf16 again, without the autocast).
   if (r.load_dtype != LoadDtype::kAuto && r.precision != autocast_of(r.load_dtype)) r.load_dtype = LoadDtype::kAuto;

@@ -601,10 +601,9 @@ void Recipe::validate() const {
       throw Error("attention_mask: padded needs seq >= 2 (a row's first token is never padding)");
     }
   }
-  if (use_cache && (mode == Mode::kInference || checkpointing != Checkpointing::kNone || loss != Loss::kStandard ||
-                    is_zero(parallel) || tp > 1 || pp > 1 || cp > 1)) {
+  if (use_cache && (mode == Mode::kInference || checkpointing != Checkpointing::kNone || tp > 1 || pp > 1 || cp > 1)) {
     throw Error("use_cache: a training forward's DynamicCache is modelled without checkpointing (which turns it "
-                "off), with the standard loss, on one GPU, under DDP or under FSDP2 (generation always caches)");
+                "off), on one GPU, under DDP, FSDP2 or ZeRO (generation always caches)");
   }
   if (fsdp.no_sync && (pp > 1 || cp > 1)) {
     throw Error("fsdp_no_sync: Accelerate's no_sync accumulation is modelled for plain FSDP2 and HSDP (a pipeline "

@@ -261,6 +261,24 @@ TEST(TrainingCache, CopiesEachLayersKeysAndValuesToTheLoss) {
   const std::uint64_t plain = forward_peak(r);
   r.use_cache = true;
   EXPECT_EQ(forward_peak(r) - plain, 2u * 2 * (2 * 128 * 64 * 4));  // two layers' K and V, one head
+  // Liger's forward holds the cache through its fused loss too (measured:
+  // cpu-llamaw512l2mqa-fp32-sgd-eager-fusedloss-usecache-b2s128); ZeRO keeps it as one GPU does.
+  auto loss_peak = [&](const Recipe& recipe) {
+    for (const PhasePeak& p : estimate(mqa, recipe, phases).phases) {
+      if (p.phase == Phase::kLoss) return p.peak_allocated_bytes;
+    }
+    return std::uint64_t{0};
+  };
+  Recipe fused = r;
+  fused.loss = Loss::kFused;
+  const std::uint64_t with_cache = loss_peak(fused);
+  fused.use_cache = false;
+  EXPECT_EQ(with_cache - loss_peak(fused), 2u * 2 * (2 * 128 * 64 * 4));
+  Recipe zero = r;
+  zero.parallel = Parallel::kZero2;
+  zero.gpus = 2;
+  zero.optimizer = Optimizer::kAdamW;
+  EXPECT_NO_THROW(zero.validate());
   r.checkpointing = Checkpointing::kFull;
   EXPECT_NE(testing::error_of([&] { r.validate(); }).find("use_cache"), std::string::npos);
 }

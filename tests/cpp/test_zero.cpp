@@ -279,6 +279,7 @@ TEST(ZeroRanks, EveryRankOfTheMeasurements) {
     sp.loss = rj.value("loss", "standard");
     sp.lora_rank = rj.value("lora_rank", std::uint64_t{0});
     sp.lora_dropout = rj.value("lora_dropout", 0.0);
+    sp.use_cache = rj.value("use_cache", false);  // a Trainer run's training cache under ZeRO
     sp.load_in_4bit = rj.value("load_in_4bit", false);  // QLoRA under ZeRO
     if (sp.load_in_4bit) {
       sp.bnb_4bit_quant_type = rj.value("bnb_4bit_quant_type", std::string("fp4"));

@@ -472,7 +472,8 @@ def test_an_fsdp_run_without_a_version_is_fsdp2(tmp_path):
 
 def test_the_training_cache_the_trainer_leaves_on():
     """Without checkpointing a Trainer run keeps the config's use_cache (Note [A cache in training];
-    measured: cpu-*-usecache-*); checkpointing, a config that turns it off, or Liger's loss do not."""
+    measured: cpu-*-usecache-*), under DeepSpeed and with Liger's loss too (cpu-zero*-*-usecache-*,
+    cpu-*-fusedloss-usecache-*); checkpointing or a config that turns it off do not."""
     hf = trainmem.hf.recipe_from_training_arguments
     knobs = hf(args(), seq=64)
     assert knobs["use_cache"] is True
@@ -481,6 +482,15 @@ def test_the_training_cache_the_trainer_leaves_on():
     assert "use_cache" not in hf(args(gradient_checkpointing=True), seq=64)
     # sliding-window layers' caches copy the same (measured: cpu-gemma2w512l2-*-usecache-*)
     assert trainmem.estimate("gemma-2-2b", **knobs).recipe["use_cache"] is True
+    liger = hf({"use_liger_kernel": True}, seq=64)
+    assert (liger["loss"], liger["use_cache"]) == ("fused", True)
+    def deepspeed(stage):
+        return {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": "auto"}
+
+    zero = hf({"deepspeed": deepspeed(2)}, seq=64, gpus=2)
+    assert (zero["parallel"], zero["use_cache"]) == ("zero2", True)
+    assert trainmem.estimate("qwen3-0.6b", **zero).recipe["use_cache"] is True
+    assert "use_cache" not in hf({"deepspeed": deepspeed(3), "gradient_checkpointing": True}, seq=64, gpus=2)
 
 
 def test_unreadable_deepspeed_configs(tmp_path):

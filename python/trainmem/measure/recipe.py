@@ -287,10 +287,9 @@ class Recipe:
                               "or tensor parallelism)")
         if not isinstance(self.use_cache, bool):
             raise RecipeError(f"use_cache must be true or false, got {self.use_cache!r}")
-        if self.use_cache and (self.is_inference or self.checkpointing != "none" or self.loss != "standard"
-                               or self.is_tp or self.is_pp or self.parallel.startswith("zero")):
-            raise RecipeError("use_cache is measured in training without checkpointing, with the standard loss, on one "
-                              "process, under DDP or under FSDP2")
+        if self.use_cache and (self.is_inference or self.checkpointing != "none" or self.is_tp or self.is_pp):
+            raise RecipeError("use_cache is measured in training without checkpointing, on one process, under DDP, "
+                              "FSDP2 or ZeRO")
         if not isinstance(self.fp32_outputs, bool):
             raise RecipeError(f"fp32_outputs must be true or false, got {self.fp32_outputs!r}")
         if self.fp32_outputs:  # as the engine takes it: Accelerate's native mixed precision, training

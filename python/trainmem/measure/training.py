@@ -222,13 +222,16 @@ def hf_loss_fn(model, recipe: Recipe, tracker: MemoryTracker):
 
     def forward_and_loss(batch):
         input_ids, labels, *mask = batch
-        hidden = base(input_ids=input_ids, attention_mask=mask[0] if mask else None,
-                      use_cache=False).last_hidden_state
+        # Liger's forward keeps the base model's output, and the DynamicCache in it under use_cache,
+        # through the loss and returns it with the loss; the Trainer drops it before backward.
+        out = base(input_ids=input_ids, attention_mask=mask[0] if mask else None, use_cache=recipe.use_cache)
+        hidden = out.last_hidden_state
         tracker.set_phase("loss")
         with tracker.scope(LOSS):
             loss = fused_linear_cross_entropy(hidden, head.weight, labels,
                                               compute_dtype=compute_dtype, softcap=softcap)
         tracker.label_graph(loss, LOSS)
+        del out
         return loss
 
     return forward_and_loss
