@@ -153,6 +153,16 @@ def test_single_new_token_is_prefill_only():
     assert result["peak"]["phase"] == "prefill"
 
 
+def test_a_config_that_asks_generate_for_hidden_states_is_measured():
+    """output_hidden_states in config.json makes generate() return an output object (the engine
+    refuses it as unmodelled); the measurement reads its sequences and holds the extra tensors."""
+    plain = measure(spec(GPT2), Recipe(mode="inference", seq=8, precision="fp32", new_tokens=3))
+    result = measure(spec({**GPT2, "output_hidden_states": True}),
+                     Recipe(mode="inference", seq=8, precision="fp32", new_tokens=3))
+    assert result["diagnostics"]["generation"]["output_shape"] == [1, 11]
+    assert result["peak_allocated_bytes"] > plain["peak_allocated_bytes"]
+
+
 def test_cli_inference_json(capsys, tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(GPT2))

@@ -239,7 +239,9 @@ def run_generation(model: torch.nn.Module, recipe: Recipe, tracker: MemoryTracke
             out = model.generate(input_ids=input_ids, attention_mask=attention_mask,
                                  max_new_tokens=recipe.new_tokens, num_beams=recipe.beams, do_sample=False,
                                  eos_token_id=None, pad_token_id=0, use_cache=True)
-        info["output_shape"] = list(out.shape)
+        # A config that asks for hidden states, attentions or scores (return_dict_in_generate and the
+        # output_* keys) makes generate() return an output object; its sequences are the tensor.
+        info["output_shape"] = list(getattr(out, "sequences", out).shape)
         info["cache"] = watcher.summary()
         del out
         tracker.collect_garbage()
