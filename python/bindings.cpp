@@ -102,6 +102,7 @@ NB_MODULE(_core, m) {
       .def_rw("fp32_outputs", &RecipeSpelling::fp32_outputs)
       .def_rw("fsdp_no_sync", &RecipeSpelling::fsdp_no_sync)
       .def_rw("use_cache", &RecipeSpelling::use_cache)
+      .def_rw("clip_grad_norm", &RecipeSpelling::clip_grad_norm)
       .def_rw("offload", &RecipeSpelling::offload);
 
   nb::class_<trainmem::Estimate>(m, "Estimate")

@@ -110,6 +110,7 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     "ddp_no_sync": False,  # parallel ddp: no_sync() on every micro-batch but the step's last (Accelerate, HF Trainer)
     "fsdp_no_sync": False,  # parallel fsdp: set_requires_gradient_sync(False) until the step's last micro-batch
     "use_cache": False,  # training forwards build their DynamicCache (a Trainer run without checkpointing)
+    "clip_grad_norm": False,  # clip_grad_norm_ before each optimizer step (Hugging Face's Trainer)
     "fp32_outputs": False,  # bf16-mixed / fp16-mixed: Accelerate's convert_outputs_to_fp32 (HF Trainer)
     "offload": "none",  # none | optimizer (DeepSpeed offload_optimizer, zero1 / zero2)
 }
@@ -148,7 +149,8 @@ def _spelling(knobs: dict[str, Any]):
             value = float(value)
         elif name in ("load_in_4bit", "bnb_4bit_use_double_quant", "load_in_8bit", "fsdp_reshard_after_forward", "prepare_kbit_training",
                       "sequence_parallel", "loss_parallel", "ddp_find_unused_parameters", "ddp_gradient_as_bucket_view",
-                      "ddp_no_sync", "fp32_outputs", "fsdp_no_sync", "use_cache"):
+                      "ddp_no_sync", "fp32_outputs", "fsdp_no_sync", "use_cache",
+                      "clip_grad_norm"):
             if not isinstance(value, bool):
                 raise ValueError(f"{name}: must be True or False, got {value!r}")
         elif name == "lora_targets" and isinstance(value, (list, tuple)):

@@ -182,6 +182,10 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
     use_reentrant=True, or without it: torch's default); every_n_layers other than 1, offload and
     early_stop=False are refused.
 
+    Every optimizer step the Trainer calls clip_grad_norm_ (also with max_grad_norm 0, to log the
+    norm): the recipe's `clip_grad_norm`, on one GPU and under DDP (DeepSpeed clips in its own
+    step; under FSDP2 the norms over DTensors are not modelled and left out, a few small tensors).
+
     `model_use_cache` is the model config's use_cache (True for most published configs): a Trainer
     run without checkpointing keeps it, so each training forward copies every layer's keys and
     values into a DynamicCache held to the loss (the recipe's `use_cache`): pass False where the run
@@ -337,6 +341,10 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
         elif knobs.get("parallel") == "fsdp":
             knobs["fsdp_no_sync"] = True  # Note [FSDP2 no_sync]: unsharded gradients held to the last
     _liger_and_cache(args, knobs, model_use_cache)
+    if knobs.get("parallel") != "fsdp":
+        # Every optimizer step: accelerator.clip_grad_norm_ (max_grad_norm, or inf to log the norm
+        # when it is 0), torch's clip_grad_norm_ outside DeepSpeed (Note [Gradient clipping]).
+        knobs["clip_grad_norm"] = True
     if gpu is not None:
         knobs["gpu"] = gpu
     return _refuse_reentrant_find_unused(knobs)

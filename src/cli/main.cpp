@@ -78,6 +78,7 @@ struct RecipeFlags {
   bool fp32_outputs = false;
   bool fsdp_no_sync = false;
   bool use_cache = false;
+  bool clip_grad_norm = false;
   std::string quant_type = "";
   std::string load_dtype = "auto";
   std::string quant_storage = "uint8";
@@ -187,6 +188,10 @@ struct RecipeFlags {
                                        "Training forwards with use_cache true (the config's default, which a Trainer "
                                        "run without checkpointing keeps): each layer's keys and values copied into a "
                                        "DynamicCache held to the loss"));
+    options.emplace_back("clip_grad_norm",
+                         app->add_flag("--clip-grad-norm", clip_grad_norm,
+                                       "torch.nn.utils.clip_grad_norm_ before each optimizer step, as Hugging Face's "
+                                       "Trainer runs it (the total norm kept to the next step)"));
     options.emplace_back("fp32_outputs",
                          app->add_flag("--fp32-outputs", fp32_outputs,
                                        "With bf16-mixed or fp16-mixed: the model's half logits copied to fp32 when "
@@ -280,6 +285,7 @@ struct RecipeFlags {
     sp.fp32_outputs = fp32_outputs;
     sp.fsdp_no_sync = fsdp_no_sync;
     sp.use_cache = use_cache;
+    sp.clip_grad_norm = clip_grad_norm;
     sp.fsdp_replicate = parse_count(fsdp_replicate, "fsdp_replicate");
     sp.fsdp_param_dtype = fsdp_param_dtype;
     sp.fsdp_reduce_dtype = fsdp_reduce_dtype;
@@ -423,6 +429,7 @@ std::string compare(const std::string& path, bool as_json) {
   sp.fp32_outputs = flag("fp32_outputs", false);
   sp.fsdp_no_sync = flag("fsdp_no_sync", false);
   sp.use_cache = flag("use_cache", false);
+  sp.clip_grad_norm = flag("clip_grad_norm", false);
   sp.fsdp_replicate = count("fsdp_replicate", sp.fsdp_replicate);
   sp.fsdp_param_dtype = text("fsdp_param_dtype", sp.fsdp_param_dtype.c_str());
   sp.fsdp_reduce_dtype = text("fsdp_reduce_dtype", sp.fsdp_reduce_dtype.c_str());

@@ -95,6 +95,10 @@ void StepBuilder::optimizer_step(bool first) {
   } else {  // several pipeline stages per rank: each stage's wrapper, in stage order
     for (DataParallel& d : pp_dps_) d.before_optimizer();
   }
+  if (grad_norm_ != kNone) {  // the Trainer's `grad_norm = None` as the sync step begins
+    t_.release(grad_norm_);
+    grad_norm_ = kNone;
+  }
   TensorId found_inf = kNone;
   if (r_.precision == Precision::kFp16Mixed) {
     // GradScaler.unscale_ (torch/amp/grad_scaler.py): inv_scale = scale.double().reciprocal()
@@ -116,6 +120,9 @@ void StepBuilder::optimizer_step(bool first) {
     t_.release(inv_scale);
     t_.release(master_found_inf);
   }
+  // Accelerate's clip_grad_norm_ unscales first (unscale_gradients), so scaler.step() does not again.
+  const std::vector<std::uint32_t> order = optimizer_order();
+  if (r_.clip_grad_norm) clip_grad_norm(order);
   // An optimizer that takes the scaling itself (fused AdamW: _step_supports_amp_scaling) is
   // handed optimizer.found_inf = sum(found_inf per device), a new 0-dim tensor that lives
   // through optimizer.step() (state creation included) and is deleted after it.
@@ -126,7 +133,6 @@ void StepBuilder::optimizer_step(bool first) {
   // The parameters in model.parameters() order (See Note [Parameter registration order]): the
   // master gradients are made, the optimizer walks them (Adafactor's loop keeps one parameter's
   // temporaries into the next's: Note [Adafactor's loop variables]) and zero_grad frees them in it.
-  const std::vector<std::uint32_t> order = optimizer_order();
   if (pol_.master && !dp_->zero()) {
     // fp32 gradients for the master copy, parameter by parameter; the half .grad goes.
     op("optimizer.master_grads");
@@ -175,6 +181,75 @@ void StepBuilder::optimizer_step(bool first) {
       t_.set_param_grad(p.slot, kNone);
     }
   }
+}
+
+// Note [Gradient clipping]
+// Hugging Face's Trainer calls accelerator.clip_grad_norm_(model.parameters(), max_grad_norm) at
+// every optimizer step (transformers 5 also with max_grad_norm 0, as clip_grad_norm_(..., inf), to
+// log the norm), and keeps the returned total norm in its loop's grad_norm until the next step sets
+// it to None. Outside DeepSpeed and FSDP that is torch.nn.utils.clip_grad_norm_ (nn/utils/
+// clip_grad.py), after the GradScaler's unscale_ under fp16:
+//  * _get_total_norm: the gradients (those not None, in model.parameters() order) grouped by dtype;
+//    each group's _foreach_norm makes one 0-dim norm per gradient. On CUDA that is
+//    _foreach_tensor_norm_cuda_impl (ForeachReduceOp.cu): a zeroed fp32 buffer of n ×
+//    max_chunks_per_tensor partial sums (chunks of 65,536 elements; the largest gradient's count)
+//    and a zeroed 320-float global buffer, then the n results and a global 0-dim, the buffers and
+//    the global one freed as it returns; on the CPU its slow path, linalg_vector_norm per gradient.
+//    Then torch.stack of the norms (n elements), its vector_norm (the total, 0-dim), the stack
+//    freed, and the norms list as the function returns (a list lets its items go last first).
+//  * _clip_grads_with_norm_: clip_coef = max_norm / (total_norm + 1e-6), where a float over a
+//    tensor is reciprocal() * max_norm; clamp(max=1.0); _foreach_mul_ in place; the two coefficients
+//    go with the frame, in the order they were named.
+// The norms take the gradients' dtype (the accumulation is fp32 inside the kernels).
+void StepBuilder::clip_grad_norm(const std::vector<std::uint32_t>& order) {
+  op("clip_grad_norm_");
+  std::vector<DType> dtypes;  // the groups, in order of first appearance
+  std::vector<std::uint64_t> count, chunks;
+  for (std::uint32_t pi : order) {
+    const Param& p = params_[pi];
+    if (t_.param_grad(p.slot) == kNone) continue;
+    std::size_t g = 0;
+    while (g < dtypes.size() && dtypes[g] != p.dtype) ++g;
+    if (g == dtypes.size()) {
+      dtypes.push_back(p.dtype);
+      count.push_back(0);
+      chunks.push_back(0);
+    }
+    ++count[g];
+    chunks[g] = std::max(chunks[g], (p.numel + 65'535) / 65'536);
+  }
+  if (dtypes.empty()) return;  // no gradient: a CPU tensor(0.0)
+  std::vector<TensorId> norms;
+  DType stacked_dtype = dtypes.front();
+  for (std::size_t g = 0; g < dtypes.size(); ++g) {
+    const std::uint64_t item = dtype_bytes(dtypes[g]);
+    if (dtype_bytes(dtypes[g]) > dtype_bytes(stacked_dtype)) stacked_dtype = dtypes[g];  // stack promotes
+    if (cuda_) {
+      const TensorId partial = t_.alloc_bytes(count[g] * chunks[g] * 4, Category::kTemporaries);
+      const TensorId global_partial = t_.alloc_bytes(320 * 4, Category::kTemporaries);
+      for (std::uint64_t i = 0; i < count[g]; ++i) norms.push_back(t_.alloc_bytes(item, Category::kTemporaries));
+      const TensorId global = t_.alloc_bytes(item, Category::kTemporaries);
+      t_.release(global);
+      t_.release(global_partial);
+      t_.release(partial);
+    } else {
+      for (std::uint64_t i = 0; i < count[g]; ++i) norms.push_back(t_.alloc_bytes(item, Category::kTemporaries));
+    }
+  }
+  const std::uint64_t item = dtype_bytes(stacked_dtype);
+  const TensorId stacked = t_.alloc_bytes(norms.size() * item, Category::kTemporaries);
+  const TensorId total = t_.alloc_bytes(item, Category::kTemporaries);
+  t_.release(stacked);
+  for (auto it = norms.rbegin(); it != norms.rend(); ++it) t_.release(*it);
+  const TensorId shifted = t_.alloc_bytes(item, Category::kTemporaries);  // total_norm + 1e-6
+  const TensorId reciprocal = t_.alloc_bytes(item, Category::kTemporaries);
+  const TensorId coef = t_.alloc_bytes(item, Category::kTemporaries);
+  t_.release(reciprocal);
+  t_.release(shifted);
+  const TensorId clamped = t_.alloc_bytes(item, Category::kTemporaries);
+  t_.release(coef);
+  t_.release(clamped);
+  grad_norm_ = total;
 }
 
 // The torch optimizer's step over `opt` (its parameters, state made at the first step).

@@ -605,6 +605,7 @@ class StepBuilder {
   void bnb_quantization_maps();
   void optimizer_step(bool first);
   std::vector<std::uint32_t> optimizer_order() const;  // model.parameters() order, indices into params_
+  void clip_grad_norm(const std::vector<std::uint32_t>& order);
   void step_parameters(const std::vector<const Param*>& opt, bool first);
 
   // ================================================================ generation (generation.cpp)
@@ -715,6 +716,7 @@ class StepBuilder {
   // The stage pp_forward / pp_backward run (rank_ with one stage per rank) and its receive
   // buffers' offset in pp_recv_act_ / pp_recv_grad_ (local stage x micro-batches).
   std::uint64_t pp_stage_ = 0, pp_slot_ = 0;
+  TensorId grad_norm_ = kNone;  // the Trainer's grad_norm: clip_grad_norm_'s total norm, kept to the next step
   std::vector<TensorId> cache_;  // a training forward's DynamicCache (Recipe::use_cache): its keys and values
   bool in_lm_head_ = false;  // ZeRO-3: lm_head's nn.Linear (tied: a second module over wte)
   // Layer stamping: whether this recipe may stamp, the templates, the tables of the layer at

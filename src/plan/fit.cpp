@@ -407,7 +407,8 @@ class Planner {
     }
     k += "/load" + std::string(to_string(r.load_dtype));
     k += std::string(r.ddp_find_unused_parameters ? "/unused" : "") + (r.ddp_gradient_as_bucket_view ? "/gradview" : "") +
-         (r.ddp_no_sync ? "/nosync" : "") + (r.fp32_outputs ? "/fp32out" : "") + (r.use_cache ? "/cache" : "");
+         (r.ddp_no_sync ? "/nosync" : "") + (r.fp32_outputs ? "/fp32out" : "") + (r.use_cache ? "/cache" : "") +
+         (r.clip_grad_norm ? "/clip" : "");
     return k;
   }
 
@@ -539,6 +540,8 @@ void keep_own_wrapper_knobs(Recipe& r) {
   r.fsdp.no_sync = no_sync && plain && r.tp == 1 && r.parallel == Parallel::kFsdp;
   // Accelerate's fp32 outputs go with its native mixed precision, on one GPU, DDP or FSDP2.
   r.fp32_outputs = r.fp32_outputs && fp32_outputs_modelled(r);
+  // The Trainer's clip goes where it is modelled (DeepSpeed clips in its own step).
+  r.clip_grad_norm = r.clip_grad_norm && clip_grad_norm_modelled(r);
   // A training forward's cache goes where transformers keeps it (not under checkpointing) and the
   // engine models it (Note [A cache in training]).
   r.use_cache = r.use_cache && r.checkpointing == Checkpointing::kNone && r.tp == 1 && r.pp == 1 && r.cp == 1;

@@ -443,6 +443,14 @@ bool fp32_outputs_modelled(const Recipe& r) {
          r.tp == 1 && r.pp == 1 && r.cp == 1;
 }
 
+bool clip_grad_norm_modelled(const Recipe& r) {
+  // DeepSpeed clips inside its own step (Note [DeepSpeed ZeRO-1/2]); FSDP2 and tensor parallelism
+  // would take the norms of DTensors, a pipeline runs no Trainer; bf16-master outside ZeRO is no
+  // Trainer recipe (its master gradients come after the clip).
+  return r.mode == Mode::kTraining && (r.parallel == Parallel::kNone || r.parallel == Parallel::kDdp) &&
+         r.tp == 1 && r.pp == 1 && r.cp == 1 && r.precision != Precision::kBf16Master;
+}
+
 Precision autocast_of(LoadDtype d) { return d == LoadDtype::kBf16 ? Precision::kBf16Mixed : Precision::kFp16Mixed; }
 
 std::string_view to_string(Precision x) { return name_of(kPrecisions, x); }
@@ -535,6 +543,7 @@ Recipe parse_recipe(const RecipeSpelling& in) {
   r.ddp_no_sync = in.ddp_no_sync;
   r.fp32_outputs = in.fp32_outputs;
   r.use_cache = in.use_cache;
+  r.clip_grad_norm = in.clip_grad_norm;
   r.fsdp.replicate = in.fsdp_replicate;
   r.fsdp.param_dtype = parse_fsdp_dtype(in.fsdp_param_dtype, "fsdp_param_dtype");
   r.fsdp.reduce_dtype = parse_fsdp_dtype(in.fsdp_reduce_dtype, "fsdp_reduce_dtype");
@@ -608,6 +617,11 @@ void Recipe::validate() const {
   if (fsdp.no_sync && (pp > 1 || cp > 1)) {
     throw Error("fsdp_no_sync: Accelerate's no_sync accumulation is modelled for plain FSDP2 and HSDP (a pipeline "
                 "runs its own, context parallelism is not Accelerate's)");
+  }
+  if (clip_grad_norm && !clip_grad_norm_modelled(*this)) {
+    throw Error("clip_grad_norm: torch.nn.utils.clip_grad_norm_ is modelled in training on one GPU and under DDP, "
+                "without tensor, pipeline or context parallelism and not with bf16-master (DeepSpeed clips in its "
+                "own step; FSDP2's norms over DTensors are not modelled)");
   }
   if (fp32_outputs && !fp32_outputs_modelled(*this)) {
     if (precision != Precision::kBf16Mixed && precision != Precision::kFp16Mixed) {

@@ -86,6 +86,7 @@ ordered_json recipe_object(const Recipe& r) {
   if (r.ddp_no_sync) j["ddp_no_sync"] = true;
   if (r.fp32_outputs) j["fp32_outputs"] = true;
   if (r.use_cache) j["use_cache"] = true;
+  if (r.clip_grad_norm) j["clip_grad_norm"] = true;
   if (r.offload != Offload::kNone) j["offload"] = to_string(r.offload);  // only when offloading
   if (r.mode == Mode::kInference) {
     j["new_tokens"] = r.new_tokens;
@@ -503,11 +504,11 @@ std::string to_text(const Estimate& e) {
         static_cast<unsigned long long>(r.new_tokens), search.c_str(), std::string(to_string(r.precision)).c_str(),
         std::string(to_string(r.attention)).c_str());
   } else {
-    add("recipe: batch %llu × seq %llu, grad_accum %llu, %s%s, %s, checkpointing %s, attention %s, loss %s%s%s\n",
+    add("recipe: batch %llu × seq %llu, grad_accum %llu, %s%s, %s%s, checkpointing %s, attention %s, loss %s%s%s\n",
         static_cast<unsigned long long>(r.batch), static_cast<unsigned long long>(r.seq),
         static_cast<unsigned long long>(r.grad_accum), std::string(to_string(r.precision)).c_str(),
-        r.fp32_outputs ? " (outputs to fp32)" : "",
-        std::string(to_string(r.optimizer)).c_str(), std::string(to_string(r.checkpointing)).c_str(),
+        r.fp32_outputs ? " (outputs to fp32)" : "", std::string(to_string(r.optimizer)).c_str(),
+        r.clip_grad_norm ? " after clip_grad_norm_" : "", std::string(to_string(r.checkpointing)).c_str(),
         std::string(to_string(r.attention)).c_str(), std::string(to_string(r.loss)).c_str(),
         mask_words(r).c_str(), r.allocator == AllocatorMode::kExpandable ? ", expandable segments" : "");
   }

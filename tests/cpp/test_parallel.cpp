@@ -283,6 +283,39 @@ TEST(TrainingCache, CopiesEachLayersKeysAndValuesToTheLoss) {
   EXPECT_NE(testing::error_of([&] { r.validate(); }).find("use_cache"), std::string::npos);
 }
 
+// Note [Gradient clipping]: the Trainer's clip_grad_norm_ before each optimizer step. On CUDA the
+// norm kernel zeroes a buffer of partial sums, one per gradient and chunk of 65,536 elements of
+// the largest gradient (the embedding's here), then one 0-dim norm per gradient; on the CPU the
+// slow path makes the norms alone (measured: cpu-*-clip-*). Where DeepSpeed clips it is refused.
+TEST(GradientClipping, MirrorsClipGradNormOnEachDevice) {
+  const Model m = llama_w512();
+  Recipe r;
+  r.batch = 1;
+  r.seq = 64;
+  r.precision = Precision::kFp32;
+  r.clip_grad_norm = true;
+  std::uint64_t grads = 0, largest = 0;
+  for (const ParameterGroup& g : m.parameters) {
+    grads += g.count;
+    largest = std::max(largest, g.numel);
+  }
+  const std::uint64_t chunks = (largest + 65'535) / 65'536;
+  const std::vector<std::uint64_t> cuda = allocs_at(graph::build_training_trace(m, r, find_gpu("h100-80gb")),
+                                                    "clip_grad_norm_");
+  // Two steps: per step the partial sums, the 320-float global buffer, the norms, the global norm,
+  // then the stack, the total, and four 0-dim coefficients.
+  ASSERT_EQ(cuda.size(), 2 * (grads + 9));
+  EXPECT_EQ(cuda[0], grads * chunks * 4);
+  EXPECT_EQ(cuda[1], 320u * 4);
+  EXPECT_EQ(cuda[grads + 3], grads * 4);  // the stacked norms
+  r.gpu = "cpu";
+  EXPECT_EQ(allocs_at(graph::build_training_trace(m, r, find_gpu("cpu")), "clip_grad_norm_").size(), 2 * (grads + 6));
+  r.gpu = "h100-80gb";
+  r.parallel = Parallel::kZero2;
+  r.gpus = 2;
+  EXPECT_NE(testing::error_of([&] { r.validate(); }).find("clip_grad_norm"), std::string::npos);
+}
+
 TEST(Fp32Outputs, IsAnAcceleratePrecisionKnob) {
   Recipe r;
   r.fp32_outputs = true;

@@ -268,6 +268,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   if (p.ConsumeIntegral<std::uint8_t>() >= 192) sp.fsdp_no_sync = true;
   // And after that: a training forward's DynamicCache.
   if (p.ConsumeIntegral<std::uint8_t>() >= 192) sp.use_cache = true;
+  // And after that: the Trainer's clip_grad_norm_.
+  if (p.ConsumeIntegral<std::uint8_t>() >= 192) sp.clip_grad_norm = true;
 
   if (std::getenv("TRAINMEM_FUZZ_VERBOSE")) {  // to read a reproducer: what the bytes decode to
     std::fprintf(stderr, "model: %s\nname: %s\nrecipe: precision=%s optimizer=%s checkpointing=%s "
@@ -285,10 +287,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
                  sp.bnb_4bit_use_double_quant, sp.mode.c_str(), static_cast<unsigned long long>(sp.new_tokens),
                  static_cast<unsigned long long>(sp.beams), static_cast<unsigned long long>(sp.gpus),
                  sp.parallel.c_str(), static_cast<long long>(rank));
-    std::fprintf(stderr, "find_unused=%d gradient_as_bucket_view=%d no_sync=%d fp32_outputs=%d fsdp_no_sync=%d use_cache=%d offload=%s tp=%llu sp=%d lp=%d pp=%llu schedule=%s stages=%llu cp=%llu "
+    std::fprintf(stderr, "find_unused=%d gradient_as_bucket_view=%d no_sync=%d fp32_outputs=%d fsdp_no_sync=%d use_cache=%d clip=%d offload=%s tp=%llu sp=%d lp=%d pp=%llu schedule=%s stages=%llu cp=%llu "
                  "fsdp: reshard=%d replicate=%llu param=%s reduce=%s load_dtype=%s quant_storage=%s prepare_kbit=%d "
                  "attention_mask=%s\n",
-                 sp.ddp_find_unused_parameters, sp.ddp_gradient_as_bucket_view, sp.ddp_no_sync, sp.fp32_outputs, sp.fsdp_no_sync, sp.use_cache, sp.offload.c_str(), static_cast<unsigned long long>(sp.tp),
+                 sp.ddp_find_unused_parameters, sp.ddp_gradient_as_bucket_view, sp.ddp_no_sync, sp.fp32_outputs, sp.fsdp_no_sync, sp.use_cache, sp.clip_grad_norm, sp.offload.c_str(), static_cast<unsigned long long>(sp.tp),
                  sp.sequence_parallel, sp.loss_parallel, static_cast<unsigned long long>(sp.pp), sp.pp_schedule.c_str(),
                  static_cast<unsigned long long>(sp.pp_stages_per_rank), static_cast<unsigned long long>(sp.cp),
                  sp.fsdp_reshard_after_forward, static_cast<unsigned long long>(sp.fsdp_replicate),

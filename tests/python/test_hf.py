@@ -16,9 +16,10 @@ def test_a_typical_trainer_run_maps_and_estimates():
              optim="adamw_torch").to_dict()
     d["bf16"] = True
     knobs = trainmem.hf.recipe_from_training_arguments(d, seq=512)
-    # Accelerate's native mixed precision converts the forward's half outputs to fp32.
+    # Accelerate's native mixed precision converts the forward's half outputs to fp32; every
+    # optimizer step clips (Note [Gradient clipping]).
     assert knobs == {"batch": 2, "grad_accum": 4, "seq": 512, "precision": "bf16-mixed", "optimizer": "adamw",
-                     "checkpointing": "full", "fp32_outputs": True}
+                     "checkpointing": "full", "fp32_outputs": True, "clip_grad_norm": True}
     est = trainmem.estimate("qwen3-0.6b", **knobs)
     assert est.recipe["grad_accum"] == 4 and est.recipe["checkpointing"] == "full"
 
@@ -466,6 +467,7 @@ def test_an_fsdp_run_without_a_version_is_fsdp2(tmp_path):
     path = tmp_path / "fsdp.json"
     path.write_text('{"fsdp_reshard_after_forward": "off"}')
     knobs = trainmem.hf.recipe_from_training_arguments({"fsdp": True, "fsdp_config": str(path)}, gpus=2)
+    # FSDP2's clip over DTensors is not modelled: no clip_grad_norm there.
     assert knobs == {"parallel": "fsdp", "fsdp_reshard_after_forward": False, "gpus": 2, "batch": 8, "grad_accum": 1,
                      "precision": "fp32", "optimizer": "adamw-fused", "checkpointing": "none", "use_cache": True}
 
@@ -736,3 +738,21 @@ def test_lora_configs_that_are_not_modelled_are_refused(change, named):
         trainmem.hf.recipe_from_lora_config(d)
     with pytest.raises(ValueError, match="LoraConfig"):
         trainmem.hf.recipe_from_lora_config(42)
+
+
+def test_every_trainer_step_clips_the_gradients():
+    """transformers 5's Trainer calls clip_grad_norm_ at every optimizer step, also with
+    max_grad_norm 0 (to log the norm): the recipe's clip_grad_norm, exact where measured
+    (cpu-*-clip-*), except under DeepSpeed (its own clip) and FSDP2 (not modelled)."""
+    hf = trainmem.hf.recipe_from_training_arguments
+    plain = hf(args(max_grad_norm=0.0), seq=64)
+    assert plain["clip_grad_norm"] is True
+    est = trainmem.estimate("qwen3-0.6b", **plain)
+    assert est.recipe["clip_grad_norm"] is True
+    ddp = hf(args(), seq=64, gpus=2)
+    assert (ddp["parallel"], ddp["clip_grad_norm"]) == ("ddp", True)
+    zero = hf({"deepspeed": {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto"}}, seq=64,
+              gpus=2)
+    assert "clip_grad_norm" not in zero
+    with pytest.raises(ValueError, match="clip_grad_norm"):
+        trainmem.estimate("qwen3-0.6b", seq=64, parallel="zero2", gpus=2, clip_grad_norm=True)

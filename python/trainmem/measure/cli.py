@@ -102,6 +102,9 @@ def _parser() -> _Parser:
     p.add_argument("--use-cache", action="store_true",
                    help="training forwards with use_cache=True, as a Trainer run without checkpointing leaves the "
                         "config's: each layer's keys and values copied into a DynamicCache")
+    p.add_argument("--clip-grad-norm", action="store_true",
+                   help="torch.nn.utils.clip_grad_norm_ before each optimizer step, as Hugging Face's Trainer runs it "
+                        "(its total norm kept to the next step)")
     p.add_argument("--fp32-outputs", action="store_true",
                    help="bf16-mixed / fp16-mixed: the model's forward wrapped in Accelerate's convert_outputs_to_fp32, "
                         "as Accelerate's prepare() (Hugging Face's Trainer) wraps it")
@@ -187,6 +190,7 @@ def recipe_from_args(args: argparse.Namespace, gpu: str) -> Recipe:
                   ddp_find_unused_parameters=args.ddp_find_unused_parameters,
                   ddp_gradient_as_bucket_view=args.ddp_gradient_as_bucket_view, ddp_no_sync=args.ddp_no_sync,
                   fp32_outputs=args.fp32_outputs, fsdp_no_sync=args.fsdp_no_sync, use_cache=args.use_cache,
+                  clip_grad_norm=args.clip_grad_norm,
                   load_in_4bit=args.load_in_4bit or args.qlora, bnb_4bit_quant_type=quant_type,
                   bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant or args.qlora,
                   bnb_4bit_quant_storage=args.bnb_4bit_quant_storage,

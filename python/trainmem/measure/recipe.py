@@ -22,7 +22,7 @@ ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
 # DistributedDataParallel's knobs (parallel ddp, no pipeline), each off by default.
 _DDP_KNOBS = ("ddp_find_unused_parameters", "ddp_gradient_as_bucket_view", "ddp_no_sync")
 # The on/off knobs written (as_dict, and the command's flags) only when on, as the engine writes them.
-FLAGS_WHEN_ON = (*_DDP_KNOBS, "fp32_outputs", "fsdp_no_sync", "use_cache")
+FLAGS_WHEN_ON = (*_DDP_KNOBS, "fp32_outputs", "fsdp_no_sync", "use_cache", "clip_grad_norm")
 # FSDP2's knobs (fully_shard and MixedPrecisionPolicy, torch/distributed/fsdp/_fully_shard/): the
 # dtypes of MixedPrecisionPolicy(param_dtype, reduce_dtype), "none" being the policy's None.
 FSDP_PARAM_DTYPES = ("none", "bf16")
@@ -160,6 +160,9 @@ class Recipe:
     # The training forward with use_cache=True (a Trainer run without checkpointing leaves the
     # config's, true for the catalog): each layer's keys and values copied into a DynamicCache.
     use_cache: bool = False
+    # torch.nn.utils.clip_grad_norm_ before each optimizer step, as Hugging Face's Trainer runs it
+    # (after the GradScaler's unscale_), its total norm kept to the next step.
+    clip_grad_norm: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -290,6 +293,12 @@ class Recipe:
         if self.use_cache and (self.is_inference or self.checkpointing != "none" or self.is_tp or self.is_pp):
             raise RecipeError("use_cache is measured in training without checkpointing, on one process, under DDP, "
                               "FSDP2 or ZeRO")
+        if not isinstance(self.clip_grad_norm, bool):
+            raise RecipeError(f"clip_grad_norm must be true or false, got {self.clip_grad_norm!r}")
+        if self.clip_grad_norm and (self.is_inference or self.parallel not in ("none", "ddp") or self.is_tp
+                                    or self.is_pp or self.precision == "bf16-master"):
+            raise RecipeError("clip_grad_norm is measured in training on one process and under DDP, not with "
+                              "bf16-master (as the engine models it)")
         if not isinstance(self.fp32_outputs, bool):
             raise RecipeError(f"fp32_outputs must be true or false, got {self.fp32_outputs!r}")
         if self.fp32_outputs:  # as the engine takes it: Accelerate's native mixed precision, training

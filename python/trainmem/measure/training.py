@@ -321,6 +321,7 @@ def run_steps(model: torch.nn.Module, recipe: Recipe, tracker: MemoryTracker, *,
     else:
         autocast = contextlib.nullcontext
 
+    grad_norm = None  # the Trainer's: clip_grad_norm_'s total norm, kept to the next step
     # loss_parallel() swaps in the vocab-parallel log_softmax / nll_loss (and their backward) for
     # DTensor inputs; the backward must run inside it too (torch/distributed/tensor/parallel/loss.py).
     with _loss_context(recipe, tracker):
@@ -351,9 +352,18 @@ def run_steps(model: torch.nn.Module, recipe: Recipe, tracker: MemoryTracker, *,
 
             tracker.set_phase("optimizer")
             grads_to_masters(params, masters, tracker)
+            if recipe.clip_grad_norm:
+                # The Trainer's sync step: grad_norm = None, then accelerator.clip_grad_norm_, which
+                # unscales first (so scaler.step does not again) and clips model.parameters().
+                grad_norm = None
+                if scaler is not None:
+                    with tracker.forced("other"):
+                        scaler.unscale_(optimizer)
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             if scaler is not None:
-                with tracker.forced("other"):
-                    scaler.unscale_(optimizer)
+                if not recipe.clip_grad_norm:
+                    with tracker.forced("other"):
+                        scaler.unscale_(optimizer)
                 scaler.step(optimizer)
                 with tracker.forced("other"):
                     scaler.update()
@@ -367,6 +377,7 @@ def run_steps(model: torch.nn.Module, recipe: Recipe, tracker: MemoryTracker, *,
             if on_step_end is not None:
                 on_step_end(step)
     tracker.set_phase("teardown")  # See Note [Teardown]
+    del grad_norm  # held, as the Trainer holds it, to the end
 
 
 @contextlib.contextmanager
