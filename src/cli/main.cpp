@@ -10,12 +10,14 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 #include <cstdio>
 #include <iostream>
 #include <string>
 #include <tuple>
 
+#include "common/json_input.h"
 #include "report/report.h"
 #include "trainmem/trainmem.h"
 
@@ -304,10 +306,16 @@ struct RecipeFlags {
 };
 
 // Error lines echo user input (model names, paths); control characters are escaped so the
-// message stays one line whatever was typed.
+// message stays one line whatever was typed, and a line past 2,000 characters (a 100 KB module
+// list echoed back) is cut.
 int fail(const std::string& msg) {
+  constexpr std::size_t kMaxErrorChars = 2000;
   std::string line;
   for (unsigned char c : msg) {
+    if (line.size() >= kMaxErrorChars) {
+      line += " [...]";
+      break;
+    }
     if (c < 0x20 || c == 0x7f) {
       char esc[8];
       std::snprintf(esc, sizeof esc, "\\x%02x", c);
@@ -342,12 +350,11 @@ std::string measured_model_source(const std::string& model, const std::string& m
 // CPU and fake-tensor measurements sum 512-byte blocks with no cuBLAS workspace, so they are
 // compared with `--gpu cpu --allocator expandable`; CUDA measurements with their own recipe.
 std::string compare(const std::string& path, bool as_json) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error("compare: cannot read '" + path + "'");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  nlohmann::json m = nlohmann::json::parse(ss.str(), nullptr, false);
-  if (m.is_discarded() || !m.is_object()) throw Error("compare: '" + path + "' is not a JSON object");
+  // trainmem-measure writes a few kilobytes (a timeline, a few megabytes).
+  constexpr std::uintmax_t kMaxMeasuredBytes = 64ull << 20;
+  nlohmann::json m = trainmem::detail::parse_input_json(
+      trainmem::detail::read_input_file(path, "compare", kMaxMeasuredBytes), "compare: '" + path + "'");
+  if (!m.is_object()) throw Error("compare: '" + path + "' is not a JSON object");
   for (const char* key : {"model", "recipe", "peak_allocated_bytes", "breakdown_at_peak", "source"}) {
     if (!m.contains(key)) throw Error(std::string("compare: '") + path + "' has no '" + key + "' (is it trainmem-measure --json output?)");
   }
@@ -367,12 +374,15 @@ std::string compare(const std::string& path, bool as_json) {
     }
   }
   const nlohmann::json& jr = m["recipe"];
+  std::set<std::string> known{"gpu", "allocator", "lora_targets", "lora_dropout"};  // the knobs read below
   auto text = [&](const char* k, const char* d) {
+    known.insert(k);
     if (!jr.contains(k)) return std::string(d);
     if (!jr[k].is_string()) throw Error(std::string("compare: recipe.") + k + " must be a string");
     return jr[k].get<std::string>();
   };
   auto count = [&](const char* k, std::uint64_t d) {
+    known.insert(k);
     if (!jr.contains(k)) return d;
     if (!jr[k].is_number_unsigned()) throw Error(std::string("compare: recipe.") + k + " must be a positive integer");
     return jr[k].get<std::uint64_t>();
@@ -417,6 +427,7 @@ std::string compare(const std::string& path, bool as_json) {
     }
   }
   auto flag = [&](const char* k, bool d) {
+    known.insert(k);
     if (!jr.contains(k)) return d;
     if (!jr[k].is_boolean()) throw Error(std::string("compare: recipe.") + k + " must be true or false");
     return jr[k].get<bool>();
@@ -444,6 +455,9 @@ std::string compare(const std::string& path, bool as_json) {
   if (jr.contains("lora_dropout")) {
     if (!jr["lora_dropout"].is_number()) throw Error("compare: recipe.lora_dropout must be a number");
     sp.lora_dropout = jr["lora_dropout"].get<double>();
+  }
+  for (const auto& [key, value] : jr.items()) {  // a typo would otherwise compare another recipe
+    if (!known.contains(key)) throw Error("compare: recipe." + key + " is not a knob trainmem-measure writes");
   }
   const trainmem::Recipe r = trainmem::parse_recipe(sp);
   const trainmem::Model model = trainmem::load_model(measured_model_source(m["model"].get<std::string>(), path));
@@ -532,12 +546,14 @@ std::string compare(const std::string& path, bool as_json) {
   char line[200];
   for (std::size_t c = 0; c < trainmem::kCategoryCount; ++c) {
     const std::string name(trainmem::category_name(static_cast<trainmem::Category>(c)));
-    const double mv = m["breakdown_at_peak"].value(name, 0.0);
-    const double pv = static_cast<double>(e.breakdown_at_peak[c]);
-    const double share = peak_m > 0 ? (pv - mv) / peak_m * 100 : 0;
-    cats[name] = {{"measured", static_cast<std::uint64_t>(mv)}, {"predicted", e.breakdown_at_peak[c]},
-                  {"diff_pct_of_peak", share}};
-    std::snprintf(line, sizeof line, "  %-17s %14.0f %14.0f %+8.2f%%\n", name.c_str(), mv, pv, share);
+    const std::uint64_t measured = m["breakdown_at_peak"].value(name, std::uint64_t{0});
+    const double share = peak_m > 0 ? (static_cast<double>(e.breakdown_at_peak[c]) - static_cast<double>(measured)) /
+                                          peak_m * 100
+                                    : 0;
+    cats[name] = {{"measured", measured}, {"predicted", e.breakdown_at_peak[c]}, {"diff_pct_of_peak", share}};
+    std::snprintf(line, sizeof line, "  %-17s %14llu %14llu %+8.2f%%\n", name.c_str(),
+                  static_cast<unsigned long long>(measured), static_cast<unsigned long long>(e.breakdown_at_peak[c]),
+                  share);
     rows += line;
   }
   j["categories"] = cats;
@@ -548,8 +564,9 @@ std::string compare(const std::string& path, bool as_json) {
     std::map<std::int64_t, trainmem::Estimate> replayed{{opt.rank, e}};
     nlohmann::ordered_json ranks = nlohmann::ordered_json::array();
     for (const auto& mr : (*parallel)["ranks"]) {
-      if (!mr.is_object() || !mr.contains("rank") || !mr.contains("peak_allocated_bytes")) {
-        throw Error("compare: diagnostics.parallel.ranks entries need 'rank' and 'peak_allocated_bytes'");
+      if (!mr.is_object() || !mr.contains("rank") || !mr.contains("peak_allocated_bytes") ||
+          !mr["peak_allocated_bytes"].is_number_unsigned()) {
+        throw Error("compare: diagnostics.parallel.ranks entries need 'rank' and 'peak_allocated_bytes' (bytes)");
       }
       trainmem::EstimateOptions ro = rank_options(mr["rank"]);
       ro.phases = phases;
@@ -575,7 +592,8 @@ std::string compare(const std::string& path, bool as_json) {
   std::string out = m["model"].get<std::string>() + " (" + source + ")\n";
   std::snprintf(line, sizeof line, "  %-17s %14s %14s %9s\n", "", "measured", "predicted", "diff");
   out += line;
-  std::snprintf(line, sizeof line, "  %-17s %14.0f %14llu %+8.2f%%\n", "peak allocated", peak_m,
+  std::snprintf(line, sizeof line, "  %-17s %14llu %14llu %+8.2f%%\n", "peak allocated",
+                static_cast<unsigned long long>(m["peak_allocated_bytes"].get<std::uint64_t>()),
                 static_cast<unsigned long long>(e.peak_allocated_bytes), err);
   out += line + rows;
   out += "  measured peak at:  " + j["measured_peak"].value("phase", std::string("?")) + ", " +
@@ -694,6 +712,7 @@ int main(int argc, char** argv) {
       if (phases && !as_json) throw Error("phases: the phase peaks are part of the JSON output; add --json");
       opt.timeline = timeline;
       opt.phases = phases;
+      if (est->count("--trace") > 0 && trace_path.empty()) throw Error("trace: needs a file name");
       opt.trace_path = trace_path;
       if (rank != "worst") {
         const std::uint64_t n = parse_count(rank, "rank (a rank number or 'worst')", /*zero_ok=*/true);

@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "common/checked.h"
+#include "common/json_input.h"
 #include "model/embedded_data.h"
 #include "model/model.h"
 
@@ -92,11 +93,7 @@ Model finish(Architecture arch, std::string name, std::string hf_id) {
   return m;
 }
 
-json parse_json_text(std::string_view text, const std::string& what) {
-  json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) throw Error(what + ": not valid JSON");
-  return j;
-}
+json parse_json_text(std::string_view text, const std::string& what) { return detail::parse_input_json(text, what); }
 
 Model load_directory(const std::filesystem::path& dir, const std::string& label) {
   auto cfg = dir / "config.json";
@@ -108,9 +105,15 @@ Model load_directory(const std::filesystem::path& dir, const std::string& label)
   m.name = label;
   auto st = model::read_safetensors_dir(dir.string());
   if (st.files > 0) {
-    // The checkpoint is the truth for the count (it includes anything our layer list does not
-    // know about); the architecture still decides the op graph.
-    m.parameter_count = st.parameter_count;
+    // The architecture decides the op graph and every byte of weights, so a checkpoint holding
+    // another count (a shard missing, tensors the layer list does not know, a lying header) would
+    // print a count the memory figures do not stand on: refused. Its dtype becomes torch_dtype.
+    if (st.parameter_count != m.parameter_count) {
+      throw Error(label + ": the *.safetensors files hold " + std::to_string(st.parameter_count) +
+                  " parameters, config.json describes " + std::to_string(m.parameter_count) +
+                  " (a shard missing, or tensors trainmem does not model); give the config.json alone to estimate "
+                  "the architecture");
+    }
     m.from_safetensors = true;
     m.arch.torch_dtype = st.dominant_dtype;
   }

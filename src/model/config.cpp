@@ -288,6 +288,9 @@ Architecture parse_llama_like(const json& c, Family family) {
   };
   bool in_rope_parameters = false;  // Phi3Config takes the top-level factor only where these lack one
   for (const char* key : {"rope_parameters", "rope_scaling"}) {
+    if (auto it = c.find(key); it != c.end() && !it->is_null() && !it->is_object()) {
+      throw Error(std::string("config.json: ") + key + " must be an object (or null)");
+    }
     if (auto it = c.find(key); it != c.end() && it->is_object()) {
       check_rotary_factor(*it, std::string(key) + ".");
       in_rope_parameters = in_rope_parameters || it->contains("partial_rotary_factor");
@@ -297,7 +300,10 @@ Architecture parse_llama_like(const json& c, Family family) {
       // rope_type wins over the legacy "type" (standardize_rope_params: setdefault).
       const json* type = nullptr;
       for (const char* name : {"type", "rope_type"}) {
-        if (auto t = it->find(name); t != it->end() && t->is_string()) type = &*t;
+        if (auto t = it->find(name); t != it->end() && !t->is_null()) {
+          if (!t->is_string()) throw Error(std::string("config.json: ") + key + "." + name + " must be a string");
+          type = &*t;
+        }
       }
       std::string rope = type != nullptr ? type->get<std::string>() : "default";
       // Phi3Config takes its old names for longrope and refuses the other kinds (validate_rope).
@@ -440,6 +446,39 @@ std::vector<std::uint64_t> attention_windows(const Architecture& a) {
   return w;
 }
 
+// What the config says about the checkpoint beside its shapes: `architectures` names the class
+// its weights were saved from (another head, a sequence classifier's score layer, is not the
+// causal LM's lm_head), and `quantization_config` marks a pre-quantized checkpoint (GPTQ, AWQ,
+// bitsandbytes), whose weights are not the config's dtype. Both change memory; neither is modelled.
+void check_head_and_weights(const json& c, const std::string& type) {
+  static const std::pair<const char*, const char*> kCausalLm[] = {
+      {"gpt2", "GPT2LMHeadModel"},     {"llama", "LlamaForCausalLM"}, {"mistral", "MistralForCausalLM"},
+      {"qwen2", "Qwen2ForCausalLM"},   {"qwen3", "Qwen3ForCausalLM"}, {"gemma2", "Gemma2ForCausalLM"},
+      {"phi3", "Phi3ForCausalLM"}};
+  std::string expected;
+  for (const auto& [t, cls] : kCausalLm) {
+    if (type == t) expected = cls;
+  }
+  if (auto it = c.find("architectures"); it != c.end() && !it->is_null()) {
+    if (!it->is_array()) throw Error("config.json: architectures must be a list of class names");
+    for (const json& name : *it) {
+      if (!name.is_string()) throw Error("config.json: architectures must be a list of class names");
+      if (name.get<std::string>() != expected) {
+        throw Error("config.json: architectures names " + name.get<std::string>() + "; trainmem models " + expected +
+                    " for model_type " + type + " (another head or class changes the weights and the loss)");
+      }
+    }
+  }
+  if (auto it = c.find("quantization_config"); it != c.end() && !it->is_null()) {
+    std::string method = "unknown";
+    if (it->is_object() && it->contains("quant_method") && (*it)["quant_method"].is_string()) {
+      method = (*it)["quant_method"].get<std::string>();
+    }
+    throw Error("config.json: quantization_config (a pre-quantized checkpoint, quant_method " + method +
+                ") is not modelled; give the unquantized config and --load-in-4bit or --load-in-8bit");
+  }
+}
+
 Architecture parse_config(const json& c) {
   if (!c.is_object()) throw Error("config.json: expected a JSON object at the top level");
   std::string type = model_type_of(c);
@@ -456,6 +495,7 @@ Architecture parse_config(const json& c) {
                 "'; supported: gpt2, llama, mistral, qwen2, qwen3, gemma2, phi3");
   }
   a.model_type = type;
+  check_head_and_weights(c, type);
   a.torch_dtype = parse_dtype(c);
   parse_generation_keys(c, a);
   if (auto it = c.find("return_dict"); it != c.end() && it->is_boolean() && !it->get<bool>()) {

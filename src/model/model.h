@@ -38,6 +38,9 @@ struct SafetensorsSummary {
   std::array<std::uint64_t, 5> elements_by_dtype{};  // indexed by DType
 };
 SafetensorsSummary read_safetensors_dir(const std::string& dir);
-SafetensorsSummary parse_safetensors_header(std::string_view header_json, SafetensorsSummary into = {});
+// `data_bytes`: the bytes after the header, which every tensor's data_offsets must lie within
+// (UINT64_MAX: not known, only the offsets' own consistency is checked).
+SafetensorsSummary parse_safetensors_header(std::string_view header_json, SafetensorsSummary into = {},
+                                            std::uint64_t data_bytes = UINT64_MAX);
 
 }  // namespace trainmem::model

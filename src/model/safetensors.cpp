@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/checked.h"
+#include "common/json_input.h"
 #include "model/model.h"
 
 namespace trainmem::model {
@@ -20,9 +21,20 @@ constexpr std::uint64_t kMaxHeaderBytes = 100ull << 20;
 
 }  // namespace
 
-SafetensorsSummary parse_safetensors_header(std::string_view header, SafetensorsSummary s) {
-  nlohmann::json j = nlohmann::json::parse(header, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object()) throw Error("safetensors: header is not a JSON object");
+// Buffers that older Hugging Face checkpoints saved beside the parameters (persistent buffers of
+// earlier modeling code): read and checked, not counted as parameters.
+bool is_saved_buffer(std::string_view name) {
+  return name.ends_with("rotary_emb.inv_freq") || name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias");
+}
+
+SafetensorsSummary parse_safetensors_header(std::string_view header, SafetensorsSummary s, std::uint64_t data_bytes) {
+  nlohmann::json j;
+  try {
+    j = detail::parse_input_json(header, "safetensors: header");
+  } catch (const Error&) {
+    throw Error("safetensors: header is not a JSON object");
+  }
+  if (!j.is_object()) throw Error("safetensors: header is not a JSON object");
   for (auto it = j.begin(); it != j.end(); ++it) {
     if (it.key() == "__metadata__") continue;
     const auto& t = it.value();
@@ -35,10 +47,29 @@ SafetensorsSummary parse_safetensors_header(std::string_view header, Safetensors
       if (!d.is_number_unsigned()) throw Error("safetensors: tensor '" + it.key() + "' has a bad shape");
       numel = detail::mul(numel, d.get<std::uint64_t>(), "safetensors tensor size");
     }
-    s.parameter_count = detail::add(s.parameter_count, numel, "safetensors parameter count");
+    // Only floating-point checkpoints are read: integer or packed dtypes are a quantized
+    // checkpoint's (bitsandbytes' U8, GPTQ's I32), whose elements are not parameters.
+    const std::string dt = t["dtype"].get<std::string>();
+    const DType d = dt == "BF16" ? DType::kBF16 : dt == "F16" ? DType::kF16 : DType::kF32;
+    if (dt != "BF16" && dt != "F16" && dt != "F32") {
+      throw Error("safetensors: tensor '" + it.key() + "' is " + dt +
+                  "; only F32, F16 and BF16 checkpoints are read (for a quantized one, give its config.json and "
+                  "--load-in-4bit or --load-in-8bit)");
+    }
+    const nlohmann::json* off = t.contains("data_offsets") ? &t["data_offsets"] : nullptr;
+    if (off == nullptr || !off->is_array() || off->size() != 2 || !(*off)[0].is_number_unsigned() ||
+        !(*off)[1].is_number_unsigned() || (*off)[0].get<std::uint64_t>() > (*off)[1].get<std::uint64_t>()) {
+      throw Error("safetensors: tensor '" + it.key() + "' has bad data_offsets (expected [begin, end])");
+    }
+    const std::uint64_t begin = (*off)[0].get<std::uint64_t>(), end = (*off)[1].get<std::uint64_t>();
+    if (end - begin != detail::mul(numel, dtype_bytes(d), "safetensors tensor size") || end > data_bytes) {
+      throw Error("safetensors: tensor '" + it.key() + "' has data_offsets [" + std::to_string(begin) + ", " +
+                  std::to_string(end) + "] that do not hold its shape" +
+                  (end > data_bytes ? " within the file" : ""));
+    }
     ++s.tensor_count;
-    std::string dt = t["dtype"].get<std::string>();
-    DType d = dt == "BF16" ? DType::kBF16 : dt == "F16" ? DType::kF16 : DType::kF32;
+    if (is_saved_buffer(it.key())) continue;
+    s.parameter_count = detail::add(s.parameter_count, numel, "safetensors parameter count");
     s.elements_by_dtype[static_cast<int>(d)] += numel;
   }
   // Across shards: the dtype holding most elements of all headers read so far.
@@ -77,7 +108,10 @@ SafetensorsSummary read_safetensors_dir(const std::string& dir) {
     if (!in.read(header.data(), static_cast<std::streamsize>(n))) {
       throw Error("safetensors: " + f.string() + " is truncated inside its header");
     }
-    s = parse_safetensors_header(header, s);
+    std::error_code sec;
+    const std::uint64_t size = fs::file_size(f, sec);
+    if (sec) throw Error("safetensors: cannot read the size of " + f.string());
+    s = parse_safetensors_header(header, s, size - 8 - n);  // the read above proved size >= 8 + n
     ++s.files;
   }
   if (s.files > 0 && s.parameter_count == 0) {

@@ -367,6 +367,11 @@ Estimate Replay::finish(const graph::Trace& trace) {
                  : 0;
   if (!s.stopped) s.consume(trace, trace.events.size());
   s.close_step();
+  if (s.out) {  // a full disk or a device that takes no writes fails here, not silently
+    const bool failed = std::ferror(s.out.get()) != 0 || std::fflush(s.out.get()) != 0;
+    const bool closed = std::fclose(s.out.release()) == 0;
+    if (failed || !closed) throw Error("trace: writing '" + s.options.trace_path + "' failed");
+  }
   Estimate est = std::move(s.est);
   est.complete = !s.stopped;
   est.stopped_before_optimizer = s.stopped && !s.optimizer_seen;

@@ -729,12 +729,24 @@ TEST(Safetensors, MalformedHeaders) {
             "safetensors tensor size overflows a 64-bit byte count; use smaller sizes");
 }
 
-// A safetensors file: 8-byte little-endian header length, then the JSON header.
+// A safetensors file: 8-byte little-endian header length, the JSON header, then as many zero
+// bytes as its data_offsets reach.
 void write_safetensors(const std::filesystem::path& path, const std::string& header) {
   std::ofstream out(path, std::ios::binary);
   std::uint64_t n = header.size();
   for (int k = 0; k < 8; ++k) out.put(static_cast<char>((n >> (8 * k)) & 0xff));
   out << header;
+  std::uint64_t data = 0;
+  const json j = json::parse(header, nullptr, false);
+  if (j.is_object()) {
+    for (const auto& [name, t] : j.items()) {
+      if (t.is_object() && t.contains("data_offsets") && t["data_offsets"].is_array() &&
+          t["data_offsets"].size() == 2 && t["data_offsets"][1].is_number_unsigned()) {
+        data = std::max(data, t["data_offsets"][1].get<std::uint64_t>());
+      }
+    }
+  }
+  out << std::string(data, '\0');
 }
 
 TEST(Safetensors, ADirectoryCountsItsCheckpoint) {
@@ -745,26 +757,60 @@ TEST(Safetensors, ADirectoryCountsItsCheckpoint) {
   {
     std::ofstream(dir / "config.json") << llama_config().dump();
   }
-  // Two shards: the checkpoint's count wins over the architecture's (it may hold tensors the
-  // layer list does not know about), and its dtype becomes torch_dtype.
+  const std::uint64_t total = from(llama_config()).parameter_count;
+  // Two shards holding the architecture's count: the checkpoint's dtype becomes torch_dtype. A
+  // rotary inv_freq buffer, which older checkpoints saved, is no parameter.
   write_safetensors(dir / "model-00001-of-00002.safetensors",
                     R"({"a": {"dtype": "BF16", "shape": [1000, 256], "data_offsets": [0, 512000]}})");
-  write_safetensors(dir / "model-00002-of-00002.safetensors",
-                    R"({"__metadata__": {}, "b": {"dtype": "F32", "shape": [7], "data_offsets": [0, 28]},)"
-                    R"( "c": {"dtype": "BF16", "shape": [2, 8], "data_offsets": [28, 60]}})");
+  const std::uint64_t rest = total - 256000 - 7;
+  const fs::path second = dir / "model-00002-of-00002.safetensors";
+  auto second_shard = [&](std::uint64_t c, const std::string& extra = "") {
+    write_safetensors(second, R"({"__metadata__": {}, "b": {"dtype": "F32", "shape": [7], "data_offsets": [0, 28]},)"
+                              R"( "c": {"dtype": "BF16", "shape": [)" + std::to_string(c) +
+                                  R"(], "data_offsets": [28, )" + std::to_string(28 + 2 * c) + "]}" + extra + "}");
+  };
+  second_shard(rest, R"(, "model.layers.0.self_attn.rotary_emb.inv_freq": {"dtype": "F32", "shape": [16],)"
+                     R"( "data_offsets": [0, 64]})");
   const auto s = model::read_safetensors_dir(dir.string());
   EXPECT_EQ(s.files, 2u);
-  EXPECT_EQ(s.tensor_count, 3u);
-  EXPECT_EQ(s.parameter_count, 256000u + 7 + 16);
+  EXPECT_EQ(s.tensor_count, 4u);
+  EXPECT_EQ(s.parameter_count, total);
   EXPECT_EQ(s.dominant_dtype, DType::kBF16);
   const Model m = load_model(dir.string());
   EXPECT_TRUE(m.from_safetensors);
-  EXPECT_EQ(m.parameter_count, 256023u);
+  EXPECT_EQ(m.parameter_count, total);
   EXPECT_EQ(m.arch.torch_dtype, DType::kBF16);
   EXPECT_EQ(m.arch.hidden_size, 256u);
 
+  // A checkpoint that holds another count is not the architecture's: refused, both counts named.
+  second_shard(rest + 5);
+  EXPECT_EQ(error_of([&] { load_model(dir.string()); }),
+            dir.string() + ": the *.safetensors files hold " + std::to_string(total + 5) +
+                " parameters, config.json describes " + std::to_string(total) +
+                " (a shard missing, or tensors trainmem does not model); give the config.json alone to estimate the "
+                "architecture");
+  // Quantized dtypes and offsets that do not hold the shape, or lie past the file, are refused.
+  write_safetensors(second, R"({"q": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}})");
+  EXPECT_EQ(error_of([&] { model::read_safetensors_dir(dir.string()); }),
+            "safetensors: tensor 'q' is U8; only F32, F16 and BF16 checkpoints are read (for a quantized one, give its "
+            "config.json and --load-in-4bit or --load-in-8bit)");
+  write_safetensors(second, R"({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 4]}})");
+  EXPECT_EQ(error_of([&] { model::read_safetensors_dir(dir.string()); }),
+            "safetensors: tensor 'w' has data_offsets [0, 4] that do not hold its shape");
+  write_safetensors(second, R"({"w": {"dtype": "F32", "shape": [4], "data_offsets": [16, 0]}})");
+  EXPECT_EQ(error_of([&] { model::read_safetensors_dir(dir.string()); }),
+            "safetensors: tensor 'w' has bad data_offsets (expected [begin, end])");
+  {
+    std::ofstream out(second, std::ios::binary);
+    const std::string h = R"({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}})";
+    for (int k = 0; k < 8; ++k) out.put(static_cast<char>((h.size() >> (8 * k)) & 0xff));
+    out << h << "1234";  // 4 of the 16 data bytes
+  }
+  EXPECT_EQ(error_of([&] { model::read_safetensors_dir(dir.string()); }),
+            "safetensors: tensor 'w' has data_offsets [0, 16] that do not hold its shape within the file");
+
   // Malformed files name the file and what is wrong.
-  const fs::path bad = dir / "model-00002-of-00002.safetensors";
+  const fs::path bad = second;
   write_safetensors(bad, "");
   EXPECT_EQ(error_of([&] { model::read_safetensors_dir(dir.string()); }),
             "safetensors: " + bad.string() + " declares a header of 0 bytes");

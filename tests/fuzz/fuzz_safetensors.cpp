@@ -4,7 +4,7 @@
 //     input followed by the input (a well-framed file with a fuzzed header), and on the raw
 //     input as a whole file (fuzzed framing: declared length, truncation);
 //  3. trainmem::load_model on a model directory holding a tiny config.json and the framed file,
-//     then trainmem::estimate on the model (the safetensors count replaces the computed one).
+//     then trainmem::estimate on the model (a count other than the architecture's is refused).
 // Input: header JSON bytes. Seeds: corpus/fuzz_safetensors/.
 #include <unistd.h>
 

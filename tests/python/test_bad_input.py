@@ -176,8 +176,16 @@ BAD_CONFIGS = [
     ("gpt2-dropout-negative", with_(GPT2, resid_pdrop=-0.5), ["field 'resid_pdrop' must be a finite number"]),
     ("gpt2-dropout-string", with_(GPT2, embd_pdrop="0.1"), ["field 'embd_pdrop' must be a number"]),
     pytest.param("deep-value", with_(LLAMA)[:-1].replace('"hidden_size": 64', '"hidden_size": ' + "[" * 100000 + "]" * 100000) + "}",
-                 ["field 'hidden_size'"]),
-    ("deep-object", "{" + '"a":{' * 50000 + "}" * 50001, ["missing field 'model_type'"]),
+                 ["JSON nested deeper than 128 levels"]),
+    ("deep-object", "{" + '"a":{' * 50000 + "}" * 50001, ["JSON nested deeper than 128 levels"]),
+    # The checkpoint's class and weights: another head, a pre-quantized checkpoint.
+    ("architectures-another-head", with_(LLAMA, architectures=["LlamaForSequenceClassification"]),
+     ["architectures names LlamaForSequenceClassification; trainmem models LlamaForCausalLM"]),
+    ("architectures-not-a-list", with_(LLAMA, architectures="LlamaForCausalLM"), ["architectures must be a list"]),
+    ("quantization-config", with_(LLAMA, quantization_config={"quant_method": "gptq", "bits": 4}),
+     ["quantization_config (a pre-quantized checkpoint, quant_method gptq) is not modelled"]),
+    ("rope-type-a-number", with_(LLAMA, rope_scaling={"type": 7, "factor": 2.0}), ["rope_scaling.type must be a string"]),
+    ("rope-scaling-a-string", with_(LLAMA, rope_scaling="linear"), ["rope_scaling must be an object (or null)"]),
 ]
 
 
@@ -221,14 +229,26 @@ def _model_dir(tmp_path, config=None):
     return d
 
 
-def _safetensors(d, header: bytes, declared=None, name="model.safetensors"):
+def _safetensors(d, header: bytes, declared=None, name="model.safetensors", data_bytes=0):
     n = len(header) if declared is None else declared
-    (d / name).write_bytes(struct.pack("<Q", n) + header)
+    path = d / name
+    path.write_bytes(struct.pack("<Q", n) + header)
+    if data_bytes:
+        with open(path, "r+b") as f:  # the tensors' data, as zeros (sparse)
+            f.truncate(8 + len(header) + data_bytes)
     return d
 
 
 def _tensor(name, shape, dtype="BF16"):
     return {name: {"dtype": dtype, "shape": shape, "data_offsets": [0, 0]}}
+
+
+def _tensor_at(name, shape, dtype, begin=0):
+    """A tensor whose data_offsets hold its shape, from `begin`."""
+    size = {"F32": 4, "BF16": 2, "F16": 2}[dtype]
+    for d in shape:
+        size *= d
+    return {name: {"dtype": dtype, "shape": shape, "data_offsets": [begin, begin + size]}}
 
 
 def _st_json(*tensors):
@@ -272,11 +292,15 @@ BAD_PATHS = [
     ("st-float-dim", lambda t: _safetensors(_model_dir(t), _st_json(_tensor("w", [1.5, 4]))), ["tensor 'w' has a bad shape"]),
     ("st-shape-overflow", lambda t: _safetensors(_model_dir(t), _st_json(_tensor("w", [2**32, 2**32, 2]))),
      ["safetensors tensor size overflows a 64-bit byte count"]),
-    ("st-count-overflow", lambda t: _safetensors(_model_dir(t), _st_json(_tensor("a", [2**63]), _tensor("b", [2**63]))),
-     ["safetensors parameter count overflows"]),
-    ("st-overflow-across-files", lambda t: _safetensors(
-        _safetensors(_model_dir(t), _st_json(_tensor("a", [2**63])), name="a.safetensors"),
-        _st_json(_tensor("b", [2**63])), name="b.safetensors"), ["safetensors parameter count overflows"]),
+    ("st-bytes-overflow", lambda t: _safetensors(_model_dir(t), _st_json(_tensor("a", [2**63]), _tensor("b", [2**63]))),
+     ["safetensors tensor size overflows"]),
+    ("st-offsets-not-the-shape", lambda t: _safetensors(_model_dir(t), _st_json(_tensor("a", [4, 4]))),
+     ["tensor 'a' has data_offsets [0, 0] that do not hold its shape"]),
+    ("st-quantized-dtype", lambda t: _safetensors(_model_dir(t), _st_json(_tensor("q", [4], "U8"))),
+     ["tensor 'q' is U8; only F32, F16 and BF16 checkpoints are read"]),
+    ("st-not-the-configs-count", lambda t: _safetensors(_model_dir(t, json.dumps(GPT2)),
+                                                       _st_json(_tensor_at("w", [4], "F32")), data_bytes=16),
+     ["the *.safetensors files hold 4 parameters, config.json describes 28544"]),
     ("st-is-a-directory", lambda t: (_model_dir(t) / "x.safetensors").mkdir() or t / "model", ["x.safetensors"]),
     ("st-symlink-loop", lambda t: os.symlink("l.safetensors", _model_dir(t) / "l.safetensors") or t / "model",
      ["l.safetensors"]),
@@ -331,8 +355,11 @@ ODD_BUT_VALID = [
     ("gpt2-all-positions", lambda t: "gpt2", ["--seq", "1024"]),
     ("gpt2-generation-to-the-last-position", lambda t: "gpt2", ["--inference", "--seq", "1000", "--new-tokens", "25"]),
     ("path-with-spaces-and-unicode", lambda t: _cfg_file(t, json.dumps(GPT2), name="my model \u00e9\u6a21\u578b.json"), []),
+    # GPT2's 28,544 parameters (the config's count), in two tensors.
     ("dir-with-checkpoint", lambda t: _safetensors(_model_dir(t, json.dumps(GPT2)),
-                                                   _st_json(_tensor("w", [64, 32]), _tensor("b", [32], "F32"))), []),
+                                                   _st_json(_tensor_at("w", [64, 32], "BF16"),
+                                                            _tensor_at("b", [26496], "F32", begin=4096)),
+                                                   data_bytes=4096 + 4 * 26496), []),
     ("one-layer", lambda t: _cfg_file(t, with_(LLAMA, num_hidden_layers=1)), []),
     ("one-layer-gpt2", lambda t: _cfg_file(t, with_(GPT2, n_layer=1)), []),
     pytest.param("non-utf8-path", lambda t: _cfg_file(t, json.dumps(GPT2), name=os.fsdecode(b"cfg\xff.json")), []),
@@ -377,3 +404,53 @@ def test_input_count():
     """The size of the suite, for the record (README of tests/fuzz quotes it)."""
     n = len(BAD_ARGS) + len(BAD_CONFIGS) + len(BAD_SIZES) + len(BAD_PATHS) + len(ODD_BUT_VALID) + 2  # + the two work bounds
     assert n >= 100, n
+
+
+# ---- compare's measured JSON, and the trace file -------------------------------------------------
+
+MEASURED = {"model": "gpt2", "source": "measured-cpu", "recipe": {"seq": 16, "precision": "fp32"},
+            "peak_allocated_bytes": 1 << 20, "breakdown_at_peak": {"weights": 1 << 20}}
+
+
+def _measured(t, **changes):
+    d = json.loads(json.dumps(MEASURED))
+    for k, v in changes.items():
+        d[k] = v
+    path = t / "measured.json"
+    path.write_text(json.dumps(d))
+    return path
+
+
+BAD_MEASUREMENTS = [
+    ("deep-value", lambda t: _put(t / "m.json", json.dumps({**MEASURED, "peak": "DEEP"}).replace(
+        '"DEEP"', "[" * 100000 + "]" * 100000).encode()) or t / "m.json", ["JSON nested deeper than 128 levels"]),
+    ("fifo", lambda t: _fifo(t / "m.json"), ["is not a regular file"]),
+    ("dev-zero", lambda t: Path("/dev/zero"), ["is not a regular file"]),
+    ("missing", lambda t: t / "missing.json", ["cannot read", "No such file or directory"]),
+    ("unknown-recipe-key", lambda t: _measured(t, recipe={"seq": 16, "grad-accum": 8}),
+     ["recipe.grad-accum is not a knob trainmem-measure writes"]),
+    ("rank-bytes-a-string", lambda t: _measured(t, recipe={"seq": 16, "gpus": 2, "parallel": "ddp"}, diagnostics={
+        "parallel": {"ranks": [{"rank": 0, "peak_allocated_bytes": "abc"}]}}), ["'peak_allocated_bytes' (bytes)"]),
+]
+
+
+@pytest.mark.parametrize("setup, needles", cases(BAD_MEASUREMENTS))
+def test_bad_measurements(trainmem_bin, tmp_path, setup, needles):
+    assert_bad_input(run_cli(trainmem_bin, ["compare", setup(tmp_path), "--json"], timeout=20), *needles)
+
+
+def test_compare_keeps_byte_counts_past_2_to_the_53(trainmem_bin, tmp_path):
+    huge = 2**64 - 1  # read as an integer, never through a double
+    path = _measured(tmp_path, breakdown_at_peak={"weights": huge})
+    r = run_cli(trainmem_bin, ["compare", path, "--json"])
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["categories"]["weights"]["measured"] == huge
+    r = run_cli(trainmem_bin, ["compare", path])
+    assert str(huge) in r.stdout.decode()
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_trace_that_cannot_be_written_is_an_error(trainmem_bin):
+    assert_bad_input(run_cli(trainmem_bin, ["estimate", "gpt2", "--seq", "16", "--trace", "/dev/full"]),
+                     "trace: writing '/dev/full' failed")
+    assert_bad_input(run_cli(trainmem_bin, ["estimate", "gpt2", "--seq", "16", "--trace", ""]), "trace: needs a file name")
