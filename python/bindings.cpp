@@ -1,6 +1,6 @@
 // trainmem._core: binds the public API and nothing else (see python/trainmem/__init__.py for
-// the Pythonic surface). trainmem::Error derives from std::invalid_argument, which nanobind
-// raises as ValueError.
+// the Pythonic surface). trainmem::Error (a std::invalid_argument) is raised as ValueError, its
+// message decoded with backslashreplace: it may echo a path that is not UTF-8.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/array.h>
 #include <nanobind/stl/pair.h>
@@ -55,6 +55,20 @@ std::pair<std::string, nb::bytes> run_fit(const nb::bytes& model_bytes, const tr
 
 NB_MODULE(_core, m) {
   m.doc() = "trainmem engine (C++): GPU memory of a training step, simulated op by op";
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const std::invalid_argument& e) {
+      const std::string what = e.what();
+      PyObject* msg = PyUnicode_DecodeUTF8(what.data(), static_cast<Py_ssize_t>(what.size()), "backslashreplace");
+      if (msg == nullptr) {
+        PyErr_SetString(PyExc_ValueError, "bad input (the message could not be decoded)");
+        return;
+      }
+      PyErr_SetObject(PyExc_ValueError, msg);
+      Py_DECREF(msg);
+    }
+  });
 
   using trainmem::RecipeSpelling;
   nb::class_<RecipeSpelling>(m, "RecipeSpelling")

@@ -119,11 +119,20 @@ _COUNTS = ("batch", "seq", "grad_accum", "new_tokens", "beams", "gpus", "tp", "c
 
 def _source(model: Any) -> bytes:
     """A model name or path as the engine takes it: bytes, so a path that is not UTF-8 works."""
-    if isinstance(model, bytes):
-        return model
-    if isinstance(model, (str, os.PathLike)):
-        return os.fsencode(model)
+    if isinstance(model, (str, bytes, os.PathLike)):
+        source = model if isinstance(model, bytes) else os.fsencode(model)
+        if b"\0" in source:  # the engine's paths end at a NUL; Python's open() refuses them too
+            raise ValueError(f"model: a name or path cannot hold a NUL byte, got {model!r}")
+        return source
     raise ValueError(f"model: expected a name or a path, got {type(model).__name__}")
+
+
+def _unencodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _spelling(knobs: dict[str, Any]):
@@ -146,7 +155,11 @@ def _spelling(knobs: dict[str, Any]):
         elif name == "lora_dropout":
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"lora_dropout: must be a number, got {value!r}")
-            value = float(value)
+            try:
+                value = float(value)
+            except OverflowError:
+                raise ValueError("lora_dropout: must be a probability below 1, got a number too large for a float") \
+                    from None
         elif name in ("load_in_4bit", "bnb_4bit_use_double_quant", "load_in_8bit", "fsdp_reshard_after_forward", "prepare_kbit_training",
                       "sequence_parallel", "loss_parallel", "ddp_find_unused_parameters", "ddp_gradient_as_bucket_view",
                       "ddp_no_sync", "fp32_outputs", "fsdp_no_sync", "use_cache",
@@ -159,6 +172,8 @@ def _spelling(knobs: dict[str, Any]):
             value = ",".join(value)
         elif not isinstance(value, str):
             raise ValueError(f"{name}: must be a string, got {value!r}")
+        if isinstance(value, str) and ("\0" in value or _unencodable(value)):
+            raise ValueError(f"{name}: {value!r} is not a value trainmem reads (a NUL byte or a lone surrogate)")
         setattr(sp, name, value)
     return sp
 
@@ -172,7 +187,7 @@ def estimate(model: str, *, timeline: bool = False, phases: bool = False, rank: 
     on bad input."""
     from . import _core
 
-    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < 2**63):
         raise ValueError(f"rank: must be a rank number 0 .. gpus - 1 or None (the worst rank), got {rank!r}")
     core = _core.estimate(_source(model), _spelling(recipe), bool(timeline), bool(phases),
                           -1 if rank is None else rank, "seq" in recipe)

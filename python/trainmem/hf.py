@@ -35,6 +35,22 @@ def _get(args: Any, name: str, default: Any = None) -> Any:
     return getattr(args, name, default)
 
 
+def _section(value: Any, what: str) -> dict[str, Any]:
+    """A nested settings object (a DeepSpeed section, accelerator_config's kwargs): {} when absent."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{what}: expected an object, got {value!r}"[:300])
+    return value
+
+
+def _flag(holder: Any, name: str, what: str | None = None) -> bool:
+    """A boolean setting of a TrainingArguments, its dict or a config dict, read as transformers
+    reads it (absent or None: False; "false" is false)."""
+    value = _get(holder, name)
+    return False if value is None else _str_to_bool(value, what or name)
+
+
 def _str_to_bool(value: Any, what: str) -> bool:
     """A setting's truth as transformers and Accelerate read it (accelerate's str_to_bool):
     booleans as they are, y/yes/t/true/on/1 and n/no/f/false/off/0 in any case; anything else is
@@ -57,7 +73,7 @@ def _half(args: Any, name: str) -> bool:
     mixed = _get(args, "mixed_precision")
     if mixed is None and isinstance(args, dict) and not (args.get("bf16") or args.get("fp16")):
         mixed = os.environ.get("ACCELERATE_MIXED_PRECISION")
-    return bool(_get(args, name, False)) or mixed == name
+    return _flag(args, name) or mixed == name
 
 
 def _accelerator_config(args: Any) -> dict[str, Any]:
@@ -68,13 +84,14 @@ def _accelerator_config(args: Any) -> dict[str, Any]:
     if isinstance(config, dict):
         return config
     if hasattr(config, "to_dict"):
-        return config.to_dict()
+        return _section(config.to_dict(), "accelerator_config")
     return _json_object(config, "accelerator_config")
 
 
 def _grad_acc_kwargs(args: Any) -> dict[str, Any]:
     """accelerator_config's gradient_accumulation_kwargs (num_steps, sync_each_batch)."""
-    return _accelerator_config(args).get("gradient_accumulation_kwargs") or {}
+    return _section(_accelerator_config(args).get("gradient_accumulation_kwargs"),
+                    "accelerator_config gradient_accumulation_kwargs")
 
 
 def _positive_int(value: Any, what: str) -> int:
@@ -199,6 +216,8 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
     two optimizer groups; trainmem models one group, which for foreach AdamW keeps one set of sqrt
     temporaries for all parameters (an upper bound of the two-group figure).
     """
+    if not isinstance(args, dict) and not hasattr(args, "per_device_train_batch_size"):
+        raise ValueError(f"args: expected a TrainingArguments or its to_dict(), got {type(args).__name__}")
     if peft is not False and peft is not True:  # a LoraConfig: its knobs join the Trainer's
         knobs = recipe_from_training_arguments(args, seq=seq, model_dtype=model_dtype, gpu=gpu, gpus=gpus, peft=True,
                                                quantization_config=quantization_config,
@@ -275,7 +294,7 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
     if seq is None:
         seq = _get(args, "max_length") or _get(args, "max_seq_length")
     if seq is not None:
-        knobs["seq"] = int(seq)
+        knobs["seq"] = _positive_int(seq, "seq")
 
     bf16, fp16 = _half(args, "bf16"), _half(args, "fp16")
     if model_dtype not in ("float32", "bfloat16", "float16"):
@@ -318,7 +337,7 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
 
     # transformers 5 names them activation_checkpointing*, the gradient_checkpointing* spellings
     # being deprecated aliases that a TrainingArguments mirrors but a hand-made dict may not.
-    checkpointed = bool(_get(args, "activation_checkpointing") or _get(args, "gradient_checkpointing", False))
+    checkpointed = _flag(args, "activation_checkpointing") or _flag(args, "gradient_checkpointing")
     knobs["checkpointing"] = _trainer_checkpointing(args) if checkpointed else "none"
     if knobs.get("parallel") == "ddp":
         # Trainer._build_accelerator_args passes these to DistributedDataParallel when they are set.
@@ -354,7 +373,7 @@ def _liger_and_cache(args: Any, knobs: dict[str, Any], model_use_cache: bool) ->
     """Liger's fused linear cross-entropy, which the Trainer applies first; and the training
     forward's DynamicCache, which transformers turns off only under checkpointing (Note [A cache in
     training]; Liger's forward keeps it through its loss too)."""
-    if _get(args, "use_liger_kernel", False):
+    if _flag(args, "use_liger_kernel"):
         knobs["loss"] = "fused"
     if model_use_cache and knobs.get("checkpointing", "none") == "none":
         knobs["use_cache"] = True
@@ -424,9 +443,9 @@ def recipe_from_quantization_config(config: Any, *, model_dtype: str = "float32"
             raise ValueError("quantization_config: expected a BitsAndBytesConfig or its to_dict(), got "
                              f"{type(config).__name__}")
         config = as_dict
-    if config.get("load_in_8bit"):
+    if _flag(config, "load_in_8bit", "quantization_config load_in_8bit"):
         raise ValueError("quantization_config: load_in_8bit training is not modelled (LLM.int8 is, for inference)")
-    if not config.get("load_in_4bit"):
+    if not _flag(config, "load_in_4bit", "quantization_config load_in_4bit"):
         raise ValueError("quantization_config: expected load_in_4bit=True (a QLoRA base)")
     storage = _dtype_name(config.get("bnb_4bit_quant_storage") or "uint8")
     if storage not in _QUANT_STORAGES:
@@ -434,7 +453,7 @@ def recipe_from_quantization_config(config: Any, *, model_dtype: str = "float32"
     quant_type = config.get("bnb_4bit_quant_type", "fp4")
     if quant_type not in ("fp4", "nf4"):
         raise ValueError(f"quantization_config: bnb_4bit_quant_type={quant_type!r} is not one of fp4, nf4")
-    if precision not in _COMPUTE_DTYPES:
+    if not isinstance(precision, str) or precision not in _COMPUTE_DTYPES:
         raise ValueError(f"quantization_config: a 4-bit base trained in {precision} is not modelled "
                          "(bf16=True, fp16=True or neither over a float32- or bfloat16-loaded base are)")
     compute = _dtype_name(config.get("bnb_4bit_compute_dtype"))
@@ -442,7 +461,8 @@ def recipe_from_quantization_config(config: Any, *, model_dtype: str = "float32"
         raise ValueError(f"quantization_config: bnb_4bit_compute_dtype={compute} under {precision} is not modelled; "
                          f"the matmuls compute in {_COMPUTE_DTYPES[precision]} there, set it to that")
     knobs: dict[str, Any] = {"load_in_4bit": True, "bnb_4bit_quant_type": quant_type,
-                             "bnb_4bit_use_double_quant": bool(config.get("bnb_4bit_use_double_quant", False))}
+                             "bnb_4bit_use_double_quant": _flag(config, "bnb_4bit_use_double_quant",
+                                                                "quantization_config bnb_4bit_use_double_quant")}
     if storage != "uint8":
         knobs["bnb_4bit_quant_storage"] = _QUANT_STORAGES[storage]
     loaded = _dtype_name(model_dtype)
@@ -571,13 +591,21 @@ def _fsdp_knobs(args: Any) -> dict[str, Any]:
     option = _get(args, "fsdp")
     if option is True:
         words = ["full_shard"]  # reshard_after_forward, FSDP2's default True, may say otherwise below
+    elif isinstance(option, str):
+        words = option.split()
+    elif isinstance(option, (list, tuple)):
+        words = [str(getattr(w, "value", w)) for w in option]
     else:
-        words = option.split() if isinstance(option, str) else [str(getattr(w, "value", w)) for w in option]
+        raise ValueError(f"fsdp: expected True, a string of options or a list of them, got {option!r}")
     # Keys with transformers' "fsdp_" prefix mean the same as without (TrainingArguments strips it).
     raw = _json_object(_get(args, "fsdp_config") or {}, "fsdp_config")  # TrainingArguments reads a path too
     config = {k.removeprefix("fsdp_") if k != "fsdp_version" else k: v for k, v in raw.items()}
     # transformers' _process_fsdp_args: FSDP2 unless the config says version 1.
-    version = int(config.get("fsdp_version", config.get("version", 2)))
+    version = config.get("fsdp_version", config.get("version", 2))
+    if isinstance(version, str) and version.isdigit():
+        version = int(version)
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise ValueError(f"fsdp_config fsdp_version: expected 1 or 2, got {version!r}")
     if version != 2:
         raise ValueError(f"fsdp_config version={version}: FSDP1 (flat parameters) is not modelled; "
                          "FSDP2 (version 2, transformers' default) is")
@@ -675,13 +703,23 @@ def _json_object(value: Any, what: str) -> dict[str, Any]:
         raise ValueError(f"{what}: expected a dict or a JSON file's path, got {type(value).__name__}")
     path = Path(value)
     try:
-        text = path.read_text()
+        if not path.exists():
+            raise ValueError(f"{what} {str(path)!r}: cannot read it: No such file or directory")
+        if not path.is_file():  # a FIFO would block the read, /dev/zero fill the memory
+            raise ValueError(f"{what} {str(path)!r}: cannot read it: not a regular file")
+        if path.stat().st_size > 64 << 20:
+            raise ValueError(f"{what} {str(path)!r}: too large for a config file")
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise ValueError(f"{what} {str(path)!r}: cannot read it: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{what} {str(path)!r}: not UTF-8 text") from None
     try:
         loaded = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{what} {str(path)!r}: not JSON: {e.msg} at line {e.lineno}") from None
+    except RecursionError:
+        raise ValueError(f"{what} {str(path)!r}: JSON nested too deeply") from None
     if not isinstance(loaded, dict):
         raise ValueError(f"{what} {str(path)!r}: expected a JSON object")
     return loaded
@@ -851,10 +889,11 @@ def recipe_from_deepspeed_config(config: Any, *, seq: int | None = None, gpus: i
     offload = "optimizer" in offloaded
     _check_zero_settings(zero, stage)
     # Top-level settings that change what the ZeRO optimizer holds or moves.
-    if (ds.get("data_types") or {}).get("grad_accum_dtype") is not None:
+    if _section(ds.get("data_types"), "deepspeed config data_types").get("grad_accum_dtype") is not None:
         raise ValueError("deepspeed config data_types.grad_accum_dtype: a gradient accumulation dtype of its own "
                          "(under bf16, DeepSpeed's BF16_Optimizer in place of ZeRO's) is not modelled")
-    if (ds.get("torch_autocast") or {}).get("enabled"):
+    if _flag(_section(ds.get("torch_autocast"), "deepspeed config torch_autocast"), "enabled",
+             "deepspeed config torch_autocast.enabled"):
         raise ValueError("deepspeed config torch_autocast: DeepSpeed's autocast over fp32 weights is not modelled")
     if ds.get("communication_data_type") is not None:
         raise ValueError("deepspeed config communication_data_type: reducing in another dtype is not modelled")
@@ -873,7 +912,7 @@ def recipe_from_deepspeed_config(config: Any, *, seq: int | None = None, gpus: i
         raise ValueError("deepspeed config fp16.enabled: fp16 with loss scaling over fp32 masters is not modelled; "
                          "bf16 is")
     if bf16:
-        section = ds.get("bf16", ds.get("bfloat16")) or {}
+        section = _section(ds.get("bf16", ds.get("bfloat16")), "deepspeed config bf16")
         for name in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
             if section.get(name):
                 raise ValueError(f"deepspeed config bf16.{name}: a ZeRO optimizer without fp32 master weights is "
@@ -896,7 +935,7 @@ def recipe_from_deepspeed_config(config: Any, *, seq: int | None = None, gpus: i
         knobs["optimizer"] = "adamw"
     elif section is not None:
         kind = str(section.get("type", "")).lower()
-        params = section.get("params") or {}
+        params = _section(section.get("params"), "deepspeed config optimizer.params")
         if kind not in ("adam", "adamw"):
             raise ValueError(f"deepspeed config optimizer.type={section.get('type')!r} is not modelled; Adam/AdamW is")
         if not params.get("torch_adam"):
@@ -913,13 +952,13 @@ def recipe_from_deepspeed_config(config: Any, *, seq: int | None = None, gpus: i
         knobs["optimizer"] = _trainer_optimizer(training_arguments)  # the engine says what ZeRO can take
     else:
         knobs["optimizer"] = "adamw"
-    if training_arguments is not None and (_get(training_arguments, "activation_checkpointing")
-                                           or _get(training_arguments, "gradient_checkpointing", False)):
+    if training_arguments is not None and (_flag(training_arguments, "activation_checkpointing")
+                                           or _flag(training_arguments, "gradient_checkpointing")):
         knobs["checkpointing"] = _trainer_checkpointing(training_arguments)
     if seq is None and training_arguments is not None:
         seq = _get(training_arguments, "max_length") or _get(training_arguments, "max_seq_length")
     if seq is not None:
-        knobs["seq"] = int(seq)
+        knobs["seq"] = _positive_int(seq, "seq")
     if gpu is not None:
         knobs["gpu"] = gpu
     return knobs

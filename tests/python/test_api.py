@@ -68,6 +68,22 @@ def test_bad_input_raises_value_error():
         trainmem.estimate("gpt2", seq=1.5)
 
 
+@pytest.mark.parametrize("call, message", [
+    # The engine's message echoes a path that is not UTF-8: decoded with backslashreplace.
+    (lambda: trainmem.estimate(b"/tmp/\xff/config.json"), r"'/tmp/\\xff/config.json': No such file"),
+    (lambda: trainmem.fit(b"\xff"), "unknown model"),
+    # A NUL would cut the path (or a knob) short where the engine reads it.
+    (lambda: trainmem.estimate("gpt2\x00/junk"), "cannot hold a NUL byte"),
+    (lambda: trainmem.estimate("gpt2", precision="fp32\x00x"), "precision: .* is not a value trainmem reads"),
+    (lambda: trainmem.estimate("gpt2", precision="\udcff"), "precision: .* is not a value trainmem reads"),
+    (lambda: trainmem.estimate("gpt2", seq=16, rank=2**63), "rank: must be a rank number"),
+    (lambda: trainmem.estimate("gpt2", seq=16, lora_rank=8, lora_dropout=10**400), "lora_dropout: .* too large"),
+])
+def test_odd_python_values_raise_value_error(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
 def test_str_is_the_terminal_picture():
     text = str(trainmem.estimate("gpt2", batch=1, seq=128))
     assert "peak allocated" in text and "activations" in text

@@ -1,4 +1,6 @@
 """Trainer settings mapped onto recipes (trainmem.hf)."""
+import os
+
 import pytest
 
 import trainmem
@@ -756,3 +758,40 @@ def test_every_trainer_step_clips_the_gradients():
     assert "clip_grad_norm" not in zero
     with pytest.raises(ValueError, match="clip_grad_norm"):
         trainmem.estimate("qwen3-0.6b", seq=64, parallel="zero2", gpus=2, clip_grad_norm=True)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda h: h.recipe_from_deepspeed_config({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 4,
+                                               "data_types": "bf16"}, seq=128, gpus=8), "data_types: expected an object"),
+    (lambda h: h.recipe_from_deepspeed_config({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 4,
+                                               "optimizer": {"type": "AdamW", "params": [1]}}, seq=128, gpus=8),
+     "optimizer.params: expected an object"),
+    (lambda h: h.recipe_from_training_arguments({"accelerator_config": {"gradient_accumulation_kwargs": [1]}}),
+     "gradient_accumulation_kwargs: expected an object"),
+    (lambda h: h.recipe_from_training_arguments({"fsdp": 5}, gpus=2), "fsdp: expected True"),
+    (lambda h: h.recipe_from_training_arguments({"fsdp": "full_shard", "fsdp_config": {"fsdp_version": None}}, gpus=2),
+     "fsdp_version: expected 1 or 2"),
+    (lambda h: h.recipe_from_quantization_config(QLORA, precision=["x"]), "not modelled"),
+    (lambda h: h.recipe_from_training_arguments({}, seq=float("inf")), "seq: expected a positive integer"),
+    (lambda h: h.recipe_from_training_arguments({}, seq=2048.7), "seq: expected a positive integer"),
+    (lambda h: h.recipe_from_training_arguments("garbage"), "args: expected a TrainingArguments"),
+    (lambda h: h.recipe_from_training_arguments({"bf16": "maybe"}), "bf16='maybe': expected true or false"),
+])
+def test_malformed_settings_raise_value_error(call, message):
+    with pytest.raises(ValueError, match=message):
+        call(trainmem.hf)
+
+
+def test_settings_spelled_as_strings_read_as_transformers_reads_them(tmp_path):
+    knobs = trainmem.hf.recipe_from_training_arguments({"bf16": "false", "gradient_checkpointing": "false"}, seq=128)
+    assert knobs["precision"] == "fp32" and knobs["checkpointing"] == "none"
+    with pytest.raises(ValueError, match="expected load_in_4bit=True"):
+        trainmem.hf.recipe_from_quantization_config({**QLORA, "load_in_4bit": "false"}, precision="bf16-mixed")
+    fifo = tmp_path / "ds.json"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="not a regular file"):
+        trainmem.hf.recipe_from_deepspeed_config(str(fifo), gpus=2)
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 200000 + "]" * 200000)
+    with pytest.raises(ValueError, match="nested too deeply"):
+        trainmem.hf.recipe_from_deepspeed_config(str(deep), gpus=2)
