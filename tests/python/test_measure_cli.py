@@ -48,6 +48,10 @@ def tiny_config(tmp_path):
     (["gpt2", "--qlora", "--bnb-4bit-quant-type", "fp4", "--lora", "8"],
      "--qlora is an nf4 base with double quant; for fp4 use --load-in-4bit"),  # as trainmem estimate says
     ([], "the following arguments are required: model"),
+    # The engine's ranges: past them a run would take hours or fail inside torch.
+    (["gpt2", "--grad-accum", "1025", "--fake"], "grad_accum must be between 1 and 1024, got 1025"),
+    (["gpt2", "--seq", "99999999999", "--fake"], "seq must be between 1 and 16777216"),
+    (["gpt2", "--batch", "16777217", "--fake"], "batch must be between 1 and 16777216"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     assert main(argv) == 2
@@ -145,3 +149,22 @@ def test_gpt2_past_its_positions_is_refused_as_the_estimate_refuses_it():
     assert resolved_for_model(gpt2, Recipe(mode="inference", precision="fp32", seq=1000, new_tokens=25)).seq == 1000
     with pytest.raises(RecipeError, match="and 26 new tokens"):
         resolved_for_model(gpt2, Recipe(mode="inference", precision="fp32", seq=1000, new_tokens=26))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"hidden_size": "64"}, "transformers cannot build a config for model_type='llama'"),
+    ({"model_type": "llama\nsecond line"}, "model_type must be a name"),
+    ({"num_hidden_layers": 2**40}, "num_hidden_layers must be between 1 and 100000"),
+    ({"rope_scaling": {"rope_type": "bogus", "factor": 2.0}}, "rope_type 'bogus' is not one transformers knows"),
+])
+def test_a_config_transformers_refuses_is_one_line_and_exit_2(capsys, tmp_path, change, message):
+    config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, **change}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("kept\n")
+    assert main([str(path), "--fake", "--seq", "8", "--trace", str(trace)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+    assert trace.read_text() == "kept\n"  # a refused command leaves the trace file as it was

@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [conf, "expandable_segments:True"]))
     if args.trace:
         try:
-            open(args.trace, "w").close()
+            open(args.trace, "a").close()  # writable? (not truncated before the recipe is checked)
         except OSError as e:
             return _error(f"cannot write the trace file {args.trace}: {e.strerror}", 2)
 

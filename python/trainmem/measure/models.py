@@ -85,6 +85,21 @@ def _read_config(path: Path) -> dict:
         raise ModelError(f"cannot read model config {path}: {e}") from None
     if not isinstance(config, dict) or "model_type" not in config:
         raise ModelError(f"{path} is not a Hugging Face config.json (no model_type key)")
+    if not isinstance(config["model_type"], str) or not config["model_type"].isprintable():
+        raise ModelError(f"{path}: model_type must be a name, got {config['model_type']!r}"[:300])
+    for key in ("rope_scaling", "rope_parameters"):  # transformers fails on an unknown kind with a KeyError
+        rope = config.get(key)
+        kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+        if kind is not None and kind != "default":
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            if kind not in ROPE_INIT_FUNCTIONS:
+                raise ModelError(f"{path}: {key} rope_type {kind!r} is not one transformers knows "
+                                 f"({', '.join(['default', *sorted(ROPE_INIT_FUNCTIONS)])})"[:300])
+    for key in ("num_hidden_layers", "n_layer"):  # the engine's bound: past it building the model never ends
+        layers = config.get(key)
+        if isinstance(layers, int) and not isinstance(layers, bool) and layers > 100_000:
+            raise ModelError(f"{path}: {key} must be between 1 and 100000, got {layers}")
     return config
 
 
@@ -115,8 +130,10 @@ def hf_config(config: dict):
     model_type = data.pop("model_type")
     try:
         return AutoConfig.for_model(model_type, **data)
-    except (ValueError, KeyError) as e:
-        raise ModelError(f"transformers cannot build a config for model_type={model_type!r}: {e}") from None
+    except Exception as e:  # ValueError, KeyError, huggingface_hub's StrictDataclassFieldValidationError...
+        detail = " ".join(str(e).split())[:300]  # one line, whatever the message holds
+        raise ModelError(f"transformers cannot build a config for model_type={model_type!r}: "
+                         f"{type(e).__name__}: {detail}") from None
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

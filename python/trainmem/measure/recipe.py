@@ -170,10 +170,15 @@ class Recipe:
         if self.precision in ("", None):  # a 4-bit base defaults to its matmuls' dtype, as the engine does
             quantized = self.load_in_4bit is True or self.load_in_8bit is True
             object.__setattr__(self, "precision", "bf16-true" if quantized else DEFAULT_PRECISION[self.mode])
-        for key in ("batch", "seq", "grad_accum", "new_tokens", "beams"):
+        # The engine's ranges (src/recipe/recipe.cpp): past them a run would take hours or fail in
+        # torch with a traceback rather than measure.
+        for key, most in (("batch", 1 << 24), ("seq", 1 << 24), ("grad_accum", 1024), ("new_tokens", 1 << 24),
+                          ("beams", 64)):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise RecipeError(f"{key} must be an integer >= 1, got {value!r}")
+            if value > most:
+                raise RecipeError(f"{key} must be between 1 and {most}, got {value}")
         for key, allowed in (
             ("precision", PRECISIONS),
             ("optimizer", OPTIMIZERS),

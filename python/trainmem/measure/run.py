@@ -64,6 +64,9 @@ def quiet_libraries() -> None:
     import logging
 
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    # Fake-tensor mode logs the whole traceback of an op without a meta kernel before raising it;
+    # the CLI reports the error in one line.
+    logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
 
 
 def expandable_segments_enabled() -> bool:
