@@ -243,6 +243,9 @@ def fit(model: str, *, gpus: int = 1, global_batch: int | None = None, top: int 
             raise ValueError(f"{name}: must be a positive integer, got {value!r}")
     if host_memory_gib is not None and host_memory_gib > 2**20:
         raise ValueError(f"host_memory: must be between 1 and 1048576 GiB of host memory per GPU, got {host_memory_gib}")
+    if global_batch is not None and "grad_accum" in recipe:
+        raise ValueError("grad_accum: with global_batch the planner chooses the accumulation; give global_batch or "
+                         "grad_accum (with batch and gpus), not both")
     host = _core.DEFAULT_HOST_MEMORY_BYTES if host_memory_gib is None else host_memory_gib << 30
     fixed = [k for k in _core.fit_knobs() if k in recipe]
     spelling = _spelling(recipe)

@@ -736,6 +736,10 @@ int main(int argc, char** argv) {
       if (sp.parallel == "none") sp.gpus = 1;  // the planner decides how the GPUs are used
       q.base = trainmem::parse_fit_recipe(sp);
       if (fitc->get_option("--global-batch")->count() > 0) {  // unset: batch x grad-accum x gpus
+        if (fit_flags.was_given("grad_accum")) {
+          throw Error("grad_accum: with --global-batch the planner chooses the accumulation; give --global-batch or "
+                      "--grad-accum (with --batch and --gpus), not both");
+        }
         q.global_batch = parse_count(fit_global, "global_batch");
         if (q.global_batch == 0) throw Error("global_batch: must be at least 1 sequence per optimizer step, got 0");
       }

@@ -2,6 +2,7 @@
 // checks on their ranges.
 #include <algorithm>
 #include <array>
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -660,7 +661,9 @@ void Recipe::validate() const {
       throw Error("lora_rank: must be between 0 (no adapters) and 65536, got " + std::to_string(lora.rank));
     }
     if (!(lora.dropout >= 0 && lora.dropout < 1)) {
-      throw Error("lora_dropout: must be in [0, 1), got " + std::to_string(lora.dropout));
+      char text[32];
+      std::snprintf(text, sizeof text, "%g", lora.dropout);
+      throw Error(std::string("lora_dropout: must be in [0, 1), got ") + text);
     }
     // Under ZeRO bf16-master is DeepSpeed's bf16 mode, which casts the adapters to bf16 again and
     // keeps their fp32 master partition.

@@ -433,3 +433,10 @@ def test_a_batch_that_does_not_divide_the_share_names_the_ranks(run):
     assert "global_batch: 2 is not a multiple of batch 2 times the 2 data-parallel ranks (1 each)" in r.stderr
     r = run("fit", "llama-3.2-1b", "--gpus", "4", "--tp", "4", "--batch", "2", "--global-batch", "3")
     assert r.returncode == 2 and r.stderr.strip().endswith("global_batch: 3 is not a multiple of batch 2")
+
+
+def test_a_global_batch_and_an_accumulation_are_not_both_taken():
+    """With a global batch the planner chooses the accumulation; a grad_accum beside it would be
+    dropped without a word, so it is refused (as the CLI refuses --grad-accum with --global-batch)."""
+    with pytest.raises(ValueError, match="grad_accum: with global_batch the planner chooses the accumulation"):
+        trainmem.fit("qwen3-0.6b", seq=256, grad_accum=1024, global_batch=1)
