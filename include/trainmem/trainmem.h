@@ -54,7 +54,7 @@ enum class NormKind : std::uint8_t { kRmsNorm, kLayerNorm };
 // The MLP's activation as transformers' ACT2CLS implements it: one op that saves its input (silu /
 // swish, gelu, gelu_pytorch_tanh), or NewGELUActivation's Python formula (gelu_new: GPT-2's),
 // whose elementwise ops save more.
-enum class Activation : std::uint8_t { kSilu, kGelu, kGeluNew };
+enum class Activation : std::uint8_t { kSilu, kGelu, kGeluNew, kRelu };
 
 // The shapes that decide memory, read from a Hugging Face config.json.
 struct Architecture {

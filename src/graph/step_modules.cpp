@@ -1292,7 +1292,8 @@ T StepBuilder::mlp_module(const T& x, const LayerParams& lp) {
 }
 
 // The config's activation (Activation in trainmem.h): silu and gelu are one op that saves its
-// input; gelu_new, NewGELUActivation (GPT-2's default), spells the tanh approximation out in
+// input, relu (nn.ReLU) one that saves its output (threshold_backward reads the result);
+// gelu_new, NewGELUActivation (GPT-2's default), spells the tanh approximation out in
 // elementwise ops that save more (x, x^3 terms, tanh output). Found by a probe: a Llama cut with
 // gelu_new was 20 % low and a GPT-2 cut with gelu_pytorch_tanh 20 % high while the family chose.
 T StepBuilder::act_fn(const T& x) {
@@ -1319,6 +1320,9 @@ T StepBuilder::act_fn(const T& x) {
     t_.drop(hx);
     t_.drop(p1);
     return y;
+  }
+  if (a_.activation == Activation::kRelu) {
+    return elementwise({&x}, x.numel, x.dtype, {}, {}, /*save_output=*/true);
   }
   return elementwise({&x}, x.numel, x.dtype, {x.id});
 }

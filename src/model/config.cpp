@@ -152,9 +152,10 @@ Activation parse_activation(const json& c, const char* key, Activation fallback)
   if (s == "silu" || s == "swish") return Activation::kSilu;
   if (s == "gelu" || s == "gelu_pytorch_tanh") return Activation::kGelu;  // F.gelu, exact or approximate="tanh"
   if (s == "gelu_new") return Activation::kGeluNew;
+  if (s == "relu") return Activation::kRelu;  // nn.ReLU
   // gelu_fast (FastGELUActivation) and the others spell their own formulas, which save other tensors.
   throw Error(std::string("config.json: field '") + key + "' has unsupported activation '" + s +
-              "' (modelled: silu, swish, gelu, gelu_pytorch_tanh, gelu_new)");
+              "' (modelled: silu, swish, gelu, gelu_pytorch_tanh, gelu_new, relu)");
 }
 
 void check_heads(Architecture& a) {
