@@ -398,9 +398,11 @@ TEST(ModelConfig, UnsupportedModelType) {
 
 TEST(ModelConfig, UnsupportedActivation) {
   json j = llama_config();
-  j["hidden_act"] = "relu";
-  EXPECT_EQ(error_from(j), "config.json: field 'hidden_act' has unsupported activation 'relu' (modelled: silu, "
-                          "swish, gelu, gelu_pytorch_tanh, gelu_new)");
+  j["hidden_act"] = "relu2";  // ReLUSquaredActivation
+  EXPECT_EQ(error_from(j), "config.json: field 'hidden_act' has unsupported activation 'relu2' (modelled: silu, "
+                          "swish, gelu, gelu_pytorch_tanh, gelu_new, relu)");
+  j["hidden_act"] = "relu";  // nn.ReLU (corpus: *relu-*)
+  EXPECT_EQ(from(j).arch.activation, Activation::kRelu);
   j["hidden_act"] = "gelu_fast";  // FastGELUActivation's own formula
   EXPECT_NE(error_from(j).find("unsupported activation 'gelu_fast'"), std::string::npos);
 }
