@@ -349,7 +349,7 @@ struct Recipe {
   // checkpointing keeps): every layer's keys and values copied into a DynamicCache that the output
   // holds to the loss (Note [A cache in training] in graph/step_modules.cpp).
   bool use_cache = false;
-  // Before each optimizer step, torch.nn.utils.clip_grad_norm_ over the model's gradients, as
+  // Before each optimizer step, accelerator.clip_grad_norm_ over the model's gradients, as
   // Hugging Face's Trainer runs it (with max_grad_norm > 0, and in transformers 5 with max_norm inf
   // otherwise, to log the norm) and keeps the total norm to the next step (Note [Gradient clipping]
   // in graph/optimizer.cpp).
@@ -425,7 +425,7 @@ struct RecipeSpelling {
   bool fsdp_no_sync = false;  // parallel fsdp: set_requires_gradient_sync(False) likewise
   bool fp32_outputs = false;  // bf16-mixed / fp16-mixed: Accelerate's convert_outputs_to_fp32
   bool use_cache = false;     // training forwards build their DynamicCache
-  bool clip_grad_norm = false;  // torch.nn.utils.clip_grad_norm_ before each optimizer step
+  bool clip_grad_norm = false;  // accelerator.clip_grad_norm_ before each optimizer step
   std::string offload = "none";   // none | optimizer (zero1 / zero2 / zero3) | params | both (zero3)
 };
 // Parses and validates every knob; throws Error naming the first bad field.

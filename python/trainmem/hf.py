@@ -199,9 +199,12 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
     use_reentrant=True, or without it: torch's default); every_n_layers other than 1, offload and
     early_stop=False are refused.
 
-    Every optimizer step the Trainer calls clip_grad_norm_ (also with max_grad_norm 0, to log the
-    norm): the recipe's `clip_grad_norm`, on one GPU and under DDP (DeepSpeed clips in its own
-    step; under FSDP2 the norms over DTensors are not modelled and left out, a few small tensors).
+    Every optimizer step the Trainer calls accelerator.clip_grad_norm_ (also with max_grad_norm 0,
+    to log the norm, which skips the clip's four 0-dim coefficients): the recipe's
+    `clip_grad_norm`, on one GPU and under DDP. DeepSpeed clips in its own step. Under FSDP2 the
+    norms over DTensors are not modelled and left out: on CUDA each rank's buffer of partial sums
+    (its gradients x the largest one's 65,536-element chunks, 4 bytes each: ~9 MB for an 8B model
+    on one GPU) and the kept 0-dim total.
 
     `model_use_cache` is the model config's use_cache (True for most published configs): a Trainer
     run without checkpointing keeps it, so each training forward copies every layer's keys and
@@ -369,12 +372,29 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
     return _refuse_reentrant_find_unused(knobs)
 
 
+# Liger's kernels other than its loss, on by default in apply_liger_kernel_to_<model>: they replace
+# Hugging Face's RMSNorm, MLP and rotary ops with kernels that save other tensors (not modelled).
+_LIGER_OTHER_KERNELS = ("rope", "rms_norm", "swiglu", "geglu", "layer_norm")
+
+
 def _liger_and_cache(args: Any, knobs: dict[str, Any], model_use_cache: bool) -> dict[str, Any]:
-    """Liger's fused linear cross-entropy, which the Trainer applies first; and the training
-    forward's DynamicCache, which transformers turns off only under checkpointing (Note [A cache in
-    training]; Liger's forward keeps it through its loss too)."""
+    """Liger's fused linear cross-entropy, which the Trainer applies first (use_liger_kernel, with
+    liger_kernel_config's keyword arguments); and the training forward's DynamicCache, which
+    transformers turns off only under checkpointing (Note [A cache in training]; Liger's forward
+    keeps it through its loss too)."""
     if _flag(args, "use_liger_kernel"):
-        knobs["loss"] = "fused"
+        config = _section(_get(args, "liger_kernel_config"), "liger_kernel_config")
+        on = [k for k in _LIGER_OTHER_KERNELS if _str_to_bool(config.get(k, True), f"liger_kernel_config {k}")]
+        if on:
+            raise ValueError(f"use_liger_kernel: Liger's {', '.join(on)} kernels (on by default) replace Hugging Face's "
+                             "ops with kernels that save other tensors, which is not modelled; its fused linear "
+                             "cross-entropy alone is (liger_kernel_config with "
+                             + ", ".join(f'"{k}": False' for k in on) + ")")
+        if _str_to_bool(config.get("cross_entropy", False), "liger_kernel_config cross_entropy"):
+            raise ValueError("liger_kernel_config cross_entropy: Liger's cross-entropy over the full logits is not "
+                             "modelled; its fused linear cross-entropy (the default) is")
+        if _str_to_bool(config.get("fused_linear_cross_entropy", True), "liger_kernel_config fused_linear_cross_entropy"):
+            knobs["loss"] = "fused"
     if model_use_cache and knobs.get("checkpointing", "none") == "none":
         knobs["use_cache"] = True
     return knobs

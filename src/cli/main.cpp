@@ -192,7 +192,7 @@ struct RecipeFlags {
                                        "DynamicCache held to the loss"));
     options.emplace_back("clip_grad_norm",
                          app->add_flag("--clip-grad-norm", clip_grad_norm,
-                                       "torch.nn.utils.clip_grad_norm_ before each optimizer step, as Hugging Face's "
+                                       "accelerator.clip_grad_norm_ before each optimizer step, as Hugging Face's "
                                        "Trainer runs it (the total norm kept to the next step)"));
     options.emplace_back("fp32_outputs",
                          app->add_flag("--fp32-outputs", fp32_outputs,

@@ -1,6 +1,8 @@
 // The optimizer step of the training step (step_builder.h): torch.optim's AdamW (foreach and
 // fused), SGD, transformers' Adafactor and bitsandbytes' 8-bit AdamW, with GradScaler's unscale
 // and the bf16-master copy, then zero_grad.
+#include <algorithm>
+
 #include "graph/step_builder.h"
 
 namespace trainmem::graph::step {
@@ -185,22 +187,29 @@ void StepBuilder::optimizer_step(bool first) {
 
 // Note [Gradient clipping]
 // Hugging Face's Trainer calls accelerator.clip_grad_norm_(model.parameters(), max_grad_norm) at
-// every optimizer step (transformers 5 also with max_grad_norm 0, as clip_grad_norm_(..., inf), to
-// log the norm), and keeps the returned total norm in its loop's grad_norm until the next step sets
-// it to None. Outside DeepSpeed and FSDP that is torch.nn.utils.clip_grad_norm_ (nn/utils/
-// clip_grad.py), after the GradScaler's unscale_ under fp16:
-//  * _get_total_norm: the gradients (those not None, in model.parameters() order) grouped by dtype;
-//    each group's _foreach_norm makes one 0-dim norm per gradient. On CUDA that is
-//    _foreach_tensor_norm_cuda_impl (ForeachReduceOp.cu): a zeroed fp32 buffer of n ×
-//    max_chunks_per_tensor partial sums (chunks of 65,536 elements; the largest gradient's count)
-//    and a zeroed 320-float global buffer, then the n results and a global 0-dim, the buffers and
-//    the global one freed as it returns; on the CPU its slow path, linalg_vector_norm per gradient.
-//    Then torch.stack of the norms (n elements), its vector_norm (the total, 0-dim), the stack
-//    freed, and the norms list as the function returns (a list lets its items go last first).
-//  * _clip_grads_with_norm_: clip_coef = max_norm / (total_norm + 1e-6), where a float over a
-//    tensor is reciprocal() * max_norm; clamp(max=1.0); _foreach_mul_ in place; the two coefficients
-//    go with the frame, in the order they were named.
-// The norms take the gradients' dtype (the accumulation is fp32 inside the kernels).
+// every optimizer step (transformers 5 also with max_grad_norm 0, as max_norm inf, to log the
+// norm), and keeps the returned total norm in its loop's grad_norm until the next step sets it to
+// None. Outside DeepSpeed and FSDP, Accelerate 1.16 unscales under fp16 (so the GradScaler's step
+// does not again) and runs its _clip_grad_norm_dtensor_aware (accelerator.py) over torch's
+// nn/utils/clip_grad.py pieces:
+//  * get_total_norm of the gradients (those not None, in model.parameters() order, one group of
+//    plain tensors): grouped by dtype, each group's _foreach_norm makes one 0-dim norm per
+//    gradient. On CUDA, _foreach_tensor_norm_cuda_impl (ForeachReduceOp.cu) zeroes a buffer of
+//    n x max_chunks_per_tensor fp32 partial sums (chunks of 65,536 elements; the largest
+//    gradient's count) and a 320-float global buffer, then makes the n results and a global 0-dim;
+//    as it returns the global buffer goes, then the partial sums, and the global 0-dim with the
+//    pair it was returned in. On the CPU the slow path, linalg_vector_norm per gradient. Then
+//    torch.stack of the norms (n elements), its vector_norm (the group's total), the stack freed,
+//    and the norms list as the function returns (a list lets its items go last first).
+//  * Accelerate stacks the groups' totals again (a 1-element stack, the old list and its total
+//    going as the name is rebound) and takes the vector_norm of that: the total it returns.
+//  * With a finite max_norm, torch's clip_grads_with_norm_: clip_coef = max_norm / (total + 1e-6),
+//    where a float over a tensor is reciprocal() * max_norm; clamp(max=1.0); _foreach_mul_ in place;
+//    the two coefficients go with its frame, in the order they were named. Accelerate's 1-element
+//    stack goes with its own frame after that. (max_norm inf, the Trainer's max_grad_norm 0, skips
+//    the clip: its four 0-dim coefficients are not made; the recipe models the clip.)
+// The norms take the gradients' dtype (the accumulation is fp32 inside the kernels); a stack of
+// several dtypes promotes them.
 void StepBuilder::clip_grad_norm(const std::vector<std::uint32_t>& order) {
   op("clip_grad_norm_");
   std::vector<DType> dtypes;  // the groups, in order of first appearance
@@ -218,30 +227,34 @@ void StepBuilder::clip_grad_norm(const std::vector<std::uint32_t>& order) {
     ++count[g];
     chunks[g] = std::max(chunks[g], (p.numel + 65'535) / 65'536);
   }
-  if (dtypes.empty()) return;  // no gradient: a CPU tensor(0.0)
+  if (dtypes.empty()) return;  // no gradient: Accelerate's torch.zeros(1) on the host
   std::vector<TensorId> norms;
-  DType stacked_dtype = dtypes.front();
   for (std::size_t g = 0; g < dtypes.size(); ++g) {
     const std::uint64_t item = dtype_bytes(dtypes[g]);
-    if (dtype_bytes(dtypes[g]) > dtype_bytes(stacked_dtype)) stacked_dtype = dtypes[g];  // stack promotes
+    TensorId partial = kNone, global_partial = kNone;
     if (cuda_) {
-      const TensorId partial = t_.alloc_bytes(count[g] * chunks[g] * 4, Category::kTemporaries);
-      const TensorId global_partial = t_.alloc_bytes(320 * 4, Category::kTemporaries);
-      for (std::uint64_t i = 0; i < count[g]; ++i) norms.push_back(t_.alloc_bytes(item, Category::kTemporaries));
+      partial = t_.alloc_bytes(count[g] * chunks[g] * 4, Category::kTemporaries);
+      global_partial = t_.alloc_bytes(320 * 4, Category::kTemporaries);
+    }
+    for (std::uint64_t i = 0; i < count[g]; ++i) norms.push_back(t_.alloc_bytes(item, Category::kTemporaries));
+    if (cuda_) {
       const TensorId global = t_.alloc_bytes(item, Category::kTemporaries);
-      t_.release(global);
       t_.release(global_partial);
       t_.release(partial);
-    } else {
-      for (std::uint64_t i = 0; i < count[g]; ++i) norms.push_back(t_.alloc_bytes(item, Category::kTemporaries));
+      t_.release(global);
     }
   }
-  const std::uint64_t item = dtype_bytes(stacked_dtype);
+  // torch.stack promotes: any fp32 gradient makes an fp32 stack, fp16 with bf16 too.
+  const bool one_dtype = std::all_of(dtypes.begin(), dtypes.end(), [&](DType d) { return d == dtypes.front(); });
+  const std::uint64_t item = one_dtype ? dtype_bytes(dtypes.front()) : 4;
   const TensorId stacked = t_.alloc_bytes(norms.size() * item, Category::kTemporaries);
-  const TensorId total = t_.alloc_bytes(item, Category::kTemporaries);
+  const TensorId group_total = t_.alloc_bytes(item, Category::kTemporaries);
   t_.release(stacked);
   for (auto it = norms.rbegin(); it != norms.rend(); ++it) t_.release(*it);
-  const TensorId shifted = t_.alloc_bytes(item, Category::kTemporaries);  // total_norm + 1e-6
+  const TensorId totals = t_.alloc_bytes(item, Category::kTemporaries);  // Accelerate's stack of one
+  t_.release(group_total);
+  const TensorId total = t_.alloc_bytes(item, Category::kTemporaries);
+  const TensorId shifted = t_.alloc_bytes(item, Category::kTemporaries);  // total + 1e-6
   const TensorId reciprocal = t_.alloc_bytes(item, Category::kTemporaries);
   const TensorId coef = t_.alloc_bytes(item, Category::kTemporaries);
   t_.release(reciprocal);
@@ -249,6 +262,7 @@ void StepBuilder::clip_grad_norm(const std::vector<std::uint32_t>& order) {
   const TensorId clamped = t_.alloc_bytes(item, Category::kTemporaries);
   t_.release(coef);
   t_.release(clamped);
+  t_.release(totals);
   grad_norm_ = total;
 }
 

@@ -620,7 +620,7 @@ void Recipe::validate() const {
                 "runs its own, context parallelism is not Accelerate's)");
   }
   if (clip_grad_norm && !clip_grad_norm_modelled(*this)) {
-    throw Error("clip_grad_norm: torch.nn.utils.clip_grad_norm_ is modelled in training on one GPU and under DDP, "
+    throw Error("clip_grad_norm: the gradient clip is modelled in training on one GPU and under DDP, "
                 "without tensor, pipeline or context parallelism and not with bf16-master (DeepSpeed clips in its "
                 "own step; FSDP2's norms over DTensors are not modelled)");
   }

@@ -486,7 +486,7 @@ def test_the_training_cache_the_trainer_leaves_on():
     assert "use_cache" not in hf(args(gradient_checkpointing=True), seq=64)
     # sliding-window layers' caches copy the same (measured: cpu-gemma2w512l2-*-usecache-*)
     assert trainmem.estimate("gemma-2-2b", **knobs).recipe["use_cache"] is True
-    liger = hf({"use_liger_kernel": True}, seq=64)
+    liger = hf({"use_liger_kernel": True, "liger_kernel_config": LIGER_LOSS_ONLY}, seq=64)
     assert (liger["loss"], liger["use_cache"]) == ("fused", True)
     def deepspeed(stage):
         return {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": "auto"}
@@ -795,3 +795,24 @@ def test_settings_spelled_as_strings_read_as_transformers_reads_them(tmp_path):
     deep.write_text("[" * 200000 + "]" * 200000)
     with pytest.raises(ValueError, match="nested too deeply"):
         trainmem.hf.recipe_from_deepspeed_config(str(deep), gpus=2)
+
+
+LIGER_LOSS_ONLY = {"rope": False, "rms_norm": False, "swiglu": False, "geglu": False, "layer_norm": False}
+
+
+def test_liger_maps_its_fused_loss_and_refuses_its_other_kernels():
+    """use_liger_kernel applies Liger's fused linear cross-entropy (the fused loss) and, by default,
+    its RoPE, RMSNorm and SwiGLU/GeGLU kernels, which save other tensors than the ops they replace
+    and are not modelled: refused unless liger_kernel_config turns them off."""
+    hf = trainmem.hf.recipe_from_training_arguments
+    with pytest.raises(ValueError, match="Liger's rope, rms_norm, swiglu, geglu, layer_norm kernels"):
+        hf({"use_liger_kernel": True}, seq=64)
+    with pytest.raises(ValueError, match="Liger's swiglu kernels"):
+        hf({"use_liger_kernel": True, "liger_kernel_config": {**LIGER_LOSS_ONLY, "swiglu": True}}, seq=64)
+    assert hf({"use_liger_kernel": True, "liger_kernel_config": LIGER_LOSS_ONLY}, seq=64)["loss"] == "fused"
+    plain = hf({"use_liger_kernel": True, "liger_kernel_config": {**LIGER_LOSS_ONLY,
+                                                                 "fused_linear_cross_entropy": False}}, seq=64)
+    assert "loss" not in plain
+    with pytest.raises(ValueError, match="cross_entropy: Liger's cross-entropy"):
+        hf({"use_liger_kernel": True, "liger_kernel_config": {**LIGER_LOSS_ONLY, "cross_entropy": True,
+                                                              "fused_linear_cross_entropy": False}}, seq=64)

@@ -103,7 +103,7 @@ def _parser() -> _Parser:
                    help="training forwards with use_cache=True, as a Trainer run without checkpointing leaves the "
                         "config's: each layer's keys and values copied into a DynamicCache")
     p.add_argument("--clip-grad-norm", action="store_true",
-                   help="torch.nn.utils.clip_grad_norm_ before each optimizer step, as Hugging Face's Trainer runs it "
+                   help="accelerator.clip_grad_norm_ before each optimizer step, as Hugging Face's Trainer runs it "
                         "(its total norm kept to the next step)")
     p.add_argument("--fp32-outputs", action="store_true",
                    help="bf16-mixed / fp16-mixed: the model's forward wrapped in Accelerate's convert_outputs_to_fp32, "

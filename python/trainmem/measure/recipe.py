@@ -160,7 +160,7 @@ class Recipe:
     # The training forward with use_cache=True (a Trainer run without checkpointing leaves the
     # config's, true for the catalog): each layer's keys and values copied into a DynamicCache.
     use_cache: bool = False
-    # torch.nn.utils.clip_grad_norm_ before each optimizer step, as Hugging Face's Trainer runs it
+    # accelerator.clip_grad_norm_ before each optimizer step, as Hugging Face's Trainer runs it
     # (after the GradScaler's unscale_), its total norm kept to the next step.
     clip_grad_norm: bool = False
 

@@ -169,6 +169,17 @@ def _accelerate_no_sync(model: torch.nn.Module):
             yield
 
 
+def _accelerate_clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+    """Accelerator.clip_grad_norm_ outside DeepSpeed and FSDP (accelerate 1.16, after its
+    unscale_gradients): _clip_grad_norm_dtensor_aware, which torch.distributed's availability
+    routes through (get_total_norm per device mesh, a stack of the totals, its norm, then
+    clip_grads_with_norm_). The method reads nothing of the Accelerator, so no Accelerator (and
+    none of its process state) is made for it."""
+    from accelerate import Accelerator
+
+    return Accelerator._clip_grad_norm_dtensor_aware(None, list(parameters), max_norm)
+
+
 def convert_outputs_as_accelerate(model: torch.nn.Module) -> None:
     """Wrap `model.forward` in Accelerate's own convert_outputs_to_fp32, as Accelerate's
     prepare_model does under its native mixed precision (accelerate 1.16, accelerator.py): the
@@ -353,17 +364,13 @@ def run_steps(model: torch.nn.Module, recipe: Recipe, tracker: MemoryTracker, *,
             tracker.set_phase("optimizer")
             grads_to_masters(params, masters, tracker)
             if recipe.clip_grad_norm:
-                # The Trainer's sync step: grad_norm = None, then accelerator.clip_grad_norm_, which
-                # unscales first (so scaler.step does not again) and clips model.parameters().
-                grad_norm = None
-                if scaler is not None:
-                    with tracker.forced("other"):
-                        scaler.unscale_(optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                grad_norm = None  # the Trainer's sync step: grad_norm = None, then the clip
+            if scaler is not None:  # (accelerator.clip_grad_norm_ unscales first: step() does not again)
+                with tracker.forced("other"):
+                    scaler.unscale_(optimizer)
+            if recipe.clip_grad_norm:
+                grad_norm = _accelerate_clip_grad_norm(model.parameters(), 1.0)
             if scaler is not None:
-                if not recipe.clip_grad_norm:
-                    with tracker.forced("other"):
-                        scaler.unscale_(optimizer)
                 scaler.step(optimizer)
                 with tracker.forced("other"):
                     scaler.update()
