@@ -221,6 +221,10 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
     """
     if not isinstance(args, dict) and not hasattr(args, "per_device_train_batch_size"):
         raise ValueError(f"args: expected a TrainingArguments or its to_dict(), got {type(args).__name__}")
+    if peft is None:
+        peft = False
+    if isinstance(peft, dict) and len(peft) == 1 and not isinstance(next(iter(peft.values())), (int, float, str, bool)):
+        peft = next(iter(peft.values()))  # a peft model's peft_config: {"default": LoraConfig(...)}
     if peft is not False and peft is not True:  # a LoraConfig: its knobs join the Trainer's
         knobs = recipe_from_training_arguments(args, seq=seq, model_dtype=model_dtype, gpu=gpu, gpus=gpus, peft=True,
                                                quantization_config=quantization_config,

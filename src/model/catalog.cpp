@@ -93,8 +93,6 @@ Model finish(Architecture arch, std::string name, std::string hf_id) {
   return m;
 }
 
-json parse_json_text(std::string_view text, const std::string& what) { return detail::parse_input_json(text, what); }
-
 Model load_directory(const std::filesystem::path& dir, const std::string& label) {
   auto cfg = dir / "config.json";
   std::error_code ec;
@@ -108,11 +106,14 @@ Model load_directory(const std::filesystem::path& dir, const std::string& label)
     // The architecture decides the op graph and every byte of weights, so a checkpoint holding
     // another count (a shard missing, tensors the layer list does not know, a lying header) would
     // print a count the memory figures do not stand on: refused. Its dtype becomes torch_dtype.
-    if (st.parameter_count != m.parameter_count) {
+    // Tied embeddings: some exports save lm_head.weight anyway, the embedding's copy.
+    const bool tied_head_saved = m.arch.tie_word_embeddings && st.lm_head_numel > 0 &&
+                                 st.parameter_count - st.lm_head_numel == m.parameter_count;
+    if (st.parameter_count != m.parameter_count && !tied_head_saved) {
       throw Error(label + ": the *.safetensors files hold " + std::to_string(st.parameter_count) +
                   " parameters, config.json describes " + std::to_string(m.parameter_count) +
-                  " (a shard missing, or tensors trainmem does not model); give the config.json alone to estimate "
-                  "the architecture");
+                  " (tensors the architecture does not have, or a shard missing); give the config.json alone to "
+                  "estimate the architecture");
     }
     m.from_safetensors = true;
     m.arch.torch_dtype = st.dominant_dtype;
@@ -126,7 +127,7 @@ constexpr std::uintmax_t kMaxConfigBytes = 16ull << 20;
 }  // namespace
 
 Model model_from_config_json(std::string_view text, std::string name) {
-  json j = parse_json_text(text, name);
+  json j = detail::parse_input_json(text, name);
   return finish(model::parse_config(j), std::move(name), "");
 }
 

@@ -7,6 +7,7 @@
 // 4 * n_embd). A key that is present but of the wrong type or out of range is an error: a
 // planner that silently falls back to a default prints a plausible wrong number.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <nlohmann/json.hpp>
@@ -452,19 +453,22 @@ std::vector<std::uint64_t> attention_windows(const Architecture& a) {
 // causal LM's lm_head), and `quantization_config` marks a pre-quantized checkpoint (GPTQ, AWQ,
 // bitsandbytes), whose weights are not the config's dtype. Both change memory; neither is modelled.
 void check_head_and_weights(const json& c, const std::string& type) {
-  static const std::pair<const char*, const char*> kCausalLm[] = {
-      {"gpt2", "GPT2LMHeadModel"},     {"llama", "LlamaForCausalLM"}, {"mistral", "MistralForCausalLM"},
-      {"qwen2", "Qwen2ForCausalLM"},   {"qwen3", "Qwen3ForCausalLM"}, {"gemma2", "Gemma2ForCausalLM"},
-      {"phi3", "Phi3ForCausalLM"}};
-  std::string expected;
-  for (const auto& [t, cls] : kCausalLm) {
-    if (type == t) expected = cls;
+  // The causal LM, or the base model (AutoModelForCausalLM loads a LlamaModel export as the
+  // causal LM, whose lm_head it makes).
+  static const std::array<std::array<const char*, 3>, 7> kClasses = {{
+      {"gpt2", "GPT2LMHeadModel", "GPT2Model"},       {"llama", "LlamaForCausalLM", "LlamaModel"},
+      {"mistral", "MistralForCausalLM", "MistralModel"}, {"qwen2", "Qwen2ForCausalLM", "Qwen2Model"},
+      {"qwen3", "Qwen3ForCausalLM", "Qwen3Model"},    {"gemma2", "Gemma2ForCausalLM", "Gemma2Model"},
+      {"phi3", "Phi3ForCausalLM", "Phi3Model"}}};
+  std::string expected, base;
+  for (const auto& [t, cls, bare] : kClasses) {
+    if (type == t) expected = cls, base = bare;
   }
   if (auto it = c.find("architectures"); it != c.end() && !it->is_null()) {
     if (!it->is_array()) throw Error("config.json: architectures must be a list of class names");
     for (const json& name : *it) {
       if (!name.is_string()) throw Error("config.json: architectures must be a list of class names");
-      if (name.get<std::string>() != expected) {
+      if (name.get<std::string>() != expected && name.get<std::string>() != base) {
         throw Error("config.json: architectures names " + name.get<std::string>() + "; trainmem models " + expected +
                     " for model_type " + type + " (another head or class changes the weights and the loss)");
       }

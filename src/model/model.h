@@ -34,6 +34,7 @@ struct SafetensorsSummary {
   std::uint64_t parameter_count = 0;
   std::uint64_t tensor_count = 0;
   std::uint64_t files = 0;
+  std::uint64_t lm_head_numel = 0;  // a tensor named lm_head.weight (counted), 0 if none
   DType dominant_dtype = DType::kF32;
   std::array<std::uint64_t, 5> elements_by_dtype{};  // indexed by DType
 };

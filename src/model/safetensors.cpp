@@ -19,19 +19,22 @@ namespace {
 // Headers of real checkpoints are well under a megabyte; 100 MiB is the format's own limit.
 constexpr std::uint64_t kMaxHeaderBytes = 100ull << 20;
 
-}  // namespace
-
-// Buffers that older Hugging Face checkpoints saved beside the parameters (persistent buffers of
-// earlier modeling code): read and checked, not counted as parameters.
+// Buffers that older checkpoints saved beside the parameters (persistent buffers of earlier
+// modeling code: GPT-2's causal mask as uint8 or bool and its masked_bias, the rotary tables):
+// no parameters, whatever their dtype.
 bool is_saved_buffer(std::string_view name) {
-  return name.ends_with("rotary_emb.inv_freq") || name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias");
+  return name.ends_with("rotary_emb.inv_freq") || name.ends_with("rotary_emb.cos_cached") ||
+         name.ends_with("rotary_emb.sin_cached") || name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias");
 }
+
+}  // namespace
 
 SafetensorsSummary parse_safetensors_header(std::string_view header, SafetensorsSummary s, std::uint64_t data_bytes) {
   nlohmann::json j;
   try {
     j = detail::parse_input_json(header, "safetensors: header");
-  } catch (const Error&) {
+  } catch (const Error& e) {
+    if (std::string_view(e.what()).find("nested deeper") != std::string_view::npos) throw;
     throw Error("safetensors: header is not a JSON object");
   }
   if (!j.is_object()) throw Error("safetensors: header is not a JSON object");
@@ -47,6 +50,8 @@ SafetensorsSummary parse_safetensors_header(std::string_view header, Safetensors
       if (!d.is_number_unsigned()) throw Error("safetensors: tensor '" + it.key() + "' has a bad shape");
       numel = detail::mul(numel, d.get<std::uint64_t>(), "safetensors tensor size");
     }
+    ++s.tensor_count;
+    if (is_saved_buffer(it.key())) continue;
     // Only floating-point checkpoints are read: integer or packed dtypes are a quantized
     // checkpoint's (bitsandbytes' U8, GPTQ's I32), whose elements are not parameters.
     const std::string dt = t["dtype"].get<std::string>();
@@ -67,8 +72,7 @@ SafetensorsSummary parse_safetensors_header(std::string_view header, Safetensors
                   std::to_string(end) + "] that do not hold its shape" +
                   (end > data_bytes ? " within the file" : ""));
     }
-    ++s.tensor_count;
-    if (is_saved_buffer(it.key())) continue;
+    if (it.key() == "lm_head.weight") s.lm_head_numel = numel;  // saved even where tied, at times
     s.parameter_count = detail::add(s.parameter_count, numel, "safetensors parameter count");
     s.elements_by_dtype[static_cast<int>(d)] += numel;
   }
@@ -78,22 +82,54 @@ SafetensorsSummary parse_safetensors_header(std::string_view header, Safetensors
   return s;
 }
 
+namespace {
+
+// The files from_pretrained loads: the shards model.safetensors.index.json's weight_map names, or
+// model.safetensors; a directory with neither (shards named otherwise) is read whole. Other
+// *.safetensors beside them (Mistral's consolidated.safetensors, the same weights for another
+// loader) are not the model's.
+std::vector<std::filesystem::path> checkpoint_files(const std::filesystem::path& dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  std::vector<fs::path> files;
+  const fs::path index = dir / "model.safetensors.index.json";
+  if (fs::exists(index, ec)) {
+    const nlohmann::json j = detail::parse_input_json(
+        detail::read_input_file(index.string(), "safetensors index", 64ull << 20), "safetensors: " + index.string());
+    if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object()) {
+      throw Error("safetensors: " + index.string() + " has no weight_map object");
+    }
+    for (const auto& [name, file] : j["weight_map"].items()) {
+      if (!file.is_string() || file.get<std::string>().find('/') != std::string::npos) {
+        throw Error("safetensors: " + index.string() + " maps '" + name + "' to something that is not a file name");
+      }
+      const fs::path f = dir / file.get<std::string>();
+      if (std::find(files.begin(), files.end(), f) == files.end()) files.push_back(f);
+    }
+    for (const fs::path& f : files) {
+      if (!fs::exists(f, ec)) throw Error("safetensors: " + f.string() + ", named in " + index.string() + ", is missing");
+    }
+  } else if (fs::exists(dir / "model.safetensors", ec)) {
+    files.push_back(dir / "model.safetensors");
+  } else {
+    for (const auto& e : fs::directory_iterator(dir, ec)) {
+      if (e.path().extension() == ".safetensors") files.push_back(e.path());
+    }
+  }
+  for (const fs::path& f : files) {
+    // Checked before opening: a FIFO named *.safetensors would block the read forever.
+    if (!fs::is_regular_file(f, ec)) throw Error("safetensors: " + f.string() + " is not a regular file");
+  }
+  std::sort(files.begin(), files.end());
+  return files;
+}
+
+}  // namespace
+
 SafetensorsSummary read_safetensors_dir(const std::string& dir) {
   namespace fs = std::filesystem;
   SafetensorsSummary s;
-  std::vector<fs::path> files;
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(dir, ec)) {
-    if (e.path().extension() != ".safetensors") continue;
-    // Checked before opening: a FIFO named *.safetensors would block the read forever.
-    std::error_code fec;
-    if (!fs::is_regular_file(e.path(), fec)) {
-      throw Error("safetensors: " + e.path().string() + " is not a regular file");
-    }
-    files.push_back(e.path());
-  }
-  std::sort(files.begin(), files.end());
-  for (const auto& f : files) {
+  for (const auto& f : checkpoint_files(dir)) {
     std::ifstream in(f, std::ios::binary);
     unsigned char len_bytes[8];
     if (!in.read(reinterpret_cast<char*>(len_bytes), 8)) {

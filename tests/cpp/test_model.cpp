@@ -789,8 +789,38 @@ TEST(Safetensors, ADirectoryCountsItsCheckpoint) {
   EXPECT_EQ(error_of([&] { load_model(dir.string()); }),
             dir.string() + ": the *.safetensors files hold " + std::to_string(total + 5) +
                 " parameters, config.json describes " + std::to_string(total) +
-                " (a shard missing, or tensors trainmem does not model); give the config.json alone to estimate the "
-                "architecture");
+                " (tensors the architecture does not have, or a shard missing); give the config.json alone to "
+                "estimate the architecture");
+  // What from_pretrained loads: the index's shards (a consolidated copy beside them is not read),
+  // GPT-2's saved uint8 mask buffers are no parameters.
+  second_shard(rest, R"(, "h.0.attn.bias": {"dtype": "U8", "shape": [1, 1, 4, 4], "data_offsets": [0, 16]})");
+  write_safetensors(dir / "consolidated.safetensors",
+                    R"({"all": {"dtype": "BF16", "shape": [16], "data_offsets": [0, 32]}})");
+  std::ofstream(dir / "model.safetensors.index.json")
+      << R"({"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors", "c": "model-00002-of-00002.safetensors"}})";
+  EXPECT_EQ(load_model(dir.string()).parameter_count, total);
+  std::ofstream(dir / "model.safetensors.index.json")
+      << R"({"weight_map": {"a": "model-00001-of-00003.safetensors"}})";
+  EXPECT_EQ(error_of([&] { load_model(dir.string()); }),
+            "safetensors: " + (dir / "model-00001-of-00003.safetensors").string() + ", named in " +
+                (dir / "model.safetensors.index.json").string() + ", is missing");
+  fs::remove(dir / "model.safetensors.index.json");
+  fs::remove(dir / "consolidated.safetensors");
+  {
+    // Tied embeddings with lm_head.weight saved anyway (some exports do): the architecture's count.
+    const fs::path tied = dir / "tied";
+    fs::create_directories(tied);
+    json cfg = llama_config();
+    cfg["tie_word_embeddings"] = true;
+    std::ofstream(tied / "config.json") << cfg.dump();
+    const std::uint64_t n = from(cfg).parameter_count;
+    write_safetensors(tied / "model.safetensors",
+                      R"({"w": {"dtype": "F32", "shape": [)" + std::to_string(n) + R"(], "data_offsets": [0, )" +
+                          std::to_string(4 * n) + R"(]}, "lm_head.weight": {"dtype": "F32", "shape": [1000, 256],)"
+                          R"( "data_offsets": [)" + std::to_string(4 * n) + ", " + std::to_string(4 * n + 1'024'000) +
+                          "]}}");
+    EXPECT_EQ(load_model(tied.string()).parameter_count, n);
+  }
   // Quantized dtypes and offsets that do not hold the shape, or lie past the file, are refused.
   write_safetensors(second, R"({"q": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}})");
   EXPECT_EQ(error_of([&] { model::read_safetensors_dir(dir.string()); }),

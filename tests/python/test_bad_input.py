@@ -361,6 +361,8 @@ ODD_BUT_VALID = [
                                                             _tensor_at("b", [26496], "F32", begin=4096)),
                                                    data_bytes=4096 + 4 * 26496), []),
     ("one-layer", lambda t: _cfg_file(t, with_(LLAMA, num_hidden_layers=1)), []),
+    # A base-model export: AutoModelForCausalLM loads it as the causal LM.
+    ("architectures-base-model", lambda t: _cfg_file(t, with_(LLAMA, architectures=["LlamaModel"])), []),
     ("one-layer-gpt2", lambda t: _cfg_file(t, with_(GPT2, n_layer=1)), []),
     pytest.param("non-utf8-path", lambda t: _cfg_file(t, json.dumps(GPT2), name=os.fsdecode(b"cfg\xff.json")), []),
 ]

@@ -716,6 +716,9 @@ def test_a_lora_config_maps_to_the_adapter_knobs():
     assert knobs["ddp_find_unused_parameters"] is True and knobs["lora_rank"] == 16
     assert knobs == {**trainmem.hf.recipe_from_training_arguments(d, seq=128, gpus=2, peft=True),
                      **trainmem.hf.recipe_from_lora_config(cfg)}
+    # A peft model's peft_config ({"default": LoraConfig}) is taken as its one adapter; None is no peft.
+    assert trainmem.hf.recipe_from_training_arguments(d, seq=128, gpus=2, peft={"default": cfg}) == knobs
+    assert "lora_rank" not in trainmem.hf.recipe_from_training_arguments(d, seq=128, peft=None)
 
 
 @pytest.mark.parametrize("change, named", [
