@@ -173,11 +173,11 @@ class Recipe:
         # The engine's ranges (src/recipe/recipe.cpp): past them a run would take hours or fail in
         # torch with a traceback rather than measure.
         for key, most in (("batch", 1 << 24), ("seq", 1 << 24), ("grad_accum", 1024), ("new_tokens", 1 << 24),
-                          ("beams", 64)):
+                          ("beams", None)):  # beams: checked with the mode
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise RecipeError(f"{key} must be an integer >= 1, got {value!r}")
-            if value > most:
+            if most is not None and value > most:
                 raise RecipeError(f"{key} must be between 1 and {most}, got {value}")
         for key, allowed in (
             ("precision", PRECISIONS),
