@@ -67,15 +67,19 @@ for r in "${RECIPES[@]}"; do
   check "qwen3-0.6b, all recipes" estimate qwen3-0.6b $r
 done
 
-# A config path, a model directory with a checkpoint, an HF id.
+# A config path, a model directory with a checkpoint (the architecture's count in two tensors,
+# its data a sparse file), an HF id.
 mkdir -p "$TMP/model"
 cp "$ROOT/data/models/gemma-2-2b.json" "$TMP/model/config.json"
 python3 - "$TMP/model/model.safetensors" <<'EOF'
 import json, struct, sys
+embed, rest = 256000 * 2304, 2614341888 - 256000 * 2304  # gemma-2-2b: 2,614,341,888 parameters
 h = json.dumps({"__metadata__": {"format": "pt"},
-                "model.embed_tokens.weight": {"dtype": "BF16", "shape": [256000, 2304], "data_offsets": [0, 0]},
-                "model.norm.weight": {"dtype": "BF16", "shape": [2304], "data_offsets": [0, 0]}}).encode()
-open(sys.argv[1], "wb").write(struct.pack("<Q", len(h)) + h)
+                "model.embed_tokens.weight": {"dtype": "BF16", "shape": [256000, 2304], "data_offsets": [0, 2 * embed]},
+                "rest": {"dtype": "BF16", "shape": [rest], "data_offsets": [2 * embed, 2 * (embed + rest)]}}).encode()
+with open(sys.argv[1], "wb") as f:
+    f.write(struct.pack("<Q", len(h)) + h)
+    f.truncate(8 + len(h) + 2 * (embed + rest))
 EOF
 check "config path" estimate "$TMP/model/config.json" --seq 64 --json
 check "model directory" estimate "$TMP/model" --seq 64
