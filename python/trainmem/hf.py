@@ -369,7 +369,7 @@ def recipe_from_training_arguments(args: Any, *, seq: int | None = None, model_d
     _liger_and_cache(args, knobs, model_use_cache)
     if knobs.get("parallel") != "fsdp":
         # Every optimizer step: accelerator.clip_grad_norm_ (max_grad_norm, or inf to log the norm
-        # when it is 0), torch's clip_grad_norm_ outside DeepSpeed (Note [Gradient clipping]).
+        # when it is 0), modelled outside DeepSpeed and FSDP (Note [Gradient clipping]).
         knobs["clip_grad_norm"] = True
     if gpu is not None:
         knobs["gpu"] = gpu
@@ -397,7 +397,8 @@ def _liger_and_cache(args: Any, knobs: dict[str, Any], model_use_cache: bool) ->
         if _str_to_bool(config.get("cross_entropy", False), "liger_kernel_config cross_entropy"):
             raise ValueError("liger_kernel_config cross_entropy: Liger's cross-entropy over the full logits is not "
                              "modelled; its fused linear cross-entropy (the default) is")
-        if _str_to_bool(config.get("fused_linear_cross_entropy", True), "liger_kernel_config fused_linear_cross_entropy"):
+        fused = config.get("fused_linear_cross_entropy", True)
+        if _str_to_bool(fused, "liger_kernel_config fused_linear_cross_entropy"):
             knobs["loss"] = "fused"
     if model_use_cache and knobs.get("checkpointing", "none") == "none":
         knobs["use_cache"] = True

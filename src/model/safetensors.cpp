@@ -107,7 +107,9 @@ std::vector<std::filesystem::path> checkpoint_files(const std::filesystem::path&
       if (std::find(files.begin(), files.end(), f) == files.end()) files.push_back(f);
     }
     for (const fs::path& f : files) {
-      if (!fs::exists(f, ec)) throw Error("safetensors: " + f.string() + ", named in " + index.string() + ", is missing");
+      if (!fs::exists(f, ec)) {
+        throw Error("safetensors: " + f.string() + ", named in " + index.string() + ", is missing");
+      }
     }
   } else if (fs::exists(dir / "model.safetensors", ec)) {
     files.push_back(dir / "model.safetensors");

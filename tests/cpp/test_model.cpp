@@ -797,7 +797,8 @@ TEST(Safetensors, ADirectoryCountsItsCheckpoint) {
   write_safetensors(dir / "consolidated.safetensors",
                     R"({"all": {"dtype": "BF16", "shape": [16], "data_offsets": [0, 32]}})");
   std::ofstream(dir / "model.safetensors.index.json")
-      << R"({"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors", "c": "model-00002-of-00002.safetensors"}})";
+      << R"({"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors",)"
+         R"( "b": "model-00002-of-00002.safetensors", "c": "model-00002-of-00002.safetensors"}})";
   EXPECT_EQ(load_model(dir.string()).parameter_count, total);
   std::ofstream(dir / "model.safetensors.index.json")
       << R"({"weight_map": {"a": "model-00001-of-00003.safetensors"}})";
