@@ -160,10 +160,7 @@ def _spelling(knobs: dict[str, Any]):
             except OverflowError:
                 raise ValueError("lora_dropout: must be a probability below 1, got a number too large for a float") \
                     from None
-        elif name in ("load_in_4bit", "bnb_4bit_use_double_quant", "load_in_8bit", "fsdp_reshard_after_forward", "prepare_kbit_training",
-                      "sequence_parallel", "loss_parallel", "ddp_find_unused_parameters", "ddp_gradient_as_bucket_view",
-                      "ddp_no_sync", "fp32_outputs", "fsdp_no_sync", "use_cache",
-                      "clip_grad_norm"):
+        elif isinstance(default, bool):  # the on/off knobs, as RECIPE_DEFAULTS has them
             if not isinstance(value, bool):
                 raise ValueError(f"{name}: must be True or False, got {value!r}")
         elif name == "lora_targets" and isinstance(value, (list, tuple)):

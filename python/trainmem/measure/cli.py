@@ -21,8 +21,8 @@ import shlex
 import sys
 
 from .recipe import (ALLOCATORS, ATTENTION_MASKS, ATTENTIONS, BNB_4BIT_QUANT_STORAGES, BNB_4BIT_QUANT_TYPES,
-                     CHECKPOINTING, FSDP_PARAM_DTYPES, FSDP_REDUCE_DTYPES, LOSSES, OPTIMIZERS, PARALLELS, PRECISIONS,
-                     Recipe, RecipeError)
+                     CHECKPOINTING, FLAGS_WHEN_ON, FSDP_PARAM_DTYPES, FSDP_REDUCE_DTYPES, LOSSES, OPTIMIZERS,
+                     PARALLELS, PRECISIONS, Recipe, RecipeError)
 
 PROG = "trainmem-measure"
 
@@ -187,10 +187,7 @@ def recipe_from_args(args: argparse.Namespace, gpu: str) -> Recipe:
                   fsdp_reshard_after_forward=args.fsdp_reshard_after_forward == "true",
                   fsdp_replicate=args.fsdp_replicate, fsdp_param_dtype=args.fsdp_param_dtype,
                   fsdp_reduce_dtype=args.fsdp_reduce_dtype,
-                  ddp_find_unused_parameters=args.ddp_find_unused_parameters,
-                  ddp_gradient_as_bucket_view=args.ddp_gradient_as_bucket_view, ddp_no_sync=args.ddp_no_sync,
-                  fp32_outputs=args.fp32_outputs, fsdp_no_sync=args.fsdp_no_sync, use_cache=args.use_cache,
-                  clip_grad_norm=args.clip_grad_norm,
+                  **{knob: getattr(args, knob) for knob in FLAGS_WHEN_ON},  # --ddp-no-sync etc.: one flag each
                   load_in_4bit=args.load_in_4bit or args.qlora, bnb_4bit_quant_type=quant_type,
                   bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant or args.qlora,
                   bnb_4bit_quant_storage=args.bnb_4bit_quant_storage,
